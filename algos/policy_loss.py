@@ -1,0 +1,193 @@
+"""PPO-style clipped policy loss and value loss.
+
+Also re-exports :func:`aggregate_loss` and the entropy helpers.
+
+Numerical safety: log-ratios are clamped to ``[-LOG_RATIO_CLAMP,
+LOG_RATIO_CLAMP]`` (20) before ``exp``, so ratios stay within
+``[2e-9, 4.9e8]`` and everything stays finite for logprob differences of
+any size. Tokens beyond the clamp get no gradient through the ratio; they
+are far outside any sensible clip range anyway. Padding (``action_mask ==
+0``) is replaced by 0 before any arithmetic, so garbage there can change
+neither the loss nor the gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .aggregate import LOSS_AGGREGATIONS, aggregate_loss
+from .entropy import entropy_bonus_loss, entropy_from_logits
+from .masked import _bool_mask, _check_same_shape, masked_mean
+
+__all__ = [
+    "LOG_RATIO_CLAMP",
+    "LOSS_AGGREGATIONS",
+    "PolicyLossOutput",
+    "ValueLossOutput",
+    "aggregate_loss",
+    "entropy_bonus_loss",
+    "entropy_from_logits",
+    "ppo_policy_loss",
+    "value_loss",
+]
+
+LOG_RATIO_CLAMP = 20.0
+
+
+@dataclass(frozen=True)
+class PolicyLossOutput:
+    """PPO loss (differentiable 0-d ``loss``) and detached 0-d metrics.
+
+    ``token_loss`` is the ``(B, T)`` per-token loss (0 at padding, attached).
+    ``clip_fraction``: share of valid tokens where the clipped term is the
+    active one; ``dual_clip_fraction``: share where the dual-clip cap bites;
+    ``approx_kl``: masked mean of ``(ratio - 1) - log ratio`` (k3 estimate of
+    KL(pi_old || pi)); ``tis_weight_mean``: mean truncated IS weight (1 when
+    TIS is off).
+    """
+
+    loss: Tensor
+    token_loss: Tensor
+    clip_fraction: Tensor
+    dual_clip_fraction: Tensor
+    approx_kl: Tensor
+    ratio_mean: Tensor
+    tis_weight_mean: Tensor
+
+
+def ppo_policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    action_mask: Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: Optional[float] = None,
+    agg: str = "token_mean",
+    loss_scale_constant: Optional[float] = None,
+    rollout_logprobs: Optional[Tensor] = None,
+    tis_cap: Optional[float] = None,
+) -> PolicyLossOutput:
+    """Clipped surrogate policy loss with clip-higher, dual-clip and TIS.
+
+    Formula, per valid token, ``rho = exp(clamp(logprobs - old_logprobs,
+    -20, 20))``:
+    ``l = -min(rho * A, clip(rho, 1 - clip_low, 1 + clip_high) * A)``
+    (PPO; Schulman et al. 2017, arXiv 1707.06347; asymmetric ``clip_high``
+    = DAPO clip-higher, Yu et al. 2025, arXiv 2503.14476).
+    Dual clip (``dual_clip = c > 1``; Ye et al. 2019, arXiv 1912.09729):
+    for ``A < 0``, ``l = min(l, -c * A)``.
+    Truncated importance sampling (rollout engine vs. trainer mismatch):
+    with ``rollout_logprobs`` given, ``l *= w`` with the detached weight
+    ``w = min(exp(old_logprobs - rollout_logprobs), tis_cap)`` (``tis_cap``
+    required then; it is ignored without ``rollout_logprobs``). The scalar
+    loss is :func:`aggregate_loss` (``agg``, ``loss_scale_constant``).
+
+    Shapes: ``logprobs``, ``old_logprobs``, ``advantages``, ``action_mask``
+    and ``rollout_logprobs`` ``(B, T)``; returns :class:`PolicyLossOutput`.
+    """
+    _check_same_shape(logprobs=logprobs, old_logprobs=old_logprobs,
+                      advantages=advantages, action_mask=action_mask)
+    if clip_low < 0 or clip_high < 0:
+        raise ValueError(f"clip_low/clip_high must be >= 0, got {clip_low}, {clip_high}")
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+    mask = _bool_mask(action_mask)
+    zeros = torch.zeros_like(logprobs)
+    log_ratio = torch.where(mask, logprobs - old_logprobs.detach(), zeros)
+    log_ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    adv = torch.where(mask, advantages.detach().to(logprobs.dtype), zeros)
+    ratio = torch.exp(log_ratio)
+
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    loss = torch.maximum(unclipped, clipped)
+    clip_active = (clipped > unclipped) & mask
+    dual_active = torch.zeros_like(mask)
+    if dual_clip is not None:
+        cap = -dual_clip * adv
+        dual_active = (adv < 0) & (loss > cap) & mask
+        loss = torch.where(dual_active, cap, loss)
+
+    weight = torch.ones_like(logprobs)
+    if rollout_logprobs is not None:
+        if tis_cap is None:
+            raise ValueError("tis_cap is required when rollout_logprobs is given")
+        if tis_cap <= 0:
+            raise ValueError(f"tis_cap must be > 0, got {tis_cap}")
+        _check_same_shape(logprobs=logprobs, rollout_logprobs=rollout_logprobs)
+        diff = torch.where(mask, old_logprobs - rollout_logprobs, zeros).detach()
+        weight = torch.exp(diff.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)).clamp(max=tis_cap)
+        loss = loss * weight
+
+    token_loss = torch.where(mask, loss, zeros)
+    scalar = aggregate_loss(token_loss, action_mask, agg=agg,
+                            loss_scale_constant=loss_scale_constant)
+    with torch.no_grad():
+        fmask = mask.to(logprobs.dtype)
+        return PolicyLossOutput(
+            loss=scalar,
+            token_loss=token_loss,
+            clip_fraction=masked_mean(clip_active.to(logprobs.dtype), fmask),
+            dual_clip_fraction=masked_mean(dual_active.to(logprobs.dtype), fmask),
+            approx_kl=masked_mean(torch.expm1(log_ratio) - log_ratio, fmask),
+            ratio_mean=masked_mean(ratio, fmask),
+            tis_weight_mean=masked_mean(weight, fmask) if mask.any() else weight.new_ones(()),
+        )
+
+
+@dataclass(frozen=True)
+class ValueLossOutput:
+    """Value loss (differentiable 0-d ``loss``) and detached ``clip_fraction``."""
+
+    loss: Tensor
+    clip_fraction: Tensor
+
+
+def value_loss(
+    values: Tensor,
+    old_values: Tensor,
+    returns: Tensor,
+    action_mask: Tensor,
+    *,
+    clip_eps: Optional[float] = None,
+    agg: str = "token_mean",
+    loss_scale_constant: Optional[float] = None,
+) -> ValueLossOutput:
+    """Clipped critic regression loss.
+
+    Formula: ``v_c = old + clamp(v - old, -clip_eps, clip_eps)``;
+    ``l = 0.5 * max((v - R)^2, (v_c - R)^2)``; without ``clip_eps``
+    ``l = 0.5 * (v - R)^2``. Reduced by :func:`aggregate_loss`.
+    ``clip_fraction`` = share of valid tokens where the clipped term wins.
+
+    Shapes: ``values``, ``old_values``, ``returns``, ``action_mask``
+    ``(B, T)``; returns :class:`ValueLossOutput`.
+
+    Reference: Schulman et al. 2017, arXiv 1707.06347 (value clipping as in
+    the OpenAI baselines PPO2 implementation).
+    """
+    _check_same_shape(values=values, old_values=old_values, returns=returns,
+                      action_mask=action_mask)
+    mask = _bool_mask(action_mask)
+    zeros = torch.zeros_like(values)
+    v = torch.where(mask, values, zeros)
+    old = torch.where(mask, old_values.detach().to(values.dtype), zeros)
+    ret = torch.where(mask, returns.detach().to(values.dtype), zeros)
+    loss = (v - ret) ** 2
+    clip_active = torch.zeros_like(mask)
+    if clip_eps is not None:
+        v_clipped = old + (v - old).clamp(-clip_eps, clip_eps)
+        loss_clipped = (v_clipped - ret) ** 2
+        clip_active = (loss_clipped > loss) & mask
+        loss = torch.maximum(loss, loss_clipped)
+    token_loss = torch.where(mask, 0.5 * loss, zeros)
+    scalar = aggregate_loss(token_loss, action_mask, agg=agg,
+                            loss_scale_constant=loss_scale_constant)
+    frac = masked_mean(clip_active.to(values.dtype), mask.to(values.dtype)).detach()
+    return ValueLossOutput(loss=scalar, clip_fraction=frac)

@@ -1,0 +1,221 @@
+"""Artifacts under one root URI (local directory or s3://bucket/prefix).
+
+Layout: `{root}/{stage}/{key}/` where `key` is a content key (stage config +
+input keys + code version). A directory is *committed* when its
+`manifest.json` exists; the manifest is written last, after every file, and
+lists each file's size and sha256. Readers accept only committed directories
+and verify them, so a crash mid-upload never looks finished.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import fsspec
+
+MANIFEST = "manifest.json"
+_CHECKPOINT_DIR = re.compile(r"step-(\d+)$")
+
+
+class StorageError(RuntimeError):
+    """A missing, uncommitted or corrupted artifact."""
+
+
+def content_key(stage: str, config: Any, inputs: dict[str, str], code_version: str) -> str:
+    """Digest of what determines a stage's output: its config, inputs and code.
+
+    `config` is a pydantic model or a JSON-able value; `inputs` maps input
+    names to their own content keys (or URIs); 20 hex chars.
+    """
+    if hasattr(config, "model_dump"):
+        config = config.model_dump(mode="json")
+    blob = json.dumps(
+        {"stage": stage, "config": config, "inputs": inputs, "code": code_version},
+        sort_keys=True,
+        separators=(",", ":"),
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()[:20]
+
+
+def file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class Storage:
+    """fsspec access to the artifact root. Credentials come from the environment."""
+
+    root: str
+    endpoint_url: str | None = None
+    cache_dir: str = "~/.cache/alignflow"
+
+    @property
+    def is_local(self) -> bool:
+        return "://" not in self.root or self.root.startswith("file://")
+
+    def _fs(self) -> fsspec.AbstractFileSystem:
+        if self.is_local:
+            return fsspec.filesystem("file")
+        protocol = self.root.split("://", 1)[0]
+        options: dict[str, Any] = {}
+        if protocol == "s3":
+            endpoint = self.endpoint_url or os.environ.get("AWS_ENDPOINT_URL")
+            if endpoint:
+                options["client_kwargs"] = {"endpoint_url": endpoint}
+            # fsspec caches instances by arguments; a fresh listing matters
+            # more here than the saved round trip.
+            options["skip_instance_cache"] = True
+        return fsspec.filesystem(protocol, **options)
+
+    def _root(self) -> str:
+        if self.is_local:
+            return str(Path(self.root.removeprefix("file://")).expanduser().resolve())
+        return self.root.rstrip("/")
+
+    def uri(self, *parts: str) -> str:
+        return "/".join([self._root(), *parts])
+
+    def stage_uri(self, stage: str, key: str) -> str:
+        return self.uri(stage, key)
+
+    # ---- committed directories -------------------------------------------------
+
+    def is_committed(self, uri: str) -> bool:
+        return self._fs().exists(f"{uri}/{MANIFEST}")
+
+    def read_manifest(self, uri: str) -> dict[str, Any]:
+        fs = self._fs()
+        path = f"{uri}/{MANIFEST}"
+        if not fs.exists(path):
+            raise StorageError(f"{uri} is not a committed artifact (no {MANIFEST})")
+        with fs.open(path, "r") as f:
+            return json.load(f)
+
+    def commit(self, local_dir: str | Path, uri: str, meta: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Upload every file of `local_dir` to `uri`, then the manifest, last."""
+        local_dir = Path(local_dir)
+        files = sorted(p for p in local_dir.rglob("*") if p.is_file() and p.name != MANIFEST)
+        if not files:
+            raise StorageError(f"refusing to commit empty directory {local_dir}")
+        fs = self._fs()
+        fs.makedirs(uri, exist_ok=True)
+        entries = {}
+        for p in files:
+            rel = p.relative_to(local_dir).as_posix()
+            entries[rel] = {"size": p.stat().st_size, "sha256": file_digest(p)}
+            target = f"{uri}/{rel}"
+            if "/" in rel:
+                fs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)
+            fs.put_file(str(p), target)
+        manifest = {"files": entries, "meta": meta or {}}
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as tmp:
+            json.dump(manifest, tmp, indent=1, sort_keys=True)
+        try:
+            fs.put_file(tmp.name, f"{uri}/{MANIFEST}")
+        finally:
+            os.unlink(tmp.name)
+        return manifest
+
+    def fetch(self, uri: str, verify: bool = True) -> Path:
+        """A local, verified copy of a committed directory.
+
+        Local roots are verified in place; remote ones are downloaded into
+        `cache_dir` (reused when already present and verified).
+        """
+        manifest = self.read_manifest(uri)
+        if self.is_local:
+            local = Path(uri)
+        else:
+            digest = hashlib.sha256(uri.encode()).hexdigest()[:24]
+            local = Path(self.cache_dir).expanduser() / digest
+            if not _matches(local, manifest["files"], check_digest=verify):
+                tmp = Path(tempfile.mkdtemp(dir=local.parent if local.parent.exists() else None))
+                fs = self._fs()
+                for rel in manifest["files"]:
+                    (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+                    fs.get_file(f"{uri}/{rel}", str(tmp / rel))
+                local.parent.mkdir(parents=True, exist_ok=True)
+                shutil.rmtree(local, ignore_errors=True)
+                tmp.rename(local)
+        if verify:
+            bad = _mismatches(local, manifest["files"])
+            if bad:
+                raise StorageError(f"{uri}: files do not match the manifest: {', '.join(bad)}")
+        return local
+
+    # ---- small JSON records ----------------------------------------------------
+
+    def write_json(self, uri: str, obj: Any) -> None:
+        fs = self._fs()
+        fs.makedirs(uri.rsplit("/", 1)[0], exist_ok=True)
+        with fs.open(uri, "w") as f:
+            json.dump(obj, f, indent=1, sort_keys=True)
+
+    def read_json(self, uri: str) -> Any:
+        with self._fs().open(uri, "r") as f:
+            return json.load(f)
+
+    def exists(self, uri: str) -> bool:
+        return self._fs().exists(uri)
+
+    # ---- mid-stage checkpoints ---------------------------------------------------
+
+    def checkpoint_uri(self, stage_uri: str, step: int) -> str:
+        return f"{stage_uri}/checkpoints/step-{step:08d}"
+
+    def latest_checkpoint(self, stage_uri: str) -> tuple[int, str] | None:
+        """The committed mid-stage checkpoint with the highest step, if any."""
+        fs = self._fs()
+        base = f"{stage_uri}/checkpoints"
+        if not fs.exists(base):
+            return None
+        found = []
+        for entry in fs.ls(base, detail=False):
+            m = _CHECKPOINT_DIR.search(entry.rstrip("/"))
+            if m and fs.exists(f"{entry.rstrip('/')}/{MANIFEST}"):
+                found.append((int(m.group(1)), self._normalize(entry.rstrip("/"))))
+        return max(found) if found else None
+
+    def prune_checkpoints(self, stage_uri: str, keep_step: int | None = None) -> None:
+        """Remove mid-stage checkpoints (all, or all but `keep_step`)."""
+        fs = self._fs()
+        base = f"{stage_uri}/checkpoints"
+        if not fs.exists(base):
+            return
+        for entry in fs.ls(base, detail=False):
+            m = _CHECKPOINT_DIR.search(entry.rstrip("/"))
+            if m and int(m.group(1)) != keep_step:
+                fs.rm(entry, recursive=True)
+
+    def _normalize(self, path: str) -> str:
+        """fsspec listings drop the protocol; put it back for remote roots."""
+        if self.is_local or "://" in path:
+            return path
+        return f"{self.root.split('://', 1)[0]}://{path}"
+
+
+def _mismatches(local: Path, files: dict[str, dict[str, Any]], check_digest: bool = True) -> list[str]:
+    bad = []
+    for rel, info in files.items():
+        p = local / rel
+        if not p.is_file() or p.stat().st_size != info["size"]:
+            bad.append(f"{rel} (missing or wrong size)")
+        elif check_digest and file_digest(p) != info["sha256"]:
+            bad.append(f"{rel} (sha256 mismatch)")
+    return bad
+
+
+def _matches(local: Path, files: dict[str, dict[str, Any]], check_digest: bool) -> bool:
+    return local.is_dir() and not _mismatches(local, files, check_digest)

