@@ -87,6 +87,8 @@ def ppo_policy_loss(
     ``w = min(exp(old_logprobs - rollout_logprobs), tis_cap)`` (``tis_cap``
     required then; it is ignored without ``rollout_logprobs``). The scalar
     loss is :func:`aggregate_loss` (``agg``, ``loss_scale_constant``).
+    ``old_logprobs``, ``advantages`` and ``rollout_logprobs`` are treated as
+    constants (detached); the gradient flows through ``logprobs`` only.
 
     Shapes: ``logprobs``, ``old_logprobs``, ``advantages``, ``action_mask``
     and ``rollout_logprobs`` ``(B, T)``; returns :class:`PolicyLossOutput`.

@@ -8,7 +8,6 @@ so a typo never silently falls back to a default.
 
 from __future__ import annotations
 
-from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
@@ -201,7 +200,7 @@ DEFAULT_CONFIG = "tiny"
 
 def default_config_path() -> Path:
     """The embedded default pipeline config (shipped inside the package)."""
-    return Path(str(resources.files("alignflow") / "configs" / f"{DEFAULT_CONFIG}.yaml"))
+    return Path(__file__).parent / "configs" / f"{DEFAULT_CONFIG}.yaml"
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -257,3 +256,23 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     if not isinstance(tree, dict):
         raise ConfigError(f"{path}: top level must be a mapping, got {type(tree).__name__}")
     return validate_config(apply_overrides(tree, overrides or []), source=str(path))
+
+
+def resolve_paths(cfg: PipelineConfig, base: Path | None = None) -> PipelineConfig:
+    """A copy whose local storage root and SQLite tracking file are absolute.
+
+    Ray workers may run in another working directory; relative paths would
+    then point elsewhere. Remote URIs are left as they are. (Cache keys do
+    not include these paths, so resolving never changes a key.)
+    """
+    base = base or Path.cwd()
+    infra = cfg.infra
+    root = infra.storage.root
+    if "://" not in root:
+        root = str((base / Path(root).expanduser()).resolve())
+    uri = infra.mlflow_tracking_uri
+    prefix = "sqlite:///"
+    if uri.startswith(prefix) and not uri[len(prefix):].startswith("/"):
+        uri = prefix + str((base / uri[len(prefix):]).resolve())
+    storage = infra.storage.model_copy(update={"root": root})
+    return cfg.model_copy(update={"infra": infra.model_copy(update={"storage": storage, "mlflow_tracking_uri": uri})})

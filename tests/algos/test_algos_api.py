@@ -26,7 +26,8 @@ def test_all_exports_resolve():
         assert hasattr(algos, name), name
 
 
-@pytest.mark.parametrize("name,fn", _public_functions(), ids=lambda x: x if isinstance(x, str) else "")
+@pytest.mark.parametrize("name,fn", _public_functions(),
+                         ids=[n for n, _ in _public_functions()])
 def test_docstring_has_formula_shapes_and_paper(name, fn):
     doc = inspect.getdoc(fn) or ""
     assert "formula" in doc.lower(), f"{name}: no formula"

@@ -38,7 +38,7 @@ def _py_losses(cl, ch, dual=None):
 def test_hand_numbers_symmetric_clip():
     out = ppo_policy_loss(_t(LP), _t(OLD), _t(ADV), torch.tensor(MASK))
     row0 = out.token_loss[0].tolist()
-    # ratio 1.5, A=+1 -> -1.2 ; ratio 1.5, A=-1 -> 1.5 ; ratio .5, A=+1 -> -0.5 ; ratio .5, A=-1 -> 0.8
+    # (ratio, A): (1.5, +1) -> -1.2; (1.5, -1) -> 1.5; (.5, +1) -> -0.5; (.5, -1) -> 0.8
     assert row0 == pytest.approx([-1.2, 1.5, -0.5, 0.8], rel=1e-12)
     # clipped term active: (1.5, +1), (0.5, -1) and row 1 token 1 (ratio e^-0.3 < 0.8, A < 0)
     assert math.exp(-0.3) < 0.8
@@ -47,7 +47,8 @@ def test_hand_numbers_symmetric_clip():
 
 def test_token_mean_value_clip_higher_and_metrics():
     cl, ch = 0.2, 0.28
-    out = ppo_policy_loss(_t(LP), _t(OLD), _t(ADV), torch.tensor(MASK), clip_low=cl, clip_high=ch)
+    out = ppo_policy_loss(_t(LP), _t(OLD), _t(ADV), torch.tensor(MASK),
+                          clip_low=cl, clip_high=ch)
     losses = _py_losses(cl, ch)
     valid = [losses[b][t] for b in range(3) for t in range(4) if MASK[b][t]]
     assert out.loss.item() == pytest.approx(sum(valid) / len(valid), rel=1e-12)
@@ -64,7 +65,8 @@ def test_token_mean_value_clip_higher_and_metrics():
 def test_dual_clip():
     out = ppo_policy_loss(_t(LP), _t(OLD), _t(ADV), torch.tensor(MASK), dual_clip=1.3)
     assert out.token_loss[0, 1].item() == pytest.approx(1.3)  # 1.5 capped at 1.3 * 1
-    assert out.token_loss.tolist() == [pytest.approx(r, rel=1e-12) for r in _py_losses(0.2, 0.2, 1.3)]
+    expected = _py_losses(0.2, 0.2, 1.3)
+    assert out.token_loss.tolist() == [pytest.approx(r, rel=1e-12) for r in expected]
     assert out.dual_clip_fraction.item() == pytest.approx(1 / 6)
     with pytest.raises(ValueError):
         ppo_policy_loss(_t(LP), _t(OLD), _t(ADV), torch.tensor(MASK), dual_clip=1.0)

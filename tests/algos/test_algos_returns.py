@@ -50,8 +50,10 @@ def test_gae_lambda1_gamma1_is_monte_carlo_minus_value():
 
 
 def test_gae_padding_garbage_holes_and_empty_rows():
-    rewards = [[0.1, 0.2, 1.0, G, G], [0.0, G, 0.5, -1.0, G], [G, G, G, G, G], [1.0, 0.0, 0.0, 0.0, 2.0]]
-    values = [[0.3, 0.1, -0.2, G, -G], [0.2, G, 0.4, 0.6, G], [G, G, G, G, G], [0.5, 0.4, 0.3, 0.2, 0.1]]
+    rewards = [[0.1, 0.2, 1.0, G, G], [0.0, G, 0.5, -1.0, G],
+               [G, G, G, G, G], [1.0, 0.0, 0.0, 0.0, 2.0]]
+    values = [[0.3, 0.1, -0.2, G, -G], [0.2, G, 0.4, 0.6, G],
+              [G, G, G, G, G], [0.5, 0.4, 0.3, 0.2, 0.1]]
     mask = [[1, 1, 1, 0, 0], [1, 0, 1, 1, 0], [0, 0, 0, 0, 0], [1, 1, 1, 1, 1]]
     gamma, lam = 0.95, 0.9
     adv, ret = compute_gae(_t(rewards), _t(values), torch.tensor(mask, dtype=torch.bool),

@@ -1,0 +1,26 @@
+"""Small typed records passed between Prefect tasks (never tensors)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+
+class StageResult(BaseModel):
+    """A committed stage output: where it is and what it measured."""
+
+    model_config = ConfigDict(frozen=True)
+
+    stage: str
+    key: str
+    uri: str
+    metrics: dict[str, float] = {}
+
+
+class EvalResult(BaseModel):
+    """Held-out metrics of one policy checkpoint."""
+
+    model_config = ConfigDict(frozen=True)
+
+    policy: str
+    key: str
+    metrics: dict[str, float]

@@ -1,0 +1,54 @@
+"""Scoring with a scalar-head model (reward model) and sequence logprobs."""
+
+from __future__ import annotations
+
+import torch
+
+from algos.sequence import shifted_logprobs
+from engines import models
+
+
+def _pad_batch(seqs: list[list[int]], pad_id: int) -> dict[str, torch.Tensor]:
+    width = max(len(s) for s in seqs)
+    return {
+        "input_ids": torch.tensor([s + [pad_id] * (width - len(s)) for s in seqs]),
+        "attention_mask": torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs]),
+    }
+
+
+class RewardScorer:
+    """A reward model in this process: (prompt ids, response ids) -> score."""
+
+    def __init__(self, path: str, dtype: str = "float32", batch_size: int = 128):
+        self.tokenizer = models.load_tokenizer(path)
+        self.model = models.load_scalar_model(path, dtype, self.tokenizer.pad_token_id).eval()
+        self.batch_size = batch_size
+
+    @torch.no_grad()
+    def score(self, sequences: list[list[int]]) -> list[float]:
+        out: list[float] = []
+        for i in range(0, len(sequences), self.batch_size):
+            batch = _pad_batch(sequences[i : i + self.batch_size], self.tokenizer.pad_token_id)
+            out.extend(self.model(**batch).logits.squeeze(-1).float().tolist())
+        return out
+
+
+class SequenceLogprober:
+    """A causal LM in this process: summed logprobs of response tokens."""
+
+    def __init__(self, path: str, dtype: str = "float32", batch_size: int = 128):
+        self.tokenizer = models.load_tokenizer(path)
+        self.model = models.load_policy(path, dtype).eval()
+        self.batch_size = batch_size
+
+    @torch.no_grad()
+    def response_logprobs(self, prompts: list[list[int]], responses: list[list[int]]) -> list[list[float]]:
+        """Per-token logprobs of each response given its prompt."""
+        out: list[list[float]] = []
+        for i in range(0, len(prompts), self.batch_size):
+            ps, rs = prompts[i : i + self.batch_size], responses[i : i + self.batch_size]
+            batch = _pad_batch([p + r for p, r in zip(ps, rs)], self.tokenizer.pad_token_id)
+            lp = shifted_logprobs(self.model(**batch).logits, batch["input_ids"])
+            for row, (p, r) in enumerate(zip(ps, rs)):
+                out.append(lp[row, len(p) - 1 : len(p) - 1 + len(r)].tolist())
+        return out

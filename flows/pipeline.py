@@ -1,0 +1,43 @@
+"""The alignment pipeline as a Prefect flow.
+
+    prepare_data ─┬─> sft ─> reward_model ─┬─> evaluate(base, sft)
+    base_model ───┘                        └─> evaluate(reward model)
+
+Every box is a task cached by its content key (tasks/plan.py), persisted
+under the storage root and retried with backoff; tasks run on Ray.
+"""
+
+from __future__ import annotations
+
+from prefect import flow
+
+from alignflow.config import PipelineConfig
+from flows.report import PipelineReport, finish_pipeline_run, start_pipeline_run
+from flows.stage_tasks import StageTasks
+from tasks.plan import plan_keys
+
+
+@flow(name="alignflow-pipeline", log_prints=True)
+def pipeline(config: PipelineConfig) -> PipelineReport:
+    keys = plan_keys(config)
+    t = StageTasks(config.infra)
+    ctx = start_pipeline_run(config, keys)
+
+    data = t.prepare_data.submit(config.data, keys.data, ctx)
+    base = t.base_model.submit(config.model, keys.base_model, ctx)
+    sft = t.sft.submit(config.sft, config.model, config.data, keys.sft, data, base, ctx)
+    rm = t.reward_model.submit(config.reward_model, config.model, config.data, keys.reward_model, data, sft, ctx)
+
+    evals = {
+        name: t.evaluate_policy.submit(config.evaluation, config.model, config.data, keys.eval_policy[name],
+                                       name, policy, rm, sft, data, ctx)
+        for name, policy in {"base": base, "sft": sft}.items()
+    }
+    rm_eval = t.evaluate_reward_model.submit(config.model, config.data, keys.eval_reward_model, rm, data, ctx)
+
+    return finish_pipeline_run(
+        ctx,
+        stages={"data": data, "base_model": base, "sft": sft, "reward_model": rm},
+        policy_evals=evals,
+        rm_eval=rm_eval,
+    )

@@ -1,0 +1,108 @@
+"""Where flows run: one Prefect API, a Ray task runner, result storage.
+
+With no API configured, Prefect would start a temporary server in the
+driver *and one in every Ray worker*. `prefect_api` makes sure there is one:
+the configured URL, or a `prefect server start` bound to 127.0.0.1 for the
+duration of the run, exported as PREFECT_API_URL before Ray starts so the
+workers inherit it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+from alignflow.cluster import ray_init_kwargs
+from alignflow.config import InfraConfig
+
+STARTUP_TIMEOUT_S = 120
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def prefect_api(infra: InfraConfig, log_dir: Path) -> Iterator[str]:
+    """Yield the API URL every process of this run uses (starting one if needed)."""
+    url = infra.prefect_api_url or os.environ.get("PREFECT_API_URL")
+    if url:
+        os.environ["PREFECT_API_URL"] = url
+        yield url
+        return
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}/api"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / "prefect-server.log"
+    prefect_bin = Path(sys.executable).with_name("prefect")
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [str(prefect_bin), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while not _healthy(url):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"Prefect server did not start; see {log_path}")
+            time.sleep(0.3)
+        os.environ["PREFECT_API_URL"] = url
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def ray_task_runner(infra: InfraConfig):
+    from prefect_ray import RayTaskRunner
+
+    kwargs = ray_init_kwargs(infra)
+    address = kwargs.pop("address", None)
+    return RayTaskRunner(address=address, init_kwargs=kwargs)
+
+
+def result_storage(infra: InfraConfig):
+    """Prefect results live under the artifact root, next to what they describe.
+
+    Prefect needs the storage block saved server-side (so Ray workers can
+    resolve it); its name is derived from the root, so reruns reuse it. The
+    block holds no credentials: s3fs takes them from the environment.
+    """
+    import hashlib
+
+    root = infra.storage.root.rstrip("/")
+    name = "alignflow-results-" + hashlib.sha256(root.encode()).hexdigest()[:12]
+    if "://" not in root or root.startswith("file://"):
+        from prefect.filesystems import LocalFileSystem
+
+        path = Path(root.removeprefix("file://")).expanduser().resolve() / "prefect-results"
+        block = LocalFileSystem(basepath=str(path))
+    else:
+        from prefect.filesystems import RemoteFileSystem
+
+        settings = {}
+        if infra.storage.endpoint_url:
+            settings["client_kwargs"] = {"endpoint_url": infra.storage.endpoint_url}
+        block = RemoteFileSystem(basepath=f"{root}/prefect-results", settings=settings)
+    block.save(name, overwrite=True)
+    return block

@@ -1,0 +1,51 @@
+"""prepare_data: the bundled synthetic task or user data, as canonical JSONL splits."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+from alignflow.config import DataConfig
+from alignflow.data import formats, synthetic
+from alignflow.records import StageResult
+from tasks.context import RunContext, compute_stage, stage_task
+
+STAGE = "data"
+CODE_VERSION = "1"
+SPLITS = ("sft", "preference", "prompts", "eval", "eval_preference")
+
+
+def build_splits(cfg: DataConfig) -> dict[str, list[dict]]:
+    """All splits; user data is validated row by row before anything trains."""
+    if cfg.source == "synthetic":
+        return synthetic.generate(cfg.synthetic)
+    splits = {
+        "sft": formats.load_records(cfg.sft, "sft"),
+        "preference": formats.load_records(cfg.preference, "preference"),
+        "eval": formats.load_records(cfg.eval, "prompts"),
+    }
+    splits["prompts"] = formats.load_records(cfg.prompts, "prompts") if cfg.prompts else splits["eval"]
+    # Held-out pairs for reward-model accuracy: the last 10% of the pairs.
+    n_held = max(1, len(splits["preference"]) // 10)
+    splits["eval_preference"] = splits["preference"][-n_held:]
+    splits["preference"] = splits["preference"][:-n_held] or splits["eval_preference"]
+    return splits
+
+
+def prepare_data(cfg: DataConfig, key: str, ctx: RunContext) -> StageResult:
+    def compute(out: Path, run, uri: str) -> dict[str, float]:
+        splits = build_splits(cfg)
+        for name in SPLITS:
+            formats.write_jsonl(splits[name], str(out / f"{name}.jsonl"))
+        metrics = {f"data/{name}_rows": float(len(splits[name])) for name in SPLITS}
+        run.log_metrics(metrics)
+        return metrics
+
+    return compute_stage(ctx, stage=STAGE, key=key, params=cfg.model_dump(mode="json"), compute=compute)
+
+
+def load_split(data: StageResult, ctx: RunContext, name: str) -> list[dict]:
+    return formats.read_jsonl(str(ctx.storage().fetch(data.uri) / f"{name}.jsonl"))
+
+
+prepare_data_task = stage_task(prepare_data, name="prepare_data")

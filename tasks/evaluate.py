@@ -1,0 +1,127 @@
+"""Held-out evaluation of policies and of the reward model.
+
+Policy metrics (the same names for base, SFT and every RL round, so MLflow
+compares them side by side):
+  eval/accuracy         share of sampled responses the task checker accepts
+  eval/reward           mean reward-model score of the sampled responses
+  eval/response_length  mean response length in tokens
+  eval/kl_to_reference  mean over responses of Σ_t (log π − log π_ref)
+Reward-model metric: eval/rm_pairwise_accuracy on held-out pairs.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import ray
+
+from alignflow.cluster import ensure_ray
+from alignflow.config import DataConfig, EvalConfig, ModelConfig
+from alignflow.records import StageResult
+from engines import batches, models
+from engines.rollout import Sampling, start_rollout_actor
+from engines.scoring import RewardScorer, SequenceLogprober
+from tasks.context import RunContext, compute_stage, stage_task
+from tasks.data import load_split
+
+CODE_VERSION = "1"
+
+
+def load_checker(path: str) -> Callable[[str, str], bool]:
+    """`module:function` -> the function; a clear error if it is not there."""
+    module, _, name = path.partition(":")
+    if not name:
+        raise ValueError(f"evaluation.checker {path!r} must be 'module:function'")
+    fn = getattr(importlib.import_module(module), name, None)
+    if not callable(fn):
+        raise ValueError(f"evaluation.checker {path!r}: {name} is not a function in {module}")
+    return fn
+
+
+def _sampling(cfg: EvalConfig) -> Sampling:
+    g = cfg.generation
+    return Sampling(n=g.num_samples, temperature=g.temperature, top_p=g.top_p,
+                    max_new_tokens=g.max_new_tokens, seed=g.seed)
+
+
+def evaluate_policy(
+    cfg: EvalConfig, model: ModelConfig, data_cfg: DataConfig, key: str, name: str, policy: StageResult,
+    reward: StageResult, reference: StageResult, data: StageResult, ctx: RunContext,
+) -> StageResult:
+    storage = ctx.storage()
+
+    def compute(out: Path, run, uri: str) -> dict[str, float]:
+        checker = load_checker(cfg.checker)
+        policy_path = str(storage.fetch(policy.uri))
+        tokenizer = models.load_tokenizer(policy_path)
+        records = load_split(data, ctx, "eval")[: cfg.num_prompts]
+        kept, report = batches.filter_prompts(tokenizer, records, data_cfg.max_prompt_tokens, "eval")
+        prompt_ids = [ids for ids, _ in kept]
+
+        ensure_ray(ctx.infra)
+        actor = start_rollout_actor(cfg.generation.backend, policy_path, dtype=model.dtype,
+                                    seed=cfg.generation.seed, torch_threads=ctx.infra.torch_threads,
+                                    max_model_len=data_cfg.max_prompt_tokens + cfg.generation.max_new_tokens)
+        try:
+            rollouts = ray.get(actor.generate.remote(prompt_ids, _sampling(cfg)))
+        finally:
+            ray.kill(actor)
+
+        correct = [bool(checker(r.text, kept[r.prompt_index][1].get("answer") or "")) for r in rollouts]
+        sequences = [r.prompt_ids + r.token_ids for r in rollouts]
+        scores = RewardScorer(str(storage.fetch(reward.uri)), model.dtype).score(sequences)
+        ref_lp = SequenceLogprober(str(storage.fetch(reference.uri)), model.dtype).response_logprobs(
+            [r.prompt_ids for r in rollouts], [r.token_ids for r in rollouts])
+        kls = [sum(r.logprobs) - sum(ref) for r, ref in zip(rollouts, ref_lp)]
+        n = len(rollouts)
+        metrics = {
+            "eval/accuracy": sum(correct) / n,
+            "eval/reward": sum(scores) / n,
+            "eval/response_length": sum(len(r.token_ids) for r in rollouts) / n,
+            "eval/kl_to_reference": sum(kls) / n,
+            "eval/finished_fraction": sum(r.finished for r in rollouts) / n,
+            **report.as_metrics("eval"),
+        }
+        run.log_metrics(metrics)
+        samples = [
+            {"prompt": tokenizer.decode(r.prompt_ids), "response": r.text, "answer": kept[r.prompt_index][1].get("answer"),
+             "correct": c, "reward": s}
+            for r, c, s in list(zip(rollouts, correct, scores))[: cfg.num_logged_samples]
+        ]
+        run.log_dict(samples, f"samples/{name}.json")
+        (out / "metrics.json").write_text(json.dumps(metrics, indent=1))
+        (out / "samples.json").write_text(json.dumps(samples, indent=1))
+        return metrics
+
+    return compute_stage(ctx, stage=f"eval_{name}", key=key,
+                         params={"policy": name, "policy_uri": policy.uri, **cfg.model_dump(mode="json")},
+                         compute=compute)
+
+
+def evaluate_reward_model(model: ModelConfig, data_cfg: DataConfig, key: str, reward: StageResult,
+                          data: StageResult, ctx: RunContext) -> StageResult:
+    storage = ctx.storage()
+
+    def compute(out: Path, run, uri: str) -> dict[str, float]:
+        scorer = RewardScorer(str(storage.fetch(reward.uri)), model.dtype)
+        records = load_split(data, ctx, "eval_preference")
+        tensors, report = batches.pair_tensors(scorer.tokenizer, records, data_cfg.max_prompt_tokens,
+                                               data_cfg.max_response_tokens)
+        seqs = [row[mask.bool()].tolist() for row, mask in zip(tensors["input_ids"], tensors["attention_mask"])]
+        scores = scorer.score(seqs)
+        n = len(seqs) // 2
+        metrics = {"eval/rm_pairwise_accuracy": sum(c > r for c, r in zip(scores[:n], scores[n:])) / n,
+                   "eval/rm_margin": sum(c - r for c, r in zip(scores[:n], scores[n:])) / n,
+                   **report.as_metrics("eval_preference")}
+        run.log_metrics(metrics)
+        (out / "metrics.json").write_text(json.dumps(metrics, indent=1))
+        return metrics
+
+    return compute_stage(ctx, stage="eval_reward_model", key=key, params={"reward_uri": reward.uri}, compute=compute)
+
+
+evaluate_policy_task = stage_task(evaluate_policy, name="evaluate_policy")
+evaluate_reward_model_task = stage_task(evaluate_reward_model, name="evaluate_reward_model")
