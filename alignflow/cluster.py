@@ -19,6 +19,7 @@ PROCESS_ENV = {
     # The first logprobs request would otherwise JIT-compile for 12-15 s.
     "TORCH_COMPILE_DISABLE": "1",
     "TOKENIZERS_PARALLELISM": "false",
+    "VLLM_LOGGING_LEVEL": "WARNING",
 }
 
 # Forwarded to Ray workers explicitly (they may run on other nodes). Never

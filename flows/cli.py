@@ -58,7 +58,13 @@ def cmd_run(cfg: PipelineConfig, stage: str | None = None) -> int:
             flow_fn = stages.STAGE_FLOWS[stage]
         else:
             from flows.pipeline import pipeline as flow_fn
-        result = flow_fn.with_options(task_runner=ray_task_runner(cfg.infra))(cfg)
+        try:
+            result = flow_fn.with_options(task_runner=ray_task_runner(cfg.infra))(cfg)
+        finally:
+            # Ship buffered run logs while the API is still up.
+            from prefect.logging.handlers import APILogWorker
+
+            APILogWorker.drain_all()
     elapsed = time.perf_counter() - t0
     if stage:
         print(result.model_dump_json(indent=2))
