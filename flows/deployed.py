@@ -1,0 +1,36 @@
+"""Entrypoints for prefect.yaml deployments: a config file plus overrides.
+
+A deployment's parameters name a config file (relative to the repository)
+and `key.sub=value` overrides; the file is validated before the pipeline
+starts, then the pipeline runs as a subflow on the configured Ray task
+runner. The flow run's own API (the worker's) serves the Ray workers too.
+"""
+
+from __future__ import annotations
+
+from prefect import flow
+
+from alignflow.cluster import apply_process_env
+from alignflow.config import load_config, resolve_paths
+from flows.pipeline import pipeline
+from flows.report import PipelineReport
+from flows.runtime import ray_task_runner
+from flows.stages import STAGE_FLOWS
+
+
+@flow(name="alignflow-scheduled-pipeline", log_prints=True)
+def run_pipeline(config_path: str = "configs/tiny.yaml", overrides: list[str] | None = None) -> PipelineReport:
+    apply_process_env()
+    cfg = resolve_paths(load_config(config_path, overrides or []))
+    report = pipeline.with_options(task_runner=ray_task_runner(cfg.infra))(cfg)
+    print(report.table())
+    return report
+
+
+@flow(name="alignflow-stage", log_prints=True)
+def run_stage(stage: str, config_path: str = "configs/tiny.yaml", overrides: list[str] | None = None):
+    if stage not in STAGE_FLOWS:
+        raise ValueError(f"unknown stage {stage!r}; valid: {sorted(STAGE_FLOWS)}")
+    apply_process_env()
+    cfg = resolve_paths(load_config(config_path, overrides or []))
+    return STAGE_FLOWS[stage].with_options(task_runner=ray_task_runner(cfg.infra))(cfg)
