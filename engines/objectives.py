@@ -39,3 +39,82 @@ def pairwise_objective(model, batch: dict[str, torch.Tensor], margin: float = 0.
         "accuracy": float(out.accuracy),
         "reward_margin": float(out.reward_margin),
     }
+
+
+# ---- RL -------------------------------------------------------------------------
+# Batches for RL carry full sequences plus `response_index` (B, T): for the
+# t-th response token, its position in the next-token (shifted, L-1)
+# layout. Response tensors are then (B, T) with `action_mask`.
+
+
+def _unwrap(model):
+    """The HF module under a DeepSpeed engine (calls still go through its hooks)."""
+    return getattr(model, "module", model)
+
+
+def _response(full: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    picked = torch.gather(full, 1, batch["response_index"])
+    return picked * batch["action_mask"].to(picked.dtype)
+
+
+def _policy_logits(model, batch):
+    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    return out.logits
+
+
+def response_logprobs(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """log π(a_t | s_t) of each response token: (B, T), 0 on padding."""
+    logits = _policy_logits(model, batch)
+    return _response(shifted_logprobs(logits, batch["input_ids"]), batch)
+
+
+def token_values(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Critic values V(s_t) before each response token: (B, T), 0 on padding.
+
+    A scalar-head model (…ForSequenceClassification) applied per position:
+    the backbone's hidden state at t feeds the score head.
+    """
+    inner = _unwrap(model)
+    backbone = getattr(inner, inner.base_model_prefix)
+    hidden = backbone(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+    values = inner.score(hidden).squeeze(-1).float()[:, :-1]
+    return _response(values, batch)
+
+
+def policy_objective(
+    model, batch: dict[str, torch.Tensor], *, clip_low: float, clip_high: float, dual_clip: float | None,
+    agg: str, entropy_coef: float, kl_loss_coef: float, kl_estimator: str, kl_clamp: float | None,
+    tis_cap: float | None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO clipped surrogate (+ entropy bonus, + GRPO-style KL loss when kl_loss_coef > 0)."""
+    from algos import entropy_bonus_loss, entropy_from_logits, kl_estimate, aggregate_loss, ppo_policy_loss, masked_mean
+
+    mask = batch["action_mask"]
+    logits = _policy_logits(model, batch)
+    logprobs = _response(shifted_logprobs(logits, batch["input_ids"]), batch)
+    out = ppo_policy_loss(
+        logprobs, batch["old_logprobs"], batch["advantages"], mask, clip_low=clip_low, clip_high=clip_high,
+        dual_clip=dual_clip, agg=agg, rollout_logprobs=batch["rollout_logprobs"] if tis_cap else None, tis_cap=tis_cap,
+    )
+    loss = out.loss
+    index = batch["response_index"].unsqueeze(-1).expand(-1, -1, logits.shape[-1])
+    entropy = entropy_from_logits(torch.gather(logits[:, :-1].float(), 1, index))
+    if entropy_coef:
+        loss = loss + entropy_bonus_loss(entropy, mask, entropy_coef=entropy_coef, agg=agg)
+    kl = kl_estimate(logprobs, batch["ref_logprobs"], kind=kl_estimator, clamp=kl_clamp)
+    if kl_loss_coef:
+        loss = loss + kl_loss_coef * aggregate_loss(kl, mask, agg=agg)
+    return loss, {
+        "policy_loss": out.loss.item(), "clip_fraction": float(out.clip_fraction),
+        "approx_kl": float(out.approx_kl), "entropy": float(masked_mean(entropy.detach(), mask)),
+        "kl_to_reference": float(masked_mean(kl.detach(), mask)),
+    }
+
+
+def value_objective(model, batch: dict[str, torch.Tensor], *, clip_eps: float | None, agg: str) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clipped value regression toward the returns."""
+    from algos import value_loss
+
+    values = token_values(model, batch)
+    out = value_loss(values, batch["values"], batch["returns"], batch["action_mask"], clip_eps=clip_eps, agg=agg)
+    return out.loss, {"value_loss": out.loss.item(), "value_clip_fraction": float(out.clip_fraction)}

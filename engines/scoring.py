@@ -52,3 +52,30 @@ class SequenceLogprober:
             for row, (p, r) in enumerate(zip(ps, rs)):
                 out.append(lp[row, len(p) - 1 : len(p) - 1 + len(r)].tolist())
         return out
+
+
+class ScorerActor:
+    """Frozen models for experience making, as one Ray actor: the reference
+    policy (logprobs) and/or the reward model (scores). Whether the two share
+    an actor or stand apart is the round's `colocate_reference_and_reward`.
+    """
+
+    def __init__(self, reference_path: str | None, reward_path: str | None, dtype: str = "float32",
+                 torch_threads: int = 2):
+        torch.set_num_threads(torch_threads)
+        self.reference = models.load_policy(reference_path, dtype).eval() if reference_path else None
+        self.reward = None
+        if reward_path:
+            pad = models.load_tokenizer(reward_path).pad_token_id
+            self.reward = models.load_scalar_model(reward_path, dtype, pad).eval()
+
+    @torch.no_grad()
+    def ref_logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        from engines.objectives import response_logprobs
+
+        return response_logprobs(self.reference, batch)
+
+    @torch.no_grad()
+    def rewards(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        out = self.reward(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        return out.logits.squeeze(-1).float()

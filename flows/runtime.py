@@ -31,6 +31,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _die_with_parent():
+    """Linux: a pre-exec hook giving the server SIGTERM when the CLI dies, even by SIGKILL.
+
+    The server runs in its own session (a Ctrl-C in the terminal must not stop
+    it before the CLI has shipped its logs), so nothing else would stop it.
+    Built before the fork: the hook itself only calls prctl.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+    import signal
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    parent = os.getpid()
+
+    def hook() -> None:
+        prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the CLI died before the hook ran
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return hook
+
+
 def _healthy(url: str) -> bool:
     try:
         with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
@@ -55,7 +78,7 @@ def prefect_api(infra: InfraConfig, log_dir: Path) -> Iterator[str]:
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
             [str(prefect_bin), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent(),
         )
     try:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S

@@ -6,7 +6,7 @@ from prefect.tasks import exponential_backoff
 
 from alignflow.config import InfraConfig
 from flows.runtime import result_storage
-from tasks import base_model, data, evaluate, train
+from tasks import base_model, data, evaluate, rl_round, train
 
 
 class StageTasks:
@@ -23,5 +23,6 @@ class StageTasks:
         self.base_model = bind(base_model.base_model_task)
         self.sft = bind(train.sft_task)
         self.reward_model = bind(train.reward_model_task)
+        self.rl_round = bind(rl_round.rl_round_task)
         self.evaluate_policy = bind(evaluate.evaluate_policy_task)
         self.evaluate_reward_model = bind(evaluate.evaluate_reward_model_task)

@@ -46,13 +46,17 @@ def read_rows(src: DatasetSource) -> Iterable[dict[str, Any]]:
                     raise DataError(f"{path}: a .json dataset must hold a list of rows")
                 yield from data
                 return
-            for lineno, line in enumerate(f, start=1):
+            # Rows are counted as load_records counts them (blank lines skipped),
+            # so every error about one file numbers its rows the same way.
+            row = 0
+            for line in f:
                 if not line.strip():
                     continue
+                row += 1
                 try:
                     yield json.loads(line)
                 except json.JSONDecodeError as err:
-                    raise DataError(f"{path}, row {lineno}: not valid JSON ({err.msg})") from None
+                    raise DataError(f"{path}, row {row}: not valid JSON ({err.msg})") from None
         return
     import datasets
 

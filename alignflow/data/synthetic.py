@@ -106,3 +106,8 @@ def tokenizer_corpus(seed: int = 0, n: int = 2000, num_digits: int = 5) -> Itera
         digits = rng.sample(range(10), num_digits)
         yield render_question(digits)
         yield str(rng.randrange(10))
+
+
+def rule_reward(prompt: str, response: str, answer: str | None) -> float:
+    """A rule-based reward for RL rounds: 1.0 for a correct answer, else 0.0."""
+    return 1.0 if answer is not None and check_answer(response, answer) else 0.0

@@ -1,0 +1,97 @@
+"""Reward sources for RL rounds: a reward model, a rule, or a remote service.
+
+All three answer the same question: for each (prompt, response, answer),
+a float. `RewardSource.score(texts, sequences)` hides which one it is.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+class RewardServiceError(RuntimeError):
+    """The remote reward service failed or answered something unusable."""
+
+
+@dataclass(frozen=True)
+class ScoredText:
+    prompt: str
+    response: str
+    answer: str | None
+
+
+def load_callable(path: str, what: str) -> Callable:
+    module, _, name = path.partition(":")
+    if not name:
+        raise ValueError(f"{what} {path!r} must be 'module:function'")
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"{what} {path!r} cannot be imported: {err}") from None
+    if not callable(fn):
+        raise ValueError(f"{what} {path!r} is not callable")
+    return fn
+
+
+class RuleReward:
+    """A Python function `f(prompt, response, answer) -> float` named by import path."""
+
+    def __init__(self, path: str):
+        self.fn = load_callable(path, "reward.rule")
+
+    def __call__(self, items: list[ScoredText]) -> list[float]:
+        return [float(self.fn(i.prompt, i.response, i.answer)) for i in items]
+
+
+class RemoteReward:
+    """POST {"prompts", "responses", "answers"} -> {"rewards": [...]} over HTTP.
+
+    Each request has a timeout; failures (connection refused, timeouts, 5xx)
+    are retried `max_retries` times with exponential backoff, then raised as
+    RewardServiceError naming the URL, the attempts and the last error. A
+    4xx answer or a malformed body is not retried.
+    """
+
+    def __init__(self, url: str, timeout_s: float, max_retries: int, backoff_s: float = 0.5):
+        self.url, self.timeout_s, self.max_retries, self.backoff_s = url, timeout_s, max_retries, backoff_s
+
+    def __call__(self, items: list[ScoredText]) -> list[float]:
+        body = json.dumps({
+            "prompts": [i.prompt for i in items],
+            "responses": [i.response for i in items],
+            "answers": [i.answer for i in items],
+        }).encode()
+        last: Exception | None = None
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                time.sleep(self.backoff_s * 2 ** (attempt - 1))
+            request = urllib.request.Request(self.url, data=body, headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(request, timeout=self.timeout_s) as resp:
+                    return self._parse(resp.read(), len(items))
+            except urllib.error.HTTPError as err:
+                if err.code < 500:
+                    raise RewardServiceError(f"reward service {self.url} rejected the request: HTTP {err.code}") from None
+                last = err
+            except (urllib.error.URLError, TimeoutError, ConnectionError) as err:
+                last = err
+        raise RewardServiceError(
+            f"reward service {self.url} failed after {self.max_retries + 1} attempts "
+            f"(timeout {self.timeout_s}s each): {last}"
+        )
+
+    def _parse(self, raw: bytes, n: int) -> list[float]:
+        try:
+            rewards = json.loads(raw)["rewards"]
+            values = [float(r) for r in rewards]
+        except (ValueError, KeyError, TypeError) as err:
+            raise RewardServiceError(f"reward service {self.url} answered without a list 'rewards': {err}") from None
+        if len(values) != n:
+            raise RewardServiceError(f"reward service {self.url} returned {len(values)} rewards for {n} responses")
+        return values
