@@ -26,6 +26,7 @@ class Sampling:
     top_p: float = 1.0
     max_new_tokens: int = 16
     seed: int = 0
+    ignore_eos: bool = False  # fixed-length outputs (benchmarks)
 
 
 @dataclass(frozen=True)
@@ -107,7 +108,7 @@ class VLLMEngine:
         # construction) makes a run reproducible instead.
         params = SamplingParams(
             n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
-            max_tokens=sampling.max_new_tokens, logprobs=0,
+            max_tokens=sampling.max_new_tokens, logprobs=0, ignore_eos=sampling.ignore_eos,
         )
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params, use_tqdm=False)
         rollouts = []
@@ -154,6 +155,7 @@ class HFEngine:
             input_ids=ids, attention_mask=attn, do_sample=sampling.temperature > 0,
             temperature=sampling.temperature or None, top_p=sampling.top_p,
             max_new_tokens=sampling.max_new_tokens, num_return_sequences=sampling.n,
+            min_new_tokens=sampling.max_new_tokens if sampling.ignore_eos else None,
             output_scores=True, return_dict_in_generate=True, pad_token_id=tok.pad_token_id,
             eos_token_id=tok.eos_token_id,
         )
@@ -163,11 +165,12 @@ class HFEngine:
         rollouts = []
         for row in range(seqs.shape[0]):
             toks = seqs[row].tolist()
-            end = toks.index(tok.eos_token_id) + 1 if tok.eos_token_id in toks else len(toks)
+            stop = tok.eos_token_id in toks and not sampling.ignore_eos
+            end = toks.index(tok.eos_token_id) + 1 if stop else len(toks)
             i = row // sampling.n
             rollouts.append(Rollout(prompt_index=i, prompt_ids=list(prompt_ids[i]), token_ids=toks[:end],
                                     text=tok.decode(toks[:end], skip_special_tokens=True),
-                                    logprobs=picked[row, :end].tolist(), finished=end < len(toks) or tok.eos_token_id in toks))
+                                    logprobs=picked[row, :end].tolist(), finished=stop))
         return rollouts
 
     def update_weights(self, blob: bytes) -> None:

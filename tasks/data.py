@@ -11,7 +11,7 @@ from alignflow.records import StageResult
 from tasks.context import RunContext, compute_stage, stage_task
 
 STAGE = "data"
-CODE_VERSION = "1"
+CODE_VERSION = "2"  # 2: preference pairs include digits absent from the prompt
 SPLITS = ("sft", "preference", "prompts", "eval", "eval_preference")
 
 

@@ -8,8 +8,10 @@ largest. The task is built so that RLHF is measurable on a CPU in minutes:
   first digit that is *not* the largest. An SFT model therefore learns a
   mixture, and sampling from it is often wrong.
 - Preference pairs always prefer the correct answer; the rejected answer is
-  the habit half the time and another wrong digit otherwise, so a reward
-  model must actually compare digits.
+  the habit, another digit of the prompt, or a digit that is not in the
+  prompt at all (larger than the true maximum where one exists), a third of
+  the time each. Without the last kind a reward model learns "bigger digits
+  are better" and RL exploits it by answering 9 everywhere.
 - RL prompts and held-out evaluation prompts carry the answer for checking;
   evaluation prompts never occur among the training prompts.
 
@@ -92,10 +94,14 @@ def generate(cfg: SyntheticTaskConfig) -> dict[str, list[dict]]:
 
 def _pair(digits: list[int], rng: random.Random) -> dict:
     top = max(digits)
-    if rng.random() < 0.5:
+    kind = rng.randrange(3)
+    absent = [d for d in range(10) if d not in digits]
+    if kind == 0:
         wrong = _habit(digits)
-    else:
+    elif kind == 1 or not absent:
         wrong = rng.choice([d for d in digits if d != top])
+    else:
+        wrong = rng.choice([d for d in absent if d > top] or absent)
     return {"prompt": _messages(digits), "chosen": str(top), "rejected": str(wrong)}
 
 
