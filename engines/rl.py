@@ -80,6 +80,8 @@ class RLRound:
         self.reward_fn = self._reward_fn()
         self.schedule = Schedule(rows=len(inputs.prompts), batch_size=min(cfg.prompts_per_step, len(inputs.prompts)),
                                  total_steps=cfg.steps, seed=cfg.seed)
+        # The latest step's experience and winners, for inspection and tests.
+        self.last_experience: dict[str, Any] = {}
         self.last_winners: list[dict[str, Any]] = []
 
     def _spec(self, t, path: str, kind: str, total: int) -> EngineSpec:
@@ -170,6 +172,7 @@ class RLRound:
             metrics = self._policy_update(batch, rewards, lap)
         self.sync()
         lap("sync")
+        self.last_experience = {"batch": batch, "rewards": rewards, "rollouts": rollouts}
         mask = batch["action_mask"]
         metrics.update({
             "reward/mean": rewards.mean().item(), "reward/std": rewards.std().item() if len(rewards) > 1 else 0.0,

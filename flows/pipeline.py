@@ -49,4 +49,5 @@ def pipeline(config: PipelineConfig) -> PipelineReport:
                 **{name: p for name, p in policies.items() if name.startswith("round_")}},
         policy_evals=evals,
         rm_eval=rm_eval,
+        kl_budgets={f"round_{i}": r.kl.budget for i, r in enumerate(config.rounds, start=1)},
     )

@@ -24,6 +24,7 @@ class PipelineReport(BaseModel):
     stage_states: dict[str, str]
     policies: dict[str, dict[str, float]]
     reward_model: dict[str, float]
+    kl_budgets: dict[str, float] = {}
 
     def table(self) -> str:
         cols = ["policy", *[m.removeprefix("eval/") for m in POLICY_METRICS]]
@@ -35,6 +36,10 @@ class PipelineReport(BaseModel):
         lines.insert(1, "  ".join("-" * w for w in widths))
         acc = self.reward_model.get("eval/rm_pairwise_accuracy", float("nan"))
         lines.append(f"reward model held-out pairwise accuracy: {acc:.3f}")
+        for name, budget in self.kl_budgets.items():
+            kl = self.policies.get(name, {}).get("eval/kl_to_reference", float("nan"))
+            verdict = "within" if kl <= budget else "OVER"
+            lines.append(f"{name}: KL to reference {kl:.3f} {verdict} budget {budget:g}")
         return "\n".join(lines)
 
 
@@ -51,7 +56,8 @@ def start_pipeline_run(config: PipelineConfig, keys: StageKeys) -> RunContext:
     return RunContext(infra=config.infra, parent_run_id=run_id)
 
 
-def finish_pipeline_run(ctx: RunContext, *, stages: dict[str, Any], policy_evals: dict[str, Any], rm_eval: Any) -> PipelineReport:
+def finish_pipeline_run(ctx: RunContext, *, stages: dict[str, Any], policy_evals: dict[str, Any], rm_eval: Any,
+                        kl_budgets: dict[str, float] | None = None) -> PipelineReport:
     """Wait for every future, log the comparison to the parent run, close it."""
     tracker = ctx.tracker()
     futures = {**stages, **{f"eval_{n}": f for n, f in policy_evals.items()}, "eval_reward_model": rm_eval}
@@ -69,6 +75,7 @@ def finish_pipeline_run(ctx: RunContext, *, stages: dict[str, Any], policy_evals
         stage_states=states,
         policies={name: results[f"eval_{name}"].metrics for name in policy_evals},
         reward_model=results["eval_reward_model"].metrics,
+        kl_budgets=kl_budgets or {},
     )
     from mlflow import MlflowClient
     from mlflow.entities import Metric

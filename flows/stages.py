@@ -40,4 +40,19 @@ def reward_model_flow(config: PipelineConfig) -> StageResult:
     return t.reward_model.submit(config.reward_model, config.model, config.data, keys.reward_model, data, sft, ctx).result()
 
 
-STAGE_FLOWS = {"data": data_flow, "sft": sft_flow, "reward_model": reward_model_flow}
+@flow(name="alignflow-rl", log_prints=True)
+def rl_flow(config: PipelineConfig) -> StageResult:
+    """Every RL round (upstream stages from cache); returns the last policy."""
+    keys, t = plan_keys(config), StageTasks(config.infra)
+    ctx = start_pipeline_run(config, keys)
+    data = t.prepare_data.submit(config.data, keys.data, ctx)
+    base = t.base_model.submit(config.model, keys.base_model, ctx)
+    sft = t.sft.submit(config.sft, config.model, config.data, keys.sft, data, base, ctx)
+    rm = t.reward_model.submit(config.reward_model, config.model, config.data, keys.reward_model, data, sft, ctx)
+    policy = sft
+    for i, (round_cfg, key) in enumerate(zip(config.rounds, keys.rounds), start=1):
+        policy = t.rl_round.submit(round_cfg, config.model, config.data, key, i, policy, sft, rm, data, ctx)
+    return policy.result()
+
+
+STAGE_FLOWS = {"data": data_flow, "sft": sft_flow, "reward_model": reward_model_flow, "rl": rl_flow}
