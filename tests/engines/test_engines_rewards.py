@@ -1,0 +1,128 @@
+"""Reward sources: rule functions and a remote reward service over real HTTP.
+
+The remote service is a real HTTP server on 127.0.0.1 whose behaviour each
+test scripts (fail N times, hang, answer garbage), so the client's timeout,
+retry and error paths run against real sockets.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from engines.rewards import RemoteReward, RewardServiceError, RuleReward, ScoredText
+
+ITEMS = [ScoredText("p1", "7", "7"), ScoredText("p2", "3", "9")]
+
+
+class ScriptedService:
+    """An HTTP reward service: `script` is a list of behaviours, one per request."""
+
+    def __init__(self, script: list[str]):
+        self.script = list(script)
+        self.requests: list[dict] = []
+        service = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802 (http.server's naming)
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                service.requests.append(body)
+                action = service.script.pop(0) if service.script else "ok"
+                if action == "hang":
+                    time.sleep(2.0)
+                    action = "ok"
+                if action.startswith("http"):
+                    self.send_response(int(action[4:]))
+                    self.end_headers()
+                    return
+                payload = (b"not json" if action == "garbage" else
+                           json.dumps({"rewards": [1.0] * (len(body["responses"]) - (action == "short"))}).encode())
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.end_headers()
+                self.wfile.write(payload)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_port}/score"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def service(request):
+    svc = ScriptedService(request.param)
+    yield svc
+    svc.close()
+
+
+@pytest.mark.parametrize("service", [["ok"]], indirect=True)
+def test_remote_reward_sends_texts_and_returns_rewards(service):
+    rewards = RemoteReward(service.url, timeout_s=5, max_retries=0)(ITEMS)
+    assert rewards == [1.0, 1.0]
+    assert service.requests == [{"prompts": ["p1", "p2"], "responses": ["7", "3"], "answers": ["7", "9"]}]
+
+
+@pytest.mark.parametrize("service", [["http500", "http503", "ok"]], indirect=True)
+def test_remote_reward_retries_server_errors(service):
+    assert RemoteReward(service.url, timeout_s=5, max_retries=2, backoff_s=0.01)(ITEMS) == [1.0, 1.0]
+    assert len(service.requests) == 3
+
+
+@pytest.mark.parametrize("service", [["http500"] * 5], indirect=True)
+def test_remote_reward_gives_up_after_bounded_retries(service):
+    with pytest.raises(RewardServiceError) as err:
+        RemoteReward(service.url, timeout_s=5, max_retries=2, backoff_s=0.01)(ITEMS)
+    assert len(service.requests) == 3
+    assert service.url in str(err.value) and "3 attempts" in str(err.value)
+
+
+@pytest.mark.parametrize("service", [["http400"]], indirect=True)
+def test_remote_reward_does_not_retry_client_errors(service):
+    with pytest.raises(RewardServiceError, match="HTTP 400"):
+        RemoteReward(service.url, timeout_s=5, max_retries=3, backoff_s=0.01)(ITEMS)
+    assert len(service.requests) == 1
+
+
+@pytest.mark.parametrize("service", [["hang", "hang"]], indirect=True)
+def test_remote_reward_times_out(service):
+    t0 = time.monotonic()
+    with pytest.raises(RewardServiceError, match="timeout 0.3s"):
+        RemoteReward(service.url, timeout_s=0.3, max_retries=1, backoff_s=0.01)(ITEMS)
+    assert time.monotonic() - t0 < 1.9  # did not wait for the hanging handler
+
+
+@pytest.mark.parametrize("service", [["garbage"], ["short"]], indirect=True)
+def test_remote_reward_rejects_malformed_answers(service):
+    with pytest.raises(RewardServiceError, match=service.url):
+        RemoteReward(service.url, timeout_s=5, max_retries=0)(ITEMS)
+
+
+def test_remote_reward_service_down():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens here
+    url = f"http://127.0.0.1:{port}/score"
+    with pytest.raises(RewardServiceError) as err:
+        RemoteReward(url, timeout_s=1, max_retries=1, backoff_s=0.01)(ITEMS)
+    assert url in str(err.value) and "2 attempts" in str(err.value)
+
+
+def test_rule_reward_by_import_path():
+    rule = RuleReward("alignflow.data.synthetic:rule_reward")
+    assert rule(ITEMS) == [1.0, 0.0]
+    with pytest.raises(ValueError, match="reward.rule"):
+        RuleReward("alignflow.data.synthetic:no_such_function")
+    with pytest.raises(ValueError, match="module:function"):
+        RuleReward("no_colon_here")
