@@ -154,6 +154,7 @@ class HFEngine:
         out = self.model.generate(
             input_ids=ids, attention_mask=attn, do_sample=sampling.temperature > 0,
             temperature=sampling.temperature or None, top_p=sampling.top_p,
+            top_k=0,  # transformers defaults to 50: sample the full distribution, as vLLM does
             max_new_tokens=sampling.max_new_tokens, num_return_sequences=sampling.n,
             min_new_tokens=sampling.max_new_tokens if sampling.ignore_eos else None,
             output_scores=True, return_dict_in_generate=True, pad_token_id=tok.pad_token_id,

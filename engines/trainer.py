@@ -127,11 +127,19 @@ class TrainWorker:
         self.engine.train()
         loss, metrics = objective(self.engine, self._to_device(batch))
         self.engine.backward(loss)
+        # DeepSpeed reports the norm only under ZeRO >= 1; at stage 0 the
+        # full gradients are on every rank, so take it before step() clears them.
+        local_norm = None
+        if self.spec.zero_stage == 0:
+            grads = [p.grad.detach().float().norm() for p in self.engine.module.parameters() if p.grad is not None]
+            local_norm = torch.stack(grads).norm().item() if grads else 0.0
         self.engine.step()
         self.step += 1
         metrics = dict(metrics)
         metrics["lr"] = self.scheduler.get_last_lr()[0]
         grad_norm = self.engine.get_global_grad_norm()
+        if grad_norm is None:
+            grad_norm = local_norm
         if grad_norm is not None:
             metrics["grad_norm"] = float(grad_norm)
         return metrics

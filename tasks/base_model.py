@@ -12,7 +12,7 @@ from engines import models
 from tasks.context import RunContext, compute_stage, stage_task
 
 STAGE = "base_model"
-CODE_VERSION = "1"
+CODE_VERSION = "2"  # 2: tokenizer trained with Qwen2 splitting (loads back identically)
 
 
 def base_model(cfg: ModelConfig, key: str, ctx: RunContext) -> StageResult:

@@ -25,7 +25,7 @@ from tasks.context import RunContext, compute_stage, stage_task
 from tasks.data import load_split
 
 log = logging.getLogger("alignflow")
-CODE_VERSION = "1"
+CODE_VERSION = "2"  # 2: newly initialised scalar heads start at zero
 
 
 def _spec(cfg: TrainConfig, model: ModelConfig, model_path: str, kind: str, total_steps: int, ctx: RunContext) -> EngineSpec:

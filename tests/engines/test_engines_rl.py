@@ -149,3 +149,24 @@ def test_round_state_restores_actor_and_engine(ray_local, tiny_model, prompts, t
         assert diff <= 1e-4, diff
     finally:
         second.shutdown()
+
+
+def test_two_engines_and_separate_reference_and_reward(ray_local, tiny_model, prompts):
+    """Prompts spread across two vLLM engines come back grouped per prompt, in
+    order; the reference and the reward model run as separate actors."""
+    cfg = _round("ppo", num_rollout_engines=2, colocate_reference_and_reward=False,
+                 reward=__import__("alignflow.config").config.RewardConfig(source="model"))
+    rl = _start(cfg, tiny_model, prompts)
+    try:
+        assert rl.reference is not rl.rewarder
+        picked = [prompts[i][0] for i in rl.schedule.indices(0).tolist()]
+        rollouts = rl.generate(picked)
+        n = cfg.generation.num_samples
+        assert len(rollouts) == len(picked) * n
+        for i, r in enumerate(rollouts):
+            assert r.prompt_index == i // n
+            assert r.prompt_ids == picked[i // n]
+        metrics = rl.step(0)
+        assert metrics["reward/std"] >= 0 and "value_loss" in metrics
+    finally:
+        rl.shutdown()

@@ -1,0 +1,387 @@
+"""Pipeline config: loading, overrides, validation errors, shipped configs, prefect.yaml."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from alignflow.config import (
+    ConfigError,
+    PipelineConfig,
+    TinyModelConfig,
+    default_config_path,
+    load_config,
+    parse_override,
+    resolve_paths,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+SHIPPED_CONFIGS = sorted(
+    [*REPO.glob("configs/*.yaml"), *REPO.glob("deployments/configs/*.yaml"), *REPO.glob("alignflow/configs/*.yaml")]
+)
+
+
+def _write(tmp_path: Path, text: str, name: str = "cfg.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+# ---- the embedded default ------------------------------------------------------
+
+
+def test_default_config_is_the_embedded_tiny_yaml():
+    assert default_config_path().is_file()
+    raw = yaml.safe_load(default_config_path().read_text())
+    cfg = load_config()
+    assert isinstance(cfg, PipelineConfig)
+    assert cfg.name == raw["name"] == "tiny"
+    assert cfg.data.source == "synthetic"
+    assert cfg.model.base == "tiny"
+    assert cfg.sft.learning_rate == raw["sft"]["learning_rate"] == 3.0e-3
+    assert cfg.sft.epochs == raw["sft"]["epochs"]
+    assert cfg.reward_model.learning_rate == raw["reward_model"]["learning_rate"]
+    assert cfg.data.synthetic.num_sft == raw["data"]["synthetic"]["num_sft"]
+    assert cfg.evaluation.generation.max_new_tokens == raw["evaluation"]["generation"]["max_new_tokens"]
+    assert cfg.infra.storage.root == "./artifacts"
+    assert cfg.infra.mlflow_tracking_uri == "sqlite:///mlflow.db"
+
+
+def test_repository_tiny_yaml_matches_the_embedded_default():
+    # The deployments run configs/tiny.yaml; `alignflow run` runs the embedded
+    # copy. They must describe the same pipeline.
+    assert load_config(REPO / "configs" / "tiny.yaml") == load_config()
+
+
+def test_config_is_frozen():
+    cfg = load_config()
+    with pytest.raises(ValidationError, match="frozen"):
+        cfg.sft.learning_rate = 1.0  # type: ignore[misc]
+
+
+# ---- overrides -------------------------------------------------------------------
+
+
+def test_overrides_of_each_type():
+    cfg = load_config(
+        overrides=[
+            "sft.batch_size=16",  # int
+            "sft.learning_rate=0.0005",  # float
+            "reward_model.learning_rate=1e-4",  # YAML 1.1 reads this as a string; pydantic coerces
+            "infra.storage.root=s3://bucket/run1",  # nested string
+            "infra.storage.endpoint_url=null",  # None
+            "sft.max_steps=7",  # optional int
+            "data.synthetic.sft_correct_fraction=0.5",  # three levels deep
+        ]
+    )
+    assert cfg.sft.batch_size == 16 and isinstance(cfg.sft.batch_size, int)
+    assert cfg.sft.learning_rate == 0.0005
+    assert cfg.reward_model.learning_rate == pytest.approx(1e-4) and isinstance(cfg.reward_model.learning_rate, float)
+    assert cfg.infra.storage.root == "s3://bucket/run1"
+    assert cfg.infra.storage.endpoint_url is None
+    assert cfg.sft.max_steps == 7
+    assert cfg.data.synthetic.sft_correct_fraction == 0.5
+    # Untouched siblings keep their YAML values.
+    assert cfg.sft.epochs == 3
+    assert cfg.infra.mlflow_tracking_uri == "sqlite:///mlflow.db"
+
+
+@pytest.mark.parametrize(
+    "text, parts, value",
+    [
+        ("a.b=3", ["a", "b"], 3),
+        ("a.b=2.5", ["a", "b"], 2.5),
+        ("a=true", ["a"], True),
+        ("a.b.c=false", ["a", "b", "c"], False),
+        ("a=[1, 2, x]", ["a"], [1, 2, "x"]),
+        ("a={k: 1}", ["a"], {"k": 1}),
+        ("a=", ["a"], None),
+        ("a=s3://b/p?x=1", ["a"], "s3://b/p?x=1"),  # only the first '=' splits
+        (" a.b =7", ["a", "b"], 7),
+    ],
+)
+def test_parse_override_values(text, parts, value):
+    got_parts, got_value = parse_override(text)
+    assert got_parts == parts
+    assert got_value == value
+    assert type(got_value) is type(value)
+
+
+def test_override_creates_a_missing_section():
+    cfg = load_config(
+        overrides=[
+            "data.source=files",
+            "data.sft.path=/data/sft.jsonl",
+            "data.sft.messages_key=messages",
+            "data.preference.path=/data/pref.parquet",
+            "data.eval.path=/data/eval.json",
+        ]
+    )
+    assert cfg.data.sft.path == "/data/sft.jsonl"
+    assert cfg.data.sft.messages_key == "messages"
+    assert cfg.data.preference.path == "/data/pref.parquet"
+    assert cfg.data.prompts is None
+
+
+def test_override_values_of_the_wrong_type():
+    # A list is no value for a float field; the error names the field.
+    with pytest.raises(ConfigError, match=r"sft\.learning_rate"):
+        load_config(overrides=["sft.learning_rate=[1, 2]"])
+    # Nor is a word or a fraction for an int field.
+    with pytest.raises(ConfigError, match=r"sft\.batch_size"):
+        load_config(overrides=["sft.batch_size=lots"])
+    with pytest.raises(ConfigError, match=r"sft\.batch_size"):
+        load_config(overrides=["sft.batch_size=2.5"])
+
+
+def test_unknown_key_is_an_error_naming_the_dotted_field():
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides=["sft.learnin_rate=0.1"])
+    assert "sft.learnin_rate" in str(err.value)
+    with pytest.raises(ConfigError, match=r"infra\.storage\.bucket"):
+        load_config(overrides=["infra.storage.bucket=x"])
+    with pytest.raises(ConfigError, match=r"\bbogus\b"):
+        load_config(overrides=["bogus=1"])
+
+
+def test_unknown_key_in_the_yaml_file_is_an_error(tmp_path):
+    path = _write(tmp_path, "sft:\n  lerning_rate: 0.1\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert "sft.lerning_rate" in str(err.value)
+    assert str(path) in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "override, field",
+    [
+        ("sft.learning_rate=-1", "sft.learning_rate"),
+        ("sft.learning_rate=0", "sft.learning_rate"),
+        ("sft.zero_stage=5", "sft.zero_stage"),
+        ("reward_model.batch_size=0", "reward_model.batch_size"),
+        ("data.synthetic.num_digits=1", "data.synthetic.num_digits"),
+        ("data.synthetic.sft_correct_fraction=1.5", "data.synthetic.sft_correct_fraction"),
+        ("evaluation.generation.top_p=0", "evaluation.generation.top_p"),
+        ("evaluation.generation.backend=tgi", "evaluation.generation.backend"),
+        ("model.dtype=float64", "model.dtype"),
+        ("data.source=hub", "data.source"),
+    ],
+)
+def test_bad_value_fails_naming_the_field(override, field):
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides=[override])
+    message = str(err.value)
+    assert field in message
+    assert "invalid pipeline config" in message
+
+
+def test_every_bad_field_is_reported_at_once():
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides=["sft.learning_rate=-1", "reward_model.zero_stage=9"])
+    assert "sft.learning_rate" in str(err.value)
+    assert "reward_model.zero_stage" in str(err.value)
+
+
+@pytest.mark.parametrize("text", ["foo", "sft.learning_rate", ""])
+def test_malformed_override(text):
+    with pytest.raises(ConfigError, match="key.sub=value"):
+        load_config(overrides=[text])
+
+
+@pytest.mark.parametrize("text", ["sft..learning_rate=1", ".sft=1", "sft.=1", "=1"])
+def test_override_with_an_empty_key_segment(text):
+    with pytest.raises(ConfigError, match="empty key segment"):
+        load_config(overrides=[text])
+
+
+def test_override_into_a_scalar():
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides=["name.sub=1"])
+    assert "'name' is a value, not a section" in str(err.value)
+    with pytest.raises(ConfigError, match="'learning_rate' is a value"):
+        load_config(overrides=["sft.learning_rate.x=1"])
+
+
+# ---- files -------------------------------------------------------------------------
+
+
+def test_missing_file(tmp_path):
+    path = tmp_path / "nope.yaml"
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(path) in str(err.value)
+    assert "does not exist" in str(err.value)
+
+
+@pytest.mark.parametrize("text, kind", [("- a\n- b\n", "list"), ("just a string\n", "str"), ("42\n", "int")])
+def test_yaml_that_is_not_a_mapping(tmp_path, text, kind):
+    path = _write(tmp_path, text)
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert "top level must be a mapping" in str(err.value)
+    assert kind in str(err.value)
+    assert str(path) in str(err.value)
+
+
+def test_invalid_yaml(tmp_path):
+    path = _write(tmp_path, "sft: {learning_rate: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(path)
+
+
+def test_empty_file_gives_all_defaults(tmp_path):
+    cfg = load_config(_write(tmp_path, "# nothing\n"))
+    assert cfg == PipelineConfig()
+    assert cfg.sft.learning_rate == 1e-3  # the class default, not tiny.yaml's
+
+
+def test_file_then_overrides(tmp_path):
+    path = _write(tmp_path, "name: mine\nsft: {learning_rate: 0.01, batch_size: 8}\n")
+    cfg = load_config(path, ["sft.batch_size=4"])
+    assert cfg.name == "mine"
+    assert cfg.sft.learning_rate == 0.01
+    assert cfg.sft.batch_size == 4
+
+
+# ---- cross-field validation ---------------------------------------------------------
+
+
+def test_files_source_needs_its_datasets():
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides=["data.source=files"])
+    message = str(err.value)
+    assert "data.sft" in message and "data.preference" in message and "data.eval" in message
+
+
+def test_files_source_names_only_what_is_missing():
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides=["data.source=files", "data.sft.path=a.jsonl", "data.eval.path=e.jsonl"])
+    message = str(err.value)
+    assert "data.preference" in message
+    assert "data.sft" not in message
+    assert "data.eval" not in message
+
+
+@pytest.mark.parametrize(
+    "kwargs, ok",
+    [
+        ({}, True),
+        ({"hidden_size": 128, "num_heads": 8, "num_kv_heads": 8}, True),
+        ({"hidden_size": 96, "num_heads": 6, "num_kv_heads": 3}, True),
+        ({"hidden_size": 130, "num_heads": 4, "num_kv_heads": 2}, False),  # 130 % 4
+        ({"hidden_size": 128, "num_heads": 4, "num_kv_heads": 3}, False),  # 4 % 3
+        ({"hidden_size": 128, "num_heads": 2, "num_kv_heads": 4}, False),  # 2 % 4
+    ],
+)
+def test_tiny_model_heads(kwargs, ok):
+    if ok:
+        cfg = TinyModelConfig(**kwargs)
+        assert cfg.hidden_size % cfg.num_heads == 0
+    else:
+        with pytest.raises(ValidationError, match="num_heads"):
+            TinyModelConfig(**kwargs)
+
+
+def test_tiny_model_heads_through_load_config():
+    with pytest.raises(ConfigError, match=r"model\.tiny"):
+        load_config(overrides=["model.tiny.num_heads=3"])
+
+
+# ---- resolve_paths -------------------------------------------------------------------
+
+
+def test_resolve_paths_makes_local_paths_absolute(tmp_path):
+    cfg = resolve_paths(load_config(), base=tmp_path)
+    assert cfg.infra.storage.root == str(tmp_path.resolve() / "artifacts")
+    assert cfg.infra.mlflow_tracking_uri == f"sqlite:///{tmp_path.resolve() / 'mlflow.db'}"
+    # Everything else is unchanged.
+    assert cfg.sft == load_config().sft
+
+
+def test_resolve_paths_defaults_to_the_working_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = resolve_paths(load_config())
+    assert cfg.infra.storage.root == str(tmp_path.resolve() / "artifacts")
+
+
+def test_resolve_paths_leaves_remote_and_absolute_uris_alone(tmp_path):
+    cfg = load_config(
+        overrides=[
+            "infra.storage.root=s3://bucket/prefix",
+            "infra.mlflow_tracking_uri=http://mlflow.internal:5000",
+        ]
+    )
+    out = resolve_paths(cfg, base=tmp_path)
+    assert out.infra.storage.root == "s3://bucket/prefix"
+    assert out.infra.mlflow_tracking_uri == "http://mlflow.internal:5000"
+
+    absolute = load_config(overrides=["infra.mlflow_tracking_uri=sqlite:////srv/mlflow.db"])
+    assert resolve_paths(absolute, base=tmp_path).infra.mlflow_tracking_uri == "sqlite:////srv/mlflow.db"
+
+
+def test_resolve_paths_expands_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = resolve_paths(load_config(overrides=["infra.storage.root=~/art"]), base=Path("/somewhere/else"))
+    assert cfg.infra.storage.root == str(tmp_path.resolve() / "art")
+
+
+# ---- every shipped config and prefect.yaml ------------------------------------------------
+
+
+def test_shipped_configs_are_found():
+    names = {p.relative_to(REPO).as_posix() for p in SHIPPED_CONFIGS}
+    assert {"configs/tiny.yaml", "deployments/configs/nightly.yaml", "alignflow/configs/tiny.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", SHIPPED_CONFIGS, ids=lambda p: p.relative_to(REPO).as_posix())
+def test_every_shipped_config_validates(path):
+    cfg = load_config(path)
+    assert isinstance(cfg, PipelineConfig)
+    raw = yaml.safe_load(path.read_text())
+    assert cfg.name == raw.get("name", "tiny")
+
+
+def _deployments() -> list[dict]:
+    spec = yaml.safe_load((REPO / "prefect.yaml").read_text())
+    return spec["deployments"]
+
+
+def test_prefect_yaml_parses():
+    spec = yaml.safe_load((REPO / "prefect.yaml").read_text())
+    assert isinstance(spec, dict)
+    deployments = spec["deployments"]
+    assert deployments, "prefect.yaml has no deployments"
+    names = [d["name"] for d in deployments]
+    assert len(names) == len(set(names)), f"duplicate deployment names: {names}"
+    assert any(d.get("schedules") for d in deployments), "no scheduled deployment"
+    for d in deployments:
+        assert d.get("work_pool", {}).get("name"), f"{d['name']}: no work pool"
+
+
+@pytest.mark.parametrize("deployment", _deployments(), ids=lambda d: d["name"])
+def test_deployment_entrypoint_is_a_flow_accepting_its_parameters(deployment):
+    from prefect import Flow
+
+    file, func = deployment["entrypoint"].split(":")
+    assert (REPO / file).is_file(), f"{deployment['name']}: {file} does not exist"
+    module = importlib.import_module(file.removesuffix(".py").replace("/", "."))
+    flow = getattr(module, func)
+    assert isinstance(flow, Flow), f"{deployment['entrypoint']} is not a Prefect flow"
+    params = deployment.get("parameters") or {}
+    inspect.signature(flow.fn).bind(**params)  # raises TypeError on an unknown or missing parameter
+
+
+@pytest.mark.parametrize("deployment", _deployments(), ids=lambda d: d["name"])
+def test_deployment_parameters_name_a_valid_config_and_stage(deployment):
+    params = deployment.get("parameters") or {}
+    if "config_path" in params:
+        assert load_config(REPO / params["config_path"], params.get("overrides") or [])
+    if "stage" in params:
+        from flows.stages import STAGE_FLOWS
+
+        assert params["stage"] in STAGE_FLOWS

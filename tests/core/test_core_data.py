@@ -1,0 +1,448 @@
+"""Data: the bundled synthetic task and user data in JSONL / JSON / Parquet / `datasets`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from alignflow.config import DatasetSource, SyntheticTaskConfig
+from alignflow.data import formats, synthetic
+from alignflow.data.formats import DataError, load_records
+
+QUESTION = "Which digit is largest?"
+
+
+# ---- the synthetic task ------------------------------------------------------------
+
+
+def _digits(record: dict) -> list[int]:
+    """The digits of a synthetic prompt, parsed from the rendered user message."""
+    (message,) = record["prompt"]
+    assert message["role"] == "user"
+    text = message["content"]
+    assert text.startswith(QUESTION + " ")
+    return [int(tok) for tok in text[len(QUESTION) + 1 :].split(" ")]
+
+
+def _habit(digits: list[int]) -> int:
+    return [d for d in digits if d != max(digits)][0]
+
+
+@pytest.fixture(scope="module")
+def cfg() -> SyntheticTaskConfig:
+    return SyntheticTaskConfig(seed=3, num_digits=5, num_sft=2000, num_preference=2000, num_rl_prompts=300,
+                               num_eval=200, sft_correct_fraction=0.35)
+
+
+@pytest.fixture(scope="module")
+def splits(cfg) -> dict[str, list[dict]]:
+    return synthetic.generate(cfg)
+
+
+def test_split_sizes(cfg, splits):
+    assert set(splits) == {"sft", "preference", "prompts", "eval", "eval_preference"}
+    assert len(splits["sft"]) == cfg.num_sft
+    assert len(splits["preference"]) == cfg.num_preference
+    assert len(splits["prompts"]) == cfg.num_rl_prompts
+    assert len(splits["eval"]) == cfg.num_eval
+    assert len(splits["eval_preference"]) == cfg.num_eval
+
+
+def test_deterministic_for_a_seed(cfg, splits):
+    assert synthetic.generate(cfg) == splits
+    other = synthetic.generate(cfg.model_copy(update={"seed": cfg.seed + 1}))
+    assert other["eval"] != splits["eval"]
+    assert other["sft"] != splits["sft"]
+
+
+def test_eval_set_does_not_depend_on_training_sizes(cfg, splits):
+    smaller = synthetic.generate(cfg.model_copy(update={"num_sft": 10, "num_preference": 7, "num_rl_prompts": 3}))
+    assert smaller["eval"] == splits["eval"]
+    assert smaller["eval_preference"] == splits["eval_preference"]
+
+
+def test_prompts_have_distinct_digits(cfg, splits):
+    for name, records in splits.items():
+        for r in records:
+            d = _digits(r)
+            assert len(d) == cfg.num_digits, name
+            assert len(set(d)) == cfg.num_digits, name
+            assert all(0 <= x <= 9 for x in d), name
+
+
+def test_eval_prompts_never_occur_in_training(splits):
+    def prompts(name):
+        return {tuple(_digits(r)) for r in splits[name]}
+
+    eval_prompts = prompts("eval")
+    assert len(eval_prompts) == len(splits["eval"])
+    assert prompts("eval_preference") == eval_prompts
+    for name in ("sft", "preference", "prompts"):
+        assert not eval_prompts & prompts(name), name
+    # Training splits do not repeat prompts among themselves either.
+    train = [tuple(_digits(r)) for name in ("sft", "preference", "prompts") for r in splits[name]]
+    assert len(train) == len(set(train))
+
+
+def test_answers_are_the_largest_digit(splits):
+    for name in ("eval", "prompts"):
+        for r in splits[name]:
+            assert r["answer"] == str(max(_digits(r)))
+
+
+def test_preference_pairs(splits):
+    for name in ("preference", "eval_preference"):
+        for r in splits[name]:
+            d = _digits(r)
+            assert r["chosen"] == str(max(d))
+            assert r["rejected"] != r["chosen"]
+            assert r["rejected"] in [str(x) for x in range(10)]
+
+
+def test_rejected_answers_are_mixed(cfg, splits):
+    # A third each: the habit, another digit of the prompt (the habit again with
+    # probability 1/(k-1)), a digit absent from the prompt, larger than the
+    # maximum where one exists. Binomial std at n=2000 is ~0.011.
+    pairs = splits["preference"]
+    k = cfg.num_digits
+    habit = sum(r["rejected"] == str(_habit(_digits(r))) for r in pairs) / len(pairs)
+    absent = [r for r in pairs if int(r["rejected"]) not in _digits(r)]
+    assert abs(habit - (1 / 3 + 1 / 3 / (k - 1))) < 0.05
+    assert abs(len(absent) / len(pairs) - 1 / 3) < 0.05
+    for r in absent:
+        d = _digits(r)
+        if any(x > max(d) for x in range(10) if x not in d):
+            assert int(r["rejected"]) > max(d)
+
+
+def test_sft_correct_fraction(cfg, splits):
+    correct = wrong_is_habit = 0
+    for r in splits["sft"]:
+        d = _digits(r)
+        if r["response"] == str(max(d)):
+            correct += 1
+        else:
+            wrong_is_habit += r["response"] == str(_habit(d))
+    n = len(splits["sft"])
+    # Binomial std at n=2000, p=0.35 is ~0.011.
+    assert abs(correct / n - cfg.sft_correct_fraction) < 0.05
+    assert wrong_is_habit == n - correct  # every wrong demonstration shows the habit
+
+
+@pytest.mark.parametrize("fraction", [0.0, 1.0])
+def test_sft_correct_fraction_extremes(fraction):
+    out = synthetic.generate(SyntheticTaskConfig(num_sft=200, num_preference=1, num_rl_prompts=1, num_eval=1,
+                                                 sft_correct_fraction=fraction))
+    correct = [r["response"] == str(max(_digits(r))) for r in out["sft"]]
+    assert all(correct) if fraction == 1.0 else not any(correct)
+
+
+def test_running_out_of_distinct_prompts():
+    # 2 distinct digits: only 90 ordered prompts exist.
+    with pytest.raises(ValueError, match="ran out of distinct prompts"):
+        synthetic.generate(SyntheticTaskConfig(num_digits=2, num_sft=100, num_preference=1, num_rl_prompts=1,
+                                               num_eval=1))
+
+
+@pytest.mark.parametrize(
+    "response, answer, ok",
+    [("7", "7", True), (" 7\n", "7", True), ("7", " 7 ", True), ("7 ", "8", False), ("77", "7", False),
+     ("", "7", False), ("The answer is 7", "7", False)],
+)
+def test_check_answer(response, answer, ok):
+    assert synthetic.check_answer(response, answer) is ok
+
+
+def test_render_question():
+    assert synthetic.render_question([3, 1, 4]) == "Which digit is largest? 3 1 4"
+
+
+def test_tokenizer_corpus_is_deterministic():
+    a = list(synthetic.tokenizer_corpus(seed=1, n=5))
+    assert a == list(synthetic.tokenizer_corpus(seed=1, n=5))
+    assert len(a) == 10
+    assert a[0].startswith(QUESTION)
+
+
+# ---- user data: formats ----------------------------------------------------------------
+
+
+def _jsonl(path: Path, rows: list, blank_lines: bool = False) -> str:
+    lines = [json.dumps(r) for r in rows]
+    sep = "\n\n" if blank_lines else "\n"
+    path.write_text(sep.join(lines) + "\n")
+    return str(path)
+
+
+def _parquet(path: Path, rows: list[dict]) -> str:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return str(path)
+
+
+SFT_ROWS = [{"prompt": "What is 2+2?", "response": "4", "extra": 1}, {"prompt": "Capital of France?", "response": "Paris"}]
+
+
+def test_jsonl_prompt_response(tmp_path):
+    path = _jsonl(tmp_path / "sft.jsonl", SFT_ROWS, blank_lines=True)
+    out = load_records(DatasetSource(path=path), "sft")
+    assert out == [{"prompt": "What is 2+2?", "response": "4"}, {"prompt": "Capital of France?", "response": "Paris"}]
+
+
+def test_custom_keys(tmp_path):
+    rows = [{"question": "q1", "answer_text": "a1"}]
+    path = _jsonl(tmp_path / "sft.jsonl", rows)
+    out = load_records(DatasetSource(path=path, prompt_key="question", response_key="answer_text"), "sft")
+    assert out == [{"prompt": "q1", "response": "a1"}]
+
+
+def test_parquet(tmp_path):
+    path = _parquet(tmp_path / "sft.parquet", [{"prompt": "p1", "response": "r1"}, {"prompt": "p2", "response": "r2"}])
+    assert load_records(DatasetSource(path=path), "sft") == [
+        {"prompt": "p1", "response": "r1"}, {"prompt": "p2", "response": "r2"}
+    ]
+
+
+def test_parquet_prompts_with_integer_answers(tmp_path):
+    path = _parquet(tmp_path / "p.parquet", [{"prompt": "p1", "answer": 7}, {"prompt": "p2", "answer": 3}])
+    assert load_records(DatasetSource(path=path), "prompts") == [
+        {"prompt": "p1", "answer": "7"}, {"prompt": "p2", "answer": "3"}
+    ]
+
+
+def test_json_list(tmp_path):
+    path = tmp_path / "pref.json"
+    path.write_text(json.dumps([{"prompt": "p", "chosen": "good", "rejected": "bad"}]))
+    assert load_records(DatasetSource(path=str(path)), "preference") == [
+        {"prompt": "p", "chosen": "good", "rejected": "bad"}
+    ]
+
+
+def test_json_must_hold_a_list(tmp_path):
+    path = tmp_path / "x.json"
+    path.write_text(json.dumps({"prompt": "p", "response": "r"}))
+    with pytest.raises(DataError, match="must hold a list of rows") as err:
+        load_records(DatasetSource(path=str(path)), "sft")
+    assert str(path) in str(err.value)
+
+
+CHAT = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Hi?"},
+    {"role": "assistant", "content": "Hello."},
+]
+
+
+def test_chat_messages_sft(tmp_path):
+    path = _jsonl(tmp_path / "chat.jsonl", [{"messages": CHAT}])
+    out = load_records(DatasetSource(path=path, messages_key="messages"), "sft")
+    assert out == [{"prompt": CHAT[:2], "response": "Hello."}]
+
+
+def test_chat_messages_in_parquet(tmp_path):
+    path = _parquet(tmp_path / "chat.parquet", [{"messages": CHAT}])
+    out = load_records(DatasetSource(path=path, messages_key="messages"), "sft")
+    assert out == [{"prompt": CHAT[:2], "response": "Hello."}]
+
+
+def test_chat_messages_prompts(tmp_path):
+    path = _jsonl(tmp_path / "p.jsonl", [{"messages": CHAT[:2], "answer": "x"}])
+    out = load_records(DatasetSource(path=path, messages_key="messages"), "prompts")
+    assert out == [{"prompt": CHAT[:2], "answer": "x"}]
+
+
+def test_chat_must_end_with_an_assistant_reply(tmp_path):
+    path = _jsonl(tmp_path / "chat.jsonl", [{"messages": CHAT}, {"messages": CHAT[:2]}])
+    with pytest.raises(DataError) as err:
+        load_records(DatasetSource(path=path, messages_key="messages"), "sft")
+    assert f"{path}, row 2" in str(err.value)
+    assert "'messages'" in str(err.value)
+
+
+def test_chat_message_without_content(tmp_path):
+    bad = [{"role": "user", "content": "q"}, {"role": "assistant"}]
+    path = _jsonl(tmp_path / "chat.jsonl", [{"messages": bad}])
+    with pytest.raises(DataError, match="message 1 needs string 'role' and 'content'"):
+        load_records(DatasetSource(path=path, messages_key="messages"), "sft")
+
+
+def test_preference_chosen_rejected(tmp_path):
+    rows = [
+        {"prompt": "p1", "chosen": "c1", "rejected": "r1"},
+        # Conversations as chosen/rejected: their last (assistant) turn is the text.
+        {"prompt": CHAT[:2], "chosen": [*CHAT[:2], {"role": "assistant", "content": "c2"}],
+         "rejected": [*CHAT[:2], {"role": "assistant", "content": "r2"}]},
+    ]
+    path = _jsonl(tmp_path / "pref.jsonl", rows)
+    assert load_records(DatasetSource(path=path), "preference") == [
+        {"prompt": "p1", "chosen": "c1", "rejected": "r1"},
+        {"prompt": CHAT[:2], "chosen": "c2", "rejected": "r2"},
+    ]
+
+
+def test_prompts_without_answers(tmp_path):
+    path = _jsonl(tmp_path / "p.jsonl", [{"prompt": "p"}])
+    assert load_records(DatasetSource(path=path), "prompts") == [{"prompt": "p", "answer": None}]
+    assert load_records(DatasetSource(path=path, answer_key=None), "prompts") == [{"prompt": "p", "answer": None}]
+
+
+# ---- user data: errors name file, row and key ---------------------------------------------
+
+
+@pytest.mark.parametrize("suffix", ["jsonl", "json", "parquet"])
+@pytest.mark.parametrize("kind, missing", [("sft", "response"), ("sft", "prompt"), ("preference", "rejected")])
+def test_missing_key_names_file_row_and_key(tmp_path, suffix, kind, missing):
+    good = {"prompt": "p", "response": "r", "chosen": "c", "rejected": "x"}
+    bad = {k: v for k, v in good.items() if k != missing}
+    rows = [good, good, bad, good]  # the bad row is row 3
+    path = tmp_path / f"data.{suffix}"
+    if suffix == "jsonl":
+        _jsonl(path, rows)
+    elif suffix == "json":
+        path.write_text(json.dumps(rows))
+    else:
+        bad_pq = {**good, missing: None}  # parquet has one schema: a null cell
+        _parquet(path, [good, good, bad_pq, good])
+    with pytest.raises(DataError) as err:
+        load_records(DatasetSource(path=str(path)), kind)
+    message = str(err.value)
+    assert str(path) in message
+    assert "row 3" in message
+    assert f"'{missing}'" in message
+
+
+def test_row_numbers_skip_blank_lines_consistently(tmp_path):
+    # Blank lines are not rows: a missing key and a broken line in the same
+    # file are numbered the same way.
+    path = tmp_path / "data.jsonl"
+    path.write_text('{"prompt": "p", "response": "r"}\n\n{"prompt": "p"}\n')
+    with pytest.raises(DataError, match=r"row 2: missing key 'response'"):
+        load_records(DatasetSource(path=str(path)), "sft")
+    path.write_text('{"prompt": "p", "response": "r"}\n\n{"prompt": "p", \n')
+    with pytest.raises(DataError, match=r"row 2: not valid JSON"):
+        load_records(DatasetSource(path=str(path)), "sft")
+
+
+def test_non_json_line(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_text('{"prompt": "p", "response": "r"}\nnot json at all\n')
+    with pytest.raises(DataError) as err:
+        load_records(DatasetSource(path=str(path)), "sft")
+    assert f"{path}, row 2" in str(err.value)
+    assert "not valid JSON" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "row, kind, key, text",
+    [
+        ({"prompt": 5, "response": "r"}, "sft", "prompt", "must be a string or a list of chat messages, got int"),
+        ({"prompt": "p", "response": 5}, "sft", "response", "must be a string, got int"),
+        ({"prompt": "p", "response": ["a", "b"]}, "sft", "response", "must be a string, got list"),
+        ({"prompt": "  ", "response": "r"}, "sft", "prompt", "is an empty string"),
+        ({"prompt": [], "response": "r"}, "sft", "prompt", "got list"),
+        ({"prompt": "p", "chosen": "c", "rejected": {"x": 1}}, "preference", "rejected", "must be a string, got dict"),
+    ],
+)
+def test_wrong_type(tmp_path, row, kind, key, text):
+    path = _jsonl(tmp_path / "data.jsonl", [row])
+    with pytest.raises(DataError) as err:
+        load_records(DatasetSource(path=path), kind)
+    message = str(err.value)
+    assert f"{path}, row 1" in message
+    assert f"'{key}'" in message
+    assert text in message
+
+
+def test_row_that_is_not_an_object(tmp_path):
+    path = _jsonl(tmp_path / "data.jsonl", [{"prompt": "p", "response": "r"}, ["p", "r"]])
+    with pytest.raises(DataError, match=r"row 2: a row must be an object, got list"):
+        load_records(DatasetSource(path=path), "sft")
+
+
+@pytest.mark.parametrize("content", ["", "\n\n", "[]"])
+def test_empty_dataset(tmp_path, content):
+    suffix = "json" if content == "[]" else "jsonl"
+    path = tmp_path / f"empty.{suffix}"
+    path.write_text(content)
+    with pytest.raises(DataError, match="empty") as err:
+        load_records(DatasetSource(path=str(path)), "sft")
+    assert str(path) in str(err.value)
+
+
+def test_empty_parquet(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "empty.parquet"
+    pq.write_table(pa.table({"prompt": pa.array([], pa.string()), "response": pa.array([], pa.string())}), path)
+    with pytest.raises(DataError, match="empty"):
+        load_records(DatasetSource(path=str(path)), "sft")
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        load_records(DatasetSource(path=str(tmp_path / "nope.jsonl")), "sft")
+
+
+# ---- a `datasets` source (a local directory: the json/parquet builders, offline) -------------
+
+
+@pytest.fixture
+def offline_datasets(tmp_path, monkeypatch):
+    import datasets
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf-cache")
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True, raising=False)
+    return tmp_path
+
+
+def test_datasets_source_from_a_local_directory(offline_datasets):
+    data_dir = offline_datasets / "my_dataset"
+    data_dir.mkdir()
+    _jsonl(data_dir / "train.jsonl", [{"prompt": "p1", "chosen": "c1", "rejected": "r1"},
+                                      {"prompt": "p2", "chosen": "c2", "rejected": "r2"}])
+    _jsonl(data_dir / "test.jsonl", [{"prompt": "t1", "chosen": "c", "rejected": "r"}])
+    src = DatasetSource(path=str(data_dir))
+    assert load_records(src, "preference") == [
+        {"prompt": "p1", "chosen": "c1", "rejected": "r1"}, {"prompt": "p2", "chosen": "c2", "rejected": "r2"}
+    ]
+    test_split = DatasetSource(path=str(data_dir), split="test")
+    assert load_records(test_split, "preference") == [{"prompt": "t1", "chosen": "c", "rejected": "r"}]
+
+
+def test_datasets_source_bad_row_names_the_source(offline_datasets):
+    data_dir = offline_datasets / "chat_dataset"
+    data_dir.mkdir()
+    _parquet(data_dir / "train.parquet", [{"messages": CHAT}, {"messages": CHAT[:1]}])
+    src = DatasetSource(path=str(data_dir), messages_key="messages")
+    with pytest.raises(DataError) as err:
+        load_records(src, "sft")
+    assert f"{data_dir}, row 2" in str(err.value)
+    assert "'messages'" in str(err.value)
+
+
+# ---- canonical JSONL round trip ------------------------------------------------------------
+
+
+def test_write_and_read_jsonl(tmp_path):
+    records = [{"prompt": CHAT[:2], "response": "é"}, {"prompt": "p", "answer": None}]
+    path = tmp_path / "out.jsonl"
+    formats.write_jsonl(records, str(path))
+    assert formats.read_jsonl(str(path)) == records
+    assert len(path.read_text().splitlines()) == 2
+
+
+def test_synthetic_splits_are_valid_canonical_records(tmp_path, splits):
+    # What prepare_data writes for the synthetic task must load as user data.
+    kinds = {"sft": "sft", "preference": "preference", "prompts": "prompts", "eval": "prompts",
+             "eval_preference": "preference"}
+    for name, kind in kinds.items():
+        path = tmp_path / f"{name}.jsonl"
+        formats.write_jsonl(splits[name][:20], str(path))
+        assert load_records(DatasetSource(path=str(path)), kind) == splits[name][:20]

@@ -1,0 +1,249 @@
+"""Storage on a local root: atomic commit, verified fetch, content keys, mid-stage checkpoints."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+
+from alignflow.config import SFTConfig
+from alignflow.storage import MANIFEST, Storage, StorageError, content_key
+
+FILES = {
+    "config.json": b'{"model_type": "qwen2"}',
+    "model.safetensors": bytes(range(256)) * 40,
+    "tokenizer/tokenizer.json": b"{}",
+    "empty.txt": b"",
+}
+
+
+def _make_dir(path: Path, files: dict[str, bytes] = FILES) -> Path:
+    for rel, data in files.items():
+        (path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (path / rel).write_bytes(data)
+    return path
+
+
+@pytest.fixture
+def storage(tmp_path) -> Storage:
+    return Storage(root=str(tmp_path / "root"))
+
+
+@pytest.fixture
+def src(tmp_path) -> Path:
+    return _make_dir(tmp_path / "src")
+
+
+class _RecordingStorage(Storage):
+    """Storage whose filesystem records the order of uploads (a spy, not a fake)."""
+
+    def _fs(self):
+        fs = super()._fs()
+        log = self.__dict__.setdefault("_puts", [])
+
+        class Spy:
+            def __getattr__(self, name):
+                return getattr(fs, name)
+
+            def put_file(self, lpath, rpath, **kw):
+                log.append(rpath)
+                return fs.put_file(lpath, rpath, **kw)
+
+        return Spy()
+
+
+# ---- commit and fetch --------------------------------------------------------------------
+
+
+def test_commit_writes_files_and_manifest(storage, src):
+    uri = storage.stage_uri("sft", "abc123")
+    assert not storage.is_committed(uri)
+    manifest = storage.commit(src, uri, meta={"stage": "sft", "step": 3})
+    for rel, data in FILES.items():
+        assert (Path(uri) / rel).read_bytes() == data
+    on_disk = json.loads((Path(uri) / MANIFEST).read_text())
+    assert on_disk == manifest
+    assert on_disk["meta"] == {"stage": "sft", "step": 3}
+    expected = {rel: {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()} for rel, data in FILES.items()}
+    assert on_disk["files"] == expected
+    assert storage.is_committed(uri)
+    assert storage.read_manifest(uri) == manifest
+
+
+def test_manifest_is_written_last(tmp_path, src):
+    storage = _RecordingStorage(root=str(tmp_path / "root"))
+    uri = storage.stage_uri("sft", "k")
+    storage.commit(src, uri)
+    puts = storage.__dict__["_puts"]
+    assert len(puts) == len(FILES) + 1
+    assert puts[-1] == f"{uri}/{MANIFEST}"
+    assert all(not p.endswith(MANIFEST) for p in puts[:-1])
+
+
+def test_an_existing_manifest_in_the_source_is_not_uploaded_as_a_file(storage, src):
+    (src / MANIFEST).write_text('{"stale": true}')
+    manifest = storage.commit(src, storage.stage_uri("s", "k"))
+    assert MANIFEST not in manifest["files"]
+    assert "stale" not in storage.read_manifest(storage.stage_uri("s", "k"))
+
+
+def test_uri_layout(storage, tmp_path):
+    assert storage.stage_uri("reward_model", "k1") == str((tmp_path / "root").resolve() / "reward_model" / "k1")
+    file_root = Storage(root=f"file://{tmp_path}/r2")
+    assert file_root.is_local
+    assert file_root.uri("a", "b") == str(tmp_path.resolve() / "r2" / "a" / "b")
+    assert not Storage(root="s3://bucket/prefix").is_local
+    assert Storage(root="s3://bucket/prefix/").uri("sft", "k") == "s3://bucket/prefix/sft/k"
+
+
+def test_commit_refuses_an_empty_directory(storage, tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(StorageError, match="empty"):
+        storage.commit(tmp_path / "empty", storage.stage_uri("s", "k"))
+
+
+def test_uncommitted_directory_after_a_crash(storage, src):
+    # A crash mid-upload: every file is there, the manifest never was.
+    uri = storage.stage_uri("sft", "crashed")
+    _make_dir(Path(uri))
+    assert not storage.is_committed(uri)
+    with pytest.raises(StorageError, match="not a committed artifact"):
+        storage.fetch(uri)
+    with pytest.raises(StorageError, match="not a committed artifact"):
+        storage.read_manifest(uri)
+
+
+def test_fetch_verifies_a_committed_directory(storage, src):
+    uri = storage.stage_uri("sft", "k")
+    storage.commit(src, uri)
+    local = storage.fetch(uri)
+    assert local == Path(uri)
+    assert (local / "model.safetensors").read_bytes() == FILES["model.safetensors"]
+
+
+def test_fetch_rejects_a_tampered_file(storage, src):
+    uri = storage.stage_uri("sft", "k")
+    storage.commit(src, uri)
+    target = Path(uri) / "model.safetensors"
+    data = bytearray(target.read_bytes())
+    data[1234] ^= 0x01  # one byte, same size
+    target.write_bytes(bytes(data))
+    with pytest.raises(StorageError) as err:
+        storage.fetch(uri)
+    assert "model.safetensors (sha256 mismatch)" in str(err.value)
+    assert uri in str(err.value)
+    # Without verification the caller gets the directory as it is.
+    assert storage.fetch(uri, verify=False) == Path(uri)
+
+
+def test_fetch_rejects_a_missing_or_truncated_file(storage, src):
+    uri = storage.stage_uri("sft", "k")
+    storage.commit(src, uri)
+    (Path(uri) / "tokenizer" / "tokenizer.json").unlink()
+    with open(Path(uri) / "config.json", "ab") as f:
+        f.write(b" ")
+    with pytest.raises(StorageError) as err:
+        storage.fetch(uri)
+    assert "tokenizer/tokenizer.json (missing or wrong size)" in str(err.value)
+    assert "config.json (missing or wrong size)" in str(err.value)
+
+
+def test_json_records(storage):
+    uri = storage.uri("records", "sub", "r.json")
+    assert not storage.exists(uri)
+    storage.write_json(uri, {"b": [1, 2], "a": None})
+    assert storage.exists(uri)
+    assert storage.read_json(uri) == {"a": None, "b": [1, 2]}
+
+
+# ---- content keys --------------------------------------------------------------------------
+
+
+def test_content_key_is_stable():
+    key = content_key("sft", {"lr": 0.1, "steps": 3}, {"data": "abc"}, "1")
+    assert key == content_key("sft", {"lr": 0.1, "steps": 3}, {"data": "abc"}, "1")
+    assert len(key) == 20 and all(c in "0123456789abcdef" for c in key)
+
+
+def test_content_key_is_this_digest():
+    # Pinned: a change here silently invalidates every cache.
+    blob = json.dumps({"code": "1", "config": {"a": 1}, "inputs": {"x": "k"}, "stage": "s"}, separators=(",", ":"))
+    assert content_key("s", {"a": 1}, {"x": "k"}, "1") == hashlib.sha256(blob.encode()).hexdigest()[:20]
+
+
+def test_content_key_ignores_dict_order():
+    a = content_key("sft", {"lr": 0.1, "opt": {"b": 1, "a": 2}}, {"data": "d", "base": "b"}, "1")
+    b = content_key("sft", {"opt": {"a": 2, "b": 1}, "lr": 0.1}, {"base": "b", "data": "d"}, "1")
+    assert a == b
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"stage": "reward_model"},
+        {"config": {"lr": 0.2, "steps": 3}},
+        {"config": {"lr": 0.1, "steps": 3, "extra": None}},
+        {"inputs": {"data": "abd"}},
+        {"inputs": {"data": "abc", "base": "x"}},
+        {"code_version": "2"},
+    ],
+)
+def test_content_key_changes_with_what_determines_the_output(change):
+    base = {"stage": "sft", "config": {"lr": 0.1, "steps": 3}, "inputs": {"data": "abc"}, "code_version": "1"}
+    assert content_key(**base) != content_key(**{**base, **change})
+
+
+def test_content_key_of_a_pydantic_config():
+    cfg = SFTConfig(learning_rate=0.01)
+    assert content_key("sft", cfg, {}, "1") == content_key("sft", cfg.model_dump(mode="json"), {}, "1")
+    assert content_key("sft", cfg, {}, "1") != content_key("sft", SFTConfig(learning_rate=0.02), {}, "1")
+
+
+# ---- mid-stage checkpoints -----------------------------------------------------------------
+
+
+def test_checkpoint_uri(storage):
+    stage = storage.stage_uri("sft", "k")
+    assert storage.checkpoint_uri(stage, 20) == f"{stage}/checkpoints/step-00000020"
+
+
+def test_latest_checkpoint_ignores_uncommitted(storage, src):
+    stage = storage.stage_uri("sft", "k")
+    assert storage.latest_checkpoint(stage) is None
+    for step in (5, 20, 100):
+        storage.commit(src, storage.checkpoint_uri(stage, step), meta={"step": step})
+    # A crash while uploading step 200: files but no manifest.
+    _make_dir(Path(storage.checkpoint_uri(stage, 200)))
+    # Something else in the checkpoints directory.
+    (Path(stage) / "checkpoints" / "notes").mkdir()
+    step, uri = storage.latest_checkpoint(stage)
+    assert step == 100  # the highest committed step; step 200 is not committed
+    assert uri == storage.checkpoint_uri(stage, 100)
+    assert storage.read_manifest(uri)["meta"] == {"step": 100}
+
+
+def test_latest_checkpoint_compares_steps_as_numbers(storage, src):
+    stage = storage.stage_uri("sft", "k")
+    # Unpadded names (written by hand or by an older version) still order by number.
+    for name in ("step-9", "step-10"):
+        storage.commit(src, f"{stage}/checkpoints/{name}")
+    assert storage.latest_checkpoint(stage)[0] == 10
+
+
+def test_prune_checkpoints(storage, src):
+    stage = storage.stage_uri("sft", "k")
+    storage.prune_checkpoints(stage)  # nothing there: no error
+    for step in (10, 20, 30):
+        storage.commit(src, storage.checkpoint_uri(stage, step))
+    storage.commit(src, stage)  # the stage's own output must survive pruning
+    storage.prune_checkpoints(stage, keep_step=20)
+    remaining = sorted(p.name for p in (Path(stage) / "checkpoints").iterdir())
+    assert remaining == ["step-00000020"]
+    assert storage.latest_checkpoint(stage)[0] == 20
+    storage.prune_checkpoints(stage)
+    assert list((Path(stage) / "checkpoints").iterdir()) == []
+    assert storage.latest_checkpoint(stage) is None
+    assert storage.is_committed(stage)
+    storage.fetch(stage)

@@ -1,0 +1,178 @@
+"""Canonical records -> token tensors: loss masks, pair layout, prompt-length accounting, sharding."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from engines.batches import (
+    LengthReport,
+    PromptTooLongError,
+    encode_response,
+    pair_tensors,
+    shard,
+    sft_tensors,
+    split_pairs,
+)
+
+
+def _chat(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def _prompt_ids(tok, prompt) -> list[int]:
+    """Prompt tokens computed independently: render to text, then tokenize the text."""
+    if isinstance(prompt, list):
+        text = "".join(f"<|{m['role']}|>{m['content']}" for m in prompt) + "<|assistant|>"
+    else:
+        text = prompt
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def _response_ids(tok, text: str) -> list[int]:
+    return tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+
+
+RECORDS = [
+    {"prompt": _chat("Which digit is largest? 3 1 4 1 5"), "response": "5"},
+    {"prompt": "Plain text prompt, used verbatim", "response": "a longer answer here"},
+    {"prompt": _chat("Hi"), "response": "7"},
+]
+
+
+def test_sft_tensors_layout_and_loss_mask(tokenizer):
+    batch, report = sft_tensors(tokenizer, RECORDS, max_prompt_tokens=64, max_response_tokens=64)
+    assert report == LengthReport(total=3, overlong=0, max_prompt_tokens=64)
+    n = len(RECORDS)
+    expected = [(_prompt_ids(tokenizer, r["prompt"]), _response_ids(tokenizer, r["response"])) for r in RECORDS]
+    width = max(len(p) + len(r) for p, r in expected)
+    assert batch["input_ids"].shape == batch["attention_mask"].shape == batch["loss_mask"].shape == (n, width)
+    assert batch["input_ids"].dtype == torch.long
+    for row, (p, r) in enumerate(expected):
+        length = len(p) + len(r)
+        ids = batch["input_ids"][row].tolist()
+        assert ids[:length] == p + r
+        assert ids[length:] == [tokenizer.pad_token_id] * (width - length)
+        assert batch["attention_mask"][row].tolist() == [1] * length + [0] * (width - length)
+        # 1 exactly on the response tokens and the EOS that ends them.
+        assert batch["loss_mask"][row].tolist() == [0] * len(p) + [1] * len(r) + [0] * (width - length)
+        assert ids[length - 1] == tokenizer.eos_token_id
+
+
+def test_chat_prompts_end_with_the_assistant_marker(tokenizer):
+    batch, _ = sft_tensors(tokenizer, RECORDS[:1], max_prompt_tokens=64, max_response_tokens=16)
+    mask = batch["loss_mask"][0]
+    first_response = int(mask.nonzero()[0])
+    assistant = tokenizer.convert_tokens_to_ids("<|assistant|>")
+    assert batch["input_ids"][0, first_response - 1] == assistant
+    assert batch["input_ids"][0, 0] == tokenizer.convert_tokens_to_ids("<|user|>")
+
+
+def test_response_truncation(tokenizer):
+    long = "a b c d e f g h i j"
+    full = _response_ids(tokenizer, long)
+    assert len(full) > 4
+    assert encode_response(tokenizer, long, 4) == full[:4]  # EOS does not fit
+    assert encode_response(tokenizer, "7", 4) == _response_ids(tokenizer, "7")
+    batch, _ = sft_tensors(tokenizer, [{"prompt": "p", "response": long}], max_prompt_tokens=64, max_response_tokens=4)
+    assert int(batch["loss_mask"].sum()) == 4
+    assert tokenizer.eos_token_id not in batch["input_ids"][0].tolist()
+
+
+def test_overlong_prompts_are_counted_and_left_out(tokenizer, caplog):
+    lengths = [len(_prompt_ids(tokenizer, r["prompt"])) for r in RECORDS]
+    limit = sorted(lengths)[1]  # the longest prompt does not fit; one exactly at the limit does
+    long_rows = [i for i, n in enumerate(lengths) if n > limit]
+    assert len(long_rows) == 1
+    with caplog.at_level(logging.WARNING, logger="engines.batches"):
+        batch, report = sft_tensors(tokenizer, RECORDS, max_prompt_tokens=limit, max_response_tokens=16)
+    assert report == LengthReport(total=3, overlong=1, max_prompt_tokens=limit)
+    assert report.as_metrics("sft") == {"data/sft_rows": 3, "data/sft_overlong_prompts": 1}
+    kept = [r for i, r in enumerate(RECORDS) if i not in long_rows]
+    assert batch["input_ids"].shape[0] == 2
+    for row, r in enumerate(kept):
+        p = _prompt_ids(tokenizer, r["prompt"])
+        assert batch["input_ids"][row, : len(p)].tolist() == p  # kept rows in order, never cut
+    assert "1 of 3 prompts exceed max_prompt_tokens" in caplog.text
+
+
+def test_all_overlong_raises(tokenizer):
+    with pytest.raises(PromptTooLongError) as err:
+        sft_tensors(tokenizer, RECORDS, max_prompt_tokens=2, max_response_tokens=16)
+    assert "sft" in str(err.value)
+    assert "data.max_prompt_tokens=2" in str(err.value)
+    assert "all 3 prompts" in str(err.value)
+    pairs = [{"prompt": "a long enough prompt", "chosen": "1", "rejected": "2"}]
+    with pytest.raises(PromptTooLongError, match=r"^preference: .*data\.max_prompt_tokens=1"):
+        pair_tensors(tokenizer, pairs, max_prompt_tokens=1, max_response_tokens=16)
+
+
+PAIRS = [
+    {"prompt": _chat("Which digit is largest? 3 1 4"), "chosen": "4", "rejected": "3"},
+    {"prompt": _chat("Which digit is largest? 9 8"), "chosen": "9", "rejected": "a much longer rejected answer"},
+    {"prompt": "x " * 60, "chosen": "1", "rejected": "2"},  # overlong
+    {"prompt": "short", "chosen": "good and long", "rejected": "bad"},
+]
+
+
+def test_pair_tensors_layout(tokenizer):
+    batch, report = pair_tensors(tokenizer, PAIRS, max_prompt_tokens=32, max_response_tokens=64)
+    assert report == LengthReport(total=4, overlong=1, max_prompt_tokens=32)
+    kept = [PAIRS[0], PAIRS[1], PAIRS[3]]
+    n = len(kept)
+    assert set(batch) == {"input_ids", "attention_mask"}
+    assert batch["input_ids"].shape[0] == 2 * n
+    for i, r in enumerate(kept):
+        p = _prompt_ids(tokenizer, r["prompt"])
+        for row, key in ((i, "chosen"), (n + i, "rejected")):
+            seq = p + _response_ids(tokenizer, r[key])
+            assert batch["input_ids"][row, : len(seq)].tolist() == seq
+            assert int(batch["attention_mask"][row].sum()) == len(seq)
+            assert batch["input_ids"][row, len(seq):].eq(tokenizer.pad_token_id).all()
+
+
+def _numbered(n_rows: int, width: int = 3) -> dict[str, torch.Tensor]:
+    ids = torch.arange(n_rows * width).reshape(n_rows, width)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": ids % 2}
+
+
+def test_shard_rows():
+    batch = _numbered(6)
+    shards = shard(batch, 3)
+    assert len(shards) == 3
+    for r, s in enumerate(shards):
+        for k in batch:
+            assert torch.equal(s[k], batch[k][2 * r : 2 * r + 2])
+
+
+def test_shard_keeps_pairs_together():
+    # 4 pairs: rows 0-3 chosen, rows 4-7 rejected (pair i = rows i and 4+i).
+    batch = _numbered(8)
+    shards = shard(batch, 2, paired=True)
+    assert [s["input_ids"].shape[0] for s in shards] == [4, 4]
+    for r, s in enumerate(shards):
+        pairs = [2 * r, 2 * r + 1]
+        expected_rows = pairs + [p + 4 for p in pairs]  # chosen half first, then the same pairs' rejected
+        assert torch.equal(s["input_ids"], batch["input_ids"][expected_rows])
+        assert torch.equal(s["loss_mask"], batch["loss_mask"][expected_rows])
+
+
+def test_shard_must_divide():
+    with pytest.raises(ValueError, match="does not split across 4 workers"):
+        shard(_numbered(6), 4)
+    with pytest.raises(ValueError, match="batch of 3 does not split across 2 workers"):
+        shard(_numbered(6), 2, paired=True)  # 3 pairs
+
+
+def test_shard_single_worker_is_the_batch():
+    batch = _numbered(4)
+    (only,) = shard(batch, 1, paired=True)
+    assert torch.equal(only["input_ids"], batch["input_ids"])
+
+
+def test_split_pairs():
+    batch = _numbered(10)  # 5 pairs
+    out = split_pairs(batch, torch.tensor([3, 0]), 5)
+    assert out["input_ids"][:, 0].tolist() == [9, 0, 24, 15]  # rows 3, 0, 8, 5

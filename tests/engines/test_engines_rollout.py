@@ -1,0 +1,167 @@
+"""The rollout engine in a Ray actor: vLLM (CPU build) sampling, logprobs and in-place weight sync; HF fallback."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import ray
+import torch
+from safetensors.torch import save
+
+from alignflow.config import TinyModelConfig
+from engines import models
+from engines.rollout import Sampling, WeightSyncError, start_rollout_actor
+
+pytestmark = pytest.mark.engine
+
+# vLLM's CPU backend caches prefixes in blocks of 128 tokens: a model with room
+# for a longer prompt lets the tests see a stale prefix cache after a weight sync.
+TINY = TinyModelConfig(max_position_embeddings=512)
+MAX_MODEL_LEN = 320
+SAMPLING = Sampling(n=2, temperature=1.0, top_p=1.0, max_new_tokens=8)
+
+
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory):
+    return models.build_tiny_model(TINY, seed=0, out_dir=tmp_path_factory.mktemp("rollout-policy"))
+
+
+@pytest.fixture(scope="module")
+def other_model(tmp_path_factory):
+    """Same architecture and tokenizer, different weights."""
+    return models.build_tiny_model(TINY, seed=1, out_dir=tmp_path_factory.mktemp("rollout-policy-seed1"))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(policy):
+    return models.load_tokenizer(policy)
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer) -> list[list[int]]:
+    from engines.batches import render_prompt
+
+    texts = ["Which digit is largest? 3 1 4 1 5", "Which digit is largest? 9 2", "hello",
+             "Which digit is largest? " + "7 " * 100]
+    ids = [render_prompt(tokenizer, [{"role": "user", "content": t}]) for t in texts]
+    assert 128 < len(ids[-1]) <= MAX_MODEL_LEN - SAMPLING.max_new_tokens  # over one cache block
+    return ids
+
+
+@functools.lru_cache(maxsize=4)
+def _hf_model(model_path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32).eval()
+
+
+def _hf_logprobs(model_path, rollouts) -> list[list[float]]:
+    """Per-token logprobs of each rollout's tokens, recomputed with transformers in fp32."""
+    model = _hf_model(model_path)
+    out = []
+    with torch.no_grad():
+        for r in rollouts:
+            ids = torch.tensor([r.prompt_ids + r.token_ids])
+            logp = torch.log_softmax(model(input_ids=ids).logits[0].double(), -1)
+            start = len(r.prompt_ids)
+            out.append([logp[start - 1 + i, t].item() for i, t in enumerate(r.token_ids)])
+    return out
+
+
+def _max_diff(rollouts, reference) -> float:
+    return max(abs(a - b) for r, ref in zip(rollouts, reference) for a, b in zip(r.logprobs, ref))
+
+
+def _check_shapes(rollouts, prompts, sampling, eos_id):
+    assert len(rollouts) == len(prompts) * sampling.n
+    assert [r.prompt_index for r in rollouts] == [i for i in range(len(prompts)) for _ in range(sampling.n)]
+    for r in rollouts:
+        assert r.prompt_ids == prompts[r.prompt_index]
+        assert 1 <= len(r.token_ids) <= sampling.max_new_tokens
+        assert len(r.logprobs) == len(r.token_ids)
+        assert all(lp <= 0.0 for lp in r.logprobs)
+        if r.finished:
+            assert r.token_ids[-1] == eos_id
+        else:
+            assert len(r.token_ids) == sampling.max_new_tokens
+
+
+@pytest.fixture(scope="module")
+def vllm_actor(ray_local, policy):
+    actor = start_rollout_actor("vllm", str(policy), num_cpus=1, torch_threads=1, dtype="float32", seed=0,
+                                max_model_len=MAX_MODEL_LEN)
+    yield actor
+    ray.kill(actor)
+
+
+def test_vllm_generate_and_weight_sync(vllm_actor, policy, other_model, prompts, tokenizer):
+    before = ray.get(vllm_actor.generate.remote(prompts, SAMPLING))
+    _check_shapes(before, prompts, SAMPLING, tokenizer.eos_token_id)
+    # vLLM's sampled-token logprobs are those of the loaded model...
+    assert _max_diff(before, _hf_logprobs(policy, before)) <= 1e-4
+    # ...and clearly not those of the other model (else the sync check below proves nothing).
+    assert _max_diff(before, _hf_logprobs(other_model, before)) > 0.1
+
+    new_weights = models.load_policy(other_model).state_dict()
+    ray.get(vllm_actor.update_weights.remote(save(new_weights)))
+
+    # The same prompts again: the long one's cached prefix must not survive the sync.
+    after = ray.get(vllm_actor.generate.remote(prompts, SAMPLING))
+    _check_shapes(after, prompts, SAMPLING, tokenizer.eos_token_id)
+    assert _max_diff(after, _hf_logprobs(other_model, after)) <= 1e-4
+    assert _max_diff(after, _hf_logprobs(policy, after)) > 0.1
+
+
+def _weights_of(model_path) -> dict[str, torch.Tensor]:
+    return models.load_policy(model_path).state_dict()
+
+
+@pytest.mark.parametrize(
+    "corrupt, detail",
+    [
+        (lambda w: {**w, "model.norm.weight": torch.ones(7)}, "shapes="),
+        (lambda w: {**w, "model.layers.9.mlp.up_proj.weight": torch.ones(2, 2)}, "unknown="),
+        (lambda w: {k: v for k, v in w.items() if k != "lm_head.weight"}, "missing="),
+    ],
+    ids=["wrong-shape", "unknown-name", "missing-name"],
+)
+def test_vllm_rejects_a_bad_update_and_keeps_generating(vllm_actor, policy, prompts, tokenizer, corrupt, detail):
+    good = _weights_of(policy)
+    ray.get(vllm_actor.update_weights.remote(save(good)))
+    with pytest.raises(WeightSyncError, match="rejected") as err:
+        ray.get(vllm_actor.update_weights.remote(save(corrupt(good))))
+    assert detail in str(err.value)
+    # Nothing of the bad update was applied: the engine still serves the good weights.
+    out = ray.get(vllm_actor.generate.remote(prompts, SAMPLING))
+    _check_shapes(out, prompts, SAMPLING, tokenizer.eos_token_id)
+    assert _max_diff(out, _hf_logprobs(policy, out)) <= 1e-4
+
+
+@pytest.fixture(scope="module")
+def hf_actor(ray_local, policy):
+    actor = start_rollout_actor("hf", str(policy), num_cpus=1, torch_threads=1, dtype="float32", seed=0)
+    yield actor
+    ray.kill(actor)
+
+
+HF_SAMPLING = Sampling(n=2, temperature=1.0, max_new_tokens=8, seed=3)
+
+
+def test_hf_backend_generates(hf_actor, prompts, tokenizer):
+    out = ray.get(hf_actor.generate.remote(prompts, HF_SAMPLING))
+    _check_shapes(out, prompts, HF_SAMPLING, tokenizer.eos_token_id)
+    # The same seed gives the same samples.
+    again = ray.get(hf_actor.generate.remote(prompts, HF_SAMPLING))
+    assert [r.token_ids for r in again] == [r.token_ids for r in out]
+
+
+def test_hf_backend_logprobs_match_a_recompute(hf_actor, policy, prompts):
+    out = ray.get(hf_actor.generate.remote(prompts, HF_SAMPLING))
+    assert _max_diff(out, _hf_logprobs(policy, out)) <= 1e-4
+
+
+def test_unknown_backend(ray_local, policy):
+    actor = start_rollout_actor("tgi", str(policy), num_cpus=0)
+    with pytest.raises(Exception, match="unknown rollout backend 'tgi'"):
+        ray.get(actor.generate.remote([[1]], SAMPLING))
