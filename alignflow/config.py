@@ -111,6 +111,13 @@ class ModelConfig(StageConfig):
     seed: int = 0
 
 
+class Placement(StageConfig):
+    """Ray resources of one actor (a training worker, a rollout engine, a scorer)."""
+
+    num_cpus: float = Field(1.0, ge=0)
+    num_gpus: float = Field(0.0, ge=0)
+
+
 class TrainConfig(StageConfig):
     """Settings shared by every DeepSpeed training stage."""
 
@@ -122,6 +129,7 @@ class TrainConfig(StageConfig):
     max_steps: int | None = Field(None, ge=1, description="caps epochs when set")
     zero_stage: Literal[0, 1, 2, 3] = 0
     num_workers: int = Field(1, ge=1)
+    placement: Placement = Field(default_factory=Placement, description="per worker")
     checkpoint_every: int = Field(50, ge=1, description="mid-stage checkpoint period (steps)")
     grad_clip: float = Field(1.0, gt=0)
     seed: int = 0
@@ -147,6 +155,7 @@ class GenerationConfig(StageConfig):
     max_new_tokens: int = Field(16, ge=1)
     num_samples: int = Field(4, ge=1)
     seed: int = 0
+    placement: Placement = Field(default_factory=Placement, description="per rollout engine")
 
 
 class EvalConfig(StageConfig):
@@ -186,7 +195,7 @@ class KLConfig(StageConfig):
     """KL regularisation toward the reference (SFT) policy."""
 
     estimator: Literal["k1", "k2", "k3"] = "k1"
-    placement: Literal["reward", "loss"] = Field("reward", description="PPO-style penalty or GRPO-style loss")
+    apply_as: Literal["reward", "loss"] = Field("reward", description="PPO-style penalty or GRPO-style loss")
     coef: float = Field(0.05, ge=0)
     adaptive: bool = False
     target: float = Field(1.0, gt=0, description="adaptive controller target KL (Ziegler et al. 2019)")
@@ -236,6 +245,7 @@ class RoundConfig(StageConfig):
     critic: TrainConfig = TrainConfig(learning_rate=1e-3, warmup_steps=0)
     num_rollout_engines: int = Field(1, ge=1)
     colocate_reference_and_reward: bool = True
+    scorer_placement: Placement = Field(default_factory=Placement, description="reference / reward actors")
     checkpoint_every: int = Field(10, ge=1, description="steps between resumable checkpoints")
     seed: int = 0
 
@@ -264,7 +274,8 @@ class InfraConfig(StageConfig):
     mlflow_tracking_uri: str = "sqlite:///mlflow.db"
     mlflow_experiment: str = "alignflow"
     ray_address: str | None = Field(None, description="existing cluster; None starts a local Ray")
-    ray_num_cpus: int = Field(4, ge=1, description="logical CPUs of the local Ray")
+    ray_num_cpus: int = Field(
+        16, ge=1, description="logical CPU slots of the local Ray (actors and tasks each take slots; not cores)")
     prefect_api_url: str | None = Field(None, description="None: the CLI starts a local API")
     task_retries: int = Field(2, ge=0)
     retry_delay_seconds: float = Field(2.0, ge=0)

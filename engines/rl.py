@@ -49,6 +49,32 @@ class RoundInputs:
     rollout_backend: str = "vllm"
 
 
+class InsufficientResourcesError(RuntimeError):
+    """The round's actors need more Ray resources than the cluster has."""
+
+
+def round_resources(cfg: RoundConfig) -> dict[str, float]:
+    """Total CPU/GPU slots of a round's actors (trainers, scorers, rollout engines)."""
+    parts = [(cfg.actor.placement, cfg.actor.num_workers),
+             (cfg.scorer_placement, 1 if cfg.colocate_reference_and_reward or cfg.reward.source != "model" else 2),
+             (cfg.generation.placement, cfg.num_rollout_engines)]
+    if cfg.algorithm == "ppo":
+        parts.append((cfg.critic.placement, cfg.critic.num_workers))
+    return {"CPU": sum(p.num_cpus * n for p, n in parts), "GPU": sum(p.num_gpus * n for p, n in parts)}
+
+
+def check_resources(cfg: RoundConfig) -> None:
+    """Fail before starting anything: an actor Ray cannot place would wait forever."""
+    total = ray.cluster_resources()
+    need = round_resources(cfg)
+    short = {k: (v, total.get(k, 0.0)) for k, v in need.items() if v > total.get(k, 0.0)}
+    if short:
+        detail = ", ".join(f"{k}: needs {v:g}, cluster has {have:g}" for k, (v, have) in short.items())
+        raise InsufficientResourcesError(
+            f"round ({cfg.algorithm}) cannot be placed on this Ray cluster ({detail}); lower the placements "
+            f"(actor/critic/generation/scorer_placement), the worker or engine counts, or infra.ray_num_cpus")
+
+
 def _updates_per_step(cfg: RoundConfig) -> int:
     rows = cfg.prompts_per_step * (1 if cfg.algorithm == "rejection_sampling" else cfg.generation.num_samples)
     epochs = cfg.rejection.epochs if cfg.algorithm == "rejection_sampling" else cfg.ppo.epochs
@@ -58,7 +84,7 @@ def _updates_per_step(cfg: RoundConfig) -> int:
 class RLRound:
     def __init__(self, cfg: RoundConfig, inputs: RoundInputs):
         self.cfg, self.inputs = cfg, inputs
-        self.pad_id = None
+        check_resources(cfg)
         total = cfg.steps * _updates_per_step(cfg)
         self.actor = TrainerGroup(self._spec(cfg.actor, inputs.policy_path, "causal", total), cfg.actor.num_workers)
         self.critic = None
@@ -67,7 +93,8 @@ class RLRound:
         self._start_scorers()
         self.engines = [
             start_rollout_actor(inputs.rollout_backend, inputs.policy_path, dtype=inputs.dtype, seed=cfg.seed + i,
-                                torch_threads=inputs.torch_threads, max_model_len=inputs.max_model_len)
+                                torch_threads=inputs.torch_threads, max_model_len=inputs.max_model_len,
+                                num_cpus=cfg.generation.placement.num_cpus, num_gpus=cfg.generation.placement.num_gpus)
             for i in range(cfg.num_rollout_engines)
         ]
         from engines.models import load_tokenizer
@@ -90,10 +117,12 @@ class RLRound:
             warmup_steps=t.warmup_steps, total_steps=total, zero_stage=t.zero_stage,
             global_batch=self.cfg.ppo.minibatch_size, grad_clip=t.grad_clip, seed=t.seed + self.cfg.seed,
             dtype=self.inputs.dtype, torch_threads=self.inputs.torch_threads,
+            num_cpus_per_worker=t.placement.num_cpus, num_gpus_per_worker=t.placement.num_gpus,
         )
 
     def _start_scorers(self) -> None:
-        actor = ray.remote(num_cpus=1)(ScorerActor)
+        p = self.cfg.scorer_placement
+        actor = ray.remote(num_cpus=p.num_cpus, num_gpus=p.num_gpus)(ScorerActor)
         reward = self.inputs.reward_path if self.cfg.reward.source == "model" else None
         if self.cfg.colocate_reference_and_reward:
             self.reference = self.rewarder = actor.remote(self.inputs.reference_path, reward, self.inputs.dtype,
@@ -189,7 +218,7 @@ class RLRound:
         lap("reference")
         values = self.critic.evaluate(batch, objectives.token_values) if self.critic else None
         lap("critic")
-        kl_in_reward = cfg.kl.coef if cfg.kl.placement == "reward" else 0.0
+        kl_in_reward = cfg.kl.coef if cfg.kl.apply_as == "reward" else 0.0
         token_rewards = algos.kl_penalized_rewards(
             rewards, batch["old_logprobs"], batch["ref_logprobs"], mask,
             kl_coef=self.kl_ctl.value if kl_in_reward else 0.0, kind=cfg.kl.estimator, clamp=cfg.kl.clamp)
@@ -220,7 +249,7 @@ class RLRound:
         policy_obj = functools.partial(
             objectives.policy_objective, clip_low=p.clip_low, clip_high=p.clip_high, dual_clip=p.dual_clip,
             agg=p.loss_agg, entropy_coef=p.entropy_coef,
-            kl_loss_coef=self.kl_ctl.value if cfg.kl.placement == "loss" else 0.0,
+            kl_loss_coef=self.kl_ctl.value if cfg.kl.apply_as == "loss" else 0.0,
             kl_estimator=cfg.kl.estimator, kl_clamp=cfg.kl.clamp, tis_cap=p.tis_cap)
         value_obj = functools.partial(objectives.value_objective, clip_eps=p.value_clip, agg=p.loss_agg)
         gen = torch.Generator().manual_seed(cfg.seed)

@@ -48,8 +48,8 @@ class EngineSpec:
     seed: int
     dtype: str = "float32"
     torch_threads: int = 2
-    num_gpus_per_worker: float = 0.0
     num_cpus_per_worker: float = 1.0
+    num_gpus_per_worker: float = 0.0
 
 
 def _free_port() -> int:

@@ -64,7 +64,9 @@ def evaluate_policy(
         ensure_ray(ctx.infra)
         actor = start_rollout_actor(cfg.generation.backend, policy_path, dtype=model.dtype,
                                     seed=cfg.generation.seed, torch_threads=ctx.infra.torch_threads,
-                                    max_model_len=data_cfg.max_prompt_tokens + cfg.generation.max_new_tokens)
+                                    max_model_len=data_cfg.max_prompt_tokens + cfg.generation.max_new_tokens,
+                                    num_cpus=cfg.generation.placement.num_cpus,
+                                    num_gpus=cfg.generation.placement.num_gpus)
         try:
             rollouts = ray.get(actor.generate.remote(prompt_ids, _sampling(cfg)))
         finally:

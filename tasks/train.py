@@ -33,7 +33,8 @@ def _spec(cfg: TrainConfig, model: ModelConfig, model_path: str, kind: str, tota
         model_path=model_path, kind=kind, learning_rate=cfg.learning_rate, weight_decay=cfg.weight_decay,
         warmup_steps=cfg.warmup_steps, total_steps=total_steps, zero_stage=cfg.zero_stage,
         global_batch=cfg.batch_size, grad_clip=cfg.grad_clip, seed=cfg.seed, dtype=model.dtype,
-        torch_threads=ctx.infra.torch_threads,
+        torch_threads=ctx.infra.torch_threads, num_cpus_per_worker=cfg.placement.num_cpus,
+        num_gpus_per_worker=cfg.placement.num_gpus,
     )
 
 

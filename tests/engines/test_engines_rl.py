@@ -170,3 +170,30 @@ def test_two_engines_and_separate_reference_and_reward(ray_local, tiny_model, pr
         assert metrics["reward/std"] >= 0 and "value_loss" in metrics
     finally:
         rl.shutdown()
+
+
+def test_round_resources_count_every_actor():
+    from alignflow.config import GenerationConfig, Placement, RewardConfig, TrainConfig
+    from engines.rl import round_resources
+
+    cfg = _round("ppo", num_rollout_engines=3, colocate_reference_and_reward=False,
+                 reward=RewardConfig(source="model"),
+                 actor=TrainConfig(num_workers=2, placement=Placement(num_cpus=2, num_gpus=1)),
+                 generation=GenerationConfig(num_samples=4, placement=Placement(num_cpus=1, num_gpus=0.5)))
+    # actor 2x(2 CPU, 1 GPU) + critic 1x1 CPU + reference and reward 2x1 CPU + 3 engines x (1 CPU, 0.5 GPU)
+    assert round_resources(cfg) == {"CPU": 2 * 2 + 1 + 2 + 3, "GPU": 2 * 1 + 3 * 0.5}
+    # critic-free, rule reward: no critic, one scorer (the reference)
+    grpo = _round("grpo", colocate_reference_and_reward=False)
+    assert round_resources(grpo) == {"CPU": 1 + 1 + 1, "GPU": 0.0}
+
+
+def test_round_that_cannot_be_placed_fails_fast(ray_local, tiny_model, prompts):
+    from engines.rl import InsufficientResourcesError
+
+    cpus = ray_local.cluster_resources()["CPU"]
+    cfg = _round("grpo", num_rollout_engines=int(cpus) + 1)
+    with pytest.raises(InsufficientResourcesError, match=r"CPU: needs \d+, cluster has \d+"):
+        _start(cfg, tiny_model, prompts)
+    with pytest.raises(InsufficientResourcesError, match="GPU"):
+        _start(_round("grpo", generation=__import__("alignflow.config").config.GenerationConfig(
+            num_samples=4, placement={"num_gpus": 1})), tiny_model, prompts)
