@@ -1,0 +1,292 @@
+"""Shared fixtures: a real S3 endpoint (moto over HTTP), small pipeline
+overrides, and a way to run the `alignflow` CLI in a subprocess that never
+outlives its test.
+
+Nothing here is mocked: `moto_s3` is `moto_server` listening on
+127.0.0.1, reached by s3fs/boto3 over HTTP exactly like MinIO or AWS.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+VENV_BIN = Path(sys.executable).parent
+CLI_TIMEOUT_S = 900
+
+
+# ---- processes -----------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stat(pid: int) -> tuple[str, int, int, int] | None:
+    """(state, ppid, session id, start time) of a process, None if it is gone."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    fields = raw[raw.rindex(")") + 2 :].split()
+    return fields[0], int(fields[1]), int(fields[3]), int(fields[19])
+
+
+def process_tree(root: int) -> dict[int, int]:
+    """{pid: start time} of `root`, its descendants and everything in its session.
+
+    Descendants cover processes that left the session (the CLI's Prefect
+    server); the session covers those reparented to init (orphaned Ray
+    workers). Start times guard against pid reuse when killing later.
+    """
+    table = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            st = _stat(int(entry.name))
+            if st and st[0] != "Z":
+                table[int(entry.name)] = st
+    found = {pid: st[3] for pid, st in table.items() if st[2] == root}
+    if root in table:
+        found[root] = table[root][3]
+    changed = True
+    while changed:
+        changed = False
+        for pid, st in table.items():
+            if pid not in found and st[1] in found:
+                found[pid] = st[3]
+                changed = True
+    return found
+
+
+def alive(pids: dict[int, int]) -> dict[int, int]:
+    """The processes of `pids` still running (zombies count as gone)."""
+    out = {}
+    for pid, start in pids.items():
+        st = _stat(pid)
+        if st and st[0] != "Z" and st[3] == start:
+            out[pid] = start
+    return out
+
+
+def kill_tree(pids: dict[int, int], sig: int = signal.SIGKILL) -> None:
+    for pid in alive(pids):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+@dataclasses.dataclass
+class CliResult:
+    args: list[str]
+    returncode: int
+    stdout: str
+    stderr: str
+    seconds: float
+
+    @property
+    def output(self) -> str:
+        return self.stdout + "\n" + self.stderr
+
+    def describe(self) -> str:
+        """For assertion messages: the command and the tail of its output."""
+        return (f"alignflow {' '.join(self.args)}\n-> exit {self.returncode} after {self.seconds:.0f} s\n"
+                f"--- stdout (tail) ---\n{self.stdout[-3000:]}\n--- stderr (tail) ---\n{self.stderr[-6000:]}")
+
+
+def run_cli(args: list[str], *, env: dict[str, str], cwd: Path, timeout: float = CLI_TIMEOUT_S) -> CliResult:
+    """`python -m flows.cli ARGS` in its own session; on timeout the whole tree is killed.
+
+    Output goes to files next to `cwd` (a CLI run prints a lot through Ray).
+    """
+    cwd.mkdir(parents=True, exist_ok=True)
+    tag = f"{int(time.time() * 1000)}-{secrets.token_hex(2)}"
+    out_path, err_path = cwd / f"cli-{tag}.out", cwd / f"cli-{tag}.err"
+    t0 = time.monotonic()
+    with open(out_path, "w") as out, open(err_path, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=cwd, env=env,
+                                stdout=out, stderr=err, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            tree = process_tree(proc.pid)
+            kill_tree(tree)
+            proc.wait()
+            pytest.fail(f"alignflow {' '.join(args)} did not finish in {timeout} s; output in {out_path}, {err_path}")
+        finally:
+            kill_tree(process_tree(proc.pid))  # nothing it started outlives it
+    return CliResult(args, rc, out_path.read_text(), err_path.read_text(), time.monotonic() - t0)
+
+
+@pytest.fixture(scope="session")
+def alignflow_cli() -> Callable[..., CliResult]:
+    """`run(args, env=..., cwd=..., timeout=900) -> CliResult` (see run_cli)."""
+    return run_cli
+
+
+@pytest.fixture(scope="session")
+def process_tools():
+    """process_tree / alive / kill_tree, for tests that kill a run on purpose."""
+    import types
+
+    return types.SimpleNamespace(tree=process_tree, alive=alive, kill=kill_tree)
+
+
+# ---- S3 --------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class S3Server:
+    endpoint_url: str
+    bucket: str
+    access_key_id: str
+    secret_access_key: str
+
+    def fs(self):
+        import s3fs
+
+        return s3fs.S3FileSystem(client_kwargs={"endpoint_url": self.endpoint_url}, skip_instance_cache=True)
+
+
+def _answers_http(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2):
+            return True
+    except urllib.error.HTTPError:
+        return True  # it answered
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="session")
+def moto_s3(tmp_path_factory) -> Iterator[S3Server]:
+    """A real HTTP S3 endpoint (`moto_server`) with one bucket, for the session.
+
+    Dummy credentials and the region are set in os.environ (so subprocesses
+    inherit them) and restored afterwards.
+    """
+    port = free_port()
+    endpoint = f"http://127.0.0.1:{port}"
+    log_path = tmp_path_factory.mktemp("moto") / "moto_server.log"
+    server = S3Server(endpoint_url=endpoint, bucket="alignflow-e2e",
+                      access_key_id="e2e-dummy-key-id-" + secrets.token_hex(4),
+                      secret_access_key="e2e-dummy-secret-" + secrets.token_hex(8))
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([str(VENV_BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    mp = pytest.MonkeyPatch()
+    try:
+        deadline = time.monotonic() + 60
+        while not _answers_http(endpoint):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"moto_server did not start; see {log_path}")
+            time.sleep(0.2)
+        mp.setenv("AWS_ACCESS_KEY_ID", server.access_key_id)
+        mp.setenv("AWS_SECRET_ACCESS_KEY", server.secret_access_key)
+        mp.setenv("AWS_DEFAULT_REGION", "us-east-1")
+        for var in ("AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_ENDPOINT_URL", "FSSPEC_S3_ENDPOINT_URL"):
+            mp.delenv(var, raising=False)
+        import boto3
+
+        boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=server.bucket)
+        yield server
+    finally:
+        mp.undo()
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+# ---- pipeline runs -------------------------------------------------------------
+
+# Small enough for a 2-core CPU, big enough that every stage does real work.
+SMALL_OVERRIDES = [
+    "data.synthetic.num_sft=256", "data.synthetic.num_preference=256",
+    "data.synthetic.num_eval=32", "data.synthetic.num_rl_prompts=32",
+    "sft.epochs=1", "sft.max_steps=8", "sft.batch_size=16", "sft.log_every=2",
+    "reward_model.max_steps=8", "reward_model.batch_size=16", "reward_model.log_every=2",
+    "evaluation.generation.num_samples=2",
+]
+
+# One small RL round per run (the default config has two of 20 steps each).
+SMALL_ROUND = {"steps": 2, "prompts_per_step": 8, "generation": {"num_samples": 2, "max_new_tokens": 8},
+               "ppo": {"epochs": 1, "minibatch_size": 16}}
+
+
+def rounds_override(n: int) -> list[str]:
+    """`rounds=[...]` with n small rounds (none: no RL stages at all)."""
+    import json
+
+    from alignflow.config import PipelineConfig, RoundConfig
+
+    if "rounds" not in PipelineConfig.model_fields:
+        return []
+    small = {k: v for k, v in SMALL_ROUND.items() if k in RoundConfig.model_fields}
+    return [f"rounds={json.dumps([small] * n)}"]
+
+
+@pytest.fixture(scope="session")
+def small_pipeline_args() -> Callable[..., list[str]]:
+    """`make(base_dir, storage_root=None, endpoint_url=None, rounds=1) -> overrides`.
+
+    Fast settings, artifacts under `storage_root` (default
+    `base_dir/artifacts`), MLflow in `base_dir/mlflow.db`, remote-checkpoint
+    cache in `base_dir/cache`. The overrides are validated here, so a config
+    change that breaks them fails at once, naming the field.
+    """
+    from alignflow.config import load_config
+
+    def make(base_dir: Path, storage_root: str | None = None, endpoint_url: str | None = None,
+             rounds: int = 1) -> list[str]:
+        args = [
+            *SMALL_OVERRIDES,
+            *rounds_override(rounds),
+            f"infra.storage.root={storage_root or base_dir / 'artifacts'}",
+            f"infra.storage.cache_dir={base_dir / 'cache'}",
+            f"infra.mlflow_tracking_uri=sqlite:///{base_dir / 'mlflow.db'}",
+        ]
+        if endpoint_url:
+            args.append(f"infra.storage.endpoint_url={endpoint_url}")
+        load_config(None, args)  # ConfigError names the field
+        return args
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def cli_env(tmp_path_factory) -> Callable[..., dict[str, str]]:
+    """`env(**extra) -> environment` for CLI subprocesses, from os.environ *now*
+    (so S3 credentials set by `moto_s3` are in it).
+
+    The CLI starts its own Prefect API (PREFECT_API_URL unset), on a Prefect
+    home of this session's own.
+    """
+    prefect_home = str(tmp_path_factory.mktemp("prefect_home"))
+
+    def make(**extra: str) -> dict[str, str]:
+        env = dict(os.environ)
+        env.pop("PREFECT_API_URL", None)
+        env.update({"PREFECT_HOME": prefect_home, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
+                    "RAY_USAGE_STATS_ENABLED": "0"})
+        env.update(extra)
+        return env
+
+    return make

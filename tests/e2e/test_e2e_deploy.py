@@ -1,0 +1,130 @@
+"""prefect.yaml deploys against a real Prefect server, and the nightly
+deployment is scheduled.
+
+A `prefect server start --host 127.0.0.1` of its own (own PREFECT_HOME), the
+work pool from deployments/work-pool.md, then `prefect deploy --all` from the
+repository, as the header of prefect.yaml says. Offline: nothing is pulled or
+pushed (build/push are null; pull only sets the working directory).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[2]
+PREFECT = str(Path(sys.executable).with_name("prefect"))
+EXPECTED = {
+    "alignflow-scheduled-pipeline/nightly", "alignflow-scheduled-pipeline/pipeline",
+    "alignflow-stage/data", "alignflow-stage/sft", "alignflow-stage/reward-model",
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+@pytest.fixture
+def prefect_server(tmp_path):
+    """(api url, env) of a Prefect server started for this test."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}/api"
+    env = dict(os.environ)
+    env.update({"PREFECT_HOME": str(tmp_path / "prefect_home"), "PREFECT_API_URL": url, "COLUMNS": "250",
+                "ALIGNFLOW_HOME": str(REPO)})
+    log_path = tmp_path / "prefect-server.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+                                env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not _healthy(url):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"Prefect server did not start:\n{log_path.read_text()[-3000:]}")
+            time.sleep(0.3)
+        yield url, env
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _run(args: list[str], env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:
+    res = subprocess.run(args, env=env, cwd=REPO, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                         timeout=timeout)
+    assert res.returncode == 0, f"{' '.join(args)} -> {res.returncode}\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
+    return res
+
+
+def test_prefect_yaml_deploys_and_nightly_is_scheduled(prefect_server):
+    url, env = prefect_server
+    _run([PREFECT, "work-pool", "create", "alignflow-process", "--type", "process"], env)
+    _run([PREFECT, "deploy", "--all"], env, timeout=600)
+
+    listed = _run([PREFECT, "deployment", "ls"], env).stdout
+    missing = [name for name in EXPECTED if name not in listed]
+    assert not missing, f"not listed: {missing}\n{listed}"
+
+    from alignflow.config import load_config
+    from flows.stages import STAGE_FLOWS
+
+    deployments = {}
+    for name in EXPECTED:
+        out = _run([PREFECT, "deployment", "inspect", name, "--output", "json"], env).stdout
+        deployments[name] = json.loads(out[out.index("{"):])
+    for name, d in deployments.items():
+        assert d["work_pool_name"] == "alignflow-process", name
+        assert d["pull_steps"] == [{"prefect.deployments.steps.set_working_directory": {"directory": str(REPO)}}]
+        params = d["parameters"]
+        load_config(REPO / params["config_path"], params.get("overrides") or [])  # the config it names is valid
+        if d["entrypoint"].endswith(":run_stage"):
+            assert params["stage"] in STAGE_FLOWS, f"{name}: no stage flow {params['stage']!r}"
+
+    nightly = deployments["alignflow-scheduled-pipeline/nightly"]
+    assert [(s["schedule"].get("cron"), s["schedule"].get("timezone"), s["active"]) for s in nightly["schedules"]] \
+        == [("0 3 * * *", "UTC", True)]
+    assert all(not d["schedules"] for name, d in deployments.items() if not name.endswith("/nightly"))
+
+    # The server's scheduler turns the cron into scheduled runs (it does not
+    # with SQLAlchemy 2.1, see STACK.md).
+    probe = f"""
+import asyncio, json
+from prefect.client.orchestration import get_client
+async def main():
+    async with get_client() as c:
+        runs = await c.read_flow_runs()
+        print(json.dumps([[str(r.deployment_id), r.state_name, r.expected_start_time.isoformat()] for r in runs]))
+asyncio.run(main())
+"""
+    deadline = time.monotonic() + 120
+    while True:
+        runs = json.loads(_run([sys.executable, "-c", probe], env).stdout.strip().splitlines()[-1])
+        scheduled = [r for r in runs if r[0] == nightly["id"] and r[1] == "Scheduled"]
+        if scheduled or time.monotonic() > deadline:
+            break
+        time.sleep(5)
+    assert scheduled, f"no scheduled runs of the nightly deployment: {runs}"
+    assert all("T03:00:00" in r[2] for r in scheduled), scheduled

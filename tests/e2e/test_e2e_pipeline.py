@@ -1,0 +1,447 @@
+"""End to end: the `alignflow` CLI in a subprocess, on real components.
+
+Real Prefect API (the one the CLI starts), real local Ray, DeepSpeed on CPU,
+vLLM on CPU, MLflow in SQLite, and S3 through `moto_server` over HTTP. One
+S3-backed pipeline run (plus its cached rerun) is shared by the S3, MLflow
+and checkpoint tests; the failure/retry and kill/resume tests use local
+storage roots of their own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+UPSTREAM = ("data", "base_model", "sft", "reward_model")
+BASE_STAGES = {*UPSTREAM, "eval_base", "eval_sft", "eval_reward_model"}
+
+
+# ---- reading what the CLI printed -------------------------------------------------
+
+
+def parse_stages(stdout: str) -> dict[str, tuple[str, str]]:
+    """The `stages:` block -> {stage: (state, uri)}."""
+    lines = stdout.splitlines()
+    assert "stages:" in lines, f"no 'stages:' block in:\n{stdout[-3000:]}"
+    stages = {}
+    for line in lines[lines.index("stages:") + 1 :]:
+        if not line.startswith("  "):
+            break
+        parts = line.split()
+        assert len(parts) == 3, f"stage line without a state: {line!r}"
+        stages[parts[0]] = (parts[1], parts[2])
+    assert stages, "empty stages block"
+    return stages
+
+
+def parse_table(stdout: str) -> dict[str, dict[str, float]]:
+    """The comparison table -> {policy: {column: value}}."""
+    lines = stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.split()[:1] == ["policy"])
+    cols = lines[header].split()[1:]
+    rows = {}
+    for line in lines[header + 2 :]:
+        parts = line.split()
+        if not parts or parts[0] == "reward":
+            break
+        rows[parts[0]] = dict(zip(cols, map(float, parts[1:])))
+    return rows
+
+
+def parent_run_id(stdout: str) -> str:
+    m = re.search(r"\(parent run ([0-9a-f]{32})\)", stdout)
+    assert m, f"no MLflow parent run id in:\n{stdout[-2000:]}"
+    return m.group(1)
+
+
+def stage_json(stdout: str) -> dict:
+    """`alignflow stage` prints the StageResult as indented JSON, last."""
+    lines = stdout.splitlines()
+    start = max(i for i, line in enumerate(lines) if line == "{")
+    return json.loads("\n".join(lines[start:]))
+
+
+def mlflow_client(tracking_uri: str):
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri)
+
+
+def experiment_id(client) -> str:
+    exp = client.get_experiment_by_name("alignflow")
+    assert exp is not None, "no 'alignflow' MLflow experiment"
+    return exp.experiment_id
+
+
+def child_runs(client, parent_id: str) -> list:
+    return client.search_runs([experiment_id(client)], filter_string=f"tags.mlflow.parentRunId = '{parent_id}'",
+                              max_results=1000)
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+# ---- the shared S3 pipeline run ---------------------------------------------------
+
+
+@dataclasses.dataclass
+class PipelineRun:
+    result: object  # CliResult
+    args: list[str]
+    root: str
+    base: Path
+    mlflow_uri: str
+
+    def require_ok(self) -> None:
+        if self.result.returncode != 0:
+            pytest.fail("the shared S3 pipeline run failed:\n" + self.result.describe())
+
+    @property
+    def stages(self) -> dict[str, tuple[str, str]]:
+        return parse_stages(self.result.stdout)
+
+
+@pytest.fixture(scope="module")
+def s3_run(moto_s3, small_pipeline_args, cli_env, alignflow_cli, tmp_path_factory) -> PipelineRun:
+    """One fresh pipeline run with every artifact on S3 (moto over HTTP)."""
+    base = tmp_path_factory.mktemp("s3_run")
+    root = f"s3://{moto_s3.bucket}/run"
+    args = ["run", *small_pipeline_args(base, storage_root=root, endpoint_url=moto_s3.endpoint_url)]
+    result = alignflow_cli(args, env=cli_env(), cwd=base / "cwd")
+    return PipelineRun(result, args, root, base, f"sqlite:///{base / 'mlflow.db'}")
+
+
+def s3_snapshot(fs, root: str) -> dict[str, tuple]:
+    """Every stage object under root (not Prefect's result records) with size, ETag, mtime."""
+    found = fs.find(root, detail=True)
+    return {path: (info.get("size"), info.get("ETag"), str(info.get("LastModified")))
+            for path, info in found.items() if "/prefect-results/" not in path}
+
+
+@pytest.fixture(scope="module")
+def s3_cached_run(s3_run, moto_s3, cli_env, alignflow_cli):
+    """The same command again, with S3 snapshots taken before and after."""
+    s3_run.require_ok()
+    fs = moto_s3.fs()
+    before = s3_snapshot(fs, s3_run.root)
+    result = alignflow_cli(s3_run.args, env=cli_env(), cwd=s3_run.base / "cwd")
+    fs.invalidate_cache()
+    after = s3_snapshot(fs, s3_run.root)
+    return result, before, after
+
+
+# ---- 7a: bad config (first: seconds, and it needs nothing) ---------------------------
+
+
+def test_bad_config_value_fails_fast_naming_the_field(cli_env, alignflow_cli, tmp_path):
+    res = alignflow_cli(["run", "sft.learning_rate=-1"], env=cli_env(), cwd=tmp_path, timeout=120)
+    assert res.returncode == 2, res.describe()
+    assert "sft.learning_rate" in res.stderr, res.describe()
+    assert "Prefect API" not in res.output, "a Prefect API was started for an invalid config"
+    assert res.seconds < 30, f"validation took {res.seconds:.1f} s"
+    assert not (tmp_path / "artifacts").exists()
+
+
+# ---- 1, 2: the pipeline on S3, then from cache -------------------------------------
+
+
+def test_pipeline_completes_on_s3(s3_run, moto_s3):
+    s3_run.require_ok()
+    out = s3_run.result.stdout
+    table = parse_table(out)
+    assert {"base", "sft"} <= set(table), out
+    for name in ("base", "sft"):
+        assert 0.0 <= table[name]["accuracy"] <= 1.0
+        assert table[name]["response_length"] > 0
+    assert re.search(r"reward model held-out pairwise accuracy: \d\.\d{3}", out)
+
+    stages = s3_run.stages
+    assert BASE_STAGES <= set(stages), stages
+    fs = moto_s3.fs()
+    for name, (state, uri) in stages.items():
+        assert state == "Completed", f"{name} was {state} in a fresh run"
+        assert uri.startswith(f"{s3_run.root}/{name}/"), uri
+        manifest = json.loads(fs.cat_file(f"{uri}/manifest.json"))
+        assert manifest["meta"]["stage"] == name and uri.endswith(manifest["meta"]["key"])
+        assert manifest["files"], f"{name}: empty manifest"
+        for rel, info in manifest["files"].items():
+            assert fs.info(f"{uri}/{rel}")["size"] == info["size"], f"{name}/{rel}"
+    for name, (_, uri) in stages.items():  # mid-stage checkpoints are pruned once committed
+        assert not fs.exists(f"{uri}/checkpoints"), name
+    assert fs.find(f"{s3_run.root}/prefect-results"), "no Prefect result records on S3"
+    assert not (s3_run.base / "cwd" / "artifacts").exists(), "artifacts were written locally"
+
+
+def test_second_identical_run_is_all_cached(s3_run, s3_cached_run):
+    result, before, after = s3_cached_run
+    assert result.returncode == 0, result.describe()
+    stages = parse_stages(result.stdout)
+    assert set(stages) == set(s3_run.stages)
+    not_cached = {name: (state, uri) for name, (state, uri) in stages.items() if state != "Cached"}
+    assert not not_cached, f"not from cache: {not_cached}\nfirst run: {s3_run.stages}"
+    assert {n: uri for n, (_, uri) in stages.items()} == {n: uri for n, (_, uri) in s3_run.stages.items()}
+    assert parse_table(result.stdout) == parse_table(s3_run.result.stdout)
+    # Nothing recomputed: no stage object written or rewritten, no stage child run opened.
+    assert after == before, f"changed: {sorted(set(after.items()) ^ set(before.items()))[:10]}"
+    assert child_runs(mlflow_client(s3_run.mlflow_uri), parent_run_id(result.stdout)) == []
+    print(f"fresh run {s3_run.result.seconds:.0f} s, cached run {result.seconds:.0f} s")
+
+
+# ---- 4: checkpoints from S3 load with transformers -------------------------------
+
+
+def _fetch(fs, uri: str, dest: Path) -> Path:
+    dest.mkdir(parents=True)
+    fs.get(f"{uri}/", f"{dest}/", recursive=True)
+    manifest = json.loads((dest / "manifest.json").read_text())
+    for rel, info in manifest["files"].items():
+        assert sha256(dest / rel) == info["sha256"], f"{uri}/{rel} does not match its manifest"
+    return dest
+
+
+def test_s3_checkpoints_load_with_transformers(s3_run, moto_s3, tmp_path):
+    s3_run.require_ok()
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+    fs = moto_s3.fs()
+    stages = s3_run.stages
+    policies = ["sft", *[name for name in stages if name.startswith("round_")][-1:]]  # and the last RL round
+    for name in policies:
+        policy_dir = _fetch(fs, stages[name][1], tmp_path / name)
+        tok = AutoTokenizer.from_pretrained(policy_dir)
+        model, info = AutoModelForCausalLM.from_pretrained(policy_dir, output_loading_info=True)
+        assert not info["missing_keys"], (name, info)
+        ids = tok("Which digit is largest? 3 1 4 1 5", return_tensors="pt")
+        with torch.no_grad():
+            logits = model(**ids).logits
+        assert logits.shape[:2] == ids["input_ids"].shape and logits.shape[-1] >= len(tok), name
+        assert torch.isfinite(logits).all(), name
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        generated = model.generate(**ids, max_new_tokens=4, do_sample=False, pad_token_id=pad)
+        assert generated.shape[1] > ids["input_ids"].shape[1], name
+
+    rm_dir = _fetch(fs, stages["reward_model"][1], tmp_path / "reward_model")
+    rm, info = AutoModelForSequenceClassification.from_pretrained(rm_dir, num_labels=1, output_loading_info=True)
+    assert not info["missing_keys"], f"reward head not in the checkpoint: {info}"
+    rm_tok = AutoTokenizer.from_pretrained(rm_dir)
+    if rm.config.pad_token_id is None:
+        rm.config.pad_token_id = rm_tok.pad_token_id if rm_tok.pad_token_id is not None else rm_tok.eos_token_id
+    with torch.no_grad():
+        scores = rm(**rm_tok("3 1 4 1 5 -> 5", return_tensors="pt")).logits
+    assert scores.shape == (1, 1) and torch.isfinite(scores).all()
+
+
+# ---- 5: MLflow parent and child runs ---------------------------------------------
+
+
+def test_mlflow_parent_and_child_runs(s3_run, moto_s3):
+    s3_run.require_ok()
+    client = mlflow_client(s3_run.mlflow_uri)
+    pid = parent_run_id(s3_run.result.stdout)
+    parent = client.get_run(pid)
+    assert "mlflow.parentRunId" not in parent.data.tags
+    assert parent.info.status == "FINISHED"
+    params = parent.data.params
+    from alignflow.config import load_config
+
+    assert float(params["sft.learning_rate"]) == load_config().sft.learning_rate  # from the embedded config
+    assert params["sft.max_steps"] == "8"
+    assert params["infra.storage.root"] == s3_run.root
+    table = parse_table(s3_run.result.stdout)
+    assert parent.data.metrics["sft/accuracy"] == pytest.approx(table["sft"]["accuracy"], abs=5e-4)
+
+    children = {r.data.tags["alignflow.stage"]: r for r in child_runs(client, pid)}
+    assert BASE_STAGES <= set(children), sorted(children)
+    assert set(children) == set(s3_run.stages), "one child run per stage"
+    for name, run in children.items():
+        assert run.info.status == "FINISHED", name
+        assert run.data.tags.get("alignflow.uri") == s3_run.stages[name][1], name
+    for name in ("sft", "reward_model"):
+        history = client.get_metric_history(children[name].info.run_id, "train/loss")
+        steps = sorted({m.step for m in history})
+        assert len(steps) >= 2, f"{name} train/loss logged at steps {steps}"
+    for name in ("eval_base", "eval_sft"):
+        assert 0.0 <= children[name].data.metrics["eval/accuracy"] <= 1.0
+    assert 0.0 <= children["eval_reward_model"].data.metrics["eval/rm_pairwise_accuracy"] <= 1.0
+    for name, run in children.items():
+        if name.startswith("round_"):
+            assert any(k.startswith("rl/") for k in run.data.metrics), f"{name}: {sorted(run.data.metrics)}"
+        if name.startswith("eval_") and name != "eval_reward_model":
+            assert f"{name.removeprefix('eval_')}/accuracy" in parent.data.metrics, name
+
+    every = client.search_runs([experiment_id(client)], max_results=1000)
+    for run in every:
+        for k, v in {**run.data.params, **run.data.tags}.items():
+            assert moto_s3.secret_access_key not in v and moto_s3.access_key_id not in v, \
+                f"credential in run {run.info.run_name}: {k}"
+
+
+# ---- 3: a failed stage, fixed and rerun -------------------------------------------
+
+BROKEN_CHECKER = '''
+def check(response, answer):
+    raise RuntimeError("E2E_CHECKER_BROKEN: this checker fails on purpose")
+'''
+
+FIXED_CHECKER = '''
+from alignflow.data.synthetic import check_answer
+
+
+def check(response, answer):
+    """Fixed: the bundled checker."""
+    return check_answer(response, answer)
+'''
+
+
+def test_failed_stage_fixed_and_rerun_runs_alone(small_pipeline_args, cli_env, alignflow_cli, tmp_path):
+    src = tmp_path / "checker_src"
+    src.mkdir()
+    module = src / "e2e_flaky_checker.py"
+    module.write_text(textwrap.dedent(BROKEN_CHECKER))
+    pythonpath = os.pathsep.join(p for p in (str(src), os.environ.get("PYTHONPATH")) if p)
+    env = cli_env(PYTHONPATH=pythonpath, PYTHONDONTWRITEBYTECODE="1")
+    # No RL rounds here (the S3 run covers them): retry semantics only, in less time.
+    args = ["run", *small_pipeline_args(tmp_path, rounds=0), "evaluation.checker=e2e_flaky_checker:check",
+            "infra.task_retries=0"]
+    root = tmp_path / "artifacts"
+
+    failed = alignflow_cli(args, env=env, cwd=tmp_path / "cwd")
+    assert failed.returncode != 0, failed.describe()
+    assert "E2E_CHECKER_BROKEN" in failed.output, failed.describe()
+    committed = {}
+    for name in UPSTREAM:
+        dirs = [p.parent for p in root.glob(f"{name}/*/manifest.json")]
+        assert len(dirs) == 1, f"{name}: committed {dirs}\n{failed.describe()}"
+        committed[name] = str(dirs[0])
+    for name in ("eval_base", "eval_sft"):
+        assert not list(root.glob(f"{name}/*/manifest.json")), f"{name} committed though its checker failed"
+    client = mlflow_client(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    statuses = {r.data.tags.get("alignflow.stage"): r.info.status
+                for r in client.search_runs([experiment_id(client)], max_results=1000)}
+    assert statuses.get("eval_base") == "FAILED" or statuses.get("eval_sft") == "FAILED", statuses
+
+    module.write_text(textwrap.dedent(FIXED_CHECKER))  # same import path, same config: same keys
+    fixed = alignflow_cli(args, env=env, cwd=tmp_path / "cwd")
+    assert fixed.returncode == 0, fixed.describe()
+    stages = parse_stages(fixed.stdout)
+    for name in UPSTREAM:
+        assert stages[name] == ("Cached", committed[name]), f"{name}: {stages[name]}"
+    for name in ("eval_base", "eval_sft"):
+        assert stages[name][0] == "Completed", f"{name}: {stages[name]}"
+    for name, (state, _) in stages.items():
+        if not name.startswith("eval_"):  # everything upstream of evaluation finished in the failed run
+            assert state == "Cached", f"{name}: {state}"
+        elif name != "eval_reward_model":  # every policy evaluation (it calls the checker) ran again
+            assert state == "Completed", f"{name}: {state}"
+        else:  # independent of the checker: it may have finished in the failed run
+            assert state in ("Cached", "Completed"), f"{name}: {state}"
+    print(f"failed run {failed.seconds:.0f} s, fixed rerun {fixed.seconds:.0f} s")
+
+
+# ---- 6: a killed SFT task resumes from its mid-stage checkpoint --------------------
+
+
+def test_killed_sft_resumes_from_checkpoint(small_pipeline_args, cli_env, alignflow_cli, process_tools, tmp_path):
+    total = 400
+    args = ["stage", "sft", *small_pipeline_args(tmp_path, rounds=0), "sft.epochs=25", f"sft.max_steps={total}",
+            "sft.checkpoint_every=20", "sft.log_every=50"]
+    root = tmp_path / "artifacts"
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    env = cli_env()
+
+    with open(cwd / "killed.out", "w") as out, open(cwd / "killed.err", "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=cwd, env=env,
+                                stdout=out, stderr=err, start_new_session=True)
+    tree = {}
+    try:
+        deadline = time.monotonic() + 600
+        while not list(root.glob("sft/*/checkpoints/step-*/manifest.json")):
+            assert proc.poll() is None, f"exited ({proc.returncode}) before a checkpoint: {(cwd / 'killed.err').read_text()[-4000:]}"
+            assert time.monotonic() < deadline, "no mid-stage checkpoint within 600 s"
+            time.sleep(0.2)
+        # Everything the run started: its session (CLI, Ray head processes, Ray
+        # workers) and descendants in other sessions (the CLI's Prefect server).
+        tree = process_tools.tree(proc.pid)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        # Ray workers are in their own process groups and the Prefect server in
+        # its own session: they must go by themselves (Ray fate-sharing; the
+        # server's parent-death signal), without `ray stop`.
+        deadline = time.monotonic() + 60
+        while process_tools.alive(tree) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        left = process_tools.alive(tree)
+        assert not left, "still running after the CLI was killed: " + ", ".join(
+            f"{pid}: {Path(f'/proc/{pid}/cmdline').read_bytes()[:120]!r}" for pid in left)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        process_tools.kill(tree)
+
+    sft_dirs = {p.parent.parent.parent for p in root.glob("sft/*/checkpoints/step-*/manifest.json")}
+    assert len(sft_dirs) == 1
+    sft_dir = sft_dirs.pop()
+    assert not (sft_dir / "manifest.json").exists(), "the killed stage looks committed"
+    steps = [int(p.parent.name.removeprefix("step-")) for p in sft_dir.glob("checkpoints/step-*/manifest.json")]
+    resumed_expected = max(steps)
+    assert resumed_expected >= 20 and resumed_expected < total
+
+    rerun = alignflow_cli(args, env=env, cwd=cwd)
+    assert rerun.returncode == 0, rerun.describe()
+    result = stage_json(rerun.stdout)
+    assert result["uri"] == str(sft_dir)
+    assert (sft_dir / "manifest.json").exists()
+    assert not list(sft_dir.glob("checkpoints/step-*")), "checkpoints left after the stage committed"
+
+    client = mlflow_client(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    sft_runs = client.search_runs([experiment_id(client)], filter_string="tags.`alignflow.stage` = 'sft'")
+    finished = [r for r in sft_runs if r.info.status == "FINISHED"]
+    assert len(finished) == 1, [(r.info.run_id, r.info.status) for r in sft_runs]
+    run = finished[0]
+    resumed = int(run.data.tags["alignflow.resumed_from_step"])
+    assert resumed == resumed_expected, (resumed, steps)
+    metrics = run.data.metrics
+    assert metrics["train/resumed_from_step"] == resumed
+    assert metrics["train/steps"] == total
+    assert metrics["train/steps_run"] == total - resumed
+    assert result["metrics"]["train/steps_run"] == total - resumed
+    print(f"killed after checkpoint step {resumed}; rerun {rerun.seconds:.0f} s")
+
+
+# ---- 7b: bad user data --------------------------------------------------------------
+
+
+def test_bad_data_row_fails_naming_file_row_and_key(small_pipeline_args, cli_env, alignflow_cli, tmp_path):
+    rows = [{"prompt": f"Which digit is largest? {i} 2 3", "response": "3"} for i in range(5)]
+    del rows[2]["response"]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    prefs = tmp_path / "prefs.jsonl"
+    prefs.write_text("".join(json.dumps({"prompt": f"p{i}", "chosen": "a", "rejected": "b"}) + "\n" for i in range(20)))
+    evals = tmp_path / "eval.jsonl"
+    evals.write_text("".join(json.dumps({"prompt": f"p{i}", "answer": "1"}) + "\n" for i in range(4)))
+    args = ["run", *small_pipeline_args(tmp_path), "data.source=files", f"data.sft.path={bad}",
+            f"data.preference.path={prefs}", f"data.eval.path={evals}", "infra.task_retries=0"]
+
+    res = alignflow_cli(args, env=cli_env(), cwd=tmp_path / "cwd")
+    assert res.returncode != 0, res.describe()
+    assert re.search(re.escape(f"{bad}, row 3: missing key 'response'"), res.output), res.describe()
+    assert not (tmp_path / "artifacts" / "sft").exists(), "training started on bad data"
+    print(f"bad data failed after {res.seconds:.0f} s")
