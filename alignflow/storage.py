@@ -123,7 +123,13 @@ class Storage:
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as tmp:
             json.dump(manifest, tmp, indent=1, sort_keys=True)
         try:
-            fs.put_file(tmp.name, f"{uri}/{MANIFEST}")
+            if self.is_local:
+                # A local copy is not atomic: copy beside, then rename into place,
+                # so a crash never leaves a truncated manifest that looks committed.
+                fs.put_file(tmp.name, f"{uri}/{MANIFEST}.partial")
+                os.replace(f"{uri}/{MANIFEST}.partial", f"{uri}/{MANIFEST}")
+            else:  # an object-store PUT appears whole or not at all
+                fs.put_file(tmp.name, f"{uri}/{MANIFEST}")
         finally:
             os.unlink(tmp.name)
         return manifest

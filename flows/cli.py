@@ -44,7 +44,24 @@ def cmd_validate(cfg: PipelineConfig) -> int:
     return 0
 
 
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Errors that mean "fix your input": printed as one line, exit code 2."""
+    from alignflow.data.formats import DataError
+    from engines.batches import PromptTooLongError
+    from engines.rl import InsufficientResourcesError
+
+    return (ConfigError, DataError, PromptTooLongError, InsufficientResourcesError)
+
+
 def cmd_run(cfg: PipelineConfig, stage: str | None = None) -> int:
+    try:
+        return _run(cfg, stage)
+    except _user_errors() as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+def _run(cfg: PipelineConfig, stage: str | None) -> int:
     from flows.runtime import prefect_api, ray_task_runner
 
     apply_process_env()

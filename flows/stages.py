@@ -29,6 +29,7 @@ def _run_chain(config: PipelineConfig, until: str) -> StageResult:
             last = rm = t.reward_model.submit(config.reward_model, config.model, config.data, keys.reward_model,
                                               data, sft, ctx)
         if until == "rl":
+            last = sft  # round 1 starts from SFT, round k from round k-1
             for i, (round_cfg, key) in enumerate(zip(config.rounds, keys.rounds), start=1):
                 last = t.rl_round.submit(round_cfg, config.model, config.data, key, i, last, sft, rm, data, ctx)
         result = last.result()

@@ -139,12 +139,52 @@ def alignflow_cli() -> Callable[..., CliResult]:
     return run_cli
 
 
+def kill_at_checkpoint(args: list[str], *, env: dict[str, str], cwd: Path, checkpoint_glob: Path,
+                       timeout: float = 600) -> None:
+    """Start `python -m flows.cli ARGS`, SIGKILL its whole session as soon as a
+    file matching `checkpoint_glob` (absolute, with wildcards) exists, and
+    assert that everything it started (CLI, Ray head and workers, the Prefect
+    server) is gone within 60 s, without `ray stop`.
+    """
+    root, pattern = Path(checkpoint_glob.anchor), str(checkpoint_glob.relative_to(checkpoint_glob.anchor))
+    cwd.mkdir(parents=True, exist_ok=True)
+    with open(cwd / "killed.out", "w") as out, open(cwd / "killed.err", "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=cwd, env=env,
+                                stdout=out, stderr=err, start_new_session=True)
+    tree: dict[int, int] = {}
+    try:
+        deadline = time.monotonic() + timeout
+        while not list(root.glob(pattern)):
+            assert proc.poll() is None, \
+                f"exited ({proc.returncode}) before a checkpoint: {(cwd / 'killed.err').read_text()[-4000:]}"
+            assert time.monotonic() < deadline, f"no checkpoint {checkpoint_glob} within {timeout} s"
+            time.sleep(0.2)
+        # The run's session (CLI, Ray head, Ray workers) and descendants in other
+        # sessions (the CLI's Prefect server).
+        tree = process_tree(proc.pid)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        # Ray workers (own process groups) and the Prefect server (own session)
+        # must go by themselves: Ray fate-sharing; the server's parent-death signal.
+        deadline = time.monotonic() + 60
+        while alive(tree) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        left = alive(tree)
+        assert not left, "still running after the CLI was killed: " + ", ".join(
+            f"{pid}: {Path(f'/proc/{pid}/cmdline').read_bytes()[:120]!r}" for pid in left)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        kill_tree(tree)
+
+
 @pytest.fixture(scope="session")
 def process_tools():
     """process_tree / alive / kill_tree, for tests that kill a run on purpose."""
     import types
 
-    return types.SimpleNamespace(tree=process_tree, alive=alive, kill=kill_tree)
+    return types.SimpleNamespace(tree=process_tree, alive=alive, kill=kill_tree, kill_at_checkpoint=kill_at_checkpoint)
 
 
 # ---- S3 --------------------------------------------------------------------------

@@ -78,8 +78,21 @@ def test_manifest_is_written_last(tmp_path, src):
     storage.commit(src, uri)
     puts = storage.__dict__["_puts"]
     assert len(puts) == len(FILES) + 1
-    assert puts[-1] == f"{uri}/{MANIFEST}"
-    assert all(not p.endswith(MANIFEST) for p in puts[:-1])
+    # Locally the manifest is copied beside its final name and renamed into place.
+    assert puts[-1] == f"{uri}/{MANIFEST}.partial"
+    assert all(MANIFEST not in p for p in puts[:-1])
+    assert (Path(uri) / MANIFEST).is_file() and not (Path(uri) / f"{MANIFEST}.partial").exists()
+
+
+def test_a_truncated_partial_manifest_is_not_committed(storage, src):
+    """A crash while the manifest is being written leaves only the .partial file."""
+    uri = storage.stage_uri("sft", "k")
+    storage.commit(src, uri)
+    (Path(uri) / MANIFEST).rename(Path(uri) / f"{MANIFEST}.partial")
+    (Path(uri) / f"{MANIFEST}.partial").write_text('{"files": {"a"')
+    assert not storage.is_committed(uri)
+    with pytest.raises(StorageError, match="not a committed artifact"):
+        storage.fetch(uri)
 
 
 def test_an_existing_manifest_in_the_source_is_not_uploaded_as_a_file(storage, src):

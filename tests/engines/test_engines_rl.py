@@ -122,8 +122,6 @@ def test_rejection_sampling_trains_only_on_winners(ray_local, tiny_model, prompt
 def test_round_state_restores_actor_and_engine(ray_local, tiny_model, prompts, tmp_path):
     from safetensors.torch import load
 
-    from engines.objectives import response_logprobs
-
     cfg = _round("grpo")
     first = _start(cfg, tiny_model, prompts)
     try:
