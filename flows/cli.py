@@ -61,13 +61,27 @@ def cmd_run(cfg: PipelineConfig, stage: str | None = None) -> int:
         return 2
 
 
+def _warm_up(cfg: PipelineConfig) -> None:
+    """Start Ray and import the flows while the Prefect API starts (the task
+    runner reuses an initialised Ray, and shuts it down only if it started it)."""
+    import ray
+
+    from alignflow.cluster import ray_init_kwargs
+
+    ray.init(**ray_init_kwargs(cfg.infra))
+    import flows.pipeline  # noqa: F401  (prefect, mlflow, torch: seconds of imports)
+    import flows.stages  # noqa: F401
+
+
 def _run(cfg: PipelineConfig, stage: str | None) -> int:
+    import ray
+
     from flows.runtime import prefect_api, ray_task_runner
 
     apply_process_env()
     t0 = time.perf_counter()
     log_dir = Path(cfg.infra.storage.root if "://" not in cfg.infra.storage.root else ".") / "logs"
-    with prefect_api(cfg.infra, log_dir) as url:
+    with prefect_api(cfg.infra, log_dir, while_starting=lambda: _warm_up(cfg)) as url:
         print(f"Prefect API: {url}", file=sys.stderr)
         if stage:
             from flows import stages
@@ -82,6 +96,7 @@ def _run(cfg: PipelineConfig, stage: str | None) -> int:
             from prefect.logging.handlers import APILogWorker
 
             APILogWorker.drain_all()
+            ray.shutdown()
     elapsed = time.perf_counter() - t0
     if stage:
         print(result.model_dump_json(indent=2))

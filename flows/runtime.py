@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from alignflow.cluster import ray_init_kwargs
@@ -63,11 +63,18 @@ def _healthy(url: str) -> bool:
 
 
 @contextlib.contextmanager
-def prefect_api(infra: InfraConfig, log_dir: Path) -> Iterator[str]:
-    """Yield the API URL every process of this run uses (starting one if needed)."""
+def prefect_api(infra: InfraConfig, log_dir: Path, while_starting: Callable[[], None] | None = None) -> Iterator[str]:
+    """Yield the API URL every process of this run uses (starting one if needed).
+
+    The URL is exported before the server is up, so `while_starting` (e.g.
+    starting Ray, whose workers inherit the variable) overlaps the server's
+    start-up instead of following it.
+    """
     url = infra.prefect_api_url or os.environ.get("PREFECT_API_URL")
     if url:
         os.environ["PREFECT_API_URL"] = url
+        if while_starting:
+            while_starting()
         yield url
         return
     port = _free_port()
@@ -81,12 +88,14 @@ def prefect_api(infra: InfraConfig, log_dir: Path) -> Iterator[str]:
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent(),
         )
     try:
+        os.environ["PREFECT_API_URL"] = url
+        if while_starting:
+            while_starting()
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while not _healthy(url):
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"Prefect server did not start; see {log_path}")
             time.sleep(0.3)
-        os.environ["PREFECT_API_URL"] = url
         yield url
     finally:
         proc.terminate()
