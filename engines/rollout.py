@@ -199,6 +199,9 @@ class RolloutActor:
     def __init__(self, backend: str, model_path: str, torch_threads: int = 2, **kwargs):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+        # Without it vLLM drops torch to one thread "for serving", and in
+        # in-process mode that thread also runs the model.
+        os.environ["OMP_NUM_THREADS"] = str(torch_threads)
         torch.set_num_threads(torch_threads)
         if backend not in BACKENDS:
             raise ValueError(f"unknown rollout backend {backend!r}; valid: {sorted(BACKENDS)}")
