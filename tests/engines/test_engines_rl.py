@@ -59,7 +59,7 @@ def _row_sums(logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (logprobs * mask).sum(-1)
 
 
-@pytest.mark.parametrize("algorithm", ["ppo", "grpo"])
+@pytest.mark.parametrize("algorithm", ["ppo", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"])
 def test_step_moves_policy_toward_advantage(ray_local, tiny_model, prompts, algorithm):
     from engines.objectives import response_logprobs
 
