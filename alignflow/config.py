@@ -228,6 +228,31 @@ class RejectionSamplingConfig(StageConfig):
     epochs: int = Field(1, ge=1)
 
 
+# Round-specific defaults live on classes of their own: a default given as an
+# instance (`actor: TrainConfig = TrainConfig(learning_rate=2e-4)`) is lost as
+# soon as a user sets any one field of that section.
+
+
+class ActorConfig(TrainConfig):
+    """The policy's training engine in an RL round."""
+
+    learning_rate: float = Field(2e-4, gt=0)
+    warmup_steps: int = Field(0, ge=0)
+
+
+class CriticConfig(TrainConfig):
+    """The critic's training engine (PPO), initialised from the reward model."""
+
+    learning_rate: float = Field(1e-3, gt=0)
+    warmup_steps: int = Field(0, ge=0)
+
+
+class RolloutConfig(GenerationConfig):
+    """Sampling during an RL round: n samples per prompt form its group."""
+
+    max_new_tokens: int = Field(8, ge=1)
+
+
 class RoundConfig(StageConfig):
     """One RL round after the reward model."""
 
@@ -236,13 +261,13 @@ class RoundConfig(StageConfig):
     ] = "ppo"
     steps: int = Field(20, ge=1)
     prompts_per_step: int = Field(32, ge=1)
-    generation: GenerationConfig = GenerationConfig(num_samples=4, max_new_tokens=8)
+    generation: RolloutConfig = Field(default_factory=RolloutConfig)
     reward: RewardConfig = RewardConfig()
     kl: KLConfig = KLConfig()
     ppo: PPOConfig = PPOConfig()
     rejection: RejectionSamplingConfig = RejectionSamplingConfig()
-    actor: TrainConfig = TrainConfig(learning_rate=2e-4, warmup_steps=0)
-    critic: TrainConfig = TrainConfig(learning_rate=1e-3, warmup_steps=0)
+    actor: ActorConfig = Field(default_factory=ActorConfig)
+    critic: CriticConfig = Field(default_factory=CriticConfig)
     num_rollout_engines: int = Field(1, ge=1)
     colocate_reference_and_reward: bool = True
     scorer_placement: Placement = Field(default_factory=Placement, description="reference / reward actors")
@@ -296,6 +321,23 @@ class PipelineConfig(StageConfig):
 
 
 DEFAULT_CONFIG = "tiny"
+
+# Fields that place work on the cluster without changing what it computes:
+# left out of cache keys, so moving a stage to other hardware reuses its result.
+RESOURCE_FIELDS = frozenset({"placement", "scorer_placement"})
+
+
+def cache_relevant(cfg: BaseModel) -> dict[str, Any]:
+    """A stage config as JSON, without its resource-only fields (at any depth)."""
+
+    def strip(node: Any) -> Any:
+        if isinstance(node, dict):
+            return {k: strip(v) for k, v in node.items() if k not in RESOURCE_FIELDS}
+        if isinstance(node, list):
+            return [strip(v) for v in node]
+        return node
+
+    return strip(cfg.model_dump(mode="json"))
 
 
 def default_config_path() -> Path:

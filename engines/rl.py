@@ -83,8 +83,32 @@ def _updates_per_step(cfg: RoundConfig) -> int:
 
 class RLRound:
     def __init__(self, cfg: RoundConfig, inputs: RoundInputs):
+        from engines.models import load_tokenizer
+
         self.cfg, self.inputs = cfg, inputs
+        # Cheap checks first: nothing is started if the round cannot run.
         check_resources(cfg)
+        self.reward_fn = self._reward_fn()
+        self.tokenizer = load_tokenizer(inputs.policy_path)
+        self.pad_id = self.tokenizer.pad_token_id
+        kl = cfg.kl
+        self.kl_ctl = (algos.AdaptiveKLController(kl.coef, kl.target, kl.horizon) if kl.adaptive
+                       else algos.FixedKLController(kl.coef))
+        self.schedule = Schedule(rows=len(inputs.prompts), batch_size=min(cfg.prompts_per_step, len(inputs.prompts)),
+                                 total_steps=cfg.steps, seed=cfg.seed)
+        # The latest step's experience and winners, for inspection and tests.
+        self.last_experience: dict[str, Any] = {}
+        self.last_winners: list[dict[str, Any]] = []
+        self.actor = self.critic = self.reference = self.rewarder = None
+        self.engines: list = []
+        try:
+            self._start_actors()
+        except BaseException:
+            self.shutdown()  # the calling worker process lives on; so would the actors
+            raise
+
+    def _start_actors(self) -> None:
+        cfg, inputs = self.cfg, self.inputs
         total = cfg.steps * _updates_per_step(cfg)
         self.actor = TrainerGroup(self._spec(cfg.actor, inputs.policy_path, "causal", total), cfg.actor.num_workers)
         self.critic = None
@@ -97,19 +121,6 @@ class RLRound:
                                 num_cpus=cfg.generation.placement.num_cpus, num_gpus=cfg.generation.placement.num_gpus)
             for i in range(cfg.num_rollout_engines)
         ]
-        from engines.models import load_tokenizer
-
-        self.tokenizer = load_tokenizer(inputs.policy_path)
-        self.pad_id = self.tokenizer.pad_token_id
-        kl = cfg.kl
-        self.kl_ctl = (algos.AdaptiveKLController(kl.coef, kl.target, kl.horizon) if kl.adaptive
-                       else algos.FixedKLController(kl.coef))
-        self.reward_fn = self._reward_fn()
-        self.schedule = Schedule(rows=len(inputs.prompts), batch_size=min(cfg.prompts_per_step, len(inputs.prompts)),
-                                 total_steps=cfg.steps, seed=cfg.seed)
-        # The latest step's experience and winners, for inspection and tests.
-        self.last_experience: dict[str, Any] = {}
-        self.last_winners: list[dict[str, Any]] = []
 
     def _spec(self, t, path: str, kind: str, total: int) -> EngineSpec:
         return EngineSpec(
@@ -328,8 +339,8 @@ class RLRound:
         self.actor.save_hf(directory)
 
     def shutdown(self) -> None:
-        self.actor.shutdown()
-        if self.critic:
-            self.critic.shutdown()
+        for group in (self.actor, self.critic):
+            if group is not None:
+                group.shutdown()
         for a in {id(x): x for x in (self.reference, self.rewarder, *self.engines) if x is not None}.values():
             ray.kill(a)

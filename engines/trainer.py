@@ -225,8 +225,12 @@ class TrainerGroup:
             raise ValueError(f"batch_size {spec.global_batch} must divide by num_workers {num_workers}")
         actor = ray.remote(num_cpus=spec.num_cpus_per_worker, num_gpus=spec.num_gpus_per_worker)(TrainWorker)
         self.workers = [actor.remote(rank, num_workers, spec.torch_threads) for rank in range(num_workers)]
-        master = ray.get(self.workers[0].address.remote())
-        ray.get([w.setup.remote(spec, master) for w in self.workers])
+        try:
+            master = ray.get(self.workers[0].address.remote())
+            ray.get([w.setup.remote(spec, master) for w in self.workers])
+        except BaseException:
+            self.shutdown()  # the calling worker process lives on; so would the actors
+            raise
         self.spec = spec
         self.world_size = num_workers
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
-from alignflow.config import PipelineConfig
+from alignflow.config import PipelineConfig, cache_relevant
 from alignflow.storage import content_key
 from tasks import base_model, data, evaluate, rl_round, train
 
@@ -30,11 +30,11 @@ def plan_keys(cfg: PipelineConfig) -> StageKeys:
     k_data = content_key("data", cfg.data, {}, data.CODE_VERSION)
     k_base = content_key("base_model", cfg.model, {}, base_model.CODE_VERSION)
     train_inputs = {"data": k_data, "dtype": cfg.model.dtype, **{k: str(v) for k, v in lengths.items()}}
-    k_sft = content_key("sft", cfg.sft, {**train_inputs, "init": k_base}, train.CODE_VERSION)
-    k_rm = content_key("reward_model", cfg.reward_model, {**train_inputs, "init": k_sft}, train.CODE_VERSION)
+    k_sft = content_key("sft", cache_relevant(cfg.sft), {**train_inputs, "init": k_base}, train.CODE_VERSION)
+    k_rm = content_key("reward_model", cache_relevant(cfg.reward_model), {**train_inputs, "init": k_sft}, train.CODE_VERSION)
     rounds, start = [], k_sft
     for i, rcfg in enumerate(cfg.rounds, start=1):
-        start = content_key(f"round_{i}", rcfg, {**train_inputs, "policy": start, "reference": k_sft, "reward": k_rm},
+        start = content_key(f"round_{i}", cache_relevant(rcfg), {**train_inputs, "policy": start, "reference": k_sft, "reward": k_rm},
                             rl_round.CODE_VERSION)
         rounds.append(start)
     policy_keys = {"base": k_base, "sft": k_sft, **{f"round_{i}": k for i, k in enumerate(rounds, start=1)}}
@@ -43,7 +43,7 @@ def plan_keys(cfg: PipelineConfig) -> StageKeys:
         data=k_data, base_model=k_base, sft=k_sft, reward_model=k_rm, rounds=rounds,
         eval_reward_model=content_key("eval_reward_model", {}, {"reward": k_rm, "data": k_data}, evaluate.CODE_VERSION),
         eval_policy={
-            name: content_key(f"eval_{name}", cfg.evaluation, {**eval_inputs, "policy": k}, evaluate.CODE_VERSION)
+            name: content_key(f"eval_{name}", cache_relevant(cfg.evaluation), {**eval_inputs, "policy": k}, evaluate.CODE_VERSION)
             for name, k in policy_keys.items()
         },
     )

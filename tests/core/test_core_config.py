@@ -385,3 +385,31 @@ def test_deployment_parameters_name_a_valid_config_and_stage(deployment):
         from flows.stages import STAGE_FLOWS
 
         assert params["stage"] in STAGE_FLOWS
+
+
+def test_a_partial_round_section_keeps_the_round_defaults():
+    """Setting one field of a round's actor/generation section must not reset
+    the others to the generic TrainConfig/GenerationConfig defaults."""
+    from alignflow.config import load_config
+
+    default = load_config().rounds[0]
+    cfg = load_config(None, ['rounds=[{"actor": {"num_workers": 1}, "generation": {"temperature": 0.7}}]']).rounds[0]
+    assert cfg.actor.learning_rate == default.actor.learning_rate == 2e-4
+    assert cfg.actor.warmup_steps == default.actor.warmup_steps == 0
+    assert cfg.generation.max_new_tokens == default.generation.max_new_tokens == 8
+    assert cfg.generation.temperature == 0.7
+
+
+def test_resource_settings_do_not_change_cache_keys():
+    from alignflow.config import load_config
+    from tasks.plan import plan_keys
+
+    base = plan_keys(load_config())
+    moved = plan_keys(load_config(None, [
+        "sft.placement.num_cpus=2", "reward_model.placement.num_gpus=1",
+        'rounds=[{"actor": {"placement": {"num_cpus": 3}}, "scorer_placement": {"num_cpus": 2}}, {}]',
+    ]))
+    assert moved == base
+    changed = plan_keys(load_config(None, ["sft.learning_rate=0.01"]))
+    assert changed.sft != base.sft and changed.data == base.data and changed.base_model == base.base_model
+    assert changed.reward_model != base.reward_model and changed.rounds != base.rounds

@@ -13,6 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from alignflow.config import RewardConfig, RolloutConfig
+
 pytestmark = pytest.mark.engine
 
 
@@ -22,14 +24,14 @@ def parity_reward(prompt: str, response: str, answer: str | None) -> float:
 
 
 def _round(algorithm: str, **overrides):
-    from alignflow.config import GenerationConfig, KLConfig, PPOConfig, RewardConfig, RoundConfig, TrainConfig
+    from alignflow.config import ActorConfig, KLConfig, PPOConfig, RewardConfig, RolloutConfig, RoundConfig
 
     fields = dict(
         algorithm=algorithm, steps=3, prompts_per_step=8,
-        generation=GenerationConfig(num_samples=4, max_new_tokens=6, temperature=1.0),
+        generation=RolloutConfig(num_samples=4, max_new_tokens=6, temperature=1.0),
         reward=RewardConfig(source="rule", rule=f"{__name__}:parity_reward"),
         ppo=PPOConfig(minibatch_size=32, epochs=1, tis_cap=None),
-        actor=TrainConfig(learning_rate=2e-3, warmup_steps=0),
+        actor=ActorConfig(learning_rate=2e-3, warmup_steps=0),
         kl=KLConfig(coef=0.0), checkpoint_every=1,
     )
     fields.update(overrides)
@@ -94,7 +96,7 @@ def test_rejection_sampling_trains_only_on_winners(ray_local, tiny_model, prompt
     from alignflow.config import RejectionSamplingConfig
 
     rl = _start(_round("rejection_sampling", rejection=RejectionSamplingConfig(threshold=1.0),
-                       generation=__import__("alignflow.config").config.GenerationConfig(
+                       generation=RolloutConfig(
                            num_samples=4, max_new_tokens=6, temperature=1.0)), tiny_model, prompts)
     try:
         metrics = rl.step(0)
@@ -153,7 +155,7 @@ def test_two_engines_and_separate_reference_and_reward(ray_local, tiny_model, pr
     """Prompts spread across two vLLM engines come back grouped per prompt, in
     order; the reference and the reward model run as separate actors."""
     cfg = _round("ppo", num_rollout_engines=2, colocate_reference_and_reward=False,
-                 reward=__import__("alignflow.config").config.RewardConfig(source="model"))
+                 reward=RewardConfig(source="model"))
     rl = _start(cfg, tiny_model, prompts)
     try:
         assert rl.reference is not rl.rewarder
@@ -171,13 +173,13 @@ def test_two_engines_and_separate_reference_and_reward(ray_local, tiny_model, pr
 
 
 def test_round_resources_count_every_actor():
-    from alignflow.config import GenerationConfig, Placement, RewardConfig, TrainConfig
+    from alignflow.config import ActorConfig, Placement, RewardConfig, RolloutConfig
     from engines.rl import round_resources
 
     cfg = _round("ppo", num_rollout_engines=3, colocate_reference_and_reward=False,
                  reward=RewardConfig(source="model"),
-                 actor=TrainConfig(num_workers=2, placement=Placement(num_cpus=2, num_gpus=1)),
-                 generation=GenerationConfig(num_samples=4, placement=Placement(num_cpus=1, num_gpus=0.5)))
+                 actor=ActorConfig(num_workers=2, placement=Placement(num_cpus=2, num_gpus=1)),
+                 generation=RolloutConfig(num_samples=4, placement=Placement(num_cpus=1, num_gpus=0.5)))
     # actor 2x(2 CPU, 1 GPU) + critic 1x1 CPU + reference and reward 2x1 CPU + 3 engines x (1 CPU, 0.5 GPU)
     assert round_resources(cfg) == {"CPU": 2 * 2 + 1 + 2 + 3, "GPU": 2 * 1 + 3 * 0.5}
     # critic-free, rule reward: no critic, one scorer (the reference)
@@ -193,5 +195,5 @@ def test_round_that_cannot_be_placed_fails_fast(ray_local, tiny_model, prompts):
     with pytest.raises(InsufficientResourcesError, match=r"CPU: needs \d+, cluster has \d+"):
         _start(cfg, tiny_model, prompts)
     with pytest.raises(InsufficientResourcesError, match="GPU"):
-        _start(_round("grpo", generation=__import__("alignflow.config").config.GenerationConfig(
+        _start(_round("grpo", generation=RolloutConfig(
             num_samples=4, placement={"num_gpus": 1})), tiny_model, prompts)
