@@ -52,9 +52,9 @@ class EngineSpec:
     num_gpus_per_worker: float = 0.0
 
 
-def _free_port() -> int:
+def _free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -78,7 +78,11 @@ class TrainWorker:
         torch.set_num_threads(torch_threads)
 
     def address(self) -> tuple[str, int]:
-        return ray.util.get_node_ip_address(), _free_port()
+        """The rendezvous address: this node as Ray knows it (127.0.0.1 for the
+        local Ray, the node's cluster address otherwise), and a free port."""
+        node_id = ray.get_runtime_context().get_node_id()
+        ip = next(n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id)
+        return ip, _free_port(ip)
 
     def setup(self, spec: EngineSpec, master: tuple[str, int]) -> None:
         import deepspeed
@@ -177,9 +181,14 @@ class TrainWorker:
         """Model (rank 0, HF) + this rank's optimizer/scheduler/RNG state."""
         Path(directory).mkdir(parents=True, exist_ok=True)
         self.save_hf(directory)
+        optimizer = self.engine.optimizer.state_dict()
+        if self.spec.zero_stage > 0:
+            # ZeRO keeps its LossScaler object in the state: store its scale, a number.
+            scaler = optimizer.pop("loss_scaler", None)
+            optimizer["loss_scale"] = float(getattr(scaler, "cur_scale", 1.0))
         save_state(
             {
-                "optimizer": self.engine.optimizer.state_dict(),
+                "optimizer": optimizer,
                 "scheduler": self.scheduler.state_dict(),
                 "step": self.step,
                 "torch_rng": torch.get_rng_state(),
@@ -196,7 +205,17 @@ class TrainWorker:
         weights = load_file(str(Path(directory) / "model.safetensors"))
         self._load_weights(weights)
         st = load_state(directory, f"trainer-rank{self.rank}")
-        self.engine.optimizer.load_state_dict(st["optimizer"])
+        if self.spec.zero_stage == 0:
+            self.engine.optimizer.load_state_dict(st["optimizer"])
+        else:
+            # ZeRO merges the fp32 partitions of every saved rank.
+            parts = [load_state(directory, f"trainer-rank{r}")["optimizer"] for r in range(self.world_size)]
+            scale = parts[self.rank].get("loss_scale", 1.0)
+            for part in parts:
+                part.pop("loss_scale", None)
+                part["loss_scaler"] = self.engine.optimizer.loss_scaler
+            self.engine.optimizer.load_state_dict(parts, load_optimizer_states=True, load_from_fp32_weights=True)
+            self.engine.optimizer.loss_scaler.cur_scale = scale
         self.scheduler.load_state_dict(st["scheduler"])
         self.step = st["step"]
         torch.set_rng_state(st["torch_rng"])
