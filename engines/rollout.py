@@ -45,6 +45,19 @@ class WeightSyncError(ValueError):
     """Pushed weights do not match the engine's model (names or shapes)."""
 
 
+def checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
+    """Tensor names and shapes of an HF checkpoint, from the safetensors headers."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    shapes = {}
+    for f in sorted(Path(model_path).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            shapes.update({k: tuple(st.get_slice(k).get_shape()) for k in st.keys()})
+    return shapes
+
+
 def decode_weights(blob: bytes) -> dict[str, torch.Tensor]:
     from safetensors.torch import load
 
@@ -90,14 +103,7 @@ class VLLMEngine:
             gpu_memory_utilization=gpu_memory_utilization,
         )
         self.tokenizer = self.llm.get_tokenizer()
-        from safetensors.torch import load_file
-
-        from pathlib import Path
-
-        files = sorted(Path(model_path).glob("*.safetensors"))
-        self._shapes = {}
-        for f in files:
-            self._shapes.update({k: tuple(v.shape) for k, v in load_file(str(f)).items()})
+        self._shapes = checkpoint_shapes(model_path)
 
     def generate(self, prompt_ids: list[list[int]], sampling: Sampling) -> list[Rollout]:
         from vllm import SamplingParams
@@ -141,7 +147,6 @@ class HFEngine:
 
         self.model = load_policy(model_path, dtype).eval()
         self.tokenizer = load_tokenizer(model_path)
-        self.seed = seed
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], sampling: Sampling) -> list[Rollout]:

@@ -171,11 +171,22 @@ class TrainWorker:
             module.save_pretrained(directory, state_dict=state, safe_serialization=True)
             self.tokenizer.save_pretrained(directory)
 
-    def weights_bytes(self) -> bytes:
-        """Full weights as safetensors bytes (for pushing into a rollout engine)."""
+    def weights_bytes(self) -> bytes | None:
+        """Full weights as safetensors bytes (for pushing into a rollout engine),
+        from rank 0 (every rank must take part in the ZeRO-3 gather).
+
+        Tied weights (e.g. an output layer tied to the input embeddings) appear
+        once, under the name `save_pretrained` keeps, as in the checkpoint the
+        rollout engine loaded.
+        """
         from safetensors.torch import save
 
-        return save(self._full_state_dict())
+        state = self._full_state_dict()
+        if self.rank != 0:
+            return None
+        module = self.engine.module
+        named = {n for n, _ in module.named_parameters()} | {n for n, _ in module.named_buffers()}
+        return save({k: v for k, v in state.items() if k in named})
 
     def save_state(self, directory: str, extra: dict[str, Any]) -> None:
         """Model (rank 0, HF) + this rank's optimizer/scheduler/RNG state."""
@@ -275,7 +286,7 @@ class TrainerGroup:
         return ray.get([w.load_state.remote(directory) for w in self.workers])[0]
 
     def weights_bytes(self) -> bytes:
-        return ray.get([w.weights_bytes.remote() for w in self.workers])[0]
+        return ray.get([w.weights_bytes.remote() for w in self.workers])[0]  # rank 0's
 
     def shutdown(self) -> None:
         for w in self.workers:

@@ -67,6 +67,8 @@ def compute_stage(
         with tempfile.TemporaryDirectory(prefix=f"alignflow-{stage}-") as out:
             metrics = compute(Path(out), run, uri)
             storage.commit(out, uri, meta={"stage": stage, "key": key, "config": params, "metrics": metrics})
+        # Only now: a failed final upload must still find the mid-stage checkpoints.
+        storage.prune_checkpoints(uri)
         run.set_tag("alignflow.uri", uri)
     log.info("%s: committed %s", stage, uri)
     return StageResult(stage=stage, key=key, uri=uri, metrics=metrics)
@@ -93,7 +95,9 @@ def stage_task(fn: Callable, name: str):
     from prefect import task
     from prefect.tasks import exponential_backoff
 
+    # JSON results, not pickles: the results directory may be a shared bucket,
+    # and a pickle read back on a cache hit could run anyone's code.
     return task(
-        fn, name=name, cache_key_fn=_cache_key, persist_result=True, retries=2,
+        fn, name=name, cache_key_fn=_cache_key, persist_result=True, result_serializer="json", retries=2,
         retry_delay_seconds=exponential_backoff(backoff_factor=2), retry_jitter_factor=0.5,
     )

@@ -11,7 +11,7 @@ from alignflow.records import StageResult
 from tasks.context import RunContext, compute_stage, stage_task
 
 STAGE = "data"
-CODE_VERSION = "2"  # 2: preference pairs include digits absent from the prompt
+CODE_VERSION = "3"  # 3: RL prompts default to SFT prompts, not eval prompts
 SPLITS = ("sft", "preference", "prompts", "eval", "eval_preference")
 
 
@@ -24,7 +24,10 @@ def build_splits(cfg: DataConfig) -> dict[str, list[dict]]:
         "preference": formats.load_records(cfg.preference, "preference"),
         "eval": formats.load_records(cfg.eval, "prompts"),
     }
-    splits["prompts"] = formats.load_records(cfg.prompts, "prompts") if cfg.prompts else splits["eval"]
+    # RL prompts: their own source, else the SFT prompts (never the held-out
+    # eval prompts). Without answers a rule reward gets answer=None.
+    splits["prompts"] = (formats.load_records(cfg.prompts, "prompts") if cfg.prompts
+                         else [{"prompt": r["prompt"], "answer": None} for r in splits["sft"]])
     # Held-out pairs for reward-model accuracy: the last 10% of the pairs.
     n_held = max(1, len(splits["preference"]) // 10)
     splits["eval_preference"] = splits["preference"][-n_held:]

@@ -11,7 +11,6 @@ Reward-model metric: eval/rm_pairwise_accuracy on held-out pairs.
 
 from __future__ import annotations
 
-import importlib
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -22,6 +21,7 @@ from alignflow.cluster import ensure_ray
 from alignflow.config import DataConfig, EvalConfig, ModelConfig
 from alignflow.records import StageResult
 from engines import batches, models
+from engines.rewards import load_callable
 from engines.rollout import Sampling, start_rollout_actor
 from engines.scoring import RewardScorer, SequenceLogprober
 from tasks.context import RunContext, compute_stage, stage_task
@@ -31,14 +31,8 @@ CODE_VERSION = "1"
 
 
 def load_checker(path: str) -> Callable[[str, str], bool]:
-    """`module:function` -> the function; a clear error if it is not there."""
-    module, _, name = path.partition(":")
-    if not name:
-        raise ValueError(f"evaluation.checker {path!r} must be 'module:function'")
-    fn = getattr(importlib.import_module(module), name, None)
-    if not callable(fn):
-        raise ValueError(f"evaluation.checker {path!r}: {name} is not a function in {module}")
-    return fn
+    """`module:function` -> the task checker; a clear error naming the config field."""
+    return load_callable(path, "evaluation.checker")
 
 
 def _sampling(cfg: EvalConfig) -> Sampling:

@@ -62,7 +62,6 @@ def rl_round(cfg: RoundConfig, model: ModelConfig, data_cfg: DataConfig, key: st
             rl.save_policy(str(out))
         finally:
             rl.shutdown()
-        storage.prune_checkpoints(uri)
         summary = {"rl/steps": float(cfg.steps), "rl/steps_run": float(cfg.steps - start),
                    "rl/resumed_from_step": float(start), "rl/final_reward_mean": metrics["reward/mean"]}
         run.log_metrics(summary)

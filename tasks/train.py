@@ -81,7 +81,6 @@ def train_stage(
             group.save_hf(str(out))
         finally:
             group.shutdown()
-        storage.prune_checkpoints(uri)
         tail = history[-min(len(history), 10):] or [{}]
         summary = {f"train/final_{k}": sum(h[k] for h in tail) / len(tail) for k in tail[0]}
         summary.update({"train/steps": float(schedule.total_steps), "train/steps_run": float(steps_run),

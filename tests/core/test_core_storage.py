@@ -163,14 +163,6 @@ def test_fetch_rejects_a_missing_or_truncated_file(storage, src):
     assert "config.json (missing or wrong size)" in str(err.value)
 
 
-def test_json_records(storage):
-    uri = storage.uri("records", "sub", "r.json")
-    assert not storage.exists(uri)
-    storage.write_json(uri, {"b": [1, 2], "a": None})
-    assert storage.exists(uri)
-    assert storage.read_json(uri) == {"a": None, "b": [1, 2]}
-
-
 # ---- content keys --------------------------------------------------------------------------
 
 
