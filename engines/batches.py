@@ -67,9 +67,15 @@ def filter_prompts(
     return kept, report
 
 
-def _pad(seqs: list[list[int]], value: int) -> torch.Tensor:
+def pad_right(seqs: list[list[int]], value: int) -> torch.Tensor:
+    """Right-pad lists of ints to one width: (N, max len) long."""
     width = max(len(s) for s in seqs)
     return torch.tensor([s + [value] * (width - len(s)) for s in seqs], dtype=torch.long)
+
+
+def right_padded(seqs: list[list[int]], pad_id: int) -> dict[str, torch.Tensor]:
+    """input_ids and attention_mask of token sequences, right-padded: (N, L)."""
+    return {"input_ids": pad_right(seqs, pad_id), "attention_mask": pad_right([[1] * len(s) for s in seqs], 0)}
 
 
 def sft_tensors(tokenizer, records: list[dict], max_prompt_tokens: int, max_response_tokens: int) -> tuple[dict[str, torch.Tensor], LengthReport]:
@@ -80,9 +86,7 @@ def sft_tensors(tokenizer, records: list[dict], max_prompt_tokens: int, max_resp
         resp = encode_response(tokenizer, r["response"], max_response_tokens)
         seqs.append(ids + resp)
         masks.append([0] * len(ids) + [1] * len(resp))
-    input_ids = _pad(seqs, tokenizer.pad_token_id)
-    attention = _pad([[1] * len(s) for s in seqs], 0)
-    return {"input_ids": input_ids, "attention_mask": attention, "loss_mask": _pad(masks, 0)}, report
+    return {**right_padded(seqs, tokenizer.pad_token_id), "loss_mask": pad_right(masks, 0)}, report
 
 
 def pair_tensors(tokenizer, records: list[dict], max_prompt_tokens: int, max_response_tokens: int) -> tuple[dict[str, torch.Tensor], LengthReport]:
@@ -90,11 +94,7 @@ def pair_tensors(tokenizer, records: list[dict], max_prompt_tokens: int, max_res
     kept, report = filter_prompts(tokenizer, records, max_prompt_tokens, "preference")
     chosen = [ids + encode_response(tokenizer, r["chosen"], max_response_tokens) for ids, r in kept]
     rejected = [ids + encode_response(tokenizer, r["rejected"], max_response_tokens) for ids, r in kept]
-    seqs = chosen + rejected
-    return {
-        "input_ids": _pad(seqs, tokenizer.pad_token_id),
-        "attention_mask": _pad([[1] * len(s) for s in seqs], 0),
-    }, report
+    return right_padded(chosen + rejected, tokenizer.pad_token_id), report
 
 
 def split_pairs(batch: dict[str, torch.Tensor], index: torch.Tensor, n_pairs: int) -> dict[str, torch.Tensor]:

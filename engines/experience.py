@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import torch
 
+from engines.batches import right_padded
 from engines.rollout import Rollout
 
 
 def rollout_batch(rollouts: list[Rollout], pad_id: int) -> dict[str, torch.Tensor]:
     if not rollouts:
         raise ValueError("no rollouts to batch")
-    seqs = [r.prompt_ids + r.token_ids for r in rollouts]
-    width = max(len(s) for s in seqs)
     T = max(1, max(len(r.token_ids) for r in rollouts))
     index = torch.zeros(len(rollouts), T, dtype=torch.long)
     mask = torch.zeros(len(rollouts), T)
@@ -32,8 +31,7 @@ def rollout_batch(rollouts: list[Rollout], pad_id: int) -> dict[str, torch.Tenso
         mask[b, :n] = 1.0
         lps[b, :n] = torch.tensor(r.logprobs, dtype=torch.float32)
     return {
-        "input_ids": torch.tensor([s + [pad_id] * (width - len(s)) for s in seqs]),
-        "attention_mask": torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs]),
+        **right_padded([r.prompt_ids + r.token_ids for r in rollouts], pad_id),
         "response_index": index,
         "action_mask": mask,
         "rollout_logprobs": lps,

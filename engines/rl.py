@@ -297,12 +297,7 @@ class RLRound:
             return metrics
         seqs = [rollouts[i].prompt_ids + rollouts[i].token_ids for i in winners]
         masks = [[0] * len(rollouts[i].prompt_ids) + [1] * len(rollouts[i].token_ids) for i in winners]
-        width = max(len(s) for s in seqs)
-        data = {
-            "input_ids": torch.tensor([s + [self.pad_id] * (width - len(s)) for s in seqs]),
-            "attention_mask": torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs]),
-            "loss_mask": torch.tensor([m + [0] * (width - len(m)) for m in masks]),
-        }
+        data = {**batches.right_padded(seqs, self.pad_id), "loss_mask": batches.pad_right(masks, 0)}
         gen = torch.Generator().manual_seed(self.cfg.seed)
         sums, n = {}, 0
         w = self.actor.world_size

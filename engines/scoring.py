@@ -6,14 +6,7 @@ import torch
 
 from algos.sequence import shifted_logprobs
 from engines import models
-
-
-def _pad_batch(seqs: list[list[int]], pad_id: int) -> dict[str, torch.Tensor]:
-    width = max(len(s) for s in seqs)
-    return {
-        "input_ids": torch.tensor([s + [pad_id] * (width - len(s)) for s in seqs]),
-        "attention_mask": torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs]),
-    }
+from engines.batches import right_padded
 
 
 class RewardScorer:
@@ -28,7 +21,7 @@ class RewardScorer:
     def score(self, sequences: list[list[int]]) -> list[float]:
         out: list[float] = []
         for i in range(0, len(sequences), self.batch_size):
-            batch = _pad_batch(sequences[i : i + self.batch_size], self.tokenizer.pad_token_id)
+            batch = right_padded(sequences[i : i + self.batch_size], self.tokenizer.pad_token_id)
             out.extend(self.model(**batch).logits.squeeze(-1).float().tolist())
         return out
 
@@ -47,7 +40,7 @@ class SequenceLogprober:
         out: list[list[float]] = []
         for i in range(0, len(prompts), self.batch_size):
             ps, rs = prompts[i : i + self.batch_size], responses[i : i + self.batch_size]
-            batch = _pad_batch([p + r for p, r in zip(ps, rs)], self.tokenizer.pad_token_id)
+            batch = right_padded([p + r for p, r in zip(ps, rs)], self.tokenizer.pad_token_id)
             lp = shifted_logprobs(self.model(**batch).logits, batch["input_ids"])
             for row, (p, r) in enumerate(zip(ps, rs)):
                 out.append(lp[row, len(p) - 1 : len(p) - 1 + len(r)].tolist())
