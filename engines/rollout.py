@@ -85,9 +85,18 @@ class VLLMWorkerExtension:
 
     def alignflow_reload(self, blob: bytes) -> int:
         from safetensors.torch import load
+        from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 
         weights = load(blob)
         self.reload_weights(weights_iterator=list(weights.items()))
+        # On CPU an output layer keeps a packed copy of its weight, made at
+        # load time; a tied one (the embedding itself) is not repacked by the
+        # reload, and generation would sample from the old output layer.
+        # Repack every embedding/LM-head layer (a no-op on GPUs).
+        for module in self.model_runner.get_model().modules():
+            method = getattr(module, "quant_method", None)
+            if isinstance(method, UnquantizedEmbeddingMethod):
+                method.process_weights_after_loading(module)
         return len(weights)
 
 

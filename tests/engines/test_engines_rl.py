@@ -197,3 +197,46 @@ def test_round_that_cannot_be_placed_fails_fast(ray_local, tiny_model, prompts):
     with pytest.raises(InsufficientResourcesError, match="GPU"):
         _start(_round("grpo", generation=RolloutConfig(
             num_samples=4, placement={"num_gpus": 1})), tiny_model, prompts)
+
+
+def test_tied_embeddings_sync_into_vllm(ray_local, tiny_model, prompts, tmp_path):
+    """A model whose output layer is tied to its input embeddings: after a
+    training step, the weights pushed into vLLM are accepted (the tied weight
+    once, as in the checkpoint) and vLLM samples from the trained weights,
+    output layer included (STACK.md saw a stale packed output layer once)."""
+    import ray
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from engines import objectives
+    from engines.batches import shard
+    from engines.experience import rollout_batch
+    from engines.rollout import Sampling, start_rollout_actor
+    from engines.trainer import EngineSpec, TrainerGroup
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model))
+    model.config.tie_word_embeddings = True
+    model.tie_weights()
+    tied = tmp_path / "tied"
+    model.save_pretrained(tied)
+    AutoTokenizer.from_pretrained(str(tiny_model)).save_pretrained(tied)
+
+    spec = EngineSpec(model_path=str(tied), kind="causal", learning_rate=5e-2, weight_decay=0.0, warmup_steps=0,
+                      total_steps=10, zero_stage=0, global_batch=8, grad_clip=1.0, seed=0, torch_threads=1)
+    group = TrainerGroup(spec, num_workers=1)
+    engine = start_rollout_actor("vllm", str(tied), max_model_len=80)
+    try:
+        ids = [p for p, _ in prompts[:4]]
+        rollouts = ray.get(engine.generate.remote(ids, Sampling(n=2, max_new_tokens=6)))
+        batch = rollout_batch(rollouts, pad_id=0)
+        sft = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"],
+               "loss_mask": batch["attention_mask"]}
+        group.train_step(shard(sft, 1), objectives.causal_lm_objective)  # moves the tied matrix
+        ray.get(engine.update_weights.remote(group.weights_bytes()))
+        after = ray.get(engine.generate.remote(ids, Sampling(n=2, max_new_tokens=6)))
+        check = rollout_batch(after, pad_id=0)
+        trainer = group.evaluate(check, objectives.response_logprobs)
+        diff = ((check["rollout_logprobs"] - trainer) * check["action_mask"]).abs().max().item()
+        assert diff <= 1e-4, diff
+    finally:
+        group.shutdown()
+        ray.kill(engine)
