@@ -26,7 +26,7 @@ import ray
 import torch
 
 import algos
-from alignflow.config import RoundConfig
+from alignflow.config import EngineConfig, RoundConfig
 from engines import batches, objectives
 from engines.experience import minibatches, rollout_batch, select
 from engines.rewards import RemoteReward, RuleReward, ScoredText
@@ -120,14 +120,10 @@ class RLRound:
             for i in range(cfg.num_rollout_engines)
         ]
 
-    def _spec(self, t, path: str, kind: str, total: int) -> EngineSpec:
-        return EngineSpec(
-            model_path=path, kind=kind, learning_rate=t.learning_rate, weight_decay=t.weight_decay,
-            warmup_steps=t.warmup_steps, total_steps=total, zero_stage=t.zero_stage,
-            global_batch=self.cfg.ppo.minibatch_size, grad_clip=t.grad_clip, seed=t.seed + self.cfg.seed,
-            dtype=self.inputs.dtype, torch_threads=self.inputs.torch_threads,
-            num_cpus_per_worker=t.placement.num_cpus, num_gpus_per_worker=t.placement.num_gpus,
-        )
+    def _spec(self, engine: EngineConfig, path: str, kind: str, total: int) -> EngineSpec:
+        return EngineSpec.from_config(engine, model_path=path, kind=kind, total_steps=total,
+                                      global_batch=self.cfg.ppo.minibatch_size, dtype=self.inputs.dtype,
+                                      torch_threads=self.inputs.torch_threads, seed_offset=self.cfg.seed)
 
     def _start_scorers(self) -> None:
         p = self.cfg.scorer_placement

@@ -28,6 +28,7 @@ from typing import Any
 import ray
 import torch
 
+from alignflow.config import EngineConfig
 from engines import models
 from engines.state import load_state, save_state
 
@@ -50,6 +51,18 @@ class EngineSpec:
     torch_threads: int = 2
     num_cpus_per_worker: float = 1.0
     num_gpus_per_worker: float = 0.0
+
+    @classmethod
+    def from_config(cls, cfg: EngineConfig, *, model_path: str, kind: str, total_steps: int, global_batch: int,
+                    dtype: str, torch_threads: int, seed_offset: int = 0) -> EngineSpec:
+        """The spec of an engine configured by `cfg` (optimizer, ZeRO, placement)."""
+        return cls(
+            model_path=model_path, kind=kind, learning_rate=cfg.learning_rate, weight_decay=cfg.weight_decay,
+            warmup_steps=cfg.warmup_steps, total_steps=total_steps, zero_stage=cfg.zero_stage,
+            global_batch=global_batch, grad_clip=cfg.grad_clip, seed=cfg.seed + seed_offset, dtype=dtype,
+            torch_threads=torch_threads, num_cpus_per_worker=cfg.placement.num_cpus,
+            num_gpus_per_worker=cfg.placement.num_gpus,
+        )
 
 
 def _free_port(host: str = "127.0.0.1") -> int:

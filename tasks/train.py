@@ -28,16 +28,6 @@ log = logging.getLogger("alignflow")
 CODE_VERSION = "2"  # 2: newly initialised scalar heads start at zero
 
 
-def _spec(cfg: TrainConfig, model: ModelConfig, model_path: str, kind: str, total_steps: int, ctx: RunContext) -> EngineSpec:
-    return EngineSpec(
-        model_path=model_path, kind=kind, learning_rate=cfg.learning_rate, weight_decay=cfg.weight_decay,
-        warmup_steps=cfg.warmup_steps, total_steps=total_steps, zero_stage=cfg.zero_stage,
-        global_batch=cfg.batch_size, grad_clip=cfg.grad_clip, seed=cfg.seed, dtype=model.dtype,
-        torch_threads=ctx.infra.torch_threads, num_cpus_per_worker=cfg.placement.num_cpus,
-        num_gpus_per_worker=cfg.placement.num_gpus,
-    )
-
-
 def train_stage(
     *, stage: str, key: str, cfg: TrainConfig, model: ModelConfig, data_cfg: DataConfig, init: StageResult,
     data: StageResult, ctx: RunContext, kind: str, split: str, objective: Callable, paired: bool,
@@ -55,7 +45,10 @@ def train_stage(
         schedule = supervised.plan(n_rows, cfg.batch_size, cfg.epochs, cfg.max_steps, cfg.seed)
 
         ensure_ray(ctx.infra)
-        group = TrainerGroup(_spec(cfg, model, init_path, kind, schedule.total_steps, ctx), cfg.num_workers)
+        spec = EngineSpec.from_config(cfg, model_path=init_path, kind=kind, total_steps=schedule.total_steps,
+                                      global_batch=cfg.batch_size, dtype=model.dtype,
+                                      torch_threads=ctx.infra.torch_threads)
+        group = TrainerGroup(spec, cfg.num_workers)
         try:
             start = _resume(group, storage, uri)
             if start:

@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -30,46 +28,18 @@ EXPECTED = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-            return r.status == 200
-    except OSError:
-        return False
-
-
 @pytest.fixture
-def prefect_server(tmp_path):
-    """(api url, env) of a Prefect server started for this test."""
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}/api"
-    env = dict(os.environ)
-    env.update({"PREFECT_HOME": str(tmp_path / "prefect_home"), "PREFECT_API_URL": url, "COLUMNS": "250",
-                "ALIGNFLOW_HOME": str(REPO)})
-    log_path = tmp_path / "prefect-server.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-                                env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 180
-        while not _healthy(url):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"Prefect server did not start:\n{log_path.read_text()[-3000:]}")
-            time.sleep(0.3)
+def prefect_server(tmp_path, monkeypatch):
+    """(api url, env) of a Prefect server of its own (own PREFECT_HOME), started
+    the way the CLI starts one (flows.runtime.prefect_api)."""
+    from alignflow.config import InfraConfig
+    from flows.runtime import prefect_api
+
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect_home"))
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)  # prefect_api sets it; undone after the test
+    with prefect_api(InfraConfig(), tmp_path) as url:
+        env = {**os.environ, "COLUMNS": "250", "ALIGNFLOW_HOME": str(REPO)}
         yield url, env
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def _run(args: list[str], env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:

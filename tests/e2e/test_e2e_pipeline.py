@@ -349,50 +349,60 @@ def test_failed_stage_fixed_and_rerun_runs_alone(small_pipeline_args, cli_env, a
     print(f"failed run {failed.seconds:.0f} s, fixed rerun {fixed.seconds:.0f} s")
 
 
-# ---- 6: a killed SFT task resumes from its mid-stage checkpoint --------------------
+# ---- 6: a killed stage resumes from its mid-stage checkpoint ----------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Resumed:
+    stage_dir: Path
+    checkpoint_step: int  # the last committed checkpoint when the run was killed
+    rerun: object  # CliResult
+    run: object  # the one FINISHED MLflow run of the stage
+
+
+def kill_and_resume(stage: str, args: list[str], tmp_path: Path, *, alignflow_cli, cli_env, process_tools) -> Resumed:
+    """Kill `alignflow ARGS` at the stage's first committed checkpoint, check
+    that nothing looks committed, rerun it, and check the stage committed with
+    its checkpoints pruned. Returns what the caller checks the resume against."""
+    root, cwd, env = tmp_path / "artifacts", tmp_path / "cwd", cli_env()
+    pattern = f"{stage}/*/checkpoints/step-*/manifest.json"
+    process_tools.kill_at_checkpoint(args, env=env, cwd=cwd, checkpoint_glob=root / pattern)
+
+    stage_dirs = {p.parent.parent.parent for p in root.glob(pattern)}
+    assert len(stage_dirs) == 1
+    stage_dir = stage_dirs.pop()
+    assert not (stage_dir / "manifest.json").exists(), f"the killed {stage} looks committed"
+    step = max(int(p.parent.name.removeprefix("step-")) for p in stage_dir.glob("checkpoints/step-*/manifest.json"))
+
+    rerun = alignflow_cli(args, env=env, cwd=cwd)
+    assert rerun.returncode == 0, rerun.describe()
+    assert stage_json(rerun.stdout)["uri"] == str(stage_dir)
+    assert (stage_dir / "manifest.json").exists()
+    assert not list(stage_dir.glob("checkpoints/step-*")), f"checkpoints left after {stage} committed"
+
+    client = mlflow_client(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    runs = client.search_runs([experiment_id(client)], filter_string=f"tags.`alignflow.stage` = '{stage}'")
+    finished = [r for r in runs if r.info.status == "FINISHED"]
+    assert len(finished) == 1, [(r.info.run_id, r.info.status) for r in runs]
+    run = finished[0]
+    assert int(run.data.tags["alignflow.resumed_from_step"]) == step
+    return Resumed(stage_dir=stage_dir, checkpoint_step=step, rerun=rerun, run=run)
 
 
 def test_killed_sft_resumes_from_checkpoint(small_pipeline_args, cli_env, alignflow_cli, process_tools, tmp_path):
     total = 400
     args = ["stage", "sft", *small_pipeline_args(tmp_path, rounds=0), "sft.epochs=25", f"sft.max_steps={total}",
             "sft.checkpoint_every=20", "sft.log_every=50"]
-    root = tmp_path / "artifacts"
-    cwd = tmp_path / "cwd"
-    env = cli_env()
-    process_tools.kill_at_checkpoint(args, env=env, cwd=cwd,
-                                     checkpoint_glob=root / "sft/*/checkpoints/step-*/manifest.json")
-
-    sft_dirs = {p.parent.parent.parent for p in root.glob("sft/*/checkpoints/step-*/manifest.json")}
-    assert len(sft_dirs) == 1
-    sft_dir = sft_dirs.pop()
-    assert not (sft_dir / "manifest.json").exists(), "the killed stage looks committed"
-    steps = [int(p.parent.name.removeprefix("step-")) for p in sft_dir.glob("checkpoints/step-*/manifest.json")]
-    resumed_expected = max(steps)
-    assert resumed_expected >= 20 and resumed_expected < total
-
-    rerun = alignflow_cli(args, env=env, cwd=cwd)
-    assert rerun.returncode == 0, rerun.describe()
-    result = stage_json(rerun.stdout)
-    assert result["uri"] == str(sft_dir)
-    assert (sft_dir / "manifest.json").exists()
-    assert not list(sft_dir.glob("checkpoints/step-*")), "checkpoints left after the stage committed"
-
-    client = mlflow_client(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    sft_runs = client.search_runs([experiment_id(client)], filter_string="tags.`alignflow.stage` = 'sft'")
-    finished = [r for r in sft_runs if r.info.status == "FINISHED"]
-    assert len(finished) == 1, [(r.info.run_id, r.info.status) for r in sft_runs]
-    run = finished[0]
-    resumed = int(run.data.tags["alignflow.resumed_from_step"])
-    assert resumed == resumed_expected, (resumed, steps)
-    metrics = run.data.metrics
+    r = kill_and_resume("sft", args, tmp_path, alignflow_cli=alignflow_cli, cli_env=cli_env,
+                        process_tools=process_tools)
+    resumed = r.checkpoint_step
+    assert 20 <= resumed < total
+    metrics = r.run.data.metrics
     assert metrics["train/resumed_from_step"] == resumed
     assert metrics["train/steps"] == total
     assert metrics["train/steps_run"] == total - resumed
-    assert result["metrics"]["train/steps_run"] == total - resumed
-    print(f"killed after checkpoint step {resumed}; rerun {rerun.seconds:.0f} s")
-
-
-# ---- 6b: a killed RL round resumes from its checkpoint --------------------------------
+    assert stage_json(r.rerun.stdout)["metrics"]["train/steps_run"] == total - resumed
+    print(f"killed after checkpoint step {resumed}; rerun {r.rerun.seconds:.0f} s")
 
 
 def test_killed_round_resumes_and_finishes_its_steps(small_pipeline_args, cli_env, alignflow_cli, process_tools,
@@ -401,39 +411,17 @@ def test_killed_round_resumes_and_finishes_its_steps(small_pipeline_args, cli_en
     round_cfg = {"steps": total, "checkpoint_every": 4, "prompts_per_step": 8,
                  "generation": {"num_samples": 2, "max_new_tokens": 8}, "ppo": {"epochs": 1, "minibatch_size": 16}}
     args = ["stage", "rl", *small_pipeline_args(tmp_path, rounds=0), f"rounds={json.dumps([round_cfg])}"]
-    root = tmp_path / "artifacts"
-    cwd = tmp_path / "cwd"
-    env = cli_env()
-    process_tools.kill_at_checkpoint(args, env=env, cwd=cwd,
-                                     checkpoint_glob=root / "round_1/*/checkpoints/step-*/manifest.json")
-
-    round_dirs = {p.parent.parent.parent for p in root.glob("round_1/*/checkpoints/step-*/manifest.json")}
-    assert len(round_dirs) == 1
-    round_dir = round_dirs.pop()
-    assert not (round_dir / "manifest.json").exists(), "the killed round looks committed"
-    resumed_expected = max(int(p.parent.name.removeprefix("step-"))
-                           for p in round_dir.glob("checkpoints/step-*/manifest.json"))
-    assert 4 <= resumed_expected < total
-
-    rerun = alignflow_cli(args, env=env, cwd=cwd)
-    assert rerun.returncode == 0, rerun.describe()
-    assert stage_json(rerun.stdout)["uri"] == str(round_dir)
-    assert (round_dir / "manifest.json").exists()
-    assert not list(round_dir.glob("checkpoints/step-*")), "checkpoints left after the round committed"
-
-    client = mlflow_client(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    runs = client.search_runs([experiment_id(client)], filter_string="tags.`alignflow.stage` = 'round_1'")
-    finished = [r for r in runs if r.info.status == "FINISHED"]
-    assert len(finished) == 1, [(r.info.run_id, r.info.status) for r in runs]
-    run = finished[0]
-    resumed = int(run.data.tags["alignflow.resumed_from_step"])
-    assert resumed == resumed_expected
-    assert run.data.metrics["rl/steps"] == total
-    assert run.data.metrics["rl/steps_run"] == total - resumed
+    r = kill_and_resume("round_1", args, tmp_path, alignflow_cli=alignflow_cli, cli_env=cli_env,
+                        process_tools=process_tools)
+    resumed = r.checkpoint_step
+    assert 4 <= resumed < total
+    assert r.run.data.metrics["rl/steps"] == total
+    assert r.run.data.metrics["rl/steps_run"] == total - resumed
     # The resumed run logged exactly the remaining steps: resumed+1 .. total.
-    history = client.get_metric_history(run.info.run_id, "rl/reward/mean")
+    client = mlflow_client(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    history = client.get_metric_history(r.run.info.run_id, "rl/reward/mean")
     assert sorted(m.step for m in history) == list(range(resumed + 1, total + 1))
-    print(f"round killed after checkpoint step {resumed}; rerun {rerun.seconds:.0f} s")
+    print(f"round killed after checkpoint step {resumed}; rerun {r.rerun.seconds:.0f} s")
 
 
 # ---- 7b: bad user data --------------------------------------------------------------
