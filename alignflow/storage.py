@@ -29,6 +29,19 @@ class StorageError(RuntimeError):
     """A missing, uncommitted or corrupted artifact."""
 
 
+def is_local_uri(uri: str) -> bool:
+    """The one rule: a path without a scheme, or a file:// URI, is local."""
+    return "://" not in uri or uri.startswith("file://")
+
+
+def local_path(uri: str, base: Path | None = None) -> Path:
+    """A local URI as an absolute path (`~` expanded, relative to `base` or the cwd)."""
+    if not is_local_uri(uri):
+        raise StorageError(f"{uri} is not a local path")
+    path = Path(uri.removeprefix("file://")).expanduser()
+    return ((base or Path.cwd()) / path).resolve()
+
+
 def content_key(stage: str, config: Any, inputs: dict[str, str], code_version: str) -> str:
     """Digest of what determines a stage's output: its config, inputs and code.
 
@@ -63,7 +76,7 @@ class Storage:
 
     @property
     def is_local(self) -> bool:
-        return "://" not in self.root or self.root.startswith("file://")
+        return is_local_uri(self.root)
 
     def _fs(self) -> fsspec.AbstractFileSystem:
         if self.is_local:
@@ -81,7 +94,7 @@ class Storage:
 
     def _root(self) -> str:
         if self.is_local:
-            return str(Path(self.root.removeprefix("file://")).expanduser().resolve())
+            return str(local_path(self.root))
         return self.root.rstrip("/")
 
     def uri(self, *parts: str) -> str:
@@ -175,6 +188,16 @@ class Storage:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 
+    def latest_commit(self, stage: str) -> dict[str, Any] | None:
+        """The manifest meta of the most recently committed directory of `stage`, if any."""
+        fs = self._fs()
+        found = fs.glob(f"{self.uri(stage)}/*/{MANIFEST}", detail=True)
+        if not found:
+            return None
+        newest = max(found, key=lambda path: _modified(found[path]))
+        with fs.open(newest, "r") as f:
+            return json.load(f).get("meta", {})
+
     # ---- mid-stage checkpoints ---------------------------------------------------
 
     def checkpoint_uri(self, stage_uri: str, step: int) -> str:
@@ -209,6 +232,12 @@ class Storage:
         if self.is_local or "://" in path:
             return path
         return f"{self.root.split('://', 1)[0]}://{path}"
+
+
+def _modified(info: dict[str, Any]) -> float:
+    """Modification time of an fsspec listing entry (local: mtime; S3: LastModified)."""
+    stamp = info.get("mtime", info.get("LastModified", 0))
+    return stamp.timestamp() if hasattr(stamp, "timestamp") else float(stamp)
 
 
 def _mismatches(local: Path, files: dict[str, dict[str, Any]], check_digest: bool = True) -> list[str]:

@@ -67,6 +67,10 @@ class Tracker:
     def finish(self, run_id: str, status: str = "FINISHED") -> None:
         self._mlflow.MlflowClient().set_terminated(run_id, status=status)
 
+    def run(self, run_id: str) -> StageRun:
+        """Logging into an existing run (e.g. the pipeline's parent run)."""
+        return StageRun(self._mlflow.MlflowClient(), run_id)
+
     @contextlib.contextmanager
     def stage_run(
         self, parent_run_id: str | None, stage: str, params: Mapping[str, Any], tags: Mapping[str, str] | None = None

@@ -6,7 +6,7 @@ Prints (1) the vLLM engine's generation throughput against Hugging Face
 `generate` on the same model, prompts and token counts (fixed-length
 outputs), measured alternately in one run and reported as a ratio of
 medians; (2) the time per phase of PPO steps (generate, score, reference,
-critic, train, weight sync) and rollout tokens/s, averaged over the steps
+old logprobs, critic, train, weight sync) and rollout tokens/s, averaged over the steps
 after the first (which includes engine warm-up).
 """
 
@@ -41,8 +41,9 @@ def main() -> None:
     from alignflow.config import InfraConfig, RoundConfig, SyntheticTaskConfig, TinyModelConfig
     from alignflow.data import synthetic
     from engines import batches, models
-    from engines.rl import RLRound, RoundInputs
+    from engines.rl import RLRound
     from engines.rollout import Sampling, start_rollout_actor
+    from engines.round_models import RoundSetup
 
     ray.init(**ray_init_kwargs(InfraConfig()))
     work = tempfile.mkdtemp(prefix="alignflow-bench-")
@@ -51,7 +52,7 @@ def main() -> None:
     path = str(models.build_tiny_model(tiny, seed=0, out_dir=f"{work}/policy"))
     params = sum(p.numel() for p in models.load_policy(path).parameters())
     tok = models.load_tokenizer(path)
-    data = synthetic.generate(SyntheticTaskConfig(num_sft=1, num_preference=1, num_eval=1, num_rl_prompts=256))
+    data = synthetic.generate(SyntheticTaskConfig(num_sft=1, num_preference=1, num_eval=1, num_rl_prompts=256), seed=0)
     prompts, _ = batches.filter_prompts(tok, data["prompts"], 64, "prompts")
     max_len = 64 + args.new_tokens
 
@@ -74,14 +75,14 @@ def main() -> None:
 
     # 2. RL step phases (PPO with critic, reward model = the policy's backbone + head).
     cfg = RoundConfig(algorithm="ppo", steps=args.steps, prompts_per_step=32)
-    rl = RLRound(cfg, RoundInputs(policy_path=path, reference_path=path, reward_path=path, prompts=prompts,
-                                  dtype="float32", torch_threads=2, max_model_len=max_len))
+    rl = RLRound(cfg, RoundSetup(policy_path=path, reference_path=path, reward_path=path, prompts=prompts,
+                                 dtype="float32", torch_threads=2, max_model_len=max_len, seed=0))
     try:
-        steps = [rl.step(s) for s in range(args.steps)]
+        steps = [rl.step(s).metrics for s in range(args.steps)]
     finally:
         rl.shutdown()
     warm = steps[1:] or steps
-    phases = ["generate", "score", "reference", "critic", "train", "sync"]
+    phases = ["generate", "score", "reference", "old_logprobs", "critic", "train", "sync"]
     means = {p: statistics.mean(s[f"time/{p}"] for s in warm) for p in phases}
     total = sum(means.values())
     print(f"PPO step ({cfg.prompts_per_step} prompts x {cfg.generation.num_samples} samples), mean of {len(warm)} warm steps:")

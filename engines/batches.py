@@ -8,10 +8,13 @@ counted, reported and left out, and a split where none fit is an error.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from alignflow.errors import PromptTooLongError
 
 log = logging.getLogger(__name__)
 
@@ -39,10 +42,6 @@ class LengthReport:
 
     def as_metrics(self, split: str) -> dict[str, float]:
         return {f"data/{split}_rows": self.total, f"data/{split}_overlong_prompts": self.overlong}
-
-
-class PromptTooLongError(ValueError):
-    pass
 
 
 def filter_prompts(
@@ -118,3 +117,21 @@ def shard(batch: dict[str, torch.Tensor], world_size: int, paired: bool = False)
         idx = torch.arange(r * per, (r + 1) * per)
         shards.append(split_pairs(batch, idx, n) if paired else take(batch, idx))
     return shards
+
+
+def minibatches(n_rows: int, size: int, *, epochs: int, generator: torch.Generator,
+                multiple_of: int = 1) -> Iterator[torch.Tensor]:
+    """Row indices of every minibatch of `epochs` passes over `n_rows` rows.
+
+    Each pass is a fresh shuffle cut into chunks of `size`; the remainder is
+    dropped when there is more than one chunk. Each chunk is cut to a multiple
+    of `multiple_of` (so rows split evenly across a trainer group's ranks), and
+    a chunk left empty is skipped.
+    """
+    for _ in range(epochs):
+        perm = torch.randperm(n_rows, generator=generator)
+        chunks = [perm] if n_rows <= size else [perm[i : i + size] for i in range(0, n_rows - size + 1, size)]
+        for chunk in chunks:
+            chunk = chunk[: len(chunk) - len(chunk) % multiple_of]
+            if len(chunk):
+                yield chunk

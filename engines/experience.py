@@ -1,50 +1,153 @@
-"""Rollouts -> padded tensors for training (the Experience batch).
+"""Experience making as pure functions over one immutable, typed batch.
 
-Layout (B rollouts, L = longest prompt+response, T = longest response):
-    input_ids, attention_mask   (B, L)  prompt + response, right-padded
-    response_index              (B, T)  position of response token t in the
-                                        next-token (L-1) layout: P_b - 1 + t
-    action_mask                 (B, T)  1 on real response tokens
-    rollout_logprobs            (B, T)  the sampler's logprobs
-Later filled in: old_logprobs, ref_logprobs, values, advantages, returns (B, T)
-and rewards (B,).
+`Experience` holds a step's tensors under the `algos` names; each phase
+returns a new one (`exp.with_(...)`), and nothing here touches Ray, vLLM or
+DeepSpeed: the round orchestrator (engines/rl.py) only moves batches between
+actors and calls these. Shapes: B rollouts, L = longest prompt + response,
+T = longest response.
 """
 
 from __future__ import annotations
 
-import torch
+import dataclasses
+from dataclasses import dataclass
 
+import torch
+from torch import Tensor
+
+import algos
 from engines.batches import right_padded
 from engines.rollout import Rollout
 
 
-def rollout_batch(rollouts: list[Rollout], pad_id: int) -> dict[str, torch.Tensor]:
+@dataclass(frozen=True)
+class Experience:
+    """A step's batch. Fields after `finished` are filled by the phases, in this order:
+
+        input_ids, attention_mask  (B, L)  prompt + response, right-padded
+        response_index             (B, T)  position of response token t in the next-token (L-1) layout
+        action_mask                (B, T)  1 on real response tokens
+        rollout_logprobs           (B, T)  the sampler's logprobs (truncated IS, sync checks)
+        prompt_index               (B,)    the step's prompt; a prompt's n samples are contiguous
+        finished                   (B,)    ended with EOS/stop rather than the length limit
+        rewards                    (B,)    sequence reward (task reward + overlong shaping)
+        ref_logprobs               (B, T)  reference policy (algorithms with a KL term)
+        old_logprobs               (B, T)  the trained policy before this step's updates
+        values                     (B, T)  critic (algorithms with a critic)
+        token_rewards              (B, T)  reward at the last token, minus the per-token KL where KL is a reward
+        advantages, returns        (B, T)
+    """
+
+    input_ids: Tensor
+    attention_mask: Tensor
+    response_index: Tensor
+    action_mask: Tensor
+    rollout_logprobs: Tensor
+    prompt_index: Tensor
+    finished: Tensor
+    rewards: Tensor | None = None
+    ref_logprobs: Tensor | None = None
+    old_logprobs: Tensor | None = None
+    values: Tensor | None = None
+    token_rewards: Tensor | None = None
+    advantages: Tensor | None = None
+    returns: Tensor | None = None
+
+    def with_(self, **fields: Tensor) -> Experience:
+        return dataclasses.replace(self, **fields)
+
+    def tensors(self) -> dict[str, Tensor]:
+        """The filled fields, as the dict the trainer's objectives and the scorers take."""
+        return {f.name: v for f in dataclasses.fields(self) if (v := getattr(self, f.name)) is not None}
+
+    def select(self, rows: Tensor) -> Experience:
+        return dataclasses.replace(self, **{k: v[rows] for k, v in self.tensors().items()})
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+
+def from_rollouts(rollouts: list[Rollout], pad_id: int) -> Experience:
+    """Pad rollouts (grouped per prompt, in order) into an Experience."""
     if not rollouts:
         raise ValueError("no rollouts to batch")
-    T = max(1, max(len(r.token_ids) for r in rollouts))
-    index = torch.zeros(len(rollouts), T, dtype=torch.long)
-    mask = torch.zeros(len(rollouts), T)
-    lps = torch.zeros(len(rollouts), T)
+    B, T = len(rollouts), max(1, max(len(r.token_ids) for r in rollouts))
+    index = torch.zeros(B, T, dtype=torch.long)
+    mask = torch.zeros(B, T)
+    logprobs = torch.zeros(B, T)
     for b, r in enumerate(rollouts):
-        n = len(r.token_ids)
-        index[b, :n] = torch.arange(len(r.prompt_ids) - 1, len(r.prompt_ids) - 1 + n)
+        n, p = len(r.token_ids), len(r.prompt_ids)
+        index[b, :n] = torch.arange(p - 1, p - 1 + n)
         mask[b, :n] = 1.0
-        lps[b, :n] = torch.tensor(r.logprobs, dtype=torch.float32)
-    return {
-        **right_padded([r.prompt_ids + r.token_ids for r in rollouts], pad_id),
-        "response_index": index,
-        "action_mask": mask,
-        "rollout_logprobs": lps,
-    }
+        logprobs[b, :n] = torch.tensor(r.logprobs, dtype=torch.float32)
+    padded = right_padded([r.prompt_ids + r.token_ids for r in rollouts], pad_id)
+    return Experience(
+        input_ids=padded["input_ids"], attention_mask=padded["attention_mask"], response_index=index,
+        action_mask=mask, rollout_logprobs=logprobs,
+        prompt_index=torch.tensor([r.prompt_index for r in rollouts]),
+        finished=torch.tensor([r.finished for r in rollouts]),
+    )
 
 
-def select(batch: dict[str, torch.Tensor], rows: torch.Tensor) -> dict[str, torch.Tensor]:
-    return {k: v[rows] for k, v in batch.items()}
+def shaped_rewards(task_rewards: Tensor, action_mask: Tensor, *, max_new_tokens: int, overlong_buffer: int,
+                   overlong_penalty: float) -> Tensor:
+    """r_b + p(len_b): DAPO's soft overlong punishment when `overlong_buffer` > 0 (`algos.overlong_penalty`).
+
+    Shapes: `task_rewards` (B,), `action_mask` (B, T); returns (B,) float32.
+    """
+    rewards = task_rewards.float()
+    if not overlong_buffer:
+        return rewards
+    return rewards + algos.overlong_penalty(action_mask.sum(-1), max_len=max_new_tokens, buffer_len=overlong_buffer,
+                                            penalty_factor=overlong_penalty)
 
 
-def minibatches(n_rows: int, size: int, generator: torch.Generator) -> list[torch.Tensor]:
-    """Shuffled row indices in chunks of `size` (the remainder is dropped when more than one chunk)."""
-    perm = torch.randperm(n_rows, generator=generator)
-    if n_rows <= size:
-        return [perm]
-    return [perm[i : i + size] for i in range(0, n_rows - size + 1, size)]
+def with_advantages(exp: Experience, *, estimator: str, whiten: bool, group_size: int, gamma: float, lam: float,
+                    kl_coef: float, kl_estimator: str, kl_clamp: float | None) -> Experience:
+    """Token rewards, then advantages and returns, through the `algos` registry.
+
+        token_rewards = kl_penalized_rewards(rewards, old_logprobs, ref_logprobs, kl_coef)  (kl_coef = 0: none)
+        advantages, returns = estimator(token_rewards, values, ...);  advantages whitened when `whiten`
+
+    Needs `rewards`, `old_logprobs` (and `ref_logprobs` when kl_coef > 0, `values` for "gae").
+    """
+    mask = exp.action_mask
+    reference = exp.ref_logprobs if exp.ref_logprobs is not None else exp.old_logprobs
+    if kl_coef and exp.ref_logprobs is None:
+        raise ValueError("a KL penalty in the reward needs ref_logprobs")
+    token_rewards = algos.kl_penalized_rewards(exp.rewards, exp.old_logprobs, reference, mask, kl_coef=kl_coef,
+                                               kind=kl_estimator, clamp=kl_clamp)
+    out = algos.get_advantage_estimator(estimator)(
+        token_rewards=token_rewards, action_mask=mask, values=exp.values, group_size=group_size, gamma=gamma,
+        lam=lam, eps=1e-6)
+    advantages = algos.masked_whiten(out.advantages, mask) if whiten else out.advantages
+    return exp.with_(token_rewards=token_rewards, advantages=advantages, returns=out.returns)
+
+
+def sequence_kl(exp: Experience) -> Tensor:
+    """Σ_t (log π_old − log π_ref) over each response (k1, the sampled KL): (B,). 0 without a reference."""
+    if exp.ref_logprobs is None:
+        return torch.zeros(len(exp))
+    return algos.kl_estimate(exp.old_logprobs, exp.ref_logprobs, kind="k1").mul(exp.action_mask).sum(-1)
+
+
+def best_of_n(exp: Experience, threshold: float | None) -> Tensor:
+    """Rejection sampling's winners: per prompt, the finished row of highest reward (the first on ties),
+    kept if its reward reaches `threshold`. Row indices, in prompt order."""
+    best: dict[int, int] = {}
+    for row in range(len(exp)):
+        if not exp.finished[row]:
+            continue
+        p = int(exp.prompt_index[row])
+        if p not in best or exp.rewards[row] > exp.rewards[best[p]]:
+            best[p] = row
+    rows = [i for _, i in sorted(best.items()) if threshold is None or exp.rewards[i].item() >= threshold]
+    return torch.tensor(rows, dtype=torch.long)
+
+
+def sft_batch(exp: Experience) -> dict[str, Tensor]:
+    """input_ids, attention_mask and a `loss_mask` over input_ids that is 1 on the response tokens (B, L)."""
+    loss_mask = torch.zeros_like(exp.input_ids)
+    rows, t = exp.action_mask.nonzero(as_tuple=True)
+    loss_mask[rows, exp.response_index[rows, t] + 1] = 1
+    return {"input_ids": exp.input_ids, "attention_mask": exp.attention_mask, "loss_mask": loss_mask}

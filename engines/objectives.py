@@ -23,7 +23,10 @@ def causal_lm_objective(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Te
 
 
 def scalar_scores(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Sequence scores of a reward model / critic head at the last real token: (B,)."""
+    """Sequence scores of a reward model / critic head at the last real token: (B,) float32.
+
+    The one scoring function: training objectives, the scorer actor and
+    in-process evaluation all call it."""
     out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
     return out.logits.squeeze(-1).float()
 
@@ -85,7 +88,12 @@ def policy_objective(
     agg: str, entropy_coef: float, kl_loss_coef: float, kl_estimator: str, kl_clamp: float | None,
     tis_cap: float | None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """PPO clipped surrogate (+ entropy bonus, + GRPO-style KL loss when kl_loss_coef > 0)."""
+    """PPO clipped surrogate (+ entropy bonus, + GRPO-style KL loss when kl_loss_coef > 0).
+
+        loss = ppo_policy_loss(logprobs, old_logprobs, advantages; clip_low, clip_high, dual_clip, TIS)
+               - entropy_coef * H  + kl_loss_coef * agg(kl_estimate(logprobs, ref_logprobs))
+    Metrics: policy_loss (the surrogate alone), kl_loss (the KL term, 0 when off), kl_to_reference, ...
+    """
     from algos import entropy_bonus_loss, entropy_from_logits, kl_estimate, aggregate_loss, ppo_policy_loss, masked_mean
 
     mask = batch["action_mask"]
@@ -100,14 +108,24 @@ def policy_objective(
     entropy = entropy_from_logits(torch.gather(logits[:, :-1].float(), 1, index))
     if entropy_coef:
         loss = loss + entropy_bonus_loss(entropy, mask, entropy_coef=entropy_coef, agg=agg)
-    kl = kl_estimate(logprobs, batch["ref_logprobs"], kind=kl_estimator, clamp=kl_clamp)
-    if kl_loss_coef:
-        loss = loss + kl_loss_coef * aggregate_loss(kl, mask, agg=agg)
-    return loss, {
+    metrics = {
         "policy_loss": out.loss.item(), "clip_fraction": float(out.clip_fraction),
         "approx_kl": float(out.approx_kl), "entropy": float(masked_mean(entropy.detach(), mask)),
-        "kl_to_reference": float(masked_mean(kl.detach(), mask)),
     }
+    if "ref_logprobs" in batch:  # algorithms without a reference (no KL term) have none
+        kl = kl_estimate(logprobs, batch["ref_logprobs"], kind=kl_estimator, clamp=kl_clamp)
+        kl_loss = kl_loss_coef * aggregate_loss(kl, mask, agg=agg)
+        if kl_loss_coef:
+            loss = loss + kl_loss
+        metrics.update(kl_to_reference=float(masked_mean(kl.detach(), mask)), kl_loss=float(kl_loss))
+    elif kl_loss_coef:
+        raise ValueError("a KL loss needs ref_logprobs in the batch")
+    return loss, metrics
+
+
+# Policy losses by `AlgorithmSpec.policy_loss`: objectives with the keyword
+# arguments of `policy_objective`.
+POLICY_LOSSES = {"ppo_clip": policy_objective}
 
 
 def value_objective(model, batch: dict[str, torch.Tensor], *, clip_eps: float | None, agg: str) -> tuple[torch.Tensor, dict[str, float]]:

@@ -15,6 +15,8 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from alignflow.errors import ConfigError
+
 
 class RewardServiceError(RuntimeError):
     """The remote reward service failed or answered something unusable."""
@@ -28,15 +30,16 @@ class ScoredText:
 
 
 def load_callable(path: str, what: str) -> Callable:
+    """`module:function` -> the function; a ConfigError naming the config field `what`."""
     module, _, name = path.partition(":")
     if not name:
-        raise ValueError(f"{what} {path!r} must be 'module:function'")
+        raise ConfigError(f"{what} {path!r} must be 'module:function'")
     try:
         fn = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as err:
-        raise ValueError(f"{what} {path!r} cannot be imported: {err}") from None
+        raise ConfigError(f"{what} {path!r} cannot be imported: {err}") from None
     if not callable(fn):
-        raise ValueError(f"{what} {path!r} is not callable")
+        raise ConfigError(f"{what} {path!r} is not callable")
     return fn
 
 

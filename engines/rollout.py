@@ -25,7 +25,6 @@ class Sampling:
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 16
-    seed: int = 0
     ignore_eos: bool = False  # fixed-length outputs (benchmarks)
 
 
@@ -149,17 +148,22 @@ class VLLMEngine:
 
 
 class HFEngine:
-    """transformers `generate`: the baseline in benchmarks, a user-selectable fallback."""
+    """transformers `generate`: the baseline in benchmarks, a user-selectable fallback.
+
+    Seeded once, at construction, in its own actor process (as vLLM seeds its
+    engine): successive calls draw fresh samples, and the same seed replays the
+    same sequence of calls.
+    """
 
     def __init__(self, model_path: str, *, dtype: str = "float32", seed: int = 0, **_):
         from engines.models import load_policy, load_tokenizer
 
+        torch.manual_seed(seed)
         self.model = load_policy(model_path, dtype).eval()
         self.tokenizer = load_tokenizer(model_path)
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], sampling: Sampling) -> list[Rollout]:
-        torch.manual_seed(sampling.seed)
         tok = self.tokenizer
         width = max(len(p) for p in prompt_ids)
         # Left padding so every prompt ends where generation starts.

@@ -7,6 +7,7 @@ import torch
 from algos.sequence import shifted_logprobs
 from engines import models
 from engines.batches import right_padded
+from engines.objectives import response_logprobs, scalar_scores
 
 
 class RewardScorer:
@@ -22,7 +23,7 @@ class RewardScorer:
         out: list[float] = []
         for i in range(0, len(sequences), self.batch_size):
             batch = right_padded(sequences[i : i + self.batch_size], self.tokenizer.pad_token_id)
-            out.extend(self.model(**batch).logits.squeeze(-1).float().tolist())
+            out.extend(scalar_scores(self.model, batch).tolist())
         return out
 
 
@@ -64,11 +65,8 @@ class ScorerActor:
 
     @torch.no_grad()
     def ref_logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        from engines.objectives import response_logprobs
-
         return response_logprobs(self.reference, batch)
 
     @torch.no_grad()
     def rewards(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        out = self.reward(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
-        return out.logits.squeeze(-1).float()
+        return scalar_scores(self.reward, batch)

@@ -53,11 +53,10 @@ def fit(
     *,
     paired: bool,
     start_step: int = 0,
-    checkpoint_every: int,
-    on_metrics: Callable[[int, dict[str, float]], None],
-    on_checkpoint: Callable[[int], None],
+    after_step: Callable[[int, dict[str, float]], None],
 ) -> int:
-    """Run steps [start_step, total_steps); returns the number of steps run."""
+    """Run steps [start_step, total_steps); `after_step(steps done, metrics)` after each.
+    Returns the number of steps run."""
     n_rows = data["input_ids"].shape[0] // (2 if paired else 1)
     for step in range(start_step, schedule.total_steps):
         t0 = time.perf_counter()
@@ -65,8 +64,5 @@ def fit(
         batch = split_pairs(data, idx, n_rows) if paired else take(data, idx)
         metrics = group.train_step(shard(batch, group.world_size, paired=paired), objective)
         metrics["step_time_s"] = time.perf_counter() - t0
-        on_metrics(step + 1, metrics)
-        done = step + 1
-        if done % checkpoint_every == 0 and done < schedule.total_steps:
-            on_checkpoint(done)
+        after_step(step + 1, metrics)
     return schedule.total_steps - start_step

@@ -19,7 +19,6 @@ from __future__ import annotations
 import math
 import os
 import random
-import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +28,7 @@ import ray
 import torch
 
 from alignflow.config import EngineConfig
+from alignflow.net import free_port
 from engines import models
 from engines.state import load_state, save_state
 
@@ -54,21 +54,15 @@ class EngineSpec:
 
     @classmethod
     def from_config(cls, cfg: EngineConfig, *, model_path: str, kind: str, total_steps: int, global_batch: int,
-                    dtype: str, torch_threads: int, seed_offset: int = 0) -> EngineSpec:
+                    dtype: str, torch_threads: int, seed: int) -> EngineSpec:
         """The spec of an engine configured by `cfg` (optimizer, ZeRO, placement)."""
         return cls(
             model_path=model_path, kind=kind, learning_rate=cfg.learning_rate, weight_decay=cfg.weight_decay,
             warmup_steps=cfg.warmup_steps, total_steps=total_steps, zero_stage=cfg.zero_stage,
-            global_batch=global_batch, grad_clip=cfg.grad_clip, seed=cfg.seed + seed_offset, dtype=dtype,
+            global_batch=global_batch, grad_clip=cfg.grad_clip, seed=seed, dtype=dtype,
             torch_threads=torch_threads, num_cpus_per_worker=cfg.placement.num_cpus,
             num_gpus_per_worker=cfg.placement.num_gpus,
         )
-
-
-def _free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _lr_lambda(warmup: int, total: int) -> Callable[[int], float]:
@@ -95,7 +89,7 @@ class TrainWorker:
         local Ray, the node's cluster address otherwise), and a free port."""
         node_id = ray.get_runtime_context().get_node_id()
         ip = next(n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id)
-        return ip, _free_port(ip)
+        return ip, free_port(ip)
 
     def setup(self, spec: EngineSpec, master: tuple[str, int]) -> None:
         import deepspeed

@@ -1,11 +1,13 @@
-"""`alignflow`: run, validate and inspect pipelines.
+"""`alignflow`: plan, run and inspect pipelines.
 
-    alignflow run [CONFIG.yaml] [key.sub=value ...]
-    alignflow validate [CONFIG.yaml] [key.sub=value ...]
-    alignflow stage NAME [CONFIG.yaml] [key.sub=value ...]
+    alignflow plan [CONFIG.yaml] [key.sub=value ...]           the graph: each stage, its key, Cached or why it runs
+    alignflow run [CONFIG.yaml] [key.sub=value ...]            the whole pipeline (its plan printed first)
+    alignflow stage TARGET [CONFIG.yaml] [key.sub=value ...]   one target and what it needs (e.g. sft, rl, round_2)
+    alignflow validate [CONFIG.yaml] [key.sub=value ...]       the resolved config
 
-Config is validated before anything starts. For a run, the CLI makes sure
-one Prefect API serves the flow and every Ray worker (see flows/runtime.py).
+Config and targets are checked before anything starts. For a run, the CLI
+makes sure one Prefect API serves the flow and every Ray worker (see
+flows/runtime.py). `plan` starts neither Prefect nor Ray.
 """
 
 from __future__ import annotations
@@ -17,7 +19,12 @@ import time
 from pathlib import Path
 
 from alignflow.cluster import apply_process_env
-from alignflow.config import ConfigError, PipelineConfig, load_config, resolve_paths
+from alignflow.config import PipelineConfig, load_config, resolve_paths
+from alignflow.errors import ConfigError, UserError
+from alignflow.storage import is_local_uri, local_path
+from flows.planview import format_plan
+from tasks.context import RunContext
+from tasks.plan import Plan, plan_pipeline, plan_states
 
 
 def _split_args(items: list[str]) -> tuple[str | None, list[str]]:
@@ -44,21 +51,9 @@ def cmd_validate(cfg: PipelineConfig) -> int:
     return 0
 
 
-def _user_errors() -> tuple[type[BaseException], ...]:
-    """Errors that mean "fix your input": printed as one line, exit code 2."""
-    from alignflow.data.formats import DataError
-    from engines.batches import PromptTooLongError
-    from engines.rl import InsufficientResourcesError
-
-    return (ConfigError, DataError, PromptTooLongError, InsufficientResourcesError)
-
-
-def cmd_run(cfg: PipelineConfig, stage: str | None = None) -> int:
-    try:
-        return _run(cfg, stage)
-    except _user_errors() as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+def print_plan(cfg: PipelineConfig, plan: Plan) -> None:
+    storage = RunContext(infra=cfg.infra).storage()
+    print(format_plan(plan, plan_states(plan, storage), storage.uri()), flush=True)
 
 
 def _warm_up(cfg: PipelineConfig) -> None:
@@ -70,27 +65,27 @@ def _warm_up(cfg: PipelineConfig) -> None:
 
     ray.init(**ray_init_kwargs(cfg.infra))
     import flows.pipeline  # noqa: F401  (prefect, mlflow, torch: seconds of imports)
-    import flows.stages  # noqa: F401
 
 
-def _run(cfg: PipelineConfig, stage: str | None) -> int:
+def _run(cfg: PipelineConfig, target: str | None) -> int:
     import ray
 
     from flows.runtime import prefect_api, ray_task_runner
 
     apply_process_env()
     t0 = time.perf_counter()
-    log_dir = Path(cfg.infra.storage.root if "://" not in cfg.infra.storage.root else ".") / "logs"
+    root = cfg.infra.storage.root
+    log_dir = (local_path(root) if is_local_uri(root) else Path.cwd()) / "logs"
     with prefect_api(cfg.infra, log_dir, while_starting=lambda: _warm_up(cfg)) as url:
         print(f"Prefect API: {url}", file=sys.stderr)
-        if stage:
-            from flows import stages
+        from flows.pipeline import partial_pipeline, pipeline
 
-            flow_fn = stages.STAGE_FLOWS[stage]
-        else:
-            from flows.pipeline import pipeline as flow_fn
+        runner = ray_task_runner(cfg.infra)
         try:
-            result = flow_fn.with_options(task_runner=ray_task_runner(cfg.infra))(cfg)
+            if target:
+                result = partial_pipeline.with_options(task_runner=runner)(cfg, target)
+            else:
+                result = pipeline.with_options(task_runner=runner)(cfg)
         finally:
             # Ship buffered run logs while the API is still up.
             from prefect.logging.handlers import APILogWorker
@@ -98,7 +93,7 @@ def _run(cfg: PipelineConfig, stage: str | None) -> int:
             APILogWorker.drain_all()
             ray.shutdown()
     elapsed = time.perf_counter() - t0
-    if stage:
+    if target:
         print(result.model_dump_json(indent=2))
     else:
         _print_report(result, elapsed)
@@ -121,22 +116,27 @@ def _print_report(report, elapsed: float) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="alignflow", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    for name in ("run", "validate"):
+    for name in ("run", "plan", "validate"):
         p = sub.add_parser(name)
         p.add_argument("args", nargs="*", help="[CONFIG.yaml] [key.sub=value ...]")
-    p = sub.add_parser("stage", help="run one stage (and, from cache, what it needs)")
-    p.add_argument("name")
+    p = sub.add_parser("stage", help="run one target (and, from cache, what it needs)")
+    p.add_argument("name", help="a stage (sft, round_2, eval_sft, ...) or a target (data, sft, reward_model, rl, ...)")
     p.add_argument("args", nargs="*")
     ns = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    target = ns.name if ns.command == "stage" else None
     try:
         cfg = _load(ns.args)
-    except ConfigError as err:
+        if ns.command == "validate":
+            return cmd_validate(cfg)
+        plan = plan_pipeline(cfg)
+        print_plan(cfg, plan.upto(target) if target else plan)
+        if ns.command == "plan":
+            return 0
+        return _run(cfg, target)
+    except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    if ns.command == "validate":
-        return cmd_validate(cfg)
-    return cmd_run(cfg, stage=ns.name if ns.command == "stage" else None)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
 """Entrypoints for prefect.yaml deployments: a config file plus overrides.
 
 A deployment's parameters name a config file (relative to the repository)
-and `key.sub=value` overrides; the file is validated before the pipeline
-starts, then the pipeline runs as a subflow on the configured Ray task
-runner. The flow run's own API (the worker's) serves the Ray workers too.
+and `key.sub=value` overrides; the file and the target are validated before
+anything runs, then the pipeline (or one target of it) runs as a subflow on
+the configured Ray task runner. The flow run's own API (the worker's)
+serves the Ray workers too.
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ from prefect import flow
 
 from alignflow.cluster import apply_process_env
 from alignflow.config import load_config, resolve_paths
-from flows.pipeline import pipeline
+from alignflow.records import StageResult
+from flows.pipeline import partial_pipeline, pipeline
 from flows.report import PipelineReport
 from flows.runtime import ray_task_runner
-from flows.stages import STAGE_FLOWS
+from tasks.plan import plan_pipeline
 
 
 @flow(name="alignflow-scheduled-pipeline", log_prints=True)
@@ -28,9 +30,9 @@ def run_pipeline(config_path: str = "configs/tiny.yaml", overrides: list[str] | 
 
 
 @flow(name="alignflow-stage", log_prints=True)
-def run_stage(stage: str, config_path: str = "configs/tiny.yaml", overrides: list[str] | None = None):
-    if stage not in STAGE_FLOWS:
-        raise ValueError(f"unknown stage {stage!r}; valid: {sorted(STAGE_FLOWS)}")
+def run_stage(stage: str, config_path: str = "configs/tiny.yaml", overrides: list[str] | None = None) -> StageResult:
+    """One target of the pipeline (data, base_model, sft, reward_model, rl, evaluation, or a stage's name)."""
     apply_process_env()
     cfg = resolve_paths(load_config(config_path, overrides or []))
-    return STAGE_FLOWS[stage].with_options(task_runner=ray_task_runner(cfg.infra))(cfg)
+    plan_pipeline(cfg).resolve(stage)  # an unknown target fails here, listing the valid ones
+    return partial_pipeline.with_options(task_runner=ray_task_runner(cfg.infra))(cfg, stage)

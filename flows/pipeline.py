@@ -1,12 +1,9 @@
-"""The alignment pipeline as a Prefect flow.
+"""The alignment pipeline as Prefect flows that walk the planned graph (tasks/plan.py).
 
-    prepare_data ─┬─> sft ─> reward_model ─> round 1 ─> round 2 ─> ... round R
-    base_model ───┘                 │            │          │
-                                    └──> evaluate(base, sft, round 1..R, reward model)
-
-Every box is a task cached by its content key (tasks/plan.py), persisted
-under the storage root and retried with backoff; tasks run on Ray. Round k
-starts from round k-1's policy; all rounds share the SFT reference.
+Every stage is a task cached by its content key, persisted under the storage
+root and retried with backoff; tasks run on Ray. `pipeline` runs the whole
+graph; `partial_pipeline` runs one target and what it needs (earlier stages
+come from cache), for `alignflow stage TARGET` and the per-stage deployments.
 """
 
 from __future__ import annotations
@@ -14,40 +11,29 @@ from __future__ import annotations
 from prefect import flow
 
 from alignflow.config import PipelineConfig
-from flows.report import PipelineReport, finish_pipeline_run, start_pipeline_run
+from alignflow.records import StageResult
+from flows.report import PipelineReport, build_report, close_run, open_run, wait_all
 from flows.stage_tasks import StageTasks
-from tasks.plan import plan_keys
+from tasks.plan import plan_pipeline
 
 
 @flow(name="alignflow-pipeline", log_prints=True)
 def pipeline(config: PipelineConfig) -> PipelineReport:
-    keys = plan_keys(config)
-    t = StageTasks(config.infra)
-    ctx = start_pipeline_run(config, keys)
+    plan = plan_pipeline(config)
+    ctx = open_run(config, plan)
+    futures = StageTasks(config.infra).submit_plan(plan, ctx)
+    results, states = wait_all(ctx, futures)
+    report = build_report(ctx, plan, results, states)
+    close_run(ctx, report)
+    return report
 
-    data = t.prepare_data.submit(config.data, keys.data, ctx)
-    base = t.base_model.submit(config.model, keys.base_model, ctx)
-    sft = t.sft.submit(config.sft, config.model, config.data, keys.sft, data, base, ctx)
-    rm = t.reward_model.submit(config.reward_model, config.model, config.data, keys.reward_model, data, sft, ctx)
 
-    policies = {"base": base, "sft": sft}
-    policy = sft
-    for i, (round_cfg, key) in enumerate(zip(config.rounds, keys.rounds), start=1):
-        policy = t.rl_round.submit(round_cfg, config.model, config.data, key, i, policy, sft, rm, data, ctx)
-        policies[f"round_{i}"] = policy
-
-    evals = {
-        name: t.evaluate_policy.submit(config.evaluation, config.model, config.data, keys.eval_policy[name],
-                                       name, policy, rm, sft, data, ctx)
-        for name, policy in policies.items()
-    }
-    rm_eval = t.evaluate_reward_model.submit(config.model, config.data, keys.eval_reward_model, rm, data, ctx)
-
-    return finish_pipeline_run(
-        ctx,
-        stages={"data": data, "base_model": base, "sft": sft, "reward_model": rm,
-                **{name: p for name, p in policies.items() if name.startswith("round_")}},
-        policy_evals=evals,
-        rm_eval=rm_eval,
-        kl_budgets={f"round_{i}": r.kl.budget for i, r in enumerate(config.rounds, start=1)},
-    )
+@flow(name="alignflow-partial-pipeline", log_prints=True)
+def partial_pipeline(config: PipelineConfig, target: str) -> StageResult:
+    """The stages of `target` (a stage name, or a target such as `rl`) and all they need; the last one's result."""
+    full = plan_pipeline(config)
+    plan = full.upto(target)
+    ctx = open_run(config, plan)
+    results, _ = wait_all(ctx, StageTasks(config.infra).submit_plan(plan, ctx))
+    close_run(ctx)
+    return results[full.resolve(target)[-1]]

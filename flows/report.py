@@ -9,7 +9,7 @@ from pydantic import BaseModel
 from alignflow.config import PipelineConfig
 from alignflow.records import StageResult
 from tasks.context import RunContext
-from tasks.plan import StageKeys
+from tasks.plan import Plan
 
 POLICY_METRICS = ("eval/accuracy", "eval/reward", "eval/kl_to_reference", "eval/response_length")
 
@@ -23,19 +23,18 @@ class PipelineReport(BaseModel):
     stage_uris: dict[str, str]
     stage_states: dict[str, str]
     policies: dict[str, dict[str, float]]
-    reward_model: dict[str, float]
+    reward_model: dict[str, float] = {}
     kl_budgets: dict[str, float] = {}
 
     def table(self) -> str:
         cols = ["policy", *[m.removeprefix("eval/") for m in POLICY_METRICS]]
-        rows = [cols] + [
-            [name, *(f"{m.get(k, float('nan')):.3f}" for k in POLICY_METRICS)] for name, m in self.policies.items()
-        ]
+        rows = [cols] + [[name, *(f"{m[k]:.3f}" if k in m else "-" for k in POLICY_METRICS)]
+                         for name, m in self.policies.items()]
         widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
-        acc = self.reward_model.get("eval/rm_pairwise_accuracy", float("nan"))
-        lines.append(f"reward model held-out pairwise accuracy: {acc:.3f}")
+        if "eval/rm_pairwise_accuracy" in self.reward_model:
+            lines.append(f"reward model held-out pairwise accuracy: {self.reward_model['eval/rm_pairwise_accuracy']:.3f}")
         for name, budget in self.kl_budgets.items():
             kl = self.policies.get(name, {}).get("eval/kl_to_reference", float("nan"))
             verdict = "within" if kl <= budget else "OVER"
@@ -43,50 +42,54 @@ class PipelineReport(BaseModel):
         return "\n".join(lines)
 
 
-def start_pipeline_run(config: PipelineConfig, keys: StageKeys) -> RunContext:
+def open_run(config: PipelineConfig, plan: Plan) -> RunContext:
+    """The MLflow parent run of this flow run (config as params, every stage key as a tag)."""
     from prefect.runtime import flow_run
 
     tracker = RunContext(infra=config.infra).tracker()
     run_id = tracker.start_parent(
         run_name=f"{config.name}-{flow_run.name or 'local'}",
         params=config.model_dump(mode="json"),
-        tags={"alignflow.prefect_flow_run_id": str(flow_run.id or ""), **{f"alignflow.key.{k}": str(v)
-              for k, v in keys.model_dump().items() if isinstance(v, str)}},
+        tags={"alignflow.prefect_flow_run_id": str(flow_run.id or ""),
+              **{f"alignflow.key.{s.name}": s.key for s in plan.stages.values()}},
     )
     return RunContext(infra=config.infra, parent_run_id=run_id)
 
 
-def finish_pipeline_run(ctx: RunContext, *, stages: dict[str, Any], policy_evals: dict[str, Any], rm_eval: Any,
-                        kl_budgets: dict[str, float] | None = None) -> PipelineReport:
-    """Wait for every future, log the comparison to the parent run, close it."""
-    tracker = ctx.tracker()
-    futures = {**stages, **{f"eval_{n}": f for n, f in policy_evals.items()}, "eval_reward_model": rm_eval}
+def wait_all(ctx: RunContext, futures: dict[str, Any]) -> tuple[dict[str, StageResult], dict[str, str]]:
+    """Every stage's result and final state name; the parent run is closed FAILED if one failed."""
     try:
-        results: dict[str, StageResult] = {name: f.result() for name, f in futures.items()}
+        results = {name: f.result() for name, f in futures.items()}
     except BaseException:
-        tracker.finish(ctx.parent_run_id, status="FAILED")
+        ctx.tracker().finish(ctx.parent_run_id, status="FAILED")
         raise
-    states = {name: f.state.name for name, f in futures.items()}
-    report = PipelineReport(
+    return results, {name: f.state.name for name, f in futures.items()}
+
+
+def build_report(ctx: RunContext, plan: Plan, results: dict[str, StageResult],
+                 states: dict[str, str]) -> PipelineReport:
+    policies = {s.name.removeprefix("eval_"): results[s.name].metrics for s in plan.of_kind("evaluate_policy")}
+    rm_eval = plan.of_kind("evaluate_reward_model")
+    return PipelineReport(
         mlflow_run_id=ctx.parent_run_id,
         mlflow_tracking_uri=ctx.infra.mlflow_tracking_uri,
         storage_root=ctx.storage().uri(),
         stage_uris={name: r.uri for name, r in results.items()},
         stage_states=states,
-        policies={name: results[f"eval_{name}"].metrics for name in policy_evals},
-        reward_model=results["eval_reward_model"].metrics,
-        kl_budgets=kl_budgets or {},
+        policies=policies,
+        reward_model=results[rm_eval[0].name].metrics if rm_eval else {},
+        kl_budgets={s.name: s.config.round.kl.budget for s in plan.of_kind("rl_round") if s.name in policies},
     )
-    from mlflow import MlflowClient
-    from mlflow.entities import Metric
-    import time
 
-    now = int(time.time() * 1000)
-    metrics = [Metric(f"{name}/{k.removeprefix('eval/')}", v, now, 0)
-               for name, m in report.policies.items() for k, v in m.items() if k in POLICY_METRICS]
-    metrics += [Metric(k.removeprefix("eval/"), v, now, 0) for k, v in report.reward_model.items()]
-    client = MlflowClient(ctx.infra.mlflow_tracking_uri)
-    client.log_batch(ctx.parent_run_id, metrics=metrics)
-    client.log_text(ctx.parent_run_id, report.table(), "report.txt")
+
+def close_run(ctx: RunContext, report: PipelineReport | None = None) -> None:
+    """Log the comparison (per-policy metrics, the table) to the parent run and close it."""
+    tracker = ctx.tracker()
+    if report is not None:
+        run = tracker.run(ctx.parent_run_id)
+        metrics = {f"{name}/{k.removeprefix('eval/')}": v
+                   for name, m in report.policies.items() for k, v in m.items() if k in POLICY_METRICS}
+        metrics.update({k.removeprefix("eval/"): v for k, v in report.reward_model.items()})
+        run.log_metrics(metrics)
+        run.log_text(report.table(), "report.txt")
     tracker.finish(ctx.parent_run_id)
-    return report

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -21,14 +20,10 @@ from pathlib import Path
 
 from alignflow.cluster import ray_init_kwargs
 from alignflow.config import InfraConfig
+from alignflow.net import free_port
+from alignflow.storage import is_local_uri, local_path
 
 STARTUP_TIMEOUT_S = 120
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _die_with_parent():
@@ -77,7 +72,7 @@ def prefect_api(infra: InfraConfig, log_dir: Path, while_starting: Callable[[], 
             while_starting()
         yield url
         return
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}/api"
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / "prefect-server.log"
@@ -124,10 +119,10 @@ def result_storage(infra: InfraConfig):
 
     root = infra.storage.root.rstrip("/")
     name = "alignflow-results-" + hashlib.sha256(root.encode()).hexdigest()[:12]
-    if "://" not in root or root.startswith("file://"):
+    if is_local_uri(root):
         from prefect.filesystems import LocalFileSystem
 
-        path = Path(root.removeprefix("file://")).expanduser().resolve() / "prefect-results"
+        path = local_path(root) / "prefect-results"
         block = LocalFileSystem(basepath=str(path))
     else:
         from prefect.filesystems import RemoteFileSystem

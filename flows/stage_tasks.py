@@ -1,28 +1,33 @@
-"""The stage tasks bound to one pipeline's infra: result storage and retries."""
+"""Every stage kind's Prefect task, bound to one pipeline's result storage and retry policy."""
 
 from __future__ import annotations
+
+from typing import Any
 
 from prefect.tasks import exponential_backoff
 
 from alignflow.config import InfraConfig
 from flows.runtime import result_storage
-from tasks import base_model, data, evaluate, rl_round, train
+from tasks.context import RunContext
+from tasks.plan import Plan
+from tasks.registry import STAGE_KINDS
+from tasks.runner import prefect_task
 
 
 class StageTasks:
-    """Each stage task with this run's result storage and retry policy."""
-
     def __init__(self, infra: InfraConfig):
         storage = result_storage(infra)
         delay = exponential_backoff(backoff_factor=infra.retry_delay_seconds) if infra.retry_delay_seconds else 0
+        self.tasks = {
+            name: prefect_task(kind).with_options(result_storage=storage, retries=infra.task_retries,
+                                                  retry_delay_seconds=delay)
+            for name, kind in STAGE_KINDS.items()
+        }
 
-        def bind(t):
-            return t.with_options(result_storage=storage, retries=infra.task_retries, retry_delay_seconds=delay)
-
-        self.prepare_data = bind(data.prepare_data_task)
-        self.base_model = bind(base_model.base_model_task)
-        self.sft = bind(train.sft_task)
-        self.reward_model = bind(train.reward_model_task)
-        self.rl_round = bind(rl_round.rl_round_task)
-        self.evaluate_policy = bind(evaluate.evaluate_policy_task)
-        self.evaluate_reward_model = bind(evaluate.evaluate_reward_model_task)
+    def submit_plan(self, plan: Plan, ctx: RunContext) -> dict[str, Any]:
+        """Submit every stage in order, each with its upstream futures by input name."""
+        futures: dict[str, Any] = {}
+        for stage in plan.stages.values():
+            upstream = {name: futures[source] for name, source in stage.inputs.items()}
+            futures[stage.name] = self.tasks[stage.kind].submit(stage=stage, inputs=upstream, ctx=ctx)
+        return futures

@@ -1,27 +1,33 @@
-"""What every stage task shares: infra handles, the committed-stage pattern, Ray.
+"""What every stage task shares: infra handles and the committed-stage pattern.
 
-A stage task is idempotent: if its directory `{root}/{stage}/{key}` is
+A stage task is idempotent: if its directory `{root}/{name}/{key}` is
 already committed it returns it without computing (Prefect's cache is the
 first line; this is the second, for a result record lost or a cache
 expired). Otherwise it computes into a scratch directory, inside an MLflow
-child run, and commits the directory (manifest last).
+child run, and commits the directory (manifest last). The manifest records
+the stage's config, input keys and code version, so `alignflow plan` can say
+why a later plan of the same stage runs again.
 """
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict
 
-from alignflow.config import InfraConfig
+from alignflow.config import InfraConfig, cache_relevant
 from alignflow.records import StageResult
 from alignflow.storage import Storage
 from alignflow.tracking import StageRun, Tracker
+
+if TYPE_CHECKING:
+    from tasks.plan import PlannedStage
 
 log = logging.getLogger("alignflow")
 
@@ -43,12 +49,7 @@ class RunContext(BaseModel):
 
 
 def compute_stage(
-    ctx: RunContext,
-    *,
-    stage: str,
-    key: str,
-    params: dict[str, Any],
-    compute: Callable[[Path, StageRun, str], dict[str, float]],
+    ctx: RunContext, stage: PlannedStage, compute: Callable[[Path, StageRun, str], dict[str, float]],
 ) -> StageResult:
     """Return the committed stage, computing and committing it if needed.
 
@@ -57,21 +58,26 @@ def compute_stage(
     (mid-stage checkpoints go under it).
     """
     storage = ctx.storage()
-    uri = storage.stage_uri(stage, key)
+    uri = storage.stage_uri(stage.name, stage.key)
+    result = StageResult(stage=stage.name, key=stage.key, uri=uri)
     if storage.is_committed(uri):
-        meta = storage.read_manifest(uri)["meta"]
-        log.info("%s: already committed at %s", stage, uri)
-        return StageResult(stage=stage, key=key, uri=uri, metrics=meta.get("metrics", {}))
+        log.info("%s: already committed at %s", stage.name, uri)
+        return result.model_copy(update={"metrics": storage.read_manifest(uri)["meta"].get("metrics", {})})
     torch_threads(ctx.infra.torch_threads)
-    with ctx.tracker().stage_run(ctx.parent_run_id, stage, params, tags={"alignflow.key": key}) as run:
-        with tempfile.TemporaryDirectory(prefix=f"alignflow-{stage}-") as out:
+    config = cache_relevant(stage.config)
+    with ctx.tracker().stage_run(ctx.parent_run_id, stage.name, config, tags={"alignflow.key": stage.key}) as run:
+        with tempfile.TemporaryDirectory(prefix=f"alignflow-{stage.name}-") as out:
             metrics = compute(Path(out), run, uri)
-            storage.commit(out, uri, meta={"stage": stage, "key": key, "config": params, "metrics": metrics})
+            storage.commit(out, uri, meta={
+                "stage": stage.name, "kind": stage.kind, "key": stage.key, "config": config,
+                "input_keys": stage.input_keys, "code_version": stage.code_version, "metrics": metrics,
+                "committed_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+            })
         # Only now: a failed final upload must still find the mid-stage checkpoints.
         storage.prune_checkpoints(uri)
         run.set_tag("alignflow.uri", uri)
-    log.info("%s: committed %s", stage, uri)
-    return StageResult(stage=stage, key=key, uri=uri, metrics=metrics)
+    log.info("%s: committed %s", stage.name, uri)
+    return result.model_copy(update={"metrics": metrics})
 
 
 def torch_threads(n: int) -> None:
@@ -79,25 +85,3 @@ def torch_threads(n: int) -> None:
 
     torch.set_num_threads(n)
     os.environ.setdefault("OMP_NUM_THREADS", str(n))
-
-
-def _cache_key(context, parameters: dict[str, Any]) -> str:
-    """Prefect cache key: the stage's content key (config + inputs + code)."""
-    return f"{context.task.name}-{parameters['key']}"
-
-
-def stage_task(fn: Callable, name: str):
-    """A Prefect task cached by its content key, persisted, retried with backoff.
-
-    Result storage and the retry count come from the pipeline's infra config
-    (`with_options` in the flow); these are the defaults for a stage run alone.
-    """
-    from prefect import task
-    from prefect.tasks import exponential_backoff
-
-    # JSON results, not pickles: the results directory may be a shared bucket,
-    # and a pickle read back on a cache hit could run anyone's code.
-    return task(
-        fn, name=name, cache_key_fn=_cache_key, persist_result=True, result_serializer="json", retries=2,
-        retry_delay_seconds=exponential_backoff(backoff_factor=2), retry_jitter_factor=0.5,
-    )

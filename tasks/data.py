@@ -4,21 +4,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
-
 from alignflow.config import DataConfig
 from alignflow.data import formats, synthetic
 from alignflow.records import StageResult
-from tasks.context import RunContext, compute_stage, stage_task
+from tasks.context import RunContext, compute_stage
+from tasks.plan import PlannedStage
+from tasks.registry import DataStage, NoInputs
 
-STAGE = "data"
-CODE_VERSION = "3"  # 3: RL prompts default to SFT prompts, not eval prompts
 SPLITS = ("sft", "preference", "prompts", "eval", "eval_preference")
 
 
-def build_splits(cfg: DataConfig) -> dict[str, list[dict]]:
+def build_splits(cfg: DataConfig, seed: int) -> dict[str, list[dict]]:
     """All splits; user data is validated row by row before anything trains."""
     if cfg.source == "synthetic":
-        return synthetic.generate(cfg.synthetic)
+        return synthetic.generate(cfg.synthetic, seed)
     splits = {
         "sft": formats.load_records(cfg.sft, "sft"),
         "preference": formats.load_records(cfg.preference, "preference"),
@@ -35,20 +34,19 @@ def build_splits(cfg: DataConfig) -> dict[str, list[dict]]:
     return splits
 
 
-def prepare_data(cfg: DataConfig, key: str, ctx: RunContext) -> StageResult:
+def prepare_data(stage: PlannedStage, inputs: NoInputs, ctx: RunContext) -> StageResult:
+    cfg: DataStage = stage.config
+
     def compute(out: Path, run, uri: str) -> dict[str, float]:
-        splits = build_splits(cfg)
+        splits = build_splits(cfg.data, cfg.seed)
         for name in SPLITS:
             formats.write_jsonl(splits[name], str(out / f"{name}.jsonl"))
         metrics = {f"data/{name}_rows": float(len(splits[name])) for name in SPLITS}
         run.log_metrics(metrics)
         return metrics
 
-    return compute_stage(ctx, stage=STAGE, key=key, params=cfg.model_dump(mode="json"), compute=compute)
+    return compute_stage(ctx, stage, compute)
 
 
 def load_split(data: StageResult, ctx: RunContext, name: str) -> list[dict]:
     return formats.read_jsonl(str(ctx.storage().fetch(data.uri) / f"{name}.jsonl"))
-
-
-prepare_data_task = stage_task(prepare_data, name="prepare_data")

@@ -3,7 +3,8 @@
 Policy metrics (the same names for base, SFT and every RL round, so MLflow
 compares them side by side):
   eval/accuracy         share of sampled responses the task checker accepts
-  eval/reward           mean reward-model score of the sampled responses
+  eval/reward           mean reward-model score of the sampled responses (when the
+                        pipeline trains a reward model)
   eval/response_length  mean response length in tokens
   eval/kl_to_reference  mean over responses of Σ_t (log π − log π_ref)
 Reward-model metric: eval/rm_pairwise_accuracy on held-out pairs.
@@ -18,16 +19,16 @@ from pathlib import Path
 import ray
 
 from alignflow.cluster import ensure_ray
-from alignflow.config import DataConfig, EvalConfig, ModelConfig
+from alignflow.config import EvalConfig
 from alignflow.records import StageResult
 from engines import batches, models
 from engines.rewards import load_callable
 from engines.rollout import Sampling, start_rollout_actor
 from engines.scoring import RewardScorer, SequenceLogprober
-from tasks.context import RunContext, compute_stage, stage_task
+from tasks.context import RunContext, compute_stage
 from tasks.data import load_split
-
-CODE_VERSION = "1"
+from tasks.plan import PlannedStage
+from tasks.registry import PolicyEvalInputs, PolicyEvalStage, RewardModelEvalInputs, RewardModelEvalStage
 
 
 def load_checker(path: str) -> Callable[[str, str], bool]:
@@ -37,28 +38,26 @@ def load_checker(path: str) -> Callable[[str, str], bool]:
 
 def _sampling(cfg: EvalConfig) -> Sampling:
     g = cfg.generation
-    return Sampling(n=g.num_samples, temperature=g.temperature, top_p=g.top_p,
-                    max_new_tokens=g.max_new_tokens, seed=g.seed)
+    return Sampling(n=g.num_samples, temperature=g.temperature, top_p=g.top_p, max_new_tokens=g.max_new_tokens)
 
 
-def evaluate_policy(
-    cfg: EvalConfig, model: ModelConfig, data_cfg: DataConfig, key: str, name: str, policy: StageResult,
-    reward: StageResult, reference: StageResult, data: StageResult, ctx: RunContext,
-) -> StageResult:
+def evaluate_policy(stage: PlannedStage, inputs: PolicyEvalInputs, ctx: RunContext) -> StageResult:
+    stage_cfg: PolicyEvalStage = stage.config
+    cfg, io, name = stage_cfg.evaluation, stage_cfg.io, stage.name.removeprefix("eval_")
     storage = ctx.storage()
 
     def compute(out: Path, run, uri: str) -> dict[str, float]:
         checker = load_checker(cfg.checker)
-        policy_path = str(storage.fetch(policy.uri))
+        policy_path = str(storage.fetch(inputs.policy.uri))
         tokenizer = models.load_tokenizer(policy_path)
-        records = load_split(data, ctx, "eval")[: cfg.num_prompts]
-        kept, report = batches.filter_prompts(tokenizer, records, data_cfg.max_prompt_tokens, "eval")
+        records = load_split(inputs.data, ctx, "eval")[: cfg.num_prompts]
+        kept, report = batches.filter_prompts(tokenizer, records, io.max_prompt_tokens, "eval")
         prompt_ids = [ids for ids, _ in kept]
 
         ensure_ray(ctx.infra)
-        actor = start_rollout_actor(cfg.generation.backend, policy_path, dtype=model.dtype,
-                                    seed=cfg.generation.seed, torch_threads=ctx.infra.torch_threads,
-                                    max_model_len=data_cfg.max_prompt_tokens + cfg.generation.max_new_tokens,
+        actor = start_rollout_actor(cfg.generation.backend, policy_path, dtype=io.dtype,
+                                    seed=stage_cfg.seed, torch_threads=ctx.infra.torch_threads,
+                                    max_model_len=io.max_prompt_tokens + cfg.generation.max_new_tokens,
                                     num_cpus=cfg.generation.placement.num_cpus,
                                     num_gpus=cfg.generation.placement.num_gpus)
         try:
@@ -67,15 +66,17 @@ def evaluate_policy(
             ray.kill(actor)
 
         correct = [bool(checker(r.text, kept[r.prompt_index][1].get("answer") or "")) for r in rollouts]
-        sequences = [r.prompt_ids + r.token_ids for r in rollouts]
-        scores = RewardScorer(str(storage.fetch(reward.uri)), model.dtype).score(sequences)
-        ref_lp = SequenceLogprober(str(storage.fetch(reference.uri)), model.dtype).response_logprobs(
+        scores: list[float | None] = [None] * len(rollouts)
+        if inputs.reward is not None:
+            scores = RewardScorer(str(storage.fetch(inputs.reward.uri)), io.dtype).score(
+                [r.prompt_ids + r.token_ids for r in rollouts])
+        ref_lp = SequenceLogprober(str(storage.fetch(inputs.reference.uri)), io.dtype).response_logprobs(
             [r.prompt_ids for r in rollouts], [r.token_ids for r in rollouts])
         kls = [sum(r.logprobs) - sum(ref) for r, ref in zip(rollouts, ref_lp)]
         n = len(rollouts)
         metrics = {
             "eval/accuracy": sum(correct) / n,
-            "eval/reward": sum(scores) / n,
+            **({"eval/reward": sum(scores) / n} if inputs.reward is not None else {}),
             "eval/response_length": sum(len(r.token_ids) for r in rollouts) / n,
             "eval/kl_to_reference": sum(kls) / n,
             "eval/finished_fraction": sum(r.finished for r in rollouts) / n,
@@ -92,20 +93,19 @@ def evaluate_policy(
         (out / "samples.json").write_text(json.dumps(samples, indent=1))
         return metrics
 
-    return compute_stage(ctx, stage=f"eval_{name}", key=key,
-                         params={"policy": name, "policy_uri": policy.uri, **cfg.model_dump(mode="json")},
-                         compute=compute)
+    return compute_stage(ctx, stage, compute)
 
 
-def evaluate_reward_model(model: ModelConfig, data_cfg: DataConfig, key: str, reward: StageResult,
-                          data: StageResult, ctx: RunContext) -> StageResult:
+def evaluate_reward_model(stage: PlannedStage, inputs: RewardModelEvalInputs, ctx: RunContext) -> StageResult:
+    cfg: RewardModelEvalStage = stage.config
+    io = cfg.io
     storage = ctx.storage()
 
     def compute(out: Path, run, uri: str) -> dict[str, float]:
-        scorer = RewardScorer(str(storage.fetch(reward.uri)), model.dtype)
-        records = load_split(data, ctx, "eval_preference")
-        tensors, report = batches.pair_tensors(scorer.tokenizer, records, data_cfg.max_prompt_tokens,
-                                               data_cfg.max_response_tokens)
+        scorer = RewardScorer(str(storage.fetch(inputs.reward.uri)), io.dtype)
+        records = load_split(inputs.data, ctx, "eval_preference")
+        tensors, report = batches.pair_tensors(scorer.tokenizer, records, io.max_prompt_tokens,
+                                               io.max_response_tokens)
         seqs = [row[mask.bool()].tolist() for row, mask in zip(tensors["input_ids"], tensors["attention_mask"])]
         scores = scorer.score(seqs)
         n = len(seqs) // 2
@@ -116,8 +116,4 @@ def evaluate_reward_model(model: ModelConfig, data_cfg: DataConfig, key: str, re
         (out / "metrics.json").write_text(json.dumps(metrics, indent=1))
         return metrics
 
-    return compute_stage(ctx, stage="eval_reward_model", key=key, params={"reward_uri": reward.uri}, compute=compute)
-
-
-evaluate_policy_task = stage_task(evaluate_policy, name="evaluate_policy")
-evaluate_reward_model_task = stage_task(evaluate_reward_model, name="evaluate_reward_model")
+    return compute_stage(ctx, stage, compute)

@@ -1,49 +1,197 @@
-"""Content keys of every stage, computed before anything runs.
+"""The one planner: a PipelineConfig becomes a graph of stages with content keys.
 
-A key covers the stage's config, the keys of its inputs and the stage's
-code version: change a stage's config and it and everything downstream gets
-new keys (and reruns); nothing upstream does.
+    data ──────────────┬──────────────┬───────────────┬─────────────┐
+    base_model ─> [sft] ─> [reward_model] ─> round_1 ─> ... round_R │
+        └───────────┴──────────┴─────────────┴─────> eval_<policy> <┘
+
+Which stages exist follows from the config (alignflow/config/pipeline.py):
+no `sft` section, and rounds start from the base model, which is then the
+reference; the reward model only where a round uses it (or the pipeline
+has no rounds); a round takes only the inputs its algorithm's spec needs.
+
+A stage's key digests its config, the keys of its inputs and its kind's code
+version: change a stage and it and everything downstream get new keys;
+nothing upstream does. Planning starts nothing and imports no engine.
 """
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict
+from typing import Any
 
-from alignflow.config import PipelineConfig, cache_relevant
-from alignflow.storage import content_key
-from tasks import base_model, data, evaluate, rl_round, train
+from pydantic import BaseModel, ConfigDict, SerializeAsAny
 
-class StageKeys(BaseModel):
+from alignflow.config import PipelineConfig, Section, cache_relevant
+from alignflow.errors import ConfigError
+from alignflow.seeds import derive_seed
+from alignflow.storage import Storage, content_key
+from tasks import registry as r
+
+
+class PlannedStage(BaseModel):
+    """One node: what runs (kind, config), on what (inputs by name), under which key."""
+
     model_config = ConfigDict(frozen=True)
 
-    data: str
-    base_model: str
-    sft: str
-    reward_model: str
-    rounds: list[str]
-    eval_reward_model: str
-    eval_policy: dict[str, str]
+    name: str  # unique in the pipeline; also the storage folder: {root}/{name}/{key}
+    kind: str
+    config: SerializeAsAny[Section]
+    inputs: dict[str, str]  # input name -> upstream stage name
+    input_keys: dict[str, str]  # input name -> upstream key
+    key: str
+
+    @property
+    def code_version(self) -> str:
+        return r.STAGE_KINDS[self.kind].code_version
 
 
-def plan_keys(cfg: PipelineConfig) -> StageKeys:
-    lengths = {"max_prompt_tokens": cfg.data.max_prompt_tokens, "max_response_tokens": cfg.data.max_response_tokens}
-    k_data = content_key("data", cfg.data, {}, data.CODE_VERSION)
-    k_base = content_key("base_model", cfg.model, {}, base_model.CODE_VERSION)
-    train_inputs = {"data": k_data, "dtype": cfg.model.dtype, **{k: str(v) for k, v in lengths.items()}}
-    k_sft = content_key("sft", cache_relevant(cfg.sft), {**train_inputs, "init": k_base}, train.CODE_VERSION)
-    k_rm = content_key("reward_model", cache_relevant(cfg.reward_model), {**train_inputs, "init": k_sft}, train.CODE_VERSION)
-    rounds, start = [], k_sft
-    for i, rcfg in enumerate(cfg.rounds, start=1):
-        start = content_key(f"round_{i}", cache_relevant(rcfg), {**train_inputs, "policy": start, "reference": k_sft, "reward": k_rm},
-                            rl_round.CODE_VERSION)
-        rounds.append(start)
-    policy_keys = {"base": k_base, "sft": k_sft, **{f"round_{i}": k for i, k in enumerate(rounds, start=1)}}
-    eval_inputs = {"data": k_data, "reward": k_rm, "reference": k_sft, **{k: str(v) for k, v in lengths.items()}}
-    return StageKeys(
-        data=k_data, base_model=k_base, sft=k_sft, reward_model=k_rm, rounds=rounds,
-        eval_reward_model=content_key("eval_reward_model", {}, {"reward": k_rm, "data": k_data}, evaluate.CODE_VERSION),
-        eval_policy={
-            name: content_key(f"eval_{name}", cache_relevant(cfg.evaluation), {**eval_inputs, "policy": k}, evaluate.CODE_VERSION)
-            for name, k in policy_keys.items()
-        },
-    )
+class Plan(BaseModel):
+    """Stages in an order where every input comes first; and what was left out, and why."""
+
+    model_config = ConfigDict(frozen=True)
+
+    stages: dict[str, PlannedStage]
+    skipped: dict[str, str] = {}
+
+    def of_kind(self, kind: str) -> list[PlannedStage]:
+        return [s for s in self.stages.values() if s.kind == kind]
+
+    def resolve(self, target: str) -> list[str]:
+        """Stage names a target means: a stage's own name, or a kind's target (all its stages)."""
+        if target in self.stages:
+            return [target]
+        kinds = {k.name for k in r.STAGE_KINDS.values() if k.target == target}
+        names = [s.name for s in self.stages.values() if s.kind in kinds]
+        if not names:
+            valid = sorted({*r.targets(), *self.stages})
+            why = f" ({self.skipped[target]})" if target in self.skipped else ""
+            raise ConfigError(f"no stage {target!r} in this pipeline{why}; valid: {', '.join(valid)}")
+        return names
+
+    def upto(self, target: str) -> Plan:
+        """The target's stages and everything they need, in order."""
+        needed: set[str] = set()
+        todo = self.resolve(target)
+        while todo:
+            name = todo.pop()
+            if name not in needed:
+                needed.add(name)
+                todo.extend(self.stages[name].inputs.values())
+        return Plan(stages={n: s for n, s in self.stages.items() if n in needed}, skipped=self.skipped)
+
+
+class _Builder:
+    def __init__(self) -> None:
+        self.stages: dict[str, PlannedStage] = {}
+        self.skipped: dict[str, str] = {}
+
+    def add(self, name: str, kind: str, config: Section, **inputs: str | None) -> str:
+        wired = {k: v for k, v in inputs.items() if v is not None}
+        input_keys = {k: self.stages[v].key for k, v in wired.items()}
+        declared = r.STAGE_KINDS[kind]
+        if not isinstance(config, declared.config):
+            raise TypeError(f"{name}: config is {type(config).__name__}, kind {kind} takes {declared.config.__name__}")
+        key = content_key(name, cache_relevant(config), input_keys, declared.code_version)
+        self.stages[name] = PlannedStage(name=name, kind=kind, config=config, inputs=wired,
+                                         input_keys=input_keys, key=key)
+        return name
+
+
+def plan_pipeline(cfg: PipelineConfig) -> Plan:
+    """The graph of `cfg`: every stage that runs, with its inputs and key."""
+    io = r.ModelIO(dtype=cfg.model.dtype, max_prompt_tokens=cfg.data.max_prompt_tokens,
+                   max_response_tokens=cfg.data.max_response_tokens)
+    b = _Builder()
+
+    def seed(stage: str) -> int:
+        return derive_seed(cfg.seed, stage)
+
+    data = b.add("data", "data", r.DataStage(data=cfg.data, seed=seed("data")))
+    base = b.add("base_model", "base_model", r.BaseModelStage(model=cfg.model, seed=seed("base_model")))
+    reference = base
+    if cfg.sft is not None:
+        reference = b.add("sft", "sft", r.SFTStage(train=cfg.sft, io=io, seed=seed("sft")), data=data, init=base)
+    else:
+        b.skipped["sft"] = "the config has no sft section: rounds start from the base model"
+    reward = None
+    if cfg.trains_reward_model:
+        reward = b.add("reward_model", "reward_model",
+                       r.RewardModelStage(train=cfg.reward_model, io=io, seed=seed("reward_model")),
+                       data=data, init=reference)
+    else:
+        b.skipped["reward_model"] = ("the config has no reward_model section" if cfg.reward_model is None else
+                                     "no round scores with it or starts a critic from it")
+
+    policies = {"base": base, **({"sft": reference} if reference != base else {})}  # label -> stage
+    policy = reference
+    for i, round_cfg in enumerate(cfg.rounds, start=1):
+        spec = round_cfg.spec
+        policy = b.add(f"round_{i}", "rl_round",
+                       r.RoundStage(round=round_cfg.resolved(), io=io, seed=seed(f"round_{i}")),
+                       data=data, policy=policy, reference=reference if spec.reference else None,
+                       reward=reward if round_cfg.needs_reward_model else None)
+        policies[policy] = policy
+
+    if cfg.evaluation is None:
+        b.skipped["evaluation"] = "the config has no evaluation section"
+    else:
+        eval_cfg = r.PolicyEvalStage(evaluation=cfg.evaluation, io=io, seed=seed("evaluation"))
+        for label, name in policies.items():
+            b.add(f"eval_{label}", "evaluate_policy", eval_cfg, data=data, policy=name, reference=reference,
+                  reward=reward)
+        if reward:
+            b.add("eval_reward_model", "evaluate_reward_model", r.RewardModelEvalStage(io=io), data=data,
+                  reward=reward)
+    return Plan(stages=b.stages, skipped=b.skipped)
+
+
+# ---- what would run, and why --------------------------------------------------------
+
+
+class StageState(BaseModel):
+    cached: bool
+    why: str  # for a stage that will run
+
+
+def plan_states(plan: Plan, storage: Storage) -> dict[str, StageState]:
+    """For every stage: committed already (Cached), or what differs from its last commit."""
+    states = {}
+    for stage in plan.stages.values():
+        if storage.is_committed(storage.stage_uri(stage.name, stage.key)):
+            states[stage.name] = StageState(cached=True, why="")
+        else:
+            states[stage.name] = StageState(cached=False, why=_why(stage, storage.latest_commit(stage.name)))
+    return states
+
+
+def _why(stage: PlannedStage, last: dict[str, Any] | None) -> str:
+    if last is None:
+        return "never committed"
+    if "input_keys" not in last:
+        return "last commit predates plan records"
+    reasons = []
+    if last.get("code_version") != stage.code_version:
+        reasons.append(f"code changed (version {last.get('code_version')} -> {stage.code_version})")
+    changed = _diff(last.get("config", {}), cache_relevant(stage.config))
+    if changed:
+        shown = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in list(changed.items())[:3])
+        more = f" (+{len(changed) - 3} more)" if len(changed) > 3 else ""
+        reasons.append(f"config changed: {shown}{more}")
+    inputs = sorted(n for n in {*last["input_keys"], *stage.input_keys}
+                    if last["input_keys"].get(n) != stage.input_keys.get(n))
+    if inputs:
+        reasons.append(f"input changed: {', '.join(inputs)}")
+    return "; ".join(reasons) or "not committed under this key"
+
+
+def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, dict):
+        out: dict[str, Any] = {}
+        for k, v in tree.items():
+            out.update(_flat(v, f"{prefix}{k}."))
+        return out
+    return {prefix.rstrip("."): tree}
+
+
+def _diff(old: dict[str, Any], new: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    a, b = _flat(old), _flat(new)
+    return {k: (a.get(k), b.get(k)) for k in sorted({*a, *b}) if a.get(k) != b.get(k)}

@@ -12,7 +12,6 @@ import dataclasses
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,18 +22,14 @@ from pathlib import Path
 
 import pytest
 
+from alignflow.net import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
 CLI_TIMEOUT_S = 900
 
 
 # ---- processes -----------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _stat(pid: int) -> tuple[str, int, int, int] | None:

@@ -19,12 +19,9 @@ from collections.abc import Iterable
 from typing import Any, Literal
 
 from alignflow.config import DatasetSource
+from alignflow.errors import DataError
 
 Kind = Literal["sft", "preference", "prompts"]
-
-
-class DataError(ValueError):
-    """A dataset problem, naming the source, the row and the key."""
 
 
 def read_rows(src: DatasetSource) -> Iterable[dict[str, Any]]:

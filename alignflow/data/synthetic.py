@@ -15,7 +15,7 @@ largest. The task is built so that RLHF is measurable on a CPU in minutes:
 - RL prompts and held-out evaluation prompts carry the answer for checking;
   evaluation prompts never occur among the training prompts.
 
-Everything derives from one seed: the same config gives the same data.
+Everything derives from the data stage's seed: the same config gives the same data.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import random
 from collections.abc import Iterator
 
 from alignflow.config import SyntheticTaskConfig
+from alignflow.seeds import derive_seed
 
 QUESTION = "Which digit is largest?"
 
@@ -64,14 +65,14 @@ class _Sampler:
         raise ValueError(f"ran out of distinct prompts with {self.num_digits} digits")
 
 
-def generate(cfg: SyntheticTaskConfig) -> dict[str, list[dict]]:
+def generate(cfg: SyntheticTaskConfig, seed: int) -> dict[str, list[dict]]:
     """All splits of the task: sft, preference, prompts, eval, eval_preference.
 
     Eval prompts are drawn first, so changing the training split sizes never
-    changes the held-out set.
+    changes the held-out set. `seed` is the data stage's seed.
     """
-    sampler = _Sampler(cfg.seed, cfg.num_digits)
-    rng = random.Random(cfg.seed + 1)
+    sampler = _Sampler(derive_seed(seed, "prompts"), cfg.num_digits)
+    rng = random.Random(derive_seed(seed, "answers"))
     eval_digits = [sampler.draw() for _ in range(cfg.num_eval)]
     splits: dict[str, list[dict]] = {
         "eval": [{"prompt": _messages(d), "answer": str(max(d))} for d in eval_digits],

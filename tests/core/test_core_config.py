@@ -261,10 +261,10 @@ def test_files_source_needs_its_datasets():
 def test_files_source_names_only_what_is_missing():
     with pytest.raises(ConfigError) as err:
         load_config(overrides=["data.source=files", "data.sft.path=a.jsonl", "data.eval.path=e.jsonl"])
-    message = str(err.value)
-    assert "data.preference" in message
-    assert "data.sft" not in message
-    assert "data.eval" not in message
+    (message,) = [line for line in str(err.value).splitlines() if "needs" in line]
+    assert "needs data.preference (got" in message
+    assert "needs data.sft" not in message and ", data.sft" not in message
+    assert "data.eval" not in message.split("(got")[0]
 
 
 @pytest.mark.parametrize(
@@ -378,13 +378,21 @@ def test_deployment_entrypoint_is_a_flow_accepting_its_parameters(deployment):
 
 @pytest.mark.parametrize("deployment", _deployments(), ids=lambda d: d["name"])
 def test_deployment_parameters_name_a_valid_config_and_stage(deployment):
+    from tasks.plan import plan_pipeline
+
     params = deployment.get("parameters") or {}
     if "config_path" in params:
-        assert load_config(REPO / params["config_path"], params.get("overrides") or [])
-    if "stage" in params:
-        from flows.stages import STAGE_FLOWS
+        cfg = load_config(REPO / params["config_path"], params.get("overrides") or [])
+        if "stage" in params:
+            assert plan_pipeline(cfg).resolve(params["stage"])
 
-        assert params["stage"] in STAGE_FLOWS
+
+def test_every_stage_target_has_a_deployment():
+    """The per-stage deployments come from the stage registry: one for each target, nothing else."""
+    from tasks.registry import targets
+
+    staged = [d["parameters"]["stage"] for d in _deployments() if "stage" in (d.get("parameters") or {})]
+    assert sorted(staged) == sorted(targets())
 
 
 def test_a_partial_round_section_keeps_the_round_defaults():
@@ -400,16 +408,60 @@ def test_a_partial_round_section_keeps_the_round_defaults():
     assert cfg.generation.temperature == 0.7
 
 
-def test_resource_settings_do_not_change_cache_keys():
-    from alignflow.config import load_config
-    from tasks.plan import plan_keys
+def test_sections_can_be_left_out_with_null():
+    cfg = load_config(None, ["sft=null", "evaluation=null", "reward_model=null",
+                             'rounds=[{"algorithm": "grpo", "reward": {"source": "rule"}}]'])
+    assert cfg.sft is None and cfg.evaluation is None and cfg.reward_model is None
+    # an override into a section set to null brings the section back, with its defaults
+    back = load_config(None, ["sft=null", "sft.epochs=2"])
+    assert back.sft.epochs == 2 and back.sft.batch_size == 32
 
-    base = plan_keys(load_config())
-    moved = plan_keys(load_config(None, [
-        "sft.placement.num_cpus=2", "reward_model.placement.num_gpus=1",
-        'rounds=[{"actor": {"placement": {"num_cpus": 3}}, "scorer_placement": {"num_cpus": 2}}, {}]',
-    ]))
-    assert moved == base
-    changed = plan_keys(load_config(None, ["sft.learning_rate=0.01"]))
-    assert changed.sft != base.sft and changed.data == base.data and changed.base_model == base.base_model
-    assert changed.reward_model != base.reward_model and changed.rounds != base.rounds
+
+def test_a_round_using_the_reward_model_needs_its_section():
+    with pytest.raises(ConfigError, match=r"rounds\.0 \(ppo\).*reward_model is null"):
+        load_config(None, ["reward_model=null"])
+    # a PPO critic that starts from the policy, scoring with a rule: no reward model needed
+    cfg = load_config(None, ["reward_model=null",
+                             'rounds=[{"algorithm": "ppo", "critic": {"init": "policy"}, "reward": {"source": "rule"}}]'])
+    assert not cfg.rounds[0].needs_reward_model
+
+
+def test_unknown_algorithm_lists_the_registered_ones():
+    from alignflow.algorithms import ALGORITHMS
+
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ['rounds=[{"algorithm": "ppo2"}]'])
+    assert "rounds.0.algorithm" in str(err.value)
+    for name in ALGORITHMS:
+        assert repr(name) in str(err.value)
+
+
+def test_group_algorithms_need_a_group_from_their_spec():
+    with pytest.raises(ConfigError, match="rloo needs generation.num_samples >= 2"):
+        load_config(None, ['rounds=[{"algorithm": "rloo", "generation": {"num_samples": 1}}]'])
+    assert load_config(None, ['rounds=[{"algorithm": "reinforce_pp", "generation": {"num_samples": 1}}]'])
+
+
+def test_round_takes_the_algorithms_defaults_unless_set():
+    from alignflow.algorithms import get_algorithm
+
+    grpo = load_config(None, ['rounds=[{"algorithm": "grpo"}]']).rounds[0]
+    assert grpo.kl.apply_as is None  # as written
+    spec = get_algorithm("grpo")
+    resolved = grpo.resolved()
+    assert (resolved.kl.apply_as, resolved.kl.estimator, resolved.ppo.loss_agg) == (
+        spec.kl_apply_as, spec.kl_estimator, spec.loss_agg) == ("loss", "k3", "token_mean")
+    mine = load_config(None, ['rounds=[{"algorithm": "grpo", "kl": {"apply_as": "reward", "estimator": "k2"}}]'])
+    assert (mine.rounds[0].resolved().kl.apply_as, mine.rounds[0].resolved().kl.estimator) == ("reward", "k2")
+
+
+@pytest.mark.parametrize("field", ["data.synthetic.seed", "model.seed", "sft.seed", "evaluation.generation.seed"])
+def test_seeds_live_in_one_place(field):
+    with pytest.raises(ConfigError, match=rf"{field}: .*top-level `seed`"):
+        load_config(None, [f"{field}=1"])
+    assert load_config(None, ["seed=7"]).seed == 7
+
+
+def test_overrides_are_named_as_the_source_of_errors():
+    with pytest.raises(ConfigError, match=r"with overrides sft\.epochs=-1"):
+        load_config(None, ["sft.epochs=-1"])

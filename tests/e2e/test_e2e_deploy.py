@@ -24,7 +24,8 @@ REPO = Path(__file__).resolve().parents[2]
 PREFECT = str(Path(sys.executable).with_name("prefect"))
 EXPECTED = {
     "alignflow-scheduled-pipeline/nightly", "alignflow-scheduled-pipeline/pipeline",
-    "alignflow-stage/data", "alignflow-stage/sft", "alignflow-stage/reward-model",
+    "alignflow-stage/data", "alignflow-stage/base-model", "alignflow-stage/sft", "alignflow-stage/reward-model",
+    "alignflow-stage/rl-rounds", "alignflow-stage/evaluation",
 }
 
 
@@ -59,7 +60,7 @@ def test_prefect_yaml_deploys_and_nightly_is_scheduled(prefect_server):
     assert not missing, f"not listed: {missing}\n{listed}"
 
     from alignflow.config import load_config
-    from flows.stages import STAGE_FLOWS
+    from tasks.plan import plan_pipeline
 
     deployments = {}
     for name in EXPECTED:
@@ -69,9 +70,9 @@ def test_prefect_yaml_deploys_and_nightly_is_scheduled(prefect_server):
         assert d["work_pool_name"] == "alignflow-process", name
         assert d["pull_steps"] == [{"prefect.deployments.steps.set_working_directory": {"directory": str(REPO)}}]
         params = d["parameters"]
-        load_config(REPO / params["config_path"], params.get("overrides") or [])  # the config it names is valid
+        cfg = load_config(REPO / params["config_path"], params.get("overrides") or [])  # the config is valid
         if d["entrypoint"].endswith(":run_stage"):
-            assert params["stage"] in STAGE_FLOWS, f"{name}: no stage flow {params['stage']!r}"
+            assert plan_pipeline(cfg).resolve(params["stage"]), f"{name}: no stages for {params['stage']!r}"
 
     nightly = deployments["alignflow-scheduled-pipeline/nightly"]
     assert [(s["schedule"].get("cron"), s["schedule"].get("timezone"), s["active"]) for s in nightly["schedules"]] \

@@ -51,9 +51,9 @@ def parse_table(stdout: str) -> dict[str, dict[str, float]]:
     rows = {}
     for line in lines[header + 2 :]:
         parts = line.split()
-        if not parts or parts[0] == "reward":
+        if not parts or parts[0] == "reward" or parts[0].endswith(":"):
             break
-        rows[parts[0]] = dict(zip(cols, map(float, parts[1:])))
+        rows[parts[0]] = {c: None if v == "-" else float(v) for c, v in zip(cols, parts[1:])}
     return rows
 
 
@@ -197,6 +197,25 @@ def test_second_identical_run_is_all_cached(s3_run, s3_cached_run):
     print(f"fresh run {s3_run.result.seconds:.0f} s, cached run {result.seconds:.0f} s")
 
 
+def test_same_config_and_seed_give_the_same_results(s3_run, small_pipeline_args, cli_env, alignflow_cli, tmp_path):
+    """A fresh run of the same config (another storage root, which no key covers) on the same
+    pipeline seed: the same keys, and the same evaluation table to the last printed digit."""
+    s3_run.require_ok()
+    res = alignflow_cli(["run", *small_pipeline_args(tmp_path)], env=cli_env(), cwd=tmp_path / "cwd")
+    assert res.returncode == 0, res.describe()
+    fresh = parse_stages(res.stdout)
+    assert all(state == "Completed" for state, _ in fresh.values()), fresh
+    assert {n: uri.rsplit("/", 1)[1] for n, (_, uri) in fresh.items()} == \
+        {n: uri.rsplit("/", 1)[1] for n, (_, uri) in s3_run.stages.items()}
+
+    def results(stdout: str) -> list[str]:
+        lines = stdout.splitlines()
+        start = next(i for i, line in enumerate(lines) if line.split()[:1] == ["policy"])
+        return lines[start:lines.index("stages:")]
+
+    assert results(res.stdout) == results(s3_run.result.stdout)
+
+
 # ---- 4: checkpoints from S3 load with transformers -------------------------------
 
 
@@ -285,6 +304,31 @@ def test_mlflow_parent_and_child_runs(s3_run, moto_s3):
         for k, v in {**run.data.params, **run.data.tags}.items():
             assert moto_s3.secret_access_key not in v and moto_s3.access_key_id not in v, \
                 f"credential in run {run.info.run_name}: {k}"
+
+
+# ---- rounds of any kind, in any order, and only the stages they need ------------------
+
+
+def test_rule_reward_rounds_of_mixed_kinds_need_no_reward_model(small_pipeline_args, cli_env, alignflow_cli,
+                                                               tmp_path):
+    small = {"steps": 2, "prompts_per_step": 8, "generation": {"num_samples": 2, "max_new_tokens": 8},
+             "ppo": {"epochs": 1, "minibatch_size": 16}, "reward": {"source": "rule"}}
+    rounds = [{**small, "algorithm": "grpo"}, {**small, "algorithm": "rejection_sampling"},
+              {**small, "algorithm": "ppo", "critic": {"init": "policy"}}]
+    args = ["run", *small_pipeline_args(tmp_path, rounds=0), f"rounds={json.dumps(rounds)}"]
+    res = alignflow_cli(args, env=cli_env(), cwd=tmp_path / "cwd")
+    assert res.returncode == 0, res.describe()
+    assert "skipped: reward_model (no round scores with it or starts a critic from it)" in res.stdout
+    stages = parse_stages(res.stdout)
+    assert set(stages) == {"data", "base_model", "sft", "round_1", "round_2", "round_3", "eval_base", "eval_sft",
+                           "eval_round_1", "eval_round_2", "eval_round_3"}
+    assert all(state == "Completed" for state, _ in stages.values()), stages
+    assert not (tmp_path / "artifacts" / "reward_model").exists()
+    table = parse_table(res.stdout)
+    assert set(table) == {"base", "sft", "round_1", "round_2", "round_3"}
+    assert all(row["reward"] is None and 0.0 <= row["accuracy"] <= 1.0 for row in table.values()), table
+    assert "reward model held-out" not in res.stdout
+    print(f"grpo -> rejection sampling -> ppo without a reward model: {res.seconds:.0f} s")
 
 
 # ---- 3: a failed stage, fixed and rerun -------------------------------------------

@@ -1,11 +1,15 @@
 """RL rounds on real engines: Ray, DeepSpeed (gloo), vLLM (CPU), a tiny model.
 
-- a PPO step and a GRPO step move the policy in the direction of the
-  advantage (responses with reward 1 gain log-probability relative to
-  responses with reward 0);
+- a step of every policy-gradient algorithm moves the policy in the
+  direction of the advantage (responses with reward 1 gain log-probability
+  relative to responses with reward 0);
 - a rejection-sampling step trains only on the winners;
 - saved round state restores the actor exactly and the rollout engine
   samples from the restored weights.
+
+The wiring tests (tests/engines/test_engines_rl_wiring.py) check a real
+step's experience with a non-zero KL coefficient against the `algos`
+functions applied independently to the same tensors.
 """
 
 from __future__ import annotations
@@ -44,17 +48,18 @@ def prompts(tokenizer):
     from alignflow.data import synthetic
     from engines.batches import filter_prompts
 
-    data = synthetic.generate(SyntheticTaskConfig(num_sft=1, num_preference=1, num_eval=1, num_rl_prompts=64))
+    data = synthetic.generate(SyntheticTaskConfig(num_sft=1, num_preference=1, num_eval=1, num_rl_prompts=64), seed=0)
     kept, _ = filter_prompts(tokenizer, data["prompts"], 64, "prompts")
     return kept
 
 
-def _start(cfg, tiny_model, prompts):
-    from engines.rl import RLRound, RoundInputs
+def _start(cfg, tiny_model, prompts, reference=None):
+    from engines.rl import RLRound
+    from engines.round_models import RoundSetup
 
     path = str(tiny_model)
-    return RLRound(cfg, RoundInputs(policy_path=path, reference_path=path, reward_path=path, prompts=prompts,
-                                    dtype="float32", torch_threads=1, max_model_len=80))
+    return RLRound(cfg, RoundSetup(policy_path=path, reference_path=str(reference or path), reward_path=path,
+                                   prompts=prompts, dtype="float32", torch_threads=1, max_model_len=80, seed=0))
 
 
 def _row_sums(logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -67,23 +72,22 @@ def test_step_moves_policy_toward_advantage(ray_local, tiny_model, prompts, algo
 
     rl = _start(_round(algorithm), tiny_model, prompts)
     try:
-        rl.step(0)
-        exp = rl.last_experience
-        batch, rewards = exp["batch"], exp["rewards"]
+        out = rl.step(0)
+        exp, rewards = out.experience, out.experience.rewards
         # Rewards come from the rule, recomputed here independently.
-        expected = torch.tensor([parity_reward("", r.text, None) for r in exp["rollouts"]])
+        expected = torch.tensor([parity_reward("", r.text, None) for r in out.rollouts])
         assert torch.equal(rewards, expected)
         assert 0 < rewards.sum() < len(rewards), "need both reward classes to test the direction"
-        mask = batch["action_mask"]
-        before = _row_sums(batch["old_logprobs"], mask)
-        after = _row_sums(rl.actor.evaluate(batch, response_logprobs), mask)
+        mask = exp.action_mask
+        before = _row_sums(exp.old_logprobs, mask)
+        after = _row_sums(rl.models.actor.evaluate(exp.tensors(), response_logprobs), mask)
         delta = after - before
         gained_rewarded = delta[rewards == 1].mean()
         gained_unrewarded = delta[rewards == 0].mean()
         assert gained_rewarded > gained_unrewarded, (gained_rewarded, gained_unrewarded)
         if algorithm == "grpo":
             # Group-normalised advantages: positive exactly for above-group-mean rewards.
-            adv = batch["advantages"][:, 0]
+            adv = exp.advantages[:, 0]
             g = rewards.view(-1, 4)
             above = (g > g.mean(-1, keepdim=True)).flatten()
             below = (g < g.mean(-1, keepdim=True)).flatten()
@@ -99,20 +103,17 @@ def test_rejection_sampling_trains_only_on_winners(ray_local, tiny_model, prompt
                        generation=RolloutConfig(
                            num_samples=4, max_new_tokens=6, temperature=1.0)), tiny_model, prompts)
     try:
-        metrics = rl.step(0)
-        exp = rl.last_experience
-        rollouts, rewards = exp["rollouts"], exp["rewards"]
+        out = rl.step(0)
+        metrics, rollouts, rewards = out.metrics, out.rollouts, out.experience.rewards
         # Independently: per prompt, the best finished response, if its reward reaches 1.
         best: dict[int, tuple[float, int]] = {}
         for i, r in enumerate(rollouts):
             if r.finished and (r.prompt_index not in best or rewards[i].item() > best[r.prompt_index][0]):
                 best[r.prompt_index] = (rewards[i].item(), i)
         expected = {p: i for p, (rew, i) in best.items() if rew >= 1.0}
-        winners = rl.last_winners
-        assert {w["prompt_index"] for w in winners} == set(expected)
-        assert all(w["reward"] >= 1.0 for w in winners)
-        assert sorted(w["text"] for w in winners) == sorted(rollouts[i].text for i in expected.values())
+        assert out.trained_rows.tolist() == [expected[p] for p in sorted(expected)]
         assert metrics["rs/winners"] == len(expected)
+        assert rl.models.reference is None, "rejection sampling has no KL term: no reference model"
         if expected:
             # One minibatch: the trained response tokens are exactly the winners' tokens.
             n_tokens = sum(len(rollouts[i].token_ids) for i in expected.values())
@@ -130,22 +131,19 @@ def test_round_state_restores_actor_and_engine(ray_local, tiny_model, prompts, t
         first.step(0)
         first.step(1)
         first.save_state(str(tmp_path), step=2)
-        saved = load(first.actor.weights_bytes())
+        saved = load(first.models.actor.weights_bytes())
     finally:
         first.shutdown()
 
     second = _start(cfg, tiny_model, prompts)
     try:
         assert second.load_state(str(tmp_path)) == 2
-        restored = load(second.actor.weights_bytes())
+        restored = load(second.models.actor.weights_bytes())
         assert saved.keys() == restored.keys()
         assert all(torch.equal(saved[k], restored[k]) for k in saved)
         # The engine was synced on load: its sampled-token logprobs match the restored trainer.
-        second.step(2)
-        exp = second.last_experience
-        batch = exp["batch"]
-        mask = batch["action_mask"]
-        diff = ((batch["rollout_logprobs"] - batch["old_logprobs"]) * mask).abs().max().item()
+        exp = second.step(2).experience
+        diff = ((exp.rollout_logprobs - exp.old_logprobs) * exp.action_mask).abs().max().item()
         assert diff <= 1e-4, diff
     finally:
         second.shutdown()
@@ -158,7 +156,7 @@ def test_two_engines_and_separate_reference_and_reward(ray_local, tiny_model, pr
                  reward=RewardConfig(source="model"))
     rl = _start(cfg, tiny_model, prompts)
     try:
-        assert rl.reference is not rl.rewarder
+        assert rl.models.reference is not rl.models.rewarder
         picked = [prompts[i][0] for i in rl.schedule.indices(0).tolist()]
         rollouts = rl.generate(picked)
         n = cfg.generation.num_samples
@@ -166,7 +164,7 @@ def test_two_engines_and_separate_reference_and_reward(ray_local, tiny_model, pr
         for i, r in enumerate(rollouts):
             assert r.prompt_index == i // n
             assert r.prompt_ids == picked[i // n]
-        metrics = rl.step(0)
+        metrics = rl.step(0).metrics
         assert metrics["reward/std"] >= 0 and "value_loss" in metrics
     finally:
         rl.shutdown()
@@ -174,7 +172,7 @@ def test_two_engines_and_separate_reference_and_reward(ray_local, tiny_model, pr
 
 def test_round_resources_count_every_actor():
     from alignflow.config import ActorConfig, Placement, RewardConfig, RolloutConfig
-    from engines.rl import round_resources
+    from engines.round_models import round_resources
 
     cfg = _round("ppo", num_rollout_engines=3, colocate_reference_and_reward=False,
                  reward=RewardConfig(source="model"),
@@ -185,10 +183,12 @@ def test_round_resources_count_every_actor():
     # critic-free, rule reward: no critic, one scorer (the reference)
     grpo = _round("grpo", colocate_reference_and_reward=False)
     assert round_resources(grpo) == {"CPU": 1 + 1 + 1, "GPU": 0.0}
+    # rejection sampling with a rule: no critic, no scorer at all
+    assert round_resources(_round("rejection_sampling")) == {"CPU": 1 + 1, "GPU": 0.0}
 
 
 def test_round_that_cannot_be_placed_fails_fast(ray_local, tiny_model, prompts):
-    from engines.rl import InsufficientResourcesError
+    from alignflow.errors import InsufficientResourcesError
 
     cpus = ray_local.cluster_resources()["CPU"]
     cfg = _round("grpo", num_rollout_engines=int(cpus) + 1)
@@ -209,7 +209,7 @@ def test_tied_embeddings_sync_into_vllm(ray_local, tiny_model, prompts, tmp_path
 
     from engines import objectives
     from engines.batches import shard
-    from engines.experience import rollout_batch
+    from engines.experience import from_rollouts
     from engines.rollout import Sampling, start_rollout_actor
     from engines.trainer import EngineSpec, TrainerGroup
 
@@ -227,15 +227,14 @@ def test_tied_embeddings_sync_into_vllm(ray_local, tiny_model, prompts, tmp_path
     try:
         ids = [p for p, _ in prompts[:4]]
         rollouts = ray.get(engine.generate.remote(ids, Sampling(n=2, max_new_tokens=6)))
-        batch = rollout_batch(rollouts, pad_id=0)
-        sft = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"],
-               "loss_mask": batch["attention_mask"]}
+        batch = from_rollouts(rollouts, pad_id=0)
+        sft = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask, "loss_mask": batch.attention_mask}
         group.train_step(shard(sft, 1), objectives.causal_lm_objective)  # moves the tied matrix
         ray.get(engine.update_weights.remote(group.weights_bytes()))
         after = ray.get(engine.generate.remote(ids, Sampling(n=2, max_new_tokens=6)))
-        check = rollout_batch(after, pad_id=0)
-        trainer = group.evaluate(check, objectives.response_logprobs)
-        diff = ((check["rollout_logprobs"] - trainer) * check["action_mask"]).abs().max().item()
+        check = from_rollouts(after, pad_id=0)
+        trainer = group.evaluate(check.tensors(), objectives.response_logprobs)
+        diff = ((check.rollout_logprobs - trainer) * check.action_mask).abs().max().item()
         assert diff <= 1e-4, diff
     finally:
         group.shutdown()

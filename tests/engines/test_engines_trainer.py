@@ -22,7 +22,7 @@ BATCH = 16
 
 @pytest.fixture(scope="module")
 def splits():
-    return synthetic.generate(SyntheticTaskConfig(seed=0, num_sft=128, num_preference=64, num_rl_prompts=1, num_eval=1))
+    return synthetic.generate(SyntheticTaskConfig(num_sft=128, num_preference=64, num_rl_prompts=1, num_eval=1), seed=0)
 
 
 @pytest.fixture(scope="module")

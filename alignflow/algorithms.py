@@ -1,0 +1,94 @@
+"""RL algorithms as specs: what a round needs and which math it runs.
+
+An RL round reads its algorithm's spec and never branches on the name:
+
+- `update`: how the policy learns from a step's experience. "policy_gradient"
+  (advantages, then clipped-surrogate epochs over minibatches) or
+  "best_of_n_sft" (keep the best finished response per prompt, fine-tune on
+  those: rejection sampling).
+- `advantage`: an estimator of the `algos` advantage registry; `whiten`
+  whitens its output over the batch (PPO's GAE).
+- the models it needs: a critic (values for GAE), the reference policy
+  (for the KL term), and whether rewards must come in groups of at least
+  `min_samples` samples per prompt (group baselines).
+- defaults for where the KL term goes (`kl_apply_as`: added to the reward
+  per token, or added to the loss) with which estimator, and the loss
+  aggregation; a round's config may override each.
+
+Adding an algorithm is one `register_algorithm` entry here, plus its math in
+`algos/` when it needs new math. Kept free of torch: configs import it to
+validate `rounds[*].algorithm` in milliseconds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Literal
+
+from alignflow.errors import ConfigError
+
+Update = Literal["policy_gradient", "best_of_n_sft"]
+KLPlacement = Literal["reward", "loss"]
+KLEstimator = Literal["k1", "k2", "k3"]
+LossAggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+
+
+@dataclass(frozen=True)
+class AlgorithmSpec:
+    name: str
+    summary: str
+    update: Update
+    advantage: str | None = None  # `algos` advantage estimator (policy_gradient only)
+    whiten: bool = False
+    critic: bool = False
+    reference: bool = True
+    min_samples: int = 1
+    policy_loss: str = "ppo_clip"
+    kl_apply_as: KLPlacement = "reward"
+    kl_estimator: KLEstimator = "k1"
+    loss_agg: LossAggregation = "token_mean"
+
+
+_REGISTRY: dict[str, AlgorithmSpec] = {}
+ALGORITHMS = MappingProxyType(_REGISTRY)
+
+
+def register_algorithm(spec: AlgorithmSpec) -> AlgorithmSpec:
+    if spec.name in _REGISTRY:
+        raise ValueError(f"algorithm {spec.name!r} is already registered")
+    if (spec.update == "policy_gradient") != (spec.advantage is not None):
+        raise ValueError(f"algorithm {spec.name!r}: a policy-gradient update needs an advantage estimator")
+    _REGISTRY[spec.name] = spec
+    return spec
+
+
+def get_algorithm(name: str) -> AlgorithmSpec:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ConfigError(f"unknown algorithm {name!r}; valid: {', '.join(sorted(_REGISTRY))}") from None
+
+
+register_algorithm(AlgorithmSpec(
+    "ppo", "PPO with a critic: GAE advantages, whitened (Schulman et al. 2017, arXiv 1707.06347)",
+    update="policy_gradient", advantage="gae", whiten=True, critic=True))
+register_algorithm(AlgorithmSpec(
+    "grpo", "group-normalised outcome advantages, KL (k3) as a loss (Shao et al. 2024, arXiv 2402.03300)",
+    update="policy_gradient", advantage="grpo", min_samples=2, kl_apply_as="loss", kl_estimator="k3"))
+register_algorithm(AlgorithmSpec(
+    "dr_grpo", "GRPO without std or length normalisation (Liu et al. 2025, arXiv 2503.20783)",
+    update="policy_gradient", advantage="dr_grpo", min_samples=2, kl_apply_as="loss", kl_estimator="k3",
+    loss_agg="seq_mean_token_sum_norm"))
+register_algorithm(AlgorithmSpec(
+    "rloo", "leave-one-out baseline (Ahmadian et al. 2024, arXiv 2402.14740)",
+    update="policy_gradient", advantage="rloo", min_samples=2))
+register_algorithm(AlgorithmSpec(
+    "reinforce_pp", "REINFORCE++: return-to-go whitened over the batch (Hu 2025, arXiv 2501.03262)",
+    update="policy_gradient", advantage="reinforce_pp"))
+register_algorithm(AlgorithmSpec(
+    "reinforce_pp_baseline", "REINFORCE++ with a group-mean baseline (Hu 2025, arXiv 2501.03262)",
+    update="policy_gradient", advantage="reinforce_pp_baseline", min_samples=2))
+register_algorithm(AlgorithmSpec(
+    "rejection_sampling", "best of n per prompt above a threshold, then SFT on those (Touvron et al. 2023)",
+    update="best_of_n_sft", reference=False))

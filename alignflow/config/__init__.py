@@ -1,0 +1,52 @@
+"""Typed pipeline configuration: one pydantic model per stage, defaults here only.
+
+    base.py      the config base, placement, training engines, sampling
+    data.py      data sources          model.py   the base policy
+    rl.py        one RL round          pipeline.py  which stages exist, infra
+    loading.py   YAML + overrides -> a validated PipelineConfig
+
+Unknown keys are errors, so a typo never silently falls back to a default.
+"""
+
+from alignflow.config.base import EngineConfig, GenerationConfig, Placement, Section, TrainConfig
+from alignflow.config.data import DataConfig, DatasetSource, SyntheticTaskConfig
+from alignflow.config.loading import (
+    DEFAULT_CONFIG,
+    RESOURCE_FIELDS,
+    apply_overrides,
+    cache_relevant,
+    default_config_path,
+    load_config,
+    parse_override,
+    resolve_paths,
+    validate_config,
+)
+from alignflow.config.model import ModelConfig, TinyModelConfig
+from alignflow.config.pipeline import (
+    EvalConfig,
+    InfraConfig,
+    PipelineConfig,
+    RewardModelConfig,
+    SFTConfig,
+    StorageConfig,
+)
+from alignflow.config.rl import (
+    ActorConfig,
+    CriticConfig,
+    KLConfig,
+    PPOConfig,
+    RejectionSamplingConfig,
+    RewardConfig,
+    RolloutConfig,
+    RoundConfig,
+)
+from alignflow.errors import ConfigError
+
+__all__ = [
+    "DEFAULT_CONFIG", "RESOURCE_FIELDS", "ActorConfig", "ConfigError", "CriticConfig", "DataConfig",
+    "DatasetSource", "EngineConfig", "EvalConfig", "GenerationConfig", "InfraConfig", "KLConfig", "ModelConfig",
+    "PPOConfig", "PipelineConfig", "Placement", "RejectionSamplingConfig", "RewardConfig", "RewardModelConfig",
+    "RolloutConfig", "RoundConfig", "SFTConfig", "Section", "StorageConfig", "SyntheticTaskConfig",
+    "TinyModelConfig", "TrainConfig", "apply_overrides", "cache_relevant", "default_config_path", "load_config",
+    "parse_override", "resolve_paths", "validate_config",
+]

@@ -1,0 +1,67 @@
+"""Where prompts, demonstrations, preference pairs and eval prompts come from."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from alignflow.config.base import Section
+
+
+class SyntheticTaskConfig(Section):
+    """The bundled "largest digit" task (see alignflow.data.synthetic).
+
+    A prompt lists `num_digits` digits; the checkable answer is the largest.
+    SFT demonstrations give the correct answer with probability
+    `sft_correct_fraction` and otherwise the first digit (a bad habit the RL
+    rounds should remove). Its seed derives from the pipeline seed.
+    """
+
+    num_digits: int = Field(5, ge=2, le=12)
+    num_sft: int = Field(2000, ge=1)
+    num_preference: int = Field(2000, ge=1)
+    num_rl_prompts: int = Field(512, ge=1)
+    num_eval: int = Field(200, ge=1)
+    sft_correct_fraction: float = Field(0.35, ge=0.0, le=1.0)
+
+
+class DatasetSource(Section):
+    """User data: a JSONL/Parquet file, or any `datasets` source.
+
+    `path` is a local path or fsspec URI ending in .jsonl/.json/.parquet, or a
+    `datasets` name (loaded with `datasets.load_dataset(path, name, split=split)`).
+    Rows are either prompt/response (or chosen/rejected) columns, or chat
+    messages rendered with the tokenizer's chat template.
+    """
+
+    path: str
+    name: str | None = None
+    split: str = "train"
+    prompt_key: str = "prompt"
+    response_key: str = "response"
+    chosen_key: str = "chosen"
+    rejected_key: str = "rejected"
+    messages_key: str | None = None
+    answer_key: str | None = "answer"
+
+
+class DataConfig(Section):
+    """Where prompts, demonstrations, preference pairs and eval prompts come from."""
+
+    source: Literal["synthetic", "files"] = "synthetic"
+    synthetic: SyntheticTaskConfig = SyntheticTaskConfig()
+    sft: DatasetSource | None = None
+    preference: DatasetSource | None = None
+    prompts: DatasetSource | None = None
+    eval: DatasetSource | None = None
+    max_prompt_tokens: int = Field(64, ge=1)
+    max_response_tokens: int = Field(16, ge=1)
+
+    @model_validator(mode="after")
+    def _files_present(self) -> DataConfig:
+        if self.source == "files":
+            missing = [k for k in ("sft", "preference", "eval") if getattr(self, k) is None]
+            if missing:
+                raise ValueError(f"source='files' needs data.{', data.'.join(missing)}")
+        return self

@@ -1,0 +1,35 @@
+"""The base policy: a tiny model built locally, or any HF model directory / hub id."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from alignflow.config.base import Section
+
+
+class TinyModelConfig(Section):
+    """Shape of the locally built Qwen2-family model and its tokenizer."""
+
+    vocab_size: int = Field(320, ge=264, description="byte-level BPE: 256 bytes + specials + merges")
+    hidden_size: int = Field(128, ge=16)
+    num_layers: int = Field(2, ge=1)
+    num_heads: int = Field(4, ge=1)
+    num_kv_heads: int = Field(2, ge=1)
+    intermediate_size: int = Field(256, ge=16)
+    max_position_embeddings: int = Field(128, ge=16)
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> TinyModelConfig:
+        if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
+            raise ValueError("hidden_size must divide by num_heads, num_heads by num_kv_heads")
+        return self
+
+
+class ModelConfig(Section):
+    """The base policy; its initialisation seed derives from the pipeline seed."""
+
+    base: str = "tiny"
+    tiny: TinyModelConfig = TinyModelConfig()
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"

@@ -1,0 +1,92 @@
+"""The whole pipeline: which stages exist follows from these sections.
+
+    data -> base model -> [sft] -> [reward model] -> rounds 1..R -> [evaluation]
+
+A section set to null is not planned. SFT absent: rounds start from the base
+model, which is then also the reference. The reward model is trained when a
+round scores with it or starts its critic from it, or when there are no
+rounds at all (it is then a product of the run); otherwise it is skipped.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+
+from alignflow.config.base import GenerationConfig, Section, TrainConfig
+from alignflow.config.data import DataConfig
+from alignflow.config.model import ModelConfig
+from alignflow.config.rl import RoundConfig
+
+
+class SFTConfig(TrainConfig):
+    """Supervised fine-tuning: next-token loss on response tokens only."""
+
+
+class RewardModelConfig(TrainConfig):
+    """Bradley-Terry pairwise reward model, initialised from SFT (or the base model)."""
+
+    margin: float = Field(0.0, ge=0, description="added margin in -log sigmoid(c - r - m)")
+
+
+class EvalConfig(Section):
+    """Held-out evaluation of every policy checkpoint and of the reward model."""
+
+    generation: GenerationConfig = GenerationConfig()
+    num_prompts: int | None = Field(None, ge=1, description="cap on held-out prompts")
+    num_logged_samples: int = Field(20, ge=0)
+    checker: str = Field(
+        "alignflow.data.synthetic:check_answer",
+        description="import path of f(response, answer) -> bool",
+    )
+
+
+class StorageConfig(Section):
+    """One root URI for every artifact; credentials come from the environment."""
+
+    root: str = "./artifacts"
+    endpoint_url: str | None = Field(None, description="S3-compatible endpoint (MinIO, moto)")
+    cache_dir: str = Field("~/.cache/alignflow", description="local copies of remote checkpoints")
+
+
+class InfraConfig(Section):
+    """Where the pipeline runs and reports."""
+
+    storage: StorageConfig = StorageConfig()
+    mlflow_tracking_uri: str = "sqlite:///mlflow.db"
+    mlflow_experiment: str = "alignflow"
+    ray_address: str | None = Field(None, description="existing cluster; None starts a local Ray")
+    ray_num_cpus: int = Field(
+        16, ge=1, description="logical CPU slots of the local Ray (actors and tasks each take slots; not cores)")
+    prefect_api_url: str | None = Field(None, description="None: the CLI starts a local API")
+    task_retries: int = Field(2, ge=0)
+    retry_delay_seconds: float = Field(2.0, ge=0)
+    torch_threads: int = Field(2, ge=1)
+
+
+class PipelineConfig(Section):
+    """The whole pipeline. `seed` is the one seed every stage derives its own from."""
+
+    name: str = "tiny"
+    seed: int = 0
+    data: DataConfig = DataConfig()
+    model: ModelConfig = ModelConfig()
+    sft: SFTConfig | None = SFTConfig()
+    reward_model: RewardModelConfig | None = RewardModelConfig()
+    rounds: list[RoundConfig] = Field(default_factory=lambda: [RoundConfig(), RoundConfig()])
+    evaluation: EvalConfig | None = EvalConfig()
+    infra: InfraConfig = InfraConfig()
+
+    @property
+    def trains_reward_model(self) -> bool:
+        return self.reward_model is not None and (
+            not self.rounds or any(r.needs_reward_model for r in self.rounds))
+
+    @model_validator(mode="after")
+    def _reward_model_where_needed(self) -> PipelineConfig:
+        if self.reward_model is None:
+            needing = [f"rounds.{i} ({r.algorithm})" for i, r in enumerate(self.rounds) if r.needs_reward_model]
+            if needing:
+                raise ValueError(
+                    f"{', '.join(needing)} use the reward model (reward.source=model, or critic.init=reward_model) "
+                    f"but reward_model is null; add a reward_model section or score with reward.source=rule|remote")
+        return self

@@ -1,0 +1,143 @@
+"""One RL round: its algorithm (a spec in alignflow/algorithms.py), rewards, KL, updates, actors."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from alignflow.algorithms import ALGORITHMS, AlgorithmSpec, KLEstimator, KLPlacement, LossAggregation, get_algorithm
+from alignflow.config.base import EngineConfig, GenerationConfig, Placement, Section
+
+AlgorithmName = Literal[tuple(ALGORITHMS)]  # type: ignore[valid-type]  (the registry's names)
+
+
+class RewardConfig(Section):
+    """Where an RL round's rewards come from."""
+
+    source: Literal["model", "rule", "remote"] = "model"
+    rule: str = Field(
+        "alignflow.data.synthetic:rule_reward",
+        description="import path of f(prompt, response, answer) -> float (source=rule)",
+    )
+    url: str | None = Field(None, description="reward service endpoint (source=remote)")
+    timeout_s: float = Field(10.0, gt=0)
+    max_retries: int = Field(3, ge=0)
+    overlong_buffer: int = Field(0, ge=0, description="DAPO soft overlong penalty buffer (0: off)")
+    overlong_penalty: float = Field(1.0, ge=0)
+
+    @model_validator(mode="after")
+    def _remote_has_url(self) -> RewardConfig:
+        if self.source == "remote" and not self.url:
+            raise ValueError("reward.source='remote' needs reward.url")
+        return self
+
+
+class KLConfig(Section):
+    """KL regularisation toward the reference policy (SFT, or the base model without SFT)."""
+
+    estimator: KLEstimator | None = Field(None, description="k1 | k2 | k3; None: the algorithm's default")
+    apply_as: KLPlacement | None = Field(
+        None, description="reward (PPO-style penalty) | loss (GRPO-style); None: the algorithm's default")
+    coef: float = Field(0.05, ge=0)
+    adaptive: bool = False
+    target: float = Field(1.0, gt=0, description="adaptive controller target KL (Ziegler et al. 2019)")
+    horizon: int = Field(10000, ge=1)
+    clamp: float | None = Field(10.0, gt=0)
+    budget: float = Field(3.0, gt=0, description="max acceptable held-out KL to the reference")
+
+
+class PPOConfig(Section):
+    """Update settings: PPO epochs over minibatches, clipping, value loss."""
+
+    epochs: int = Field(2, ge=1)
+    minibatch_size: int = Field(64, ge=1, description="rollouts per optimizer step")
+    clip_low: float = Field(0.2, gt=0)
+    clip_high: float = Field(0.2, gt=0, description="> clip_low: DAPO clip-higher")
+    dual_clip: float | None = Field(None, gt=1)
+    value_clip: float | None = Field(0.2, gt=0)
+    gamma: float = Field(1.0, ge=0, le=1)
+    lam: float = Field(0.95, ge=0, le=1)
+    entropy_coef: float = Field(0.0, ge=0)
+    loss_agg: LossAggregation | None = Field(None, description="None: the algorithm's default")
+    tis_cap: float | None = Field(2.0, gt=0, description="truncated IS cap between vLLM and trainer logprobs")
+    dynamic_sampling: bool = Field(False, description="DAPO: drop groups whose rewards are all equal")
+
+
+class RejectionSamplingConfig(Section):
+    """Keep the best of n per prompt (above a threshold) and fine-tune on them."""
+
+    threshold: float | None = Field(None, description="minimum reward of a winner")
+    epochs: int = Field(1, ge=1)
+
+
+# Round-specific defaults live on classes of their own: a default given as an
+# instance (`actor: EngineConfig = EngineConfig(learning_rate=2e-4)`) is lost as
+# soon as a user sets any one field of that section.
+
+
+class ActorConfig(EngineConfig):
+    """The policy's training engine in an RL round."""
+
+    learning_rate: float = Field(2e-4, gt=0)
+    warmup_steps: int = Field(0, ge=0)
+
+
+class CriticConfig(EngineConfig):
+    """The critic's training engine (algorithms with a critic)."""
+
+    learning_rate: float = Field(1e-3, gt=0)
+    warmup_steps: int = Field(0, ge=0)
+    init: Literal["reward_model", "policy"] = Field(
+        "reward_model", description="start from the reward model, or the policy with a fresh (zero) value head")
+
+
+class RolloutConfig(GenerationConfig):
+    """Sampling during an RL round: n samples per prompt form its group."""
+
+    max_new_tokens: int = Field(8, ge=1)
+
+
+class RoundConfig(Section):
+    """One RL round; it starts from the previous round's policy (or SFT, or the base model)."""
+
+    algorithm: AlgorithmName = "ppo"
+    steps: int = Field(20, ge=1)
+    prompts_per_step: int = Field(32, ge=1)
+    generation: RolloutConfig = Field(default_factory=RolloutConfig)
+    reward: RewardConfig = RewardConfig()
+    kl: KLConfig = KLConfig()
+    ppo: PPOConfig = PPOConfig()
+    rejection: RejectionSamplingConfig = RejectionSamplingConfig()
+    actor: ActorConfig = Field(default_factory=ActorConfig)
+    critic: CriticConfig = Field(default_factory=CriticConfig)
+    num_rollout_engines: int = Field(1, ge=1)
+    colocate_reference_and_reward: bool = True
+    scorer_placement: Placement = Field(default_factory=Placement, description="reference / reward actors")
+    checkpoint_every: int = Field(10, ge=1, description="steps between resumable checkpoints")
+
+    @property
+    def spec(self) -> AlgorithmSpec:
+        return get_algorithm(self.algorithm)
+
+    @property
+    def needs_reward_model(self) -> bool:
+        """Scores with the reward model, or starts its critic from it."""
+        return self.reward.source == "model" or (self.spec.critic and self.critic.init == "reward_model")
+
+    def resolved(self) -> RoundConfig:
+        """This round with the algorithm's defaults filled in (what a round runs and is keyed by)."""
+        s = self.spec
+        kl = self.kl.model_copy(update={"apply_as": self.kl.apply_as or s.kl_apply_as,
+                                        "estimator": self.kl.estimator or s.kl_estimator})
+        ppo = self.ppo.model_copy(update={"loss_agg": self.ppo.loss_agg or s.loss_agg})
+        return self.model_copy(update={"kl": kl, "ppo": ppo})
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RoundConfig:
+        if self.generation.num_samples < self.spec.min_samples:
+            raise ValueError(f"{self.algorithm} needs generation.num_samples >= {self.spec.min_samples} "
+                             f"(a group per prompt)")
+        if self.ppo.clip_high < self.ppo.clip_low:
+            raise ValueError("ppo.clip_high must be >= ppo.clip_low")
+        return self

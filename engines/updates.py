@@ -1,0 +1,151 @@
+"""How a round's policy learns from one step's experience: one class per `AlgorithmSpec.update`.
+
+An update takes the step's Experience (rollouts and rewards in), completes
+it through the pure phases of engines/experience.py, trains on it, and
+returns the completed Experience, the rows it trained on and its metrics.
+The orchestrator never looks inside.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+import algos
+from alignflow.config import RoundConfig
+from alignflow.seeds import derive_seed
+from engines import experience, objectives
+from engines.batches import minibatches, shard
+from engines.experience import Experience
+from engines.round_models import RoundModels
+from engines.trainer import TrainerGroup
+
+Lap = Callable[[str], None]  # records the time of the phase that just ended
+
+
+@dataclass(frozen=True)
+class Trained:
+    experience: Experience
+    rows: torch.Tensor  # the rows of `experience` the update trained on
+    metrics: dict[str, float]
+
+
+def train_minibatches(batch: dict[str, torch.Tensor], chunks, steps: list[tuple[TrainerGroup, Callable]]) -> dict[str, float]:
+    """One optimizer step per chunk of rows for every (trainer group, objective); mean metrics."""
+    sums: dict[str, float] = {}
+    n = 0
+    for rows in chunks:
+        part = {k: v[rows] for k, v in batch.items()}
+        for group, objective in steps:
+            for k, v in group.train_step(shard(part, group.world_size), objective).items():
+                sums[k] = sums.get(k, 0.0) + v
+        n += 1
+    return {k: v / n for k, v in sums.items()}
+
+
+class PolicyGradientUpdate:
+    """Advantages (KL in the reward or in the loss), then clipped-surrogate epochs over minibatches
+    for the actor, and value regression for the critic when the spec has one."""
+
+    def __init__(self, cfg: RoundConfig, models: RoundModels, seed: int):
+        self.cfg, self.models, self.seed = cfg, models, seed
+        kl = cfg.kl
+        self.kl_ctl = (algos.AdaptiveKLController(kl.coef, kl.target, kl.horizon) if kl.adaptive
+                       else algos.FixedKLController(kl.coef))
+
+    @staticmethod
+    def updates_per_step(cfg: RoundConfig) -> int:
+        """Optimizer steps per round step (sizes the learning-rate schedule)."""
+        return cfg.ppo.epochs * max(1, cfg.prompts_per_step * cfg.generation.num_samples // cfg.ppo.minibatch_size)
+
+    def __call__(self, exp: Experience, step: int, lap: Lap) -> Trained:
+        cfg, spec, m = self.cfg, self.cfg.spec, self.models
+        if m.reference is not None:
+            exp = exp.with_(ref_logprobs=m.ref_logprobs(exp.tensors()))
+            lap("reference")
+        exp = exp.with_(old_logprobs=m.actor.evaluate(exp.tensors(), objectives.response_logprobs))
+        lap("old_logprobs")
+        if m.critic is not None:
+            exp = exp.with_(values=m.critic.evaluate(exp.tensors(), objectives.token_values))
+            lap("critic")
+        kl_in_reward = cfg.kl.apply_as == "reward"
+        exp = experience.with_advantages(
+            exp, estimator=spec.advantage, whiten=spec.whiten, group_size=cfg.generation.num_samples,
+            gamma=cfg.ppo.gamma, lam=cfg.ppo.lam, kl_coef=self.kl_ctl.value if kl_in_reward else 0.0,
+            kl_estimator=cfg.kl.estimator, kl_clamp=cfg.kl.clamp)
+        rows, dropped = torch.arange(len(exp)), 0
+        if cfg.ppo.dynamic_sampling:
+            keep, dropped = algos.dynamic_sampling_filter(exp.rewards, cfg.generation.num_samples)
+            rows = rows[keep]
+        metrics = self._train(exp.select(rows), step) if len(rows) else {}
+        lap("train")
+        seq_kl = experience.sequence_kl(exp).mean().item()
+        self.kl_ctl.update(seq_kl, n_steps=len(exp))
+        metrics.update({"kl": seq_kl, "kl_coef": self.kl_ctl.value, "dynamic_sampling/dropped_groups": float(dropped),
+                        "advantage/mean": algos.masked_mean(exp.advantages, exp.action_mask).item()})
+        return Trained(exp, rows, metrics)
+
+    def objectives(self) -> list[tuple[TrainerGroup, Callable]]:
+        """(trainer group, objective) pairs of one minibatch step, with this step's KL coefficient."""
+        cfg, p, m = self.cfg, self.cfg.ppo, self.models
+        policy_loss = objectives.POLICY_LOSSES[cfg.spec.policy_loss]
+        steps = [(m.actor, functools.partial(
+            policy_loss, clip_low=p.clip_low, clip_high=p.clip_high, dual_clip=p.dual_clip, agg=p.loss_agg,
+            entropy_coef=p.entropy_coef, kl_loss_coef=self.kl_ctl.value if cfg.kl.apply_as == "loss" else 0.0,
+            kl_estimator=cfg.kl.estimator, kl_clamp=cfg.kl.clamp, tis_cap=p.tis_cap))]
+        if m.critic is not None:
+            steps.append((m.critic, functools.partial(objectives.value_objective, clip_eps=p.value_clip,
+                                                      agg=p.loss_agg)))
+        return steps
+
+    def _train(self, exp: Experience, step: int) -> dict[str, float]:
+        p, steps = self.cfg.ppo, self.objectives()
+        ranks = math.lcm(*(g.world_size for g, _ in steps))  # rows split evenly across every group's ranks
+        gen = torch.Generator().manual_seed(derive_seed(self.seed, f"minibatches/{step}"))
+        chunks = minibatches(len(exp), p.minibatch_size, epochs=p.epochs, generator=gen, multiple_of=ranks)
+        return train_minibatches(exp.tensors(), chunks, steps)
+
+    def state(self) -> dict[str, float]:
+        return {"kl_coef": self.kl_ctl.value}
+
+    def load(self, state: dict[str, float]) -> None:
+        self.kl_ctl.value = state["kl_coef"]
+
+
+class BestOfNSFTUpdate:
+    """Rejection sampling: per prompt the best finished response above the threshold, then SFT on those."""
+
+    def __init__(self, cfg: RoundConfig, models: RoundModels, seed: int):
+        self.cfg, self.models, self.seed = cfg, models, seed
+
+    @staticmethod
+    def updates_per_step(cfg: RoundConfig) -> int:
+        return cfg.rejection.epochs * max(1, cfg.prompts_per_step // cfg.ppo.minibatch_size)
+
+    def __call__(self, exp: Experience, step: int, lap: Lap) -> Trained:
+        winners = experience.best_of_n(exp, self.cfg.rejection.threshold)
+        rewards = exp.rewards[winners]
+        metrics = {"rs/winners": float(len(winners)), "rs/winner_reward": rewards.mean().item() if len(winners) else 0.0}
+        if len(winners):
+            actor = self.models.actor
+            gen = torch.Generator().manual_seed(derive_seed(self.seed, f"minibatches/{step}"))
+            chunks = minibatches(len(winners), self.cfg.ppo.minibatch_size, epochs=self.cfg.rejection.epochs,
+                                 generator=gen, multiple_of=actor.world_size)
+            sft = train_minibatches(experience.sft_batch(exp.select(winners)), chunks,
+                                    [(actor, objectives.causal_lm_objective)])
+            metrics.update({f"sft_{k}": v for k, v in sft.items()})
+        lap("train")
+        return Trained(exp, winners, metrics)
+
+    def state(self) -> dict[str, float]:
+        return {}
+
+    def load(self, state: dict[str, float]) -> None:
+        pass
+
+
+UPDATES = {"policy_gradient": PolicyGradientUpdate, "best_of_n_sft": BestOfNSFTUpdate}

@@ -1,0 +1,160 @@
+"""Every stage kind, declared once: its config, its named inputs, its code version, its task.
+
+The planner (tasks/plan.py) builds each stage's config from the pipeline
+config, wires its inputs by name and derives its content key from the three;
+the Prefect flows submit `run` with one typed inputs object; `alignflow stage
+TARGET` and the per-stage deployments name a kind by its `target`.
+
+A stage kind's `run` is `run(stage: PlannedStage, inputs: <its inputs model>,
+ctx: RunContext) -> StageResult`, named by import path so that planning
+imports no engine (torch, Ray, vLLM): `alignflow plan` answers in seconds.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Literal
+
+from pydantic import Field
+
+from alignflow.config import DataConfig, EvalConfig, ModelConfig, RewardModelConfig, RoundConfig, Section, SFTConfig
+from alignflow.records import StageResult
+
+# ---- what stages are given --------------------------------------------------------
+
+
+class ModelIO(Section):
+    """What every stage that tokenizes or loads models shares."""
+
+    dtype: Literal["float32", "bfloat16", "float16"]
+    max_prompt_tokens: int
+    max_response_tokens: int
+
+
+class DataStage(Section):
+    data: DataConfig
+    seed: int
+
+
+class BaseModelStage(Section):
+    model: ModelConfig
+    seed: int
+
+
+class SFTStage(Section):
+    train: SFTConfig
+    io: ModelIO
+    seed: int
+
+
+class RewardModelStage(Section):
+    train: RewardModelConfig
+    io: ModelIO
+    seed: int
+
+
+class RoundStage(Section):
+    round: RoundConfig = Field(description="resolved: the algorithm's defaults filled in")
+    io: ModelIO
+    seed: int
+
+
+class PolicyEvalStage(Section):
+    evaluation: EvalConfig
+    io: ModelIO
+    seed: int
+
+
+class RewardModelEvalStage(Section):
+    io: ModelIO
+
+
+# ---- what stages receive from upstream ------------------------------------------------
+
+
+class NoInputs(Section):
+    pass
+
+
+class TrainInputs(Section):
+    data: StageResult
+    init: StageResult = Field(description="the model training starts from")
+
+
+class RoundInputs(Section):
+    data: StageResult
+    policy: StageResult = Field(description="where the round starts: the previous round, SFT or the base model")
+    reference: StageResult | None = Field(None, description="the KL reference (algorithms that use one)")
+    reward: StageResult | None = Field(None, description="the reward model (scoring, or a critic's start)")
+
+
+class PolicyEvalInputs(Section):
+    data: StageResult
+    policy: StageResult
+    reference: StageResult
+    reward: StageResult | None = None
+
+
+class RewardModelEvalInputs(Section):
+    data: StageResult
+    reward: StageResult
+
+
+# ---- the registry ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StageKind:
+    name: str
+    target: str  # `alignflow stage TARGET` and the deployment that runs it
+    config: type[Section]
+    inputs: type[Section]
+    code_version: str  # bump when the stage's output changes for the same config and inputs
+    run: str  # "module:function"
+    summary: str
+
+    def runner(self) -> Callable:
+        module, _, name = self.run.partition(":")
+        return getattr(importlib.import_module(module), name)
+
+
+_KINDS: dict[str, StageKind] = {}
+STAGE_KINDS = MappingProxyType(_KINDS)
+
+
+def register_stage(kind: StageKind) -> StageKind:
+    if kind.name in _KINDS:
+        raise ValueError(f"stage kind {kind.name!r} is already registered")
+    _KINDS[kind.name] = kind
+    return kind
+
+
+register_stage(StageKind(
+    "data", "data", DataStage, NoInputs, "3", "tasks.data:prepare_data",
+    "the bundled task or user data as canonical JSONL splits"))
+register_stage(StageKind(
+    "base_model", "base_model", BaseModelStage, NoInputs, "2", "tasks.base_model:base_model",
+    "the tiny local model, or the user's HF model, committed to storage"))
+register_stage(StageKind(
+    "sft", "sft", SFTStage, TrainInputs, "2", "tasks.train:sft",
+    "supervised fine-tuning on demonstrations (DeepSpeed)"))
+register_stage(StageKind(
+    "reward_model", "reward_model", RewardModelStage, TrainInputs, "2", "tasks.train:reward_model",
+    "Bradley-Terry reward model on preference pairs (DeepSpeed)"))
+register_stage(StageKind(
+    "rl_round", "rl", RoundStage, RoundInputs, "2", "tasks.rl_round:rl_round",
+    "one RL round of any registered algorithm (vLLM rollouts, DeepSpeed updates)"))
+register_stage(StageKind(
+    "evaluate_policy", "evaluation", PolicyEvalStage, PolicyEvalInputs, "2", "tasks.evaluate:evaluate_policy",
+    "held-out accuracy, reward, length and KL of one policy"))
+register_stage(StageKind(
+    "evaluate_reward_model", "evaluation", RewardModelEvalStage, RewardModelEvalInputs, "1",
+    "tasks.evaluate:evaluate_reward_model", "held-out pairwise accuracy of the reward model"))
+
+
+def targets() -> list[str]:
+    """Every `alignflow stage` target, in pipeline order."""
+    return list(dict.fromkeys(k.target for k in _KINDS.values()))

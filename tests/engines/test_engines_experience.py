@@ -1,0 +1,156 @@
+"""Experience making as pure functions (engines/experience.py), on CPU tensors, without Ray.
+
+Expected values are computed here in plain Python from the formulas in the
+docstrings, never by calling the `algos` functions the code uses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from engines import experience
+from engines.rollout import Rollout
+
+PAD = 0
+
+
+def _rollouts() -> list[Rollout]:
+    """Two prompts x two samples; prompt lengths 3 and 2; one unfinished sample."""
+    return [
+        Rollout(0, [5, 6, 7], [11, 12], "a", [-0.5, -1.0], True),
+        Rollout(0, [5, 6, 7], [13], "b", [-0.25], True),
+        Rollout(1, [8, 9], [14, 15, 16], "c", [-1.0, -2.0, -0.5], False),
+        Rollout(1, [8, 9], [17], "d", [-0.75], True),
+    ]
+
+
+@pytest.fixture
+def exp():
+    return experience.from_rollouts(_rollouts(), PAD)
+
+
+def test_from_rollouts_layout(exp):
+    assert exp.input_ids.tolist() == [[5, 6, 7, 11, 12], [5, 6, 7, 13, 0], [8, 9, 14, 15, 16], [8, 9, 17, 0, 0]]
+    assert exp.attention_mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]
+    # response token t of a P-token prompt is predicted at position P - 1 + t
+    assert exp.response_index.tolist() == [[2, 3, 0], [2, 0, 0], [1, 2, 3], [1, 0, 0]]
+    assert exp.action_mask.tolist() == [[1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 0, 0]]
+    assert exp.rollout_logprobs.tolist() == [[-0.5, -1.0, 0], [-0.25, 0, 0], [-1.0, -2.0, -0.5], [-0.75, 0, 0]]
+    assert exp.prompt_index.tolist() == [0, 0, 1, 1] and exp.finished.tolist() == [True, True, False, True]
+    assert exp.rewards is None and exp.advantages is None
+
+
+def test_experience_is_immutable(exp):
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        exp.rewards = torch.ones(4)
+    filled = exp.with_(rewards=torch.tensor([1.0, 0.0, 0.0, 1.0]))
+    assert exp.rewards is None and filled.rewards.tolist() == [1.0, 0.0, 0.0, 1.0]
+    picked = filled.select(torch.tensor([3, 0]))
+    assert picked.rewards.tolist() == [1.0, 1.0] and picked.input_ids[0].tolist() == [8, 9, 17, 0, 0]
+    assert set(filled.tensors()) == {"input_ids", "attention_mask", "response_index", "action_mask",
+                                     "rollout_logprobs", "prompt_index", "finished", "rewards"}
+
+
+def test_shaped_rewards_overlong_penalty(exp):
+    task = torch.tensor([1.0, 1.0, 1.0, 1.0])
+    assert torch.equal(experience.shaped_rewards(task, exp.action_mask, max_new_tokens=3, overlong_buffer=0,
+                                                 overlong_penalty=1.0), task)
+    # L = 3, C = 2: lengths (2, 1, 3, 1); p = 0 for len <= 1, ((L - C) - len) / C * 0.5 above
+    shaped = experience.shaped_rewards(task, exp.action_mask, max_new_tokens=3, overlong_buffer=2,
+                                       overlong_penalty=0.5)
+    expected = [1.0 + (1 - 2) / 2 * 0.5, 1.0, 1.0 + (1 - 3) / 2 * 0.5, 1.0]
+    assert shaped.tolist() == pytest.approx(expected)
+
+
+def _filled(exp, rewards, old, ref):
+    return exp.with_(rewards=torch.tensor(rewards), old_logprobs=torch.tensor(old), ref_logprobs=torch.tensor(ref))
+
+
+OLD = [[-1.0, -2.0, 0.0], [-0.5, 0.0, 0.0], [-1.0, -1.0, -1.0], [-3.0, 0.0, 0.0]]
+REF = [[-1.5, -1.0, 0.0], [-0.5, 0.0, 0.0], [-2.0, -1.0, -0.5], [-1.0, 0.0, 0.0]]
+LENGTHS = [2, 1, 3, 1]
+
+
+def test_kl_in_the_reward_then_grpo(exp):
+    coef = 0.1
+    out = experience.with_advantages(_filled(exp, [1.0, 0.0, 0.5, 0.5], OLD, REF), estimator="grpo", whiten=False,
+                                     group_size=2, gamma=1.0, lam=1.0, kl_coef=coef, kl_estimator="k1", kl_clamp=None)
+    rewards = [1.0, 0.0, 0.5, 0.5]
+    for b, n in enumerate(LENGTHS):
+        for t in range(3):
+            want = 0.0
+            if t < n:
+                want = -coef * (OLD[b][t] - REF[b][t]) + (rewards[b] if t == n - 1 else 0.0)
+            assert out.token_rewards[b, t].item() == pytest.approx(want), (b, t)
+    # GRPO on the summed token rewards: (s - mean) / (unbiased std + eps), per group of two
+    s = [sum(out.token_rewards[b, :n].tolist()) for b, n in enumerate(LENGTHS)]
+    for g in (0, 2):
+        mean = (s[g] + s[g + 1]) / 2
+        std = math.sqrt(((s[g] - mean) ** 2 + (s[g + 1] - mean) ** 2) / 1)
+        for b in (g, g + 1):
+            want = (s[b] - mean) / (std + 1e-6)
+            assert out.advantages[b, :LENGTHS[b]].tolist() == pytest.approx([want] * LENGTHS[b], rel=1e-5)
+            assert out.advantages[b, LENGTHS[b]:].abs().sum() == 0
+
+
+def test_kl_as_a_loss_leaves_rewards_alone(exp):
+    out = experience.with_advantages(_filled(exp, [1.0, 0.0, 0.5, 0.5], OLD, REF), estimator="dr_grpo",
+                                     whiten=False, group_size=2, gamma=1.0, lam=1.0, kl_coef=0.0,
+                                     kl_estimator="k3", kl_clamp=None)
+    assert out.token_rewards[0].tolist() == [0.0, 1.0, 0.0] and out.token_rewards[2].tolist() == [0.0, 0.0, 0.5]
+    assert out.advantages[0, 0].item() == pytest.approx(0.5) and out.advantages[1, 0].item() == pytest.approx(-0.5)
+    assert out.advantages[2:].abs().sum() == 0  # equal rewards in the second group
+
+
+def test_gae_whitened(exp):
+    values = [[0.5, 0.25, 0.0], [0.0, 0.0, 0.0], [1.0, 0.5, 0.25], [0.5, 0.0, 0.0]]
+    filled = _filled(exp, [1.0, 0.0, 0.5, 0.5], OLD, REF).with_(values=torch.tensor(values))
+    out = experience.with_advantages(filled, estimator="gae", whiten=True, group_size=2, gamma=1.0, lam=1.0,
+                                     kl_coef=0.0, kl_estimator="k1", kl_clamp=None)
+    # gamma = lam = 1: A_t = (sum of rewards from t on) - V_t; returns = A + V (before whitening)
+    raw = []
+    for b, n in enumerate(LENGTHS):
+        row = [[1.0, 0.0, 0.5, 0.5][b] - values[b][t] for t in range(n)]
+        raw.append(row)
+        assert out.returns[b, :n].tolist() == pytest.approx([row[t] + values[b][t] for t in range(n)])
+    flat = [a for row in raw for a in row]
+    mean = sum(flat) / len(flat)
+    var = sum((a - mean) ** 2 for a in flat) / len(flat)  # population variance
+    for b, row in enumerate(raw):
+        want = [(a - mean) / math.sqrt(var + 1e-8) for a in row]
+        assert out.advantages[b, :len(row)].tolist() == pytest.approx(want, rel=1e-4, abs=1e-5)
+
+
+def test_kl_penalty_without_a_reference_is_an_error(exp):
+    filled = exp.with_(rewards=torch.zeros(4), old_logprobs=torch.tensor(OLD))
+    with pytest.raises(ValueError, match="needs ref_logprobs"):
+        experience.with_advantages(filled, estimator="rloo", whiten=False, group_size=2, gamma=1.0, lam=1.0,
+                                   kl_coef=0.1, kl_estimator="k1", kl_clamp=None)
+    assert experience.sequence_kl(filled).tolist() == [0.0] * 4
+
+
+def test_sequence_kl(exp):
+    kl = experience.sequence_kl(_filled(exp, [0.0] * 4, OLD, REF))
+    want = [sum(OLD[b][t] - REF[b][t] for t in range(n)) for b, n in enumerate(LENGTHS)]
+    assert kl.tolist() == pytest.approx(want)
+
+
+def test_best_of_n(exp):
+    # prompt 0: rows 0, 1 tie at 1.0 -> the first; prompt 1: row 2 is unfinished, so row 3 wins
+    filled = exp.with_(rewards=torch.tensor([1.0, 1.0, 5.0, 0.25]))
+    assert experience.best_of_n(filled, None).tolist() == [0, 3]
+    assert experience.best_of_n(filled, 0.5).tolist() == [0]
+    assert experience.best_of_n(filled, 2.0).tolist() == []
+
+
+def test_sft_batch_masks_exactly_the_response_tokens(exp):
+    batch = experience.sft_batch(exp)
+    assert batch["loss_mask"].tolist() == [[0, 0, 0, 1, 1], [0, 0, 0, 1, 0], [0, 0, 1, 1, 1], [0, 0, 1, 0, 0]]
+    assert torch.equal(batch["input_ids"], exp.input_ids)
+    one_token_prompt = experience.from_rollouts([Rollout(0, [5], [6, 7], "x", [-1.0, -1.0], True),
+                                                 Rollout(0, [5], [8], "y", [-1.0], True)], PAD)
+    assert experience.sft_batch(one_token_prompt)["loss_mask"].tolist() == [[0, 1, 1], [0, 1, 0]]

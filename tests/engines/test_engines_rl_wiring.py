@@ -1,0 +1,166 @@
+"""A real RL step with a non-zero KL coefficient, checked against `algos` applied independently.
+
+Real Ray, DeepSpeed (gloo), vLLM (CPU) and scorer actors on tiny models; the
+reference is a second model (another initialisation), so the KL to it is
+non-zero from the first step. What the round computed (rewards, token
+rewards, advantages, the KL controller, the rows it trained on, the KL loss)
+is recomputed here from the step's own tensors with the `algos` functions:
+
+- PPO, KL as a reward (k1), adaptive controller, whitened GAE, overlong shaping;
+- GRPO, KL as a loss (k3), dynamic sampling, clip-higher.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import algos
+
+pytestmark = pytest.mark.engine
+
+MAX_NEW = 6
+
+
+def parity_reward(prompt: str, response: str, answer: str | None) -> float:
+    return float(sum(map(ord, response)) % 2)
+
+
+def even_answers_agree(prompt: str, response: str, answer: str | None) -> float:
+    """Constant for prompts whose answer is even (their groups carry no signal), else the parity rule."""
+    return 1.0 if answer is not None and int(answer) % 2 == 0 else parity_reward(prompt, response, answer)
+
+
+@pytest.fixture(scope="module")
+def reference_model(tmp_path_factory):
+    from alignflow.config import TinyModelConfig
+    from engines.models import build_tiny_model
+
+    return build_tiny_model(TinyModelConfig(), seed=1, out_dir=tmp_path_factory.mktemp("reference"))
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    from alignflow.config import SyntheticTaskConfig
+    from alignflow.data import synthetic
+    from engines.batches import filter_prompts
+
+    data = synthetic.generate(SyntheticTaskConfig(num_sft=1, num_preference=1, num_eval=1, num_rl_prompts=64), seed=0)
+    kept, _ = filter_prompts(tokenizer, data["prompts"], 64, "prompts")
+    return kept
+
+
+def _run_step(cfg, tiny_model, reference_model, prompts):
+    from engines.rl import RLRound
+    from engines.round_models import RoundSetup
+
+    path = str(tiny_model)
+    rl = RLRound(cfg, RoundSetup(policy_path=path, reference_path=str(reference_model), reward_path=path,
+                                 prompts=prompts, dtype="float32", torch_threads=1, max_model_len=80, seed=0))
+    try:
+        objectives = [dict(obj.keywords) for _, obj in rl.update.objectives()]  # as the step will use them
+        return rl.step(0), objectives
+    finally:
+        rl.shutdown()
+
+
+def test_ppo_kl_in_reward_adaptive_whitened_overlong(ray_local, tiny_model, reference_model, prompts):
+    from alignflow.config import ActorConfig, KLConfig, PPOConfig, RewardConfig, RolloutConfig, RoundConfig
+
+    kl = KLConfig(coef=0.05, estimator="k1", apply_as="reward", adaptive=True, target=0.5, horizon=50, clamp=10.0)
+    cfg = RoundConfig(
+        algorithm="ppo", steps=2, prompts_per_step=8,
+        generation=RolloutConfig(num_samples=4, max_new_tokens=MAX_NEW),
+        reward=RewardConfig(source="rule", rule=f"{__name__}:parity_reward", overlong_buffer=3, overlong_penalty=0.5),
+        kl=kl, ppo=PPOConfig(minibatch_size=32, epochs=1), actor=ActorConfig(learning_rate=1e-3))
+    out, objectives = _run_step(cfg, tiny_model, reference_model, prompts)
+    exp, m = out.experience, out.metrics
+
+    lengths = exp.action_mask.sum(-1)
+    assert lengths.max() > MAX_NEW - 3, "no response reached the overlong buffer; the shaping is untested"
+    rule = torch.tensor([parity_reward("", r.text, None) for r in out.rollouts])
+    torch.testing.assert_close(exp.rewards, rule + algos.overlong_penalty(
+        lengths, max_len=MAX_NEW, buffer_len=3, penalty_factor=0.5))
+
+    seq_kl = algos.kl_estimate(exp.old_logprobs, exp.ref_logprobs, kind="k1").mul(exp.action_mask).sum(-1)
+    assert seq_kl.abs().max() > 1e-3, "policy and reference agree; the KL penalty is untested"
+    token_rewards = algos.kl_penalized_rewards(exp.rewards, exp.old_logprobs, exp.ref_logprobs, exp.action_mask,
+                                               kl_coef=0.05, kind="k1", clamp=10.0)
+    torch.testing.assert_close(exp.token_rewards, token_rewards)
+    gae = algos.get_advantage_estimator("gae")(
+        token_rewards=token_rewards, action_mask=exp.action_mask, values=exp.values, group_size=4,
+        gamma=cfg.ppo.gamma, lam=cfg.ppo.lam, eps=1e-6)
+    torch.testing.assert_close(exp.advantages, algos.masked_whiten(gae.advantages, exp.action_mask))
+    torch.testing.assert_close(exp.returns, gae.returns)
+
+    controller = algos.AdaptiveKLController(0.05, target=0.5, horizon=50)
+    controller.update(seq_kl.mean().item(), n_steps=len(exp))
+    assert m["kl_coef"] == pytest.approx(controller.value)
+    toward_target = (m["kl_coef"] > 0.05) == (seq_kl.mean().item() > 0.5)
+    assert toward_target and m["kl_coef"] != 0.05
+    assert objectives[0]["kl_loss_coef"] == 0.0 and m["kl_loss"] == 0.0  # KL is in the reward, not the loss
+    assert out.trained_rows.tolist() == list(range(len(exp)))
+
+
+def test_grpo_kl_loss_dynamic_sampling_clip_higher(ray_local, tiny_model, reference_model, prompts):
+    from alignflow.config import ActorConfig, KLConfig, PPOConfig, RewardConfig, RolloutConfig, RoundConfig
+
+    cfg = RoundConfig(
+        algorithm="grpo", steps=2, prompts_per_step=8,
+        generation=RolloutConfig(num_samples=4, max_new_tokens=MAX_NEW),
+        reward=RewardConfig(source="rule", rule=f"{__name__}:even_answers_agree"),
+        kl=KLConfig(coef=0.1), ppo=PPOConfig(minibatch_size=32, epochs=1, clip_low=0.2, clip_high=0.28,
+                                             dynamic_sampling=True, tis_cap=None),
+        actor=ActorConfig(learning_rate=1e-3))
+    out, objectives = _run_step(cfg, tiny_model, reference_model, prompts)
+    exp, m = out.experience, out.metrics
+
+    # The spec puts GRPO's KL in the loss, with k3: token rewards carry the task reward alone.
+    torch.testing.assert_close(exp.token_rewards, algos.kl_penalized_rewards(
+        exp.rewards, exp.old_logprobs, exp.ref_logprobs, exp.action_mask, kl_coef=0.0))
+    grpo = algos.get_advantage_estimator("grpo")(token_rewards=exp.token_rewards, action_mask=exp.action_mask,
+                                                 values=None, group_size=4, gamma=1.0, lam=0.95, eps=1e-6)
+    torch.testing.assert_close(exp.advantages, grpo.advantages)
+
+    groups = exp.rewards.view(-1, 4)
+    constant = (groups == groups[:, :1]).all(-1)
+    assert 0 < constant.sum() < len(groups), "need constant and informative groups"
+    assert m["dynamic_sampling/dropped_groups"] == constant.sum().item()
+    assert out.trained_rows.tolist() == torch.arange(len(exp))[~constant.repeat_interleave(4)].tolist()
+
+    actor = objectives[0]
+    assert (actor["clip_low"], actor["clip_high"], actor["kl_estimator"], actor["kl_loss_coef"], actor["agg"]) == (
+        0.2, 0.28, "k3", 0.1, "token_mean")
+    # One minibatch, one epoch: the training forward sees the pre-update policy, so its KL term is
+    # the k3 KL of old to reference logprobs over the trained rows, times the coefficient.
+    rows = out.trained_rows
+    k3 = algos.kl_estimate(exp.old_logprobs[rows], exp.ref_logprobs[rows], kind="k3", clamp=10.0)
+    expected = 0.1 * algos.aggregate_loss(k3, exp.action_mask[rows], agg="token_mean")
+    assert m["kl_loss"] == pytest.approx(expected.item(), rel=1e-4, abs=1e-7)
+    assert m["kl_loss"] > 0
+
+
+def test_clip_higher_reaches_the_loss(tiny_model):
+    """The policy objective on a real model: a ratio between 1 + clip_low and 1 + clip_high counts
+    unclipped with clip-higher and clipped without it (`algos.ppo_policy_loss` applied independently)."""
+    from engines import objectives
+    from engines.experience import from_rollouts
+    from engines.models import load_policy
+    from engines.rollout import Rollout
+
+    model = load_policy(tiny_model).eval()
+    exp = from_rollouts([Rollout(0, [5, 6, 7], [11, 12, 13], "", [0.0] * 3, True),
+                         Rollout(0, [5, 6, 7], [14, 15], "", [0.0] * 2, True)], pad_id=0)
+    with torch.no_grad():
+        logprobs = objectives.response_logprobs(model, exp.tensors())
+    # old = new - log(1.25): every ratio is 1.25, positive advantages
+    batch = exp.with_(old_logprobs=(logprobs - torch.log(torch.tensor(1.25))) * exp.action_mask,
+                      advantages=exp.action_mask.clone(), ref_logprobs=logprobs).tensors()
+    for clip_high in (0.2, 0.28):
+        loss, metrics = objectives.policy_objective(
+            model, batch, clip_low=0.2, clip_high=clip_high, dual_clip=None, agg="token_mean", entropy_coef=0.0,
+            kl_loss_coef=0.0, kl_estimator="k3", kl_clamp=None, tis_cap=None)
+        expected = algos.ppo_policy_loss(logprobs, batch["old_logprobs"], batch["advantages"], exp.action_mask,
+                                         clip_low=0.2, clip_high=clip_high, agg="token_mean")
+        assert loss.item() == pytest.approx(expected.loss.item(), rel=1e-5)
+        assert metrics["clip_fraction"] == pytest.approx(1.0 if clip_high == 0.2 else 0.0)

@@ -1,0 +1,128 @@
+"""`alignflow plan`, targets, the report, and a real Prefect flow walking the planned graph.
+
+The CLI runs in a subprocess, as a user runs it; `plan` must start neither
+Prefect nor Ray. The flow test uses a Prefect test server and the thread
+pool task runner (the Ray task runner is covered end to end in tests/e2e).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from alignflow.config import cache_relevant, load_config, resolve_paths
+from alignflow.storage import Storage
+from tasks.plan import plan_pipeline
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=120, env={"PATH": "/usr/bin:/bin", "HOME": str(cwd), "PYTHONPATH": str(REPO)})
+
+
+def plan_rows(stdout: str) -> dict[str, list[str]]:
+    """{stage: [kind, inputs, key, state]} from the plan table, cut at the header's column starts."""
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.split()[:1] == ["stage"])
+    header = lines[start]
+    cuts = [header.index(col) for col in ("stage", "kind", "inputs", "key", "state")] + [None]
+    rows = {}
+    for line in lines[start + 1:]:
+        if not line.startswith("  ") or line.split()[0] == "skipped:":
+            break
+        cells = [line[a:b].strip() for a, b in zip(cuts, cuts[1:])]
+        rows[cells[0]] = cells[1:]
+    return rows
+
+
+def test_plan_prints_every_stage_with_key_and_state(tmp_path):
+    res = cli("plan", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    rows = plan_rows(res.stdout)
+    expected = plan_pipeline(resolve_paths(load_config(), tmp_path))
+    assert list(rows) == list(expected.stages)
+    for name, stage in expected.stages.items():
+        kind, _, key, state = rows[name]
+        assert (kind, key) == (stage.kind, stage.key), name
+        assert state == "will run: never committed", name
+    assert rows["round_2"][1] == "data, policy=round_1, reference=sft, reward=reward_model"
+    assert "Prefect API" not in res.stdout + res.stderr
+    assert not (tmp_path / "artifacts").exists(), "plan wrote artifacts"
+
+
+def test_plan_says_cached_and_why(tmp_path):
+    root = tmp_path / "artifacts"
+    stage = plan_pipeline(resolve_paths(load_config(), tmp_path)).stages["sft"]
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "model.safetensors").write_bytes(b"weights")
+    Storage(root=str(root)).commit(src, f"{root}/sft/{stage.key}", meta={
+        "config": cache_relevant(stage.config), "input_keys": stage.input_keys, "code_version": stage.code_version})
+
+    same = plan_rows(cli("plan", cwd=tmp_path).stdout)
+    assert same["sft"][3] == "Cached"
+    changed = cli("plan", "sft.epochs=4", "reward_model=null", 'rounds=[{"algorithm": "grpo", "reward": {"source": "rule"}}]',
+                  cwd=tmp_path)
+    rows = plan_rows(changed.stdout)
+    assert rows["sft"][3] == "will run: config changed: train.epochs 3.0 -> 4.0"
+    assert "reward_model" not in rows
+    assert "skipped: reward_model (the config has no reward_model section)" in changed.stdout
+
+
+def test_unknown_target_fails_before_anything_starts(tmp_path):
+    res = cli("stage", "sfft", cwd=tmp_path)
+    assert res.returncode == 2
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: no stage 'sfft' in this pipeline; valid: ") and "rl" in last and "sft" in last
+    assert "Prefect API" not in res.stdout + res.stderr
+
+
+def test_report_table_without_a_reward_model():
+    from flows.report import PipelineReport
+
+    report = PipelineReport(
+        mlflow_run_id="r", mlflow_tracking_uri="sqlite:///x", storage_root="/a", stage_uris={}, stage_states={},
+        policies={"sft": {"eval/accuracy": 0.25, "eval/kl_to_reference": 0.0, "eval/response_length": 2.0},
+                  "round_1": {"eval/accuracy": 0.5, "eval/kl_to_reference": 4.0, "eval/response_length": 2.0}},
+        kl_budgets={"round_1": 3.0})
+    lines = report.table().splitlines()
+    assert lines[0].split() == ["policy", "accuracy", "reward", "kl_to_reference", "response_length"]
+    assert lines[2].split() == ["sft", "0.250", "-", "0.000", "2.000"]
+    assert "reward model" not in report.table()
+    assert lines[-1] == "round_1: KL to reference 4.000 OVER budget 3"
+
+
+@pytest.fixture(scope="module")
+def prefect_server(tmp_path_factory):
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+def test_partial_pipeline_flow_runs_the_target_and_its_inputs(prefect_server, tmp_path):
+    """A real Prefect flow run: the data target, submitted from the plan, committed, its parent run closed."""
+    from mlflow import MlflowClient
+    from prefect.task_runners import ThreadPoolTaskRunner
+
+    from flows.pipeline import partial_pipeline
+
+    cfg = resolve_paths(load_config(None, [
+        "data.synthetic.num_sft=20", "data.synthetic.num_preference=20", "data.synthetic.num_eval=5",
+        "data.synthetic.num_rl_prompts=5", f"infra.mlflow_tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
+        "infra.task_retries=0"]), tmp_path)
+    result = partial_pipeline.with_options(task_runner=ThreadPoolTaskRunner(max_workers=1))(cfg, "data")
+    stage = plan_pipeline(cfg).stages["data"]
+    assert (result.stage, result.key) == ("data", stage.key)
+    assert (tmp_path / "artifacts" / "data" / stage.key / "manifest.json").exists()
+    assert not (tmp_path / "artifacts" / "base_model").exists(), "ran a stage the target does not need"
+    client = MlflowClient(cfg.infra.mlflow_tracking_uri)
+    runs = client.search_runs([client.get_experiment_by_name("alignflow").experiment_id])
+    parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    assert [r.info.status for r in parents] == ["FINISHED"]
+    assert parents[0].data.tags["alignflow.key.data"] == stage.key

@@ -1,0 +1,195 @@
+"""The planner: which stages a config plans, how they are wired, and their keys.
+
+Nothing is started: planning is pure (config in, graph out), and the cache
+state is read from a local storage root the tests commit into.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+
+import pytest
+
+from alignflow.config import load_config
+from alignflow.errors import ConfigError
+from alignflow.storage import Storage
+from tasks.plan import plan_pipeline, plan_states
+
+GRPO_RULE = '{"algorithm": "grpo", "reward": {"source": "rule"}}'
+RS_RULE = '{"algorithm": "rejection_sampling", "reward": {"source": "rule"}}'
+PPO = '{"algorithm": "ppo"}'
+
+
+def _plan(*overrides: str):
+    return plan_pipeline(load_config(None, list(overrides)))
+
+
+def test_default_pipeline_graph():
+    plan = _plan()
+    assert list(plan.stages) == [
+        "data", "base_model", "sft", "reward_model", "round_1", "round_2",
+        "eval_base", "eval_sft", "eval_round_1", "eval_round_2", "eval_reward_model",
+    ]
+    s = plan.stages
+    assert s["sft"].inputs == {"data": "data", "init": "base_model"}
+    assert s["reward_model"].inputs == {"data": "data", "init": "sft"}
+    assert s["round_1"].inputs == {"data": "data", "policy": "sft", "reference": "sft", "reward": "reward_model"}
+    assert s["round_2"].inputs["policy"] == "round_1"
+    assert s["eval_round_2"].inputs == {"data": "data", "policy": "round_2", "reference": "sft",
+                                        "reward": "reward_model"}
+    assert plan.skipped == {}
+    # every input comes before its consumer
+    order = list(s)
+    for stage in s.values():
+        assert all(order.index(src) < order.index(stage.name) for src in stage.inputs.values()), stage.name
+
+
+def test_rule_reward_rounds_plan_no_reward_model():
+    plan = _plan(f"rounds=[{GRPO_RULE}]")
+    assert "reward_model" not in plan.stages and "eval_reward_model" not in plan.stages
+    assert "no round scores with it" in plan.skipped["reward_model"]
+    assert "reward" not in plan.stages["round_1"].inputs
+    assert "reward" not in plan.stages["eval_round_1"].inputs
+
+
+def test_rounds_of_any_kind_in_any_order():
+    plan = _plan(f"rounds=[{GRPO_RULE}, {RS_RULE}, {PPO}]")
+    rounds = plan.of_kind("rl_round")
+    assert [r.config.round.algorithm for r in rounds] == ["grpo", "rejection_sampling", "ppo"]
+    assert [r.inputs["policy"] for r in rounds] == ["sft", "round_1", "round_2"]
+    assert "reference" not in plan.stages["round_2"].inputs  # rejection sampling has no KL term
+    assert plan.stages["round_3"].inputs["reward"] == "reward_model"  # PPO scores with the reward model
+    assert plan.stages["reward_model"].inputs["init"] == "sft"
+
+
+def test_no_sft_means_rounds_start_from_the_base_model():
+    plan = _plan("sft=null", f"rounds=[{GRPO_RULE}]")
+    assert "sft" not in plan.stages and "eval_sft" not in plan.stages
+    assert plan.stages["round_1"].inputs["policy"] == plan.stages["round_1"].inputs["reference"] == "base_model"
+    assert plan.stages["eval_round_1"].inputs["reference"] == "base_model"
+
+
+def test_ppo_critic_from_the_policy_needs_no_reward_model():
+    plan = _plan('rounds=[{"algorithm": "ppo", "critic": {"init": "policy"}, "reward": {"source": "rule"}}]')
+    assert "reward_model" not in plan.stages
+
+
+def test_no_rounds_keeps_the_reward_model_as_a_product():
+    plan = _plan("rounds=[]")
+    assert {"sft", "reward_model", "eval_reward_model"} <= set(plan.stages)
+    assert not plan.of_kind("rl_round")
+
+
+def test_no_evaluation():
+    plan = _plan("evaluation=null")
+    assert not plan.of_kind("evaluate_policy") and not plan.of_kind("evaluate_reward_model")
+    assert "evaluation" in plan.skipped
+
+
+def test_rounds_get_their_resolved_config():
+    plan = _plan(f"rounds=[{GRPO_RULE}]")
+    kl = plan.stages["round_1"].config.round.kl
+    assert (kl.apply_as, kl.estimator) == ("loss", "k3")
+
+
+def _keys(plan):
+    return {name: s.key for name, s in plan.stages.items()}
+
+
+def test_a_change_reruns_that_stage_and_downstream_only():
+    base = _keys(_plan())
+    changed = _keys(_plan("sft.learning_rate=0.01"))
+    same = {n for n in base if base[n] == changed[n]}
+    assert same == {"data", "base_model"}
+    later_round = _keys(_plan('rounds=[{}, {"steps": 21}]'))
+    assert {n for n in base if base[n] != later_round[n]} == {"round_2", "eval_round_2"}
+    only_eval = _keys(_plan("evaluation.num_prompts=10"))
+    assert {n for n in base if base[n] != only_eval[n]} == {n for n in base if n.startswith("eval_")} - {
+        "eval_reward_model"}
+
+
+def test_resource_settings_do_not_change_cache_keys():
+    base = _keys(_plan())
+    moved = _keys(_plan(
+        "sft.placement.num_cpus=2", "reward_model.placement.num_gpus=1",
+        'rounds=[{"actor": {"placement": {"num_cpus": 3}}, "scorer_placement": {"num_cpus": 2}}, {}]',
+        "infra.torch_threads=1", "infra.storage.root=/elsewhere",
+    ))
+    assert moved == base
+
+
+def test_the_seed_reaches_every_stage():
+    base, other = _keys(_plan()), _keys(_plan("seed=1"))
+    assert all(base[n] != other[n] for n in base), "a stage whose key ignores the pipeline seed"
+    seeds = {s.name: s.config.seed for s in _plan().stages.values() if hasattr(s.config, "seed")}
+    rounds = [seeds["round_1"], seeds["round_2"]]
+    assert rounds[0] != rounds[1], "identical rounds drew the same random numbers"
+    # policies are evaluated on the same draws
+    assert len({seeds[n] for n in seeds if n.startswith("eval_")}) == 1
+
+
+def test_key_is_a_digest_of_config_inputs_and_code():
+    """Recomputed here with hashlib, from what the plan says the stage is."""
+    from alignflow.config import cache_relevant
+
+    stage = _plan().stages["sft"]
+    blob = json.dumps({"stage": "sft", "config": cache_relevant(stage.config), "inputs": stage.input_keys,
+                       "code": stage.code_version}, sort_keys=True, separators=(",", ":"))
+    assert stage.key == hashlib.sha256(blob.encode()).hexdigest()[:20]
+    assert stage.input_keys == {"data": _plan().stages["data"].key, "init": _plan().stages["base_model"].key}
+
+
+def test_targets_resolve_to_stages_and_their_needs():
+    plan = _plan()
+    assert plan.resolve("rl") == ["round_1", "round_2"]
+    assert list(plan.upto("sft").stages) == ["data", "base_model", "sft"]
+    assert list(plan.upto("round_1").stages) == ["data", "base_model", "sft", "reward_model", "round_1"]
+    assert set(plan.upto("evaluation").stages) == set(plan.stages)
+    with pytest.raises(ConfigError, match=r"no stage 'sfft'.*valid: .*sft"):
+        plan.upto("sfft")
+    no_rm = _plan(f"rounds=[{GRPO_RULE}]")
+    with pytest.raises(ConfigError, match="no round scores with it"):
+        no_rm.upto("reward_model")
+
+
+def test_planning_imports_no_engine():
+    import subprocess
+
+    code = ("import sys; from alignflow.config import load_config; from tasks.plan import plan_pipeline; "
+            "plan_pipeline(load_config()); "
+            "print(sorted(m for m in ('torch', 'ray', 'vllm', 'prefect', 'deepspeed', 'mlflow') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+# ---- cache state and why ------------------------------------------------------------
+
+
+def _commit(storage: Storage, stage, tmp_path) -> None:
+    """Commit a stage the way compute_stage records it (its config, input keys and code version)."""
+    from alignflow.config import cache_relevant
+
+    src = tmp_path / f"src-{stage.name}-{stage.key}"
+    src.mkdir()
+    (src / "out.txt").write_text(stage.name)
+    storage.commit(src, storage.stage_uri(stage.name, stage.key), meta={
+        "stage": stage.name, "key": stage.key, "config": cache_relevant(stage.config),
+        "input_keys": stage.input_keys, "code_version": stage.code_version})
+
+
+def test_plan_states_say_cached_or_why(tmp_path):
+    storage = Storage(root=str(tmp_path / "artifacts"))
+    first = _plan()
+    for name in ("data", "base_model", "sft", "reward_model"):
+        _commit(storage, first.stages[name], tmp_path)
+    states = plan_states(first, storage)
+    assert [n for n, st in states.items() if st.cached] == ["data", "base_model", "sft", "reward_model"]
+    assert states["round_1"].why == "never committed"
+
+    second = _plan("sft.learning_rate=0.01")
+    states = plan_states(second, storage)
+    assert states["data"].cached and states["base_model"].cached
+    assert states["sft"].why == "config changed: train.learning_rate 0.003 -> 0.01"
+    assert states["reward_model"].why == "input changed: init"

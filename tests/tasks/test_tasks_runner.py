@@ -1,0 +1,81 @@
+"""Task adapters: the one task body every stage kind shares, its cache key and retry rule.
+
+The data stage runs for real here (local storage root, MLflow in a SQLite
+file); it needs no Ray.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from alignflow.config import load_config
+from alignflow.errors import ConfigError, DataError
+from alignflow.records import StageResult
+from tasks.context import RunContext
+from tasks.plan import plan_pipeline
+from tasks.registry import STAGE_KINDS
+from tasks.runner import retry_unless_user_error, run_stage, stage_cache_key
+
+SMALL = ["data.synthetic.num_sft=20", "data.synthetic.num_preference=20", "data.synthetic.num_eval=5",
+         "data.synthetic.num_rl_prompts=5"]
+
+
+@pytest.fixture
+def ctx(tmp_path) -> RunContext:
+    cfg = load_config(None, [*SMALL, f"infra.storage.root={tmp_path / 'artifacts'}",
+                             f"infra.mlflow_tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}"])
+    return RunContext(infra=cfg.infra)
+
+
+def test_every_kind_names_a_runnable_stage_function():
+    for kind in STAGE_KINDS.values():
+        fn = kind.runner()
+        assert list(inspect.signature(fn).parameters) == ["stage", "inputs", "ctx"], kind.name
+
+
+def test_the_planner_gives_each_kind_its_declared_config():
+    plan = plan_pipeline(load_config())
+    for stage in plan.stages.values():
+        assert type(stage.config) is STAGE_KINDS[stage.kind].config, stage.name
+
+
+def test_run_stage_commits_with_its_plan_record_and_is_idempotent(ctx, tmp_path):
+    stage = plan_pipeline(load_config(None, SMALL)).stages["data"]
+    first = run_stage(stage, {}, ctx)
+    assert first == StageResult(stage="data", key=stage.key, uri=str(tmp_path / "artifacts" / "data" / stage.key),
+                                metrics=first.metrics)
+    assert first.metrics["data/sft_rows"] == 20
+    manifest = json.loads((tmp_path / "artifacts" / "data" / stage.key / "manifest.json").read_text())
+    meta = manifest["meta"]
+    assert meta["input_keys"] == {} and meta["code_version"] == STAGE_KINDS["data"].code_version
+    assert meta["config"]["data"]["synthetic"]["num_sft"] == 20 and meta["config"]["seed"] == stage.config.seed
+    mtime = (tmp_path / "artifacts" / "data" / stage.key / "sft.jsonl").stat().st_mtime_ns
+    again = run_stage(stage, {}, ctx)
+    assert again == first
+    assert (tmp_path / "artifacts" / "data" / stage.key / "sft.jsonl").stat().st_mtime_ns == mtime
+
+
+def test_run_stage_rejects_missing_inputs_before_any_work(ctx, tmp_path):
+    stage = plan_pipeline(load_config(None, SMALL)).stages["sft"]
+    data = StageResult(stage="data", key="k", uri=str(tmp_path / "nowhere"))
+    with pytest.raises(ValidationError, match="init"):
+        run_stage(stage, {"data": data}, ctx)
+    assert not (tmp_path / "artifacts").exists()
+
+
+def test_cache_key_is_the_stage_key():
+    stage = plan_pipeline(load_config()).stages["round_2"]
+    assert stage_cache_key(None, {"stage": stage, "inputs": {}, "ctx": None}) == f"round_2-{stage.key}"
+
+
+def test_user_errors_are_not_retried():
+    from prefect.states import Completed, Failed
+
+    assert retry_unless_user_error(None, None, Failed(data=RuntimeError("flaky network"))) is True
+    assert retry_unless_user_error(None, None, Failed(data=DataError("f.jsonl, row 3: missing key"))) is False
+    assert retry_unless_user_error(None, None, Failed(data=ConfigError("reward.rule cannot be imported"))) is False
+    assert retry_unless_user_error(None, None, Completed(data=1)) is True
