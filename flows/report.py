@@ -28,8 +28,8 @@ class PipelineReport(BaseModel):
 
     def table(self) -> str:
         cols = ["policy", *[m.removeprefix("eval/") for m in POLICY_METRICS]]
-        rows = [cols] + [[name, *(f"{m[k]:.3f}" if k in m else "-" for k in POLICY_METRICS)]
-                         for name, m in self.policies.items()]
+        rows = [cols] + [[name, *(f"{round(m[k], 3) + 0.0:.3f}" if k in m else "-" for k in POLICY_METRICS)]
+                         for name, m in self.policies.items()]  # + 0.0: no "-0.000" for a KL of -1e-7
         widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))

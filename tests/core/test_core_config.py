@@ -43,7 +43,7 @@ def test_default_config_is_the_embedded_tiny_yaml():
     assert cfg.name == raw["name"] == "tiny"
     assert cfg.data.source == "synthetic"
     assert cfg.model.base == "tiny"
-    assert cfg.sft.learning_rate == raw["sft"]["learning_rate"] == 3.0e-3
+    assert cfg.sft.learning_rate == raw["sft"]["learning_rate"] == 2.0e-3
     assert cfg.sft.epochs == raw["sft"]["epochs"]
     assert cfg.reward_model.learning_rate == raw["reward_model"]["learning_rate"]
     assert cfg.data.synthetic.num_sft == raw["data"]["synthetic"]["num_sft"]

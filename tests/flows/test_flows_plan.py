@@ -87,7 +87,7 @@ def test_report_table_without_a_reward_model():
 
     report = PipelineReport(
         mlflow_run_id="r", mlflow_tracking_uri="sqlite:///x", storage_root="/a", stage_uris={}, stage_states={},
-        policies={"sft": {"eval/accuracy": 0.25, "eval/kl_to_reference": 0.0, "eval/response_length": 2.0},
+        policies={"sft": {"eval/accuracy": 0.25, "eval/kl_to_reference": -1e-7, "eval/response_length": 2.0},
                   "round_1": {"eval/accuracy": 0.5, "eval/kl_to_reference": 4.0, "eval/response_length": 2.0}},
         kl_budgets={"round_1": 3.0})
     lines = report.table().splitlines()

@@ -191,5 +191,5 @@ def test_plan_states_say_cached_or_why(tmp_path):
     second = _plan("sft.learning_rate=0.01")
     states = plan_states(second, storage)
     assert states["data"].cached and states["base_model"].cached
-    assert states["sft"].why == "config changed: train.learning_rate 0.003 -> 0.01"
+    assert states["sft"].why == "config changed: train.learning_rate 0.002 -> 0.01"
     assert states["reward_model"].why == "input changed: init"
