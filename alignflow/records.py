@@ -15,12 +15,3 @@ class StageResult(BaseModel):
     uri: str
     metrics: dict[str, float] = {}
 
-
-class EvalResult(BaseModel):
-    """Held-out metrics of one policy checkpoint."""
-
-    model_config = ConfigDict(frozen=True)
-
-    policy: str
-    key: str
-    metrics: dict[str, float]
