@@ -57,8 +57,10 @@ ALGORITHMS = MappingProxyType(_REGISTRY)
 def register_algorithm(spec: AlgorithmSpec) -> AlgorithmSpec:
     if spec.name in _REGISTRY:
         raise ValueError(f"algorithm {spec.name!r} is already registered")
-    if (spec.update == "policy_gradient") != (spec.advantage is not None):
+    if spec.update == "policy_gradient" and spec.advantage is None:
         raise ValueError(f"algorithm {spec.name!r}: a policy-gradient update needs an advantage estimator")
+    if spec.update != "policy_gradient" and spec.advantage is not None:
+        raise ValueError(f"algorithm {spec.name!r}: a {spec.update} update uses no advantage estimator")
     _REGISTRY[spec.name] = spec
     return spec
 
