@@ -135,3 +135,26 @@ def minibatches(n_rows: int, size: int, *, epochs: int, generator: torch.Generat
             chunk = chunk[: len(chunk) - len(chunk) % multiple_of]
             if len(chunk):
                 yield chunk
+
+
+def micro_batches(batch: dict[str, torch.Tensor], size: int | None, *, paired: bool = False) -> list[dict[str, torch.Tensor]]:
+    """A worker's share cut into micro-batches of `size` rows (pairs when `paired`: the chosen and
+    rejected halves are cut alike, so each micro-batch is again [chosen..., rejected...]).
+    None, or a share no larger than `size`: the share itself. The last micro-batch may be smaller."""
+    n = batch["input_ids"].shape[0] // (2 if paired else 1)
+    if size is None or n <= size:
+        return [batch]
+    parts = [torch.arange(i, min(i + size, n)) for i in range(0, n, size)]
+    return [split_pairs(batch, idx, n) if paired else take(batch, idx) for idx in parts]
+
+
+def in_micro_batches(batch: dict[str, Any], size: int | None, fn) -> Any:
+    """`fn(batch)` over micro-batches of `size` rows, results concatenated along rows (tensors whose
+    first dimension is the batch's rows; micro-batches share the batch's padded width). None, or a batch no larger than `size`: one call, its result as it is."""
+    parts = micro_batches(batch, size)
+    if len(parts) == 1:
+        return fn(batch)
+    outs = [fn(p) for p in parts]
+    if not all(isinstance(o, torch.Tensor) for o in outs):
+        raise TypeError("in micro-batches, a function must return a tensor with one row per batch row")
+    return torch.cat(outs, 0)

@@ -81,12 +81,9 @@ def build_tiny_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     return fast
 
 
-def build_tiny_model(cfg: TinyModelConfig, seed: int, out_dir: str | Path) -> Path:
-    """Build and save the tiny policy (model + tokenizer) into `out_dir`."""
-    out_dir = Path(out_dir)
-    tokenizer = build_tiny_tokenizer(cfg.vocab_size)
-    torch.manual_seed(seed)
-    config = Qwen2Config(
+def tiny_config(cfg: TinyModelConfig, tokenizer) -> Qwen2Config:
+    """The Qwen2 config of the locally built model: `cfg`'s shape, `tokenizer`'s vocabulary and specials."""
+    return Qwen2Config(
         vocab_size=len(tokenizer),
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
@@ -94,14 +91,22 @@ def build_tiny_model(cfg: TinyModelConfig, seed: int, out_dir: str | Path) -> Pa
         num_attention_heads=cfg.num_heads,
         num_key_value_heads=cfg.num_kv_heads,
         max_position_embeddings=cfg.max_position_embeddings,
-        # Untied: vLLM's CPU backend keeps a packed copy of a tied output
-        # layer that a weight reload does not refresh (STACK.md).
-        tie_word_embeddings=False,
+        # Untied by default; tied works too (the rollout engines' weight
+        # update repacks vLLM's CPU copy of a tied output layer: STACK.md).
+        tie_word_embeddings=cfg.tie_word_embeddings,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.bos_token_id,
         torch_dtype="float32",
     )
+
+
+def build_tiny_model(cfg: TinyModelConfig, seed: int, out_dir: str | Path) -> Path:
+    """Build and save the tiny policy (model + tokenizer) into `out_dir`."""
+    out_dir = Path(out_dir)
+    tokenizer = build_tiny_tokenizer(cfg.vocab_size)
+    torch.manual_seed(seed)
+    config = tiny_config(cfg, tokenizer)
     model = Qwen2ForCausalLM(config)
     model.generation_config = GenerationConfig(
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id
@@ -126,18 +131,42 @@ def load_tokenizer(path: str | Path):
     return tok
 
 
-def load_policy(path: str | Path, dtype: str = "float32") -> PreTrainedModel:
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype])
+def _attention(attn: str) -> str:
+    """The attention implementation, checked before any weight is read."""
+    if attn == "flash_attention_2":
+        import importlib.util
+
+        if importlib.util.find_spec("flash_attn") is None:
+            from alignflow.errors import ConfigError
+
+            raise ConfigError("model.attn_implementation: flash_attention_2 needs the flash-attn package "
+                              "(and a GPU); it is not installed here; use sdpa")
+    return attn
 
 
-def load_scalar_model(path: str | Path, dtype: str = "float32", pad_token_id: int | None = None) -> PreTrainedModel:
+def load_policy(path: str | Path, dtype: str = "float32", attn: str = "sdpa") -> PreTrainedModel:
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype], attn_implementation=_attention(attn))
+
+
+def weight_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+    """The tensors a weight update carries, by name: the model's state dict less the aliases of tied
+    weights (an output layer tied to the input embedding travels once, under the embedding's name,
+    as `save_pretrained` writes it) and less buffers that are not saved."""
+    state = model.state_dict()
+    own = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
+    return {k: tuple(v.shape) for k, v in state.items() if k in own}
+
+
+def load_scalar_model(path: str | Path, dtype: str = "float32", pad_token_id: int | None = None,
+                      attn: str = "sdpa") -> PreTrainedModel:
     """A reward model or critic: the backbone plus a 1-output linear head.
 
     From a causal-LM checkpoint the head is newly initialised (to zero, so a
     fresh critic starts neutral); from a saved reward model it is loaded.
     """
     model, info = AutoModelForSequenceClassification.from_pretrained(
-        str(path), num_labels=1, dtype=DTYPES[dtype], output_loading_info=True
+        str(path), num_labels=1, dtype=DTYPES[dtype], output_loading_info=True,
+        attn_implementation=_attention(attn),
     )
     head = getattr(model, "score", None)
     if head is not None and any(k.startswith("score.") for k in info["missing_keys"]):

@@ -35,7 +35,7 @@ def pairwise_objective(model, batch: dict[str, torch.Tensor], margin: float = 0.
     """Bradley-Terry on a batch whose first half is chosen, second half rejected."""
     scores = scalar_scores(model, batch)
     n = scores.shape[0] // 2
-    margins = torch.full((n,), margin) if margin else None
+    margins = torch.full((n,), margin, device=scores.device) if margin else None
     out = pairwise_reward_loss(scores[:n], scores[n:], margin=margins)
     return out.loss, {
         "loss": out.loss.item(),
@@ -117,7 +117,7 @@ def policy_objective(
         kl_loss = kl_loss_coef * aggregate_loss(kl, mask, agg=agg)
         if kl_loss_coef:
             loss = loss + kl_loss
-        metrics.update(kl_to_reference=float(masked_mean(kl.detach(), mask)), kl_loss=float(kl_loss))
+        metrics.update(kl_to_reference=float(masked_mean(kl.detach(), mask)), kl_loss=float(kl_loss.detach()))
     elif kl_loss_coef:
         raise ValueError("a KL loss needs ref_logprobs in the batch")
     return loss, metrics

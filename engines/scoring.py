@@ -1,72 +1,65 @@
-"""Scoring with a scalar-head model (reward model) and sequence logprobs."""
+"""Frozen models for experience making and evaluation: the reference policy and the reward model.
+
+`ScorerActor` holds either or both, as one Ray actor, on the device its
+placement gives it (engines/devices.py). Batches arrive as CPU tensors, run
+in micro-batches of `micro_batch_size` rows, and results leave as CPU
+tensors. RL rounds and evaluation both score through it.
+"""
 
 from __future__ import annotations
 
 import torch
 
-from algos.sequence import shifted_logprobs
 from engines import models
-from engines.batches import right_padded
+from engines.batches import in_micro_batches
+from engines.devices import actor_device, placement_group_id, to_cpu, to_device
 from engines.objectives import response_logprobs, scalar_scores
 
 
-class RewardScorer:
-    """A reward model in this process: (prompt ids, response ids) -> score."""
-
-    def __init__(self, path: str, dtype: str = "float32", batch_size: int = 128):
-        self.tokenizer = models.load_tokenizer(path)
-        self.model = models.load_scalar_model(path, dtype, self.tokenizer.pad_token_id).eval()
-        self.batch_size = batch_size
-
-    @torch.no_grad()
-    def score(self, sequences: list[list[int]]) -> list[float]:
-        out: list[float] = []
-        for i in range(0, len(sequences), self.batch_size):
-            batch = right_padded(sequences[i : i + self.batch_size], self.tokenizer.pad_token_id)
-            out.extend(scalar_scores(self.model, batch).tolist())
-        return out
-
-
-class SequenceLogprober:
-    """A causal LM in this process: summed logprobs of response tokens."""
-
-    def __init__(self, path: str, dtype: str = "float32", batch_size: int = 128):
-        self.tokenizer = models.load_tokenizer(path)
-        self.model = models.load_policy(path, dtype).eval()
-        self.batch_size = batch_size
-
-    @torch.no_grad()
-    def response_logprobs(self, prompts: list[list[int]], responses: list[list[int]]) -> list[list[float]]:
-        """Per-token logprobs of each response given its prompt."""
-        out: list[list[float]] = []
-        for i in range(0, len(prompts), self.batch_size):
-            ps, rs = prompts[i : i + self.batch_size], responses[i : i + self.batch_size]
-            batch = right_padded([p + r for p, r in zip(ps, rs)], self.tokenizer.pad_token_id)
-            lp = shifted_logprobs(self.model(**batch).logits, batch["input_ids"])
-            for row, (p, r) in enumerate(zip(ps, rs)):
-                out.append(lp[row, len(p) - 1 : len(p) - 1 + len(r)].tolist())
-        return out
-
-
 class ScorerActor:
-    """Frozen models for experience making, as one Ray actor: the reference
-    policy (logprobs) and/or the reward model (scores). Whether the two share
-    an actor or stand apart is the round's `colocate_reference_and_reward`.
-    """
+    """The reference policy (logprobs) and/or the reward model (scores). Whether the two share an
+    actor or stand apart is the round's `colocate_reference_and_reward`."""
 
     def __init__(self, reference_path: str | None, reward_path: str | None, dtype: str = "float32",
-                 torch_threads: int = 2):
+                 torch_threads: int = 2, attn_implementation: str = "sdpa", micro_batch_size: int | None = None):
         torch.set_num_threads(torch_threads)
-        self.reference = models.load_policy(reference_path, dtype).eval() if reference_path else None
-        self.reward = None
+        self.device = actor_device()
+        self.micro_batch_size = micro_batch_size
+        self.reference = self.reward = None
+        if reference_path:
+            self.reference = models.load_policy(reference_path, dtype, attn_implementation).to(self.device).eval()
         if reward_path:
             pad = models.load_tokenizer(reward_path).pad_token_id
-            self.reward = models.load_scalar_model(reward_path, dtype, pad).eval()
+            self.reward = models.load_scalar_model(reward_path, dtype, pad, attn_implementation).to(self.device).eval()
+
+    def _run(self, model, fn, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return to_cpu(in_micro_batches(batch, self.micro_batch_size, lambda b: fn(model, to_device(b, self.device))))
 
     @torch.no_grad()
     def ref_logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return response_logprobs(self.reference, batch)
+        """log π_ref of each response token: (B, T) float32, CPU (batch as engines/experience.py builds it)."""
+        return self._run(self.reference, response_logprobs, batch)
 
     @torch.no_grad()
     def rewards(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return scalar_scores(self.reward, batch)
+        """Reward-model score of each sequence: (B,) float32, CPU."""
+        return self._run(self.reward, scalar_scores, batch)
+
+    def device_report(self) -> dict:
+        """Where each model's parameters live, and the placement group (tests assert them)."""
+        return {"placement_group": placement_group_id(),
+                **{name: sorted({p.device.type for p in m.parameters()})
+                   for name, m in (("reference", self.reference), ("reward", self.reward)) if m is not None}}
+
+
+def start_scorer(reference_path: str | None, reward_path: str | None, *, dtype: str, torch_threads: int,
+                 attn_implementation: str = "sdpa", micro_batch_size: int | None = None, num_cpus: float = 1.0,
+                 num_gpus: float = 0.0, scheduling_strategy=None):
+    """A ScorerActor on `num_cpus`/`num_gpus` (or in a placement group's bundle)."""
+    import ray
+
+    opts = {"num_cpus": num_cpus, "num_gpus": num_gpus}
+    if scheduling_strategy is not None:
+        opts["scheduling_strategy"] = scheduling_strategy
+    return ray.remote(**opts)(ScorerActor).remote(reference_path, reward_path, dtype, torch_threads,
+                                                  attn_implementation, micro_batch_size)

@@ -62,7 +62,7 @@ def fit(
         t0 = time.perf_counter()
         idx = schedule.indices(step)
         batch = split_pairs(data, idx, n_rows) if paired else take(data, idx)
-        metrics = group.train_step(shard(batch, group.world_size, paired=paired), objective)
+        metrics = group.train_step(shard(batch, group.world_size, paired=paired), objective, paired=paired)
         metrics["step_time_s"] = time.perf_counter() - t0
         after_step(step + 1, metrics)
     return schedule.total_steps - start_step

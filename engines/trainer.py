@@ -5,9 +5,10 @@ group (gloo on CPU, nccl on GPU), each wrapping the same model in a DeepSpeed
 engine with the configured ZeRO stage. A global batch is split into equal
 row shards, one per worker; DeepSpeed averages gradients across them.
 
-The objective is injected: `train_step(batch, objective)` calls
-`objective(model, shard) -> (loss, metrics)` on every worker. The engine does
-not know which algorithm it serves.
+The objective is injected: `train_step(shards, objective)` calls
+`objective(model, micro_batch) -> (loss, metrics)` on every worker, once per
+micro-batch, gradients accumulated. The engine does not know which
+algorithm it serves. Each rank's device follows engines/devices.py.
 
 Resume state (`save_state` / `load_state`) is the model in HF format
 (safetensors) plus, per rank, the optimizer state and RNG state as
@@ -16,65 +17,21 @@ safetensors + JSON (engines/state.py); no pickles.
 
 from __future__ import annotations
 
-import math
 import os
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import ray
 import torch
 
-from alignflow.config import EngineConfig
 from alignflow.net import free_port
 from engines import models
+from engines.batches import in_micro_batches, micro_batches
+from engines.devices import actor_device, local_rank, placement_group_id, to_cpu, to_device
+from engines.engine_spec import EngineSpec, lr_lambda, move_training_state, rows
 from engines.state import load_state, save_state
-
-
-@dataclass(frozen=True)
-class EngineSpec:
-    """What a training engine is built from (all plain values, Ray-shippable)."""
-
-    model_path: str
-    kind: str  # "causal" (policy) or "scalar" (reward model / critic)
-    learning_rate: float
-    weight_decay: float
-    warmup_steps: int
-    total_steps: int
-    zero_stage: int
-    global_batch: int
-    grad_clip: float
-    seed: int
-    dtype: str = "float32"
-    torch_threads: int = 2
-    num_cpus_per_worker: float = 1.0
-    num_gpus_per_worker: float = 0.0
-
-    @classmethod
-    def from_config(cls, cfg: EngineConfig, *, model_path: str, kind: str, total_steps: int, global_batch: int,
-                    dtype: str, torch_threads: int, seed: int) -> EngineSpec:
-        """The spec of an engine configured by `cfg` (optimizer, ZeRO, placement)."""
-        return cls(
-            model_path=model_path, kind=kind, learning_rate=cfg.learning_rate, weight_decay=cfg.weight_decay,
-            warmup_steps=cfg.warmup_steps, total_steps=total_steps, zero_stage=cfg.zero_stage,
-            global_batch=global_batch, grad_clip=cfg.grad_clip, seed=seed, dtype=dtype,
-            torch_threads=torch_threads, num_cpus_per_worker=cfg.placement.num_cpus,
-            num_gpus_per_worker=cfg.placement.num_gpus,
-        )
-
-
-def _lr_lambda(warmup: int, total: int) -> Callable[[int], float]:
-    """Linear warmup, then cosine decay to 10% of the peak."""
-
-    def f(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return f
 
 
 class TrainWorker:
@@ -95,9 +52,11 @@ class TrainWorker:
         import deepspeed
         from deepspeed.accelerator import get_accelerator
 
+        # The device rule (engines/devices.py): the GPU Ray placed this rank on, or the CPU.
+        self.device = actor_device()
         os.environ.update(
             MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), RANK=str(self.rank),
-            WORLD_SIZE=str(self.world_size), LOCAL_RANK="0",
+            WORLD_SIZE=str(self.world_size), LOCAL_RANK=str(local_rank(self.device)),
         )
         accel = get_accelerator()
         if not torch.distributed.is_initialized():
@@ -106,38 +65,48 @@ class TrainWorker:
         self.spec = spec
         self.tokenizer = models.load_tokenizer(spec.model_path)
         if spec.kind == "causal":
-            model = models.load_policy(spec.model_path, spec.dtype)
+            model = models.load_policy(spec.model_path, spec.dtype, spec.attn_implementation)
         else:
-            model = models.load_scalar_model(spec.model_path, spec.dtype, self.tokenizer.pad_token_id)
+            model = models.load_scalar_model(spec.model_path, spec.dtype, self.tokenizer.pad_token_id,
+                                             spec.attn_implementation)
+        if spec.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.config.use_cache = False
         optimizer = torch.optim.AdamW(model.parameters(), lr=spec.learning_rate, weight_decay=spec.weight_decay)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(spec.warmup_steps, spec.total_steps))
-        ds_config = {
-            "train_micro_batch_size_per_gpu": spec.global_batch // self.world_size,
-            "gradient_accumulation_steps": 1,
-            "gradient_clipping": spec.grad_clip,
-            "zero_optimization": {"stage": spec.zero_stage, "stage3_param_persistence_threshold": 0},
-            "bf16": {"enabled": spec.dtype == "bfloat16"},
-            "fp16": {"enabled": spec.dtype == "float16"},
-            "steps_per_print": 10**9,
-        }
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(spec.warmup_steps, spec.total_steps))
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
-            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
+            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=spec.ds_config(self.world_size)
         )
         self.step = 0
+
+    def device_report(self) -> dict[str, Any]:
+        """Where this rank's model lives (tests assert it): device, parameter devices and dtypes."""
+        params = list(self.engine.module.parameters())
+        return {"device": str(self.device), "local_rank": int(os.environ["LOCAL_RANK"]),
+                "placement_group": placement_group_id(),
+                "param_devices": sorted({p.device.type for p in params}),
+                "param_dtypes": sorted({str(p.dtype) for p in params})}
 
     @staticmethod
     def _seed(seed: int) -> None:
         random.seed(seed)
         torch.manual_seed(seed)
 
-    def _to_device(self, batch: dict[str, Any]) -> dict[str, Any]:
-        device = self.engine.device
-        return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-
-    def train_step(self, batch: dict[str, Any], objective: Callable) -> dict[str, float]:
+    def train_step(self, micro_batches: list[dict[str, Any]], objective: Callable) -> dict[str, float]:
+        """One optimizer step over this rank's share, given as micro-batches: forward and backward
+        on each, gradients accumulated (each loss weighted by its share of the rows), one step.
+        Metrics are the row-weighted means over the micro-batches."""
         self.engine.train()
-        loss, metrics = objective(self.engine, self._to_device(batch))
-        self.engine.backward(loss)
+        sizes = [rows(b) for b in micro_batches]
+        total = sum(sizes)
+        sums: dict[str, float] = {}
+        for i, (micro, n) in enumerate(zip(micro_batches, sizes)):
+            # DeepSpeed reduces (ZeRO >= 1) and steps only at the boundary: the last micro-batch.
+            self.engine.set_gradient_accumulation_boundary(i == len(micro_batches) - 1)
+            loss, metrics = objective(self.engine, to_device(micro, self.device))
+            self.engine.backward(loss * (n / total))
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + float(v) * n / total
         # DeepSpeed reports the norm only under ZeRO >= 1; at stage 0 the
         # full gradients are on every rank, so take it before step() clears them.
         local_norm = None
@@ -146,7 +115,7 @@ class TrainWorker:
             local_norm = torch.stack(grads).norm().item() if grads else 0.0
         self.engine.step()
         self.step += 1
-        metrics = dict(metrics)
+        metrics = sums
         metrics["lr"] = self.scheduler.get_last_lr()[0]
         grad_norm = self.engine.get_global_grad_norm()
         if grad_norm is None:
@@ -156,10 +125,24 @@ class TrainWorker:
         return metrics
 
     @torch.no_grad()
-    def evaluate(self, batch: dict[str, Any], fn: Callable) -> Any:
-        """Run `fn(model, batch)` without gradients (scores, logprobs, values)."""
+    def evaluate(self, batch: dict[str, Any], fn: Callable) -> torch.Tensor:
+        """`fn(model, batch)` without gradients (logprobs, values: a tensor with a row per batch row),
+        in micro-batches of `micro_batch_size` rows, returned on the CPU."""
         self.engine.eval()
-        return fn(self.engine, self._to_device(batch))
+        return to_cpu(in_micro_batches(batch, self.spec.micro_batch_size,
+                                       lambda b: fn(self.engine, to_device(b, self.device))))
+
+    def offload_states(self) -> None:
+        """Optimizer state to CPU memory while colocated rollout engines generate (GPU only; under
+        `offload` it lives in CPU memory already)."""
+        if self.device.type == "cuda" and self.spec.offload == "none" and not getattr(self, "_offloaded", False):
+            move_training_state(self.engine, self.spec.zero_stage, "cpu")
+            self._offloaded = True
+
+    def reload_states(self) -> None:
+        if getattr(self, "_offloaded", False):
+            move_training_state(self.engine, self.spec.zero_stage, self.device)
+            self._offloaded = False
 
     def _full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full weights on every rank (gathered under ZeRO-3)."""
@@ -191,9 +174,8 @@ class TrainWorker:
         state = self._full_state_dict()
         if self.rank != 0:
             return None
-        module = self.engine.module
-        named = {n for n, _ in module.named_parameters()} | {n for n, _ in module.named_buffers()}
-        return save({k: v for k, v in state.items() if k in named})
+        names = models.weight_shapes(self.engine.module)
+        return save({k: v for k, v in state.items() if k in names})
 
     def save_state(self, directory: str, extra: dict[str, Any]) -> None:
         """Model (rank 0, HF) + this rank's optimizer/scheduler/RNG state."""
@@ -257,11 +239,15 @@ class TrainWorker:
 class TrainerGroup:
     """`num_workers` TrainWorker actors acting as one training engine."""
 
-    def __init__(self, spec: EngineSpec, num_workers: int):
+    def __init__(self, spec: EngineSpec, num_workers: int, placements: list[dict[str, Any]] | None = None):
+        """`placements`: per rank, Ray actor options (num_cpus, num_gpus, scheduling_strategy) that
+        replace the spec's placement (colocation); None: each rank on the spec's CPUs/GPUs."""
         if spec.global_batch % num_workers:
             raise ValueError(f"batch_size {spec.global_batch} must divide by num_workers {num_workers}")
-        actor = ray.remote(num_cpus=spec.num_cpus_per_worker, num_gpus=spec.num_gpus_per_worker)(TrainWorker)
-        self.workers = [actor.remote(rank, num_workers, spec.torch_threads) for rank in range(num_workers)]
+        default = {"num_cpus": spec.num_cpus_per_worker, "num_gpus": spec.num_gpus_per_worker}
+        placements = placements or [default] * num_workers
+        self.workers = [ray.remote(**placements[rank])(TrainWorker).remote(rank, num_workers, spec.torch_threads)
+                        for rank in range(num_workers)]
         try:
             master = ray.get(self.workers[0].address.remote())
             ray.get([w.setup.remote(spec, master) for w in self.workers])
@@ -271,9 +257,12 @@ class TrainerGroup:
         self.spec = spec
         self.world_size = num_workers
 
-    def train_step(self, shards: list[dict[str, Any]], objective: Callable) -> dict[str, float]:
-        """One optimizer step on a global batch given as one shard per worker."""
-        results = ray.get([w.train_step.remote(s, objective) for w, s in zip(self.workers, shards)])
+    def train_step(self, shards: list[dict[str, Any]], objective: Callable, paired: bool = False) -> dict[str, float]:
+        """One optimizer step on a global batch given as one shard per worker, each cut into
+        micro-batches of `micro_batch_size` rows (pairs: chosen/rejected halves kept together)."""
+        size = self.spec.micro_batch_size
+        results = ray.get([w.train_step.remote(micro_batches(s, size, paired=paired), objective)
+                           for w, s in zip(self.workers, shards)])
         return {k: sum(r[k] for r in results) / len(results) for k in results[0]}
 
     def evaluate(self, batch: dict[str, Any], fn: Callable) -> Any:
@@ -294,6 +283,15 @@ class TrainerGroup:
 
     def weights_bytes(self) -> bytes:
         return ray.get([w.weights_bytes.remote() for w in self.workers])[0]  # rank 0's
+
+    def offload_states(self) -> None:
+        ray.get([w.offload_states.remote() for w in self.workers])
+
+    def reload_states(self) -> None:
+        ray.get([w.reload_states.remote() for w in self.workers])
+
+    def device_reports(self) -> list[dict[str, Any]]:
+        return ray.get([w.device_report.remote() for w in self.workers])
 
     def shutdown(self) -> None:
         for w in self.workers:

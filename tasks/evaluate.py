@@ -19,12 +19,13 @@ from pathlib import Path
 import ray
 
 from alignflow.cluster import ensure_ray
-from alignflow.config import EvalConfig
+from alignflow.config import EvalConfig, Placement
 from alignflow.records import StageResult
-from engines import batches, models
+from engines import batches, experience, models
 from engines.rewards import load_callable
-from engines.rollout import Sampling, start_rollout_actor
-from engines.scoring import RewardScorer, SequenceLogprober
+from engines.rollout import Sampling
+from engines.rollout_actors import start_engines
+from engines.scoring import start_scorer
 from tasks.context import RunContext, compute_stage
 from tasks.data import load_split
 from tasks.plan import PlannedStage
@@ -34,6 +35,14 @@ from tasks.registry import PolicyEvalInputs, PolicyEvalStage, RewardModelEvalInp
 def load_checker(path: str) -> Callable[[str, str], bool]:
     """`module:function` -> the task checker; a clear error naming the config field."""
     return load_callable(path, "evaluation.checker")
+
+
+def _scorer(p: Placement, micro_batch_size: int | None, io, ctx: RunContext, *, reference: str | None,
+            reward: str | None):
+    """A ScorerActor for evaluation, on `evaluation.scorer_placement` (its GPU when it has one)."""
+    return start_scorer(reference, reward, dtype=io.dtype, torch_threads=ctx.infra.torch_threads,
+                        attn_implementation=io.attn_implementation, micro_batch_size=micro_batch_size,
+                        num_cpus=p.num_cpus, num_gpus=p.num_gpus)
 
 
 def _sampling(cfg: EvalConfig) -> Sampling:
@@ -55,23 +64,28 @@ def evaluate_policy(stage: PlannedStage, inputs: PolicyEvalInputs, ctx: RunConte
         prompt_ids = [ids for ids, _ in kept]
 
         ensure_ray(ctx.infra)
-        actor = start_rollout_actor(cfg.generation.backend, policy_path, dtype=io.dtype,
-                                    seed=stage_cfg.seed, torch_threads=ctx.infra.torch_threads,
-                                    max_model_len=io.max_prompt_tokens + cfg.generation.max_new_tokens,
-                                    num_cpus=cfg.generation.placement.num_cpus,
-                                    num_gpus=cfg.generation.placement.num_gpus)
+        engines = start_engines(cfg.generation, policy_path, count=1, seeds=[stage_cfg.seed], dtype=io.dtype,
+                                torch_threads=ctx.infra.torch_threads,
+                                max_model_len=io.max_prompt_tokens + cfg.generation.max_new_tokens,
+                                attn_implementation=io.attn_implementation)
         try:
-            rollouts = ray.get(actor.generate.remote(prompt_ids, _sampling(cfg)))
+            rollouts = engines.generate(prompt_ids, _sampling(cfg))
         finally:
-            ray.kill(actor)
+            engines.shutdown()  # the scorers may need the same GPU
 
         correct = [bool(checker(r.text, kept[r.prompt_index][1].get("answer") or "")) for r in rollouts]
-        scores: list[float | None] = [None] * len(rollouts)
-        if inputs.reward is not None:
-            scores = RewardScorer(str(storage.fetch(inputs.reward.uri)), io.dtype).score(
-                [r.prompt_ids + r.token_ids for r in rollouts])
-        ref_lp = SequenceLogprober(str(storage.fetch(inputs.reference.uri)), io.dtype).response_logprobs(
-            [r.prompt_ids for r in rollouts], [r.token_ids for r in rollouts])
+        batch = experience.from_rollouts(rollouts, tokenizer.pad_token_id).tensors()
+        reward_path = str(storage.fetch(inputs.reward.uri)) if inputs.reward is not None else None
+        reference_path = str(storage.fetch(inputs.reference.uri))
+        scorer = _scorer(cfg.scorer_placement, cfg.micro_batch_size, io, ctx, reference=reference_path,
+                         reward=reward_path)
+        try:
+            ref = ray.get(scorer.ref_logprobs.remote(batch))
+            rewards = ray.get(scorer.rewards.remote(batch)) if reward_path else None
+        finally:
+            ray.kill(scorer)
+        scores: list[float | None] = rewards.tolist() if rewards is not None else [None] * len(rollouts)
+        ref_lp = [ref[b, : len(r.token_ids)].tolist() for b, r in enumerate(rollouts)]
         kls = [sum(r.logprobs) - sum(ref) for r, ref in zip(rollouts, ref_lp)]
         n = len(rollouts)
         metrics = {
@@ -102,13 +116,17 @@ def evaluate_reward_model(stage: PlannedStage, inputs: RewardModelEvalInputs, ct
     storage = ctx.storage()
 
     def compute(out: Path, run, uri: str) -> dict[str, float]:
-        scorer = RewardScorer(str(storage.fetch(inputs.reward.uri)), io.dtype)
+        reward_path = str(storage.fetch(inputs.reward.uri))
         records = load_split(inputs.data, ctx, "eval_preference")
-        tensors, report = batches.pair_tensors(scorer.tokenizer, records, io.max_prompt_tokens,
+        tensors, report = batches.pair_tensors(models.load_tokenizer(reward_path), records, io.max_prompt_tokens,
                                                io.max_response_tokens)
-        seqs = [row[mask.bool()].tolist() for row, mask in zip(tensors["input_ids"], tensors["attention_mask"])]
-        scores = scorer.score(seqs)
-        n = len(seqs) // 2
+        ensure_ray(ctx.infra)
+        scorer = _scorer(cfg.scorer_placement, cfg.micro_batch_size, io, ctx, reference=None, reward=reward_path)
+        try:
+            scores = ray.get(scorer.rewards.remote(tensors)).tolist()
+        finally:
+            ray.kill(scorer)
+        n = len(scores) // 2
         metrics = {"eval/rm_pairwise_accuracy": sum(c > r for c, r in zip(scores[:n], scores[n:])) / n,
                    "eval/rm_margin": sum(c - r for c, r in zip(scores[:n], scores[n:])) / n,
                    **report.as_metrics("eval_preference")}

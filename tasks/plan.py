@@ -98,7 +98,8 @@ class _Builder:
 
 def plan_pipeline(cfg: PipelineConfig) -> Plan:
     """The graph of `cfg`: every stage that runs, with its inputs and key."""
-    io = r.ModelIO(dtype=cfg.model.dtype, max_prompt_tokens=cfg.data.max_prompt_tokens,
+    io = r.ModelIO(dtype=cfg.model.dtype, attn_implementation=cfg.model.attn_implementation,
+                   max_prompt_tokens=cfg.data.max_prompt_tokens,
                    max_response_tokens=cfg.data.max_response_tokens)
     b = _Builder()
 
@@ -139,7 +140,9 @@ def plan_pipeline(cfg: PipelineConfig) -> Plan:
             b.add(f"eval_{label}", "evaluate_policy", eval_cfg, data=data, policy=name, reference=reference,
                   reward=reward)
         if reward:
-            b.add("eval_reward_model", "evaluate_reward_model", r.RewardModelEvalStage(io=io), data=data,
+            b.add("eval_reward_model", "evaluate_reward_model", r.RewardModelEvalStage(
+                io=io, scorer_placement=cfg.evaluation.scorer_placement,
+                micro_batch_size=cfg.evaluation.micro_batch_size), data=data,
                   reward=reward)
     return Plan(stages=b.stages, skipped=b.skipped)
 

@@ -20,7 +20,8 @@ from typing import Literal
 
 from pydantic import Field
 
-from alignflow.config import DataConfig, EvalConfig, ModelConfig, RewardModelConfig, RoundConfig, Section, SFTConfig
+from alignflow.config import (DataConfig, EvalConfig, ModelConfig, Placement, RewardModelConfig, RoundConfig, Section,
+                              SFTConfig)
 from alignflow.records import StageResult
 
 # ---- what stages are given --------------------------------------------------------
@@ -30,6 +31,7 @@ class ModelIO(Section):
     """What every stage that tokenizes or loads models shares."""
 
     dtype: Literal["float32", "bfloat16", "float16"]
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"]
     max_prompt_tokens: int
     max_response_tokens: int
 
@@ -70,6 +72,8 @@ class PolicyEvalStage(Section):
 
 class RewardModelEvalStage(Section):
     io: ModelIO
+    scorer_placement: Placement
+    micro_batch_size: int | None
 
 
 # ---- what stages receive from upstream ------------------------------------------------

@@ -39,6 +39,7 @@ def rl_round(stage: PlannedStage, inputs: RoundInputs, ctx: RunContext) -> Stage
         setup = RoundSetup(
             policy_path=policy_path, reference_path=fetch(inputs.reference), reward_path=fetch(inputs.reward),
             prompts=prompts, dtype=io.dtype, torch_threads=ctx.infra.torch_threads,
+            attn_implementation=io.attn_implementation,
             max_model_len=io.max_prompt_tokens + round_cfg.generation.max_new_tokens, seed=cfg.seed,
         )
         ensure_ray(ctx.infra)

@@ -45,7 +45,8 @@ def train_stage(stage: PlannedStage, inputs: TrainInputs, ctx: RunContext, *, ki
         ensure_ray(ctx.infra)
         spec = EngineSpec.from_config(train, model_path=init_path, kind=kind, total_steps=schedule.total_steps,
                                       global_batch=train.batch_size, dtype=io.dtype,
-                                      torch_threads=ctx.infra.torch_threads, seed=derive_seed(cfg.seed, "engine"))
+                                      torch_threads=ctx.infra.torch_threads, seed=derive_seed(cfg.seed, "engine"),
+                                      attn_implementation=io.attn_implementation)
         group = TrainerGroup(spec, train.num_workers)
         checkpoints = StageCheckpoints(storage, uri, stage.name, train.checkpoint_every)
         try:

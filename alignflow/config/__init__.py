@@ -8,7 +8,7 @@
 Unknown keys are errors, so a typo never silently falls back to a default.
 """
 
-from alignflow.config.base import EngineConfig, GenerationConfig, Placement, Section, TrainConfig
+from alignflow.config.base import EngineConfig, GenerationConfig, Placement, Section, TrainConfig, VLLMConfig
 from alignflow.config.data import DataConfig, DatasetSource, SyntheticTaskConfig
 from alignflow.config.loading import (
     DEFAULT_CONFIG,
@@ -47,6 +47,6 @@ __all__ = [
     "DatasetSource", "EngineConfig", "EvalConfig", "GenerationConfig", "InfraConfig", "KLConfig", "ModelConfig",
     "PPOConfig", "PipelineConfig", "Placement", "RejectionSamplingConfig", "RewardConfig", "RewardModelConfig",
     "RolloutConfig", "RoundConfig", "SFTConfig", "Section", "StorageConfig", "SyntheticTaskConfig",
-    "TinyModelConfig", "TrainConfig", "apply_overrides", "cache_relevant", "default_config_path", "load_config",
+    "TinyModelConfig", "TrainConfig", "VLLMConfig", "apply_overrides", "cache_relevant", "default_config_path", "load_config",
     "parse_override", "resolve_paths", "validate_config",
 ]

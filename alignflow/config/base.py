@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class Section(BaseModel):
@@ -33,6 +33,22 @@ class EngineConfig(Section):
     num_workers: int = Field(1, ge=1)
     placement: Placement = Field(default_factory=Placement, description="per worker")
     grad_clip: float = Field(1.0, gt=0)
+    micro_batch_size: int | None = Field(
+        None, ge=1, description="rows per forward/backward on each worker, gradients accumulated over the "
+        "worker's share of a batch; None: the whole share at once")
+    gradient_checkpointing: bool = Field(False, description="recompute activations in backward (less memory)")
+    offload: Literal["none", "optimizer", "optimizer_and_params"] = Field(
+        "none", description="DeepSpeed ZeRO offload to CPU memory: optimizer state (zero_stage >= 1), "
+        "and parameters too (zero_stage 3)")
+
+    @model_validator(mode="after")
+    def _offload_needs_zero(self) -> EngineConfig:
+        if self.offload == "optimizer" and self.zero_stage < 1:
+            raise ValueError("offload: optimizer needs zero_stage >= 1 (DeepSpeed offloads ZeRO partitions)")
+        if self.offload == "optimizer_and_params" and self.zero_stage != 3:
+            raise ValueError("offload: optimizer_and_params needs zero_stage 3 (parameters are partitioned "
+                             "only there)")
+        return self
 
 
 class TrainConfig(EngineConfig):
@@ -45,6 +61,20 @@ class TrainConfig(EngineConfig):
     log_every: int = Field(10, ge=1)
 
 
+class VLLMConfig(Section):
+    """vLLM engine options (backend: vllm). Every option is passed to `vllm.LLM`; none is hardcoded."""
+
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs per engine (one Ray placement group each)")
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0, le=1, description="share of each GPU's memory the engine may take (weights + KV cache); "
+        "lower it when models share the GPU (colocate_all)")
+    enforce_eager: bool | None = Field(None, description="no CUDA graphs; None: on for CPU, off on GPU")
+    enable_prefix_caching: bool | None = Field(None, description="None: vLLM's default")
+    max_num_seqs: int | None = Field(None, ge=1, description="sequences per engine step; None: vLLM's default")
+    max_num_batched_tokens: int | None = Field(None, ge=1, description="tokens per engine step; None: vLLM's")
+    kv_cache_gib: float = Field(1.0, gt=0, description="KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE)")
+
+
 class GenerationConfig(Section):
     """Sampling settings for rollouts and evaluation (the engine seed derives from the pipeline seed)."""
 
@@ -54,3 +84,19 @@ class GenerationConfig(Section):
     max_new_tokens: int = Field(16, ge=1)
     num_samples: int = Field(4, ge=1)
     placement: Placement = Field(default_factory=Placement, description="per rollout engine")
+    vllm: VLLMConfig = Field(default_factory=VLLMConfig)
+
+    @model_validator(mode="after")
+    def _tensor_parallel(self) -> GenerationConfig:
+        tp = self.vllm.tensor_parallel_size
+        if tp > 1 and self.backend != "vllm":
+            raise ValueError(f"vllm.tensor_parallel_size={tp} needs backend: vllm (hf generates on one device)")
+        if tp > 1 and self.placement.num_gpus <= 0:
+            raise ValueError(f"vllm.tensor_parallel_size={tp} shards the model across GPUs: set "
+                             f"placement.num_gpus: 1 (each engine then reserves {tp} GPUs)")
+        return self
+
+    @property
+    def gpus_per_engine(self) -> float:
+        tp = self.vllm.tensor_parallel_size
+        return float(tp) if tp > 1 else self.placement.num_gpus

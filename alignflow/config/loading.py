@@ -18,9 +18,10 @@ from alignflow.storage import is_local_uri, local_path
 
 DEFAULT_CONFIG = "tiny"
 
-# Fields that place work on the cluster without changing what it computes:
-# left out of cache keys, so moving a stage to other hardware reuses its result.
-RESOURCE_FIELDS = frozenset({"placement", "scorer_placement"})
+# Fields that place work on the cluster, or trade memory for time, without
+# changing what it computes: left out of cache keys, so moving a stage to other
+# hardware reuses its result.
+RESOURCE_FIELDS = frozenset({"placement", "scorer_placement", "colocate_all", "offload", "gradient_checkpointing"})
 
 
 def cache_relevant(cfg: BaseModel) -> dict[str, Any]:

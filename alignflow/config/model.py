@@ -19,6 +19,8 @@ class TinyModelConfig(Section):
     num_kv_heads: int = Field(2, ge=1)
     intermediate_size: int = Field(256, ge=16)
     max_position_embeddings: int = Field(128, ge=16)
+    tie_word_embeddings: bool = Field(False, description="output layer shares the input embedding (as Qwen2 "
+                                      "0.5B/1.5B, Llama 3.2 1B/3B and Gemma do)")
 
     @model_validator(mode="after")
     def _heads_divide(self) -> TinyModelConfig:
@@ -32,4 +34,9 @@ class ModelConfig(Section):
 
     base: str = "tiny"
     tiny: TinyModelConfig = TinyModelConfig()
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="weights of every model; DeepSpeed keeps fp32 master weights and optimizer "
+        "state under bfloat16/float16, and logprobs, KL and losses are computed in float32")
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field(
+        "sdpa", description="transformers attention kernel of every trained and scoring model "
+        "(flash_attention_2 needs the flash-attn package and a GPU)")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
-from alignflow.config.base import GenerationConfig, Section, TrainConfig
+from alignflow.config.base import GenerationConfig, Placement, Section, TrainConfig
 from alignflow.config.data import DataConfig
 from alignflow.config.model import ModelConfig
 from alignflow.config.rl import RoundConfig
@@ -32,6 +32,9 @@ class EvalConfig(Section):
     """Held-out evaluation of every policy checkpoint and of the reward model."""
 
     generation: GenerationConfig = GenerationConfig()
+    scorer_placement: Placement = Field(default_factory=Placement,
+                                        description="the reference and reward models that score samples")
+    micro_batch_size: int | None = Field(64, ge=1, description="sequences per scoring forward; None: all at once")
     num_prompts: int | None = Field(None, ge=1, description="cap on held-out prompts")
     num_logged_samples: int = Field(20, ge=0)
     checker: str = Field(

@@ -113,6 +113,10 @@ class RoundConfig(Section):
     critic: CriticConfig = Field(default_factory=CriticConfig)
     num_rollout_engines: int = Field(1, ge=1)
     colocate_reference_and_reward: bool = True
+    colocate_all: bool = Field(
+        False, description="actor, critic, reference, reward model and rollout engines share the same "
+        "devices (one Ray placement group, fractional shares); rollout engines sleep while the models "
+        "train, and the actor's optimizer state leaves the GPU while they generate")
     scorer_placement: Placement = Field(default_factory=Placement, description="reference / reward actors")
     checkpoint_every: int = Field(10, ge=1, description="steps between resumable checkpoints")
 
@@ -140,4 +144,15 @@ class RoundConfig(Section):
                              f"(a group per prompt)")
         if self.ppo.clip_high < self.ppo.clip_low:
             raise ValueError("ppo.clip_high must be >= ppo.clip_low")
+        if self.colocate_all:
+            n = self.actor.num_workers
+            if self.num_rollout_engines != n:
+                raise ValueError(f"colocate_all puts one rollout engine beside each actor worker: "
+                                 f"num_rollout_engines must equal actor.num_workers ({n})")
+            if self.spec.critic and self.critic.num_workers != n:
+                raise ValueError(f"colocate_all: critic.num_workers must equal actor.num_workers ({n})")
+            if self.generation.vllm.tensor_parallel_size > 1:
+                raise ValueError("colocate_all with generation.vllm.tensor_parallel_size > 1 is not supported: "
+                                 "colocate with one GPU per engine, or give tensor-parallel engines GPUs of "
+                                 "their own (colocate_all: false)")
         return self

@@ -210,7 +210,8 @@ def test_tied_embeddings_sync_into_vllm(ray_local, tiny_model, prompts, tmp_path
     from engines import objectives
     from engines.batches import shard
     from engines.experience import from_rollouts
-    from engines.rollout import Sampling, start_rollout_actor
+    from engines.rollout import Sampling
+    from engines.rollout_actors import start_rollout_actor
     from engines.trainer import EngineSpec, TrainerGroup
 
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model))

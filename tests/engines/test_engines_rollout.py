@@ -11,7 +11,8 @@ from safetensors.torch import save
 
 from alignflow.config import TinyModelConfig
 from engines import models
-from engines.rollout import Sampling, WeightSyncError, start_rollout_actor
+from engines.rollout import Sampling, WeightSyncError
+from engines.rollout_actors import start_rollout_actor
 
 pytestmark = pytest.mark.engine
 

@@ -1,0 +1,100 @@
+"""The one device rule of every actor.
+
+1. An actor's device comes from its Ray placement: the GPUs Ray assigned it
+   (`ray.get_gpu_ids()`), or the CPU when it was given none. Its models live
+   there for its whole life.
+2. Whatever crosses an actor boundary (a batch in, logprobs, values or
+   scores out) travels as CPU tensors, and is moved on arrival
+   (`to_device`) or before leaving (`to_cpu`). Weights travel through the
+   weight transport (engines/rollout.py), never as device tensors.
+
+Ray normally isolates an actor's GPUs: it sets `CUDA_VISIBLE_DEVICES` to
+them, so the actor's first GPU is `cuda:0` and its LOCAL_RANK is 0. Where
+isolation is turned off (`RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES`, as
+when several ranks must address each other's GPUs), the process sees every
+GPU and its own is found by position in `CUDA_VISIBLE_DEVICES` (or by its
+physical id when that variable is unset).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from alignflow.errors import InsufficientResourcesError
+
+
+def placement_device(gpu_ids: Sequence[str | int], cuda_visible_devices: str | None, cuda_count: int) -> torch.device:
+    """The device of an actor that Ray assigned `gpu_ids` (empty: none).
+
+    cuda_visible_devices: the process's CUDA_VISIBLE_DEVICES (None: unset).
+    cuda_count: how many CUDA devices torch sees in this process.
+    """
+    if not gpu_ids:
+        return torch.device("cpu")
+    if cuda_count == 0:
+        raise InsufficientResourcesError(
+            f"Ray placed this actor on GPU {list(gpu_ids)} but torch sees no CUDA device "
+            f"(torch {torch.__version__}: a CPU-only build, or a driver mismatch)")
+    first = str(gpu_ids[0])
+    if cuda_visible_devices is None:
+        index = int(first)
+    else:
+        visible = [d.strip() for d in cuda_visible_devices.split(",") if d.strip()]
+        if first not in visible:
+            raise InsufficientResourcesError(
+                f"Ray assigned GPU {first} but CUDA_VISIBLE_DEVICES={cuda_visible_devices!r} hides it")
+        index = visible.index(first)
+    if index >= cuda_count:
+        raise InsufficientResourcesError(f"GPU index {index} is beyond the {cuda_count} CUDA devices torch sees")
+    return torch.device("cuda", index)
+
+
+def actor_device() -> torch.device:
+    """This process's device by the rule above (CPU outside a Ray worker that holds no GPU)."""
+    import ray
+
+    gpu_ids = ray.get_gpu_ids() if ray.is_initialized() else []
+    count = torch.cuda.device_count() if gpu_ids else 0
+    device = placement_device(gpu_ids, os.environ.get("CUDA_VISIBLE_DEVICES"), count)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
+
+
+def local_rank(device: torch.device) -> int:
+    """LOCAL_RANK as DeepSpeed and torch.distributed read it: the index of the rank's GPU among
+    those the process sees (0 under Ray's isolation); 0 on the CPU."""
+    return (device.index or 0) if device.type == "cuda" else 0
+
+
+def to_device(tree: Any, device: torch.device | str) -> Any:
+    """Every tensor of a (nested dict/list/tuple) batch moved to `device`; other values as they are."""
+    if isinstance(tree, torch.Tensor):
+        return tree.to(device, non_blocking=False)
+    if isinstance(tree, dict):
+        return {k: to_device(v, device) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(to_device(v, device) for v in tree)
+    return tree
+
+
+def to_cpu(tree: Any) -> Any:
+    """What an actor returns: every tensor detached and on the CPU."""
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().cpu()
+    if isinstance(tree, dict):
+        return {k: to_cpu(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(to_cpu(v) for v in tree)
+    return tree
+
+
+def placement_group_id() -> str | None:
+    """The Ray placement group this actor runs in (None: none), for device reports."""
+    import ray
+
+    return ray.get_runtime_context().get_placement_group_id() if ray.is_initialized() else None

@@ -1,0 +1,109 @@
+"""What a training engine is built from: its spec, DeepSpeed config and learning-rate schedule."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from alignflow.config import EngineConfig
+
+
+def rows(batch: dict[str, Any]) -> int:
+    return int(batch["input_ids"].shape[0])
+
+
+def _move_optimizer_state(optimizer, device) -> None:
+    """Every tensor of a torch optimizer's per-parameter state moved to `device`."""
+    inner = getattr(optimizer, "optimizer", optimizer)  # DeepSpeed wraps the torch optimizer
+    for state in inner.state.values():
+        for k, v in state.items():
+            if isinstance(v, torch.Tensor):
+                state[k] = v.to(device, non_blocking=True)
+
+
+def move_training_state(engine, zero_stage: int, device) -> None:
+    """A DeepSpeed engine's optimizer state (ZeRO: its partitions and fp32 master weights) to
+    `device` ("cpu" to offload, the rank's GPU to reload)."""
+    if zero_stage == 0:  # DeepSpeed moves ZeRO partitions; a plain (or bf16-wrapped) optimizer here
+        _move_optimizer_state(engine.optimizer, device)
+    elif str(device) == "cpu":
+        engine.offload_states()
+    else:
+        engine.reload_states()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What a training engine is built from (all plain values, Ray-shippable)."""
+
+    model_path: str
+    kind: str  # "causal" (policy) or "scalar" (reward model / critic)
+    learning_rate: float
+    weight_decay: float
+    warmup_steps: int
+    total_steps: int
+    zero_stage: int
+    global_batch: int
+    grad_clip: float
+    seed: int
+    dtype: str = "float32"
+    attn_implementation: str = "sdpa"
+    micro_batch_size: int | None = None  # rows per forward/backward; None: the worker's whole share
+    gradient_checkpointing: bool = False
+    offload: str = "none"  # "none" | "optimizer" | "optimizer_and_params"
+    torch_threads: int = 2
+    num_cpus_per_worker: float = 1.0
+    num_gpus_per_worker: float = 0.0
+
+    @classmethod
+    def from_config(cls, cfg: EngineConfig, *, model_path: str, kind: str, total_steps: int, global_batch: int,
+                    dtype: str, torch_threads: int, seed: int, attn_implementation: str = "sdpa") -> EngineSpec:
+        """The spec of an engine configured by `cfg` (optimizer, ZeRO, memory, placement)."""
+        return cls(
+            model_path=model_path, kind=kind, learning_rate=cfg.learning_rate, weight_decay=cfg.weight_decay,
+            warmup_steps=cfg.warmup_steps, total_steps=total_steps, zero_stage=cfg.zero_stage,
+            global_batch=global_batch, grad_clip=cfg.grad_clip, seed=seed, dtype=dtype,
+            attn_implementation=attn_implementation, micro_batch_size=cfg.micro_batch_size,
+            gradient_checkpointing=cfg.gradient_checkpointing, offload=cfg.offload,
+            torch_threads=torch_threads, num_cpus_per_worker=cfg.placement.num_cpus,
+            num_gpus_per_worker=cfg.placement.num_gpus,
+        )
+
+    def ds_config(self, world_size: int) -> dict[str, Any]:
+        """The DeepSpeed config. Gradient accumulation over micro-batches is driven by the worker
+        (`set_gradient_accumulation_boundary`), so DeepSpeed sees one accumulation step of the
+        worker's whole share; bf16/fp16 keep fp32 master weights and optimizer state."""
+        zero: dict[str, Any] = {"stage": self.zero_stage, "stage3_param_persistence_threshold": 0}
+        if self.offload != "none":
+            zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        if self.offload == "optimizer_and_params":
+            zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+        return {
+            "train_micro_batch_size_per_gpu": self.global_batch // world_size,
+            "gradient_accumulation_steps": 1,
+            "gradient_clipping": self.grad_clip,
+            "zero_optimization": zero,
+            # A torch AdamW under offload: DeepSpeed's CPU Adam would be JIT-built (~65 s) first.
+            **({"zero_force_ds_cpu_optimizer": False} if self.offload != "none" else {}),
+            "bf16": {"enabled": self.dtype == "bfloat16"},
+            "fp16": {"enabled": self.dtype == "float16"},
+            "steps_per_print": 10**9,
+        }
+
+
+def lr_lambda(warmup: int, total: int) -> Callable[[int], float]:
+    """Linear warmup, then cosine decay to 10% of the peak."""
+
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return f

@@ -1,0 +1,186 @@
+"""Rollout engines as Ray actors, and a round's (or an evaluation's) engines as one.
+
+`RolloutActor` hosts one engine (engines/rollout.py) in its own process.
+`start_engines` starts the configured number: each on its placement, a
+tensor-parallel vLLM engine in a placement group of its own (a bundle per
+GPU), or where colocation puts it. `RolloutEngines` spreads prompts across
+them and pushes weights into all of them.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from alignflow.config import GenerationConfig, VLLMConfig
+from engines.rollout import HFEngine, Rollout, Sampling, VLLMEngine, vllm_engine_args
+
+BACKENDS = ("vllm", "hf")
+
+
+
+class RolloutActor:
+    """Hosts one engine in its own process (a Ray actor).
+
+    vLLM runs in-process in the actor (`VLLM_ENABLE_V1_MULTIPROCESSING=0`):
+    3-5 s to start instead of ~30 s, and both cores stay with the model.
+    """
+
+    def __init__(self, backend: str, model_path: str, *, torch_threads: int = 2, dtype: str = "float32",
+                 seed: int = 0, max_model_len: int = 256, attn_implementation: str = "sdpa",
+                 vllm: VLLMConfig | None = None, on_gpu: bool = False, sleep_mode: bool = False):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+        # Without it vLLM drops torch to one thread "for serving", and in
+        # in-process mode that thread also runs the model.
+        os.environ["OMP_NUM_THREADS"] = str(torch_threads)
+        torch.set_num_threads(torch_threads)
+        if backend == "vllm":
+            opts = vllm or VLLMConfig()
+            args = vllm_engine_args(opts, model_path=model_path, dtype=dtype, seed=seed, max_model_len=max_model_len,
+                                    on_gpu=on_gpu, sleep_mode=sleep_mode)
+            self.engine = VLLMEngine(model_path, engine_args=args, kv_cache_gib=opts.kv_cache_gib)
+        elif backend == "hf":
+            self.engine = HFEngine(model_path, dtype=dtype, seed=seed, attn_implementation=attn_implementation)
+        else:
+            raise ValueError(f"unknown rollout backend {backend!r}; valid: {sorted(BACKENDS)}")
+
+    def generate(self, prompt_ids: list[list[int]], sampling: Sampling) -> list[Rollout]:
+        return self.engine.generate(prompt_ids, sampling)
+
+    def update_weights(self, blob: bytes) -> None:
+        self.engine.update_weights(blob)
+
+    def sleep(self) -> None:
+        self.engine.sleep()
+
+    def wake(self, tags: list[str] | None = None) -> None:
+        self.engine.wake(tags)
+
+    def device_report(self) -> dict:
+        """The engine's parameter devices (HF backend) and this actor's placement group."""
+        from engines.devices import placement_group_id
+
+        report = getattr(self.engine, "device_report", None)
+        return {"placement_group": placement_group_id(), **(report() if report else {})}
+
+
+def start_rollout_actor(backend: str, model_path: str, *, num_cpus: float = 1.0, num_gpus: float = 0.0,
+                        scheduling_strategy=None, **kwargs):
+    """One RolloutActor on `num_cpus`/`num_gpus` (or where `scheduling_strategy` puts it)."""
+    import ray
+
+    opts: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": num_gpus}
+    if scheduling_strategy is not None:
+        opts["scheduling_strategy"] = scheduling_strategy
+    kwargs.setdefault("on_gpu", num_gpus > 0)
+    return ray.remote(**opts)(RolloutActor).remote(backend, model_path, **kwargs)
+
+
+def engine_bundles(g: GenerationConfig) -> list[dict[str, float]]:
+    """The placement group of one tensor-parallel engine: a bundle per GPU. Its first bundle also
+    holds the engine's actor (its CPUs); vLLM places a worker on every bundle."""
+    tp = g.vllm.tensor_parallel_size
+    return [{"CPU": g.placement.num_cpus if i == 0 else 0.0, "GPU": 1.0} for i in range(tp)]
+
+
+def wait_placement_group(pg, what: str, timeout_s: float = 300.0) -> None:
+    import ray
+
+    from alignflow.errors import InsufficientResourcesError
+
+    ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+    if not ready:
+        ray.util.remove_placement_group(pg)
+        raise InsufficientResourcesError(
+            f"{what}: Ray could not reserve {pg.bundle_specs} within {timeout_s:.0f} s "
+            f"(cluster: {ray.cluster_resources()})")
+
+
+class RolloutEngines:
+    """The rollout engines of a round or an evaluation, as one: prompts spread across them,
+    weights pushed into all of them, sleep and wake together."""
+
+    def __init__(self, actors: list, placement_groups: list | None = None):
+        self.actors, self.placement_groups = actors, placement_groups or []
+
+    def __len__(self) -> int:
+        return len(self.actors)
+
+    def generate(self, prompt_ids: list[list[int]], sampling: Sampling) -> list[Rollout]:
+        """Rollouts grouped per prompt, in prompt order (prompt i goes to engine i mod k)."""
+        import ray
+
+        k = len(self.actors)
+        chunks = [list(range(i, len(prompt_ids), k)) for i in range(k)]
+        results = ray.get([e.generate.remote([prompt_ids[j] for j in c], sampling)
+                           for e, c in zip(self.actors, chunks) if c])
+        by_prompt: dict[int, list[Rollout]] = {}
+        for chunk, rollouts in zip([c for c in chunks if c], results):
+            for r in rollouts:
+                orig = chunk[r.prompt_index]
+                by_prompt.setdefault(orig, []).append(
+                    Rollout(orig, r.prompt_ids, r.token_ids, r.text, r.logprobs, r.finished))
+        return [r for i in range(len(prompt_ids)) for r in by_prompt[i]]
+
+    def update_weights(self, blob) -> None:
+        import ray
+
+        ray.get([e.update_weights.remote(blob) for e in self.actors])
+
+    def sleep(self) -> None:
+        import ray
+
+        ray.get([e.sleep.remote() for e in self.actors])
+
+    def wake(self, tags: list[str] | None = None) -> None:
+        import ray
+
+        ray.get([e.wake.remote(tags) for e in self.actors])
+
+    def shutdown(self) -> None:
+        import ray
+
+        for a in self.actors:
+            ray.kill(a)
+        for pg in self.placement_groups:
+            ray.util.remove_placement_group(pg)
+        self.actors, self.placement_groups = [], []
+
+
+def start_engines(g: GenerationConfig, model_path: str, *, count: int, seeds: list[int], dtype: str,
+                  torch_threads: int, max_model_len: int, attn_implementation: str = "sdpa",
+                  sleep_mode: bool = False, strategies: list | None = None) -> RolloutEngines:
+    """`count` engines as `g` configures them. A tensor-parallel vLLM engine gets a placement group
+    of its own (a bundle per GPU); `strategies` places the engines instead (colocation)."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    engines = RolloutEngines([])
+    common = dict(dtype=dtype, torch_threads=torch_threads, max_model_len=max_model_len,
+                  attn_implementation=attn_implementation, vllm=g.vllm, sleep_mode=sleep_mode,
+                  on_gpu=g.placement.num_gpus > 0)
+    try:
+        for i in range(count):
+            if strategies is not None:
+                actor = start_rollout_actor(g.backend, model_path, num_cpus=g.placement.num_cpus,
+                                            num_gpus=g.placement.num_gpus, scheduling_strategy=strategies[i],
+                                            seed=seeds[i], **common)
+            elif g.vllm.tensor_parallel_size > 1:
+                pg = ray.util.placement_group(engine_bundles(g), strategy="PACK")
+                engines.placement_groups.append(pg)
+                wait_placement_group(pg, f"rollout engine {i} (tensor_parallel_size={g.vllm.tensor_parallel_size})")
+                strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0,
+                                                            placement_group_capture_child_tasks=True)
+                actor = start_rollout_actor(g.backend, model_path, num_cpus=g.placement.num_cpus, num_gpus=0,
+                                            scheduling_strategy=strategy, seed=seeds[i], **common)
+            else:
+                actor = start_rollout_actor(g.backend, model_path, num_cpus=g.placement.num_cpus,
+                                            num_gpus=g.placement.num_gpus, seed=seeds[i], **common)
+            engines.actors.append(actor)
+    except BaseException:
+        engines.shutdown()
+        raise
+    return engines

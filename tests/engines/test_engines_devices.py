@@ -1,0 +1,194 @@
+"""The device rule, the vLLM engine arguments and the colocated placement, without a GPU.
+
+CI has no GPU: these pin what a GPU run depends on (which device a given
+Ray placement gives, which `vllm.LLM` arguments a config gives, how
+colocation splits a GPU); tests/gpu checks the same on a real device.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from alignflow.config import (ActorConfig, CriticConfig, EngineConfig, GenerationConfig, Placement, RolloutConfig,
+                              RoundConfig, VLLMConfig)
+from alignflow.errors import InsufficientResourcesError
+from engines.batches import in_micro_batches, micro_batches
+from engines.devices import local_rank, placement_device, to_cpu, to_device
+from engines.rollout import vllm_engine_args
+from engines.round_models import colocated_bundles, gpu_share, round_resources
+
+# ---- which device a placement gives -----------------------------------------------------
+
+
+@pytest.mark.parametrize("gpu_ids, visible, count, expected", [
+    ([], None, 0, "cpu"),  # no GPU assigned: the CPU, even where CUDA exists
+    ([], "0,1", 2, "cpu"),
+    (["0"], "0", 1, "cuda:0"),  # Ray's isolation: the actor sees its own GPU as cuda:0
+    (["5"], "5", 1, "cuda:0"),
+    (["3"], "2,3", 2, "cuda:1"),  # isolation off: found by position among the visible GPUs
+    ([3], None, 4, "cuda:3"),  # nothing hidden: the physical index
+])
+def test_placement_gives_device(gpu_ids, visible, count, expected):
+    assert placement_device(gpu_ids, visible, count) == torch.device(expected)
+
+
+def test_local_rank_is_the_visible_index():
+    assert local_rank(placement_device(["3"], "2,3", 2)) == 1
+    assert local_rank(placement_device(["0"], "0", 1)) == 0
+    assert local_rank(torch.device("cpu")) == 0
+
+
+@pytest.mark.parametrize("gpu_ids, visible, count, words", [
+    (["0"], "0", 0, "torch sees no CUDA device"),
+    (["2"], "0,1", 2, "hides it"),
+    (["3"], None, 2, "beyond the 2 CUDA devices"),
+])
+def test_impossible_placement_is_a_clear_error(gpu_ids, visible, count, words):
+    with pytest.raises(InsufficientResourcesError, match=words):
+        placement_device(gpu_ids, visible, count)
+
+
+def test_tensors_cross_boundaries_on_the_cpu():
+    x = torch.ones(2, 3, requires_grad=True) * 2
+    out = to_cpu({"a": x, "b": [x, (x, 1)], "c": "text"})
+    assert out["a"].requires_grad is False and out["a"].device.type == "cpu"
+    assert out["b"][1][1] == 1 and isinstance(out["b"][1], tuple) and out["c"] == "text"
+    moved = to_device({"ids": torch.arange(3), "n": 4}, "cpu")
+    assert torch.equal(moved["ids"], torch.arange(3)) and moved["n"] == 4
+
+
+# ---- vLLM arguments from config --------------------------------------------------------
+
+
+def _args(opts: VLLMConfig, on_gpu: bool, sleep_mode: bool = False) -> dict:
+    return vllm_engine_args(opts, model_path="/m", dtype="bfloat16", seed=7, max_model_len=512, on_gpu=on_gpu,
+                            sleep_mode=sleep_mode)
+
+
+def test_vllm_defaults_follow_the_device():
+    cpu, gpu = _args(VLLMConfig(), on_gpu=False), _args(VLLMConfig(), on_gpu=True)
+    assert cpu["enforce_eager"] is True and gpu["enforce_eager"] is False  # CUDA graphs on GPUs
+    assert gpu["gpu_memory_utilization"] == 0.9 and gpu["tensor_parallel_size"] == 1
+    assert (gpu["model"], gpu["dtype"], gpu["seed"], gpu["max_model_len"]) == ("/m", "bfloat16", 7, 512)
+    assert "distributed_executor_backend" not in gpu and "enable_sleep_mode" not in gpu
+    # Left to vLLM unless set.
+    assert not {"enable_prefix_caching", "max_num_seqs", "max_num_batched_tokens"} & (cpu.keys() | gpu.keys())
+
+
+def test_every_vllm_option_reaches_the_engine():
+    opts = VLLMConfig(tensor_parallel_size=2, gpu_memory_utilization=0.55, enforce_eager=True,
+                      enable_prefix_caching=False, max_num_seqs=48, max_num_batched_tokens=4096)
+    args = _args(opts, on_gpu=True, sleep_mode=True)
+    expected = {"tensor_parallel_size": 2, "gpu_memory_utilization": 0.55, "enforce_eager": True,
+                "enable_prefix_caching": False, "max_num_seqs": 48, "max_num_batched_tokens": 4096,
+                "distributed_executor_backend": "ray", "enable_sleep_mode": True}
+    assert {k: args[k] for k in expected} == expected
+    # Every option of the section but the CPU KV-cache size is an engine argument.
+    assert set(VLLMConfig.model_fields) - {"kv_cache_gib"} <= set(args)
+
+
+def test_sleep_mode_only_on_gpus():
+    assert "enable_sleep_mode" not in _args(VLLMConfig(), on_gpu=False, sleep_mode=True)
+
+
+@pytest.mark.parametrize("gen, words", [
+    (dict(backend="hf", vllm=VLLMConfig(tensor_parallel_size=2), placement=Placement(num_gpus=1)), "backend: vllm"),
+    (dict(vllm=VLLMConfig(tensor_parallel_size=2)), "placement.num_gpus"),
+])
+def test_tensor_parallel_needs_vllm_and_gpus(gen, words):
+    with pytest.raises(ValueError, match=words):
+        GenerationConfig(**gen)
+
+
+def test_tensor_parallel_engines_reserve_their_gpus():
+    cfg = RoundConfig(algorithm="grpo", reward={"source": "rule"}, num_rollout_engines=2,
+                      generation=RolloutConfig(placement=Placement(num_gpus=1),
+                                               vllm=VLLMConfig(tensor_parallel_size=4)),
+                      actor=ActorConfig(placement=Placement(num_gpus=1)))
+    # 2 engines x 4 GPUs, 1 actor GPU; the reference scorer is on the CPU.
+    assert round_resources(cfg)["GPU"] == 9
+
+
+# ---- memory options --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fields, words", [
+    (dict(offload="optimizer", zero_stage=0), "zero_stage >= 1"),
+    (dict(offload="optimizer_and_params", zero_stage=2), "zero_stage 3"),
+])
+def test_offload_needs_zero(fields, words):
+    with pytest.raises(ValueError, match=words):
+        EngineConfig(**fields)
+
+
+def test_deepspeed_config_carries_offload_and_precision():
+    from engines.engine_spec import EngineSpec
+
+    cfg = EngineConfig(zero_stage=3, offload="optimizer_and_params", micro_batch_size=4)
+    spec = EngineSpec.from_config(cfg, model_path="/m", kind="causal", total_steps=10, global_batch=32,
+                                  dtype="bfloat16", torch_threads=1, seed=0)
+    ds = spec.ds_config(world_size=2)
+    assert ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert ds["zero_optimization"]["offload_param"]["device"] == "cpu"
+    assert ds["bf16"] == {"enabled": True} and ds["fp16"] == {"enabled": False}
+    assert spec.micro_batch_size == 4 and ds["train_micro_batch_size_per_gpu"] == 16
+
+
+# ---- colocation ------------------------------------------------------------------------
+
+
+def _colocated(**kw) -> RoundConfig:
+    gpu = Placement(num_cpus=1, num_gpus=1)
+    return RoundConfig(algorithm="ppo", colocate_all=True, num_rollout_engines=2,
+                       actor=ActorConfig(num_workers=2, placement=gpu), critic=CriticConfig(num_workers=2), **kw)
+
+
+def test_colocation_shares_one_gpu_per_worker():
+    cfg = _colocated()
+    bundles = colocated_bundles(cfg)
+    assert [b["GPU"] for b in bundles] == [1.0, 1.0]  # 2 GPUs for actor, critic, engines and scorer
+    # Bundle 0 holds actor, engine, critic and the shared reference/reward scorer: 4 models, 1/4 each.
+    assert gpu_share(cfg) == pytest.approx(0.25)
+    assert round_resources(cfg)["GPU"] == 2.0
+
+
+def test_colocation_on_cpus_has_no_gpu_share():
+    cfg = RoundConfig(algorithm="grpo", reward={"source": "rule"}, colocate_all=True)
+    assert all("GPU" not in b for b in colocated_bundles(cfg)) and gpu_share(cfg) == 0.0
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(num_rollout_engines=1), "num_rollout_engines must equal actor.num_workers"),
+    (dict(critic=CriticConfig(num_workers=1)), "critic.num_workers"),
+    (dict(generation=RolloutConfig(placement=Placement(num_gpus=1), vllm=VLLMConfig(tensor_parallel_size=2))),
+     "tensor_parallel_size > 1 is not supported"),
+])
+def test_colocation_rejects_shapes_it_cannot_place(kw, words):
+    base = dict(algorithm="ppo", colocate_all=True, num_rollout_engines=2,
+                actor=ActorConfig(num_workers=2), critic=CriticConfig(num_workers=2))
+    with pytest.raises(ValueError, match=words):
+        RoundConfig(**{**base, **kw})
+
+
+# ---- micro-batches ---------------------------------------------------------------------
+
+
+def test_micro_batches_keep_pairs_together():
+    chosen, rejected = torch.arange(5), torch.arange(100, 105)
+    batch = {"input_ids": torch.cat([chosen, rejected]).unsqueeze(-1)}
+    parts = micro_batches(batch, 2, paired=True)
+    assert [p["input_ids"].squeeze(-1).tolist() for p in parts] == [[0, 1, 100, 101], [2, 3, 102, 103], [4, 104]]
+    assert micro_batches(batch, None, paired=True)[0] is batch
+    assert [len(p["input_ids"]) for p in micro_batches(batch, 3)] == [3, 3, 3, 1]
+
+
+def test_micro_batched_evaluation_equals_one_batch():
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(8, 3)
+    batch = {"input_ids": torch.randn(11, 8)}
+    whole = layer(batch["input_ids"])
+    parts = in_micro_batches(batch, 4, lambda b: layer(b["input_ids"]))
+    torch.testing.assert_close(parts, whole, rtol=0, atol=1e-6)
+    with pytest.raises(TypeError, match="one row per batch row"):
+        in_micro_batches(batch, 4, lambda b: 1.0)
