@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -187,3 +188,21 @@ def test_scalar_model_save_and_reload_gives_identical_scores(tiny_model, tokeniz
     assert all(torch.equal(original[k], loaded[k]) for k in original)
     torch.testing.assert_close(after, before, rtol=1e-6, atol=1e-6)
     assert not torch.equal(after, torch.zeros_like(after))  # the saved head was loaded, not re-zeroed
+
+
+def test_gpu_small_config_builds_a_half_billion_qwen2(tokenizer):
+    """configs/gpu-small.yaml: a Qwen2 shape of about 0.5B parameters, tied, counted without allocating it."""
+    from transformers import Qwen2ForCausalLM
+
+    from alignflow.config import load_config
+    from engines.models import tiny_config
+
+    cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "gpu-small.yaml")
+    config = tiny_config(cfg.model.tiny, tokenizer)
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(config)
+    params = sum(p.numel() for p in model.parameters())
+    assert 0.45e9 < params < 0.55e9, params
+    assert config.tie_word_embeddings and model.lm_head.weight is model.model.embed_tokens.weight
+    assert (config.num_attention_heads, config.num_key_value_heads) == (16, 2)
+    assert cfg.model.dtype == "bfloat16" and all(r.colocate_all for r in cfg.rounds)

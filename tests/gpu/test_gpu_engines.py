@@ -1,0 +1,207 @@
+"""Every engine on a CUDA device: training at ZeRO-0/2/3 in bf16, the reward model with a margin,
+PPO and GRPO rounds on the HF rollout backend, colocation with sleep and wake, evaluation scorers,
+and the tied-embedding weight update with logprob parity.
+
+Each test asserts where the parameters live (cuda) as well as what the step computed.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+# bf16 has an 8-bit mantissa: a token logprob recomputed by another kernel (HF generate's
+# incremental decoding vs one full forward) differs by up to about 0.1 nats, 0.02 on average.
+BF16_MAX_ABS, BF16_MEAN_ABS = 0.15, 0.03
+
+
+def _gpu_engine(model, kind, dtype="bfloat16", zero=0, lr=1e-3, batch=16, gpus=1.0, **extra):
+    from alignflow.config import EngineConfig, Placement
+    from engines.trainer import EngineSpec, TrainerGroup
+
+    cfg = EngineConfig(learning_rate=lr, warmup_steps=0, zero_stage=zero, placement=Placement(num_gpus=gpus), **extra)
+    spec = EngineSpec.from_config(cfg, model_path=str(model), kind=kind, total_steps=20, global_batch=batch,
+                                  dtype=dtype, torch_threads=2, seed=0)
+    return TrainerGroup(spec, 1)
+
+
+def _on_cuda(report: dict, dtype: str | None = None) -> None:
+    assert report["device"].startswith("cuda") and report["param_devices"] == ["cuda"], report
+    if dtype:
+        assert report["param_dtypes"] == [f"torch.{dtype}"], report
+
+
+@pytest.mark.parametrize("zero", [0, 2, 3])
+def test_sft_bf16_on_gpu(ray_gpu, gpu_model, gpu_tokenizer, task_data, zero):
+    from engines import objectives
+    from engines.batches import sft_tensors, shard, take
+
+    tensors, _ = sft_tensors(gpu_tokenizer, task_data["sft"], 64, 16)
+    group = _gpu_engine(gpu_model, "causal", zero=zero, lr=3e-3, micro_batch_size=8)
+    try:
+        _on_cuda(group.device_reports()[0], "bfloat16")
+        batch = take(tensors, torch.arange(16))
+        losses = [group.train_step(shard(batch, 1), objectives.causal_lm_objective)["loss"] for _ in range(8)]
+        assert losses[-1] < losses[0] - 0.1, losses
+    finally:
+        group.shutdown()
+
+
+def test_reward_model_with_margin_on_gpu(ray_gpu, gpu_model, gpu_tokenizer, task_data):
+    import functools
+
+    from engines import objectives
+    from engines.batches import pair_tensors, shard, split_pairs
+
+    tensors, _ = pair_tensors(gpu_tokenizer, task_data["preference"], 64, 16)
+    group = _gpu_engine(gpu_model, "scalar", zero=2, lr=3e-3)
+    try:
+        _on_cuda(group.device_reports()[0], "bfloat16")
+        n = tensors["input_ids"].shape[0] // 2
+        batch = split_pairs(tensors, torch.arange(16), n)
+        objective = functools.partial(objectives.pairwise_objective, margin=0.5)  # a margin tensor on the GPU
+        out = [group.train_step(shard(batch, 1, paired=True), objective, paired=True) for _ in range(8)]
+        assert out[-1]["loss"] < out[0]["loss"], [m["loss"] for m in out]
+    finally:
+        group.shutdown()
+
+
+def _round(cfg, model, prompts, reward_path=None):
+    from engines.rl import RLRound
+    from engines.round_models import RoundSetup
+
+    return RLRound(cfg, RoundSetup(policy_path=str(model), reference_path=str(model), reward_path=reward_path,
+                                   prompts=prompts, dtype="bfloat16", torch_threads=2, max_model_len=96, seed=0))
+
+
+def _prompts(tokenizer, task_data):
+    from engines.batches import filter_prompts
+
+    return filter_prompts(tokenizer, task_data["prompts"], 64, "prompts")[0]
+
+
+def _assert_round_on_cuda(rl) -> None:
+    import ray
+
+    m = rl.models
+    for group in (m.actor, m.critic):
+        if group is not None:
+            _on_cuda(group.device_reports()[0], "bfloat16")
+    for scorer in {id(s): s for s in (m.reference, m.rewarder) if s is not None}.values():
+        report = ray.get(scorer.device_report.remote())
+        assert all(v == ["cuda"] for k, v in report.items() if k != "placement_group"), report
+    for report in ray.get([e.device_report.remote() for e in m.engines.actors]):
+        assert report["policy"] == ["cuda"], report
+
+
+def _moves_policy(rl) -> None:
+    from engines.objectives import response_logprobs
+
+    first = rl.step(0)
+    probe = first.experience.tensors()
+    before = rl.models.actor.evaluate(probe, response_logprobs)
+    assert before.device.type == "cpu" and before.dtype == torch.float32  # crossed the boundary on the CPU
+    rl.step(1)
+    after = rl.models.actor.evaluate(probe, response_logprobs)
+    assert (after - before).abs().max() > 1e-3
+
+
+def _gpu_round_cfg(algorithm: str, share: float, **kw):
+    from alignflow.config import ActorConfig, CriticConfig, Placement, PPOConfig, RolloutConfig, RoundConfig
+
+    gpu = Placement(num_cpus=1, num_gpus=share)
+    return RoundConfig(
+        algorithm=algorithm, steps=2, prompts_per_step=8, scorer_placement=gpu,
+        generation=RolloutConfig(backend="hf", num_samples=4, max_new_tokens=6, placement=gpu),
+        ppo=PPOConfig(minibatch_size=32, epochs=1), actor=ActorConfig(learning_rate=3e-3, placement=gpu),
+        critic=CriticConfig(placement=gpu), **kw)
+
+
+@pytest.mark.parametrize("algorithm, share, extra, scored_by_model", [
+    ("ppo", 0.2, {}, True),  # actor, critic, scorer (reference + reward model), engine: a GPU share each
+    ("grpo", 0.25, {"reward": {"source": "rule"}}, False),  # KL in the loss, k3
+])
+def test_round_on_gpu_moves_policy(ray_gpu, gpu_model, gpu_tokenizer, task_data, algorithm, share, extra,
+                                   scored_by_model):
+    reward_path = str(gpu_model) if scored_by_model else None
+    rl = _round(_gpu_round_cfg(algorithm, share, **extra), gpu_model, _prompts(gpu_tokenizer, task_data),
+                reward_path=reward_path)
+    try:
+        _assert_round_on_cuda(rl)
+        _moves_policy(rl)
+    finally:
+        rl.shutdown()
+
+
+def test_colocated_ppo_sleeps_and_wakes_on_one_gpu(ray_gpu, gpu_model, gpu_tokenizer, task_data):
+    import ray
+
+    cfg = _gpu_round_cfg("ppo", 1.0, colocate_all=True)
+    rl = _round(cfg, gpu_model, _prompts(gpu_tokenizer, task_data), reward_path=str(gpu_model))
+    try:
+        assert len(rl.models.placement_group.bundle_specs) == 1
+        _assert_round_on_cuda(rl)
+        _moves_policy(rl)  # step 2 generates only if step 1's sync woke the engine in order
+        # While training, the engine slept: its weights left the GPU and came back.
+        engine = rl.models.engines.actors[0]
+        ray.get(engine.sleep.remote())
+        assert ray.get(engine.device_report.remote())["policy"] == ["cpu"]
+        ray.get(engine.wake.remote(["weights"]))
+        assert ray.get(engine.device_report.remote())["policy"] == ["cuda"]
+    finally:
+        rl.shutdown()
+
+
+def test_tied_weight_update_keeps_logprob_parity_on_gpu(ray_gpu, gpu_model, gpu_tokenizer, task_data):
+    """Trainer (bf16, DeepSpeed) -> HF rollout engine on the GPU: after a step and a sync, the engine's
+    sampled-token logprobs match the trainer's recomputation within bf16 tolerance."""
+    import ray
+
+    from alignflow.config import GenerationConfig, Placement
+    from engines import experience, objectives
+    from engines.batches import sft_tensors, shard, take
+    from engines.rollout import Sampling
+    from engines.rollout_actors import start_engines
+
+    group = _gpu_engine(gpu_model, "causal", lr=3e-3, gpus=0.5)
+    engines = start_engines(GenerationConfig(backend="hf", placement=Placement(num_gpus=0.5)), str(gpu_model),
+                            count=1, seeds=[0], dtype="bfloat16", torch_threads=2, max_model_len=96)
+    try:
+        tensors, _ = sft_tensors(gpu_tokenizer, task_data["sft"], 64, 16)
+        group.train_step(shard(take(tensors, torch.arange(16)), 1), objectives.causal_lm_objective)
+        engines.update_weights(ray.put(group.weights_bytes()))  # tied: lm_head travels as the embedding
+        prompts = [ids for ids, _ in _prompts(gpu_tokenizer, task_data)[:8]]
+        rollouts = engines.generate(prompts, Sampling(n=2, max_new_tokens=6))
+        exp = experience.from_rollouts(rollouts, gpu_tokenizer.pad_token_id)
+        trainer = group.evaluate(exp.tensors(), objectives.response_logprobs)
+        diff = (trainer - exp.rollout_logprobs).abs()[exp.action_mask.bool()]
+        assert diff.max() < BF16_MAX_ABS and diff.mean() < BF16_MEAN_ABS, (diff.max(), diff.mean())
+    finally:
+        engines.shutdown()
+        group.shutdown()
+
+
+def test_evaluation_scorers_on_gpu(ray_gpu, gpu_model, gpu_tokenizer, task_data):
+    """The scorer actor evaluation uses: models on the GPU, CPU float32 results equal to a CPU run's."""
+    import ray
+
+    from engines import experience
+    from engines.rollout import Rollout
+    from engines.scoring import ScorerActor, start_scorer
+
+    prompts = [ids for ids, _ in _prompts(gpu_tokenizer, task_data)[:4]]
+    rollouts = [Rollout(i, p, p[:3], "", [0.0] * 3, True) for i, p in enumerate(prompts)]
+    batch = experience.from_rollouts(rollouts, gpu_tokenizer.pad_token_id).tensors()
+    gpu = start_scorer(str(gpu_model), str(gpu_model), dtype="float32", torch_threads=2, num_gpus=1)
+    try:
+        report = ray.get(gpu.device_report.remote())
+        assert report["reference"] == ["cuda"] and report["reward"] == ["cuda"]
+        ref, rewards = ray.get([gpu.ref_logprobs.remote(batch), gpu.rewards.remote(batch)])
+    finally:
+        ray.kill(gpu)
+    cpu = ScorerActor(str(gpu_model), str(gpu_model), dtype="float32")
+    assert ref.device.type == "cpu" and rewards.device.type == "cpu"
+    torch.testing.assert_close(ref, cpu.ref_logprobs(batch), rtol=0, atol=2e-3)  # TF32 matmuls on the GPU
+    torch.testing.assert_close(rewards, cpu.rewards(batch), rtol=0, atol=2e-3)
