@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import ray
+import torch
 
 from alignflow.cluster import ensure_ray
 from alignflow.config import EvalConfig, Placement
@@ -25,7 +26,7 @@ from engines import batches, experience, models
 from engines.rewards import load_callable
 from engines.rollout import Sampling
 from engines.rollout_actors import start_engines
-from engines.scoring import start_scorer
+from engines.scoring import ScorerActor, start_scorer
 from tasks.context import RunContext, compute_stage
 from tasks.data import load_split
 from tasks.plan import PlannedStage
@@ -37,12 +38,24 @@ def load_checker(path: str) -> Callable[[str, str], bool]:
     return load_callable(path, "evaluation.checker")
 
 
-def _scorer(p: Placement, micro_batch_size: int | None, io, ctx: RunContext, *, reference: str | None,
-            reward: str | None):
-    """A ScorerActor for evaluation, on `evaluation.scorer_placement` (its GPU when it has one)."""
-    return start_scorer(reference, reward, dtype=io.dtype, torch_threads=ctx.infra.torch_threads,
-                        attn_implementation=io.attn_implementation, micro_batch_size=micro_batch_size,
-                        num_cpus=p.num_cpus, num_gpus=p.num_gpus)
+def _score(p: Placement, micro_batch_size: int | None, io, ctx: RunContext, batch: dict, *,
+           reference: str | None, reward: str | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(reference logprobs (B, T), reward scores (B,)) of a batch, each None when its model is.
+
+    On `evaluation.scorer_placement`: with GPUs, a ScorerActor holding them; without, the same class
+    in this task's process (a CPU-only actor would only add a process start, ~10-40 s on 2 cores).
+    """
+    kwargs = dict(dtype=io.dtype, torch_threads=ctx.infra.torch_threads, attn_implementation=io.attn_implementation,
+                  micro_batch_size=micro_batch_size)
+    if p.num_gpus == 0:
+        local = ScorerActor(reference, reward, **kwargs)
+        return (local.ref_logprobs(batch) if reference else None, local.rewards(batch) if reward else None)
+    actor = start_scorer(reference, reward, num_cpus=p.num_cpus, num_gpus=p.num_gpus, **kwargs)
+    try:
+        return (ray.get(actor.ref_logprobs.remote(batch)) if reference else None,
+                ray.get(actor.rewards.remote(batch)) if reward else None)
+    finally:
+        ray.kill(actor)
 
 
 def _sampling(cfg: EvalConfig) -> Sampling:
@@ -76,14 +89,8 @@ def evaluate_policy(stage: PlannedStage, inputs: PolicyEvalInputs, ctx: RunConte
         correct = [bool(checker(r.text, kept[r.prompt_index][1].get("answer") or "")) for r in rollouts]
         batch = experience.from_rollouts(rollouts, tokenizer.pad_token_id).tensors()
         reward_path = str(storage.fetch(inputs.reward.uri)) if inputs.reward is not None else None
-        reference_path = str(storage.fetch(inputs.reference.uri))
-        scorer = _scorer(cfg.scorer_placement, cfg.micro_batch_size, io, ctx, reference=reference_path,
-                         reward=reward_path)
-        try:
-            ref = ray.get(scorer.ref_logprobs.remote(batch))
-            rewards = ray.get(scorer.rewards.remote(batch)) if reward_path else None
-        finally:
-            ray.kill(scorer)
+        ref, rewards = _score(cfg.scorer_placement, cfg.micro_batch_size, io, ctx, batch,
+                              reference=str(storage.fetch(inputs.reference.uri)), reward=reward_path)
         scores: list[float | None] = rewards.tolist() if rewards is not None else [None] * len(rollouts)
         ref_lp = [ref[b, : len(r.token_ids)].tolist() for b, r in enumerate(rollouts)]
         kls = [sum(r.logprobs) - sum(ref) for r, ref in zip(rollouts, ref_lp)]
@@ -121,11 +128,9 @@ def evaluate_reward_model(stage: PlannedStage, inputs: RewardModelEvalInputs, ct
         tensors, report = batches.pair_tensors(models.load_tokenizer(reward_path), records, io.max_prompt_tokens,
                                                io.max_response_tokens)
         ensure_ray(ctx.infra)
-        scorer = _scorer(cfg.scorer_placement, cfg.micro_batch_size, io, ctx, reference=None, reward=reward_path)
-        try:
-            scores = ray.get(scorer.rewards.remote(tensors)).tolist()
-        finally:
-            ray.kill(scorer)
+        _, rewards = _score(cfg.scorer_placement, cfg.micro_batch_size, io, ctx, tensors, reference=None,
+                            reward=reward_path)
+        scores = rewards.tolist()
         n = len(scores) // 2
         metrics = {"eval/rm_pairwise_accuracy": sum(c > r for c, r in zip(scores[:n], scores[n:])) / n,
                    "eval/rm_margin": sum(c - r for c, r in zip(scores[:n], scores[n:])) / n,
