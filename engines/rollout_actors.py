@@ -10,15 +10,16 @@ them and pushes weights into all of them.
 from __future__ import annotations
 
 import os
-from typing import Any
 
+import ray
 import torch
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from alignflow.config import GenerationConfig, VLLMConfig
+from engines.devices import actor_options
 from engines.rollout import HFEngine, Rollout, Sampling, VLLMEngine, vllm_engine_args
 
 BACKENDS = ("vllm", "hf")
-
 
 
 class RolloutActor:
@@ -70,12 +71,8 @@ class RolloutActor:
 def start_rollout_actor(backend: str, model_path: str, *, num_cpus: float = 1.0, num_gpus: float = 0.0,
                         scheduling_strategy=None, **kwargs):
     """One RolloutActor on `num_cpus`/`num_gpus` (or where `scheduling_strategy` puts it)."""
-    import ray
-
-    opts: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": num_gpus}
-    if scheduling_strategy is not None:
-        opts["scheduling_strategy"] = scheduling_strategy
     kwargs.setdefault("on_gpu", num_gpus > 0)
+    opts = actor_options(num_cpus, num_gpus, scheduling_strategy)
     return ray.remote(**opts)(RolloutActor).remote(backend, model_path, **kwargs)
 
 
@@ -87,8 +84,6 @@ def engine_bundles(g: GenerationConfig) -> list[dict[str, float]]:
 
 
 def wait_placement_group(pg, what: str, timeout_s: float = 300.0) -> None:
-    import ray
-
     from alignflow.errors import InsufficientResourcesError
 
     ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
@@ -106,13 +101,8 @@ class RolloutEngines:
     def __init__(self, actors: list, placement_groups: list | None = None):
         self.actors, self.placement_groups = actors, placement_groups or []
 
-    def __len__(self) -> int:
-        return len(self.actors)
-
     def generate(self, prompt_ids: list[list[int]], sampling: Sampling) -> list[Rollout]:
         """Rollouts grouped per prompt, in prompt order (prompt i goes to engine i mod k)."""
-        import ray
-
         k = len(self.actors)
         chunks = [list(range(i, len(prompt_ids), k)) for i in range(k)]
         results = ray.get([e.generate.remote([prompt_ids[j] for j in c], sampling)
@@ -126,23 +116,15 @@ class RolloutEngines:
         return [r for i in range(len(prompt_ids)) for r in by_prompt[i]]
 
     def update_weights(self, blob) -> None:
-        import ray
-
         ray.get([e.update_weights.remote(blob) for e in self.actors])
 
     def sleep(self) -> None:
-        import ray
-
         ray.get([e.sleep.remote() for e in self.actors])
 
     def wake(self, tags: list[str] | None = None) -> None:
-        import ray
-
         ray.get([e.wake.remote(tags) for e in self.actors])
 
     def shutdown(self) -> None:
-        import ray
-
         for a in self.actors:
             ray.kill(a)
         for pg in self.placement_groups:
@@ -155,9 +137,6 @@ def start_engines(g: GenerationConfig, model_path: str, *, count: int, seeds: li
                   sleep_mode: bool = False, strategies: list | None = None) -> RolloutEngines:
     """`count` engines as `g` configures them. A tensor-parallel vLLM engine gets a placement group
     of its own (a bundle per GPU); `strategies` places the engines instead (colocation)."""
-    import ray
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
     engines = RolloutEngines([])
     common = dict(dtype=dtype, torch_threads=torch_threads, max_model_len=max_model_len,
                   attn_implementation=attn_implementation, vllm=g.vllm, sleep_mode=sleep_mode,

@@ -12,7 +12,7 @@ import torch
 
 from engines import models
 from engines.batches import in_micro_batches
-from engines.devices import actor_device, placement_group_id, to_cpu, to_device
+from engines.devices import actor_device, actor_options, placement_group_id, to_cpu, to_device
 from engines.objectives import response_logprobs, scalar_scores
 
 
@@ -58,8 +58,5 @@ def start_scorer(reference_path: str | None, reward_path: str | None, *, dtype: 
     """A ScorerActor on `num_cpus`/`num_gpus` (or in a placement group's bundle)."""
     import ray
 
-    opts = {"num_cpus": num_cpus, "num_gpus": num_gpus}
-    if scheduling_strategy is not None:
-        opts["scheduling_strategy"] = scheduling_strategy
-    return ray.remote(**opts)(ScorerActor).remote(reference_path, reward_path, dtype, torch_threads,
-                                                  attn_implementation, micro_batch_size)
+    actor = ray.remote(**actor_options(num_cpus, num_gpus, scheduling_strategy))(ScorerActor)
+    return actor.remote(reference_path, reward_path, dtype, torch_threads, attn_implementation, micro_batch_size)
