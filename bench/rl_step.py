@@ -1,116 +1,264 @@
-"""Benchmark: RL step phases on the tiny model, and vLLM vs HF `generate`.
+"""Benchmark: one GRPO step, phase by phase, against another commit or another allocator.
 
-    .venv/bin/python bench/rl_step.py [--steps 8] [--hidden-size 128] [--layers 2]
-    python3 bench/rl_step.py --config configs/gpu-small.yaml   # on a GPU: the config's model and round
+    .venv/bin/python bench/rl_step.py                          # this tree alone
+    .venv/bin/python bench/rl_step.py --against HEAD~3          # this tree vs a commit, alternating
+    .venv/bin/python bench/rl_step.py --allocators system,jemalloc
+    python3 bench/rl_step.py --config configs/gpu-small.yaml    # on a GPU: that config's model and round
 
-Prints (1) the vLLM engine's generation throughput against Hugging Face
-`generate` on the same model, prompts and token counts (fixed-length
-outputs), measured alternately in one run and reported as a ratio of
-medians; (2) the time per phase of PPO steps (generate, score, reference,
-old logprobs, critic, train, weight sync) and rollout tokens/s, averaged over the steps
-after the first (which includes engine warm-up), with the tokens per second
-each phase processed (generated tokens for generate, whole sequences for
-the forward and training phases). With --config, the model shape, dtype and
-first round (placements, colocation, vLLM options) come from that pipeline
-config, and part (1) is left out.
+The work (issue 14), unless --config: GRPO on a Qwen2-shape model built by
+the tiny-model factory (hidden 256, 4 layers, 4 heads, 2 KV heads,
+intermediate 1024, vocabulary 2048, tied embeddings, fp32); 32 prompts of
+26 tokens, 8 samples each, 32 new tokens; k3 KL as a loss with coefficient
+0.04; one epoch, the whole batch one minibatch; lr 1e-5; the rule reward.
+
+Each variant (a source tree, an allocator) runs in its own process with its
+own Ray, `--runs` times, the variants alternating run by run (this machine
+is noisy: compare only numbers taken side by side). A run times `--steps`
+steps after one warm-up step. Printed per variant, medians over runs:
+the step time and its phases; system CPU time as a share of all CPU time the
+run's processes spent in the timed steps; each phase's achieved GFLOP/s
+against the fp32 matmul peak this run measured; and the ratio of each
+variant's step time to the first variant's.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
+from pathlib import Path
 
-import ray
+REPO = Path(__file__).resolve().parent.parent
+PHASES = ["generate", "score", "reference", "old_logprobs", "critic", "train", "sync"]
+WORK = dict(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=1024, vocab_size=2048,
+            tie_word_embeddings=True, max_position_embeddings=128)
+PROMPTS, PROMPT_TOKENS, SAMPLES, NEW_TOKENS = 32, 26, 8, 32
 
 
-def throughput(actor, prompt_ids, sampling) -> float:
-    t0 = time.perf_counter()
-    rollouts = ray.get(actor.generate.remote(prompt_ids, sampling))
-    return sum(len(r.token_ids) for r in rollouts) / (time.perf_counter() - t0)
+def word_corpus(words: int = 60_000, seed: int = 0) -> list[str]:
+    """Pseudo-words, enough distinct letter pairs for a byte-level BPE of 2048 tokens."""
+    import random
+
+    rng = random.Random(seed)
+    letters = "etaoinshrdlucmfwypvbgkjqxz"
+    weights = [len(letters) - i for i in range(len(letters))]
+    text = [" ".join("".join(rng.choices(letters, weights, k=rng.randint(2, 9))) for _ in range(12))
+            for _ in range(words // 12)]
+    return text
+
+
+def matmul_peak_gflops(threads: int, n: int = 1024, repeats: int = 20) -> float:
+    """The best fp32 GFLOP/s of an n x n matmul on `threads` threads (what a phase could reach)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    for _ in range(3):
+        a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best / 1e9
+
+
+def forward_flops(config, tokens: float, logit_positions: float, attended: float) -> float:
+    """Model FLOPs of a forward: 2 x (linear weights, output layer excluded) per token, the output
+    layer at the positions whose logits are used, and attention (QK^T and AV) over `attended`
+    (query, key) pairs. Counted as useful work: logits computed elsewhere do not count."""
+    h, layers = config.hidden_size, config.num_hidden_layers
+    kv = h // config.num_attention_heads * config.num_key_value_heads
+    per_layer = h * h * 2 + h * kv * 2 + 3 * h * config.intermediate_size  # q, o, k, v, MLP
+    return 2 * per_layer * layers * tokens + 2 * h * config.vocab_size * logit_positions + 4 * h * layers * attended
+
+
+def _cpu_times() -> dict[int, tuple[str, float, float]]:
+    """(name, user, system) CPU seconds of this process and its Ray workers."""
+    import psutil
+
+    out = {}
+    me = psutil.Process()
+    for p in [me, *me.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+            out[p.pid] = (p.name(), t.user + t.children_user, t.system + t.children_system)
+        except psutil.Error:
+            pass
+    return out
+
+
+def worker(args) -> dict:
+    """One run in this process: start a round, warm up, time `steps` steps; a JSON-able summary."""
+    import ray
+    import torch
+
+    from alignflow.cluster import ray_init_kwargs
+    from alignflow.config import InfraConfig, RoundConfig, SyntheticTaskConfig, load_config
+    from alignflow.data import synthetic
+    from engines import models
+    from engines.rl import RLRound
+    from engines.round_models import RoundSetup
+
+    peak = matmul_peak_gflops(2)
+    ray.init(**ray_init_kwargs(InfraConfig()))
+    pipeline = load_config(args.config) if args.config else None
+    dtype = pipeline.model.dtype if pipeline else "float32"
+    path = args.model
+    config = models.load_policy(path).config
+    records = synthetic.generate(SyntheticTaskConfig(num_sft=1, num_preference=1, num_eval=1,
+                                                     num_rl_prompts=PROMPTS), seed=0)["prompts"]
+    gen = torch.Generator().manual_seed(0)
+    first = len(models.load_tokenizer(path).all_special_ids)
+    prompts = [(torch.randint(first, config.vocab_size, (PROMPT_TOKENS,), generator=gen).tolist(), r)
+               for r in records]
+    if pipeline:
+        cfg = pipeline.rounds[0]
+    else:
+        cfg = RoundConfig.model_validate({
+            "algorithm": "grpo", "prompts_per_step": PROMPTS, "reward": {"source": "rule"},
+            "generation": {"num_samples": SAMPLES, "max_new_tokens": NEW_TOKENS, "temperature": 1.0},
+            "kl": {"coef": 0.04, "estimator": "k3", "apply_as": "loss"},
+            "ppo": {"epochs": 1, "minibatch_size": PROMPTS * SAMPLES},
+            "actor": {"learning_rate": 1e-5}})
+    cfg = cfg.model_copy(update={"steps": args.steps + 1})
+    rl = RLRound(cfg, RoundSetup(policy_path=path, reference_path=path, reward_path=path, prompts=prompts,
+                                 dtype=dtype, torch_threads=2, max_model_len=PROMPT_TOKENS + NEW_TOKENS + 8, seed=0))
+    try:
+        rl.step(0)  # warm-up: engine start, first kernels
+        before, t0 = _cpu_times(), time.perf_counter()
+        steps = [rl.step(s) for s in range(1, args.steps + 1)]
+        wall, after = time.perf_counter() - t0, _cpu_times()
+    finally:
+        rl.shutdown()
+        ray.shutdown()
+    user = sum(after[p][1] - before[p][1] for p in after if p in before)
+    system = sum(after[p][2] - before[p][2] for p in after if p in before)
+    phases = {p: statistics.median(s.metrics.get(f"time/{p}", 0.0) for s in steps) for p in PHASES}
+    exp = steps[-1].experience
+    tokens = float(exp.attention_mask.sum())
+    response = float(exp.action_mask.sum())
+    lengths = exp.attention_mask.sum(-1).float()
+    attended = float((lengths * (lengths + 1) / 2).sum())
+    fwd = forward_flops(config, tokens, response, attended)
+    flops = {"generate": forward_flops(config, tokens, response, attended), "reference": fwd,
+             "old_logprobs": fwd, "critic": fwd, "train": 3 * fwd}
+    return {"step": statistics.median(sum(s.metrics.get(f"time/{p}", 0.0) for p in PHASES) for s in steps),
+            "phases": phases, "flops": flops, "peak_gflops": peak, "cpu_user_s": user, "cpu_system_s": system,
+            "wall_s": wall, "params_m": sum(p.numel() for p in models.load_policy(path).parameters()) / 1e6,
+            "vocab": config.vocab_size, "reward": statistics.mean(s.metrics["reward/mean"] for s in steps)}
+
+
+ALLOCATORS = {"system": None,
+              "jemalloc": "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"}
+
+
+def build_model(config: str | None) -> str:
+    """The benchmark's model, built once by this tree's tiny-model factory, for every variant."""
+    from alignflow.config import TinyModelConfig, load_config
+    from engines import models
+
+    out = tempfile.mkdtemp(prefix="alignflow-bench-model-")
+    if config:
+        return str(models.build_tiny_model(load_config(config).model.tiny, seed=0, out_dir=out))
+    return str(models.build_tiny_model(TinyModelConfig(**WORK), seed=0, out_dir=out, corpus=word_corpus()))
+
+
+def snapshot() -> Path:
+    """The working tree's source files (tracked and untracked, not ignored) copied to a temporary directory."""
+    import shutil
+
+    files = subprocess.run(["git", "-C", str(REPO), "ls-files", "-co", "--exclude-standard"], check=True,
+                           capture_output=True, text=True).stdout.split()
+    out = Path(tempfile.mkdtemp(prefix="alignflow-tree-"))
+    for f in files:
+        if (REPO / f).is_file():
+            (out / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / f, out / f)
+    return out
+
+
+def run_variant(label: str, tree: Path, allocator: str, args, script: Path) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    env.pop("LD_PRELOAD", None)
+    if ALLOCATORS.get(allocator):
+        env["LD_PRELOAD"] = ALLOCATORS[allocator]
+    cmd = [sys.executable, str(script), "--worker", "--steps", str(args.steps), "--model", args.model]
+    if args.config:
+        cmd += ["--config", args.config]
+    out = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    if out.returncode or not lines:
+        raise SystemExit(f"{label}: the run failed (exit {out.returncode}):\n{out.stderr[-4000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def report(label: str, runs: list[dict], base: float | None) -> float:
+    step = statistics.median(r["step"] for r in runs)
+    med = lambda key: statistics.median(r[key] for r in runs)  # noqa: E731
+    sys_share = med("cpu_system_s") / max(med("cpu_user_s") + med("cpu_system_s"), 1e-9)
+    peak = med("peak_gflops")
+    ratio = f"  ({step / base:.2f}x the first)" if base else ""
+    print(f"\n{label}: step {step:.2f} s{ratio}; system CPU {100 * sys_share:.1f}% of CPU time; "
+          f"matmul peak {peak:.0f} GFLOP/s; {runs[0]['params_m']:.2f}M params, vocab {runs[0]['vocab']}")
+    for p in PHASES:
+        t = statistics.median(r["phases"][p] for r in runs)
+        if t < 1e-4:
+            continue
+        flops = runs[0]["flops"].get(p)
+        rate = f"{flops / t / 1e9:7.1f} GFLOP/s ({100 * flops / t / 1e9 / peak:4.1f}% of peak)" if flops else ""
+        print(f"  {p:<13}{t:7.3f} s  {rate}")
+    print("  runs: " + ", ".join(f"{r['step']:.2f}" for r in runs) + " s")
+    return step
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--hidden-size", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--prompts", type=int, default=64)
-    parser.add_argument("--samples", type=int, default=4)
-    parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per run (after one warm-up step)")
+    parser.add_argument("--runs", type=int, default=3, help="runs per variant, alternating")
+    parser.add_argument("--against", default=None, help="git revision to compare with (checked out in /tmp)")
+    parser.add_argument("--allocators", default="system", help=f"comma-separated: {', '.join(ALLOCATORS)}")
     parser.add_argument("--config", default=None, help="pipeline config: its model and first round")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)  # built once, by this tree's factory
     args = parser.parse_args()
-
-    from alignflow.cluster import ray_init_kwargs
-    from alignflow.config import InfraConfig, RoundConfig, SyntheticTaskConfig, TinyModelConfig, load_config
-    from alignflow.data import synthetic
-    from engines import batches, models
-    from engines.rl import RLRound
-    from engines.round_models import RoundSetup
-
-    ray.init(**ray_init_kwargs(InfraConfig()))
-    work = tempfile.mkdtemp(prefix="alignflow-bench-")
-    pipeline = load_config(args.config) if args.config else None
-    tiny = pipeline.model.tiny if pipeline else TinyModelConfig(
-        hidden_size=args.hidden_size, num_layers=args.layers, intermediate_size=2 * args.hidden_size,
-        max_position_embeddings=128)
-    dtype = pipeline.model.dtype if pipeline else "float32"
-    path = str(models.build_tiny_model(tiny, seed=0, out_dir=f"{work}/policy"))
-    params = sum(p.numel() for p in models.load_policy(path).parameters())
-    tok = models.load_tokenizer(path)
-    data = synthetic.generate(SyntheticTaskConfig(num_sft=1, num_preference=1, num_eval=1, num_rl_prompts=256), seed=0)
-    prompts, _ = batches.filter_prompts(tok, data["prompts"], 64, "prompts")
-    max_len = 64 + args.new_tokens
-
-    print(f"model: {params / 1e6:.2f}M parameters, {dtype}")
-    if pipeline is None:
-        generation_vllm_vs_hf(args, path, prompts, max_len)
-    # 2. RL step phases (PPO with critic, reward model = the policy's backbone + head).
-    cfg = (pipeline.rounds[0] if pipeline else RoundConfig(algorithm="ppo", prompts_per_step=32)).model_copy(
-        update={"steps": args.steps})
-    rl = RLRound(cfg, RoundSetup(policy_path=path, reference_path=path, reward_path=path, prompts=prompts,
-                                 dtype=dtype, torch_threads=2, max_model_len=max_len, seed=0))
+    if args.worker:
+        print("RESULT " + json.dumps(worker(args)), flush=True)
+        return
+    args.model = build_model(args.config)
+    trees = [("this tree", snapshot())]  # a copy: the tree may be edited while the bench runs
+    script = trees[0][1] / "bench" / "rl_step.py"  # this bench's worker, whichever tree it imports
+    if args.against:
+        tree = Path(tempfile.mkdtemp(prefix="alignflow-against-"))
+        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(tree), args.against], check=True,
+                       capture_output=True)
+        trees.insert(0, (args.against, tree))
+    allocators = args.allocators.split(",")
+    for a in allocators:
+        if a not in ALLOCATORS or (ALLOCATORS[a] and not Path(ALLOCATORS[a]).exists()):
+            raise SystemExit(f"--allocators: {a!r} is unknown or not installed")
+    variants = [(f"{t} [{a}]", path, a) for t, path in trees for a in allocators]
+    results: dict[str, list[dict]] = {v[0]: [] for v in variants}
     try:
-        steps = [rl.step(s) for s in range(args.steps)]
+        for i in range(args.runs):
+            for label, path, alloc in variants:
+                results[label].append(run_variant(label, path, alloc, args, script))
+                print(f"run {i + 1}/{args.runs} {label}: {results[label][-1]['step']:.2f} s", flush=True)
     finally:
-        rl.shutdown()
-    warm = steps[1:] or steps
-    phases = ["generate", "score", "reference", "old_logprobs", "critic", "train", "sync"]
-    means = {p: statistics.mean(s.metrics[f"time/{p}"] for s in warm) for p in phases}
-    generated = statistics.mean(float(s.experience.action_mask.sum()) for s in warm)
-    sequence = statistics.mean(float(s.experience.attention_mask.sum()) for s in warm)
-    total = sum(means.values())
-    print(f"{cfg.algorithm} step ({cfg.prompts_per_step} prompts x {cfg.generation.num_samples} samples), "
-          f"mean of {len(warm)} warm steps:")
-    for p in phases:
-        tokens = generated if p == "generate" else sequence
-        rate = f"{tokens / means[p]:10.0f} tokens/s" if means[p] > 1e-4 and p not in ("score", "sync") else ""
-        print(f"  {p:<12} {means[p] * 1000:8.1f} ms  {100 * means[p] / total:5.1f}%  {rate}")
-    print(f"  {'total':<12} {total * 1000:8.1f} ms")
-
-
-def generation_vllm_vs_hf(args, path: str, prompts, max_len: int) -> None:
-    """(1) vLLM against HF `generate`: fixed-length outputs, alternating, ratio of medians."""
-    from engines.rollout import Sampling
-    from engines.rollout_actors import start_rollout_actor
-
-    sampling = Sampling(n=args.samples, temperature=1.0, max_new_tokens=args.new_tokens, ignore_eos=True)
-    ids = [p for p, _ in prompts[: args.prompts]]
-    engines = {b: start_rollout_actor(b, path, max_model_len=max_len) for b in ("vllm", "hf")}
-    for a in engines.values():
-        throughput(a, ids[:4], sampling)  # warm-up (engine start, kernels)
-    rates = {b: [] for b in engines}
-    for _ in range(args.repeats):
-        for b, a in engines.items():
-            rates[b].append(throughput(a, ids, sampling))
-    for a in engines.values():
-        ray.kill(a)
-    med = {b: statistics.median(r) for b, r in rates.items()}
-    print(f"{len(ids)} prompts x {args.samples} samples x {args.new_tokens} tokens")
-    print(f"generation tokens/s  vllm {med['vllm']:.0f}  hf {med['hf']:.0f}  ratio vllm/hf {med['vllm'] / med['hf']:.2f}x"
-          f"  (medians of {args.repeats}, alternating)")
+        if args.against:
+            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], capture_output=True)
+    work = "config " + args.config if args.config else (
+        f"GRPO, {PROMPTS} prompts x {SAMPLES} samples x {NEW_TOKENS} new tokens")
+    print(f"\n{work}; medians of {args.runs} runs of {args.steps} steps, variants alternating")
+    base = None
+    for label, *_ in variants:
+        step = report(label, results[label], base)
+        base = base or step
 
 
 if __name__ == "__main__":

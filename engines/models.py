@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -43,8 +44,9 @@ CHAT_TEMPLATE = (
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def build_tiny_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
-    """Byte-level BPE trained on the bundled task's text; covers any input.
+def build_tiny_tokenizer(vocab_size: int, corpus: Iterable[str] | None = None) -> PreTrainedTokenizerFast:
+    """Byte-level BPE trained on `corpus` (None: the bundled task's text); covers any input. The
+    vocabulary reaches `vocab_size` only where the corpus has enough distinct pairs to merge.
 
     Normalizer and pre-tokenizer are Qwen2's: `AutoTokenizer` rebuilds them
     for any Qwen2 model, so training with others would save merges that the
@@ -67,7 +69,7 @@ def build_tiny_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(tokenizer_corpus(), trainer=trainer)
+    tok.train_from_iterator(corpus if corpus is not None else tokenizer_corpus(), trainer=trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         pad_token=SPECIAL_TOKENS["pad"],
@@ -101,10 +103,10 @@ def tiny_config(cfg: TinyModelConfig, tokenizer) -> Qwen2Config:
     )
 
 
-def build_tiny_model(cfg: TinyModelConfig, seed: int, out_dir: str | Path) -> Path:
-    """Build and save the tiny policy (model + tokenizer) into `out_dir`."""
+def build_tiny_model(cfg: TinyModelConfig, seed: int, out_dir: str | Path, corpus: Iterable[str] | None = None) -> Path:
+    """Build and save the tiny policy (model + tokenizer trained on `corpus`) into `out_dir`."""
     out_dir = Path(out_dir)
-    tokenizer = build_tiny_tokenizer(cfg.vocab_size)
+    tokenizer = build_tiny_tokenizer(cfg.vocab_size, corpus)
     torch.manual_seed(seed)
     config = tiny_config(cfg, tokenizer)
     model = Qwen2ForCausalLM(config)
