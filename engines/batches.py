@@ -137,21 +137,32 @@ def minibatches(n_rows: int, size: int, *, epochs: int, generator: torch.Generat
                 yield chunk
 
 
-def micro_batches(batch: dict[str, torch.Tensor], size: int | None, *, paired: bool = False) -> list[dict[str, torch.Tensor]]:
-    """A worker's share cut into micro-batches of `size` rows (pairs when `paired`: the chosen and
-    rejected halves are cut alike, so each micro-batch is again [chosen..., rejected...]).
-    None, or a share no larger than `size`: the share itself. The last micro-batch may be smaller."""
+def micro_batch_rows(n_rows: int, width: int, size: int | None, tokens: int | None, *, paired: bool = False) -> int:
+    """Rows (pairs when `paired`) per micro-batch: at most `size`, and at most `tokens` padded tokens
+    (rows x width, both halves of a pair counted), at least one; None for either: no such cap."""
+    per_row = width * (2 if paired else 1)
+    caps = [n_rows] + ([size] if size is not None else []) + ([tokens // per_row] if tokens is not None else [])
+    return max(1, min(caps))
+
+
+def micro_batches(batch: dict[str, torch.Tensor], size: int | None, *, tokens: int | None = None,
+                  paired: bool = False) -> list[dict[str, torch.Tensor]]:
+    """A worker's share cut into micro-batches of `micro_batch_rows` rows (pairs when `paired`: the
+    chosen and rejected halves are cut alike, so each micro-batch is again [chosen..., rejected...]).
+    A share that fits is the share itself. The last micro-batch may be smaller."""
     n = batch["input_ids"].shape[0] // (2 if paired else 1)
-    if size is None or n <= size:
+    per = micro_batch_rows(n, batch["input_ids"].shape[1], size, tokens, paired=paired)
+    if n <= per:
         return [batch]
-    parts = [torch.arange(i, min(i + size, n)) for i in range(0, n, size)]
+    parts = [torch.arange(i, min(i + per, n)) for i in range(0, n, per)]
     return [split_pairs(batch, idx, n) if paired else take(batch, idx) for idx in parts]
 
 
-def in_micro_batches(batch: dict[str, Any], size: int | None, fn) -> Any:
-    """`fn(batch)` over micro-batches of `size` rows, results concatenated along rows (tensors whose
-    first dimension is the batch's rows; micro-batches share the batch's padded width). None, or a batch no larger than `size`: one call, its result as it is."""
-    parts = micro_batches(batch, size)
+def in_micro_batches(batch: dict[str, Any], size: int | None, fn, *, tokens: int | None = None) -> Any:
+    """`fn(batch)` over micro-batches (`micro_batches`), results concatenated along rows (tensors whose
+    first dimension is the batch's rows; micro-batches share the batch's padded width). A batch that
+    fits: one call, its result as it is."""
+    parts = micro_batches(batch, size, tokens=tokens)
     if len(parts) == 1:
         return fn(batch)
     outs = [fn(p) for p in parts]

@@ -54,7 +54,8 @@ class EngineSpec:
     seed: int
     dtype: str = "float32"
     attn_implementation: str = "sdpa"
-    micro_batch_size: int | None = None  # rows per forward/backward; None: the worker's whole share
+    micro_batch_size: int | None = None  # rows per forward/backward; None: no cap on rows
+    micro_batch_tokens: int | None = None  # padded tokens per forward/backward; None: no cap on tokens
     gradient_checkpointing: bool = False
     offload: str = "none"  # "none" | "optimizer" | "optimizer_and_params"
     torch_threads: int = 2
@@ -70,6 +71,7 @@ class EngineSpec:
             warmup_steps=cfg.warmup_steps, total_steps=total_steps, zero_stage=cfg.zero_stage,
             global_batch=global_batch, grad_clip=cfg.grad_clip, seed=seed, dtype=dtype,
             attn_implementation=attn_implementation, micro_batch_size=cfg.micro_batch_size,
+            micro_batch_tokens=cfg.micro_batch_tokens,
             gradient_checkpointing=cfg.gradient_checkpointing, offload=cfg.offload,
             torch_threads=torch_threads, num_cpus_per_worker=cfg.placement.num_cpus,
             num_gpus_per_worker=cfg.placement.num_gpus,

@@ -32,7 +32,8 @@ class Experience:
         finished                   (B,)    ended with EOS/stop rather than the length limit
         rewards                    (B,)    sequence reward (task reward + overlong shaping)
         ref_logprobs               (B, T)  reference policy (algorithms with a KL term)
-        old_logprobs               (B, T)  the trained policy before this step's updates
+        old_logprobs               (B, T)  the trained policy before this step's updates (None when the
+                                           step is one optimizer step: the training forward's own)
         values                     (B, T)  critic (algorithms with a critic)
         token_rewards              (B, T)  reward at the last token, minus the per-token KL where KL is a reward
         advantages, returns        (B, T)
@@ -109,14 +110,17 @@ def with_advantages(exp: Experience, *, estimator: str, whiten: bool, group_size
         token_rewards = kl_penalized_rewards(rewards, old_logprobs, ref_logprobs, kl_coef)  (kl_coef = 0: none)
         advantages, returns = estimator(token_rewards, values, ...);  advantages whitened when `whiten`
 
-    Needs `rewards`, `old_logprobs` (and `ref_logprobs` when kl_coef > 0, `values` for "gae").
+    Needs `rewards` (`old_logprobs` and `ref_logprobs` when kl_coef > 0, `values` for "gae").
     """
     mask = exp.action_mask
-    reference = exp.ref_logprobs if exp.ref_logprobs is not None else exp.old_logprobs
-    if kl_coef and exp.ref_logprobs is None:
-        raise ValueError("a KL penalty in the reward needs ref_logprobs")
-    token_rewards = algos.kl_penalized_rewards(exp.rewards, exp.old_logprobs, reference, mask, kl_coef=kl_coef,
-                                               kind=kl_estimator, clamp=kl_clamp)
+    if kl_coef and (exp.ref_logprobs is None or exp.old_logprobs is None):
+        raise ValueError("a KL penalty in the reward needs ref_logprobs and old_logprobs")
+    if kl_coef:
+        token_rewards = algos.kl_penalized_rewards(exp.rewards, exp.old_logprobs, exp.ref_logprobs, mask,
+                                                   kl_coef=kl_coef, kind=kl_estimator, clamp=kl_clamp)
+    else:  # the sequence reward at the last token alone
+        zeros = torch.zeros_like(mask, dtype=torch.float32)
+        token_rewards = algos.kl_penalized_rewards(exp.rewards, zeros, zeros, mask, kl_coef=0.0)
     out = algos.get_advantage_estimator(estimator)(
         token_rewards=token_rewards, action_mask=mask, values=exp.values, group_size=group_size, gamma=gamma,
         lam=lam, eps=1e-6)

@@ -10,13 +10,13 @@ from __future__ import annotations
 import torch
 
 from algos.preference import pairwise_reward_loss
-from algos.sequence import shifted_logprobs, sft_loss
+from algos.sequence import sft_loss
+from engines.logits import masked_next_token_logprobs, response_logprobs_and_entropy, unwrap
 
 
 def causal_lm_objective(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
-    """SFT: NLL on response tokens only (loss_mask is over input_ids)."""
-    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
-    logprobs = shifted_logprobs(out.logits, batch["input_ids"])
+    """SFT: NLL on response tokens only (loss_mask is over input_ids; logits only there)."""
+    logprobs = masked_next_token_logprobs(model, batch, batch["loss_mask"])
     mask = batch["loss_mask"][:, 1:]
     loss = sft_loss(logprobs, mask)
     return loss, {"loss": loss.item(), "response_tokens": float(mask.sum())}
@@ -50,25 +50,14 @@ def pairwise_objective(model, batch: dict[str, torch.Tensor], margin: float = 0.
 # layout. Response tensors are then (B, T) with `action_mask`.
 
 
-def _unwrap(model):
-    """The HF module under a DeepSpeed engine (calls still go through its hooks)."""
-    return getattr(model, "module", model)
-
-
 def _response(full: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     picked = torch.gather(full, 1, batch["response_index"])
     return picked * batch["action_mask"].to(picked.dtype)
 
 
-def _policy_logits(model, batch):
-    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
-    return out.logits
-
-
 def response_logprobs(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """log π(a_t | s_t) of each response token: (B, T), 0 on padding."""
-    logits = _policy_logits(model, batch)
-    return _response(shifted_logprobs(logits, batch["input_ids"]), batch)
+    """log π(a_t | s_t) of each response token: (B, T), 0 on padding (engines/logits.py)."""
+    return response_logprobs_and_entropy(model, batch)[0]
 
 
 def token_values(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -79,33 +68,41 @@ def token_values(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     through the (DeepSpeed) engine, whose hooks ZeRO's backward relies on.
     """
     out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_hidden_states=True)
-    values = _unwrap(model).score(out.hidden_states[-1]).squeeze(-1).float()[:, :-1]
+    values = unwrap(model).score(out.hidden_states[-1]).squeeze(-1).float()[:, :-1]
     return _response(values, batch)
 
 
 def policy_objective(
     model, batch: dict[str, torch.Tensor], *, clip_low: float, clip_high: float, dual_clip: float | None,
     agg: str, entropy_coef: float, kl_loss_coef: float, kl_estimator: str, kl_clamp: float | None,
-    tis_cap: float | None,
+    tis_cap: float | None, on_policy: bool = False,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO clipped surrogate (+ entropy bonus, + GRPO-style KL loss when kl_loss_coef > 0).
 
         loss = ppo_policy_loss(logprobs, old_logprobs, advantages; clip_low, clip_high, dual_clip, TIS)
                - entropy_coef * H  + kl_loss_coef * agg(kl_estimate(logprobs, ref_logprobs))
-    Metrics: policy_loss (the surrogate alone), kl_loss (the KL term, 0 when off), kl_to_reference, ...
+
+    `on_policy`: the batch serves exactly one optimizer step, so the policy that made the
+    experience is the one in this forward: old_logprobs = logprobs.detach() (ratio 1), and the
+    batch needs none. Metrics: policy_loss (the surrogate alone), kl_loss (the KL term, 0 when
+    off), kl_to_reference (the estimator's token mean), sequence_kl (Σ_t of the k1 estimate of
+    this forward against the reference, the row mean), entropy, clip_fraction, approx_kl.
     """
-    from algos import entropy_bonus_loss, entropy_from_logits, kl_estimate, aggregate_loss, ppo_policy_loss, masked_mean
+    from algos import entropy_bonus_loss, kl_estimate, aggregate_loss, ppo_policy_loss, masked_mean
 
     mask = batch["action_mask"]
-    logits = _policy_logits(model, batch)
-    logprobs = _response(shifted_logprobs(logits, batch["input_ids"]), batch)
+    logprobs, entropy = response_logprobs_and_entropy(model, batch, with_entropy=True)
+    if on_policy:
+        old = logprobs.detach()
+    elif "old_logprobs" in batch:
+        old = batch["old_logprobs"]
+    else:
+        raise ValueError("a batch for more than one optimizer step needs old_logprobs")
     out = ppo_policy_loss(
-        logprobs, batch["old_logprobs"], batch["advantages"], mask, clip_low=clip_low, clip_high=clip_high,
+        logprobs, old, batch["advantages"], mask, clip_low=clip_low, clip_high=clip_high,
         dual_clip=dual_clip, agg=agg, rollout_logprobs=batch["rollout_logprobs"] if tis_cap else None, tis_cap=tis_cap,
     )
     loss = out.loss
-    index = batch["response_index"].unsqueeze(-1).expand(-1, -1, logits.shape[-1])
-    entropy = entropy_from_logits(torch.gather(logits[:, :-1].float(), 1, index))
     if entropy_coef:
         loss = loss + entropy_bonus_loss(entropy, mask, entropy_coef=entropy_coef, agg=agg)
     metrics = {
@@ -117,7 +114,9 @@ def policy_objective(
         kl_loss = kl_loss_coef * aggregate_loss(kl, mask, agg=agg)
         if kl_loss_coef:
             loss = loss + kl_loss
-        metrics.update(kl_to_reference=float(masked_mean(kl.detach(), mask)), kl_loss=float(kl_loss.detach()))
+        k1 = kl_estimate(logprobs.detach(), batch["ref_logprobs"], kind="k1").mul(mask).sum(-1)
+        metrics.update(kl_to_reference=float(masked_mean(kl.detach(), mask)), kl_loss=float(kl_loss.detach()),
+                       sequence_kl=float(k1.mean()))
     elif kl_loss_coef:
         raise ValueError("a KL loss needs ref_logprobs in the batch")
     return loss, metrics

@@ -2,7 +2,7 @@
 
     actor      TrainerGroup (DeepSpeed)                       always
     critic     TrainerGroup, from the reward model or policy   spec.critic
-    reference  ScorerActor (frozen policy)                     spec.reference
+    reference  ScorerActor (frozen policy)                     spec.reference and a KL term
     rewarder   ScorerActor (reward model)                      reward.source = model
     engines    RolloutEngines (vLLM, or HF generate)           num_rollout_engines
 
@@ -48,9 +48,15 @@ class RoundSetup:
     attn_implementation: str = "sdpa"  # model.attn_implementation
 
 
+def uses_reference(cfg: RoundConfig) -> bool:
+    """The spec has a reference and a KL term needs it (a coefficient > 0, or the adaptive
+    controller, which may raise one from 0). Otherwise no reference model is started or run."""
+    return cfg.spec.reference and (cfg.kl.coef > 0 or cfg.kl.adaptive)
+
+
 def _scorers(cfg: RoundConfig) -> int:
     """How many scorer actors the round starts: reference and/or reward model, shared when colocated."""
-    wanted = int(cfg.spec.reference) + int(cfg.reward.source == "model")
+    wanted = int(uses_reference(cfg)) + int(cfg.reward.source == "model")
     return min(wanted, 1) if cfg.colocate_reference_and_reward else wanted
 
 
@@ -197,8 +203,9 @@ def start_round_models(cfg: RoundConfig, setup: RoundSetup, updates_per_step: in
         place = on_bundle(0, p.num_cpus) or {"num_cpus": p.num_cpus, "num_gpus": p.num_gpus}
         # The scorers see the actor's batches: they take its micro-batch size.
         common = dict(dtype=setup.dtype, torch_threads=setup.torch_threads, micro_batch_size=cfg.actor.micro_batch_size,
+                      micro_batch_tokens=cfg.actor.micro_batch_tokens,
                       attn_implementation=setup.attn_implementation, **place)
-        reference = setup.reference_path if spec.reference else None
+        reference = setup.reference_path if uses_reference(cfg) else None
         reward = setup.reward_path if cfg.reward.source == "model" else None
         if cfg.colocate_reference_and_reward and reference and reward:
             models.reference = models.rewarder = start_scorer(reference, reward, **common)

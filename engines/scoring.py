@@ -2,7 +2,7 @@
 
 `ScorerActor` holds either or both, as one Ray actor, on the device its
 placement gives it (engines/devices.py). Batches arrive as CPU tensors, run
-in micro-batches of `micro_batch_size` rows, and results leave as CPU
+in micro-batches (`micro_batch_size` rows, `micro_batch_tokens` tokens), and results leave as CPU
 tensors. RL rounds and evaluation both score through it.
 """
 
@@ -21,10 +21,11 @@ class ScorerActor:
     actor or stand apart is the round's `colocate_reference_and_reward`."""
 
     def __init__(self, reference_path: str | None, reward_path: str | None, dtype: str = "float32",
-                 torch_threads: int = 2, attn_implementation: str = "sdpa", micro_batch_size: int | None = None):
+                 torch_threads: int = 2, attn_implementation: str = "sdpa", micro_batch_size: int | None = None,
+                 micro_batch_tokens: int | None = None):
         torch.set_num_threads(torch_threads)
         self.device = actor_device()
-        self.micro_batch_size = micro_batch_size
+        self.micro_batch_size, self.micro_batch_tokens = micro_batch_size, micro_batch_tokens
         self.reference = self.reward = None
         if reference_path:
             self.reference = models.load_policy(reference_path, dtype, attn_implementation).to(self.device).eval()
@@ -33,7 +34,8 @@ class ScorerActor:
             self.reward = models.load_scalar_model(reward_path, dtype, pad, attn_implementation).to(self.device).eval()
 
     def _run(self, model, fn, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return to_cpu(in_micro_batches(batch, self.micro_batch_size, lambda b: fn(model, to_device(b, self.device))))
+        return to_cpu(in_micro_batches(batch, self.micro_batch_size, lambda b: fn(model, to_device(b, self.device)),
+                                       tokens=self.micro_batch_tokens))
 
     @torch.no_grad()
     def ref_logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -53,10 +55,12 @@ class ScorerActor:
 
 
 def start_scorer(reference_path: str | None, reward_path: str | None, *, dtype: str, torch_threads: int,
-                 attn_implementation: str = "sdpa", micro_batch_size: int | None = None, num_cpus: float = 1.0,
+                 attn_implementation: str = "sdpa", micro_batch_size: int | None = None,
+                 micro_batch_tokens: int | None = None, num_cpus: float = 1.0,
                  num_gpus: float = 0.0, scheduling_strategy=None):
     """A ScorerActor on `num_cpus`/`num_gpus` (or in a placement group's bundle)."""
     import ray
 
     actor = ray.remote(**actor_options(num_cpus, num_gpus, scheduling_strategy))(ScorerActor)
-    return actor.remote(reference_path, reward_path, dtype, torch_threads, attn_implementation, micro_batch_size)
+    return actor.remote(reference_path, reward_path, dtype, torch_threads, attn_implementation, micro_batch_size,
+                        micro_batch_tokens)

@@ -127,10 +127,11 @@ class TrainWorker:
     @torch.no_grad()
     def evaluate(self, batch: dict[str, Any], fn: Callable) -> torch.Tensor:
         """`fn(model, batch)` without gradients (logprobs, values: a tensor with a row per batch row),
-        in micro-batches of `micro_batch_size` rows, returned on the CPU."""
+        in micro-batches (`micro_batch_size` rows, `micro_batch_tokens` tokens), returned on the CPU."""
         self.engine.eval()
         return to_cpu(in_micro_batches(batch, self.spec.micro_batch_size,
-                                       lambda b: fn(self.engine, to_device(b, self.device))))
+                                       lambda b: fn(self.engine, to_device(b, self.device)),
+                                       tokens=self.spec.micro_batch_tokens))
 
     def offload_states(self) -> None:
         """Optimizer state to CPU memory while colocated rollout engines generate (GPU only; under
@@ -259,9 +260,10 @@ class TrainerGroup:
 
     def train_step(self, shards: list[dict[str, Any]], objective: Callable, paired: bool = False) -> dict[str, float]:
         """One optimizer step on a global batch given as one shard per worker, each cut into
-        micro-batches of `micro_batch_size` rows (pairs: chosen/rejected halves kept together)."""
-        size = self.spec.micro_batch_size
-        results = ray.get([w.train_step.remote(micro_batches(s, size, paired=paired), objective)
+        micro-batches of at most `micro_batch_size` rows and `micro_batch_tokens` padded tokens
+        (pairs: chosen/rejected halves kept together)."""
+        size, tokens = self.spec.micro_batch_size, self.spec.micro_batch_tokens
+        results = ray.get([w.train_step.remote(micro_batches(s, size, tokens=tokens, paired=paired), objective)
                            for w, s in zip(self.workers, shards)])
         return {k: sum(r[k] for r in results) / len(results) for k in results[0]}
 

@@ -62,13 +62,20 @@ class PolicyGradientUpdate:
         """Optimizer steps per round step (sizes the learning-rate schedule)."""
         return cfg.ppo.epochs * max(1, cfg.prompts_per_step * cfg.generation.num_samples // cfg.ppo.minibatch_size)
 
+    @staticmethod
+    def on_policy(cfg: RoundConfig) -> bool:
+        """The batch serves exactly one optimizer step and the KL is not in the reward: the old
+        log-probs are then the training forward's own (detached), and no separate forward runs."""
+        return PolicyGradientUpdate.updates_per_step(cfg) == 1 and cfg.kl.apply_as != "reward"
+
     def __call__(self, exp: Experience, step: int, lap: Lap) -> Trained:
         cfg, spec, m = self.cfg, self.cfg.spec, self.models
         if m.reference is not None:
             exp = exp.with_(ref_logprobs=m.ref_logprobs(exp.tensors()))
             lap("reference")
-        exp = exp.with_(old_logprobs=m.actor.evaluate(exp.tensors(), objectives.response_logprobs))
-        lap("old_logprobs")
+        if not self.on_policy(cfg):
+            exp = exp.with_(old_logprobs=m.actor.evaluate(exp.tensors(), objectives.response_logprobs))
+            lap("old_logprobs")
         if m.critic is not None:
             exp = exp.with_(values=m.critic.evaluate(exp.tensors(), objectives.token_values))
             lap("critic")
@@ -83,7 +90,9 @@ class PolicyGradientUpdate:
             rows = rows[keep]
         metrics = self._train(exp.select(rows), step) if len(rows) else {}
         lap("train")
-        seq_kl = experience.sequence_kl(exp).mean().item()
+        # On policy, the KL of the trained rows as the training forward measured it.
+        seq_kl = (metrics.get("sequence_kl", 0.0) if exp.old_logprobs is None
+                  else experience.sequence_kl(exp).mean().item())
         self.kl_ctl.update(seq_kl, n_steps=len(exp))
         metrics.update({"kl": seq_kl, "kl_coef": self.kl_ctl.value, "dynamic_sampling/dropped_groups": float(dropped),
                         "advantage/mean": algos.masked_mean(exp.advantages, exp.action_mask).item()})
@@ -96,7 +105,7 @@ class PolicyGradientUpdate:
         steps = [(m.actor, functools.partial(
             policy_loss, clip_low=p.clip_low, clip_high=p.clip_high, dual_clip=p.dual_clip, agg=p.loss_agg,
             entropy_coef=p.entropy_coef, kl_loss_coef=self.kl_ctl.value if cfg.kl.apply_as == "loss" else 0.0,
-            kl_estimator=cfg.kl.estimator, kl_clamp=cfg.kl.clamp, tis_cap=p.tis_cap))]
+            kl_estimator=cfg.kl.estimator, kl_clamp=cfg.kl.clamp, tis_cap=p.tis_cap, on_policy=self.on_policy(cfg)))]
         if m.critic is not None:
             steps.append((m.critic, functools.partial(objectives.value_objective, clip_eps=p.value_clip,
                                                       agg=p.loss_agg)))

@@ -34,8 +34,11 @@ class EngineConfig(Section):
     placement: Placement = Field(default_factory=Placement, description="per worker")
     grad_clip: float = Field(1.0, gt=0)
     micro_batch_size: int | None = Field(
-        None, ge=1, description="rows per forward/backward on each worker, gradients accumulated over the "
-        "worker's share of a batch; None: the whole share at once")
+        None, ge=1, description="at most this many rows per forward/backward on each worker, gradients "
+        "accumulated over the worker's share of a batch; None: no cap on rows")
+    micro_batch_tokens: int | None = Field(
+        4096, ge=1, description="at most this many padded tokens (rows x padded length) per forward/backward; "
+        "keeps activations small enough for the allocator to reuse; None: no cap on tokens")
     gradient_checkpointing: bool = Field(False, description="recompute activations in backward (less memory)")
     offload: Literal["none", "optimizer", "optimizer_and_params"] = Field(
         "none", description="DeepSpeed ZeRO offload to CPU memory: optimizer state (zero_stage >= 1), "

@@ -183,6 +183,21 @@ def test_micro_batches_keep_pairs_together():
     assert [len(p["input_ids"]) for p in micro_batches(batch, 3)] == [3, 3, 3, 1]
 
 
+def test_micro_batches_by_token_budget():
+    from engines.batches import micro_batch_rows
+
+    # The batch: 256 rows of 58 tokens.
+    assert micro_batch_rows(256, 58, None, 4096) == 70  # 70 x 58 = 4060 <= 4096 < 71 x 58
+    assert micro_batch_rows(256, 58, 64, 4096) == 64  # the row cap is the smaller
+    assert micro_batch_rows(256, 58, None, None) == 256
+    assert micro_batch_rows(256, 58, None, 4096, paired=True) == 35  # both halves of a pair count
+    assert micro_batch_rows(10, 5000, None, 4096) == 1  # a row longer than the budget still runs, alone
+    batch = {"input_ids": torch.zeros(10, 7, dtype=torch.long)}
+    assert [len(p["input_ids"]) for p in micro_batches(batch, None, tokens=21)] == [3, 3, 3, 1]
+    assert [len(p["input_ids"]) for p in micro_batches(batch, 2, tokens=21)] == [2] * 5
+    assert micro_batches(batch, None, tokens=70)[0] is batch
+
+
 def test_micro_batched_evaluation_equals_one_batch():
     torch.manual_seed(0)
     layer = torch.nn.Linear(8, 3)

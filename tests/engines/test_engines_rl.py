@@ -79,7 +79,13 @@ def test_step_moves_policy_toward_advantage(ray_local, tiny_model, prompts, algo
         assert torch.equal(rewards, expected)
         assert 0 < rewards.sum() < len(rewards), "need both reward classes to test the direction"
         mask = exp.action_mask
-        before = _row_sums(exp.old_logprobs, mask)
+        old = exp.old_logprobs
+        if old is None:  # one optimizer step: no separate old-logprob forward; the start policy's, here
+            from engines.models import load_policy
+
+            with torch.no_grad():
+                old = response_logprobs(load_policy(tiny_model).eval(), exp.tensors())
+        before = _row_sums(old, mask)
         after = _row_sums(rl.models.actor.evaluate(exp.tensors(), response_logprobs), mask)
         delta = after - before
         gained_rewarded = delta[rewards == 1].mean()
@@ -142,8 +148,13 @@ def test_round_state_restores_actor_and_engine(ray_local, tiny_model, prompts, t
         assert saved.keys() == restored.keys()
         assert all(torch.equal(saved[k], restored[k]) for k in saved)
         # The engine was synced on load: its sampled-token logprobs match the restored trainer.
-        exp = second.step(2).experience
-        diff = ((exp.rollout_logprobs - exp.old_logprobs) * exp.action_mask).abs().max().item()
+        from engines.experience import from_rollouts
+        from engines.objectives import response_logprobs
+
+        picked = [prompts[i][0] for i in second.schedule.indices(2).tolist()]
+        exp = from_rollouts(second.generate(picked), second.tokenizer.pad_token_id)
+        trainer = second.models.actor.evaluate(exp.tensors(), response_logprobs)
+        diff = ((exp.rollout_logprobs - trainer) * exp.action_mask).abs().max().item()
         assert diff <= 1e-4, diff
     finally:
         second.shutdown()
@@ -171,20 +182,25 @@ def test_two_engines_and_separate_reference_and_reward(ray_local, tiny_model, pr
 
 
 def test_round_resources_count_every_actor():
-    from alignflow.config import ActorConfig, Placement, RewardConfig, RolloutConfig
-    from engines.round_models import round_resources
+    from alignflow.config import ActorConfig, KLConfig, Placement, RewardConfig, RolloutConfig
+    from engines.round_models import round_resources, uses_reference
 
-    cfg = _round("ppo", num_rollout_engines=3, colocate_reference_and_reward=False,
+    kl = KLConfig(coef=0.05)
+    cfg = _round("ppo", num_rollout_engines=3, colocate_reference_and_reward=False, kl=kl,
                  reward=RewardConfig(source="model"),
                  actor=ActorConfig(num_workers=2, placement=Placement(num_cpus=2, num_gpus=1)),
                  generation=RolloutConfig(num_samples=4, placement=Placement(num_cpus=1, num_gpus=0.5)))
     # actor 2x(2 CPU, 1 GPU) + critic 1x1 CPU + reference and reward 2x1 CPU + 3 engines x (1 CPU, 0.5 GPU)
     assert round_resources(cfg) == {"CPU": 2 * 2 + 1 + 2 + 3, "GPU": 2 * 1 + 3 * 0.5}
     # critic-free, rule reward: no critic, one scorer (the reference)
-    grpo = _round("grpo", colocate_reference_and_reward=False)
+    grpo = _round("grpo", colocate_reference_and_reward=False, kl=kl)
     assert round_resources(grpo) == {"CPU": 1 + 1 + 1, "GPU": 0.0}
     # rejection sampling with a rule: no critic, no scorer at all
     assert round_resources(_round("rejection_sampling")) == {"CPU": 1 + 1, "GPU": 0.0}
+    # no KL term (coefficient 0, fixed): the reference is neither started nor run
+    assert uses_reference(grpo) and not uses_reference(_round("grpo", kl=KLConfig(coef=0.0)))
+    assert round_resources(_round("grpo", kl=KLConfig(coef=0.0))) == {"CPU": 1 + 1, "GPU": 0.0}
+    assert uses_reference(_round("ppo", kl=KLConfig(coef=0.0, adaptive=True)))  # the controller may raise it
 
 
 def test_round_that_cannot_be_placed_fails_fast(ray_local, tiny_model, prompts):

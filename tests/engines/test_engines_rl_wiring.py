@@ -117,7 +117,7 @@ def test_grpo_kl_loss_dynamic_sampling_clip_higher(ray_local, tiny_model, refere
 
     # The spec puts GRPO's KL in the loss, with k3: token rewards carry the task reward alone.
     torch.testing.assert_close(exp.token_rewards, algos.kl_penalized_rewards(
-        exp.rewards, exp.old_logprobs, exp.ref_logprobs, exp.action_mask, kl_coef=0.0))
+        exp.rewards, exp.ref_logprobs, exp.ref_logprobs, exp.action_mask, kl_coef=0.0))
     grpo = algos.get_advantage_estimator("grpo")(token_rewards=exp.token_rewards, action_mask=exp.action_mask,
                                                  values=None, group_size=4, gamma=1.0, lam=0.95, eps=1e-6)
     torch.testing.assert_close(exp.advantages, grpo.advantages)
@@ -131,13 +131,22 @@ def test_grpo_kl_loss_dynamic_sampling_clip_higher(ray_local, tiny_model, refere
     actor = objectives[0]
     assert (actor["clip_low"], actor["clip_high"], actor["kl_estimator"], actor["kl_loss_coef"], actor["agg"]) == (
         0.2, 0.28, "k3", 0.1, "token_mean")
-    # One minibatch, one epoch: the training forward sees the pre-update policy, so its KL term is
-    # the k3 KL of old to reference logprobs over the trained rows, times the coefficient.
+    # One minibatch, one epoch: no separate old-logprob forward; the training forward's own
+    # logprobs are the old ones. Its KL term is the k3 KL of the pre-update policy (recomputed
+    # here from the checkpoint) to the reference over the trained rows, times the coefficient.
+    assert actor["on_policy"] and exp.old_logprobs is None and "time/old_logprobs" not in m
+    from engines.models import load_policy
+    from engines.objectives import response_logprobs
+
     rows = out.trained_rows
-    k3 = algos.kl_estimate(exp.old_logprobs[rows], exp.ref_logprobs[rows], kind="k3", clamp=10.0)
+    with torch.no_grad():
+        old = response_logprobs(load_policy(tiny_model).eval(), exp.select(rows).tensors())
+    k3 = algos.kl_estimate(old, exp.ref_logprobs[rows], kind="k3", clamp=10.0)
     expected = 0.1 * algos.aggregate_loss(k3, exp.action_mask[rows], agg="token_mean")
     assert m["kl_loss"] == pytest.approx(expected.item(), rel=1e-4, abs=1e-7)
     assert m["kl_loss"] > 0
+    k1 = algos.kl_estimate(old, exp.ref_logprobs[rows], kind="k1").mul(exp.action_mask[rows]).sum(-1)
+    assert m["kl"] == pytest.approx(k1.mean().item(), rel=1e-4, abs=1e-6)
 
 
 def test_clip_higher_reaches_the_loss(tiny_model):

@@ -1,0 +1,119 @@
+"""Token log-probabilities with logits only where they are used.
+
+A causal LM's output layer over every position of a batch makes a
+(B, L, V) fp32 tensor (about 120 MB for 256 sequences of 58 tokens at a
+vocabulary of 2048, and far more at real vocabularies), and its backward
+keeps another of the same size. Objectives here need log-probabilities at
+a few positions only (the response tokens, or SFT's loss tokens), so:
+
+  1. the model runs once for its final hidden states (the output layer on a
+     single position, where the model accepts `logits_to_keep`);
+  2. the hidden states of the wanted positions are gathered: (N, H);
+  3. the output layer and log-softmax run over them in chunks of at most
+     `CHUNK_ELEMENTS` logits; with gradients, each chunk is recomputed in the
+     backward pass (activation checkpointing), so only one chunk's logits
+     exist at any time.
+
+The forward still goes through the (DeepSpeed) engine and the output layer
+is called as a module, so ZeRO-3's parameter hooks see both. Training,
+the reference scorer and evaluation all take this path.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+from algos.entropy import entropy_from_logits
+
+# Logits per chunk: 16 MiB in fp32. Chunks of this size stay below the sizes glibc
+# serves with mmap (whose pages are unmapped again on every free) and keep a
+# 150k-vocabulary model's chunk at ~27 positions.
+CHUNK_ELEMENTS = 2**22
+
+
+def unwrap(model):
+    """The HF module under a DeepSpeed engine (calls still go through its hooks)."""
+    return getattr(model, "module", model)
+
+
+@functools.lru_cache(maxsize=None)
+def _accepts_logits_to_keep(cls: type) -> bool:
+    return "logits_to_keep" in inspect.signature(cls.forward).parameters
+
+
+def final_hidden(model, batch: dict[str, Tensor]) -> Tensor:
+    """The last layer's (normed) hidden state at every position: (B, L, H). The output layer runs on
+    the last position only where the model supports it (otherwise on all, and is discarded)."""
+    keep = {"logits_to_keep": 1} if _accepts_logits_to_keep(type(unwrap(model))) else {}
+    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_hidden_states=True,
+                **keep)
+    return out.hidden_states[-1]
+
+
+def _chunk(head, hidden: Tensor, targets: Tensor, with_entropy: bool) -> tuple[Tensor, ...]:
+    logits = head(hidden).float()
+    lse = torch.logsumexp(logits, dim=-1)
+    logprobs = torch.gather(logits, -1, targets.unsqueeze(-1)).squeeze(-1) - lse
+    return (logprobs, entropy_from_logits(logits)) if with_entropy else (logprobs,)
+
+
+def logprobs_from_hidden(head, hidden: Tensor, targets: Tensor, vocab_size: int, *,
+                         with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+    """log p(targets_n | hidden_n) = z_n[targets_n] − logsumexp(z_n), z_n = head(hidden_n) in fp32,
+    and, when `with_entropy`, H_n = −Σ_v p_v log p_v. Chunks of `CHUNK_ELEMENTS // vocab_size`
+    rows; each chunk recomputed in backward when gradients flow.
+
+    hidden: (N, H); targets: (N,) long → (N,) float32, and (N,) float32 or None.
+    """
+    size = max(1, CHUNK_ELEMENTS // vocab_size)
+    recompute = torch.is_grad_enabled() and hidden.requires_grad
+    parts = []
+    for h, y in zip(hidden.split(size), targets.split(size)):
+        parts.append(checkpoint(_chunk, head, h, y, with_entropy, use_reentrant=False) if recompute
+                     else _chunk(head, h, y, with_entropy))
+    if not parts:  # no position wanted
+        empty = hidden.new_zeros(0, dtype=torch.float32)
+        return empty, (empty if with_entropy else None)
+    logprobs = torch.cat([p[0] for p in parts])
+    return logprobs, (torch.cat([p[1] for p in parts]) if with_entropy else None)
+
+
+def logprobs_at(model, batch: dict[str, Tensor], rows: Tensor, positions: Tensor, *,
+                with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+    """Next-token log-probabilities (and entropies) at (rows, positions): the token at position p + 1
+    predicted from the hidden state at p. rows, positions: (N,) long → (N,) float32 each."""
+    hidden = final_hidden(model, batch)[rows, positions]
+    targets = batch["input_ids"][rows, positions + 1]
+    module = unwrap(model)
+    return logprobs_from_hidden(module.get_output_embeddings(), hidden, targets, module.config.vocab_size,
+                                with_entropy=with_entropy)
+
+
+def scatter(values: Tensor, rows: Tensor, cols: Tensor, shape: tuple[int, int]) -> Tensor:
+    """(N,) values placed at (rows, cols) of a zero (B, T) tensor; differentiable in `values`."""
+    return values.new_zeros(shape).index_put((rows, cols), values)
+
+
+def response_logprobs_and_entropy(model, batch: dict[str, Tensor], *,
+                                  with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+    """log π(a_t | s_t) of each response token, and its entropy when asked: (B, T) each, 0 on padding.
+    Only the real response tokens (action_mask) get logits."""
+    mask = batch["action_mask"]
+    rows, t = (mask > 0).nonzero(as_tuple=True)
+    positions = batch["response_index"][rows, t]
+    logprobs, entropy = logprobs_at(model, batch, rows, positions, with_entropy=with_entropy)
+    shape = tuple(mask.shape)
+    return scatter(logprobs, rows, t, shape), (scatter(entropy, rows, t, shape) if with_entropy else None)
+
+
+def masked_next_token_logprobs(model, batch: dict[str, Tensor], loss_mask: Tensor) -> Tensor:
+    """Next-token log-probabilities where `loss_mask` (over input_ids, (B, L)) is 1: (B, L-1),
+    aligned with input_ids[:, 1:] as `algos.sequence.shifted_logprobs`, 0 elsewhere."""
+    rows, targets = (loss_mask[:, 1:] > 0).nonzero(as_tuple=True)
+    logprobs, _ = logprobs_at(model, batch, rows, targets)
+    return scatter(logprobs, rows, targets, (loss_mask.shape[0], loss_mask.shape[1] - 1))

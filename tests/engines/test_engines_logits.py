@@ -1,0 +1,131 @@
+"""Logits only where they are used (engines/logits.py), against the full-vocabulary computation.
+
+The reference values come from the model's own full logits (every position, every
+vocabulary entry) through `algos.sequence.shifted_logprobs` and `entropy_from_logits`,
+computed here independently; values and parameter gradients must agree within fp32
+rounding, with the output layer cut into many chunks as well as one.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from algos import entropy_from_logits
+from algos.sequence import shifted_logprobs
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model):
+    from engines.models import load_policy
+
+    torch.manual_seed(0)
+    return load_policy(tiny_model).eval()
+
+
+@pytest.fixture(scope="module")
+def batch():
+    """Two rollouts of different prompt and response lengths, right-padded as experience making pads them."""
+    from engines.experience import from_rollouts
+    from engines.rollout import Rollout
+
+    exp = from_rollouts([Rollout(0, [5, 6, 7, 8], [11, 12, 13, 40], "", [0.0] * 4, True),
+                         Rollout(1, [9, 10], [14, 15], "", [0.0] * 2, True)], pad_id=0)
+    return exp.tensors()
+
+
+def full_reference(model, batch):
+    """(B, T) response logprobs and entropies from the full (B, L, V) logits."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
+    mask = batch["action_mask"]
+    logprobs = torch.gather(shifted_logprobs(logits, batch["input_ids"]), 1, batch["response_index"]) * mask
+    index = batch["response_index"].unsqueeze(-1).expand(-1, -1, logits.shape[-1])
+    entropy = entropy_from_logits(torch.gather(logits[:, :-1], 1, index)) * mask
+    return logprobs, entropy
+
+
+def _grads(model) -> dict[str, torch.Tensor]:
+    out = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+@pytest.mark.parametrize("chunk_elements", [2**22, 3 * 320])  # one chunk; chunks of 3 positions
+def test_response_logprobs_and_grads_match_full_logits(model, batch, chunk_elements, monkeypatch):
+    from engines import logits as logits_mod
+
+    monkeypatch.setattr(logits_mod, "CHUNK_ELEMENTS", chunk_elements)
+    weights = torch.randn(batch["action_mask"].shape, generator=torch.Generator().manual_seed(1))
+
+    expected_lp, expected_h = full_reference(model, batch)
+    ((expected_lp * weights).sum() + expected_h.sum()).backward()
+    expected_grads = _grads(model)
+
+    lp, h = logits_mod.response_logprobs_and_entropy(model, batch, with_entropy=True)
+    ((lp * weights).sum() + h.sum()).backward()
+    grads = _grads(model)
+
+    torch.testing.assert_close(lp, expected_lp, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(h, expected_h, rtol=1e-5, atol=1e-5)
+    assert lp[1, 2:].abs().sum() == 0 and h[1, 2:].abs().sum() == 0  # padding stays 0
+    assert expected_grads.keys() == grads.keys()
+    for name, g in expected_grads.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_sft_logprobs_match_full_logits(model, batch):
+    from engines.logits import masked_next_token_logprobs
+
+    loss_mask = torch.zeros_like(batch["input_ids"])
+    loss_mask[0, 5:8] = 1
+    loss_mask[1, 2:4] = 1
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        expected = shifted_logprobs(logits, batch["input_ids"]) * loss_mask[:, 1:]
+        got = masked_next_token_logprobs(model, batch, loss_mask)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_the_output_layer_never_sees_every_position(model, batch):
+    """The output layer runs on one position per row (the model's own forward) and on the
+    response tokens, never on the (B, L) grid."""
+    from engines.logits import response_logprobs_and_entropy
+
+    seen = []
+    hook = model.get_output_embeddings().register_forward_hook(lambda m, inp, out: seen.append(tuple(inp[0].shape)))
+    try:
+        with torch.no_grad():
+            response_logprobs_and_entropy(model, batch)
+    finally:
+        hook.remove()
+    B, L = batch["input_ids"].shape
+    n = int(batch["action_mask"].sum())
+    hidden = model.config.hidden_size
+    assert seen == [(B, 1, hidden), (n, hidden)]
+
+
+def test_on_policy_objective_equals_the_one_given_old_logprobs(model, batch):
+    """One optimizer step per batch: the policy loss with old = this forward's detached logprobs
+    equals the loss given those logprobs from a separate forward, in value and gradient."""
+    from engines.objectives import policy_objective, response_logprobs
+
+    with torch.no_grad():
+        old = response_logprobs(model, batch)
+    adv = torch.randn(batch["action_mask"].shape, generator=torch.Generator().manual_seed(2)) * batch["action_mask"]
+    common = dict(clip_low=0.2, clip_high=0.28, dual_clip=None, agg="token_mean", entropy_coef=0.01,
+                  kl_loss_coef=0.04, kl_estimator="k3", kl_clamp=10.0, tis_cap=2.0)
+    full = {**batch, "advantages": adv, "ref_logprobs": old - 0.1 * batch["action_mask"],
+            "rollout_logprobs": old - 0.05 * batch["action_mask"]}
+    given_loss, given = policy_objective(model, {**full, "old_logprobs": old}, **common)
+    given_loss.backward()
+    given_grads = _grads(model)
+    own_loss, own = policy_objective(model, full, on_policy=True, **common)
+    own_loss.backward()
+    own_grads = _grads(model)
+
+    assert own_loss.item() == pytest.approx(given_loss.item(), rel=1e-5)
+    assert own["sequence_kl"] == pytest.approx(0.1 * float(batch["action_mask"].sum()) / 2, rel=1e-4)
+    for name, g in given_grads.items():
+        torch.testing.assert_close(own_grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
+    with pytest.raises(ValueError, match="old_logprobs"):
+        policy_objective(model, full, **common)
