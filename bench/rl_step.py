@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/rl_step.py                          # this tree alone
     .venv/bin/python bench/rl_step.py --against HEAD~3          # this tree vs a commit, alternating
-    .venv/bin/python bench/rl_step.py --allocators system,jemalloc
+    .venv/bin/python bench/rl_step.py --variants 'glibc_retain;system;jemalloc;glibc_retain+round.async_rollouts=true'
     python3 bench/rl_step.py --config configs/gpu-small.yaml    # on a GPU: that config's model and round
 
 The work (issue 14), unless --config: GRPO on a Qwen2-shape model built by
@@ -106,7 +106,7 @@ def worker(args) -> dict:
     from engines.round_models import RoundSetup
 
     peak = matmul_peak_gflops(2)
-    ray.init(**ray_init_kwargs(InfraConfig()))
+    ray.init(**ray_init_kwargs(infra_config(InfraConfig)))
     pipeline = load_config(args.config) if args.config else None
     dtype = pipeline.model.dtype if pipeline else "float32"
     path = args.model
@@ -126,7 +126,8 @@ def worker(args) -> dict:
             "kl": {"coef": 0.04, "estimator": "k3", "apply_as": "loss"},
             "ppo": {"epochs": 1, "minibatch_size": PROMPTS * SAMPLES},
             "actor": {"learning_rate": 1e-5}})
-    cfg = cfg.model_copy(update={"steps": args.steps + 1})
+    overrides = json.loads(os.environ.get("ALIGNFLOW_BENCH_ROUND", "{}"))  # round.KEY=VALUE parts of the variant
+    cfg = RoundConfig.model_validate({**cfg.model_dump(), **overrides, "steps": args.steps + 1})
     rl = RLRound(cfg, RoundSetup(policy_path=path, reference_path=path, reward_path=path, prompts=prompts,
                                  dtype=dtype, torch_threads=2, max_model_len=PROMPT_TOKENS + NEW_TOKENS + 8, seed=0))
     try:
@@ -154,8 +155,41 @@ def worker(args) -> dict:
             "vocab": config.vocab_size, "reward": statistics.mean(s.metrics["reward/mean"] for s in steps)}
 
 
-ALLOCATORS = {"system": None,
-              "jemalloc": "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"}
+ALLOCATORS = ("glibc_retain", "jemalloc", "system")  # infra.allocator (alignflow/cluster.py)
+
+
+def infra_config(InfraConfig):
+    """The variant's InfraConfig: its allocator, where it names one (a tree from before
+    `infra.allocator` existed runs glibc as it comes: 'system')."""
+    allocator = os.environ.get("ALIGNFLOW_BENCH_ALLOCATOR")
+    if allocator is None:
+        return InfraConfig()
+    if "allocator" not in InfraConfig.model_fields:
+        if allocator != "system":
+            raise SystemExit(f"this tree has no infra.allocator; run it as 'system', not {allocator!r}")
+        return InfraConfig()
+    return InfraConfig(allocator=allocator)
+
+
+def variant_env(spec: str) -> dict[str, str]:
+    """A variant: '+'-joined an allocator (infra.allocator), NAME=VALUE environment settings and
+    round.KEY=VALUE round-config settings (VALUE as JSON), e.g. jemalloc+round.async_rollouts=true."""
+    env, round_cfg = {}, {}
+    for part in filter(None, spec.split("+")):
+        if part.startswith("round.") and "=" in part:
+            k, v = part[len("round."):].split("=", 1)
+            round_cfg[k] = json.loads(v)
+        elif "=" in part:
+            k, v = part.split("=", 1)
+            env[k] = v
+        elif part in ALLOCATORS:
+            env["ALIGNFLOW_BENCH_ALLOCATOR"] = part
+        else:
+            raise SystemExit(f"--variants: {part!r} is not an allocator ({', '.join(ALLOCATORS)}), "
+                             "a NAME=VALUE setting nor a round.KEY=VALUE setting")
+    if round_cfg:
+        env["ALIGNFLOW_BENCH_ROUND"] = json.dumps(round_cfg)
+    return env
 
 
 def build_model(config: str | None) -> str:
@@ -183,11 +217,11 @@ def snapshot() -> Path:
     return out
 
 
-def run_variant(label: str, tree: Path, allocator: str, args, script: Path) -> dict:
+def run_variant(label: str, tree: Path, spec: str, args, script: Path) -> dict:
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    env.pop("LD_PRELOAD", None)
-    if ALLOCATORS.get(allocator):
-        env["LD_PRELOAD"] = ALLOCATORS[allocator]
+    for k in ("LD_PRELOAD", "MALLOC_CONF", *(k for k in os.environ if k.startswith("MALLOC_"))):
+        env.pop(k, None)
+    env.update(variant_env(spec))
     cmd = [sys.executable, str(script), "--worker", "--steps", str(args.steps), "--model", args.model]
     if args.config:
         cmd += ["--config", args.config]
@@ -198,14 +232,12 @@ def run_variant(label: str, tree: Path, allocator: str, args, script: Path) -> d
     return json.loads(lines[-1][len("RESULT "):])
 
 
-def report(label: str, runs: list[dict], base: float | None) -> float:
+def report(label: str, runs: list[dict], base: float | None, peak: float) -> float:
     step = statistics.median(r["step"] for r in runs)
     med = lambda key: statistics.median(r[key] for r in runs)  # noqa: E731
     sys_share = med("cpu_system_s") / max(med("cpu_user_s") + med("cpu_system_s"), 1e-9)
-    peak = med("peak_gflops")
     ratio = f"  ({step / base:.2f}x the first)" if base else ""
-    print(f"\n{label}: step {step:.2f} s{ratio}; system CPU {100 * sys_share:.1f}% of CPU time; "
-          f"matmul peak {peak:.0f} GFLOP/s; {runs[0]['params_m']:.2f}M params, vocab {runs[0]['vocab']}")
+    print(f"\n{label}: step {step:.2f} s{ratio}; system CPU {100 * sys_share:.1f}% of CPU time")
     for p in PHASES:
         t = statistics.median(r["phases"][p] for r in runs)
         if t < 1e-4:
@@ -222,7 +254,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5, help="timed steps per run (after one warm-up step)")
     parser.add_argument("--runs", type=int, default=3, help="runs per variant, alternating")
     parser.add_argument("--against", default=None, help="git revision to compare with (checked out in /tmp)")
-    parser.add_argument("--allocators", default="system", help=f"comma-separated: {', '.join(ALLOCATORS)}")
+    parser.add_argument("--variants", default="glibc_retain", help="';'-separated; each '+'-joined an allocator "
+                        f"({', '.join(ALLOCATORS)}) and NAME=VALUE settings, e.g. jemalloc+round.async_rollouts=true")
     parser.add_argument("--config", default=None, help="pipeline config: its model and first round")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)  # built once, by this tree's factory
@@ -238,16 +271,16 @@ def main() -> None:
         subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(tree), args.against], check=True,
                        capture_output=True)
         trees.insert(0, (args.against, tree))
-    allocators = args.allocators.split(",")
-    for a in allocators:
-        if a not in ALLOCATORS or (ALLOCATORS[a] and not Path(ALLOCATORS[a]).exists()):
-            raise SystemExit(f"--allocators: {a!r} is unknown or not installed")
-    variants = [(f"{t} [{a}]", path, a) for t, path in trees for a in allocators]
+    specs = args.variants.split(";")
+    for spec in specs:
+        variant_env(spec)  # fails before any run on an unknown one
+    # A commit compared against runs as it was (its own defaults); this tree runs every variant.
+    variants = [(f"{t} [{v}]" if v else t, path, v) for t, path in trees for v in (specs if path == trees[-1][1] else [""])]
     results: dict[str, list[dict]] = {v[0]: [] for v in variants}
     try:
         for i in range(args.runs):
-            for label, path, alloc in variants:
-                results[label].append(run_variant(label, path, alloc, args, script))
+            for label, path, spec in variants:
+                results[label].append(run_variant(label, path, spec, args, script))
                 print(f"run {i + 1}/{args.runs} {label}: {results[label][-1]['step']:.2f} s", flush=True)
     finally:
         if args.against:
@@ -255,9 +288,13 @@ def main() -> None:
     work = "config " + args.config if args.config else (
         f"GRPO, {PROMPTS} prompts x {SAMPLES} samples x {NEW_TOKENS} new tokens")
     print(f"\n{work}; medians of {args.runs} runs of {args.steps} steps, variants alternating")
+    first = results[variants[0][0]][0]
+    peak = max(r["peak_gflops"] for runs in results.values() for r in runs)  # the best seen in any run
+    print(f"model {first['params_m']:.2f}M parameters, vocabulary {first['vocab']}; fp32 matmul peak {peak:.0f} "
+          "GFLOP/s (2 threads, best of all runs)")
     base = None
     for label, *_ in variants:
-        step = report(label, results[label], base)
+        step = report(label, results[label], base, peak)
         base = base or step
 
 

@@ -28,7 +28,6 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from algos.entropy import entropy_from_logits
 
 # Logits per chunk: 16 MiB in fp32. Chunks of this size stay below the sizes glibc
 # serves with mmap (whose pages are unmapped again on every free) and keep a
@@ -56,10 +55,15 @@ def final_hidden(model, batch: dict[str, Tensor]) -> Tensor:
 
 
 def _chunk(head, hidden: Tensor, targets: Tensor, with_entropy: bool) -> tuple[Tensor, ...]:
+    """log p(y) = z_y − lse(z); H = lse(z) − Σ_v p_v z_v with p = exp(z − lse) (finite logits: an
+    output layer's), in four passes over the logits where log-softmax-based entropy takes seven."""
     logits = head(hidden).float()
     lse = torch.logsumexp(logits, dim=-1)
     logprobs = torch.gather(logits, -1, targets.unsqueeze(-1)).squeeze(-1) - lse
-    return (logprobs, entropy_from_logits(logits)) if with_entropy else (logprobs,)
+    if not with_entropy:
+        return (logprobs,)
+    p = torch.exp(logits - lse.unsqueeze(-1))
+    return logprobs, lse - (p * logits).sum(-1)
 
 
 def logprobs_from_hidden(head, hidden: Tensor, targets: Tensor, vocab_size: int, *,

@@ -75,11 +75,10 @@ class RLRound:
         update_cls = UPDATES[cfg.spec.update]
         self.models = start_round_models(cfg, setup, update_cls.updates_per_step(cfg))
         self.update = update_cls(cfg, self.models, setup.seed)
+        self._pending: tuple[int, object] | None = None  # async_rollouts: (step, its generation under way)
 
     def generate(self, prompt_ids: list[list[int]]) -> list[Rollout]:
-        g = self.cfg.generation
-        return self.models.generate(prompt_ids, Sampling(n=g.num_samples, temperature=g.temperature, top_p=g.top_p,
-                                                         max_new_tokens=g.max_new_tokens))
+        return self.models.generate(prompt_ids, self._sampling())
 
     def rewards(self, exp: Experience, rollouts: list[Rollout], records: list[dict]) -> torch.Tensor:
         """Sequence rewards (B,): the reward model on tokens, or the rule / service on text; then shaping."""
@@ -93,11 +92,32 @@ class RLRound:
         return experience.shaped_rewards(task, exp.action_mask, max_new_tokens=self.cfg.generation.max_new_tokens,
                                          overlong_buffer=r.overlong_buffer, overlong_penalty=r.overlong_penalty)
 
+    def _sampling(self) -> Sampling:
+        g = self.cfg.generation
+        return Sampling(n=g.num_samples, temperature=g.temperature, top_p=g.top_p, max_new_tokens=g.max_new_tokens)
+
+    def _prompts(self, step: int) -> tuple[list[list[int]], list[dict]]:
+        picked = [self.setup.prompts[i] for i in self.schedule.indices(step).tolist()]
+        return [p for p, _ in picked], [r for _, r in picked]
+
+    def _rollouts(self, step: int, prompt_ids: list[list[int]]) -> list[Rollout]:
+        """This step's rollouts. With `async_rollouts`, the ones started during the previous step
+        (or now, on a round's first step or after a resume), and the next step's are started at once,
+        to run beside this step's scoring and training; the weight sync at the end of the step
+        waits for them (the engines run calls in order)."""
+        if not self.cfg.async_rollouts:
+            return self.generate(prompt_ids)
+        pending, self._pending = self._pending, None
+        if pending is None or pending[0] != step:
+            pending = (step, self.models.submit(prompt_ids, self._sampling()))
+        if step + 1 < self.cfg.steps:
+            self._pending = (step + 1, self.models.submit(self._prompts(step + 1)[0], self._sampling()))
+        return self.models.collect(pending[1])
+
     def step(self, step: int) -> StepOutcome:
         clock = _Clock()
-        picked = [self.setup.prompts[i] for i in self.schedule.indices(step).tolist()]
-        prompt_ids, records = [p for p, _ in picked], [r for _, r in picked]
-        rollouts = self.generate(prompt_ids)
+        prompt_ids, records = self._prompts(step)
+        rollouts = self._rollouts(step, prompt_ids)
         clock.lap("generate")
         exp = experience.from_rollouts(rollouts, self.tokenizer.pad_token_id)
         exp = exp.with_(rewards=self.rewards(exp, rollouts, records))
@@ -110,7 +130,9 @@ class RLRound:
             **trained.metrics, **clock.times,
             "reward/mean": rewards.mean().item(), "reward/std": rewards.std().item() if len(rewards) > 1 else 0.0,
             "response_length": exp.action_mask.sum(-1).mean().item(),
-            "tokens_per_s": n_tokens / max(clock.times["time/generate"], 1e-9),
+            # Asynchronous, generation runs beside the step: its rate is over the whole step.
+            "tokens_per_s": n_tokens / max(sum(clock.times.values()) if self.cfg.async_rollouts
+                                           else clock.times["time/generate"], 1e-9),
         }
         return StepOutcome(metrics, trained.experience, trained.rows, rollouts)
 

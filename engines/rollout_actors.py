@@ -10,6 +10,7 @@ them and pushes weights into all of them.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import ray
 import torch
@@ -94,6 +95,15 @@ def wait_placement_group(pg, what: str, timeout_s: float = 300.0) -> None:
             f"(cluster: {ray.cluster_resources()})")
 
 
+@dataclass(frozen=True)
+class PendingRollouts:
+    """A generation under way on the engines: which prompts each engine got, and its result refs."""
+
+    n_prompts: int
+    chunks: list[list[int]]
+    refs: list
+
+
 class RolloutEngines:
     """The rollout engines of a round or an evaluation, as one: prompts spread across them,
     weights pushed into all of them, sleep and wake together."""
@@ -103,17 +113,25 @@ class RolloutEngines:
 
     def generate(self, prompt_ids: list[list[int]], sampling: Sampling) -> list[Rollout]:
         """Rollouts grouped per prompt, in prompt order (prompt i goes to engine i mod k)."""
+        return self.collect(self.submit(prompt_ids, sampling))
+
+    def submit(self, prompt_ids: list[list[int]], sampling: Sampling) -> PendingRollouts:
+        """Start generating and return at once; `collect` waits for the rollouts. The engines run
+        calls in order, so a weight update submitted later waits for this generation."""
         k = len(self.actors)
-        chunks = [list(range(i, len(prompt_ids), k)) for i in range(k)]
-        results = ray.get([e.generate.remote([prompt_ids[j] for j in c], sampling)
-                           for e, c in zip(self.actors, chunks) if c])
+        chunks = [c for c in (list(range(i, len(prompt_ids), k)) for i in range(k)) if c]
+        refs = [e.generate.remote([prompt_ids[j] for j in c], sampling) for e, c in zip(self.actors, chunks)]
+        return PendingRollouts(len(prompt_ids), chunks, refs)
+
+    @staticmethod
+    def collect(pending: PendingRollouts) -> list[Rollout]:
         by_prompt: dict[int, list[Rollout]] = {}
-        for chunk, rollouts in zip([c for c in chunks if c], results):
+        for chunk, rollouts in zip(pending.chunks, ray.get(pending.refs)):
             for r in rollouts:
                 orig = chunk[r.prompt_index]
                 by_prompt.setdefault(orig, []).append(
                     Rollout(orig, r.prompt_ids, r.token_ids, r.text, r.logprobs, r.finished))
-        return [r for i in range(len(prompt_ids)) for r in by_prompt[i]]
+        return [r for i in range(pending.n_prompts) for r in by_prompt[i]]
 
     def update_weights(self, blob) -> None:
         ray.get([e.update_weights.remote(blob) for e in self.actors])

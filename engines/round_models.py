@@ -28,7 +28,7 @@ from alignflow.config import RoundConfig
 from alignflow.errors import InsufficientResourcesError
 from alignflow.seeds import derive_seed
 from engines.rollout import Rollout, Sampling
-from engines.rollout_actors import RolloutEngines, start_engines, wait_placement_group
+from engines.rollout_actors import PendingRollouts, RolloutEngines, start_engines, wait_placement_group
 from engines.scoring import start_scorer
 from engines.trainer import EngineSpec, TrainerGroup
 
@@ -128,6 +128,13 @@ class RoundModels:
 
     def model_rewards(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return ray.get(self.rewarder.rewards.remote(batch))
+
+    def submit(self, prompt_ids: list[list[int]], sampling: Sampling) -> PendingRollouts:
+        """Start a generation without waiting (asynchronous rollouts; never colocated)."""
+        return self.engines.submit(prompt_ids, sampling)
+
+    def collect(self, pending: PendingRollouts) -> list[Rollout]:
+        return self.engines.collect(pending)
 
     def generate(self, prompt_ids: list[list[int]], sampling: Sampling) -> list[Rollout]:
         """Prompts spread across the engines; rollouts come back grouped per prompt, in prompt order.

@@ -10,6 +10,8 @@ rounds at all (it is then a product of the run); otherwise it is skipped.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, model_validator
 
 from alignflow.config.base import GenerationConfig, Placement, Section, TrainConfig
@@ -64,6 +66,10 @@ class InfraConfig(Section):
     task_retries: int = Field(2, ge=0)
     retry_delay_seconds: float = Field(2.0, ge=0)
     torch_threads: int = Field(2, ge=1)
+    allocator: Literal["glibc_retain", "jemalloc", "system"] = Field(
+        "glibc_retain", description="CPU memory allocator of every process Ray starts: glibc keeping freed "
+        "memory for reuse instead of returning it to the kernel at every free (no extra library); jemalloc "
+        "(libjemalloc2, preloaded, no decay); or glibc as it comes. bench/rl_step.py measures them")
 
 
 class PipelineConfig(Section):

@@ -117,6 +117,10 @@ class RoundConfig(Section):
         False, description="actor, critic, reference, reward model and rollout engines share the same "
         "devices (one Ray placement group, fractional shares); rollout engines sleep while the models "
         "train, and the actor's optimizer state leaves the GPU while they generate")
+    async_rollouts: bool = Field(
+        False, description="generate the next step's rollouts while this step scores and trains: the "
+        "engines then sample from the policy one update behind the one that trains on them (corrected by "
+        "ppo.tis_cap's truncated importance sampling)")
     scorer_placement: Placement = Field(default_factory=Placement, description="reference / reward actors")
     checkpoint_every: int = Field(10, ge=1, description="steps between resumable checkpoints")
 
@@ -155,4 +159,7 @@ class RoundConfig(Section):
                 raise ValueError("colocate_all with generation.vllm.tensor_parallel_size > 1 is not supported: "
                                  "colocate with one GPU per engine, or give tensor-parallel engines GPUs of "
                                  "their own (colocate_all: false)")
+            if self.async_rollouts:
+                raise ValueError("async_rollouts needs the rollout engines awake while the models train: "
+                                 "it cannot be combined with colocate_all")
         return self

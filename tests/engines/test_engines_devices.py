@@ -163,6 +163,7 @@ def test_colocation_on_cpus_has_no_gpu_share():
     (dict(critic=CriticConfig(num_workers=1)), "critic.num_workers"),
     (dict(generation=RolloutConfig(placement=Placement(num_gpus=1), vllm=VLLMConfig(tensor_parallel_size=2))),
      "tensor_parallel_size > 1 is not supported"),
+    (dict(async_rollouts=True), "cannot be combined with colocate_all"),
 ])
 def test_colocation_rejects_shapes_it_cannot_place(kw, words):
     base = dict(algorithm="ppo", colocate_all=True, num_rollout_engines=2,

@@ -160,6 +160,38 @@ def test_round_state_restores_actor_and_engine(ray_local, tiny_model, prompts, t
         second.shutdown()
 
 
+def test_async_rollouts_run_one_update_behind(ray_local, tiny_model, prompts):
+    """With async_rollouts, step s+1's rollouts are sampled while step s trains, from the policy
+    before step s's update; after each step's sync the engines hold the trained policy."""
+    from alignflow.config import PPOConfig
+    from engines.experience import from_rollouts
+    from engines.models import load_policy
+    from engines.objectives import response_logprobs
+
+    rl = _start(_round("grpo", async_rollouts=True, ppo=PPOConfig(minibatch_size=32, epochs=1, tis_cap=2.0)),
+                tiny_model, prompts)
+    try:
+        first = rl.step(0)
+        assert rl._pending is not None and rl._pending[0] == 1  # step 1's generation started during step 0
+        second = rl.step(1)
+        start = load_policy(tiny_model).eval()
+        for out in (first, second):  # both sampled from the starting policy: step 1's one update behind
+            exp = out.experience
+            with torch.no_grad():
+                theta0 = response_logprobs(start, exp.tensors())
+            assert ((exp.rollout_logprobs - theta0) * exp.action_mask).abs().max().item() <= 1e-4
+        trained = rl.models.actor.evaluate(second.experience.tensors(), response_logprobs)
+        moved = ((trained - second.experience.rollout_logprobs) * second.experience.action_mask).abs().max()
+        assert moved > 1e-3, "the actor did not move away from the sampling policy"
+        # The sync after step 1 waited for step 2's generation, then loaded the trained weights.
+        picked = [prompts[i][0] for i in rl.schedule.indices(2).tolist()]
+        fresh = from_rollouts(rl.generate(picked), rl.tokenizer.pad_token_id)
+        now = rl.models.actor.evaluate(fresh.tensors(), response_logprobs)
+        assert ((fresh.rollout_logprobs - now) * fresh.action_mask).abs().max().item() <= 1e-4
+    finally:
+        rl.shutdown()
+
+
 def test_two_engines_and_separate_reference_and_reward(ray_local, tiny_model, prompts):
     """Prompts spread across two vLLM engines come back grouped per prompt, in
     order; the reference and the reward model run as separate actors."""
@@ -256,3 +288,24 @@ def test_tied_embeddings_sync_into_vllm(ray_local, tiny_model, prompts, tmp_path
     finally:
         group.shutdown()
         ray.kill(engine)
+
+
+def test_ray_workers_get_the_configured_allocator(ray_local, monkeypatch):
+    """`infra.allocator` reaches every process Ray starts (glibc_retain by default: freed memory
+    stays with the process); jemalloc that is not installed is a config error naming the field."""
+    import ray
+
+    from alignflow import cluster
+    from alignflow.errors import ConfigError
+
+    @ray.remote(num_cpus=0)
+    def malloc_env():
+        import os
+
+        return {k: os.environ.get(k) for k in cluster.GLIBC_RETAIN}
+
+    assert ray.get(malloc_env.remote()) == cluster.GLIBC_RETAIN
+    assert cluster.allocator_env("system") == {}
+    monkeypatch.setattr(cluster, "JEMALLOC_PATHS", ("/nonexistent/libjemalloc.so.2",))
+    with pytest.raises(ConfigError, match="infra.allocator: jemalloc"):
+        cluster.allocator_env("jemalloc")
