@@ -243,7 +243,8 @@ def report(label: str, runs: list[dict], base: float | None, peak: float) -> flo
         if t < 1e-4:
             continue
         flops = runs[0]["flops"].get(p)
-        rate = f"{flops / t / 1e9:7.1f} GFLOP/s ({100 * flops / t / 1e9 / peak:4.1f}% of peak)" if flops else ""
+        # A phase that only waits (asynchronous generation) did no work of its own to rate.
+        rate = f"{flops / t / 1e9:7.1f} GFLOP/s ({100 * flops / t / 1e9 / peak:4.1f}% of peak)" if flops and t > 0.05 else ""
         print(f"  {p:<13}{t:7.3f} s  {rate}")
     print("  runs: " + ", ".join(f"{r['step']:.2f}" for r in runs) + " s")
     return step
