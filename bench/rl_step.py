@@ -33,6 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from measure import cpu_times, forward_flops, matmul_peak_gflops  # bench/measure.py, beside this script
+
 REPO = Path(__file__).resolve().parent.parent
 PHASES = ["generate", "score", "reference", "old_logprobs", "critic", "train", "sync"]
 WORK = dict(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=1024, vocab_size=2048,
@@ -47,50 +49,8 @@ def word_corpus(words: int = 60_000, seed: int = 0) -> list[str]:
     rng = random.Random(seed)
     letters = "etaoinshrdlucmfwypvbgkjqxz"
     weights = [len(letters) - i for i in range(len(letters))]
-    text = [" ".join("".join(rng.choices(letters, weights, k=rng.randint(2, 9))) for _ in range(12))
+    return [" ".join("".join(rng.choices(letters, weights, k=rng.randint(2, 9))) for _ in range(12))
             for _ in range(words // 12)]
-    return text
-
-
-def matmul_peak_gflops(threads: int, n: int = 1024, repeats: int = 20) -> float:
-    """The best fp32 GFLOP/s of an n x n matmul on `threads` threads (what a phase could reach)."""
-    import torch
-
-    torch.set_num_threads(threads)
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    for _ in range(3):
-        a @ b
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best / 1e9
-
-
-def forward_flops(config, tokens: float, logit_positions: float, attended: float) -> float:
-    """Model FLOPs of a forward: 2 x (linear weights, output layer excluded) per token, the output
-    layer at the positions whose logits are used, and attention (QK^T and AV) over `attended`
-    (query, key) pairs. Counted as useful work: logits computed elsewhere do not count."""
-    h, layers = config.hidden_size, config.num_hidden_layers
-    kv = h // config.num_attention_heads * config.num_key_value_heads
-    per_layer = h * h * 2 + h * kv * 2 + 3 * h * config.intermediate_size  # q, o, k, v, MLP
-    return 2 * per_layer * layers * tokens + 2 * h * config.vocab_size * logit_positions + 4 * h * layers * attended
-
-
-def _cpu_times() -> dict[int, tuple[str, float, float]]:
-    """(name, user, system) CPU seconds of this process and its Ray workers."""
-    import psutil
-
-    out = {}
-    me = psutil.Process()
-    for p in [me, *me.children(recursive=True)]:
-        try:
-            t = p.cpu_times()
-            out[p.pid] = (p.name(), t.user + t.children_user, t.system + t.children_system)
-        except psutil.Error:
-            pass
-    return out
 
 
 def worker(args) -> dict:
@@ -132,14 +92,14 @@ def worker(args) -> dict:
                                  dtype=dtype, torch_threads=2, max_model_len=PROMPT_TOKENS + NEW_TOKENS + 8, seed=0))
     try:
         rl.step(0)  # warm-up: engine start, first kernels
-        before, t0 = _cpu_times(), time.perf_counter()
+        before, t0 = cpu_times(), time.perf_counter()
         steps = [rl.step(s) for s in range(1, args.steps + 1)]
-        wall, after = time.perf_counter() - t0, _cpu_times()
+        wall, after = time.perf_counter() - t0, cpu_times()
     finally:
         rl.shutdown()
         ray.shutdown()
-    user = sum(after[p][1] - before[p][1] for p in after if p in before)
-    system = sum(after[p][2] - before[p][2] for p in after if p in before)
+    user = sum(after[p][0] - before[p][0] for p in after if p in before)
+    system = sum(after[p][1] - before[p][1] for p in after if p in before)
     phases = {p: statistics.median(s.metrics.get(f"time/{p}", 0.0) for s in steps) for p in PHASES}
     exp = steps[-1].experience
     tokens = float(exp.attention_mask.sum())
@@ -155,7 +115,14 @@ def worker(args) -> dict:
             "vocab": config.vocab_size, "reward": statistics.mean(s.metrics["reward/mean"] for s in steps)}
 
 
-ALLOCATORS = ("glibc_retain", "jemalloc", "system")  # infra.allocator (alignflow/cluster.py)
+def _allocators() -> tuple[str, ...]:
+    """The values of `infra.allocator` (alignflow/cluster.py). Asked in the parent only: a worker may
+    import a tree from before the setting existed."""
+    from typing import get_args
+
+    from alignflow.config import InfraConfig
+
+    return get_args(InfraConfig.model_fields["allocator"].annotation)
 
 
 def infra_config(InfraConfig):
@@ -182,10 +149,10 @@ def variant_env(spec: str) -> dict[str, str]:
         elif "=" in part:
             k, v = part.split("=", 1)
             env[k] = v
-        elif part in ALLOCATORS:
+        elif part in _allocators():
             env["ALIGNFLOW_BENCH_ALLOCATOR"] = part
         else:
-            raise SystemExit(f"--variants: {part!r} is not an allocator ({', '.join(ALLOCATORS)}), "
+            raise SystemExit(f"--variants: {part!r} is not an allocator ({', '.join(_allocators())}), "
                              "a NAME=VALUE setting nor a round.KEY=VALUE setting")
     if round_cfg:
         env["ALIGNFLOW_BENCH_ROUND"] = json.dumps(round_cfg)
@@ -256,7 +223,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3, help="runs per variant, alternating")
     parser.add_argument("--against", default=None, help="git revision to compare with (checked out in /tmp)")
     parser.add_argument("--variants", default="glibc_retain", help="';'-separated; each '+'-joined an allocator "
-                        f"({', '.join(ALLOCATORS)}) and NAME=VALUE settings, e.g. jemalloc+round.async_rollouts=true")
+                        "(infra.allocator) and NAME=VALUE settings, e.g. jemalloc+round.async_rollouts=true")
     parser.add_argument("--config", default=None, help="pipeline config: its model and first round")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)  # built once, by this tree's factory

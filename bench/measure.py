@@ -1,0 +1,46 @@
+"""What the benchmarks measure besides time: the machine's matmul peak, a model's FLOPs, CPU times."""
+
+from __future__ import annotations
+
+import time
+
+
+def matmul_peak_gflops(threads: int, n: int = 1024, repeats: int = 20) -> float:
+    """The best fp32 GFLOP/s of an n x n matmul on `threads` threads (what a phase could reach)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    for _ in range(3):
+        a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best / 1e9
+
+
+def forward_flops(config, tokens: float, logit_positions: float, attended: float) -> float:
+    """Model FLOPs of a forward: 2 x (linear weights, output layer excluded) per token, the output
+    layer at the positions whose logits are used, and attention (QK^T and AV) over `attended`
+    (query, key) pairs. Counted as useful work: logits computed elsewhere do not count."""
+    h, layers = config.hidden_size, config.num_hidden_layers
+    kv = h // config.num_attention_heads * config.num_key_value_heads
+    per_layer = h * h * 2 + h * kv * 2 + 3 * h * config.intermediate_size  # q, o, k, v, MLP
+    return 2 * per_layer * layers * tokens + 2 * h * config.vocab_size * logit_positions + 4 * h * layers * attended
+
+
+def cpu_times() -> dict[int, tuple[float, float]]:
+    """(user, system) CPU seconds of this process and each of its descendants (Ray's workers), by pid."""
+    import psutil
+
+    out = {}
+    me = psutil.Process()
+    for p in [me, *me.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+            out[p.pid] = (t.user + t.children_user, t.system + t.children_system)
+        except psutil.Error:
+            pass
+    return out
