@@ -128,11 +128,16 @@ def with_advantages(exp: Experience, *, estimator: str, whiten: bool, group_size
     return exp.with_(token_rewards=token_rewards, advantages=advantages, returns=out.returns)
 
 
+def sequence_k1(logprobs: Tensor, ref_logprobs: Tensor, action_mask: Tensor) -> Tensor:
+    """Σ_t (log π − log π_ref) over each response (k1, the sampled KL): (B, T) each → (B,)."""
+    return algos.kl_estimate(logprobs, ref_logprobs, kind="k1").mul(action_mask).sum(-1)
+
+
 def sequence_kl(exp: Experience) -> Tensor:
-    """Σ_t (log π_old − log π_ref) over each response (k1, the sampled KL): (B,). 0 without a reference."""
+    """`sequence_k1` of the old policy against the reference: (B,). 0 without a reference."""
     if exp.ref_logprobs is None:
         return torch.zeros(len(exp))
-    return algos.kl_estimate(exp.old_logprobs, exp.ref_logprobs, kind="k1").mul(exp.action_mask).sum(-1)
+    return sequence_k1(exp.old_logprobs, exp.ref_logprobs, exp.action_mask)
 
 
 def best_of_n(exp: Experience, threshold: float | None) -> Tensor:

@@ -11,6 +11,7 @@ import torch
 
 from algos.preference import pairwise_reward_loss
 from algos.sequence import sft_loss
+from engines.experience import sequence_k1
 from engines.logits import masked_next_token_logprobs, response_logprobs_and_entropy, unwrap
 
 
@@ -114,7 +115,7 @@ def policy_objective(
         kl_loss = kl_loss_coef * aggregate_loss(kl, mask, agg=agg)
         if kl_loss_coef:
             loss = loss + kl_loss
-        k1 = kl_estimate(logprobs.detach(), batch["ref_logprobs"], kind="k1").mul(mask).sum(-1)
+        k1 = sequence_k1(logprobs.detach(), batch["ref_logprobs"], mask)
         metrics.update(kl_to_reference=float(masked_mean(kl.detach(), mask)), kl_loss=float(kl_loss.detach()),
                        sequence_kl=float(k1.mean()))
     elif kl_loss_coef:
