@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -22,6 +23,7 @@ from typing import Any
 import fsspec
 
 MANIFEST = "manifest.json"
+log = logging.getLogger("alignflow")
 _CHECKPOINT_DIR = re.compile(r"step-(\d+)$")
 
 
@@ -133,18 +135,19 @@ class Storage:
                 fs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)
             fs.put_file(str(p), target)
         manifest = {"files": entries, "meta": meta or {}}
-        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as tmp:
-            json.dump(manifest, tmp, indent=1, sort_keys=True)
-        try:
+        fd, tmp = tempfile.mkstemp(suffix=".json", prefix="alignflow-manifest-")
+        try:  # removed on every path, a meta that is not JSON included
+            with os.fdopen(fd, "w") as f:
+                json.dump(manifest, f, indent=1, sort_keys=True)
             if self.is_local:
                 # A local copy is not atomic: copy beside, then rename into place,
                 # so a crash never leaves a truncated manifest that looks committed.
-                fs.put_file(tmp.name, f"{uri}/{MANIFEST}.partial")
+                fs.put_file(tmp, f"{uri}/{MANIFEST}.partial")
                 os.replace(f"{uri}/{MANIFEST}.partial", f"{uri}/{MANIFEST}")
             else:  # an object-store PUT appears whole or not at all
-                fs.put_file(tmp.name, f"{uri}/{MANIFEST}")
+                fs.put_file(tmp, f"{uri}/{MANIFEST}")
         finally:
-            os.unlink(tmp.name)
+            os.unlink(tmp)
         return manifest
 
     def fetch(self, uri: str, verify: bool = True) -> Path:
@@ -203,18 +206,36 @@ class Storage:
     def checkpoint_uri(self, stage_uri: str, step: int) -> str:
         return f"{stage_uri}/checkpoints/step-{step:08d}"
 
-    def latest_checkpoint(self, stage_uri: str) -> tuple[int, str] | None:
-        """The committed mid-stage checkpoint with the highest step, if any."""
+    def committed_checkpoints(self, stage_uri: str) -> list[tuple[int, str]]:
+        """Every committed mid-stage checkpoint as (step, uri), highest step first."""
         fs = self._fs()
         base = f"{stage_uri}/checkpoints"
         if not fs.exists(base):
-            return None
+            return []
         found = []
         for entry in fs.ls(base, detail=False):
             m = _CHECKPOINT_DIR.search(entry.rstrip("/"))
             if m and fs.exists(f"{entry.rstrip('/')}/{MANIFEST}"):
                 found.append((int(m.group(1)), self._normalize(entry.rstrip("/"))))
-        return max(found) if found else None
+        return sorted(found, reverse=True)
+
+    def latest_checkpoint(self, stage_uri: str) -> tuple[int, str] | None:
+        """The committed mid-stage checkpoint with the highest step, if any (not verified)."""
+        found = self.committed_checkpoints(stage_uri)
+        return found[0] if found else None
+
+    def latest_valid_checkpoint(self, stage_uri: str) -> tuple[int, str, Path] | None:
+        """The newest committed checkpoint whose files match its manifest, as (step, uri, local copy).
+
+        One that fails verification (a file corrupted or lost after the commit)
+        is skipped, with a warning, for the one before it; None if none is left.
+        """
+        for step, uri in self.committed_checkpoints(stage_uri):
+            try:
+                return step, uri, self.fetch(uri, verify=True)
+            except (StorageError, ValueError, KeyError) as err:  # ValueError: a manifest that is not JSON
+                log.warning("skipping checkpoint %s (step %d), it fails verification: %s", uri, step, err)
+        return None
 
     def prune_checkpoints(self, stage_uri: str, keep_step: int | None = None) -> None:
         """Remove mid-stage checkpoints (all, or all but `keep_step`)."""

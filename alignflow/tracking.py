@@ -4,16 +4,30 @@ Stages run in Ray workers, so a child run is opened by id (`parent_run_id`)
 rather than through MLflow's thread-local active-run stack. Stage configs
 become params, flattened with dotted names; anything that looks like a
 credential is dropped first, and URIs lose their userinfo.
+
+Every run records the process that owns it (`alignflow.pid`,
+`alignflow.host`) and is ended by that process: FINISHED, FAILED on an
+error, KILLED on an interrupt. A process killed outright (SIGKILL, OOM) ends
+nothing, so the next pipeline start marks KILLED every RUNNING run whose
+owner on this host is gone; runs owned on other hosts are left alone.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
+import os
 import re
+import socket
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
+
+from alignflow.interrupts import end_status
+
+log = logging.getLogger("alignflow")
 
 # `token` but not `tokens`/`tokenizer`: max_new_tokens etc. are settings, not credentials.
 _SECRET = re.compile(r"(secret|password|passwd|token(?!s|izer)|credential|access_key|api_key|private)", re.I)
@@ -59,13 +73,43 @@ class Tracker:
         self.experiment_id = mlflow.set_experiment(experiment).experiment_id
 
     def start_parent(self, run_name: str, params: Mapping[str, Any], tags: Mapping[str, str] | None = None) -> str:
+        """The pipeline's parent run; runs left RUNNING by dead processes on this host are closed first."""
+        self.reap_stale()
         client = self._mlflow.MlflowClient()
-        run = client.create_run(self.experiment_id, run_name=run_name, tags=dict(tags or {}))
-        self._log_params(run.info.run_id, params)
+        run = client.create_run(self.experiment_id, run_name=run_name, tags={**_owner_tags(), **(tags or {})})
+        try:
+            self._log_params(run.info.run_id, params)
+        except BaseException as exc:
+            client.set_terminated(run.info.run_id, status=end_status(exc))
+            raise
         return run.info.run_id
 
     def finish(self, run_id: str, status: str = "FINISHED") -> None:
         self._mlflow.MlflowClient().set_terminated(run_id, status=status)
+
+    def reap_stale(self) -> list[str]:
+        """Mark KILLED every RUNNING run of the experiment owned by a process on this host that is gone."""
+        client = self._mlflow.MlflowClient()
+        host = socket.gethostname()
+        query = f"attributes.status = 'RUNNING' and tags.`{HOST_TAG}` = '{host}'"
+        stale, token = [], None
+        while True:  # every page first: ending runs while paging would shift the pages
+            page = client.search_runs([self.experiment_id], filter_string=query, max_results=1000, page_token=token)
+            for run in page:
+                pid = run.data.tags.get(PID_TAG, "")
+                if pid.isdigit() and not pid_alive(int(pid), since=run.info.start_time / 1000):
+                    stale.append((run.info.run_id, pid))
+            token = page.token
+            if not token:
+                break
+        for run_id, pid in stale:
+            client.set_tag(run_id, "alignflow.end_reason", f"process {pid} on {host} died")
+            client.set_terminated(run_id, status="KILLED")
+        reaped = [run_id for run_id, _ in stale]
+        if reaped:
+            log.warning("marked %d MLflow run(s) KILLED: left RUNNING by processes on %s that are gone",
+                        len(reaped), host)
+        return reaped
 
     def run(self, run_id: str) -> StageRun:
         """Logging into an existing run (e.g. the pipeline's parent run)."""
@@ -77,18 +121,22 @@ class Tracker:
     ) -> Iterator[StageRun]:
         """A child run of the pipeline's parent run (or a top-level run)."""
         client = self._mlflow.MlflowClient()
-        all_tags = {"alignflow.stage": stage, **(tags or {})}
+        all_tags = {"alignflow.stage": stage, **_owner_tags(), **(tags or {})}
         if parent_run_id:
             all_tags["mlflow.parentRunId"] = parent_run_id
         run = client.create_run(self.experiment_id, run_name=stage, tags=all_tags)
         run_id = run.info.run_id
-        self._log_params(run_id, params)
-        status = "FAILED"
         try:
+            self._log_params(run_id, params)
             yield StageRun(client, run_id)
-            status = "FINISHED"
-        finally:
-            client.set_terminated(run_id, status=status)
+        except BaseException as exc:
+            # Best effort: an error here must not replace the one that ends the stage.
+            try:
+                client.set_terminated(run_id, status=end_status(exc))
+            except Exception as err:
+                log.warning("could not end MLflow run %s (%s): %s", run_id, end_status(exc), err)
+            raise
+        client.set_terminated(run_id, status="FINISHED")
 
     def _log_params(self, run_id: str, params: Mapping[str, Any]) -> None:
         from mlflow.entities import Param
@@ -98,6 +146,37 @@ class Tracker:
         client = self._mlflow.MlflowClient()
         for i in range(0, len(batch), 100):
             client.log_batch(run_id, params=batch[i : i + 100])
+
+
+PID_TAG, HOST_TAG = "alignflow.pid", "alignflow.host"
+
+
+def _owner_tags() -> dict[str, str]:
+    return {PID_TAG: str(os.getpid()), HOST_TAG: socket.gethostname()}
+
+
+def pid_alive(pid: int, since: float | None = None) -> bool:
+    """Whether process `pid` on this host is alive (one of another user counts; a zombie does not).
+
+    With `since` (epoch seconds the run started), a process that started
+    later is a reused pid, not the run's owner (Linux; elsewhere not checked).
+    """
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime "))
+    except (OSError, StopIteration):
+        return True
+    fields = stat[stat.rindex(")") + 2:].split()
+    started = boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    # btime is whole seconds: 2 s of slack before calling the pid reused.
+    return fields[0] != "Z" and (since is None or started <= since + 2)
 
 
 class StageRun:

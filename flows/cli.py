@@ -21,6 +21,7 @@ from pathlib import Path
 from alignflow.cluster import apply_process_env
 from alignflow.config import PipelineConfig, load_config, resolve_paths
 from alignflow.errors import ConfigError, UserError
+from alignflow.interrupts import install_sigterm_handler
 from alignflow.storage import is_local_uri, local_path
 from flows.planview import format_plan
 from tasks.context import RunContext
@@ -123,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("name", help="a stage (sft, round_2, eval_sft, ...) or a target (data, sft, reward_model, rl, ...)")
     p.add_argument("args", nargs="*")
     ns = parser.parse_args(argv)
+    install_sigterm_handler()  # SIGTERM raises SystemExit: `finally` blocks end MLflow runs KILLED, drop scratch
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     target = ns.name if ns.command == "stage" else None
     try:

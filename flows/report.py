@@ -7,6 +7,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from alignflow.config import PipelineConfig
+from alignflow.interrupts import end_status
 from alignflow.records import StageResult
 from tasks.context import RunContext
 from tasks.plan import Plan
@@ -57,11 +58,12 @@ def open_run(config: PipelineConfig, plan: Plan) -> RunContext:
 
 
 def wait_all(ctx: RunContext, futures: dict[str, Any]) -> tuple[dict[str, StageResult], dict[str, str]]:
-    """Every stage's result and final state name; the parent run is closed FAILED if one failed."""
+    """Every stage's result and final state name; the parent run is closed FAILED if one failed,
+    KILLED if the wait was interrupted (Ctrl-C, SIGTERM)."""
     try:
         results = {name: f.result() for name, f in futures.items()}
-    except BaseException:
-        ctx.tracker().finish(ctx.parent_run_id, status="FAILED")
+    except BaseException as exc:
+        ctx.tracker().finish(ctx.parent_run_id, status=end_status(exc))
         raise
     return results, {name: f.state.name for name, f in futures.items()}
 

@@ -25,13 +25,16 @@ class StageCheckpoints:
         self.storage, self.stage_uri, self.stage, self.every = storage, stage_uri, stage, every
 
     def resume(self, load: Callable[[Path], int], run: StageRun) -> int:
-        """Load the newest committed checkpoint (`load(dir) -> its step`); 0 if there is none."""
-        latest = self.storage.latest_checkpoint(self.stage_uri)
+        """Load the newest committed checkpoint that verifies (`load(dir) -> its step`); 0 if there is none.
+
+        A corrupted newest checkpoint is skipped for the one before it (storage warns)."""
+        latest = self.storage.latest_valid_checkpoint(self.stage_uri)
         if latest is None:
             return 0
-        step = load(self.storage.fetch(latest[1]))
+        _, uri, local = latest
+        step = load(local)
         run.set_tag("alignflow.resumed_from_step", str(step))
-        log.info("%s: resuming at step %d (%s)", self.stage, step, latest[1])
+        log.info("%s: resuming at step %d (%s)", self.stage, step, uri)
         return step
 
     def due(self, step: int, total: int) -> bool:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -252,3 +254,50 @@ def test_prune_checkpoints(storage, src):
     assert storage.latest_checkpoint(stage) is None
     assert storage.is_committed(stage)
     storage.fetch(stage)
+
+
+def _flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[100] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("corrupt, reason", [
+    (lambda d: _flip_a_byte(d / "model.safetensors"), "model.safetensors (sha256 mismatch)"),
+    (lambda d: (d / "tokenizer" / "tokenizer.json").unlink(), "tokenizer/tokenizer.json (missing or wrong size)"),
+    (lambda d: (d / MANIFEST).write_text('{"files": {"config.json"'), "Expecting"),
+])
+def test_a_corrupted_newest_checkpoint_is_skipped_for_the_one_before(storage, src, caplog, corrupt, reason):
+    stage = storage.stage_uri("sft", "k")
+    for step in (10, 20):
+        storage.commit(src, storage.checkpoint_uri(stage, step), meta={"step": step})
+    newest = storage.checkpoint_uri(stage, 20)
+    corrupt(Path(newest))
+    assert storage.latest_checkpoint(stage) == (20, newest)  # still committed: only fetching finds out
+    with caplog.at_level(logging.WARNING, logger="alignflow"):
+        found = storage.latest_valid_checkpoint(stage)
+    assert found == (10, storage.checkpoint_uri(stage, 10), Path(storage.checkpoint_uri(stage, 10)))
+    [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warning.startswith(f"skipping checkpoint {newest} (step 20), it fails verification: ")
+    assert reason in warning
+
+
+def test_no_valid_checkpoint_when_every_one_is_corrupted(storage, src, caplog):
+    stage = storage.stage_uri("sft", "k")
+    assert storage.latest_valid_checkpoint(stage) is None
+    for step in (10, 20):
+        storage.commit(src, storage.checkpoint_uri(stage, step))
+        _flip_a_byte(Path(storage.checkpoint_uri(stage, step)) / "model.safetensors")
+    with caplog.at_level(logging.WARNING, logger="alignflow"):
+        assert storage.latest_valid_checkpoint(stage) is None
+    assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 2
+
+
+def test_commit_leaves_no_scratch_file_when_the_manifest_cannot_be_written(storage, src, tmp_path, monkeypatch):
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    with pytest.raises(TypeError, match="not JSON serializable"):
+        storage.commit(src, storage.stage_uri("sft", "k"), meta={"when": object()})
+    assert list(scratch.iterdir()) == []
+    assert not storage.is_committed(storage.stage_uri("sft", "k"))

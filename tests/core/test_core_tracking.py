@@ -3,6 +3,13 @@
 from __future__ import annotations
 
 import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -178,3 +185,141 @@ def test_log_text_and_dict_artifacts(tracker, tmp_path):
     assert names == {"samples", "report.json"}
     local = client.download_artifacts(run_id, "report.json", str(tmp_path))
     assert json.loads(open(local).read()) == {"a": 1}
+
+
+# ---- how runs end: interrupts, signals, processes that died -------------------------------------
+
+
+@pytest.mark.parametrize("interrupt", [KeyboardInterrupt, SystemExit])
+def test_an_interrupted_stage_is_marked_killed(tracker, interrupt):
+    parent = tracker.start_parent("pipeline", {})
+    with pytest.raises(interrupt):
+        with tracker.stage_run(parent, "sft", {}) as run:
+            run_id = run.run_id
+            raise interrupt()
+    ended = _client(tracker).get_run(run_id)
+    assert ended.info.status == "KILLED"
+    assert ended.info.end_time is not None
+
+
+def test_runs_record_the_process_that_owns_them(tracker):
+    parent = tracker.start_parent("pipeline", {})
+    with tracker.stage_run(parent, "sft", {}) as run:
+        child = run.run_id
+    for run_id in (parent, child):
+        tags = _client(tracker).get_run(run_id).data.tags
+        assert tags["alignflow.pid"] == str(os.getpid())
+        assert tags["alignflow.host"] == socket.gethostname()
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_start_parent_marks_runs_of_dead_processes_on_this_host_killed(tracker, caplog):
+    reaper = Tracker(tracker.tracking_uri, "alignflow-test-stale")
+    client = _client(tracker)
+    here, dead = socket.gethostname(), _dead_pid()
+
+    def running(pid, host):
+        tags = {"alignflow.pid": str(pid), "alignflow.host": host}
+        return client.create_run(reaper.experiment_id, tags=tags).info.run_id
+
+    orphan = running(dead, here)
+    alive = running(os.getpid(), here)
+    elsewhere = running(dead, "another-host-xyz")
+    with caplog.at_level(logging.WARNING, logger="alignflow"):
+        parent = reaper.start_parent("pipeline", {})
+
+    assert client.get_run(orphan).info.status == "KILLED"
+    assert client.get_run(orphan).data.tags["alignflow.end_reason"] == f"process {dead} on {here} died"
+    assert client.get_run(alive).info.status == "RUNNING"
+    assert client.get_run(elsewhere).info.status == "RUNNING"
+    assert client.get_run(parent).info.status == "RUNNING"
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [
+        f"marked 1 MLflow run(s) KILLED: left RUNNING by processes on {here} that are gone"]
+
+
+def test_a_run_whose_pid_was_reused_is_marked_killed(tracker):
+    reaper = Tracker(tracker.tracking_uri, "alignflow-test-reused-pid")
+    client = _client(tracker)
+    # This process is alive, but it started long after this run did: its pid was reused.
+    tags = {"alignflow.pid": str(os.getpid()), "alignflow.host": socket.gethostname()}
+    stale = client.create_run(reaper.experiment_id, start_time=1_000_000_000_000, tags=tags).info.run_id
+    reaper.start_parent("pipeline", {})
+    assert client.get_run(stale).info.status == "KILLED"
+
+
+STAGE_SCRIPT = """
+import sys, time
+from alignflow.interrupts import install_sigterm_handler
+from alignflow.tracking import Tracker
+
+install_sigterm_handler()
+tracker = Tracker(sys.argv[1], "alignflow-test-sigterm")
+with tracker.stage_run(None, "sft", {}) as run:
+    print(run.run_id, flush=True)
+    while True:
+        time.sleep(0.05)
+"""
+
+
+def test_sigterm_ends_a_stage_run_killed(tracker, tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}  # this checkout's alignflow
+    proc = subprocess.Popen([sys.executable, "-c", STAGE_SCRIPT, tracker.tracking_uri], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        run_id = proc.stdout.readline().strip()
+        assert run_id, proc.communicate(timeout=60)[1]
+        assert _client(tracker).get_run(run_id).info.status == "RUNNING"
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 143  # SystemExit(128 + SIGTERM)
+    assert _client(tracker).get_run(run_id).info.status == "KILLED"
+
+
+class _Stopped:
+    """A stage future whose wait ends with `exc` (what Prefect's future re-raises)."""
+
+    def __init__(self, exc: BaseException):
+        self.exc = exc
+
+    def result(self):
+        raise self.exc
+
+
+@pytest.mark.parametrize("exc, status", [(KeyboardInterrupt(), "KILLED"), (SystemExit(143), "KILLED"),
+                                         (RuntimeError("stage failed"), "FAILED")])
+def test_wait_all_closes_the_parent_killed_on_an_interrupt_failed_on_an_error(tracker, exc, status):
+    from alignflow.config import InfraConfig
+    from flows.report import wait_all
+    from tasks.context import RunContext
+
+    parent = tracker.start_parent("pipeline", {})
+    infra = InfraConfig(mlflow_tracking_uri=tracker.tracking_uri, mlflow_experiment="alignflow-test")
+    with pytest.raises(type(exc)):
+        wait_all(RunContext(infra=infra, parent_run_id=parent), {"sft": _Stopped(exc)})
+    assert _client(tracker).get_run(parent).info.status == status
+
+
+def test_resume_skips_a_corrupted_checkpoint_for_the_one_before(tracker, tmp_path):
+    from alignflow.storage import Storage
+    from tasks.checkpoints import StageCheckpoints
+
+    storage = Storage(root=str(tmp_path / "root"))
+    stage = storage.stage_uri("sft", "k")
+    for step in (10, 20):
+        (tmp_path / f"state-{step}").mkdir()
+        (tmp_path / f"state-{step}" / "step.txt").write_text(str(step))
+        storage.commit(tmp_path / f"state-{step}", storage.checkpoint_uri(stage, step))
+    (tmp_path / "root" / "sft" / "k" / "checkpoints" / "step-00000020" / "step.txt").write_text("2O")  # same size
+    with tracker.stage_run(None, "sft", {}) as run:
+        step = StageCheckpoints(storage, stage, "sft", every=10).resume(
+            lambda d: int((d / "step.txt").read_text()), run)
+    assert step == 10
+    assert _client(tracker).get_run(run.run_id).data.tags["alignflow.resumed_from_step"] == "10"
