@@ -32,7 +32,10 @@ class DatasetSource(Section):
     `path` is a local path or fsspec URI ending in .jsonl/.json/.parquet, or a
     `datasets` name (loaded with `datasets.load_dataset(path, name, split=split)`).
     Rows are either prompt/response (or chosen/rejected) columns, or chat
-    messages rendered with the tokenizer's chat template.
+    messages rendered with the tokenizer's chat template. A preference row
+    without the prompt key holds two whole dialogues: chosen/rejected strings
+    are split at their last `assistant_marker` (Anthropic HH), message lists
+    before their last message (see alignflow/data/formats.py).
     """
 
     path: str
@@ -44,6 +47,9 @@ class DatasetSource(Section):
     rejected_key: str = "rejected"
     messages_key: str | None = None
     answer_key: str | None = "answer"
+    assistant_marker: str = Field(
+        "\n\nAssistant:", min_length=1, description="preference rows without a prompt key: chosen/rejected "
+        "strings are split after their last occurrence of this; the text before (marker included) is the prompt")
 
 
 class DataConfig(Section):

@@ -10,6 +10,22 @@ where P is a plain string (used verbatim) or a list of chat messages
 (`{"role", "content"}`), rendered later with the tokenizer's chat template.
 Sources are JSONL, JSON, Parquet (local or any fsspec URI) or a `datasets`
 name. A bad row fails with file, row and key; an empty dataset fails.
+
+Row shapes, per row (key names are DatasetSource fields; no key is guessed):
+
+- sft: `prompt_key` + `response_key` columns (OpenRLHF's input/output: set
+  them to "input"/"output"), or with `messages_key` one conversation whose
+  last (assistant) message is the response.
+- preference: `prompt_key` + `chosen_key` + `rejected_key`; chosen/rejected
+  are strings or conversations ending with the assistant reply (only that
+  reply is kept). Without the prompt key in a row, chosen/rejected are whole
+  dialogues and the prompt is what they share: strings (Anthropic HH) split
+  after their last `assistant_marker` (prompt keeps the marker; replies stay
+  verbatim, leading space included, so prompt + reply is the dialogue);
+  message lists split before their last message. Different prompts fail.
+- prompts: `prompt_key` (or the whole `messages_key` list), `answer_key` if any.
+
+A row that fits none fails with the key it lacks, what to set, and its keys.
 """
 
 from __future__ import annotations
@@ -60,11 +76,20 @@ def read_rows(src: DatasetSource) -> Iterable[dict[str, Any]]:
     yield from datasets.load_dataset(path, src.name, split=src.split)
 
 
-def _prompt(row: dict, src: DatasetSource, where: str) -> str | list[dict]:
-    value = row.get(src.prompt_key)
+# Where each kind's source sits in the config, for the hints in errors.
+_SECTION = {"sft": "data.sft", "preference": "data.preference", "prompts": "data.prompts / data.eval"}
+
+
+def _keys(row: dict) -> str:
+    return f"this row has keys: {sorted(str(k) for k in row)}"
+
+
+def _need(row: dict, key: str, where: str, hint: str) -> Any:
+    """row[key]; if absent, a DataError with what else to set and the keys the row has."""
+    value = row.get(key)
     if value is None:
-        raise DataError(f"{where}: missing key {src.prompt_key!r}")
-    return _check_prompt(value, where, src.prompt_key)
+        raise DataError(f"{where}: missing key {key!r} ({hint}); {_keys(row)}")
+    return value
 
 
 def _check_prompt(value: Any, where: str, key: str) -> str | list[dict]:
@@ -80,45 +105,99 @@ def _check_prompt(value: Any, where: str, key: str) -> str | list[dict]:
     raise DataError(f"{where}: key {key!r} must be a string or a list of chat messages, got {type(value).__name__}")
 
 
-def _text(row: dict, key: str, where: str) -> str:
-    value = row.get(key)
-    if value is None:
-        raise DataError(f"{where}: missing key {key!r}")
-    if isinstance(value, list) and value and isinstance(value[-1], dict):
-        value = value[-1].get("content")  # a conversation: its last (assistant) turn
+def _reply(value: list, key: str, where: str) -> str:
+    """The assistant reply that ends a conversation."""
+    messages = _check_prompt(value, where, key)
+    if messages[-1]["role"] != "assistant":
+        raise DataError(f"{where}: key {key!r} must end with an assistant message (the reply)")
+    return messages[-1]["content"]
+
+
+def _text(row: dict, key: str, where: str, hint: str) -> str:
+    """A response: a string, or a conversation whose last (assistant) message is the response."""
+    value = _need(row, key, where, hint)
+    if isinstance(value, list) and value and all(isinstance(m, dict) for m in value):
+        return _reply(value, key, where)
     if not isinstance(value, str):
         raise DataError(f"{where}: key {key!r} must be a string, got {type(value).__name__}")
     return value
 
 
-def _split_messages(row: dict, src: DatasetSource, where: str) -> tuple[list[dict], str]:
+def _split_messages(row: dict, src: DatasetSource, where: str, section: str) -> tuple[list[dict], str]:
     """A chat row -> (prompt messages, final assistant reply)."""
-    messages = _check_prompt(row.get(src.messages_key), where, src.messages_key)
+    key = src.messages_key
+    value = _need(row, key, where, f"or set messages_key under {section}, or unset it for prompt/response columns")
+    messages = _check_prompt(value, where, key)
     if isinstance(messages, str) or messages[-1]["role"] != "assistant" or len(messages) < 2:
-        raise DataError(f"{where}: key {src.messages_key!r} must end with an assistant message after a prompt")
+        raise DataError(f"{where}: key {key!r} must end with an assistant message after a prompt")
     return messages[:-1], messages[-1]["content"]
+
+
+def _shared_prompt(row: dict, src: DatasetSource, where: str) -> tuple[str | list[dict], str, str]:
+    """A preference row without a prompt: two whole dialogues -> (shared prompt, chosen, rejected).
+
+    Strings (Anthropic HH) split after their last `assistant_marker`: the prompt
+    keeps the marker, the replies are verbatim (a leading space included), so
+    prompt + chosen is the chosen dialogue. Message lists split before their
+    last (assistant) message. Both dialogues must have the same prompt.
+    """
+    ck, rk, marker = src.chosen_key, src.rejected_key, src.assistant_marker
+    missing = f"missing key {src.prompt_key!r}"
+    chosen, rejected = row.get(ck), row.get(rk)
+    if isinstance(chosen, str) and isinstance(rejected, str):
+        parts = []
+        for key, text in ((ck, chosen), (rk, rejected)):
+            cut = text.rfind(marker)
+            if cut < 0:
+                raise DataError(f"{where}: {missing}, and key {key!r} has no {marker!r} to split its dialogue at "
+                                f"(set prompt_key, or assistant_marker, under data.preference); {_keys(row)}")
+            parts.append((text[: cut + len(marker)], text[cut + len(marker) :]))
+        (prompt, chosen_reply), (rejected_prompt, rejected_reply) = parts
+        if prompt != rejected_prompt:
+            raise DataError(f"{where}: keys {ck!r} and {rk!r} differ before their last {marker!r}, "
+                            "so they share no prompt")
+        return prompt, chosen_reply, rejected_reply
+    if isinstance(chosen, list) and isinstance(rejected, list):
+        chosen_reply, rejected_reply = _reply(chosen, ck, where), _reply(rejected, rk, where)
+        if chosen[:-1] != rejected[:-1]:
+            raise DataError(f"{where}: keys {ck!r} and {rk!r} differ before their last message, "
+                            "so they share no prompt")
+        if not chosen[:-1]:
+            raise DataError(f"{where}: {missing}, and keys {ck!r} and {rk!r} hold no message before the reply")
+        return chosen[:-1], chosen_reply, rejected_reply
+    raise DataError(
+        f"{where}: {missing} (set prompt_key under data.preference, or give {ck!r} and {rk!r} as whole "
+        f"dialogues: both strings containing {marker!r}, or both message lists); {_keys(row)}"
+    )
 
 
 def normalize_row(row: Any, kind: Kind, src: DatasetSource, where: str) -> dict[str, Any]:
     """One raw row -> its canonical record, or a DataError naming the row and key."""
     if not isinstance(row, dict):
         raise DataError(f"{where}: a row must be an object, got {type(row).__name__}")
-    if kind == "sft":
-        if src.messages_key:
-            prompt, response = _split_messages(row, src, where)
-        else:
-            prompt, response = _prompt(row, src, where), _text(row, src.response_key, where)
-        return {"prompt": prompt, "response": response}
+    section = _SECTION[kind]
     if kind == "preference":
+        if row.get(src.prompt_key) is None:
+            prompt, chosen, rejected = _shared_prompt(row, src, where)
+            return {"prompt": prompt, "chosen": chosen, "rejected": rejected}
         return {
-            "prompt": _prompt(row, src, where),
-            "chosen": _text(row, src.chosen_key, where),
-            "rejected": _text(row, src.rejected_key, where),
+            "prompt": _check_prompt(_need(row, src.prompt_key, where, f"or set prompt_key under {section}"),
+                                    where, src.prompt_key),
+            "chosen": _text(row, src.chosen_key, where, f"or set chosen_key under {section}"),
+            "rejected": _text(row, src.rejected_key, where, f"or set rejected_key under {section}"),
         }
     if src.messages_key:
-        prompt = _check_prompt(row.get(src.messages_key), where, src.messages_key)
+        if kind == "sft":
+            prompt, response = _split_messages(row, src, where, section)
+            return {"prompt": prompt, "response": response}
+        hint = f"or set messages_key under {section}, or unset it for a prompt column"
+        prompt = _check_prompt(_need(row, src.messages_key, where, hint), where, src.messages_key)
     else:
-        prompt = _prompt(row, src, where)
+        hint = f"or set prompt_key, or messages_key for a chat column, under {section}"
+        prompt = _check_prompt(_need(row, src.prompt_key, where, hint), where, src.prompt_key)
+    if kind == "sft":
+        return {"prompt": prompt, "response": _text(row, src.response_key, where,
+                                                     f"or set response_key under {section}")}
     answer = row.get(src.answer_key) if src.answer_key else None
     return {"prompt": prompt, "answer": None if answer is None else str(answer)}
 

@@ -291,6 +291,125 @@ def test_prompts_without_answers(tmp_path):
     assert load_records(DatasetSource(path=path, answer_key=None), "prompts") == [{"prompt": "p", "answer": None}]
 
 
+def test_openrlhf_input_output_keys(tmp_path):
+    # OpenRLHF's input_key/output_key columns: named with prompt_key/response_key, never guessed.
+    path = _jsonl(tmp_path / "sft.jsonl", [{"input": "q1", "output": "a1"}, {"input": CHAT[:2], "output": "a2"}])
+    out = load_records(DatasetSource(path=path, prompt_key="input", response_key="output"), "sft")
+    assert out == [{"prompt": "q1", "response": "a1"}, {"prompt": CHAT[:2], "response": "a2"}]
+    with pytest.raises(DataError, match=r"row 1: missing key 'prompt'"):
+        load_records(DatasetSource(path=path), "sft")
+
+
+# ---- preference pairs as two whole dialogues (no prompt key) ------------------------------------
+
+HH_CHOSEN = "\n\nHuman: hi\n\nAssistant: hello\n\nHuman: how are you?\n\nAssistant: fine, thanks"
+HH_REJECTED = "\n\nHuman: hi\n\nAssistant: hello\n\nHuman: how are you?\n\nAssistant: go away"
+
+
+def test_hh_dialogues_split_at_the_last_assistant_marker(tmp_path):
+    rows = [
+        {"chosen": HH_CHOSEN, "rejected": HH_REJECTED},
+        {"chosen": "\n\nHuman: 2+2?\n\nAssistant: 4", "rejected": "\n\nHuman: 2+2?\n\nAssistant:"},
+        # A row with the prompt key is prompt/chosen/rejected columns, taken as they are.
+        {"prompt": "p", "chosen": "\n\nAssistant: c", "rejected": "r"},
+    ]
+    path = _jsonl(tmp_path / "hh.jsonl", rows)
+    assert load_records(DatasetSource(path=path), "preference") == [
+        {"prompt": "\n\nHuman: hi\n\nAssistant: hello\n\nHuman: how are you?\n\nAssistant:",
+         "chosen": " fine, thanks", "rejected": " go away"},
+        {"prompt": "\n\nHuman: 2+2?\n\nAssistant:", "chosen": " 4", "rejected": ""},
+        {"prompt": "p", "chosen": "\n\nAssistant: c", "rejected": "r"},
+    ]
+
+
+def test_hh_dialogues_in_parquet(tmp_path):
+    path = _parquet(tmp_path / "hh.parquet", [{"chosen": HH_CHOSEN, "rejected": HH_REJECTED}])
+    (record,) = load_records(DatasetSource(path=path), "preference")
+    assert record["chosen"] == " fine, thanks"
+    assert record["rejected"] == " go away"
+
+
+def test_hh_custom_marker_and_keys(tmp_path):
+    rows = [{"good": "USER: hi ASSISTANT: hey USER: bye ASSISTANT: bye!",
+             "bad": "USER: hi ASSISTANT: hey USER: bye ASSISTANT: no"}]
+    path = _jsonl(tmp_path / "hh.jsonl", rows)
+    src = DatasetSource(path=path, chosen_key="good", rejected_key="bad", assistant_marker=" ASSISTANT:")
+    assert load_records(src, "preference") == [
+        {"prompt": "USER: hi ASSISTANT: hey USER: bye ASSISTANT:", "chosen": " bye!", "rejected": " no"}
+    ]
+
+
+def test_hh_dialogues_that_differ_before_the_last_reply(tmp_path):
+    other = HH_REJECTED.replace("how are you?", "who are you?")
+    path = _jsonl(tmp_path / "hh.jsonl", [{"chosen": HH_CHOSEN, "rejected": HH_REJECTED},
+                                          {"chosen": HH_CHOSEN, "rejected": other}])
+    with pytest.raises(DataError) as err:
+        load_records(DatasetSource(path=path), "preference")
+    assert str(err.value) == (f"{path}, row 2: keys 'chosen' and 'rejected' differ before their last "
+                              "'\\n\\nAssistant:', so they share no prompt")
+
+
+def test_hh_dialogue_without_the_marker(tmp_path):
+    path = _jsonl(tmp_path / "hh.jsonl", [{"chosen": HH_CHOSEN, "rejected": "Human: hi Assistant: no", "id": 7}])
+    with pytest.raises(DataError) as err:
+        load_records(DatasetSource(path=path), "preference")
+    assert str(err.value) == (
+        f"{path}, row 1: missing key 'prompt', and key 'rejected' has no '\\n\\nAssistant:' to split its "
+        "dialogue at (set prompt_key, or assistant_marker, under data.preference); "
+        "this row has keys: ['chosen', 'id', 'rejected']"
+    )
+
+
+def test_assistant_marker_must_not_be_empty():
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match=r"assistant_marker\n  String should have at least 1 character"):
+        DatasetSource(path="x.jsonl", assistant_marker="")
+
+
+def _turn(role: str, content: str) -> dict:
+    return {"role": role, "content": content}
+
+
+def test_message_list_pairs_without_a_prompt(tmp_path):
+    shared = [_turn("system", "Be brief."), _turn("user", "Hi?"), _turn("assistant", "Hello."), _turn("user", "Name?")]
+    rows = [{"chosen": [*shared, _turn("assistant", "Ada.")], "rejected": [*shared, _turn("assistant", "No.")]}]
+    path = _jsonl(tmp_path / "pref.jsonl", rows)
+    assert load_records(DatasetSource(path=path), "preference") == [
+        {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi?"},
+                    {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Name?"}],
+         "chosen": "Ada.", "rejected": "No."}
+    ]
+
+
+@pytest.mark.parametrize(
+    "chosen, rejected, text",
+    [
+        ([_turn("user", "a"), _turn("assistant", "c")], [_turn("user", "b"), _turn("assistant", "r")],
+         "row 1: keys 'chosen' and 'rejected' differ before their last message, so they share no prompt"),
+        ([_turn("user", "a"), _turn("assistant", "c")], [_turn("user", "a")],
+         "row 1: key 'rejected' must end with an assistant message (the reply)"),
+        ([_turn("assistant", "c")], [_turn("assistant", "r")],
+         "row 1: missing key 'prompt', and keys 'chosen' and 'rejected' hold no message before the reply"),
+        ([_turn("user", "a"), {"role": "assistant"}], [_turn("user", "a"), _turn("assistant", "r")],
+         "row 1: key 'chosen', message 1 needs string 'role' and 'content'"),
+    ],
+)
+def test_message_list_pairs_that_share_no_prompt(tmp_path, chosen, rejected, text):
+    path = _jsonl(tmp_path / "pref.jsonl", [{"chosen": chosen, "rejected": rejected}])
+    with pytest.raises(DataError) as err:
+        load_records(DatasetSource(path=path), "preference")
+    assert str(err.value) == f"{path}, {text}"
+
+
+def test_conversation_reply_must_come_from_the_assistant(tmp_path):
+    # With a prompt key, a conversation's last message is the reply: it must be the assistant's.
+    rows = [{"prompt": "p", "chosen": [_turn("user", "p"), _turn("assistant", "c")], "rejected": [_turn("user", "p")]}]
+    path = _jsonl(tmp_path / "pref.jsonl", rows)
+    with pytest.raises(DataError, match=r"row 1: key 'rejected' must end with an assistant message"):
+        load_records(DatasetSource(path=path), "preference")
+
+
 # ---- user data: errors name file, row and key ---------------------------------------------
 
 
@@ -314,6 +433,41 @@ def test_missing_key_names_file_row_and_key(tmp_path, suffix, kind, missing):
     assert str(path) in message
     assert "row 3" in message
     assert f"'{missing}'" in message
+
+
+@pytest.mark.parametrize(
+    "row, kind, src, text",
+    [
+        ({"instruction": "i", "output": "o"}, "sft", {},
+         "missing key 'prompt' (or set prompt_key, or messages_key for a chat column, under data.sft); "
+         "this row has keys: ['instruction', 'output']"),
+        ({"prompt": "p", "completion": "c"}, "sft", {},
+         "missing key 'response' (or set response_key under data.sft); this row has keys: ['completion', 'prompt']"),
+        ({"conversation": []}, "sft", {"messages_key": "messages"},
+         "missing key 'messages' (or set messages_key under data.sft, or unset it for prompt/response columns); "
+         "this row has keys: ['conversation']"),
+        ({"question": "q", "good": "g", "bad": "b"}, "preference", {},
+         "missing key 'prompt' (set prompt_key under data.preference, or give 'chosen' and 'rejected' as whole "
+         "dialogues: both strings containing '\\n\\nAssistant:', or both message lists); "
+         "this row has keys: ['bad', 'good', 'question']"),
+        ({"prompt": "p", "chosen": "c", "bad": "b"}, "preference", {},
+         "missing key 'rejected' (or set rejected_key under data.preference); "
+         "this row has keys: ['bad', 'chosen', 'prompt']"),
+        ({"text": "t"}, "prompts", {},
+         "missing key 'prompt' (or set prompt_key, or messages_key for a chat column, under data.prompts / "
+         "data.eval); this row has keys: ['text']"),
+        ({"prompt": "p"}, "prompts", {"messages_key": "messages"},
+         "missing key 'messages' (or set messages_key under data.prompts / data.eval, or unset it for a prompt "
+         "column); this row has keys: ['prompt']"),
+    ],
+)
+def test_row_that_fits_no_shape_lists_its_keys(tmp_path, row, kind, src, text):
+    good = {"sft": {"prompt": "p", "response": "r", "messages": CHAT}, "prompts": {"prompt": "p", "messages": CHAT},
+            "preference": {"prompt": "p", "chosen": "c", "rejected": "r"}}[kind]
+    path = _jsonl(tmp_path / "data.jsonl", [good, good, row])
+    with pytest.raises(DataError) as err:
+        load_records(DatasetSource(path=path, **src), kind)
+    assert str(err.value) == f"{path}, row 3: {text}"
 
 
 def test_row_numbers_skip_blank_lines_consistently(tmp_path):
