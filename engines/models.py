@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
     AutoTokenizer,
@@ -131,6 +132,15 @@ def load_tokenizer(path: str | Path):
         tok.pad_token = tok.eos_token
     tok.padding_side = "right"
     return tok
+
+
+def max_positions(path: str | Path) -> int:
+    """How many token positions the model at `path` takes (its config's max_position_embeddings)."""
+    cfg = AutoConfig.from_pretrained(str(path))
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        if getattr(cfg, name, None):
+            return int(getattr(cfg, name))
+    raise ValueError(f"{path}: the model config names no position limit (max_position_embeddings)")
 
 
 def _attention(attn: str) -> str:

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 from alignflow.config import DataConfig
+from alignflow.errors import ConfigError
 from alignflow.data import formats, synthetic
 from alignflow.records import StageResult
 from tasks.context import RunContext, compute_stage
 from tasks.plan import PlannedStage
-from tasks.registry import DataStage, NoInputs
+from tasks.registry import DataInputs, DataStage
+
+log = logging.getLogger("alignflow")
 
 SPLITS = ("sft", "preference", "prompts", "eval", "eval_preference")
 
@@ -34,18 +39,49 @@ def build_splits(cfg: DataConfig, seed: int) -> dict[str, list[dict]]:
     return splits
 
 
-def prepare_data(stage: PlannedStage, inputs: NoInputs, ctx: RunContext) -> StageResult:
+def prepare_data(stage: PlannedStage, inputs: DataInputs, ctx: RunContext) -> StageResult:
     cfg: DataStage = stage.config
 
     def compute(out: Path, run, uri: str) -> dict[str, float]:
+        from engines import lengths, models
+
         splits = build_splits(cfg.data, cfg.seed)
+        model_dir = ctx.storage().fetch(inputs.model.uri)
+        measured = lengths.measure(models.load_tokenizer(str(model_dir)), splits)
+        limits = lengths.resolve(cfg.data, measured, models.max_positions(model_dir))
+        for line in lengths.describe(measured, limits):
+            log.info("%s", line)
         for name in SPLITS:
             formats.write_jsonl(splits[name], str(out / f"{name}.jsonl"))
         metrics = {f"data/{name}_rows": float(len(splits[name])) for name in SPLITS}
+        metrics.update({f"data/{name}_{k}": float(v) for name, m in measured.items() for k, v in m.stats().items()})
+        metrics.update(limits.metrics())
         run.log_metrics(metrics)
         return metrics
 
     return compute_stage(ctx, stage, compute)
+
+
+@dataclass(frozen=True)
+class TokenLimits:
+    prompt: int
+    response: int
+
+    def model_len(self, max_new_tokens: int, model_path: str, where: str) -> int:
+        """Prompt limit + new tokens: the generation length, checked against the model's positions."""
+        from engines.models import max_positions
+
+        positions = max_positions(model_path)
+        if self.prompt + max_new_tokens > positions:
+            raise ConfigError(f"{where}generation.max_new_tokens={max_new_tokens} after prompts of up to "
+                              f"{self.prompt} tokens needs {self.prompt + max_new_tokens} positions; the model has "
+                              f"{positions} (lower it, or data.max_prompt_tokens)")
+        return self.prompt + max_new_tokens
+
+
+def token_limits(data: StageResult) -> TokenLimits:
+    """The prompt and response limits the data stage settled (engines/lengths.py)."""
+    return TokenLimits(int(data.metrics["data/max_prompt_tokens"]), int(data.metrics["data/max_response_tokens"]))
 
 
 def load_split(data: StageResult, ctx: RunContext, name: str) -> list[dict]:

@@ -28,7 +28,7 @@ from engines.rollout import Sampling
 from engines.rollout_actors import start_engines
 from engines.scoring import ScorerActor, start_scorer
 from tasks.context import RunContext, compute_stage
-from tasks.data import load_split
+from tasks.data import load_split, token_limits
 from tasks.plan import PlannedStage
 from tasks.registry import PolicyEvalInputs, PolicyEvalStage, RewardModelEvalInputs, RewardModelEvalStage
 
@@ -73,13 +73,15 @@ def evaluate_policy(stage: PlannedStage, inputs: PolicyEvalInputs, ctx: RunConte
         policy_path = str(storage.fetch(inputs.policy.uri))
         tokenizer = models.load_tokenizer(policy_path)
         records = load_split(inputs.data, ctx, "eval")[: cfg.num_prompts]
-        kept, report = batches.filter_prompts(tokenizer, records, io.max_prompt_tokens, "eval")
+        limits = token_limits(inputs.data)
+        model_len = limits.model_len(cfg.generation.max_new_tokens, policy_path, "evaluation.")
+        kept, report = batches.filter_prompts(tokenizer, records, limits.prompt, "eval")
         prompt_ids = [ids for ids, _ in kept]
 
         ensure_ray(ctx.infra)
         engines = start_engines(cfg.generation, policy_path, count=1, seeds=[stage_cfg.seed], dtype=io.dtype,
                                 torch_threads=ctx.infra.torch_threads,
-                                max_model_len=io.max_prompt_tokens + cfg.generation.max_new_tokens,
+                                max_model_len=model_len,
                                 attn_implementation=io.attn_implementation)
         try:
             rollouts = engines.generate(prompt_ids, _sampling(cfg))
@@ -125,8 +127,9 @@ def evaluate_reward_model(stage: PlannedStage, inputs: RewardModelEvalInputs, ct
     def compute(out: Path, run, uri: str) -> dict[str, float]:
         reward_path = str(storage.fetch(inputs.reward.uri))
         records = load_split(inputs.data, ctx, "eval_preference")
-        tensors, report = batches.pair_tensors(models.load_tokenizer(reward_path), records, io.max_prompt_tokens,
-                                               io.max_response_tokens)
+        limits = token_limits(inputs.data)
+        tensors, report = batches.pair_tensors(models.load_tokenizer(reward_path), records, limits.prompt,
+                                               limits.response)
         ensure_ray(ctx.infra)
         _, rewards = _score(cfg.scorer_placement, cfg.micro_batch_size, io, ctx, tensors, reference=None,
                             reward=reward_path)

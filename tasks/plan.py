@@ -1,16 +1,22 @@
 """The one planner: a PipelineConfig becomes a graph of stages with content keys.
 
-    data ──────────────┬──────────────┬───────────────┬─────────────┐
-    base_model ─> [sft] ─> [reward_model] ─> round_1 ─> ... round_R │
-        └───────────┴──────────┴─────────────┴─────> eval_<policy> <┘
+    base_model ─> data ┬──────────────┬───────────────┬─────────────┐
+        │              v              v               v             │
+        └─────────> [sft] ─> [reward_model] ─> round_1 ─> ... round_R │
+                       └──────────┴─────────────┴─────> eval_<policy> <┘
+
+The data stage reads the base model's tokenizer: it measures every split in
+tokens and settles the prompt and response limits every later stage uses.
 
 Which stages exist follows from the config (alignflow/config/pipeline.py):
 no `sft` section, and rounds start from the base model, which is then the
 reference; the reward model only where a round uses it (or the pipeline
 has no rounds); a round takes only the inputs its algorithm's spec needs.
 
-A stage's key digests its config, the keys of its inputs and its kind's code
-version: change a stage and it and everything downstream get new keys;
+A stage's key digests its config, the keys of its inputs, the content
+fingerprints of the files, models and rule code its config names
+(alignflow/fingerprint.py) and its kind's code version: change a stage, or
+edit a file it reads, and it and everything downstream get new keys;
 nothing upstream does. Planning starts nothing and imports no engine.
 """
 
@@ -20,8 +26,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, SerializeAsAny
 
-from alignflow.config import PipelineConfig, Section, cache_relevant
+from alignflow.config import DataConfig, PipelineConfig, Section, cache_relevant
 from alignflow.errors import ConfigError
+from alignflow.fingerprint import Fingerprints, module_source
 from alignflow.seeds import derive_seed
 from alignflow.storage import Storage, content_key
 from tasks import registry as r
@@ -84,9 +91,11 @@ class _Builder:
         self.stages: dict[str, PlannedStage] = {}
         self.skipped: dict[str, str] = {}
 
-    def add(self, name: str, kind: str, config: Section, **inputs: str | None) -> str:
+    def add(self, name: str, kind: str, config: Section, external: dict[str, str] | None = None,
+            **inputs: str | None) -> str:
+        """`external`: config field -> fingerprint of what it names (files, models, code)."""
         wired = {k: v for k, v in inputs.items() if v is not None}
-        input_keys = {k: self.stages[v].key for k, v in wired.items()}
+        input_keys = {k: self.stages[v].key for k, v in wired.items()} | (external or {})
         declared = r.STAGE_KINDS[kind]
         if not isinstance(config, declared.config):
             raise TypeError(f"{name}: config is {type(config).__name__}, kind {kind} takes {declared.config.__name__}")
@@ -98,16 +107,17 @@ class _Builder:
 
 def plan_pipeline(cfg: PipelineConfig) -> Plan:
     """The graph of `cfg`: every stage that runs, with its inputs and key."""
-    io = r.ModelIO(dtype=cfg.model.dtype, attn_implementation=cfg.model.attn_implementation,
-                   max_prompt_tokens=cfg.data.max_prompt_tokens,
-                   max_response_tokens=cfg.data.max_response_tokens)
+    io = r.ModelIO(dtype=cfg.model.dtype, attn_implementation=cfg.model.attn_implementation)
     b = _Builder()
 
     def seed(stage: str) -> int:
         return derive_seed(cfg.seed, stage)
 
-    data = b.add("data", "data", r.DataStage(data=cfg.data, seed=seed("data")))
-    base = b.add("base_model", "base_model", r.BaseModelStage(model=cfg.model, seed=seed("base_model")))
+    prints = Fingerprints(cfg.infra.storage.cache_dir)
+    base = b.add("base_model", "base_model", r.BaseModelStage(model=cfg.model, seed=seed("base_model")),
+                 external={} if cfg.model.base == "tiny" else {"model.base": prints.of(cfg.model.base)})
+    data = b.add("data", "data", r.DataStage(data=cfg.data, seed=seed("data")), model=base,
+                 external={f: prints.of(p) for f, p in data_sources(cfg.data).items()})
     reference = base
     if cfg.sft is not None:
         reference = b.add("sft", "sft", r.SFTStage(train=cfg.sft, io=io, seed=seed("sft")), data=data, init=base)
@@ -128,6 +138,7 @@ def plan_pipeline(cfg: PipelineConfig) -> Plan:
         spec = round_cfg.spec
         policy = b.add(f"round_{i}", "rl_round",
                        r.RoundStage(round=round_cfg.resolved(), io=io, seed=seed(f"round_{i}")),
+                       external=_rule_code(round_cfg, f"rounds[{i - 1}].reward.rule", prints),
                        data=data, policy=policy, reference=reference if spec.reference else None,
                        reward=reward if round_cfg.needs_reward_model else None)
         policies[policy] = policy
@@ -144,7 +155,24 @@ def plan_pipeline(cfg: PipelineConfig) -> Plan:
                 io=io, scorer_placement=cfg.evaluation.scorer_placement,
                 micro_batch_size=cfg.evaluation.micro_batch_size), data=data,
                   reward=reward)
+    prints.save()
     return Plan(stages=b.stages, skipped=b.skipped)
+
+
+def data_sources(data: DataConfig) -> dict[str, str]:
+    """Config field -> the path or name of every user source a data config reads."""
+    if data.source != "files":
+        return {}
+    return {f"data.{k}.path": src.path for k in ("sft", "preference", "prompts", "eval")
+            if (src := getattr(data, k)) is not None}
+
+
+def _rule_code(round_cfg, field: str, prints: Fingerprints) -> dict[str, str]:
+    """A rule reward's module source, so editing the rule reruns the round."""
+    if round_cfg.reward.source != "rule":
+        return {}
+    source = module_source(round_cfg.reward.rule.split(":", 1)[0])
+    return {field: prints.of(source) if source else "module-not-found"}
 
 
 # ---- what would run, and why --------------------------------------------------------

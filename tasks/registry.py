@@ -32,8 +32,6 @@ class ModelIO(Section):
 
     dtype: Literal["float32", "bfloat16", "float16"]
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"]
-    max_prompt_tokens: int
-    max_response_tokens: int
 
 
 class DataStage(Section):
@@ -81,6 +79,10 @@ class RewardModelEvalStage(Section):
 
 class NoInputs(Section):
     pass
+
+
+class DataInputs(Section):
+    model: StageResult = Field(description="the base model: its tokenizer measures the splits, its positions bound them")
 
 
 class TrainInputs(Section):
@@ -137,8 +139,8 @@ def register_stage(kind: StageKind) -> StageKind:
 
 
 register_stage(StageKind(
-    "data", "data", DataStage, NoInputs, "3", "tasks.data:prepare_data",
-    "the bundled task or user data as canonical JSONL splits"))
+    "data", "data", DataStage, DataInputs, "4", "tasks.data:prepare_data",
+    "the bundled task or user data as canonical JSONL splits, measured in tokens"))
 register_stage(StageKind(
     "base_model", "base_model", BaseModelStage, NoInputs, "2", "tasks.base_model:base_model",
     "the tiny local model, or the user's HF model, committed to storage"))

@@ -17,7 +17,7 @@ from engines.rl import RLRound
 from engines.round_models import RoundSetup
 from tasks.checkpoints import StageCheckpoints
 from tasks.context import RunContext, compute_stage
-from tasks.data import load_split
+from tasks.data import load_split, token_limits
 from tasks.plan import PlannedStage
 from tasks.registry import RoundInputs, RoundStage
 
@@ -33,14 +33,16 @@ def rl_round(stage: PlannedStage, inputs: RoundInputs, ctx: RunContext) -> Stage
     def compute(out: Path, run, uri: str) -> dict[str, float]:
         policy_path = fetch(inputs.policy)
         tokenizer = models.load_tokenizer(policy_path)
+        limits = token_limits(inputs.data)
+        model_len = limits.model_len(round_cfg.generation.max_new_tokens, policy_path, f"{stage.name}: ")
         prompts, report = batches.filter_prompts(tokenizer, load_split(inputs.data, ctx, "prompts"),
-                                                 io.max_prompt_tokens, "prompts")
+                                                 limits.prompt, "prompts")
         run.log_metrics(report.as_metrics("prompts"))
         setup = RoundSetup(
             policy_path=policy_path, reference_path=fetch(inputs.reference), reward_path=fetch(inputs.reward),
             prompts=prompts, dtype=io.dtype, torch_threads=ctx.infra.torch_threads,
             attn_implementation=io.attn_implementation,
-            max_model_len=io.max_prompt_tokens + round_cfg.generation.max_new_tokens, seed=cfg.seed,
+            max_model_len=model_len, seed=cfg.seed,
         )
         ensure_ray(ctx.infra)
         rl = RLRound(round_cfg, setup)

@@ -20,7 +20,7 @@ from engines import batches, models, objectives, supervised
 from engines.trainer import EngineSpec, TrainerGroup
 from tasks.checkpoints import StageCheckpoints
 from tasks.context import RunContext, compute_stage
-from tasks.data import load_split
+from tasks.data import load_split, token_limits
 from tasks.plan import PlannedStage
 from tasks.registry import RewardModelStage, SFTStage, TrainInputs
 
@@ -36,7 +36,8 @@ def train_stage(stage: PlannedStage, inputs: TrainInputs, ctx: RunContext, *, ki
         tokenizer = models.load_tokenizer(init_path)
         records = load_split(inputs.data, ctx, split)
         to_tensors = batches.pair_tensors if paired else batches.sft_tensors
-        tensors, report = to_tensors(tokenizer, records, io.max_prompt_tokens, io.max_response_tokens)
+        limits = token_limits(inputs.data)
+        tensors, report = to_tensors(tokenizer, records, limits.prompt, limits.response)
         run.log_metrics(report.as_metrics(split))
         n_rows = tensors["input_ids"].shape[0] // (2 if paired else 1)
         schedule = supervised.plan(n_rows, train.batch_size, train.epochs, train.max_steps,

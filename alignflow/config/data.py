@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
@@ -52,6 +52,13 @@ class DatasetSource(Section):
         "strings are split after their last occurrence of this; the text before (marker included) is the prompt")
 
 
+class CutFractions(Section):
+    """The share of a split's rows whose responses may be cut to `max_response_tokens` before the data stage fails."""
+
+    sft: float = Field(0.0, ge=0.0, le=1.0)
+    preference: float = Field(0.0, ge=0.0, le=1.0, description="a cut pair may lose what tells chosen from rejected")
+
+
 class DataConfig(Section):
     """Where prompts, demonstrations, preference pairs and eval prompts come from."""
 
@@ -61,8 +68,11 @@ class DataConfig(Section):
     preference: DatasetSource | None = None
     prompts: DatasetSource | None = None
     eval: DatasetSource | None = None
-    max_prompt_tokens: int = Field(64, ge=1)
-    max_response_tokens: int = Field(16, ge=1)
+    max_prompt_tokens: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+        "auto", description="longer prompts are left out (counted); auto: the longest prompt of any split")
+    max_response_tokens: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+        "auto", description="longer responses are cut (counted); auto: the longest, up to the model's positions")
+    max_cut_fraction: CutFractions = CutFractions()
 
     @model_validator(mode="after")
     def _files_present(self) -> DataConfig:

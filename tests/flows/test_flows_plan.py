@@ -120,7 +120,8 @@ def test_partial_pipeline_flow_runs_the_target_and_its_inputs(prefect_server, tm
     stage = plan_pipeline(cfg).stages["data"]
     assert (result.stage, result.key) == ("data", stage.key)
     assert (tmp_path / "artifacts" / "data" / stage.key / "manifest.json").exists()
-    assert not (tmp_path / "artifacts" / "base_model").exists(), "ran a stage the target does not need"
+    assert (tmp_path / "artifacts" / "base_model").exists(), "the data stage needs the base tokenizer"
+    assert not (tmp_path / "artifacts" / "sft").exists(), "ran a stage the target does not need"
     client = MlflowClient(cfg.infra.mlflow_tracking_uri)
     runs = client.search_runs([client.get_experiment_by_name("alignflow").experiment_id])
     parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]

@@ -29,7 +29,7 @@ def _plan(*overrides: str):
 def test_default_pipeline_graph():
     plan = _plan()
     assert list(plan.stages) == [
-        "data", "base_model", "sft", "reward_model", "round_1", "round_2",
+        "base_model", "data", "sft", "reward_model", "round_1", "round_2",
         "eval_base", "eval_sft", "eval_round_1", "eval_round_2", "eval_reward_model",
     ]
     s = plan.stages
@@ -144,8 +144,8 @@ def test_key_is_a_digest_of_config_inputs_and_code():
 def test_targets_resolve_to_stages_and_their_needs():
     plan = _plan()
     assert plan.resolve("rl") == ["round_1", "round_2"]
-    assert list(plan.upto("sft").stages) == ["data", "base_model", "sft"]
-    assert list(plan.upto("round_1").stages) == ["data", "base_model", "sft", "reward_model", "round_1"]
+    assert list(plan.upto("sft").stages) == ["base_model", "data", "sft"]
+    assert list(plan.upto("round_1").stages) == ["base_model", "data", "sft", "reward_model", "round_1"]
     assert set(plan.upto("evaluation").stages) == set(plan.stages)
     with pytest.raises(ConfigError, match=r"no stage 'sfft'.*valid: .*sft"):
         plan.upto("sfft")
@@ -182,10 +182,10 @@ def _commit(storage: Storage, stage, tmp_path) -> None:
 def test_plan_states_say_cached_or_why(tmp_path):
     storage = Storage(root=str(tmp_path / "artifacts"))
     first = _plan()
-    for name in ("data", "base_model", "sft", "reward_model"):
+    for name in ("base_model", "data", "sft", "reward_model"):
         _commit(storage, first.stages[name], tmp_path)
     states = plan_states(first, storage)
-    assert [n for n, st in states.items() if st.cached] == ["data", "base_model", "sft", "reward_model"]
+    assert [n for n, st in states.items() if st.cached] == ["base_model", "data", "sft", "reward_model"]
     assert states["round_1"].why == "never committed"
 
     second = _plan("sft.learning_rate=0.01")

@@ -44,17 +44,19 @@ def test_the_planner_gives_each_kind_its_declared_config():
 
 
 def test_run_stage_commits_with_its_plan_record_and_is_idempotent(ctx, tmp_path):
-    stage = plan_pipeline(load_config(None, SMALL)).stages["data"]
-    first = run_stage(stage, {}, ctx)
+    plan = plan_pipeline(load_config(None, SMALL))
+    stage = plan.stages["data"]
+    model = run_stage(plan.stages["base_model"], {}, ctx)
+    first = run_stage(stage, {"model": model}, ctx)
     assert first == StageResult(stage="data", key=stage.key, uri=str(tmp_path / "artifacts" / "data" / stage.key),
                                 metrics=first.metrics)
     assert first.metrics["data/sft_rows"] == 20
     manifest = json.loads((tmp_path / "artifacts" / "data" / stage.key / "manifest.json").read_text())
     meta = manifest["meta"]
-    assert meta["input_keys"] == {} and meta["code_version"] == STAGE_KINDS["data"].code_version
+    assert meta["input_keys"] == {"model": model.key} and meta["code_version"] == STAGE_KINDS["data"].code_version
     assert meta["config"]["data"]["synthetic"]["num_sft"] == 20 and meta["config"]["seed"] == stage.config.seed
     mtime = (tmp_path / "artifacts" / "data" / stage.key / "sft.jsonl").stat().st_mtime_ns
-    again = run_stage(stage, {}, ctx)
+    again = run_stage(stage, {"model": model}, ctx)
     assert again == first
     assert (tmp_path / "artifacts" / "data" / stage.key / "sft.jsonl").stat().st_mtime_ns == mtime
 

@@ -1,0 +1,136 @@
+"""Token lengths of a dataset's splits, and the prompt/response limits they call for.
+
+The data stage measures every split with the base model's tokenizer and
+settles the two limits once, for every later stage:
+
+    max_prompt_tokens   = the config's value, or ("auto") the longest prompt
+                          of any split, at most `positions - 1`
+    max_response_tokens = the config's value, or ("auto") the longest response
+                          (EOS included), at most what the positions leave
+
+Prompts longer than the limit are left out (counted, per split); responses
+longer than theirs are cut (counted, per split). Cutting a larger share of
+a split's rows than `data.max_cut_fraction` allows is a DataError naming
+the field, the limit and the length that keeps every row.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from alignflow.config import DataConfig
+from alignflow.errors import DataError
+from engines.batches import render_prompt
+
+PROMPT_SPLITS = ("sft", "preference", "prompts", "eval", "eval_preference")
+RESPONSE_KEYS = {"sft": ("response",), "preference": ("chosen", "rejected"), "eval_preference": ("chosen", "rejected")}
+
+
+def percentile(values: list[int], q: float) -> int:
+    """Nearest-rank percentile: the smallest value with at least q% of values at or below it."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
+
+
+@dataclass(frozen=True)
+class SplitLengths:
+    """Per row: prompt tokens, and the longest of its responses in tokens (EOS included; 0 if none)."""
+
+    prompt: list[int]
+    response: list[int]
+
+    def stats(self) -> dict[str, int]:
+        out = {f"prompt_tokens_{k}": v for k, v in _summary(self.prompt).items()}
+        if any(self.response):
+            out.update({f"response_tokens_{k}": v for k, v in _summary(self.response).items()})
+        return out
+
+
+def _summary(values: list[int]) -> dict[str, int]:
+    return {"p50": percentile(values, 50), "p95": percentile(values, 95), "max": max(values)}
+
+
+def measure(tokenizer, splits: dict[str, list[dict]]) -> dict[str, SplitLengths]:
+    """Token lengths of every row of every split, as the training code tokenizes them."""
+    out = {}
+    for name, records in splits.items():
+        if not records:
+            continue
+        prompts = [len(render_prompt(tokenizer, r["prompt"])) for r in records]
+        keys = RESPONSE_KEYS.get(name, ())
+        responses = [0] * len(records)
+        for key in keys:
+            texts = [r[key] for r in records]
+            ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+            responses = [max(a, len(b) + 1) for a, b in zip(responses, ids)]  # + EOS
+        out[name] = SplitLengths(prompts, responses)
+    return out
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_prompt_tokens: int
+    max_response_tokens: int
+    left_out: dict[str, int]  # split -> rows whose prompt is over the limit
+    cut: dict[str, int]  # split -> rows whose response is cut
+
+    def metrics(self) -> dict[str, float]:
+        out = {"data/max_prompt_tokens": float(self.max_prompt_tokens),
+               "data/max_response_tokens": float(self.max_response_tokens)}
+        out.update({f"data/{s}_prompts_left_out": float(n) for s, n in self.left_out.items()})
+        out.update({f"data/{s}_responses_cut": float(n) for s, n in self.cut.items()})
+        return out
+
+
+def resolve(cfg: DataConfig, lengths: dict[str, SplitLengths], positions: int) -> Limits:
+    """The two limits (see the module docstring); a DataError if a split would lose too much."""
+    longest_prompt = max(max(s.prompt) for s in lengths.values())
+    longest_response = max((max(s.response) for s in lengths.values()), default=1) or 1
+    if cfg.max_prompt_tokens == "auto":
+        prompt_limit = min(longest_prompt, positions - 1)
+    else:
+        prompt_limit = cfg.max_prompt_tokens
+    if prompt_limit >= positions:
+        raise DataError(f"data.max_prompt_tokens={prompt_limit} leaves no room for a response: "
+                        f"the model has {positions} positions")
+    room = positions - prompt_limit
+    if cfg.max_response_tokens == "auto":
+        response_limit = min(longest_response, room)
+    else:
+        response_limit = cfg.max_response_tokens
+        if response_limit > room:
+            raise DataError(f"data.max_prompt_tokens={prompt_limit} + data.max_response_tokens={response_limit} "
+                            f"exceed the model's {positions} positions")
+    left_out = {n: sum(p > prompt_limit for p in s.prompt) for n, s in lengths.items()}
+    cut = {n: sum(r > response_limit for r in s.response) for n, s in lengths.items() if n in RESPONSE_KEYS}
+    for name, n_cut in cut.items():
+        allowed = cfg.max_cut_fraction.preference if "preference" in name else cfg.max_cut_fraction.sft
+        total = len(lengths[name].response)
+        if n_cut > allowed * total:
+            field = "preference" if "preference" in name else "sft"
+            needed = max(lengths[name].response)
+            fit = (f"set data.max_response_tokens={needed}" if prompt_limit + needed <= positions else
+                   f"the model's {positions} positions cannot hold them after {prompt_limit}-token prompts")
+            raise DataError(
+                f"{name}: {n_cut} of {total} responses are longer than data.max_response_tokens={response_limit} "
+                f"and would be cut (allowed: data.max_cut_fraction.{field}={allowed:g}); the longest needs "
+                f"{needed} tokens: {fit}, or allow the cut")
+    return Limits(prompt_limit, response_limit, left_out, cut)
+
+
+def describe(lengths: dict[str, SplitLengths], limits: Limits) -> list[str]:
+    """One line per split: rows, token lengths, and what the limits leave out or cut."""
+    lines = [f"token limits: prompt {limits.max_prompt_tokens}, response {limits.max_response_tokens}"]
+    for name, s in lengths.items():
+        st = s.stats()
+        text = f"  {name}: {len(s.prompt)} rows, prompt p50/p95/max {st['prompt_tokens_p50']}/" \
+               f"{st['prompt_tokens_p95']}/{st['prompt_tokens_max']}"
+        if "response_tokens_max" in st:
+            text += f", response {st['response_tokens_p50']}/{st['response_tokens_p95']}/{st['response_tokens_max']}"
+        if limits.left_out.get(name):
+            text += f"; {limits.left_out[name]} prompts over the limit left out"
+        if limits.cut.get(name):
+            text += f"; {limits.cut[name]} responses cut"
+        lines.append(text)
+    return lines

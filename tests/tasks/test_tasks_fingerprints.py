@@ -1,0 +1,125 @@
+"""Keys follow what external inputs hold, not just their names.
+
+A data file edited in place, a model directory whose weights change and a
+rule reward whose code changes each give the stages that read them (and
+everything downstream) new keys; nothing else changes. Remote objects are
+keyed by what the store reports (an S3 server over HTTP here).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from alignflow.config import cache_relevant, load_config
+from alignflow.fingerprint import Fingerprints
+from alignflow.storage import Storage
+from tasks.plan import plan_pipeline, plan_states
+
+
+def _rows(path: Path, rows: list[dict]) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+@pytest.fixture
+def files(tmp_path: Path) -> dict[str, Path]:
+    d = tmp_path / "data"
+    d.mkdir()
+    paths = {k: d / f"{k}.jsonl" for k in ("sft", "preference", "eval")}
+    _rows(paths["sft"], [{"prompt": "1 2 3", "response": "3"}])
+    _rows(paths["preference"], [{"prompt": "1 2", "chosen": "2", "rejected": "1"}])
+    _rows(paths["eval"], [{"prompt": "4 5", "answer": "5"}])
+    return paths
+
+
+def _plan(files: dict[str, Path], tmp_path: Path, *extra: str):
+    overrides = ["data.source=files", *(f"data.{k}.path={p}" for k, p in files.items()),
+                 f"infra.storage.cache_dir={tmp_path / 'cache'}", *extra]
+    return plan_pipeline(load_config(None, overrides))
+
+
+def _keys(plan) -> dict[str, str]:
+    return {n: s.key for n, s in plan.stages.items()}
+
+
+def test_editing_a_data_file_in_place_reruns_data_and_downstream_only(files, tmp_path):
+    before = _keys(_plan(files, tmp_path))
+    _rows(files["sft"], [{"prompt": "1 2 3", "response": "2"}])  # same size, new content
+    after = _plan(files, tmp_path)
+    changed = {n for n in before if before[n] != after.stages[n].key}
+    assert changed == set(before) - {"base_model"}
+    expected = "sha256:" + hashlib.sha256(files["sft"].read_bytes()).hexdigest()
+    assert after.stages["data"].input_keys["data.sft.path"] == expected
+
+
+def test_plan_says_which_file_changed(files, tmp_path):
+    storage = Storage(root=str(tmp_path / "artifacts"))
+    stage = _plan(files, tmp_path).stages["data"]
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "x").write_text("x")
+    storage.commit(out, storage.stage_uri("data", stage.key), meta={  # as tasks/context.py records it
+        "config": cache_relevant(stage.config), "input_keys": stage.input_keys, "code_version": stage.code_version})
+    _rows(files["eval"], [{"prompt": "4 5", "answer": "4"}])
+    state = plan_states(_plan(files, tmp_path), storage)["data"]
+    assert not state.cached and state.why == "input changed: data.eval.path"
+
+
+def test_a_model_directory_is_keyed_by_its_files(tmp_path, files):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"a": 1}')
+    (model / "model.safetensors").write_bytes(b"\x00" * 64)
+    before = _keys(_plan(files, tmp_path, f"model.base={model}"))
+    (model / "model.safetensors").write_bytes(b"\x01" * 64)
+    after = _keys(_plan(files, tmp_path, f"model.base={model}"))
+    # the data stage measures lengths with the base model's tokenizer: it and all after it rerun
+    assert {n for n in before if before[n] != after[n]} == set(before)
+
+
+def test_a_rule_reward_is_keyed_by_its_module_source(tmp_path, files, monkeypatch):
+    pkg = tmp_path / "rules"
+    pkg.mkdir()
+    (pkg / "my_rule.py").write_text("def score(prompt, response, answer):\n    return 1.0\n")
+    monkeypatch.syspath_prepend(str(pkg))
+    rounds = 'rounds=[{"algorithm": "grpo", "reward": {"source": "rule", "rule": "my_rule:score"}}]'
+    before = _keys(_plan(files, tmp_path, rounds))
+    (pkg / "my_rule.py").write_text("def score(prompt, response, answer):\n    return 2.0\n")
+    after = _keys(_plan(files, tmp_path, rounds))
+    assert {n for n in before if before[n] != after[n]} == {"round_1", "eval_round_1"}
+
+
+def test_unchanged_files_are_not_read_again(tmp_path):
+    f = tmp_path / "a.jsonl"
+    f.write_text("abc")
+    prints = Fingerprints(tmp_path / "cache")
+    first = prints.of(str(f))
+    prints.save()
+    table = json.loads((tmp_path / "cache" / "fingerprints.json").read_text())
+    st = f.stat()
+    assert table[str(f)] == [3, st.st_mtime_ns, st.st_ino, hashlib.sha256(b"abc").hexdigest()]
+    # The remembered digest answers while size, mtime and inode agree: plant a
+    # different one and a fresh table returns it, without reading the file.
+    table[str(f)][3] = "0" * 64
+    (tmp_path / "cache" / "fingerprints.json").write_text(json.dumps(table))
+    assert Fingerprints(tmp_path / "cache").of(str(f)) == "sha256:" + "0" * 64 != first
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 1))
+    assert Fingerprints(tmp_path / "cache").of(str(f)) == first
+
+
+def test_s3_objects_are_keyed_by_what_the_store_reports(moto_s3, tmp_path, monkeypatch):
+    import s3fs
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_s3.endpoint_url)
+    fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": moto_s3.endpoint_url}, skip_instance_cache=True)
+    uri = f"{moto_s3.bucket}/fp/sft.jsonl"
+    fs.pipe(uri, b'{"prompt": "a", "response": "b"}\n')
+    first = Fingerprints(tmp_path).of(f"s3://{uri}")
+    assert first.startswith("remote:") and first == Fingerprints(tmp_path).of(f"s3://{uri}")
+    fs.pipe(uri, b'{"prompt": "a", "response": "c"}\n')
+    etag = hashlib.md5(b'{"prompt": "a", "response": "c"}\n').hexdigest()  # S3's ETag of a one-part upload
+    assert Fingerprints(tmp_path).of(f"s3://{uri}") == f"remote:ETag={etag}" != first
