@@ -6,6 +6,8 @@ names its source (the file, or the command-line override) and its field.
 
 from __future__ import annotations
 
+import copy
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -72,27 +74,90 @@ def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return tree
 
 
-def _format_errors(err: ValidationError, source: str) -> str:
+def override_fields(overrides: list[str] | tuple[str, ...]) -> dict[str, str]:
+    """Dotted key -> the override text that set it last (`data.sft.path` -> `data.sft.path=/x.jsonl`)."""
+    fields: dict[str, str] = {}
+    for text in overrides:
+        parts, _ = parse_override(text)
+        key = ".".join(p.strip() for p in parts)
+        fields.pop(key, None)  # re-inserted: the order of the dict is the order that wins
+        fields[key] = text
+    return fields
+
+
+def _display(path: str | Path) -> str:
+    """A config path as the user would write it: relative to the working directory when under it."""
+    path = Path(path)
+    try:
+        return str(path.absolute().relative_to(Path.cwd()))  # not resolved: a symlink keeps the name given
+    except ValueError:
+        return str(path)
+
+
+@dataclass(frozen=True)
+class ConfigSources:
+    """Where a config's values came from: its file (`tree` its raw mapping) and the overrides."""
+
+    path: str | Path | None = None
+    overrides: tuple[str, ...] = ()
+    tree: dict[str, Any] | None = None
+
+    def of(self, field: str) -> str:
+        """`from the command line: k=v`, `from PATH`, `from PATH and the command line: ...`,
+        or `the default, not set in PATH` for a dotted field (list items by index: rounds.0.x)."""
+        fields = override_fields(self.overrides)
+        setting = [t for k, t in fields.items() if field == k or field.startswith(k + ".")]
+        if setting:
+            return f"from the command line: {_short(setting[-1])}"
+        path = _display(self.path) if self.path is not None else "the config"
+        inside = [t for k, t in fields.items() if k.startswith(field + ".")]
+        if inside:
+            return f"from {path} and the command line: {' '.join(_short(t) for t in inside)}"
+        if self.tree is not None and field != "<root>" and not _present(self.tree, field.split(".")):
+            return f"the default, not set in {path}"
+        return f"from {path}"
+
+
+def _short(text: str, limit: int = 60) -> str:
+    """An override as errors quote it: a long YAML list or mapping cut (paths and scalars whole)."""
+    value = text.split("=", 1)[1].lstrip()
+    return text[: limit - 3] + "..." if len(text) > limit and value[:1] in ("[", "{") else text
+
+
+def _present(node: Any, parts: list[str]) -> bool:
+    for part in parts:
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return False
+    return True
+
+
+def _format_errors(err: ValidationError, source: str, sources: ConfigSources | None = None) -> str:
     lines = [f"invalid pipeline config ({source}):"]
     for e in err.errors():
         field = ".".join(str(p) for p in e["loc"]) or "<root>"
         hint = ""
         if e["type"] == "extra_forbidden" and field.split(".")[-1] == "seed":
             hint = "; seeds derive from the one top-level `seed` (alignflow/seeds.py)"
-        lines.append(f"  {field}: {e['msg']} (got {e.get('input')!r}){hint}")
+        origin = f" ({sources.of(field)})" if sources is not None else ""
+        lines.append(f"  {field}: {e['msg']} (got {e.get('input')!r}){hint}{origin}")
     return "\n".join(lines)
 
 
-def validate_config(tree: dict[str, Any], source: str = "<dict>") -> PipelineConfig:
-    """Validate a raw tree; errors name every offending field."""
+def validate_config(tree: dict[str, Any], source: str = "<dict>",
+                    sources: ConfigSources | None = None) -> PipelineConfig:
+    """Validate a raw tree; errors name every offending field (and, given `sources`, where it was set)."""
     try:
         return PipelineConfig.model_validate(tree)
     except ValidationError as err:
-        raise ConfigError(_format_errors(err, source)) from None
+        raise ConfigError(_format_errors(err, source, sources)) from None
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> PipelineConfig:
-    """Load YAML (default: the embedded tiny config), apply overrides, validate."""
+def read_config_file(path: str | Path | None = None) -> tuple[Path, dict[str, Any]]:
+    """(the path, its raw mapping); the default is the embedded tiny config."""
     path = Path(path) if path is not None else default_config_path()
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
@@ -102,8 +167,21 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         raise ConfigError(f"{path}: not valid YAML: {err}") from None
     if not isinstance(tree, dict):
         raise ConfigError(f"{path}: top level must be a mapping, got {type(tree).__name__}")
+    return path, tree
+
+
+def config_sources(path: str | Path | None = None, overrides: list[str] | None = None) -> ConfigSources:
+    """Where each value of `load_config(path, overrides)` comes from (for error messages)."""
+    path, tree = read_config_file(path)
+    return ConfigSources(path, tuple(overrides or ()), tree)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> PipelineConfig:
+    """Load YAML (default: the embedded tiny config), apply overrides, validate."""
+    path, tree = read_config_file(path)
     source = f"{path} with overrides {' '.join(overrides)}" if overrides else str(path)
-    return validate_config(apply_overrides(tree, overrides or []), source=source)
+    sources = ConfigSources(path, tuple(overrides or ()), copy.deepcopy(tree))
+    return validate_config(apply_overrides(tree, overrides or []), source=source, sources=sources)
 
 
 def resolve_paths(cfg: PipelineConfig, base: Path | None = None) -> PipelineConfig:

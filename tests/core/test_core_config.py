@@ -465,3 +465,22 @@ def test_seeds_live_in_one_place(field):
 def test_overrides_are_named_as_the_source_of_errors():
     with pytest.raises(ConfigError, match=r"with overrides sft\.epochs=-1"):
         load_config(None, ["sft.epochs=-1"])
+
+
+def test_each_invalid_field_names_where_its_value_was_set(tmp_path):
+    """An error in an override says so (not the config file); one in the file names the file."""
+    path = _write(tmp_path, "sft: {batch_size: 0}\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path, ["sft.epochs=-1", 'rounds=[{"algorithm": "ppo2"}]'])
+    lines = str(err.value).splitlines()
+    assert f"  sft.batch_size: Input should be greater than or equal to 1 (got 0) (from {path})" in lines
+    assert "  sft.epochs: Input should be greater than 0 (got -1) (from the command line: sft.epochs=-1)" in lines
+    (algo,) = [line for line in lines if line.startswith("  rounds.0.algorithm: ")]
+    assert algo.endswith(""" (from the command line: rounds=[{"algorithm": "ppo2"}])""")
+
+
+def test_override_fields_maps_each_dotted_key_to_the_override_that_set_it_last():
+    from alignflow.config.loading import override_fields
+
+    assert override_fields(["a.b=1", " c =2", "a.b=3", "rounds=[{x: 1}]"]) == {
+        "c": " c =2", "a.b": "a.b=3", "rounds": "rounds=[{x: 1}]"}

@@ -1,0 +1,299 @@
+"""Preflight: what a run needs outside its config, checked in seconds before Prefect or Ray start
+(`alignflow validate`, and the start of `run` / `stage`): data files exist and their first rows
+parse; model.base loads; explicit lengths fit its positions; rule rewards and the checker import;
+remote reward services answer; the storage root takes a probe; a local Ray can place each stage.
+
+Every problem is collected, naming its field and where its value came from (the file, or a
+command-line override), into one ConfigError. Heavy imports (transformers) stay inside checks.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+import urllib.error
+import urllib.request
+import uuid
+from itertools import islice
+from pathlib import Path
+
+import fsspec  # imported by alignflow.storage anyway
+
+from alignflow.config import DatasetSource, PipelineConfig
+from alignflow.config.loading import ConfigSources, config_sources
+from alignflow.data.formats import normalize_row, read_rows
+from alignflow.errors import ConfigError, DataError
+from alignflow.storage import is_local_uri, local_path
+
+FIRST_ROWS = 5
+REMOTE_TIMEOUT_CAP_S = 10.0
+
+
+class Findings:
+    """Checks run and problems found, each problem one line: `field: what (where it was set)`."""
+
+    def __init__(self, sources: ConfigSources):
+        self.sources, self.checks, self.problems = sources, 0, []
+
+    def ok(self) -> None:
+        self.checks += 1
+
+    def fail(self, field: str, text: str, also: tuple[str, ...] = ()) -> None:
+        self.checks += 1
+        where = "; ".join([self.sources.of(field), *(f"{f}: {self.sources.of(f)}" for f in also)])
+        self.problems.append(f"{field}: {text} ({where})")
+
+
+def preflight(cfg: PipelineConfig, overrides: list[str] | None = None,
+              config_path: str | Path | None = None) -> Findings:
+    """Run every check on a loaded config (`config_path` and `overrides` as given to load_config)."""
+    found = Findings(config_sources(config_path, overrides))
+    positions = _model(cfg, found)
+    _data(cfg, found)
+    if positions is not None:
+        _lengths(cfg, positions, found)
+    _rewards(cfg, found)
+    _storage(cfg, found)
+    _resources(cfg, found)
+    return found
+
+
+def check(cfg: PipelineConfig, overrides: list[str] | None = None, config_path: str | Path | None = None) -> int:
+    """preflight, raising one ConfigError that lists every problem; else the number of checks."""
+    found = preflight(cfg, overrides, config_path)
+    if n := len(found.problems):
+        raise ConfigError(f"preflight found {n} problem{'s' * (n > 1)}:\n  " + "\n  ".join(found.problems))
+    return found.checks
+
+
+def _data(cfg: PipelineConfig, found: Findings) -> None:
+    if cfg.data.source != "files":
+        return
+    for name, kind in (("sft", "sft"), ("preference", "preference"), ("prompts", "prompts"), ("eval", "prompts")):
+        src: DatasetSource | None = getattr(cfg.data, name)
+        if src is None or not src.path.endswith((".jsonl", ".json", ".parquet")):
+            continue  # a `datasets` name: loading it may download it; the data stage reports it
+        field, path = f"data.{name}.path", src.path
+        try:
+            exists = local_path(path).is_file() if is_local_uri(path) else fsspec.core.url_to_fs(path)[0].exists(path)
+        except Exception as err:  # noqa: BLE001  (any filesystem's failure is the user's to see)
+            found.fail(field, f"{path} cannot be reached: {type(err).__name__}: {err}")
+            continue
+        if not exists:
+            found.fail(field, f"{path} does not exist")
+            continue
+        try:
+            rows = list(islice(read_rows(src), FIRST_ROWS))
+            for i, row in enumerate(rows, start=1):
+                normalize_row(row, kind, src, where=f"{path}, row {i}")
+        except DataError as err:
+            found.fail(f"data.{name}", str(err))
+        except Exception as err:  # noqa: BLE001  (a corrupt Parquet file, a bad encoding, ...)
+            found.fail(field, f"{path} cannot be read: {type(err).__name__}: {err}")
+        else:
+            found.ok() if rows else found.fail(field, f"{path} holds no rows")
+
+
+def _model(cfg: PipelineConfig, found: Findings) -> int | None:
+    """The base model's positions (None when it cannot be loaded)."""
+    base = cfg.model.base
+    if base == "tiny":
+        return cfg.model.tiny.max_position_embeddings
+    path = local_path(base) if is_local_uri(base) else None  # as tasks/base_model.py: a directory, or a hub id
+    local = path is not None and (path.exists() or base.startswith(("/", ".", "~", "file://")))
+    try:
+        if local:
+            problem = (f"{base} does not exist (a local model directory, or a hub id where a hub is reachable)"
+                       if not path.exists() else f"{base} is a file, not a model directory" if not path.is_dir()
+                       else None if (path / "config.json").is_file()
+                       else f"{base} holds no config.json (not a transformers model directory)")
+            if problem:
+                return found.fail("model.base", problem)
+            from transformers import AutoConfig, AutoTokenizer
+
+            config = AutoConfig.from_pretrained(str(path))
+            AutoTokenizer.from_pretrained(str(path))
+        else:
+            config = _hub_config(base)
+    except Exception as err:  # noqa: BLE001  (whatever transformers raises, the user fixes model.base)
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        what = ("its config or tokenizer does not load" if local else
+                f"is no local directory{f' (none at {path})' if path else ''} and does not load as a hub id")
+        return found.fail("model.base", f"{base} {what}: {first}")
+    found.ok()
+    names = ("max_position_embeddings", "n_positions", "max_sequence_length")  # as engines/models.py
+    return next((int(getattr(config, n)) for n in names if getattr(config, n, None)), None)
+
+
+def _hub_config(base: str):
+    """A hub id's config: from the local cache, else from a hub that answers within seconds (transformers
+    alone retries an unreachable hub for ~30 s)."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(base, local_files_only=True)
+    except OSError:
+        if os.environ.get("HF_HUB_OFFLINE", "0").lower() not in ("0", "false", "no", "off", ""):
+            raise OSError("not in the local cache, and HF_HUB_OFFLINE is set") from None
+    hub = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+    headers = {"Authorization": f"Bearer {os.environ['HF_TOKEN']}"} if os.environ.get("HF_TOKEN") else {}
+    request = urllib.request.Request(f"{hub}/api/models/{base}", headers=headers)
+    try:
+        urllib.request.urlopen(request, timeout=5).close()
+    except urllib.error.HTTPError as err:
+        raise OSError(f"{hub} has no model {base} (HTTP {err.code}; a gated or private one needs HF_TOKEN)") from None
+    except OSError as err:
+        raise OSError(f"the hub {hub} cannot be reached ({getattr(err, 'reason', err)})") from None
+    return AutoConfig.from_pretrained(base)
+
+
+def _lengths(cfg: PipelineConfig, positions: int, found: Findings) -> None:
+    """Explicit limits and every generation's max_new_tokens against the model's positions."""
+    limit = "model.tiny.max_position_embeddings" if cfg.model.base == "tiny" else "model.base config.json"
+    have = f"the model has {positions} ({limit})"
+    prompt, response = cfg.data.max_prompt_tokens, cfg.data.max_response_tokens
+    gens = [(f"rounds.{i}.generation.max_new_tokens", r.generation.max_new_tokens) for i, r in enumerate(cfg.rounds)]
+    if cfg.evaluation is not None:
+        gens.append(("evaluation.generation.max_new_tokens", cfg.evaluation.generation.max_new_tokens))
+    for field, new in gens:
+        if prompt == "auto" and new >= positions:
+            found.fail(field, f"{new} new tokens leave no position for a prompt: {have}")
+        elif prompt != "auto" and prompt + new > positions:
+            found.fail(field, f"{new} new tokens after prompts of up to data.max_prompt_tokens={prompt} need "
+                              f"{prompt + new} positions; {have}", also=("data.max_prompt_tokens",))
+        else:
+            found.ok()
+    if prompt != "auto" and prompt >= positions:
+        found.fail("data.max_prompt_tokens", f"{prompt} leaves no position for a response: {have}")
+    elif prompt != "auto" and response != "auto" and prompt + response > positions:
+        found.fail("data.max_response_tokens", f"data.max_prompt_tokens={prompt} + data.max_response_tokens="
+                   f"{response} = {prompt + response} exceed the positions: {have}", also=("data.max_prompt_tokens",))
+    else:
+        found.ok()
+
+
+def _callable(field: str, path: str, found: Findings) -> None:
+    """`module:function` imports and is callable (as engines/rewards.py load_callable loads it)."""
+    module, _, name = path.partition(":")
+    if not name:
+        return found.fail(field, f"{path!r} must be 'module:function'")
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except Exception as err:  # noqa: BLE001  (the module may fail in any way while importing)
+        return found.fail(field, f"{path!r} cannot be imported: {type(err).__name__}: {err}")
+    found.ok() if callable(fn) else found.fail(field, f"{path!r} is not callable")
+
+
+def _remote(field: str, url: str, timeout_s: float, found: Findings) -> None:
+    """One request in engines/rewards.py RemoteReward's protocol (POST prompts/responses/answers -> rewards)."""
+    body = json.dumps({"prompts": ["preflight"], "responses": ["preflight"], "answers": [None]}).encode()
+    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as resp:
+            rewards = json.loads(resp.read())["rewards"]
+        [value] = rewards  # ValueError unless exactly one
+        float(value)
+    except urllib.error.HTTPError as err:
+        return found.fail(field, f"{url} answered a test request with HTTP {err.code}")
+    except OSError as err:  # URLError (refused, unknown host), a timeout
+        return found.fail(field, f"{url} did not answer a test request (timeout {timeout_s:g} s): "
+                                 f"{getattr(err, 'reason', err)}")
+    except (ValueError, KeyError, TypeError) as err:
+        return found.fail(field, f"{url} answered a test request without a list 'rewards' of one number: {err}")
+    found.ok()
+
+
+def _rewards(cfg: PipelineConfig, found: Findings) -> None:
+    for i, r in enumerate(cfg.rounds):
+        if r.reward.source == "rule":
+            _callable(f"rounds.{i}.reward.rule", r.reward.rule, found)
+        elif r.reward.source == "remote":
+            _remote(f"rounds.{i}.reward.url", r.reward.url, min(r.reward.timeout_s, REMOTE_TIMEOUT_CAP_S), found)
+    if cfg.evaluation is not None:
+        _callable("evaluation.checker", cfg.evaluation.checker, found)
+
+
+def _storage(cfg: PipelineConfig, found: Findings) -> None:
+    field, root, probe = "infra.storage.root", cfg.infra.storage.root, f".preflight-{uuid.uuid4().hex}"
+    if is_local_uri(root):
+        path = local_path(root)
+        created = [p for p in (path, *path.parents) if not p.exists()]  # removed again after the probe
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            (path / probe).write_bytes(b"ok")
+            (path / probe).unlink()
+            for p in created:
+                p.rmdir()
+        except OSError as err:
+            at = f" ({err.filename})" if err.filename and str(err.filename) != str(path) else ""
+            return found.fail(field, f"{root} is not writable: {err.strerror or err}{at}")
+        return found.ok()
+    protocol, uri, options = root.split("://", 1)[0], f"{root.rstrip('/')}/{probe}", {}
+    if protocol == "s3":  # as alignflow/storage.py Storage._fs, with short timeouts and one retry
+        endpoint = cfg.infra.storage.endpoint_url or os.environ.get("AWS_ENDPOINT_URL")
+        options = {"skip_instance_cache": True, "client_kwargs": {"endpoint_url": endpoint} if endpoint else {},
+                   "config_kwargs": {"connect_timeout": 5, "read_timeout": 10, "retries": {"max_attempts": 2}}}
+    try:
+        fs = fsspec.filesystem(protocol, **options)
+        fs.pipe(uri, b"ok")
+        fs.rm(uri)
+    except Exception as err:  # noqa: BLE001  (credentials, endpoint, bucket: the user's to fix)
+        return found.fail(field, f"{root} does not take a probe object: {type(err).__name__}: {err}")
+    found.ok()
+
+
+def _round_needs(r) -> tuple[float, float, str]:
+    """(CPUs, GPUs, what asks) of a round's actors: as engines/round_models.py round_resources, which
+    imports torch and Ray (~10 s); tests/core/test_core_preflight.py holds the two equal."""
+    g = r.generation
+    scorers = int(r.spec.reference and (r.kl.coef > 0 or r.kl.adaptive)) + int(r.reward.source == "model")
+    scorers = min(scorers, 1) if r.colocate_reference_and_reward else scorers
+    parts = [("actor", r.actor.placement.num_cpus, r.actor.placement.num_gpus, r.actor.num_workers),
+             ("scorer_placement", r.scorer_placement.num_cpus, r.scorer_placement.num_gpus, scorers),
+             ("generation", g.placement.num_cpus, g.gpus_per_engine, r.num_rollout_engines)]
+    if r.spec.critic:
+        parts.append(("critic", r.critic.placement.num_cpus, r.critic.placement.num_gpus, r.critic.num_workers))
+    cpus, what = sum(c * n for _, c, _, n in parts), ", ".join(f"{k} {n}x{c:g}" for k, c, _, n in parts if n)
+    if r.colocate_all:  # a bundle per actor worker: the CPUs of all on it, one GPU if the actor asks any
+        return cpus, float(r.actor.num_workers) * (r.actor.placement.num_gpus > 0), f"actors x CPUs: {what}"
+    return cpus, sum(gp * n for _, _, gp, n in parts), f"actors x CPUs: {what}"
+
+
+def _gpus() -> int:
+    """GPUs the local Ray will see. torch.cuda only if torch is already imported (importing it takes
+    seconds); otherwise the NVIDIA driver's device list, narrowed by CUDA_VISIBLE_DEVICES."""
+    if "torch" in sys.modules:
+        return sys.modules["torch"].cuda.device_count()
+    count = len(list(Path("/proc/driver/nvidia/gpus").glob("*")))
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return count if visible is None else min(count, len([d for d in visible.split(",") if d.strip()]))
+
+
+def _resources(cfg: PipelineConfig, found: Findings) -> None:
+    """Each stage's actors against a local Ray's slots (a cluster, infra.ray_address, is checked once Ray is up)."""
+    if cfg.infra.ray_address:
+        return
+    stages = [(f"rounds.{i}", *_round_needs(r)) for i, r in enumerate(cfg.rounds)]
+    for name in ("sft", "reward_model"):
+        t = getattr(cfg, name)
+        if t is not None and (name == "sft" or cfg.trains_reward_model):
+            p = t.placement
+            stages.append((name, p.num_cpus * t.num_workers, p.num_gpus * t.num_workers,
+                           f"{name}.num_workers={t.num_workers} x {name}.placement.num_cpus={p.num_cpus:g}"))
+    if cfg.evaluation is not None:  # one rollout engine; scorers are actors only when they ask for GPUs
+        g, s = cfg.evaluation.generation, cfg.evaluation.scorer_placement
+        n = int(s.num_gpus > 0)
+        stages.append(("evaluation", g.placement.num_cpus + s.num_cpus * n, g.gpus_per_engine + s.num_gpus,
+                       f"actors x CPUs: generation 1x{g.placement.num_cpus:g}, scorer_placement {n}x{s.num_cpus:g}"))
+    slots, gpus = cfg.infra.ray_num_cpus, _gpus() if any(s[2] > 0 for s in stages) else 0
+    for field, cpu, gpu, what in stages:
+        if cpu > slots:
+            found.fail(field, f"its actors need {cpu:g} CPU slots at once ({what}); the local Ray gets {slots} "
+                              f"(infra.ray_num_cpus): lower the placements or counts, or raise infra.ray_num_cpus",
+                       also=("infra.ray_num_cpus",))
+        elif gpu > gpus:
+            found.fail(field, f"its actors need {gpu:g} GPUs at once; this machine has {gpus}")
+        else:
+            found.ok()

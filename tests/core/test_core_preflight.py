@@ -1,0 +1,313 @@
+"""Preflight (alignflow/preflight.py): data, model, lengths, rewards, storage and Ray slots checked
+before anything starts, each problem naming its field and where its value came from.
+
+Nothing is mocked: data files, model directories and unwritable roots are real files, the
+reward service is a real local HTTP server, the S3 root a real moto server over HTTP.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from alignflow.config import default_config_path, load_config, resolve_paths
+from alignflow.errors import ConfigError
+from alignflow.net import free_port
+from alignflow.preflight import check, preflight
+
+REPO = Path(__file__).resolve().parents[2]
+VENV_BIN = Path(sys.executable).parent
+# The embedded default config as errors name it: relative to the working directory when under it.
+_DEFAULT_PATH = default_config_path().absolute()
+DEFAULT = str(_DEFAULT_PATH.relative_to(Path.cwd()) if _DEFAULT_PATH.is_relative_to(Path.cwd()) else _DEFAULT_PATH)
+
+
+def _jsonl(path: Path, rows: list) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture
+def files(tmp_path):
+    """A config file using three good data files, with a writable storage root under tmp_path."""
+    sft = _jsonl(tmp_path / "sft.jsonl", [{"prompt": "1 2", "response": "2"}] * 3)
+    pref = _jsonl(tmp_path / "pref.jsonl", [{"prompt": "1 2", "chosen": "2", "rejected": "1"}] * 3)
+    ev = _jsonl(tmp_path / "eval.jsonl", [{"prompt": "1 2", "answer": "2"}] * 3)
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(f"data:\n  source: files\n  sft: {{path: {sft}}}\n  preference: {{path: {pref}}}\n"
+                   f"  eval: {{path: {ev}}}\ninfra:\n  storage: {{root: {tmp_path / 'artifacts'}}}\n")
+    return cfg
+
+
+def _write_config(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "cfg.yaml"
+    path.write_text(text + f"\ninfra:\n  storage: {{root: {tmp_path / 'artifacts'}}}\n")
+    return path
+
+
+def problems(path: Path | None, *overrides: str) -> list[str]:
+    return preflight(load_config(path, list(overrides)), list(overrides), path).problems
+
+
+# ---- data ---------------------------------------------------------------------------------------
+
+
+def test_good_data_files_pass(files):
+    assert problems(files) == []
+
+
+def test_missing_data_path_names_the_field_and_the_command_line(files, tmp_path):
+    missing = tmp_path / "nope" / "sft.jsonl"
+    assert problems(files, f"data.sft.path={missing}") == [
+        f"data.sft.path: {missing} does not exist (from the command line: data.sft.path={missing})"]
+
+
+def test_missing_data_path_from_the_file_names_the_file(tmp_path):
+    missing = tmp_path / "gone.jsonl"
+    cfg = _write_config(tmp_path, f"data:\n  source: files\n  sft: {{path: {missing}}}\n"
+                                  f"  preference: {{path: {missing}}}\n  eval: {{path: {missing}}}")
+    assert problems(cfg) == [f"data.{name}.path: {missing} does not exist (from {cfg})"
+                             for name in ("sft", "preference", "eval")]
+
+
+def test_a_malformed_first_row_names_file_and_row(files, tmp_path):
+    bad = _jsonl(tmp_path / "bad.jsonl", [{"prompt": "1 2", "response": "2"}, "{not json"])
+    assert problems(files, f"data.sft.path={bad}") == [
+        f"data.sft: {bad}, row 2: not valid JSON (Expecting property name enclosed in double quotes) "
+        f"(from {files} and the command line: data.sft.path={bad})"]
+    keyless = _jsonl(tmp_path / "keyless.jsonl", [{"prompt": "1 2", "output": "2"}])
+    assert problems(files, f"data.sft.path={keyless}") == [
+        f"data.sft: {keyless}, row 1: missing key 'response' (or set response_key under data.sft); "
+        f"this row has keys: ['output', 'prompt'] (from {files} and the command line: data.sft.path={keyless})"]
+
+
+# ---- the base model and lengths -------------------------------------------------------------------
+
+
+def test_a_missing_model_directory_says_so_not_a_hub_error(tmp_path):
+    missing = tmp_path / "my-model"
+    assert problems(None, f"model.base={missing}", f"infra.storage.root={tmp_path}") == [
+        f"model.base: {missing} does not exist (a local model directory, or a hub id where a hub is reachable) "
+        f"(from the command line: model.base={missing})"]
+
+
+def test_a_model_directory_without_config_json(tmp_path):
+    (tmp_path / "m").mkdir()
+    assert problems(None, f"model.base={tmp_path / 'm'}", f"infra.storage.root={tmp_path}") == [
+        f"model.base: {tmp_path / 'm'} holds no config.json (not a transformers model directory) "
+        f"(from the command line: model.base={tmp_path / 'm'})"]
+
+
+def test_lengths_beyond_the_tiny_models_positions_name_the_round(tmp_path):
+    cfg = _write_config(tmp_path, "rounds:\n  - {generation: {max_new_tokens: 40}}\n  - {}")
+    assert problems(cfg, "data.max_prompt_tokens=100") == [
+        f"rounds.0.generation.max_new_tokens: 40 new tokens after prompts of up to data.max_prompt_tokens=100 "
+        f"need 140 positions; the model has 128 (model.tiny.max_position_embeddings) (from {cfg}; "
+        f"data.max_prompt_tokens: from the command line: data.max_prompt_tokens=100)"]
+    assert problems(cfg, "data.max_prompt_tokens=64", "data.max_response_tokens=65") == [
+        "data.max_response_tokens: data.max_prompt_tokens=64 + data.max_response_tokens=65 = 129 exceed the "
+        "positions: the model has 128 (model.tiny.max_position_embeddings) (from the command line: "
+        "data.max_response_tokens=65; data.max_prompt_tokens: from the command line: data.max_prompt_tokens=64)"]
+
+
+def test_lengths_from_a_local_models_config_json(tmp_path):
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "qwen2", "max_position_embeddings": 64}))
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel({"[UNK]": 0}, unk_token="[UNK]"))).save_pretrained(model)
+    args = (f"model.base={model}", f"infra.storage.root={tmp_path / 'a'}", "evaluation.generation.max_new_tokens=70")
+    assert problems(None, *args) == [
+        "evaluation.generation.max_new_tokens: 70 new tokens leave no position for a prompt: the model has 64 "
+        "(model.base config.json) (from the command line: evaluation.generation.max_new_tokens=70)"]
+
+
+# ---- rewards ---------------------------------------------------------------------------------------
+
+
+def test_a_rule_that_does_not_import_names_the_round(tmp_path):
+    cfg = _write_config(tmp_path, "rounds:\n  - {algorithm: grpo, reward: {source: rule, rule: 'no_such_mod_xq:score'}}")
+    assert problems(cfg, "evaluation.checker=json:decoder") == [
+        f"rounds.0.reward.rule: 'no_such_mod_xq:score' cannot be imported: ModuleNotFoundError: No module named "
+        f"'no_such_mod_xq' (from {cfg})",
+        "evaluation.checker: 'json:decoder' is not callable (from the command line: evaluation.checker=json:decoder)"]
+
+
+class RewardService:
+    """A real HTTP reward service on 127.0.0.1 answering {"rewards": [...]}, or hanging."""
+
+    def __init__(self, hang_s: float = 0.0):
+        self.requests: list[dict] = []
+        service = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802 (http.server's naming)
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                service.requests.append(body)
+                time.sleep(hang_s)
+                payload = json.dumps({"rewards": [0.5] * len(body["responses"])}).encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_port}/score"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _remote_round(tmp_path: Path, url: str, timeout_s: float = 30) -> Path:
+    return _write_config(tmp_path, f"rounds:\n  - {{algorithm: grpo, reward: {{source: remote, url: '{url}', "
+                                   f"timeout_s: {timeout_s}}}}}")
+
+
+def test_a_reward_url_where_nothing_listens_fails_fast_naming_the_url_field(tmp_path):
+    url = f"http://127.0.0.1:{free_port()}/score"
+    cfg = _remote_round(tmp_path, url)
+    t0 = time.monotonic()
+    found = problems(cfg)
+    assert time.monotonic() - t0 < 5
+    assert found == [f"rounds.0.reward.url: {url} did not answer a test request (timeout 10 s): "
+                     f"[Errno 111] Connection refused (from {cfg})"]
+
+
+def test_a_reward_service_that_answers_passes(tmp_path):
+    service = RewardService()
+    try:
+        assert problems(_remote_round(tmp_path, service.url)) == []
+    finally:
+        service.close()
+    assert service.requests == [{"prompts": ["preflight"], "responses": ["preflight"], "answers": [None]}]
+
+
+def test_a_reward_service_that_hangs_times_out_at_the_rounds_timeout(tmp_path):
+    service = RewardService(hang_s=3.0)
+    try:
+        cfg = _remote_round(tmp_path, service.url, timeout_s=0.5)
+        t0 = time.monotonic()
+        found = problems(cfg)
+        assert time.monotonic() - t0 < 2.5
+    finally:
+        service.close()
+    assert found == [f"rounds.0.reward.url: {service.url} did not answer a test request (timeout 0.5 s): timed out "
+                     f"(from {cfg})"]
+
+
+# ---- storage ------------------------------------------------------------------------------------------
+
+
+def test_an_unwritable_storage_root_names_the_field(tmp_path):
+    # A path under a regular file: unwritable even for root (where chmod stops nothing).
+    (tmp_path / "file").write_text("x")
+    root = tmp_path / "file" / "artifacts"
+    assert problems(None, f"infra.storage.root={root}") == [
+        f"infra.storage.root: {root} is not writable: Not a directory (from the command line: "
+        f"infra.storage.root={root})"]
+
+
+def test_a_writable_storage_root_is_left_as_it_was(tmp_path):
+    assert problems(None, f"infra.storage.root={tmp_path / 'new' / 'deeper'}") == []
+    assert list(tmp_path.iterdir()) == []  # the probe, and the directories it made, are gone
+
+
+def test_s3_storage_root_takes_a_probe_object(moto_s3):
+    root = f"s3://{moto_s3.bucket}/preflight-probe"
+    assert problems(None, f"infra.storage.root={root}", f"infra.storage.endpoint_url={moto_s3.endpoint_url}") == []
+    assert moto_s3.fs().find(root) == []  # the probe object is deleted
+    missing = "s3://no-such-bucket-preflight/x"
+    (found,) = problems(None, f"infra.storage.root={missing}", f"infra.storage.endpoint_url={moto_s3.endpoint_url}")
+    assert found.startswith(f"infra.storage.root: {missing} does not take a probe object: ")
+    assert found.endswith(f"(from the command line: infra.storage.root={missing})")
+
+
+# ---- Ray resources -------------------------------------------------------------------------------------
+
+
+def test_too_many_cpus_asked_names_the_round(tmp_path):
+    cfg = _write_config(tmp_path, "rounds:\n  - {actor: {num_workers: 20}}")
+    assert problems(cfg) == [
+        "rounds.0: its actors need 23 CPU slots at once (actors x CPUs: actor 20x1, scorer_placement 1x1, generation 1x1, "
+        "critic 1x1); the local Ray gets 16 (infra.ray_num_cpus): lower the placements or counts, or raise "
+        f"infra.ray_num_cpus (from {cfg}; infra.ray_num_cpus: the default, not set in {cfg})"]
+    assert problems(cfg, "infra.ray_num_cpus=24") == []
+    assert problems(cfg, "infra.ray_address=ray://cluster:10001") == []  # a cluster's own slots: checked there
+    assert problems(None, f"infra.storage.root={tmp_path / 'a'}", "sft.num_workers=4", "sft.placement.num_cpus=5") == [
+        "sft: its actors need 20 CPU slots at once (sft.num_workers=4 x sft.placement.num_cpus=5); the local Ray gets 16 "
+        f"(infra.ray_num_cpus): lower the placements or counts, or raise infra.ray_num_cpus (from {DEFAULT} and the "
+        f"command line: sft.num_workers=4 sft.placement.num_cpus=5; infra.ray_num_cpus: the default, not set in "
+        f"{DEFAULT})"]
+
+
+def test_round_slots_equal_the_engines_count(tmp_path):
+    """preflight sums a round's slots without importing engines/round_models.py (torch, Ray: ~10 s)."""
+    from alignflow.preflight import _round_needs
+    from engines.round_models import round_resources
+
+    rounds = [{}, {"algorithm": "grpo", "reward": {"source": "rule"}},
+              {"colocate_reference_and_reward": False, "num_rollout_engines": 3, "scorer_placement": {"num_cpus": 2}},
+              {"algorithm": "ppo", "colocate_all": True, "num_rollout_engines": 2,
+               "actor": {"num_workers": 2, "placement": {"num_gpus": 1, "num_cpus": 2}}, "critic": {"num_workers": 2}},
+              {"algorithm": "rloo", "generation": {"vllm": {"tensor_parallel_size": 2}, "placement": {"num_gpus": 1}}}]
+    cfg = load_config(None, [f"rounds={json.dumps(rounds)}"])
+    for r in cfg.rounds:
+        cpu, gpu, _ = _round_needs(r)
+        assert {"CPU": cpu, "GPU": gpu} == round_resources(r), r.algorithm
+
+
+# ---- the default config, check() and the CLI ------------------------------------------------------------
+
+
+def test_the_default_config_passes(tmp_path):
+    cfg = resolve_paths(load_config(), tmp_path)
+    found = preflight(cfg)
+    assert found.problems == []
+    # lengths: 2 rounds, evaluation, the limits; the checker; storage; slots: 2 rounds, sft, reward model, eval
+    assert found.checks == 11
+    assert not (tmp_path / "artifacts").exists()
+
+
+def test_check_raises_one_error_listing_every_problem(tmp_path):
+    missing = tmp_path / "m"
+    overrides = [f"model.base={missing}", f"infra.storage.root={tmp_path}", "evaluation.checker=os:sep"]
+    with pytest.raises(ConfigError) as err:
+        check(load_config(None, overrides), overrides)
+    assert str(err.value) == (
+        "preflight found 2 problems:\n"
+        f"  model.base: {missing} does not exist (a local model directory, or a hub id where a hub is reachable) "
+        f"(from the command line: model.base={missing})\n"
+        "  evaluation.checker: 'os:sep' is not callable (from the command line: evaluation.checker=os:sep)")
+
+
+@pytest.mark.parametrize("command", ["validate", "run"])
+def test_cli_reports_preflight_problems_before_prefect_starts(command, tmp_path, cli_env):
+    missing = tmp_path / "sft.jsonl"
+    args = [f"data.sft.path={missing}", f"infra.storage.root={tmp_path / 'a'}",
+            f"infra.mlflow_tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}"]
+    ok = _jsonl(tmp_path / "ok.jsonl", [{"prompt": "1 2", "chosen": "2", "rejected": "1", "answer": "2"}])
+    args += ["data.source=files", f"data.preference.path={ok}", f"data.eval.path={ok}"]
+    proc = subprocess.run([str(VENV_BIN / "alignflow"), command, *args], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120, env=cli_env())
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines()[-2:] == [
+        "error: preflight found 1 problem:",
+        f"  data.sft.path: {missing} does not exist (from the command line: data.sft.path={missing})"]
+    assert "Traceback" not in proc.stderr
+    assert "Prefect API" not in proc.stdout + proc.stderr
+    assert proc.stdout == ""  # neither the config nor a plan
