@@ -105,6 +105,14 @@ class Storage:
     def stage_uri(self, stage: str, key: str) -> str:
         return self.uri(stage, key)
 
+    def put_file(self, local: str | Path, uri: str) -> str:
+        """Copy one local file to `uri` (under the root; its folder is made); returns `uri`.
+        Not part of a committed directory: for reports such as the learning curves."""
+        fs = self._fs()
+        fs.makedirs(uri.rsplit("/", 1)[0], exist_ok=True)
+        fs.put_file(str(local), uri)
+        return uri
+
     # ---- committed directories -------------------------------------------------
 
     def is_committed(self, uri: str) -> bool:

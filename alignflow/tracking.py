@@ -20,7 +20,7 @@ import logging
 import os
 import re
 import socket
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -87,6 +87,17 @@ class Tracker:
     def finish(self, run_id: str, status: str = "FINISHED") -> None:
         self._mlflow.MlflowClient().set_terminated(run_id, status=status)
 
+    def stage_runs(self, parent_run_id: str) -> list[dict[str, Any]]:
+        """The stage runs under a parent run, for a progress display: stage, status, step, total steps,
+        start/end (ms) and latest metrics."""
+        client = self._mlflow.MlflowClient()
+        children = client.search_runs([self.experiment_id], order_by=["attributes.start_time ASC"], max_results=1000,
+                                      filter_string=f"tags.`mlflow.parentRunId` = '{parent_run_id}'")
+        return [{"stage": r.data.tags.get("alignflow.stage", r.info.run_name), "status": r.info.status,
+                 "step": int(r.data.metrics.get("progress/step", 0)),
+                 "total": int(r.data.tags.get("alignflow.total_steps", 0)), "start": r.info.start_time,
+                 "end": r.info.end_time, "metrics": dict(r.data.metrics)} for r in children]
+
     def reap_stale(self) -> list[str]:
         """Mark KILLED every RUNNING run of the experiment owned by a process on this host that is gone."""
         client = self._mlflow.MlflowClient()
@@ -110,6 +121,62 @@ class Tracker:
             log.warning("marked %d MLflow run(s) KILLED: left RUNNING by processes on %s that are gone",
                         len(reaped), host)
         return reaped
+
+    def metric_histories(
+        self, parent_run_id: str, stage_keys: Mapping[str, str] | None = None,
+        keep: Callable[[str], bool] | None = None,
+    ) -> dict[str, dict[str, list[tuple[int, float]]]]:
+        """Stage name -> metric key -> [(step, value)] by step, from the stages' child runs.
+
+        A stage with no child run under `parent_run_id` (served from cache) is
+        looked up by its content key (`stage_keys`, default the parent's
+        `alignflow.key.<stage>` tags): the newest FINISHED run of the
+        experiment tagged with that key, whatever its parent. Several child
+        runs of one stage (retries) are merged oldest first, so a resumed
+        attempt's steps follow the ones its predecessor logged. `keep` picks
+        the metric keys to read (default all).
+        """
+        client = self._mlflow.MlflowClient()
+        if stage_keys is None:
+            tags = client.get_run(parent_run_id).data.tags
+            stage_keys = {k.removeprefix("alignflow.key."): v for k, v in tags.items()
+                          if k.startswith("alignflow.key.")}
+        runs: dict[str, list[Any]] = {}
+        for run in self._search(f"tags.`mlflow.parentRunId` = '{parent_run_id}'"):
+            stage = run.data.tags.get("alignflow.stage")
+            if stage:
+                runs.setdefault(stage, []).append(run)
+        for stage, key in stage_keys.items():
+            if stage not in runs and re.fullmatch(r"[\w.-]+", key) and re.fullmatch(r"[\w.-]+", stage):
+                found = self._search(f"tags.`alignflow.key` = '{key}' and tags.`alignflow.stage` = '{stage}' "
+                                     "and attributes.status = 'FINISHED'", limit=1)
+                if found:
+                    runs[stage] = found
+        out: dict[str, dict[str, list[tuple[int, float]]]] = {}
+        for stage, attempts in runs.items():
+            merged: dict[str, dict[int, float]] = {}
+            for run in sorted(attempts, key=lambda r: r.info.start_time or 0):
+                for name in run.data.metrics:
+                    if keep is None or keep(name):
+                        steps = merged.setdefault(name, {})
+                        for m in sorted(client.get_metric_history(run.info.run_id, name),
+                                        key=lambda m: (m.step, m.timestamp)):
+                            steps[m.step] = m.value
+            out[stage] = {name: sorted(steps.items()) for name, steps in merged.items()}
+        return out
+
+    def _search(self, query: str, limit: int | None = None) -> list[Any]:
+        """Runs of the experiment matching `query`, newest first (every page, or the first `limit`)."""
+        client = self._mlflow.MlflowClient()
+        found, token = [], None
+        while True:
+            page = client.search_runs([self.experiment_id], filter_string=query,
+                                      order_by=["attributes.start_time DESC"],
+                                      max_results=min(limit or 1000, 1000), page_token=token)
+            found.extend(page)
+            token = page.token
+            if not token or (limit and len(found) >= limit):
+                return found[:limit] if limit else found
 
     def run(self, run_id: str) -> StageRun:
         """Logging into an existing run (e.g. the pipeline's parent run)."""
@@ -197,6 +264,9 @@ class StageRun:
 
     def log_text(self, text: str, artifact_file: str) -> None:
         self.client.log_text(self.run_id, text, artifact_file)
+
+    def log_artifact(self, local_path: str | Path, artifact_path: str | None = "curves") -> None:
+        self.client.log_artifact(self.run_id, str(local_path), artifact_path)
 
     def log_dict(self, obj: Any, artifact_file: str) -> None:
         self.client.log_dict(self.run_id, obj, artifact_file)

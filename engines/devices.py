@@ -18,8 +18,10 @@ physical id when that variable is unset).
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -106,3 +108,20 @@ def actor_options(num_cpus: float, num_gpus: float, scheduling_strategy=None) ->
     if scheduling_strategy is not None:
         opts["scheduling_strategy"] = scheduling_strategy
     return opts
+
+
+def announce_cpu_accelerator(device: torch.device) -> torch.device:
+    """On the CPU, tell DeepSpeed so up front (it then does not warn that it fell back to it)."""
+    if device.type == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    return device
+
+
+@contextlib.contextmanager
+def quiet_stdout() -> Iterator[None]:
+    """A library's prints off the console while the CLI runs quiet (ALIGNFLOW_QUIET=1, flows/console.py)."""
+    if os.environ.get("ALIGNFLOW_QUIET") != "1":
+        yield
+        return
+    with contextlib.redirect_stdout(io.StringIO()):
+        yield

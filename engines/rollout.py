@@ -134,7 +134,8 @@ class VLLMEngine:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(kv_cache_gib))))
         from vllm import LLM
 
-        self.llm = LLM(**engine_args)
+        # TQDM_DISABLE (the CLI's quiet console, flows/console.py): no weight-loading bar either.
+        self.llm = LLM(**{"use_tqdm_on_load": not os.environ.get("TQDM_DISABLE"), **engine_args})
         self.sleep_mode = bool(engine_args.get("enable_sleep_mode"))
         self.tokenizer = self.llm.get_tokenizer()
         self._shapes = checkpoint_shapes(model_path)

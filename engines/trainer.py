@@ -10,9 +10,8 @@ The objective is injected: `train_step(shards, objective)` calls
 micro-batch, gradients accumulated. The engine does not know which
 algorithm it serves. Each rank's device follows engines/devices.py.
 
-Resume state (`save_state` / `load_state`) is the model in HF format
-(safetensors) plus, per rank, the optimizer state and RNG state as
-safetensors + JSON (engines/state.py); no pickles.
+Resume state (`save_state` / `load_state`) is the model in HF format plus, per
+rank, optimizer and RNG state as safetensors + JSON (engines/state.py); no pickles.
 """
 
 from __future__ import annotations
@@ -29,7 +28,8 @@ import torch
 from alignflow.net import free_port
 from engines import models
 from engines.batches import in_micro_batches, micro_batches
-from engines.devices import actor_device, local_rank, placement_group_id, to_cpu, to_device
+from engines.devices import (actor_device, announce_cpu_accelerator, local_rank, placement_group_id, quiet_stdout,
+                             to_cpu, to_device)
 from engines.engine_spec import EngineSpec, lr_lambda, move_training_state, rows
 from engines.state import load_state, save_state
 
@@ -49,18 +49,18 @@ class TrainWorker:
         return ip, free_port(ip)
 
     def setup(self, spec: EngineSpec, master: tuple[str, int]) -> None:
+        # The device rule (engines/devices.py): the GPU Ray placed this rank on, or the CPU.
+        self.device = announce_cpu_accelerator(actor_device())
         import deepspeed
         from deepspeed.accelerator import get_accelerator
-
-        # The device rule (engines/devices.py): the GPU Ray placed this rank on, or the CPU.
-        self.device = actor_device()
         os.environ.update(
             MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), RANK=str(self.rank),
             WORLD_SIZE=str(self.world_size), LOCAL_RANK=str(local_rank(self.device)),
         )
         accel = get_accelerator()
         if not torch.distributed.is_initialized():
-            deepspeed.init_distributed(dist_backend=accel.communication_backend_name())
+            with quiet_stdout():  # on the CPU, DeepSpeed prints that its shared-memory op built
+                deepspeed.init_distributed(dist_backend=accel.communication_backend_name())
         self._seed(spec.seed)
         self.spec = spec
         self.tokenizer = models.load_tokenizer(spec.model_path)

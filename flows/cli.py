@@ -16,6 +16,8 @@ import argparse
 import logging
 import sys
 import time
+import traceback
+from collections import Counter
 from pathlib import Path
 
 from alignflow.cluster import apply_process_env
@@ -23,6 +25,7 @@ from alignflow.config import PipelineConfig, load_config, resolve_paths
 from alignflow.errors import ConfigError, UserError
 from alignflow.interrupts import install_sigterm_handler
 from alignflow.storage import is_local_uri, local_path
+from flows import console
 from flows.planview import format_plan
 from tasks.context import RunContext
 from tasks.plan import Plan, plan_pipeline, plan_states
@@ -46,9 +49,13 @@ def _load(items: list[str]) -> PipelineConfig:
     return resolve_paths(load_config(path, overrides))
 
 
-def cmd_validate(cfg: PipelineConfig) -> int:
+def cmd_validate(cfg: PipelineConfig, path: str | None = None, overrides: list[str] | None = None) -> int:
+    from alignflow.preflight import check  # data, model, lengths, rewards, storage, Ray slots: seconds
+
+    checks = check(cfg, overrides, path)
     print(cfg.model_dump_json(indent=2))
     print("config is valid", file=sys.stderr)
+    print(f"preflight: {checks} checks passed", file=sys.stderr)
     return 0
 
 
@@ -57,18 +64,18 @@ def print_plan(cfg: PipelineConfig, plan: Plan) -> None:
     print(format_plan(plan, plan_states(plan, storage), storage.uri()), flush=True)
 
 
-def _warm_up(cfg: PipelineConfig) -> None:
+def _warm_up(cfg: PipelineConfig, verbose: bool) -> None:
     """Start Ray and import the flows while the Prefect API starts (the task
     runner reuses an initialised Ray, and shuts it down only if it started it)."""
     import ray
 
     from alignflow.cluster import ray_init_kwargs
 
-    ray.init(**ray_init_kwargs(cfg.infra))
+    ray.init(**ray_init_kwargs(cfg.infra), logging_level=logging.INFO if verbose else logging.WARNING)
     import flows.pipeline  # noqa: F401  (prefect, mlflow, torch: seconds of imports)
 
 
-def _run(cfg: PipelineConfig, target: str | None) -> int:
+def _run(cfg: PipelineConfig, target: str | None, verbose: bool = False) -> int:
     import ray
 
     from flows.runtime import prefect_api, ray_task_runner
@@ -77,16 +84,20 @@ def _run(cfg: PipelineConfig, target: str | None) -> int:
     t0 = time.perf_counter()
     root = cfg.infra.storage.root
     log_dir = (local_path(root) if is_local_uri(root) else Path.cwd()) / "logs"
-    with prefect_api(cfg.infra, log_dir, while_starting=lambda: _warm_up(cfg)) as url:
-        print(f"Prefect API: {url}", file=sys.stderr)
+    log_file = console.log_to_file(log_dir)
+    print(f"log: {log_file}", file=sys.stderr)
+    with prefect_api(cfg.infra, log_dir, while_starting=lambda: _warm_up(cfg, verbose)) as url:
+        logging.getLogger("alignflow").info("Prefect API: %s", url)
         from flows.pipeline import partial_pipeline, pipeline
+        from flows.progress import ProgressWatcher
 
         runner = ray_task_runner(cfg.infra)
         try:
-            if target:
-                result = partial_pipeline.with_options(task_runner=runner)(cfg, target)
-            else:
-                result = pipeline.with_options(task_runner=runner)(cfg)
+            with ProgressWatcher(cfg.infra.mlflow_tracking_uri, cfg.infra.mlflow_experiment):
+                if target:
+                    result = partial_pipeline.with_options(task_runner=runner)(cfg, target)
+                else:
+                    result = pipeline.with_options(task_runner=runner)(cfg)
         finally:
             # Ship buffered run logs while the API is still up.
             from prefect.logging.handlers import APILogWorker
@@ -97,46 +108,61 @@ def _run(cfg: PipelineConfig, target: str | None) -> int:
     if target:
         print(result.model_dump_json(indent=2))
     else:
-        _print_report(result, elapsed)
+        _print_report(result, elapsed, verbose)
     return 0
 
 
-def _print_report(report, elapsed: float) -> None:
+def _print_report(report, elapsed: float, verbose: bool = False) -> None:
     print()
     print(report.table())
     print()
-    print("stages:")
-    for name, uri in report.stage_uris.items():
-        print(f"  {name:<18} {report.stage_states.get(name, ''):<10} {uri}")
+    counts = Counter(report.stage_states.values())
+    print(f"stages:     {', '.join(f'{n} {state}' for state, n in counts.items())}; each under "
+          f"<artifacts>/<stage>/<key> (keys in the plan above; -v lists them)")
+    if verbose:
+        for name, uri in report.stage_uris.items():
+            print(f"  {name:<18} {report.stage_states.get(name, ''):<10} {uri}")
     print(f"artifacts:  {report.storage_root}")
     print(f"MLflow:     {report.mlflow_tracking_uri}  (parent run {report.mlflow_run_id})")
     print(f"            view with: mlflow ui --backend-store-uri {report.mlflow_tracking_uri}")
+    if report.curves_uri:
+        print(f"curves:     {report.curves_uri}  (loss, rounds, eval .png)")
     print(f"wall time:  {elapsed:.1f} s")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="alignflow", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
+    verbose = argparse.ArgumentParser(add_help=False)
+    verbose.add_argument("-v", "--verbose", action="store_true",
+                         help="every log line on the console (default: alignflow's, and warnings once)")
     for name in ("run", "plan", "validate"):
-        p = sub.add_parser(name)
+        p = sub.add_parser(name, parents=[verbose])
         p.add_argument("args", nargs="*", help="[CONFIG.yaml] [key.sub=value ...]")
-    p = sub.add_parser("stage", help="run one target (and, from cache, what it needs)")
+    p = sub.add_parser("stage", parents=[verbose], help="run one target (and, from cache, what it needs)")
     p.add_argument("name", help="a stage (sft, round_2, eval_sft, ...) or a target (data, sft, reward_model, rl, ...)")
     p.add_argument("args", nargs="*")
     ns = parser.parse_args(argv)
     install_sigterm_handler()  # SIGTERM raises SystemExit: `finally` blocks end MLflow runs KILLED, drop scratch
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    console.setup(ns.verbose)
     target = ns.name if ns.command == "stage" else None
     try:
+        path, overrides = _split_args(ns.args)
         cfg = _load(ns.args)
         if ns.command == "validate":
-            return cmd_validate(cfg)
+            return cmd_validate(cfg, path, overrides)
+        if ns.command != "plan":  # run, stage: what the run needs from outside, before the plan, Prefect or Ray
+            from alignflow.preflight import check
+
+            check(cfg, overrides, path)
         plan = plan_pipeline(cfg)
         print_plan(cfg, plan.upto(target) if target else plan)
         if ns.command == "plan":
             return 0
-        return _run(cfg, target)
+        return _run(cfg, target, ns.verbose)
     except UserError as err:
+        if ns.verbose:
+            traceback.print_exc()
         print(f"error: {err}", file=sys.stderr)
         return 2
 

@@ -9,6 +9,7 @@ from pydantic import BaseModel
 from alignflow.config import PipelineConfig
 from alignflow.interrupts import end_status
 from alignflow.records import StageResult
+from flows.curves import publish_curves
 from tasks.context import RunContext
 from tasks.plan import Plan
 
@@ -26,6 +27,7 @@ class PipelineReport(BaseModel):
     policies: dict[str, dict[str, float]]
     reward_model: dict[str, float] = {}
     kl_budgets: dict[str, float] = {}
+    curves_uri: str | None = None  # the learning-curve PNGs under the storage root (flows/curves.py)
 
     def table(self) -> str:
         cols = ["policy", *[m.removeprefix("eval/") for m in POLICY_METRICS]]
@@ -54,7 +56,16 @@ def open_run(config: PipelineConfig, plan: Plan) -> RunContext:
         tags={"alignflow.prefect_flow_run_id": str(flow_run.id or ""),
               **{f"alignflow.key.{s.name}": s.key for s in plan.stages.values()}},
     )
+    _opened.append(run_id)
     return RunContext(infra=config.infra, parent_run_id=run_id)
+
+
+_opened: list[str] = []
+
+
+def opened_parent_runs() -> list[str]:
+    """Parent runs opened by flows in this process, oldest first (the CLI's progress display)."""
+    return list(_opened)
 
 
 def wait_all(ctx: RunContext, futures: dict[str, Any]) -> tuple[dict[str, StageResult], dict[str, str]]:
@@ -85,7 +96,12 @@ def build_report(ctx: RunContext, plan: Plan, results: dict[str, StageResult],
 
 
 def close_run(ctx: RunContext, report: PipelineReport | None = None) -> None:
-    """Log the comparison (per-policy metrics, the table) to the parent run and close it."""
+    """Log the comparison (per-policy metrics, the table) to the parent run and close it.
+
+    With a report, the learning curves are drawn too (logged to the parent
+    run, copied under the storage root, their folder set as
+    `report.curves_uri`); a failure to draw them is only a warning.
+    """
     tracker = ctx.tracker()
     if report is not None:
         run = tracker.run(ctx.parent_run_id)
@@ -94,4 +110,5 @@ def close_run(ctx: RunContext, report: PipelineReport | None = None) -> None:
         metrics.update({k.removeprefix("eval/"): v for k, v in report.reward_model.items()})
         run.log_metrics(metrics)
         run.log_text(report.table(), "report.txt")
+        report.curves_uri = publish_curves(tracker, ctx.storage(), ctx.parent_run_id)
     tracker.finish(ctx.parent_run_id)

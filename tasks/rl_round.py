@@ -49,9 +49,10 @@ def rl_round(stage: PlannedStage, inputs: RoundInputs, ctx: RunContext) -> Stage
         checkpoints = StageCheckpoints(storage, uri, stage.name, round_cfg.checkpoint_every)
         try:
             start = checkpoints.resume(lambda d: rl.load_state(str(d)), run)
+            run.set_tag("alignflow.total_steps", str(round_cfg.steps))  # the CLI's progress display
             for step in range(start, round_cfg.steps):
                 metrics = rl.step(step).metrics
-                run.log_metrics({f"rl/{k}": v for k, v in metrics.items()}, step=step + 1)
+                run.log_metrics({f"rl/{k}": v for k, v in metrics.items()} | {"progress/step": step + 1}, step=step + 1)
                 if checkpoints.due(step + 1, round_cfg.steps):
                     checkpoints.save(step + 1, lambda tmp: rl.save_state(tmp, step + 1))
             rl.save_policy(str(out))

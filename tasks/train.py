@@ -52,12 +52,13 @@ def train_stage(stage: PlannedStage, inputs: TrainInputs, ctx: RunContext, *, ki
         checkpoints = StageCheckpoints(storage, uri, stage.name, train.checkpoint_every)
         try:
             start = checkpoints.resume(lambda d: int(group.load_state(str(d))["step"]), run)
+            run.set_tag("alignflow.total_steps", str(schedule.total_steps))  # the CLI's progress display
             history: list[dict[str, float]] = []
 
             def after_step(step: int, m: dict[str, float]) -> None:
                 history.append(m)
                 if step % train.log_every == 0 or step == schedule.total_steps:
-                    run.log_metrics({f"train/{k}": v for k, v in m.items()}, step=step)
+                    run.log_metrics({f"train/{k}": v for k, v in m.items()} | {"progress/step": step}, step=step)
                 if checkpoints.due(step, schedule.total_steps):
                     checkpoints.save(step, lambda tmp: group.save_state(tmp, {"step": step}))
 

@@ -104,11 +104,16 @@ class CliResult:
                 f"--- stdout (tail) ---\n{self.stdout[-3000:]}\n--- stderr (tail) ---\n{self.stderr[-6000:]}")
 
 
-def run_cli(args: list[str], *, env: dict[str, str], cwd: Path, timeout: float = CLI_TIMEOUT_S) -> CliResult:
+def run_cli(args: list[str], *, env: dict[str, str], cwd: Path, timeout: float = CLI_TIMEOUT_S,
+            verbose: bool = True) -> CliResult:
     """`python -m flows.cli ARGS` in its own session; on timeout the whole tree is killed.
 
+    `verbose` adds `-v` after the command (the per-stage `stages:` block the
+    tests parse, every log line); the quiet console has a test of its own.
     Output goes to files next to `cwd` (a CLI run prints a lot through Ray).
     """
+    if verbose and args:
+        args = [args[0], "-v", *args[1:]]
     cwd.mkdir(parents=True, exist_ok=True)
     tag = f"{int(time.time() * 1000)}-{secrets.token_hex(2)}"
     out_path, err_path = cwd / f"cli-{tag}.out", cwd / f"cli-{tag}.err"

@@ -199,21 +199,29 @@ def test_second_identical_run_is_all_cached(s3_run, s3_cached_run):
 
 def test_same_config_and_seed_give_the_same_results(s3_run, small_pipeline_args, cli_env, alignflow_cli, tmp_path):
     """A fresh run of the same config (another storage root, which no key covers) on the same
-    pipeline seed: the same keys, and the same evaluation table to the last printed digit."""
+    pipeline seed: the same keys, and the same evaluation table to the last printed digit.
+
+    This run is the quiet console a user sees without `-v`: its plan, a line per stage as it
+    ends (with its key metric), the table, where things are; no third-party INFO lines."""
     s3_run.require_ok()
-    res = alignflow_cli(["run", *small_pipeline_args(tmp_path)], env=cli_env(), cwd=tmp_path / "cwd")
+    res = alignflow_cli(["run", *small_pipeline_args(tmp_path)], env=cli_env(), cwd=tmp_path / "cwd", verbose=False)
     assert res.returncode == 0, res.describe()
-    fresh = parse_stages(res.stdout)
-    assert all(state == "Completed" for state, _ in fresh.values()), fresh
-    assert {n: uri.rsplit("/", 1)[1] for n, (_, uri) in fresh.items()} == \
-        {n: uri.rsplit("/", 1)[1] for n, (_, uri) in s3_run.stages.items()}
+    keys = dict(re.findall(r"^  (\w+) .* ([0-9a-f]{20})  will run", res.stdout, re.M))
+    assert keys == {n: uri.rsplit("/", 1)[1] for n, (_, uri) in s3_run.stages.items()}
+    assert f"stages:     {len(keys)} Completed;" in res.stdout
 
     def results(stdout: str) -> list[str]:
         lines = stdout.splitlines()
         start = next(i for i, line in enumerate(lines) if line.split()[:1] == ["policy"])
-        return lines[start:lines.index("stages:")]
+        return lines[start:next(i for i, line in enumerate(lines) if line.startswith("stages:"))]
 
     assert results(res.stdout) == results(s3_run.result.stdout)
+    output = res.stdout + res.stderr
+    assert re.search(r"^  sft +done +[\d.]+ s  8/8 steps  loss \d", output, re.M), output
+    assert re.search(r"^  round_1 +done +[\d.]+ s  2/2 steps  reward -?\d", output, re.M), output
+    assert re.search(r"^  data +done .* prompt tokens <= \d+  response tokens <= \d+", output, re.M), output
+    assert "httpx" not in output and "mlflow.store" not in output and "Traceback" not in output
+    assert len(output.splitlines()) <= 60, output
 
 
 # ---- 4: checkpoints from S3 load with transformers -------------------------------

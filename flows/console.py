@@ -1,0 +1,105 @@
+"""What a run prints: alignflow's own lines and every warning once; the rest goes to a log file.
+
+Without `-v`, the console shows INFO and above from alignflow's loggers and
+WARNING and above from everything else, each distinct message once; a
+user error (config, data) is reported by the CLI as one `error:` line, so
+the tracebacks other libraries log for it are dropped from the console. The
+log file (`{storage root}/logs/run-<time>.log`, or ./logs for a remote
+root) gets every record at INFO and above. Ray workers are started with
+their libraries' console output turned down (QUIET_ENV): Prefect, vLLM and
+transformers print warnings only, vLLM
+errors only, and no progress bars or deprecation notices. `-v` shows everything.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+from alignflow.errors import UserError
+
+# For Ray workers (forwarded through alignflow.cluster.FORWARDED_ENV) and this process.
+QUIET_ENV = {
+    "ALIGNFLOW_QUIET": "1",  # engines/devices.py quiet_stdout: library prints (DeepSpeed's op build)
+    "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL": "WARNING",
+    "VLLM_LOGGING_LEVEL": "ERROR",  # its warnings are advice on CPU builds (tcmalloc, Triton, threads)
+    "PYTHONWARNINGS": "ignore::FutureWarning,ignore::DeprecationWarning",
+    "VLLM_CONFIGURE_LOGGING": "1",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "TRANSFORMERS_VERBOSITY": "error",
+    "TQDM_DISABLE": "1",
+    "MLFLOW_LOGGING_LEVEL": "WARNING",
+}
+FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
+
+
+class ConsoleFilter(logging.Filter):
+    """alignflow INFO+, others WARNING+, each message once, no tracebacks of user errors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[tuple[str, str]] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        own = record.name == "alignflow" or record.name.startswith("alignflow.")
+        if record.levelno < (logging.INFO if own else logging.WARNING):
+            return False
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, UserError) or _names_user_error(record):
+            return False  # the CLI prints it as one `error:` line
+        if own and record.levelno < logging.WARNING:
+            return True
+        key = (record.name, record.getMessage())
+        if key in self.seen:
+            return False
+        self.seen.add(key)
+        return True
+
+
+def _names_user_error(record: logging.LogRecord) -> bool:
+    """Prefect's state lines for a task or flow that failed on a user error."""
+    if not record.name.startswith("prefect"):
+        return False
+    message = record.getMessage()
+    return any(f"{cls}:" in message or f"{cls}(" in message for cls in _USER_ERROR_NAMES)
+
+
+def _user_error_names() -> tuple[str, ...]:
+    names, todo = set(), [UserError]
+    while todo:
+        cls = todo.pop()
+        names.add(cls.__name__)
+        todo.extend(cls.__subclasses__())
+    return tuple(sorted(names))
+
+
+_USER_ERROR_NAMES: tuple[str, ...] = ()
+
+
+def setup(verbose: bool) -> None:
+    """Console logging for this process (the log file comes once the run's directory is known)."""
+    global _USER_ERROR_NAMES
+    _USER_ERROR_NAMES = _user_error_names()
+    root = logging.getLogger()
+    root.setLevel(logging.INFO)
+    console = logging.StreamHandler(sys.stderr)
+    console.setFormatter(logging.Formatter(FORMAT))
+    if not verbose:
+        console.addFilter(ConsoleFilter())
+        for key, value in QUIET_ENV.items():
+            os.environ.setdefault(key, value)
+    root.handlers[:] = [console]
+
+
+def log_to_file(log_dir: Path) -> Path:
+    """Every record at INFO and above also goes to `log_dir/run-<time>.log`; its path."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    path = log_dir / f"run-{time.strftime('%Y%m%d-%H%M%S')}.log"
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter(FORMAT))
+    handler.setLevel(logging.INFO)
+    logging.getLogger().addHandler(handler)
+    return path

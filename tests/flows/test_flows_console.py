@@ -1,0 +1,72 @@
+"""What the console shows: alignflow's lines, others' warnings once, no user-error tracebacks; stage lines."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from alignflow.errors import DataError
+from flows import console
+from flows.progress import finished_line
+
+
+def _record(name: str, level: int, msg: str, exc: BaseException | None = None) -> logging.LogRecord:
+    exc_info = (type(exc), exc, None) if exc else None
+    return logging.LogRecord(name, level, __file__, 1, msg, None, exc_info)
+
+
+def test_console_shows_alignflow_info_and_other_warnings_once():
+    console.setup(verbose=True)  # fills the user-error names
+    f = console.ConsoleFilter()
+    assert f.filter(_record("alignflow", logging.INFO, "sft: committed"))
+    assert f.filter(_record("alignflow", logging.INFO, "sft: committed"))  # own lines are never deduplicated
+    assert not f.filter(_record("httpx", logging.INFO, "HTTP Request: POST /api/logs"))
+    assert not f.filter(_record("mlflow.store.db.utils", logging.INFO, "Creating initial MLflow database tables"))
+    assert f.filter(_record("ray", logging.WARNING, "a warning"))
+    assert not f.filter(_record("ray", logging.WARNING, "a warning"))
+    assert f.filter(_record("ray", logging.WARNING, "another warning"))
+
+
+def test_console_drops_what_a_user_error_logs_elsewhere():
+    console.setup(verbose=True)
+    f = console.ConsoleFilter()
+    err = DataError("f.jsonl, row 2: missing key 'response'")
+    assert not f.filter(_record("prefect.flow_runs", logging.ERROR, "Encountered exception during execution", err))
+    assert not f.filter(_record("prefect.task_runs", logging.ERROR,
+                                "Finished in state Failed('Task run encountered an exception DataError: f.jsonl')"))
+    assert f.filter(_record("prefect.flow_runs", logging.ERROR, "Encountered exception", RuntimeError("worker died")))
+
+
+def test_quiet_setup_sets_the_worker_environment(monkeypatch):
+    for key in console.QUIET_ENV:
+        monkeypatch.delenv(key, raising=False)
+    root = logging.getLogger()
+    saved = root.handlers[:]
+    try:
+        console.setup(verbose=False)
+        import os
+
+        assert {k: os.environ[k] for k in console.QUIET_ENV} == console.QUIET_ENV
+        assert len(root.handlers) == 1 and isinstance(root.handlers[0].filters[0], console.ConsoleFilter)
+    finally:
+        root.handlers[:] = saved
+    from alignflow.cluster import FORWARDED_ENV
+
+    assert set(console.QUIET_ENV) <= set(FORWARDED_ENV)
+
+
+def test_a_finished_stage_line():
+    run = {"stage": "sft", "status": "FINISHED", "step": 188, "total": 188, "start": 1_000, "end": 43_500,
+           "metrics": {"train/loss": 0.41234, "progress/step": 188}}
+    assert finished_line(run) == "  sft                done      42.5 s  188/188 steps  loss 0.412"
+    failed = {**run, "stage": "round_1", "status": "FAILED", "total": 0, "metrics": {"rl/reward/mean": -1.5}}
+    assert finished_line(failed) == "  round_1            FAILED    42.5 s  reward -1.500"
+
+
+def test_the_data_stage_line_shows_the_token_limits_and_what_they_drop():
+    run = {"stage": "data", "status": "FINISHED", "step": 0, "total": 0, "start": 0, "end": 1_200,
+           "metrics": {"data/max_prompt_tokens": 24.0, "data/max_response_tokens": 2.0,
+                       "data/sft_prompts_left_out": 0.0, "data/eval_prompts_left_out": 3.0,
+                       "data/sft_responses_cut": 5.0, "data/preference_responses_cut": 1.0}}
+    assert finished_line(run) == ("  data               done       1.2 s  prompt tokens <= 24  response tokens <= 2  "
+                                  "3 prompts left out  6 responses cut")
