@@ -28,7 +28,7 @@ from alignflow.storage import is_local_uri, local_path
 from flows import console
 from flows.planview import format_plan
 from tasks.context import RunContext
-from tasks.plan import Plan, plan_pipeline, plan_states
+from tasks.plan import Plan, StageState, plan_pipeline, plan_states
 
 
 def _split_args(items: list[str]) -> tuple[str | None, list[str]]:
@@ -59,9 +59,11 @@ def cmd_validate(cfg: PipelineConfig, path: str | None = None, overrides: list[s
     return 0
 
 
-def print_plan(cfg: PipelineConfig, plan: Plan) -> None:
+def print_plan(cfg: PipelineConfig, plan: Plan) -> dict[str, StageState]:
     storage = RunContext(infra=cfg.infra).storage()
-    print(format_plan(plan, plan_states(plan, storage), storage.uri()), flush=True)
+    states = plan_states(plan, storage)
+    print(format_plan(plan, states, storage.uri()), flush=True)
+    return states
 
 
 def _warm_up(cfg: PipelineConfig, verbose: bool) -> None:
@@ -75,13 +77,20 @@ def _warm_up(cfg: PipelineConfig, verbose: bool) -> None:
     import flows.pipeline  # noqa: F401  (prefect, mlflow, torch: seconds of imports)
 
 
-def _run(cfg: PipelineConfig, target: str | None, verbose: bool = False) -> int:
+def _run(cfg: PipelineConfig, target: str | None, verbose: bool = False, all_cached: bool = False) -> int:
+    t0 = time.perf_counter()
+    if all_cached and not target:  # nothing would compute: no Prefect flow run, no Ray
+        from flows.report import report_from_storage
+
+        print("every stage is committed: the report comes from the storage root (no Prefect or Ray started)",
+              file=sys.stderr)
+        _print_report(report_from_storage(cfg, plan_pipeline(cfg)), time.perf_counter() - t0, verbose)
+        return 0
     import ray
 
     from flows.runtime import prefect_api, ray_task_runner
 
     apply_process_env()
-    t0 = time.perf_counter()
     root = cfg.infra.storage.root
     log_dir = (local_path(root) if is_local_uri(root) else Path.cwd()) / "logs"
     log_file = console.log_to_file(log_dir)
@@ -156,10 +165,10 @@ def main(argv: list[str] | None = None) -> int:
 
             check(cfg, overrides, path)
         plan = plan_pipeline(cfg)
-        print_plan(cfg, plan.upto(target) if target else plan)
+        states = print_plan(cfg, plan.upto(target) if target else plan)
         if ns.command == "plan":
             return 0
-        return _run(cfg, target, ns.verbose)
+        return _run(cfg, target, ns.verbose, all_cached=all(s.cached for s in states.values()))
     except UserError as err:
         if ns.verbose:
             traceback.print_exc()

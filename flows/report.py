@@ -45,15 +45,17 @@ class PipelineReport(BaseModel):
         return "\n".join(lines)
 
 
-def open_run(config: PipelineConfig, plan: Plan) -> RunContext:
+def open_run(config: PipelineConfig, plan: Plan, in_flow: bool = True) -> RunContext:
     """The MLflow parent run of this flow run (config as params, every stage key as a tag)."""
-    from prefect.runtime import flow_run
+    name, flow_run_id = "cached", ""
+    if in_flow:
+        from prefect.runtime import flow_run
 
+        name, flow_run_id = flow_run.name or "local", str(flow_run.id or "")
     tracker = RunContext(infra=config.infra).tracker()
     run_id = tracker.start_parent(
-        run_name=f"{config.name}-{flow_run.name or 'local'}",
-        params=config.model_dump(mode="json"),
-        tags={"alignflow.prefect_flow_run_id": str(flow_run.id or ""),
+        run_name=f"{config.name}-{name}", params=config.model_dump(mode="json"),
+        tags={"alignflow.prefect_flow_run_id": flow_run_id,
               **{f"alignflow.key.{s.name}": s.key for s in plan.stages.values()}},
     )
     _opened.append(run_id)
@@ -112,3 +114,21 @@ def close_run(ctx: RunContext, report: PipelineReport | None = None) -> None:
         run.log_text(report.table(), "report.txt")
         report.curves_uri = publish_curves(tracker, ctx.storage(), ctx.parent_run_id)
     tracker.finish(ctx.parent_run_id)
+
+
+def report_from_storage(config: PipelineConfig, plan: Plan) -> PipelineReport:
+    """A pipeline whose every stage is committed: its report from the manifests, no flow run.
+
+    Nothing would compute, so neither Prefect nor Ray is needed: the MLflow
+    parent run is opened and closed here, with the table and the curves.
+    """
+    ctx = open_run(config, plan, in_flow=False)
+    storage = ctx.storage()
+    results = {}
+    for stage in plan.stages.values():
+        uri = storage.stage_uri(stage.name, stage.key)
+        metrics = storage.read_manifest(uri)["meta"].get("metrics", {})
+        results[stage.name] = StageResult(stage=stage.name, key=stage.key, uri=uri, metrics=metrics)
+    report = build_report(ctx, plan, results, {name: "Cached" for name in results})
+    close_run(ctx, report)
+    return report

@@ -122,10 +122,10 @@ def s3_run(moto_s3, small_pipeline_args, cli_env, alignflow_cli, tmp_path_factor
 
 
 def s3_snapshot(fs, root: str) -> dict[str, tuple]:
-    """Every stage object under root (not Prefect's result records) with size, ETag, mtime."""
+    """Every stage object under root (not Prefect's result records, not a run's curves) with size, ETag, mtime."""
     found = fs.find(root, detail=True)
     return {path: (info.get("size"), info.get("ETag"), str(info.get("LastModified")))
-            for path, info in found.items() if "/prefect-results/" not in path}
+            for path, info in found.items() if "/prefect-results/" not in path and "/curves/" not in path}
 
 
 @pytest.fixture(scope="module")
@@ -182,7 +182,7 @@ def test_pipeline_completes_on_s3(s3_run, moto_s3):
     assert not (s3_run.base / "cwd" / "artifacts").exists(), "artifacts were written locally"
 
 
-def test_second_identical_run_is_all_cached(s3_run, s3_cached_run):
+def test_second_identical_run_is_all_cached(s3_run, s3_cached_run, moto_s3):
     result, before, after = s3_cached_run
     assert result.returncode == 0, result.describe()
     stages = parse_stages(result.stdout)
@@ -193,7 +193,12 @@ def test_second_identical_run_is_all_cached(s3_run, s3_cached_run):
     assert parse_table(result.stdout) == parse_table(s3_run.result.stdout)
     # Nothing recomputed: no stage object written or rewritten, no stage child run opened.
     assert after == before, f"changed: {sorted(set(after.items()) ^ set(before.items()))[:10]}"
-    assert child_runs(mlflow_client(s3_run.mlflow_uri), parent_run_id(result.stdout)) == []
+    parent = parent_run_id(result.stdout)
+    assert child_runs(mlflow_client(s3_run.mlflow_uri), parent) == []
+    # Nothing to compute: no Prefect flow run, no Ray; the curves of the cached stages still drawn.
+    assert "every stage is committed" in result.stderr and "Prefect API" not in result.output
+    curves = moto_s3.fs().find(f"{s3_run.root}/curves/{parent}")
+    assert sorted(p.rsplit("/", 1)[1] for p in curves) == ["eval.png", "loss.png", "rounds.png"]
     print(f"fresh run {s3_run.result.seconds:.0f} s, cached run {result.seconds:.0f} s")
 
 
