@@ -125,12 +125,14 @@ def _print_report(report, elapsed: float, verbose: bool = False) -> None:
     print()
     print(report.table())
     print()
-    counts = Counter(report.stage_states.values())
-    print(f"stages:     {', '.join(f'{n} {state}' for state, n in counts.items())}; each under "
-          f"<artifacts>/<stage>/<key> (keys in the plan above; -v lists them)")
     if verbose:
+        print("stages:")
         for name, uri in report.stage_uris.items():
             print(f"  {name:<18} {report.stage_states.get(name, ''):<10} {uri}")
+    else:
+        counts = Counter(report.stage_states.values())
+        print(f"stages:     {', '.join(f'{n} {state}' for state, n in counts.items())}; each under "
+              f"<artifacts>/<stage>/<key> (keys in the plan above; -v lists them)")
     print(f"artifacts:  {report.storage_root}")
     print(f"MLflow:     {report.mlflow_tracking_uri}  (parent run {report.mlflow_run_id})")
     print(f"            view with: mlflow ui --backend-store-uri {report.mlflow_tracking_uri}")

@@ -1,8 +1,8 @@
 """Entrypoints for prefect.yaml deployments: a config file plus overrides.
 
 A deployment's parameters name a config file (relative to the repository)
-and `key.sub=value` overrides; the file and the target are validated before
-anything runs, then the pipeline (or one target of it) runs as a subflow on
+and `key.sub=value` overrides; the file, the target and what the run needs
+from outside (alignflow/preflight.py) are checked before anything runs, then the pipeline (or one target of it) runs as a subflow on
 the configured Ray task runner. The flow run's own API (the worker's)
 serves the Ray workers too.
 """
@@ -13,6 +13,7 @@ from prefect import flow
 
 from alignflow.cluster import apply_process_env
 from alignflow.config import load_config, resolve_paths
+from alignflow.preflight import check
 from alignflow.records import StageResult
 from flows.pipeline import partial_pipeline, pipeline
 from flows.report import PipelineReport
@@ -24,6 +25,7 @@ from tasks.plan import plan_pipeline
 def run_pipeline(config_path: str = "configs/tiny.yaml", overrides: list[str] | None = None) -> PipelineReport:
     apply_process_env()
     cfg = resolve_paths(load_config(config_path, overrides or []))
+    check(cfg, overrides, config_path)  # data, model, lengths, rewards, storage: before any task
     report = pipeline.with_options(task_runner=ray_task_runner(cfg.infra))(cfg)
     print(report.table())
     return report
@@ -35,4 +37,5 @@ def run_stage(stage: str, config_path: str = "configs/tiny.yaml", overrides: lis
     apply_process_env()
     cfg = resolve_paths(load_config(config_path, overrides or []))
     plan_pipeline(cfg).resolve(stage)  # an unknown target fails here, listing the valid ones
+    check(cfg, overrides, config_path)
     return partial_pipeline.with_options(task_runner=ray_task_runner(cfg.infra))(cfg, stage)

@@ -485,8 +485,9 @@ def test_killed_round_resumes_and_finishes_its_steps(small_pipeline_args, cli_en
 
 
 def test_bad_data_row_fails_naming_file_row_and_key(small_pipeline_args, cli_env, alignflow_cli, tmp_path):
-    rows = [{"prompt": f"Which digit is largest? {i} 2 3", "response": "3"} for i in range(5)]
-    del rows[2]["response"]
+    # Row 8: past the rows preflight reads (its first 5), so the data stage itself finds it.
+    rows = [{"prompt": f"Which digit is largest? {i} 2 3", "response": "3"} for i in range(10)]
+    del rows[7]["response"]
     bad = tmp_path / "bad.jsonl"
     bad.write_text("".join(json.dumps(r) + "\n" for r in rows))
     prefs = tmp_path / "prefs.jsonl"
@@ -494,11 +495,13 @@ def test_bad_data_row_fails_naming_file_row_and_key(small_pipeline_args, cli_env
     evals = tmp_path / "eval.jsonl"
     evals.write_text("".join(json.dumps({"prompt": f"p{i}", "answer": "1"}) + "\n" for i in range(4)))
     args = ["run", *small_pipeline_args(tmp_path), "data.source=files", f"data.sft.path={bad}",
-            f"data.preference.path={prefs}", f"data.eval.path={evals}", "infra.task_retries=0"]
+            f"data.preference.path={prefs}", f"data.eval.path={evals}"]
 
     res = alignflow_cli(args, env=cli_env(), cwd=tmp_path / "cwd")
     assert res.returncode == 2, res.describe()
     last = res.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: ") and f"{bad}, row 3: missing key 'response'" in last, res.describe()
+    assert last.startswith("error: ") and f"{bad}, row 8: missing key 'response'" in last, res.describe()
+    # A user error is not retried (the default infra.task_retries=2 would retry anything else).
+    assert "Retry" not in res.output and "AwaitingRetry" not in res.output, res.describe()
     assert not (tmp_path / "artifacts" / "sft").exists(), "training started on bad data"
     print(f"bad data failed after {res.seconds:.0f} s")
