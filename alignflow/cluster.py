@@ -28,7 +28,7 @@ PROCESS_ENV = {
 # the driver's environment, and a cluster's nodes carry their own.
 FORWARDED_ENV = ("PREFECT_API_URL", "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION", "MLFLOW_S3_ENDPOINT_URL",
                  # the console's quiet mode (flows/console.py), where the CLI set it
-                 "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "VLLM_LOGGING_LEVEL", "VLLM_CONFIGURE_LOGGING",
+                 "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL",
                  "HF_HUB_DISABLE_PROGRESS_BARS", "TRANSFORMERS_VERBOSITY", "TQDM_DISABLE", "MLFLOW_LOGGING_LEVEL", "PYTHONWARNINGS",
                  "ALIGNFLOW_QUIET")
 

@@ -1,7 +1,8 @@
 """Token lengths of a dataset's splits, and the prompt/response limits they call for.
 
 The data stage measures every split with the base model's tokenizer and
-settles the two limits once, for every later stage:
+settles the two limits once, for every later stage (generation may lower
+the prompt limit further to leave room for its new tokens, tasks/data.py):
 
     max_prompt_tokens   = the config's value, or ("auto") the longest prompt
                           of any split, at most `positions - 1`
@@ -23,7 +24,6 @@ from alignflow.config import DataConfig
 from alignflow.errors import DataError
 from engines.batches import render_prompt
 
-PROMPT_SPLITS = ("sft", "preference", "prompts", "eval", "eval_preference")
 RESPONSE_KEYS = {"sft": ("response",), "preference": ("chosen", "rejected"), "eval_preference": ("chosen", "rejected")}
 
 

@@ -132,6 +132,10 @@ def vllm_engine_args(opts: VLLMConfig, *, model_path: str, dtype: str, seed: int
 class VLLMEngine:
     def __init__(self, model_path: str, *, engine_args: dict[str, Any], kv_cache_gib: float = 1.0):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(kv_cache_gib))))
+        if os.environ.get("ALIGNFLOW_QUIET") == "1" and not torch.cuda.is_available():
+            # The CLI's quiet console (flows/console.py): vllm-cpu's warnings are advice about the CPU
+            # build (tcmalloc, Triton, thread binding), a dozen per engine. On GPUs they stay.
+            os.environ["VLLM_LOGGING_LEVEL"] = "ERROR"
         from vllm import LLM
 
         # TQDM_DISABLE (the CLI's quiet console, flows/console.py): no weight-loading bar either.

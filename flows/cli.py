@@ -162,15 +162,16 @@ def main(argv: list[str] | None = None) -> int:
         cfg = _load(ns.args)
         if ns.command == "validate":
             return cmd_validate(cfg, path, overrides)
-        if ns.command != "plan":  # run, stage: what the run needs from outside, before the plan, Prefect or Ray
-            from alignflow.preflight import check
-
-            check(cfg, overrides, path)
         plan = plan_pipeline(cfg)
         states = print_plan(cfg, plan.upto(target) if target else plan)
         if ns.command == "plan":
             return 0
-        return _run(cfg, target, ns.verbose, all_cached=all(s.cached for s in states.values()))
+        all_cached = all(s.cached for s in states.values())
+        if not all_cached:  # what the run needs from outside, before Prefect or Ray start
+            from alignflow.preflight import check
+
+            check(cfg, overrides, path)
+        return _run(cfg, target, ns.verbose, all_cached=all_cached)
     except UserError as err:
         if ns.verbose:
             traceback.print_exc()

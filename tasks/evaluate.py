@@ -74,8 +74,8 @@ def evaluate_policy(stage: PlannedStage, inputs: PolicyEvalInputs, ctx: RunConte
         tokenizer = models.load_tokenizer(policy_path)
         records = load_split(inputs.data, ctx, "eval")[: cfg.num_prompts]
         limits = token_limits(inputs.data)
-        model_len = limits.model_len(cfg.generation.max_new_tokens, policy_path, "evaluation.")
-        kept, report = batches.filter_prompts(tokenizer, records, limits.prompt, "eval")
+        prompt_limit, model_len = limits.for_generation(cfg.generation.max_new_tokens, policy_path, "evaluation.")
+        kept, report = batches.filter_prompts(tokenizer, records, prompt_limit, "eval")
         prompt_ids = [ids for ids, _ in kept]
 
         ensure_ray(ctx.infra)

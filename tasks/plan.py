@@ -138,7 +138,8 @@ def plan_pipeline(cfg: PipelineConfig) -> Plan:
         spec = round_cfg.spec
         policy = b.add(f"round_{i}", "rl_round",
                        r.RoundStage(round=round_cfg.resolved(), io=io, seed=seed(f"round_{i}")),
-                       external=_rule_code(round_cfg, f"rounds[{i - 1}].reward.rule", prints),
+                       external=_code(f"rounds.{i - 1}.reward.rule", round_cfg.reward.rule, prints)
+                       if round_cfg.reward.source == "rule" else {},
                        data=data, policy=policy, reference=reference if spec.reference else None,
                        reward=reward if round_cfg.needs_reward_model else None)
         policies[policy] = policy
@@ -147,9 +148,10 @@ def plan_pipeline(cfg: PipelineConfig) -> Plan:
         b.skipped["evaluation"] = "the config has no evaluation section"
     else:
         eval_cfg = r.PolicyEvalStage(evaluation=cfg.evaluation, io=io, seed=seed("evaluation"))
+        checker = _code("evaluation.checker", cfg.evaluation.checker, prints)
         for label, name in policies.items():
-            b.add(f"eval_{label}", "evaluate_policy", eval_cfg, data=data, policy=name, reference=reference,
-                  reward=reward)
+            b.add(f"eval_{label}", "evaluate_policy", eval_cfg, external=checker, data=data, policy=name,
+                  reference=reference, reward=reward)
         if reward:
             b.add("eval_reward_model", "evaluate_reward_model", r.RewardModelEvalStage(
                 io=io, scorer_placement=cfg.evaluation.scorer_placement,
@@ -167,11 +169,10 @@ def data_sources(data: DataConfig) -> dict[str, str]:
             if (src := getattr(data, k)) is not None}
 
 
-def _rule_code(round_cfg, field: str, prints: Fingerprints) -> dict[str, str]:
-    """A rule reward's module source, so editing the rule reruns the round."""
-    if round_cfg.reward.source != "rule":
-        return {}
-    source = module_source(round_cfg.reward.rule.split(":", 1)[0])
+def _code(field: str, import_path: str, prints: Fingerprints) -> dict[str, str]:
+    """The source of a `module:function` the config names (a rule reward, the eval checker), so
+    editing it reruns the stages that call it."""
+    source = module_source(import_path.split(":", 1)[0])
     return {field: prints.of(source) if source else "module-not-found"}
 
 

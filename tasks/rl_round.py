@@ -34,9 +34,10 @@ def rl_round(stage: PlannedStage, inputs: RoundInputs, ctx: RunContext) -> Stage
         policy_path = fetch(inputs.policy)
         tokenizer = models.load_tokenizer(policy_path)
         limits = token_limits(inputs.data)
-        model_len = limits.model_len(round_cfg.generation.max_new_tokens, policy_path, f"{stage.name}: ")
+        prompt_limit, model_len = limits.for_generation(round_cfg.generation.max_new_tokens, policy_path,
+                                                        f"{stage.name}: ")
         prompts, report = batches.filter_prompts(tokenizer, load_split(inputs.data, ctx, "prompts"),
-                                                 limits.prompt, "prompts")
+                                                 prompt_limit, "prompts")
         run.log_metrics(report.as_metrics("prompts"))
         setup = RoundSetup(
             policy_path=policy_path, reference_path=fetch(inputs.reference), reward_path=fetch(inputs.reward),

@@ -8,6 +8,7 @@ reward service is a real local HTTP server, the S3 root a real moto server over 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -310,4 +311,7 @@ def test_cli_reports_preflight_problems_before_prefect_starts(command, tmp_path,
         f"  data.sft.path: {missing} does not exist (from the command line: data.sft.path={missing})"]
     assert "Traceback" not in proc.stderr
     assert "Prefect API" not in proc.stdout + proc.stderr
-    assert proc.stdout == ""  # neither the config nor a plan
+    # validate prints no config; run prints its plan (the data stage will run: missing file), then stops
+    assert proc.stdout == "" if command == "validate" else "data.sft.path" not in proc.stdout
+    if command == "run":
+        assert re.search(r"^  data +data +model=base_model +[0-9a-f]{20}  will run", proc.stdout, re.M), proc.stdout

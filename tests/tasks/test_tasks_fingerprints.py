@@ -123,3 +123,15 @@ def test_s3_objects_are_keyed_by_what_the_store_reports(moto_s3, tmp_path, monke
     fs.pipe(uri, b'{"prompt": "a", "response": "c"}\n')
     etag = hashlib.md5(b'{"prompt": "a", "response": "c"}\n').hexdigest()  # S3's ETag of a one-part upload
     assert Fingerprints(tmp_path).of(f"s3://{uri}") == f"remote:ETag={etag}" != first
+
+
+def test_the_eval_checker_is_keyed_by_its_module_source(tmp_path, files, monkeypatch):
+    pkg = tmp_path / "checkers"
+    pkg.mkdir()
+    (pkg / "my_checker.py").write_text("def check(response, answer):\n    return response == answer\n")
+    monkeypatch.syspath_prepend(str(pkg))
+    before = _keys(_plan(files, tmp_path, "evaluation.checker=my_checker:check"))
+    (pkg / "my_checker.py").write_text("def check(response, answer):\n    return answer in response\n")
+    after = _keys(_plan(files, tmp_path, "evaluation.checker=my_checker:check"))
+    assert {n for n in before if before[n] != after[n]} == {n for n in before if n.startswith("eval_")} - {
+        "eval_reward_model"}

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from alignflow.config import load_config
-from alignflow.errors import DataError
+from alignflow.errors import ConfigError, DataError
 from engines.models import load_tokenizer
 from tasks.context import RunContext
 from tasks.plan import plan_pipeline
@@ -74,3 +74,15 @@ def test_auto_keeps_every_pair_whole_and_reports_the_lengths(files):
     prompts = [len(tok.apply_chat_template([{"role": "user", "content": f"{i} {i + 1}: which is largest?"}],
                                            add_generation_prompt=True, tokenize=True)["input_ids"]) for i in range(6)]
     assert m["data/max_prompt_tokens"] == max(prompts)
+
+
+def test_generation_leaves_out_prompts_with_no_room_for_the_new_tokens(files, caplog):
+    from tasks.data import TokenLimits
+
+    model, _ = _data_stage(files)
+    limits = TokenLimits(prompt=100, response=4)  # the tiny model has 128 positions
+    assert limits.for_generation(8, model.uri, "round_1: ") == (100, 108)
+    assert limits.for_generation(40, model.uri, "round_1: ") == (88, 128)
+    assert "round_1: generation.max_new_tokens=40: prompts over 88 tokens (of up to 100) are left out" in caplog.text
+    with pytest.raises(ConfigError, match=r"^evaluation.generation.max_new_tokens=128 leaves no room for a prompt"):
+        limits.for_generation(128, model.uri, "evaluation.")
