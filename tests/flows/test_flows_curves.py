@@ -19,23 +19,9 @@ from flows.report import PipelineReport, close_run
 from tasks.context import RunContext
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-EXPERIMENT = "alignflow-test-curves"
+EXPERIMENT = "alignflow-test"  # the shared `tracker` fixture's (tests/conftest.py)
 
 
-@pytest.fixture(scope="module")
-def tracker(tmp_path_factory):
-    """A Tracker on a fresh SQLite file; MLflow's process-wide settings restored afterwards."""
-    import mlflow.tracking._tracking_service.utils as tracking_utils
-    import mlflow.tracking.fluent as fluent
-
-    tmp_path = tmp_path_factory.mktemp("mlflow")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(tracking_utils, "_tracking_uri", tracking_utils._tracking_uri)
-        mp.setattr(fluent, "_active_experiment_id", fluent._active_experiment_id)
-        mp.delenv("MLFLOW_TRACKING_URI", raising=False)
-        mp.delenv("MLFLOW_EXPERIMENT_ID", raising=False)
-        mp.chdir(tmp_path)  # the default artifact location (./mlruns) stays in tmp_path
-        yield Tracker(f"sqlite:///{tmp_path / 'mlflow.db'}", EXPERIMENT)
 
 
 def _client(tracker):
