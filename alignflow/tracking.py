@@ -90,9 +90,7 @@ class Tracker:
     def stage_runs(self, parent_run_id: str) -> list[dict[str, Any]]:
         """The stage runs under a parent run, for a progress display: stage, status, step, total steps,
         start/end (ms) and latest metrics."""
-        client = self._mlflow.MlflowClient()
-        children = client.search_runs([self.experiment_id], order_by=["attributes.start_time ASC"], max_results=1000,
-                                      filter_string=f"tags.`mlflow.parentRunId` = '{parent_run_id}'")
+        children = reversed(self._search(f"tags.`mlflow.parentRunId` = '{parent_run_id}'"))  # oldest first
         return [{"stage": r.data.tags.get("alignflow.stage", r.info.run_name), "status": r.info.status,
                  "step": int(r.data.metrics.get("progress/step", 0)),
                  "total": int(r.data.tags.get("alignflow.total_steps", 0)), "start": r.info.start_time,
@@ -103,16 +101,11 @@ class Tracker:
         client = self._mlflow.MlflowClient()
         host = socket.gethostname()
         query = f"attributes.status = 'RUNNING' and tags.`{HOST_TAG}` = '{host}'"
-        stale, token = [], None
-        while True:  # every page first: ending runs while paging would shift the pages
-            page = client.search_runs([self.experiment_id], filter_string=query, max_results=1000, page_token=token)
-            for run in page:
-                pid = run.data.tags.get(PID_TAG, "")
-                if pid.isdigit() and not pid_alive(int(pid), since=run.info.start_time / 1000):
-                    stale.append((run.info.run_id, pid))
-            token = page.token
-            if not token:
-                break
+        stale = []
+        for run in self._search(query):  # every page first: ending runs while paging would shift the pages
+            pid = run.data.tags.get(PID_TAG, "")
+            if pid.isdigit() and not pid_alive(int(pid), since=run.info.start_time / 1000):
+                stale.append((run.info.run_id, pid))
         for run_id, pid in stale:
             client.set_tag(run_id, "alignflow.end_reason", f"process {pid} on {host} died")
             client.set_terminated(run_id, status="KILLED")

@@ -70,3 +70,20 @@ def test_the_data_stage_line_shows_the_token_limits_and_what_they_drop():
                        "data/sft_responses_cut": 5.0, "data/preference_responses_cut": 1.0}}
     assert finished_line(run) == ("  data               done       1.2 s  prompt tokens <= 24  response tokens <= 2  "
                                   "3 prompts left out  6 responses cut")
+
+
+def test_stage_runs_lists_a_parents_children_oldest_first_with_their_progress(tracker):
+    import time
+
+    parent = tracker.start_parent("progress-parent", {})
+    for stage, step, total in (("sft", 10, 40), ("round_1", 0, 0)):
+        with tracker.stage_run(parent, stage, {}) as run:
+            if total:
+                run.set_tag("alignflow.total_steps", str(total))
+            run.log_metrics({"progress/step": step, "train/loss": 0.5}, step=step)
+        time.sleep(0.01)  # distinct start times
+    runs = tracker.stage_runs(parent)
+    assert [(r["stage"], r["status"], r["step"], r["total"]) for r in runs] == [
+        ("sft", "FINISHED", 10, 40), ("round_1", "FINISHED", 0, 0)]
+    assert runs[0]["metrics"] == {"progress/step": 10.0, "train/loss": 0.5}
+    assert tracker.stage_runs(tracker.start_parent("other-parent", {})) == []
