@@ -15,8 +15,16 @@ from .advantages import (
     sequence_scores,
 )
 from .aggregate import LOSS_AGGREGATIONS, aggregate_loss
-from .dapo import dynamic_sampling_filter, overlong_penalty
+from .dapo import dynamic_sampling_filter, group_mean_filter, overlong_penalty
 from .entropy import entropy_bonus_loss, entropy_from_logits
+from .evaluation import (
+    MarginBin,
+    accuracy_by_margin_bin,
+    majority_vote_accuracy,
+    normalize_response,
+    pass_at_k,
+    pass_at_k_curve,
+)
 from .group import (
     constant_groups,
     group_centered_advantages,
@@ -24,6 +32,8 @@ from .group import (
     group_normalized_advantages,
     leave_one_out_advantages,
 )
+from .gspo import gspo_policy_loss
+from .importance import TIS_MODES, rollout_importance_weights
 from .kl import (
     KL_ESTIMATORS,
     AdaptiveKLController,
@@ -56,6 +66,7 @@ from .preference import (
     sequence_logprobs,
 )
 from .returns import compute_gae, discounted_returns
+from .rewards import RunningMeanStd, clip_rewards, truncation_penalty
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
@@ -67,11 +78,16 @@ __all__ = [
     "KTOLossOutput",
     "LOG_RATIO_CLAMP",
     "LOSS_AGGREGATIONS",
+    "MarginBin",
     "PolicyLossOutput",
     "PreferenceLossOutput",
+    "RunningMeanStd",
+    "TIS_MODES",
     "UnknownAdvantageEstimatorError",
     "ValueLossOutput",
+    "accuracy_by_margin_bin",
     "aggregate_loss",
+    "clip_rewards",
     "compute_gae",
     "constant_groups",
     "discounted_returns",
@@ -82,22 +98,30 @@ __all__ = [
     "get_advantage_estimator",
     "group_centered_advantages",
     "group_mean",
+    "group_mean_filter",
     "group_normalized_advantages",
+    "gspo_policy_loss",
     "kl_estimate",
     "kl_penalized_rewards",
     "kto_loss",
     "last_valid_index",
     "leave_one_out_advantages",
+    "majority_vote_accuracy",
     "masked_mean",
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "normalize_response",
     "overlong_penalty",
     "pairwise_reward_loss",
+    "pass_at_k",
+    "pass_at_k_curve",
     "place_at_last_token",
     "ppo_policy_loss",
     "register_advantage_estimator",
+    "rollout_importance_weights",
     "sequence_logprobs",
     "sequence_scores",
+    "truncation_penalty",
     "value_loss",
 ]

@@ -2,7 +2,7 @@
 
 Every estimator is called as::
 
-    fn(*, token_rewards, action_mask, values, group_size, gamma, lam, eps)
+    fn(*, token_rewards, action_mask, values, group_size, gamma, lam, eps, std_norm=None)
         -> AdvantageOutput(advantages (B, T), returns (B, T))
 
 ``token_rewards`` already hold the sequence reward at the last valid token
@@ -11,7 +11,11 @@ so sequence-level estimators use the score
 ``s_b = sum_t mask[b, t] * token_rewards[b, t]``. ``values`` may be None
 for every estimator except "gae". Outputs are 0 at padding and detached.
 Arguments an estimator does not need (e.g. ``lam`` for "grpo") are accepted
-and ignored so that callers can dispatch on the name alone.
+and ignored so that callers can dispatch on the name alone. ``std_norm``
+switches the group standard-deviation division of the group estimators
+("grpo": default True, "dr_grpo": default False); None keeps the
+estimator's own behaviour, and the others, which have no group std to
+switch, reject any other value rather than ignore it.
 """
 
 from __future__ import annotations
@@ -106,9 +110,26 @@ def _sequence_output(adv: Tensor, action_mask: Tensor, like: Tensor) -> Advantag
     return AdvantageOutput(advantages=tok, returns=tok)
 
 
+def _group_output(token_rewards: Tensor, action_mask: Tensor, group_size: int, eps: float,
+                  std_norm: bool) -> AdvantageOutput:
+    """Group-mean baseline, divided by the group std when ``std_norm`` (GRPO) or not (Dr. GRPO)."""
+    _check_same_shape(token_rewards=token_rewards, action_mask=action_mask)
+    s = sequence_scores(token_rewards, action_mask).detach()
+    adv = (group_normalized_advantages(s, group_size, eps=eps) if std_norm
+           else group_centered_advantages(s, group_size))
+    return _sequence_output(adv, action_mask, token_rewards)
+
+
+def _no_std_norm(name: str, std_norm: Optional[bool]) -> None:
+    if std_norm is not None:
+        raise ValueError(f"advantage estimator {name!r} has no group std normalisation to switch "
+                         f"(std_norm={std_norm}); leave it None")
+
+
 @register_advantage_estimator("gae")
 def gae_estimator(*, token_rewards: Tensor, action_mask: Tensor, values: Optional[Tensor],
-                  group_size: int, gamma: float, lam: float, eps: float) -> AdvantageOutput:
+                  group_size: int, gamma: float, lam: float, eps: float,
+                  std_norm: Optional[bool] = None) -> AdvantageOutput:
     """GAE(gamma, lam) with a critic; see :func:`algos.returns.compute_gae`.
 
     Formula: ``delta_t = r_t + gamma V_{t+1} - V_t``,
@@ -121,6 +142,7 @@ def gae_estimator(*, token_rewards: Tensor, action_mask: Tensor, values: Optiona
 
     Reference: Schulman et al. 2015, arXiv 1506.02438.
     """
+    _no_std_norm("gae", std_norm)
     if values is None:
         raise ValueError("advantage estimator 'gae' requires critic `values` (B, T); got None")
     adv, ret = compute_gae(token_rewards, values, action_mask, gamma=gamma, lam=lam)
@@ -129,44 +151,44 @@ def gae_estimator(*, token_rewards: Tensor, action_mask: Tensor, values: Optiona
 
 @register_advantage_estimator("grpo")
 def grpo_estimator(*, token_rewards: Tensor, action_mask: Tensor, values: Optional[Tensor],
-                   group_size: int, gamma: float, lam: float, eps: float) -> AdvantageOutput:
+                   group_size: int, gamma: float, lam: float, eps: float,
+                   std_norm: Optional[bool] = None) -> AdvantageOutput:
     """GRPO outcome advantage, broadcast to every valid token.
 
     Formula: ``A_{b,t} = (s_b - mean_G(s)) / (std_G(s) + eps)``; ``std_G`` is
     the unbiased (n - 1) group standard deviation (as ``torch.std``);
     constant groups and groups of one give 0. ``returns`` equals
-    ``advantages``.
+    ``advantages``. ``std_norm=False``: ``A_{b,t} = s_b - mean_G(s)`` (no
+    std division, as "dr_grpo"); None or True: with it.
 
     Shapes: ``token_rewards``, ``action_mask`` ``(B, T)``, ``B = n * group_size``.
 
-    Reference: Shao et al. 2024, arXiv 2402.03300.
+    Reference: Shao et al. 2024, arXiv 2402.03300; without the std: Liu et
+    al. 2025, arXiv 2503.20783.
     """
-    _check_same_shape(token_rewards=token_rewards, action_mask=action_mask)
-    s = sequence_scores(token_rewards, action_mask).detach()
-    adv = group_normalized_advantages(s, group_size, eps=eps)
-    return _sequence_output(adv, action_mask, token_rewards)
+    return _group_output(token_rewards, action_mask, group_size, eps, std_norm is not False)
 
 
 @register_advantage_estimator("dr_grpo")
 def dr_grpo_estimator(*, token_rewards: Tensor, action_mask: Tensor, values: Optional[Tensor],
-                      group_size: int, gamma: float, lam: float, eps: float) -> AdvantageOutput:
+                      group_size: int, gamma: float, lam: float, eps: float,
+                      std_norm: Optional[bool] = None) -> AdvantageOutput:
     """Dr. GRPO advantage, broadcast to every valid token.
 
     Formula: ``A_{b,t} = s_b - mean_G(s)`` (no std division; 0 for constant
-    groups).
+    groups). ``std_norm=True``: divided by ``std_G(s) + eps`` (as "grpo").
 
     Shapes: ``token_rewards``, ``action_mask`` ``(B, T)``. ``returns == advantages``.
 
     Reference: Liu et al. 2025, arXiv 2503.20783.
     """
-    _check_same_shape(token_rewards=token_rewards, action_mask=action_mask)
-    s = sequence_scores(token_rewards, action_mask).detach()
-    return _sequence_output(group_centered_advantages(s, group_size), action_mask, token_rewards)
+    return _group_output(token_rewards, action_mask, group_size, eps, std_norm is True)
 
 
 @register_advantage_estimator("rloo")
 def rloo_estimator(*, token_rewards: Tensor, action_mask: Tensor, values: Optional[Tensor],
-                   group_size: int, gamma: float, lam: float, eps: float) -> AdvantageOutput:
+                   group_size: int, gamma: float, lam: float, eps: float,
+                   std_norm: Optional[bool] = None) -> AdvantageOutput:
     """RLOO leave-one-out advantage, broadcast to every valid token.
 
     Formula: ``A_{i,t} = s_i - (1/(g-1)) sum_{j in G(i), j != i} s_j``;
@@ -174,6 +196,7 @@ def rloo_estimator(*, token_rewards: Tensor, action_mask: Tensor, values: Option
 
     Reference: Ahmadian et al. 2024, arXiv 2402.14740.
     """
+    _no_std_norm("rloo", std_norm)
     _check_same_shape(token_rewards=token_rewards, action_mask=action_mask)
     s = sequence_scores(token_rewards, action_mask).detach()
     return _sequence_output(leave_one_out_advantages(s, group_size), action_mask, token_rewards)
@@ -182,7 +205,8 @@ def rloo_estimator(*, token_rewards: Tensor, action_mask: Tensor, values: Option
 @register_advantage_estimator("reinforce_pp")
 def reinforce_pp_estimator(*, token_rewards: Tensor, action_mask: Tensor,
                            values: Optional[Tensor], group_size: int, gamma: float,
-                           lam: float, eps: float) -> AdvantageOutput:
+                           lam: float, eps: float,
+                           std_norm: Optional[bool] = None) -> AdvantageOutput:
     """REINFORCE++: discounted return-to-go, whitened over the whole batch.
 
     Formula: ``G_t = sum_{k >= t} gamma^{k-t} r_k`` (valid tokens only);
@@ -193,6 +217,7 @@ def reinforce_pp_estimator(*, token_rewards: Tensor, action_mask: Tensor,
 
     Reference: Hu 2025, "REINFORCE++", arXiv 2501.03262.
     """
+    _no_std_norm("reinforce_pp", std_norm)
     g = discounted_returns(token_rewards, action_mask, gamma=gamma)
     adv = masked_whiten(g, action_mask, shift_mean=True, eps=eps)
     return AdvantageOutput(advantages=adv, returns=g)
@@ -201,7 +226,8 @@ def reinforce_pp_estimator(*, token_rewards: Tensor, action_mask: Tensor,
 @register_advantage_estimator("reinforce_pp_baseline")
 def reinforce_pp_baseline_estimator(*, token_rewards: Tensor, action_mask: Tensor,
                                     values: Optional[Tensor], group_size: int, gamma: float,
-                                    lam: float, eps: float) -> AdvantageOutput:
+                                    lam: float, eps: float,
+                                    std_norm: Optional[bool] = None) -> AdvantageOutput:
     """REINFORCE++-baseline: group-mean baseline, return-to-go, global whitening.
 
     Formula: ``s_i`` = sequence score (task reward + summed per-token KL
@@ -217,6 +243,7 @@ def reinforce_pp_baseline_estimator(*, token_rewards: Tensor, action_mask: Tenso
 
     Reference: Hu 2025, arXiv 2501.03262 (REINFORCE++-baseline variant).
     """
+    _no_std_norm("reinforce_pp_baseline", std_norm)
     _check_same_shape(token_rewards=token_rewards, action_mask=action_mask)
     mask = _bool_mask(action_mask)
     rewards = torch.where(mask, token_rewards, torch.zeros_like(token_rewards)).detach()

@@ -1,4 +1,4 @@
-"""DAPO helpers: dynamic sampling filter and soft overlong punishment."""
+"""DAPO helpers: dynamic sampling filters (constant groups, group mean range) and soft overlong punishment."""
 
 from __future__ import annotations
 
@@ -77,3 +77,39 @@ def overlong_penalty(
         soft = zeros
     out = torch.where(length <= start, zeros, soft)
     return torch.where(length > max_len, torch.full_like(length, -penalty_factor), out)
+
+
+def group_mean_filter(
+    sequence_rewards: Tensor, group_size: int, *, low: float, high: float
+) -> Tuple[Tensor, int]:
+    """Keep prompt groups whose mean reward lies in ``[low, high]``.
+
+    Formula: keep group ``G`` iff ``low <= (1/g) sum_{i in G} r_i <= high``
+    (with 0/1 rewards: the prompt's pass rate, so too easy and too hard
+    prompts are dropped).
+
+    Shapes: ``sequence_rewards`` ``(B,)`` with ``B = n_prompts * group_size``
+    and each group contiguous; returns ``(keep_mask (B,) bool,
+    n_groups_dropped int)``.
+
+    Reference: online prompt filtering by accuracy range, Cui et al. 2025,
+    "Process Reinforcement through Implicit Rewards" (PRIME), arXiv
+    2502.01456; a generalisation of DAPO's dynamic sampling, arXiv 2503.14476.
+    """
+    if sequence_rewards.dim() != 1:
+        raise ValueError(
+            f"sequence_rewards must be 1-D (B,), got shape {tuple(sequence_rewards.shape)}"
+        )
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
+    if sequence_rewards.shape[0] % group_size != 0:
+        raise ValueError(
+            f"batch size {sequence_rewards.shape[0]} is not a multiple of "
+            f"group_size {group_size}"
+        )
+    if low > high:
+        raise ValueError(f"need low <= high, got [{low}, {high}]")
+    means = sequence_rewards.reshape(-1, group_size).mean(dim=1)
+    keep_group = (means >= low) & (means <= high)
+    n_dropped = int((~keep_group).sum().item())
+    return keep_group.repeat_interleave(group_size), n_dropped

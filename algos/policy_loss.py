@@ -21,6 +21,7 @@ from torch import Tensor
 
 from .aggregate import LOSS_AGGREGATIONS, aggregate_loss
 from .entropy import entropy_bonus_loss, entropy_from_logits
+from .importance import LOG_RATIO_CLAMP, rollout_importance_weights
 from .masked import _bool_mask, _check_same_shape, masked_mean
 
 __all__ = [
@@ -31,11 +32,10 @@ __all__ = [
     "aggregate_loss",
     "entropy_bonus_loss",
     "entropy_from_logits",
+    "clipped_surrogate",
     "ppo_policy_loss",
     "value_loss",
 ]
-
-LOG_RATIO_CLAMP = 20.0
 
 
 @dataclass(frozen=True)
@@ -46,8 +46,9 @@ class PolicyLossOutput:
     ``clip_fraction``: share of valid tokens where the clipped term is the
     active one; ``dual_clip_fraction``: share where the dual-clip cap bites;
     ``approx_kl``: masked mean of ``(ratio - 1) - log ratio`` (k3 estimate of
-    KL(pi_old || pi)); ``tis_weight_mean``: mean truncated IS weight (1 when
-    TIS is off).
+    KL(pi_old || pi), from the token log-ratios); ``tis_weight_mean``: mean
+    rollout importance weight (1 when TIS is off); ``tis_masked_fraction``:
+    share of valid tokens whose weight the ``"mask"`` mode set to 0.
     """
 
     loss: Tensor
@@ -57,6 +58,80 @@ class PolicyLossOutput:
     approx_kl: Tensor
     ratio_mean: Tensor
     tis_weight_mean: Tensor
+    tis_masked_fraction: Tensor
+
+
+def clipped_surrogate(
+    ratio: Tensor,
+    log_ratio: Tensor,
+    advantages: Tensor,
+    action_mask: Tensor,
+    old_logprobs: Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: Optional[float],
+    agg: str,
+    loss_scale_constant: Optional[float],
+    rollout_logprobs: Optional[Tensor],
+    tis_cap: Optional[float],
+    tis_low: Optional[float],
+    tis_mode: str,
+) -> PolicyLossOutput:
+    """The clipped surrogate given per-token ratios (shared by PPO and GSPO).
+
+    Formula: ``l = -min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)``; for
+    ``A < 0`` and ``dual_clip = c``: ``l = min(l, -c A)``; with
+    ``rollout_logprobs``: ``l *= w`` (:func:`rollout_importance_weights`);
+    reduced by :func:`aggregate_loss`. ``log_ratio`` (token-level
+    ``log pi - log pi_old``, 0 at padding) feeds the ``approx_kl`` metric.
+
+    Shapes: every tensor ``(B, T)``; returns :class:`PolicyLossOutput`.
+
+    Reference: Schulman et al. 2017, arXiv 1707.06347; Ye et al. 2019,
+    arXiv 1912.09729 (dual clip).
+    """
+    if clip_low < 0 or clip_high < 0:
+        raise ValueError(f"clip_low/clip_high must be >= 0, got {clip_low}, {clip_high}")
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+    mask = _bool_mask(action_mask)
+    zeros = torch.zeros_like(ratio)
+    adv = torch.where(mask, advantages.detach().to(ratio.dtype), zeros)
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    loss = torch.maximum(unclipped, clipped)
+    clip_active = (clipped > unclipped) & mask
+    dual_active = torch.zeros_like(mask)
+    if dual_clip is not None:
+        cap = -dual_clip * adv
+        dual_active = (adv < 0) & (loss > cap) & mask
+        loss = torch.where(dual_active, cap, loss)
+
+    weight, tis_masked = torch.ones_like(ratio), torch.zeros_like(mask)
+    if rollout_logprobs is not None:
+        if tis_cap is None:
+            raise ValueError("tis_cap is required when rollout_logprobs is given")
+        _check_same_shape(ratio=ratio, rollout_logprobs=rollout_logprobs)
+        weight, tis_masked = rollout_importance_weights(old_logprobs.detach(), rollout_logprobs, action_mask,
+                                                        cap=tis_cap, low=tis_low, mode=tis_mode)
+        loss = loss * weight.to(loss.dtype)
+
+    token_loss = torch.where(mask, loss, zeros)
+    scalar = aggregate_loss(token_loss, action_mask, agg=agg,
+                            loss_scale_constant=loss_scale_constant)
+    with torch.no_grad():
+        fmask = mask.to(ratio.dtype)
+        return PolicyLossOutput(
+            loss=scalar,
+            token_loss=token_loss,
+            clip_fraction=masked_mean(clip_active.to(ratio.dtype), fmask),
+            dual_clip_fraction=masked_mean(dual_active.to(ratio.dtype), fmask),
+            approx_kl=masked_mean(torch.expm1(log_ratio) - log_ratio, fmask),
+            ratio_mean=masked_mean(ratio, fmask),
+            tis_weight_mean=masked_mean(weight.to(ratio.dtype), fmask) if mask.any() else weight.new_ones(()),
+            tis_masked_fraction=masked_mean(tis_masked.to(ratio.dtype), fmask),
+        )
 
 
 def ppo_policy_loss(
@@ -72,6 +147,8 @@ def ppo_policy_loss(
     loss_scale_constant: Optional[float] = None,
     rollout_logprobs: Optional[Tensor] = None,
     tis_cap: Optional[float] = None,
+    tis_low: Optional[float] = None,
+    tis_mode: str = "truncate",
 ) -> PolicyLossOutput:
     """Clipped surrogate policy loss with clip-higher, dual-clip and TIS.
 
@@ -82,11 +159,14 @@ def ppo_policy_loss(
     = DAPO clip-higher, Yu et al. 2025, arXiv 2503.14476).
     Dual clip (``dual_clip = c > 1``; Ye et al. 2019, arXiv 1912.09729):
     for ``A < 0``, ``l = min(l, -c * A)``.
-    Truncated importance sampling (rollout engine vs. trainer mismatch):
+    Rollout importance sampling (rollout engine vs. trainer mismatch):
     with ``rollout_logprobs`` given, ``l *= w`` with the detached weight
-    ``w = min(exp(old_logprobs - rollout_logprobs), tis_cap)`` (``tis_cap``
-    required then; it is ignored without ``rollout_logprobs``). The scalar
-    loss is :func:`aggregate_loss` (``agg``, ``loss_scale_constant``).
+    ``w`` of :func:`rollout_importance_weights` (``tis_mode="truncate"``:
+    ``w = min(exp(old_logprobs - rollout_logprobs), tis_cap)``, floored at
+    ``tis_low`` when given; ``"mask"``: IcePop, tokens with the ratio
+    outside ``[tis_low, tis_cap]`` get ``w = 0``). ``tis_cap`` is required
+    then; the TIS arguments are ignored without ``rollout_logprobs``. The
+    scalar loss is :func:`aggregate_loss` (``agg``, ``loss_scale_constant``).
     ``old_logprobs``, ``advantages`` and ``rollout_logprobs`` are treated as
     constants (detached); the gradient flows through ``logprobs`` only.
 
@@ -95,52 +175,13 @@ def ppo_policy_loss(
     """
     _check_same_shape(logprobs=logprobs, old_logprobs=old_logprobs,
                       advantages=advantages, action_mask=action_mask)
-    if clip_low < 0 or clip_high < 0:
-        raise ValueError(f"clip_low/clip_high must be >= 0, got {clip_low}, {clip_high}")
-    if dual_clip is not None and dual_clip <= 1.0:
-        raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
     mask = _bool_mask(action_mask)
-    zeros = torch.zeros_like(logprobs)
-    log_ratio = torch.where(mask, logprobs - old_logprobs.detach(), zeros)
+    log_ratio = torch.where(mask, logprobs - old_logprobs.detach(), torch.zeros_like(logprobs))
     log_ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    adv = torch.where(mask, advantages.detach().to(logprobs.dtype), zeros)
-    ratio = torch.exp(log_ratio)
-
-    unclipped = -adv * ratio
-    clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    loss = torch.maximum(unclipped, clipped)
-    clip_active = (clipped > unclipped) & mask
-    dual_active = torch.zeros_like(mask)
-    if dual_clip is not None:
-        cap = -dual_clip * adv
-        dual_active = (adv < 0) & (loss > cap) & mask
-        loss = torch.where(dual_active, cap, loss)
-
-    weight = torch.ones_like(logprobs)
-    if rollout_logprobs is not None:
-        if tis_cap is None:
-            raise ValueError("tis_cap is required when rollout_logprobs is given")
-        if tis_cap <= 0:
-            raise ValueError(f"tis_cap must be > 0, got {tis_cap}")
-        _check_same_shape(logprobs=logprobs, rollout_logprobs=rollout_logprobs)
-        diff = torch.where(mask, old_logprobs - rollout_logprobs, zeros).detach()
-        weight = torch.exp(diff.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)).clamp(max=tis_cap)
-        loss = loss * weight
-
-    token_loss = torch.where(mask, loss, zeros)
-    scalar = aggregate_loss(token_loss, action_mask, agg=agg,
-                            loss_scale_constant=loss_scale_constant)
-    with torch.no_grad():
-        fmask = mask.to(logprobs.dtype)
-        return PolicyLossOutput(
-            loss=scalar,
-            token_loss=token_loss,
-            clip_fraction=masked_mean(clip_active.to(logprobs.dtype), fmask),
-            dual_clip_fraction=masked_mean(dual_active.to(logprobs.dtype), fmask),
-            approx_kl=masked_mean(torch.expm1(log_ratio) - log_ratio, fmask),
-            ratio_mean=masked_mean(ratio, fmask),
-            tis_weight_mean=masked_mean(weight, fmask) if mask.any() else weight.new_ones(()),
-        )
+    return clipped_surrogate(
+        torch.exp(log_ratio), log_ratio, advantages, action_mask, old_logprobs, clip_low=clip_low,
+        clip_high=clip_high, dual_clip=dual_clip, agg=agg, loss_scale_constant=loss_scale_constant,
+        rollout_logprobs=rollout_logprobs, tis_cap=tis_cap, tis_low=tis_low, tis_mode=tis_mode)
 
 
 @dataclass(frozen=True)

@@ -185,3 +185,27 @@ def kto_loss(policy_logps: Tensor, ref_logps: Tensor, desirable: Tensor,
                          reward_margin=chosen - rejected, accuracy=correct, kl=z0,
                          n_desirable=int(des.sum().item()),
                          n_undesirable=int((~des).sum().item()))
+
+
+def best_worst_pairs(rewards: Tensor, group_size: int) -> tuple[Tensor, Tensor, int]:
+    """Online DPO's pairs: in each prompt's group of samples, the best against the worst.
+
+    Formula: for group ``g`` (rows ``g*n .. g*n + n - 1``), ``chosen_g = argmax_i r_i``,
+    ``rejected_g = argmin_i r_i`` (the first such row on ties within the group); a group whose
+    rewards are all equal (``max r = min r``) gives no pair and is counted.
+
+    Shapes: ``rewards`` ``(G * n,)``, groups contiguous; returns ``(chosen (P,), rejected (P,)
+    row indices into rewards, number of tied groups skipped)`` with ``P + skipped = G``.
+
+    Reference: the best-vs-worst pairing of online / iterative DPO, Xu et al. 2023 ("Some things
+    are more CRINGE than others", arXiv 2312.16682) and Dong et al. 2024 (RLHF Workflow, arXiv
+    2405.07863).
+    """
+    if rewards.dim() != 1 or group_size < 1 or rewards.shape[0] % group_size:
+        raise ValueError(f"rewards must be 1-D with a multiple of group_size={group_size} rows, "
+                         f"got shape {tuple(rewards.shape)}")
+    groups = rewards.view(-1, group_size)
+    offsets = torch.arange(groups.shape[0], device=rewards.device) * group_size
+    best, worst = groups.argmax(-1) + offsets, groups.argmin(-1) + offsets
+    distinct = groups.max(-1).values > groups.min(-1).values
+    return best[distinct], worst[distinct], int((~distinct).sum().item())

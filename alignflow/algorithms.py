@@ -12,8 +12,12 @@ An RL round reads its algorithm's spec and never branches on the name:
   (for the KL term), and whether rewards must come in groups of at least
   `min_samples` samples per prompt (group baselines).
 - defaults for where the KL term goes (`kl_apply_as`: added to the reward
-  per token, or added to the loss) with which estimator, and the loss
-  aggregation; a round's config may override each.
+  per token, or added to the loss) with which estimator, the loss
+  aggregation, the clip range of the surrogate, and whether group
+  advantages are divided by the group std (`group_std_norm`; None: the
+  estimator has no group std to switch); a round's config may override each.
+- `policy_loss`: the surrogate (engines/objectives.py `POLICY_LOSSES`):
+  "ppo_clip" (token ratios) or "gspo_clip" (sequence ratios).
 
 Adding an algorithm is one `register_algorithm` entry here, plus its math in
 `algos/` when it needs new math. Kept free of torch: configs import it to
@@ -48,6 +52,9 @@ class AlgorithmSpec:
     kl_apply_as: KLPlacement = "reward"
     kl_estimator: KLEstimator = "k1"
     loss_agg: LossAggregation = "token_mean"
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    group_std_norm: bool | None = None  # default of `ppo.advantage_std_norm`; None: nothing to switch
 
 
 _REGISTRY: dict[str, AlgorithmSpec] = {}
@@ -61,6 +68,9 @@ def register_algorithm(spec: AlgorithmSpec) -> AlgorithmSpec:
         raise ValueError(f"algorithm {spec.name!r}: a policy-gradient update needs an advantage estimator")
     if spec.update != "policy_gradient" and spec.advantage is not None:
         raise ValueError(f"algorithm {spec.name!r}: a {spec.update} update uses no advantage estimator")
+    if not 0 < spec.clip_low <= spec.clip_high:
+        raise ValueError(f"algorithm {spec.name!r}: need 0 < clip_low <= clip_high, got {spec.clip_low}, "
+                         f"{spec.clip_high}")
     _REGISTRY[spec.name] = spec
     return spec
 
@@ -77,11 +87,17 @@ register_algorithm(AlgorithmSpec(
     update="policy_gradient", advantage="gae", whiten=True, critic=True))
 register_algorithm(AlgorithmSpec(
     "grpo", "group-normalised outcome advantages, KL (k3) as a loss (Shao et al. 2024, arXiv 2402.03300)",
-    update="policy_gradient", advantage="grpo", min_samples=2, kl_apply_as="loss", kl_estimator="k3"))
+    update="policy_gradient", advantage="grpo", min_samples=2, kl_apply_as="loss", kl_estimator="k3",
+    group_std_norm=True))
 register_algorithm(AlgorithmSpec(
     "dr_grpo", "GRPO without std or length normalisation (Liu et al. 2025, arXiv 2503.20783)",
     update="policy_gradient", advantage="dr_grpo", min_samples=2, kl_apply_as="loss", kl_estimator="k3",
-    loss_agg="seq_mean_token_sum_norm"))
+    loss_agg="seq_mean_token_sum_norm", group_std_norm=False))
+register_algorithm(AlgorithmSpec(
+    "gspo", "GRPO's group advantages with a sequence-level, length-normalised importance ratio, clipped "
+    "per sequence (Zheng et al. 2025, arXiv 2507.18071)",
+    update="policy_gradient", advantage="grpo", min_samples=2, policy_loss="gspo_clip", kl_apply_as="loss",
+    kl_estimator="k3", loss_agg="seq_mean_token_mean", clip_low=3e-4, clip_high=4e-4, group_std_norm=True))
 register_algorithm(AlgorithmSpec(
     "rloo", "leave-one-out baseline (Ahmadian et al. 2024, arXiv 2402.14740)",
     update="policy_gradient", advantage="rloo", min_samples=2))

@@ -103,14 +103,56 @@ def shaped_rewards(task_rewards: Tensor, action_mask: Tensor, *, max_new_tokens:
                                             penalty_factor=overlong_penalty)
 
 
+@dataclass(frozen=True)
+class ShapedRewards:
+    rewards: Tensor  # (B,)
+    stats: algos.RunningMeanStd | None  # the running statistics with this batch merged in (normalize on)
+    metrics: dict[str, float]
+
+
+def shape_rewards(task_rewards: Tensor, action_mask: Tensor, finished: Tensor, *, max_new_tokens: int,
+                  overlong_buffer: int, overlong_penalty: float, truncation_penalty: float = 0.0,
+                  clip: float | None = None, stats: algos.RunningMeanStd | None = None) -> ShapedRewards:
+    """A step's sequence rewards from its task rewards, in this order:
+
+        r = task;  stats = stats.update(r), r = (r - mean) / sqrt(var + 1e-8)   (`stats` given: reward.normalize)
+        r = clip(r, -clip, clip)                                                (`clip` given)
+        r = r + overlong_penalty(len)                                           (`shaped_rewards`)
+        r = r - truncation_penalty * [not finished]
+
+    Shapes: `task_rewards` (B,), `action_mask` (B, T), `finished` (B,) bool; rewards (B,) float32.
+    Metrics: reward/task_mean, reward/truncated (responses cut by the length limit), reward/clipped
+    (rewards the clip changed), and with `stats` reward/running_mean and reward/running_std.
+    """
+    task = task_rewards.float()
+    r, n_clipped = task, 0
+    if stats is not None:
+        stats = stats.update(r)
+        r = stats.normalize(r)
+    if clip is not None:
+        r, n_clipped = algos.clip_rewards(r, clip)
+    r = shaped_rewards(r, action_mask, max_new_tokens=max_new_tokens, overlong_buffer=overlong_buffer,
+                       overlong_penalty=overlong_penalty)
+    if truncation_penalty:
+        r = r + algos.truncation_penalty(finished, truncation_penalty)
+    metrics = {"reward/task_mean": task.mean().item() if len(task) else 0.0,
+               "reward/truncated": float((~finished.bool()).sum()), "reward/clipped": float(n_clipped)}
+    if stats is not None:
+        metrics.update({"reward/running_mean": stats.mean, "reward/running_std": stats.std})
+    return ShapedRewards(r, stats, metrics)
+
+
 def with_advantages(exp: Experience, *, estimator: str, whiten: bool, group_size: int, gamma: float, lam: float,
-                    kl_coef: float, kl_estimator: str, kl_clamp: float | None) -> Experience:
+                    kl_coef: float, kl_estimator: str, kl_clamp: float | None,
+                    std_norm: bool | None = None) -> Experience:
     """Token rewards, then advantages and returns, through the `algos` registry.
 
         token_rewards = kl_penalized_rewards(rewards, old_logprobs, ref_logprobs, kl_coef)  (kl_coef = 0: none)
         advantages, returns = estimator(token_rewards, values, ...);  advantages whitened when `whiten`
 
-    Needs `rewards` (`old_logprobs` and `ref_logprobs` when kl_coef > 0, `values` for "gae").
+    `std_norm` (group estimators: divide by the group std or not) reaches the estimator only when
+    set; None leaves the estimator's own default. Needs `rewards` (`old_logprobs` and `ref_logprobs`
+    when kl_coef > 0, `values` for "gae").
     """
     mask = exp.action_mask
     if kl_coef and (exp.ref_logprobs is None or exp.old_logprobs is None):
@@ -121,9 +163,10 @@ def with_advantages(exp: Experience, *, estimator: str, whiten: bool, group_size
     else:  # the sequence reward at the last token alone
         zeros = torch.zeros_like(mask, dtype=torch.float32)
         token_rewards = algos.kl_penalized_rewards(exp.rewards, zeros, zeros, mask, kl_coef=0.0)
+    options = {} if std_norm is None else {"std_norm": std_norm}
     out = algos.get_advantage_estimator(estimator)(
         token_rewards=token_rewards, action_mask=mask, values=exp.values, group_size=group_size, gamma=gamma,
-        lam=lam, eps=1e-6)
+        lam=lam, eps=1e-6, **options)
     advantages = algos.masked_whiten(out.advantages, mask) if whiten else out.advantages
     return exp.with_(token_rewards=token_rewards, advantages=advantages, returns=out.returns)
 

@@ -7,8 +7,12 @@ them) so that Ray can ship them to the workers.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
+from algos.gspo import gspo_policy_loss
+from algos.policy_loss import ppo_policy_loss
 from algos.preference import pairwise_reward_loss
 from algos.sequence import sft_loss
 from engines.experience import sequence_k1
@@ -76,20 +80,25 @@ def token_values(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
 def policy_objective(
     model, batch: dict[str, torch.Tensor], *, clip_low: float, clip_high: float, dual_clip: float | None,
     agg: str, entropy_coef: float, kl_loss_coef: float, kl_estimator: str, kl_clamp: float | None,
-    tis_cap: float | None, on_policy: bool = False,
+    tis_cap: float | None, tis_low: float | None = None, tis_mode: str = "truncate", on_policy: bool = False,
+    surrogate: Callable = ppo_policy_loss,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO clipped surrogate (+ entropy bonus, + GRPO-style KL loss when kl_loss_coef > 0).
 
-        loss = ppo_policy_loss(logprobs, old_logprobs, advantages; clip_low, clip_high, dual_clip, TIS)
+        loss = surrogate(logprobs, old_logprobs, advantages; clip_low, clip_high, dual_clip, TIS)
                - entropy_coef * H  + kl_loss_coef * agg(kl_estimate(logprobs, ref_logprobs))
 
+    `surrogate`: `algos.ppo_policy_loss` (token ratios) or `algos.gspo_policy_loss` (sequence
+    ratios, `gspo_objective`). TIS: with `tis_cap`, the rollout engine's logprobs weight each token
+    (`tis_mode` "truncate": min(ratio, tis_cap); "mask": IcePop, 0 outside [tis_low, tis_cap]).
     `on_policy`: the batch serves exactly one optimizer step, so the policy that made the
     experience is the one in this forward: old_logprobs = logprobs.detach() (ratio 1), and the
     batch needs none. Metrics: policy_loss (the surrogate alone), kl_loss (the KL term, 0 when
     off), kl_to_reference (the estimator's token mean), sequence_kl (Σ_t of the k1 estimate of
-    this forward against the reference, the row mean), entropy, clip_fraction, approx_kl.
+    this forward against the reference, the row mean), entropy, clip_fraction, approx_kl;
+    with TIS, tis_weight_mean and tis_masked_fraction (share of tokens masked out).
     """
-    from algos import entropy_bonus_loss, kl_estimate, aggregate_loss, ppo_policy_loss, masked_mean
+    from algos import entropy_bonus_loss, kl_estimate, aggregate_loss, masked_mean
 
     mask = batch["action_mask"]
     logprobs, entropy = response_logprobs_and_entropy(model, batch, with_entropy=True)
@@ -99,9 +108,10 @@ def policy_objective(
         old = batch["old_logprobs"]
     else:
         raise ValueError("a batch for more than one optimizer step needs old_logprobs")
-    out = ppo_policy_loss(
-        logprobs, old, batch["advantages"], mask, clip_low=clip_low, clip_high=clip_high,
-        dual_clip=dual_clip, agg=agg, rollout_logprobs=batch["rollout_logprobs"] if tis_cap else None, tis_cap=tis_cap,
+    out = surrogate(
+        logprobs, old, batch["advantages"], mask, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip,
+        agg=agg, rollout_logprobs=batch["rollout_logprobs"] if tis_cap else None, tis_cap=tis_cap, tis_low=tis_low,
+        tis_mode=tis_mode,
     )
     loss = out.loss
     if entropy_coef:
@@ -110,6 +120,8 @@ def policy_objective(
         "policy_loss": out.loss.item(), "clip_fraction": float(out.clip_fraction),
         "approx_kl": float(out.approx_kl), "entropy": float(masked_mean(entropy.detach(), mask)),
     }
+    if tis_cap:
+        metrics.update(tis_weight_mean=float(out.tis_weight_mean), tis_masked_fraction=float(out.tis_masked_fraction))
     if "ref_logprobs" in batch:  # algorithms without a reference (no KL term) have none
         kl = kl_estimate(logprobs, batch["ref_logprobs"], kind=kl_estimator, clamp=kl_clamp)
         kl_loss = kl_loss_coef * aggregate_loss(kl, mask, agg=agg)
@@ -123,9 +135,15 @@ def policy_objective(
     return loss, metrics
 
 
+def gspo_objective(model, batch: dict[str, torch.Tensor], **kwargs) -> tuple[torch.Tensor, dict[str, float]]:
+    """GSPO (Zheng et al. 2025, arXiv 2507.18071): `policy_objective` with sequence-level ratios
+    (`algos.gspo_policy_loss`); the same keyword arguments and metrics."""
+    return policy_objective(model, batch, surrogate=gspo_policy_loss, **kwargs)
+
+
 # Policy losses by `AlgorithmSpec.policy_loss`: objectives with the keyword
 # arguments of `policy_objective`.
-POLICY_LOSSES = {"ppo_clip": policy_objective}
+POLICY_LOSSES = {"ppo_clip": policy_objective, "gspo_clip": gspo_objective}
 
 
 def value_objective(model, batch: dict[str, torch.Tensor], *, clip_eps: float | None, agg: str) -> tuple[torch.Tensor, dict[str, float]]:

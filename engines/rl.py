@@ -10,7 +10,8 @@ A step:
 
 The round reads its algorithm's spec and never branches on its name; it
 only moves batches between actors. Resumable state: the actor's (and
-critic's) training state, the update's state (KL coefficient), the step.
+critic's) training state, the update's state (KL coefficient), the
+running reward statistics (reward.normalize), the step.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+import algos
 from alignflow.config import RoundConfig
 from alignflow.seeds import derive_seed
 from engines import experience
@@ -75,13 +77,17 @@ class RLRound:
         update_cls = UPDATES[cfg.spec.update]
         self.models = start_round_models(cfg, setup, update_cls.updates_per_step(cfg))
         self.update = update_cls(cfg, self.models, setup.seed)
+        # reward.normalize: statistics of every reward of the round so far (checkpointed)
+        self.reward_stats = algos.RunningMeanStd() if cfg.reward.normalize else None
         self._pending: tuple[int, object] | None = None  # async_rollouts: (step, its generation under way)
 
     def generate(self, prompt_ids: list[list[int]]) -> list[Rollout]:
         return self.models.generate(prompt_ids, self._sampling())
 
-    def rewards(self, exp: Experience, rollouts: list[Rollout], records: list[dict]) -> torch.Tensor:
-        """Sequence rewards (B,): the reward model on tokens, or the rule / service on text; then shaping."""
+    def rewards(self, exp: Experience, rollouts: list[Rollout],
+                records: list[dict]) -> tuple[torch.Tensor, dict[str, float]]:
+        """Sequence rewards (B,): the reward model on tokens, or the rule / service on text; then
+        normalisation, clipping and shaping (`experience.shape_rewards`), with their metrics."""
         if self.reward_fn is None:
             task = self.models.model_rewards(exp.tensors())
         else:
@@ -89,8 +95,12 @@ class RLRound:
                                 records[r.prompt_index].get("answer")) for r in rollouts]
             task = torch.tensor(self.reward_fn(items), dtype=torch.float32)
         r = self.cfg.reward
-        return experience.shaped_rewards(task, exp.action_mask, max_new_tokens=self.cfg.generation.max_new_tokens,
-                                         overlong_buffer=r.overlong_buffer, overlong_penalty=r.overlong_penalty)
+        shaped = experience.shape_rewards(
+            task, exp.action_mask, exp.finished, max_new_tokens=self.cfg.generation.max_new_tokens,
+            overlong_buffer=r.overlong_buffer, overlong_penalty=r.overlong_penalty,
+            truncation_penalty=r.truncation_penalty, clip=r.clip, stats=self.reward_stats)
+        self.reward_stats = shaped.stats
+        return shaped.rewards, shaped.metrics
 
     def _sampling(self) -> Sampling:
         g = self.cfg.generation
@@ -120,14 +130,15 @@ class RLRound:
         rollouts = self._rollouts(step, prompt_ids)
         clock.lap("generate")
         exp = experience.from_rollouts(rollouts, self.tokenizer.pad_token_id)
-        exp = exp.with_(rewards=self.rewards(exp, rollouts, records))
+        rewards, reward_metrics = self.rewards(exp, rollouts, records)
+        exp = exp.with_(rewards=rewards)
         clock.lap("score")
         trained = self.update(exp, step, clock.lap)
         self.models.sync()
         clock.lap("sync")
         rewards, n_tokens = trained.experience.rewards, sum(len(r.token_ids) for r in rollouts)
         metrics = {
-            **trained.metrics, **clock.times,
+            **trained.metrics, **reward_metrics, **clock.times,
             "reward/mean": rewards.mean().item(), "reward/std": rewards.std().item() if len(rewards) > 1 else 0.0,
             "response_length": exp.action_mask.sum(-1).mean().item(),
             # Asynchronous, generation runs beside the step: its rate is over the whole step.
@@ -143,7 +154,7 @@ class RLRound:
         self.models.actor.save_state(str(d / "actor"), {"step": step})
         if self.models.critic:
             self.models.critic.save_state(str(d / "critic"), {"step": step})
-        (d / "round.json").write_text(json.dumps({"step": step, **self.update.state()}))
+        (d / "round.json").write_text(json.dumps({"step": step, **self.update.state(), **self._reward_state()}))
 
     def load_state(self, directory: str) -> int:
         d = Path(directory)
@@ -152,8 +163,15 @@ class RLRound:
             self.models.critic.load_state(str(d / "critic"))
         state = json.loads((d / "round.json").read_text())
         self.update.load(state)
+        if self.reward_stats is not None:
+            if "reward_stats" not in state:
+                raise ValueError(f"{d / 'round.json'} holds no reward_stats, which reward.normalize needs to resume")
+            self.reward_stats = algos.RunningMeanStd.from_dict(state["reward_stats"])
         self.models.sync()  # the engines started from the round's initial policy
         return int(state["step"])
+
+    def _reward_state(self) -> dict:
+        return {} if self.reward_stats is None else {"reward_stats": self.reward_stats.to_dict()}
 
     def save_policy(self, directory: str) -> None:
         self.models.actor.save_hf(directory)

@@ -47,6 +47,27 @@ def train_minibatches(batch: dict[str, torch.Tensor], chunks, steps: list[tuple[
     return {k: v / n for k, v in sums.items()}
 
 
+def kept_rows(rewards: torch.Tensor, cfg: RoundConfig) -> tuple[torch.Tensor, dict[str, float]]:
+    """The rows a policy-gradient step trains on, and how many groups each filter dropped.
+
+    `ppo.dynamic_sampling` drops groups whose rewards are all equal (`dynamic_sampling/dropped_groups`);
+    `ppo.dynamic_sampling_mean_range` then drops, of the groups left, those whose mean reward lies
+    outside [low, high] (`dynamic_sampling/dropped_groups_mean_range`). Rows: (kept,) indices, in order.
+    """
+    n, p = cfg.generation.num_samples, cfg.ppo
+    keep, dropped, dropped_range = torch.ones(len(rewards), dtype=torch.bool), 0, 0
+    if p.dynamic_sampling:
+        keep, dropped = algos.dynamic_sampling_filter(rewards, n)
+    if p.dynamic_sampling_mean_range is not None:
+        low, high = p.dynamic_sampling_mean_range
+        in_range, _ = algos.group_mean_filter(rewards, n, low=low, high=high)
+        dropped_range = int((keep & ~in_range).sum().item()) // n
+        keep = keep & in_range
+    metrics = {"dynamic_sampling/dropped_groups": float(dropped),
+               "dynamic_sampling/dropped_groups_mean_range": float(dropped_range)}
+    return torch.arange(len(rewards))[keep], metrics
+
+
 class PolicyGradientUpdate:
     """Advantages (KL in the reward or in the loss), then clipped-surrogate epochs over minibatches
     for the actor, and value regression for the critic when the spec has one."""
@@ -83,18 +104,15 @@ class PolicyGradientUpdate:
         exp = experience.with_advantages(
             exp, estimator=spec.advantage, whiten=spec.whiten, group_size=cfg.generation.num_samples,
             gamma=cfg.ppo.gamma, lam=cfg.ppo.lam, kl_coef=self.kl_ctl.value if kl_in_reward else 0.0,
-            kl_estimator=cfg.kl.estimator, kl_clamp=cfg.kl.clamp)
-        rows, dropped = torch.arange(len(exp)), 0
-        if cfg.ppo.dynamic_sampling:
-            keep, dropped = algos.dynamic_sampling_filter(exp.rewards, cfg.generation.num_samples)
-            rows = rows[keep]
+            kl_estimator=cfg.kl.estimator, kl_clamp=cfg.kl.clamp, std_norm=cfg.ppo.advantage_std_norm)
+        rows, filtered = kept_rows(exp.rewards, cfg)
         metrics = self._train(exp.select(rows), step) if len(rows) else {}
         lap("train")
         # On policy, the KL of the trained rows as the training forward measured it.
         seq_kl = (metrics.get("sequence_kl", 0.0) if exp.old_logprobs is None
                   else experience.sequence_kl(exp).mean().item())
         self.kl_ctl.update(seq_kl, n_steps=len(exp))
-        metrics.update({"kl": seq_kl, "kl_coef": self.kl_ctl.value, "dynamic_sampling/dropped_groups": float(dropped),
+        metrics.update({"kl": seq_kl, "kl_coef": self.kl_ctl.value, **filtered,
                         "advantage/mean": algos.masked_mean(exp.advantages, exp.action_mask).item()})
         return Trained(exp, rows, metrics)
 
@@ -105,7 +123,8 @@ class PolicyGradientUpdate:
         steps = [(m.actor, functools.partial(
             policy_loss, clip_low=p.clip_low, clip_high=p.clip_high, dual_clip=p.dual_clip, agg=p.loss_agg,
             entropy_coef=p.entropy_coef, kl_loss_coef=self.kl_ctl.value if cfg.kl.apply_as == "loss" else 0.0,
-            kl_estimator=cfg.kl.estimator, kl_clamp=cfg.kl.clamp, tis_cap=p.tis_cap, on_policy=self.on_policy(cfg)))]
+            kl_estimator=cfg.kl.estimator, kl_clamp=cfg.kl.clamp, tis_cap=p.tis_cap, tis_low=p.tis_low,
+            tis_mode=p.tis_mode, on_policy=self.on_policy(cfg)))]
         if m.critic is not None:
             steps.append((m.critic, functools.partial(objectives.value_objective, clip_eps=p.value_clip,
                                                       agg=p.loss_agg)))

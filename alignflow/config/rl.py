@@ -25,6 +25,14 @@ class RewardConfig(Section):
     max_retries: int = Field(3, ge=0)
     overlong_buffer: int = Field(0, ge=0, description="DAPO soft overlong penalty buffer (0: off)")
     overlong_penalty: float = Field(1.0, ge=0)
+    normalize: bool = Field(
+        False, description="standardise each reward with the running mean and std of every reward of the round so "
+        "far, this step's included (Welford); the statistics are kept in the round's checkpoints")
+    clip: float | None = Field(
+        None, gt=0, description="clip each sequence reward to [-clip, clip], after reward.normalize; None: off")
+    truncation_penalty: float = Field(
+        0.0, ge=0, description="subtracted from the reward of each response cut by generation.max_new_tokens "
+        "(no EOS or stop string), after normalisation and clipping; 0: off")
 
     @model_validator(mode="after")
     def _remote_has_url(self) -> RewardConfig:
@@ -52,16 +60,42 @@ class PPOConfig(Section):
 
     epochs: int = Field(2, ge=1)
     minibatch_size: int = Field(64, ge=1, description="rollouts per optimizer step")
-    clip_low: float = Field(0.2, gt=0)
-    clip_high: float = Field(0.2, gt=0, description="> clip_low: DAPO clip-higher")
+    clip_low: float | None = Field(None, gt=0, description="None: the algorithm's default (0.2; gspo 3e-4)")
+    clip_high: float | None = Field(
+        None, gt=0, description="> clip_low: DAPO clip-higher; None: the algorithm's default (0.2; gspo 4e-4)")
     dual_clip: float | None = Field(None, gt=1)
     value_clip: float | None = Field(0.2, gt=0)
     gamma: float = Field(1.0, ge=0, le=1)
     lam: float = Field(0.95, ge=0, le=1)
     entropy_coef: float = Field(0.0, ge=0)
     loss_agg: LossAggregation | None = Field(None, description="None: the algorithm's default")
-    tis_cap: float | None = Field(2.0, gt=0, description="truncated IS cap between vLLM and trainer logprobs")
+    tis_cap: float | None = Field(
+        2.0, gt=0, description="importance sampling between the rollout engine's and the trainer's logprobs: the "
+        "upper bound of the ratio exp(old - rollout); None: off")
+    tis_mode: Literal["truncate", "mask"] = Field(
+        "truncate", description="truncate: weight min(ratio, tis_cap) (TIS, floored at tis_low when set); mask: "
+        "IcePop, tokens whose ratio lies outside [tis_low, tis_cap] are masked out of the loss (counted in "
+        "tis_masked_fraction)")
+    tis_low: float | None = Field(
+        None, gt=0, description="lower bound of the ratio (IcePop uses 0.5 with tis_cap 5); None: none")
+    advantage_std_norm: bool | None = Field(
+        None, description="divide group advantages by the group std (grpo: true, dr_grpo: false); None: the "
+        "algorithm's default; only for algorithms with group-normalised advantages")
     dynamic_sampling: bool = Field(False, description="DAPO: drop groups whose rewards are all equal")
+    dynamic_sampling_mean_range: tuple[float, float] | None = Field(
+        None, description="[low, high]: train only on groups whose mean reward lies in it (e.g. pass rate "
+        "[0.1, 0.9]), beside dynamic_sampling; dropped groups are counted; None: off")
+
+    @model_validator(mode="after")
+    def _importance_sampling(self) -> PPOConfig:
+        if self.tis_cap is None and (self.tis_mode != "truncate" or self.tis_low is not None):
+            raise ValueError("ppo.tis_mode / ppo.tis_low need ppo.tis_cap (importance sampling is off without it)")
+        if self.tis_low is not None and self.tis_cap is not None and self.tis_low >= self.tis_cap:
+            raise ValueError(f"ppo.tis_low ({self.tis_low}) must be < ppo.tis_cap ({self.tis_cap})")
+        r = self.dynamic_sampling_mean_range
+        if r is not None and r[0] > r[1]:
+            raise ValueError(f"ppo.dynamic_sampling_mean_range must be [low, high] with low <= high, got {list(r)}")
+        return self
 
 
 class RejectionSamplingConfig(Section):
@@ -138,7 +172,12 @@ class RoundConfig(Section):
         s = self.spec
         kl = self.kl.model_copy(update={"apply_as": self.kl.apply_as or s.kl_apply_as,
                                         "estimator": self.kl.estimator or s.kl_estimator})
-        ppo = self.ppo.model_copy(update={"loss_agg": self.ppo.loss_agg or s.loss_agg})
+        p = self.ppo
+        ppo = p.model_copy(update={
+            "loss_agg": p.loss_agg or s.loss_agg,
+            "clip_low": s.clip_low if p.clip_low is None else p.clip_low,
+            "clip_high": s.clip_high if p.clip_high is None else p.clip_high,
+            "advantage_std_norm": s.group_std_norm if p.advantage_std_norm is None else p.advantage_std_norm})
         return self.model_copy(update={"kl": kl, "ppo": ppo})
 
     @model_validator(mode="after")
@@ -146,8 +185,13 @@ class RoundConfig(Section):
         if self.generation.num_samples < self.spec.min_samples:
             raise ValueError(f"{self.algorithm} needs generation.num_samples >= {self.spec.min_samples} "
                              f"(a group per prompt)")
-        if self.ppo.clip_high < self.ppo.clip_low:
-            raise ValueError("ppo.clip_high must be >= ppo.clip_low")
+        low, high = self.ppo.clip_low or self.spec.clip_low, self.ppo.clip_high or self.spec.clip_high
+        if high < low:
+            raise ValueError(f"ppo.clip_high ({high}) must be >= ppo.clip_low ({low}); a value left out is "
+                             f"{self.algorithm}'s default ({self.spec.clip_low}, {self.spec.clip_high})")
+        if self.ppo.advantage_std_norm is not None and self.spec.group_std_norm is None:
+            raise ValueError(f"ppo.advantage_std_norm: {self.algorithm} has no group-normalised advantages "
+                             f"(no group std to switch); leave it out")
         if self.colocate_all:
             n = self.actor.num_workers
             if self.num_rollout_engines != n:

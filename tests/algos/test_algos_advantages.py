@@ -110,9 +110,10 @@ def test_register_custom_and_duplicate():
 def test_all_estimators_share_one_keyword_only_signature():
     sigs = {name: inspect.signature(fn) for name, fn in ADVANTAGE_ESTIMATORS.items()}
     ref = sigs["grpo"]
-    names = ["token_rewards", "action_mask", "values", "group_size", "gamma", "lam", "eps"]
+    names = ["token_rewards", "action_mask", "values", "group_size", "gamma", "lam", "eps", "std_norm"]
     assert list(ref.parameters) == names
     assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in ref.parameters.values())
+    assert ref.parameters["std_norm"].default is None  # optional: callers pass it only when set
     for name, sig in sigs.items():
         assert list(sig.parameters) == names, name
 
@@ -123,8 +124,7 @@ def test_output_is_frozen():
         out.advantages = None
 
 
-def test_grpo_values():
-    eps = 1e-6
+def _py_group_normalized(eps):
     s = _scores()
     expected = []
     for i in range(0, len(s), GS):
@@ -132,18 +132,43 @@ def test_grpo_values():
         mu = sum(grp) / GS
         std = math.sqrt(sum((x - mu) ** 2 for x in grp) / (GS - 1))
         expected += [(x - mu) / (std + eps) for x in grp]
-    out = _call("grpo", eps=eps)
-    _close(out.advantages, _broadcast(expected))
-    assert torch.equal(out.returns, out.advantages)
+    return expected
 
 
-def test_dr_grpo_values():
+def _py_group_centered():
     s = _scores()
     expected = []
     for i in range(0, len(s), GS):
         grp = s[i:i + GS]
         expected += [x - sum(grp) / GS for x in grp]
-    _close(_call("dr_grpo").advantages, _broadcast(expected))
+    return expected
+
+
+def test_grpo_values():
+    eps = 1e-6
+    out = _call("grpo", eps=eps)
+    _close(out.advantages, _broadcast(_py_group_normalized(eps)))
+    assert torch.equal(out.returns, out.advantages)
+
+
+def test_dr_grpo_values():
+    _close(_call("dr_grpo").advantages, _broadcast(_py_group_centered()))
+
+
+def test_group_std_norm_switch():
+    """std_norm switches the group std division either way; None keeps each estimator's own."""
+    _close(_call("grpo", std_norm=False).advantages, _broadcast(_py_group_centered()))
+    _close(_call("grpo", std_norm=True).advantages, _broadcast(_py_group_normalized(1e-6)))
+    _close(_call("dr_grpo", std_norm=True).advantages, _broadcast(_py_group_normalized(1e-6)))
+    _close(_call("dr_grpo", std_norm=False).advantages, _broadcast(_py_group_centered()))
+
+
+@pytest.mark.parametrize("name", ["gae", "rloo", "reinforce_pp", "reinforce_pp_baseline"])
+@pytest.mark.parametrize("std_norm", [True, False])
+def test_estimators_without_a_group_std_reject_the_switch(name, std_norm):
+    values = _t([[0.0] * 4] * 6)
+    with pytest.raises(ValueError, match=f"{name}' has no group std normalisation"):
+        _call(name, values=values, std_norm=std_norm)
 
 
 def test_rloo_values():

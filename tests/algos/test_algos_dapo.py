@@ -1,9 +1,9 @@
-"""DAPO dynamic-sampling filter and soft overlong punishment."""
+"""DAPO dynamic-sampling filters (constant groups, group mean range) and soft overlong punishment."""
 
 import pytest
 import torch
 
-from algos.dapo import dynamic_sampling_filter, overlong_penalty
+from algos.dapo import dynamic_sampling_filter, group_mean_filter, overlong_penalty
 
 
 def test_dynamic_sampling_filter_drops_constant_groups():
@@ -55,3 +55,21 @@ def test_overlong_penalty_zero_buffer_and_validation():
     assert out.tolist() == [0.0, 0.0, -1.0]
     with pytest.raises(ValueError):
         overlong_penalty(torch.tensor([1]), max_len=10, buffer_len=11)
+
+
+def test_group_mean_filter_keeps_groups_in_range():
+    # group means (size 4): 0.5, 0.75, 0.0
+    r = torch.tensor([1.0, 1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0])
+    keep, dropped = group_mean_filter(r, 4, low=0.1, high=0.7)
+    assert keep.tolist() == [True] * 4 + [False] * 8 and dropped == 2
+    keep, dropped = group_mean_filter(r, 4, low=0.5, high=0.75)  # bounds inclusive
+    assert keep.tolist() == [True] * 8 + [False] * 4 and dropped == 1
+    keep, dropped = group_mean_filter(r, 4, low=0.0, high=1.0)
+    assert keep.all() and dropped == 0
+
+
+def test_group_mean_filter_validates():
+    with pytest.raises(ValueError, match="low <= high"):
+        group_mean_filter(torch.zeros(4), 2, low=0.9, high=0.1)
+    with pytest.raises(ValueError, match="multiple"):
+        group_mean_filter(torch.zeros(5), 2, low=0.0, high=1.0)

@@ -154,3 +154,16 @@ def test_kto_extreme_finite():
     out = kto_loss(_t([50.0, -50.0]), _t([-50.0, 50.0]), torch.tensor([False, True]),
                    _t(0.0), beta=1.0)
     assert out.loss.item() == pytest.approx(1.0, rel=1e-9)
+
+
+def test_best_worst_pairs_skip_and_count_tied_groups():
+    from algos.preference import best_worst_pairs
+
+    rewards = torch.tensor([0.1, 0.9, 0.5,   # best row 1, worst row 0
+                            1.0, 1.0, 1.0,   # tied: no pair
+                            0.0, -2.0, 3.0,  # best row 8, worst row 7
+                            2.0, 2.0, 1.0])  # best row 9 (first of the tie), worst row 11
+    chosen, rejected, skipped = best_worst_pairs(rewards, 3)
+    assert chosen.tolist() == [1, 8, 9] and rejected.tolist() == [0, 7, 11] and skipped == 1
+    with pytest.raises(ValueError, match="multiple of group_size=5"):
+        best_worst_pairs(rewards, 5)

@@ -7,7 +7,10 @@ rewards, advantages, the KL controller, the rows it trained on, the KL loss)
 is recomputed here from the step's own tensors with the `algos` functions:
 
 - PPO, KL as a reward (k1), adaptive controller, whitened GAE, overlong shaping;
-- GRPO, KL as a loss (k3), dynamic sampling, clip-higher.
+- GRPO, KL as a loss (k3), dynamic sampling, clip-higher;
+- GSPO with normalised and clipped rewards, a truncation penalty, IcePop masking,
+  no group std, the group-mean-range filter, and the reward statistics in the
+  round's checkpoint (these recomputed here in plain Python).
 """
 
 from __future__ import annotations
@@ -50,7 +53,8 @@ def prompts(tokenizer):
     return kept
 
 
-def _run_step(cfg, tiny_model, reference_model, prompts):
+def _run_step(cfg, tiny_model, reference_model, prompts, then=None):
+    """Step 0 of a round; `then(rl, outcome)` runs before the round shuts down."""
     from engines.rl import RLRound
     from engines.round_models import RoundSetup
 
@@ -59,7 +63,10 @@ def _run_step(cfg, tiny_model, reference_model, prompts):
                                  prompts=prompts, dtype="float32", torch_threads=1, max_model_len=80, seed=0))
     try:
         objectives = [dict(obj.keywords) for _, obj in rl.update.objectives()]  # as the step will use them
-        return rl.step(0), objectives
+        out = rl.step(0)
+        if then is not None:
+            then(rl, out)
+        return out, objectives
     finally:
         rl.shutdown()
 
@@ -173,3 +180,76 @@ def test_clip_higher_reaches_the_loss(tiny_model):
                                          clip_low=0.2, clip_high=clip_high, agg="token_mean")
         assert loss.item() == pytest.approx(expected.loss.item(), rel=1e-5)
         assert metrics["clip_fraction"] == pytest.approx(1.0 if clip_high == 0.2 else 0.0)
+
+
+def test_gspo_normalised_clipped_rewards_truncation_icepop_mean_range(ray_local, tiny_model, reference_model,
+                                                                       prompts, tmp_path):
+    import json
+    import math
+
+    from alignflow.config import ActorConfig, KLConfig, PPOConfig, RewardConfig, RolloutConfig, RoundConfig
+    from engines import objectives as objective_fns
+
+    low, high = -0.5, 0.5
+    cfg = RoundConfig(
+        algorithm="gspo", steps=2, prompts_per_step=8,
+        generation=RolloutConfig(num_samples=4, max_new_tokens=MAX_NEW),
+        reward=RewardConfig(source="rule", rule=f"{__name__}:even_answers_agree", normalize=True, clip=1.0,
+                            truncation_penalty=0.25),
+        kl=KLConfig(coef=0.0),
+        ppo=PPOConfig(minibatch_size=8, epochs=1, tis_cap=2.0, tis_low=0.5, tis_mode="mask", dynamic_sampling=True,
+                      dynamic_sampling_mean_range=(low, high), advantage_std_norm=False),
+        actor=ActorConfig(learning_rate=1e-3))
+    seen = {}
+
+    def checkpoint_round_trip(rl, out):
+        seen["records"] = rl._prompts(0)[1]  # the step's prompt records (their answers)
+        seen["objective"] = rl.update.objectives()[0][1].func
+        rl.save_state(str(tmp_path), 1)
+        seen["json"] = json.loads((tmp_path / "round.json").read_text())
+        stats = rl.reward_stats
+        rl.reward_stats = type(stats)()  # forget the statistics, then resume from the checkpoint
+        rl.load_state(str(tmp_path))
+        seen["restored"] = rl.reward_stats == stats
+
+    out, objectives = _run_step(cfg, tiny_model, reference_model, prompts, then=checkpoint_round_trip)
+    exp, m = out.experience, out.metrics
+
+    # rewards: the rule, standardised over the round's rewards so far (this first step's), clipped to
+    # [-1, 1], minus 0.25 for each response cut by the length limit
+    task = [even_answers_agree("", r.text, seen["records"][r.prompt_index].get("answer")) for r in out.rollouts]
+    n = len(task)
+    mean = sum(task) / n
+    m2 = sum((x - mean) ** 2 for x in task)
+    clipped = [max(-1.0, min(1.0, (x - mean) / math.sqrt(m2 / n + 1e-8))) for x in task]
+    cut = [not r.finished for r in out.rollouts]
+    assert sum(cut) > 0, "no response hit the length limit; the truncation penalty is untested"
+    rewards = [c - 0.25 * k for c, k in zip(clipped, cut)]
+    assert exp.rewards.tolist() == pytest.approx(rewards, abs=1e-5)
+    n_clipped = sum(abs((x - mean) / math.sqrt(m2 / n + 1e-8)) > 1.0 for x in task)
+    assert (m["reward/truncated"], m["reward/clipped"]) == (sum(cut), n_clipped)
+    assert m["reward/running_mean"] == pytest.approx(mean) and m["reward/task_mean"] == pytest.approx(mean)
+    assert seen["json"]["reward_stats"] == pytest.approx({"count": float(n), "mean": mean, "m2": m2})
+    assert seen["restored"]
+
+    # advantages: GRPO's group baseline without the std division (advantage_std_norm: false)
+    groups = [rewards[i:i + 4] for i in range(0, n, 4)]
+    centered = [x - sum(g) / 4 for g in groups for x in g]
+    assert exp.advantages[:, 0].tolist() == pytest.approx(centered, abs=1e-5)
+
+    # rows: constant groups dropped, then groups whose mean reward is outside [low, high]
+    constant = [max(g) == min(g) for g in groups]
+    in_range = [low <= sum(g) / 4 <= high for g in groups]
+    kept = [i for i in range(n) if not constant[i // 4] and in_range[i // 4]]
+    assert 0 < len(kept) < n, "need kept and dropped groups"
+    assert out.trained_rows.tolist() == kept
+    assert m["dynamic_sampling/dropped_groups"] == sum(constant)
+    assert m["dynamic_sampling/dropped_groups_mean_range"] == sum(not c and not r for c, r in zip(constant, in_range))
+
+    # the GSPO objective with its spec's clip range and aggregation, and IcePop masking
+    actor = objectives[0]
+    assert (actor["clip_low"], actor["clip_high"], actor["agg"]) == (3e-4, 4e-4, "seq_mean_token_mean")
+    assert (actor["tis_mode"], actor["tis_low"], actor["tis_cap"], actor["on_policy"]) == ("mask", 0.5, 2.0, False)
+    assert 0.0 <= m["tis_masked_fraction"] <= 1.0 and "tis_weight_mean" in m
+    assert seen["objective"] is objective_fns.gspo_objective
+    assert exp.old_logprobs is not None  # several optimizer steps: the old policy's forward ran

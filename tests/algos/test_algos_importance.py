@@ -1,0 +1,61 @@
+"""Rollout importance weights: truncation (TIS, with a floor) and masking (IcePop); by hand."""
+
+import math
+
+import pytest
+import torch
+
+from algos.importance import rollout_importance_weights
+from algos.policy_loss import ppo_policy_loss
+
+G = 1e6
+# old - rollout = 0, ln 3, -ln 4, ln 1.5: ratios 1, 3, 0.25, 1.5; last column padding
+OLD = [[0.0, 0.0, 0.0, 0.0, G]]
+ROLL = [[0.0, -math.log(3.0), math.log(4.0), -math.log(1.5), -G]]
+MASK = torch.tensor([[1, 1, 1, 1, 0]])
+
+
+def _t(x, grad=False):
+    return torch.tensor(x, dtype=torch.float64, requires_grad=grad)
+
+
+@pytest.mark.parametrize("mode,low,weights,masked", [
+    ("truncate", None, [1.0, 2.0, 0.25, 1.5], [False] * 4),
+    ("truncate", 0.5, [1.0, 2.0, 0.5, 1.5], [False] * 4),
+    ("mask", 0.5, [1.0, 0.0, 0.0, 1.5], [False, True, True, False]),
+    ("mask", None, [1.0, 0.0, 0.25, 1.5], [False, True, False, False]),
+])
+def test_weights_by_mode(mode, low, weights, masked):
+    w, m = rollout_importance_weights(_t(OLD), _t(ROLL), MASK, cap=2.0, low=low, mode=mode)
+    assert w[0, :4].tolist() == pytest.approx(weights, rel=1e-12)
+    assert w[0, 4].item() == 1.0  # padding
+    assert m[0].tolist() == masked + [False]
+
+
+def test_mask_mode_in_the_policy_loss():
+    lp = _t(OLD, grad=True)  # ratio 1 against old, A = 1: token loss = -w
+    adv = _t([[1.0, 1.0, 1.0, 1.0, G]])
+    out = ppo_policy_loss(lp, _t(OLD), adv, MASK, rollout_logprobs=_t(ROLL), tis_cap=2.0, tis_low=0.5,
+                          tis_mode="mask")
+    w = [1.0, 0.0, 0.0, 1.5]
+    assert out.token_loss[0, :4].tolist() == pytest.approx([-x for x in w])
+    assert out.loss.item() == pytest.approx(-sum(w) / 4)  # masked tokens stay in the denominator
+    assert out.tis_masked_fraction.item() == pytest.approx(2 / 4)
+    assert out.tis_weight_mean.item() == pytest.approx(sum(w) / 4)
+    out.loss.backward()
+    assert lp.grad[0].tolist() == pytest.approx([-x / 4 for x in w] + [0.0])
+
+
+def test_truncate_mode_masks_nothing_and_matches_the_old_default():
+    out = ppo_policy_loss(_t(OLD), _t(OLD), _t([[1.0] * 4 + [G]]), MASK, rollout_logprobs=_t(ROLL), tis_cap=2.0)
+    assert out.tis_masked_fraction.item() == 0.0
+    assert out.loss.item() == pytest.approx(-(1.0 + 2.0 + 0.25 + 1.5) / 4)
+
+
+def test_validation():
+    with pytest.raises(ValueError, match="unknown TIS mode 'drop'"):
+        rollout_importance_weights(_t(OLD), _t(ROLL), MASK, cap=2.0, mode="drop")
+    with pytest.raises(ValueError, match="tis_low must satisfy"):
+        rollout_importance_weights(_t(OLD), _t(ROLL), MASK, cap=2.0, low=2.0)
+    with pytest.raises(ValueError, match="tis_cap must be > 0"):
+        rollout_importance_weights(_t(OLD), _t(ROLL), MASK, cap=0.0)
