@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from alignflow.config import EngineConfig
+from alignflow.config.base import LoraConfig
 
 
 def rows(batch: dict[str, Any]) -> int:
@@ -61,6 +62,7 @@ class EngineSpec:
     torch_threads: int = 2
     num_cpus_per_worker: float = 1.0
     num_gpus_per_worker: float = 0.0
+    lora: LoraConfig | None = None  # LoRA adapters on a frozen base (engines/lora.py); None: full fine-tuning
 
     @classmethod
     def from_config(cls, cfg: EngineConfig, *, model_path: str, kind: str, total_steps: int, global_batch: int,
@@ -74,7 +76,7 @@ class EngineSpec:
             micro_batch_tokens=cfg.micro_batch_tokens,
             gradient_checkpointing=cfg.gradient_checkpointing, offload=cfg.offload,
             torch_threads=torch_threads, num_cpus_per_worker=cfg.placement.num_cpus,
-            num_gpus_per_worker=cfg.placement.num_gpus,
+            num_gpus_per_worker=cfg.placement.num_gpus, lora=cfg.lora,
         )
 
     def ds_config(self, world_size: int) -> dict[str, Any]:

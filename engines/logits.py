@@ -45,10 +45,18 @@ def _accepts_logits_to_keep(cls: type) -> bool:
     return "logits_to_keep" in inspect.signature(cls.forward).parameters
 
 
+def keep_last_logits(model) -> dict[str, int]:
+    """`logits_to_keep=1` where the HF model under the engine (and under a peft wrapper, which passes
+    it on) accepts it; otherwise nothing."""
+    module = unwrap(model)
+    base = module.get_base_model() if hasattr(module, "get_base_model") else module
+    return {"logits_to_keep": 1} if _accepts_logits_to_keep(type(base)) else {}
+
+
 def final_hidden(model, batch: dict[str, Tensor]) -> Tensor:
     """The last layer's (normed) hidden state at every position: (B, L, H). The output layer runs on
     the last position only where the model supports it (otherwise on all, and is discarded)."""
-    keep = {"logits_to_keep": 1} if _accepts_logits_to_keep(type(unwrap(model))) else {}
+    keep = keep_last_logits(model)
     out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_hidden_states=True,
                 **keep)
     return out.hidden_states[-1]

@@ -160,6 +160,23 @@ def load_policy(path: str | Path, dtype: str = "float32", attn: str = "sdpa") ->
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype], attn_implementation=_attention(attn))
 
 
+def load_trainable(spec, pad_token_id: int | None) -> torch.nn.Module:
+    """The model a training engine wraps (`spec`: engines/engine_spec.EngineSpec): the policy or the
+    scalar model, gradient checkpointing when asked, and LoRA adapters over it when `spec.lora`."""
+    if spec.kind == "causal":
+        model = load_policy(spec.model_path, spec.dtype, spec.attn_implementation)
+    else:
+        model = load_scalar_model(spec.model_path, spec.dtype, pad_token_id, spec.attn_implementation)
+    if spec.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    if spec.lora is not None:
+        from engines import lora
+
+        model = lora.apply(model, spec.lora, spec.kind)
+    return model
+
+
 def weight_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
     """The tensors a weight update carries, by name: the model's state dict less the aliases of tied
     weights (an output layer tied to the input embedding travels once, under the embedding's name,

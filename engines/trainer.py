@@ -10,8 +10,9 @@ The objective is injected: `train_step(shards, objective)` calls
 micro-batch, gradients accumulated. The engine does not know which
 algorithm it serves. Each rank's device follows engines/devices.py.
 
-Resume state (`save_state` / `load_state`) is the model in HF format plus, per
-rank, optimizer and RNG state as safetensors + JSON (engines/state.py); no pickles.
+Resume state (`save_state` / `load_state`) is the model in HF format (with LoRA:
+the adapter only, engines/lora.py) plus, per rank, optimizer and RNG state as
+safetensors + JSON (engines/state.py); no pickles.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import ray
 import torch
 
 from alignflow.net import free_port
-from engines import models
+from engines import lora, models
 from engines.batches import in_micro_batches, micro_batches
 from engines.devices import (actor_device, announce_cpu_accelerator, local_rank, placement_group_id, quiet_stdout,
                              to_cpu, to_device)
@@ -64,20 +65,17 @@ class TrainWorker:
         self._seed(spec.seed)
         self.spec = spec
         self.tokenizer = models.load_tokenizer(spec.model_path)
-        if spec.kind == "causal":
-            model = models.load_policy(spec.model_path, spec.dtype, spec.attn_implementation)
-        else:
-            model = models.load_scalar_model(spec.model_path, spec.dtype, self.tokenizer.pad_token_id,
-                                             spec.attn_implementation)
-        if spec.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            model.config.use_cache = False
-        optimizer = torch.optim.AdamW(model.parameters(), lr=spec.learning_rate, weight_decay=spec.weight_decay)
+        model = models.load_trainable(spec, self.tokenizer.pad_token_id)
+        self.param_metrics = lora.param_metrics(model)  # with LoRA: the optimizer sees the adapters only
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=spec.learning_rate,
+                                      weight_decay=spec.weight_decay)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(spec.warmup_steps, spec.total_steps))
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=spec.ds_config(self.world_size)
         )
+        lora.pin_frozen_output_layer(self.engine.module, spec.zero_stage)
         self.step = 0
+        return self.param_metrics
 
     def device_report(self) -> dict[str, Any]:
         """Where this rank's model lives (tests assert it): device, parameter devices and dtypes."""
@@ -115,7 +113,7 @@ class TrainWorker:
             local_norm = torch.stack(grads).norm().item() if grads else 0.0
         self.engine.step()
         self.step += 1
-        metrics = sums
+        metrics = {**sums, **self.param_metrics}
         metrics["lr"] = self.scheduler.get_last_lr()[0]
         grad_norm = self.engine.get_global_grad_norm()
         if grad_norm is None:
@@ -125,13 +123,15 @@ class TrainWorker:
         return metrics
 
     @torch.no_grad()
-    def evaluate(self, batch: dict[str, Any], fn: Callable) -> torch.Tensor:
+    def evaluate(self, batch: dict[str, Any], fn: Callable, without_adapters: bool = False) -> torch.Tensor:
         """`fn(model, batch)` without gradients (logprobs, values: a tensor with a row per batch row),
-        in micro-batches (`micro_batch_size` rows, `micro_batch_tokens` tokens), returned on the CPU."""
+        in micro-batches (`micro_batch_size` rows, `micro_batch_tokens` tokens), returned on the CPU.
+        `without_adapters`: the LoRA base model computes it (the frozen reference of this policy)."""
         self.engine.eval()
-        return to_cpu(in_micro_batches(batch, self.spec.micro_batch_size,
-                                       lambda b: fn(self.engine, to_device(b, self.device)),
-                                       tokens=self.spec.micro_batch_tokens))
+        with lora.adapters_disabled(self.engine.module, without_adapters):
+            return to_cpu(in_micro_batches(batch, self.spec.micro_batch_size,
+                                           lambda b: fn(self.engine, to_device(b, self.device)),
+                                           tokens=self.spec.micro_batch_tokens))
 
     def offload_states(self) -> None:
         """Optimizer state to CPU memory while colocated rollout engines generate (GPU only; under
@@ -146,21 +146,17 @@ class TrainWorker:
             self._offloaded = False
 
     def _full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full weights on every rank (gathered under ZeRO-3)."""
-        import deepspeed
-
-        module = self.engine.module
-        params = list(module.parameters())
-        with deepspeed.zero.GatheredParameters(params, enabled=self.spec.zero_stage == 3):
-            return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+        """Full weights under HF names on every rank (gathered under ZeRO-3; LoRA: merged)."""
+        return lora.full_state_dict(self.engine.module, self.spec.zero_stage)
 
     def save_hf(self, directory: str) -> None:
-        """Rank 0 writes an HF directory (safetensors + tokenizer); all ranks gather."""
+        """Rank 0 writes an HF directory (safetensors + tokenizer; LoRA: merged weights, and the adapter
+        in `adapter/`); all ranks gather."""
         state = self._full_state_dict()
         if self.rank == 0:
-            module = self.engine.module
-            module.save_pretrained(directory, state_dict=state, safe_serialization=True)
+            lora.hf_model(self.engine.module).save_pretrained(directory, state_dict=state, safe_serialization=True)
             self.tokenizer.save_pretrained(directory)
+        lora.save_adapter(self.engine.module, self.spec.zero_stage, directory, write=self.rank == 0)
 
     def weights_bytes(self) -> bytes | None:
         """Full weights as safetensors bytes (for pushing into a rollout engine),
@@ -175,13 +171,16 @@ class TrainWorker:
         state = self._full_state_dict()
         if self.rank != 0:
             return None
-        names = models.weight_shapes(self.engine.module)
+        names = lora.weight_names(self.engine.module)
         return save({k: v for k, v in state.items() if k in names})
 
     def save_state(self, directory: str, extra: dict[str, Any]) -> None:
-        """Model (rank 0, HF) + this rank's optimizer/scheduler/RNG state."""
+        """Model (rank 0, HF; LoRA: the adapter alone) + this rank's optimizer/scheduler/RNG state."""
         Path(directory).mkdir(parents=True, exist_ok=True)
-        self.save_hf(directory)
+        if self.spec.lora is None:
+            self.save_hf(directory)
+        else:  # the frozen base is the spec's model
+            lora.save_adapter(self.engine.module, self.spec.zero_stage, directory, write=self.rank == 0)
         optimizer = self.engine.optimizer.state_dict()
         if self.spec.zero_stage > 0:
             # ZeRO keeps its LossScaler object in the state: store its scale, a number.
@@ -201,10 +200,10 @@ class TrainWorker:
         )
 
     def load_state(self, directory: str) -> dict[str, Any]:
-        from safetensors.torch import load_file
-
-        weights = load_file(str(Path(directory) / "model.safetensors"))
-        self._load_weights(weights)
+        if self.spec.lora is None:
+            self._load_weights(directory)
+        else:
+            lora.load_adapter(self.engine.module, self.spec.zero_stage, directory)
         st = load_state(directory, f"trainer-rank{self.rank}")
         if self.spec.zero_stage == 0:
             self.engine.optimizer.load_state_dict(st["optimizer"])
@@ -224,9 +223,11 @@ class TrainWorker:
         random.setstate((state[0], tuple(st["python_rng"]), state[2]))
         return st["extra"]
 
-    def _load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+    def _load_weights(self, directory: str) -> None:
         import deepspeed
+        from safetensors.torch import load_file
 
+        weights = load_file(str(Path(directory) / "model.safetensors"))
         module = self.engine.module
         params = list(module.parameters())
         with deepspeed.zero.GatheredParameters(params, modifier_rank=0, enabled=self.spec.zero_stage == 3):
@@ -251,7 +252,8 @@ class TrainerGroup:
                         for rank in range(num_workers)]
         try:
             master = ray.get(self.workers[0].address.remote())
-            ray.get([w.setup.remote(spec, master) for w in self.workers])
+            # With LoRA: the trainable share of the parameters (lora/trainable_fraction); {} without.
+            self.param_metrics = ray.get([w.setup.remote(spec, master) for w in self.workers])[0]
         except BaseException:
             self.shutdown()  # the calling worker process lives on; so would the actors
             raise
@@ -267,12 +269,10 @@ class TrainerGroup:
                            for w, s in zip(self.workers, shards)])
         return {k: sum(r[k] for r in results) / len(results) for k in results[0]}
 
-    def evaluate(self, batch: dict[str, Any], fn: Callable) -> Any:
-        return ray.get(self.workers[0].evaluate.remote(batch, fn)) if self.world_size == 1 else self._evaluate_all(batch, fn)
-
-    def _evaluate_all(self, batch: dict[str, Any], fn: Callable) -> Any:
-        # Under ZeRO-3 every rank must take part in each forward.
-        return ray.get([w.evaluate.remote(batch, fn) for w in self.workers])[0]
+    def evaluate(self, batch: dict[str, Any], fn: Callable, without_adapters: bool = False) -> Any:
+        """`fn(model, batch)`, rank 0's result (every rank runs it: ZeRO-3 needs all in each forward);
+        `without_adapters`: on the LoRA base model, the frozen reference (TrainWorker.evaluate)."""
+        return ray.get([w.evaluate.remote(batch, fn, without_adapters) for w in self.workers])[0]
 
     def save_hf(self, directory: str) -> None:
         ray.get([w.save_hf.remote(directory) for w in self.workers])

@@ -20,6 +20,33 @@ class Placement(Section):
     num_gpus: float = Field(0.0, ge=0)
 
 
+class LoraConfig(Section):
+    """LoRA adapters (peft) on a frozen base: only the adapters (and a scalar model's score head) train.
+
+    The saved HF checkpoint and rollout weight updates carry the merged weights W + (alpha/rank)·B·A;
+    the adapter itself is saved beside them (`adapter/`). Resume state holds only the adapter and
+    its optimizer state."""
+
+    rank: int = Field(8, ge=1, description="r: the inner dimension of each adapter (B: out x r, A: r x in)")
+    alpha: float = Field(16.0, gt=0, description="scale numerator: the update is (alpha / rank) · B·A")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter's input while training")
+    target_modules: tuple[str, ...] | Literal["all-linear"] = Field(
+        "all-linear", description="module names to adapt, matched as the last part(s) of a module's name "
+        "(q_proj matches model.layers.0.self_attn.q_proj); every name must match a linear layer of the model. "
+        "all-linear: every linear layer except the output layer and the score head")
+
+    @model_validator(mode="after")
+    def _targets(self) -> LoraConfig:
+        if isinstance(self.target_modules, tuple):
+            if not self.target_modules:
+                raise ValueError("lora.target_modules is empty: name modules (e.g. [q_proj, v_proj]) or all-linear")
+            if any(not t.strip() or t.startswith(".") or t.endswith(".") for t in self.target_modules):
+                raise ValueError(f"lora.target_modules: {list(self.target_modules)} has an empty or dotted-edge name")
+            if len(set(self.target_modules)) != len(self.target_modules):
+                raise ValueError(f"lora.target_modules: {list(self.target_modules)} names a module twice")
+        return self
+
+
 class EngineConfig(Section):
     """A DeepSpeed training engine: optimizer, ZeRO, workers and their placement.
 
@@ -43,6 +70,8 @@ class EngineConfig(Section):
     offload: Literal["none", "optimizer", "optimizer_and_params"] = Field(
         "none", description="DeepSpeed ZeRO offload to CPU memory: optimizer state (zero_stage >= 1), "
         "and parameters too (zero_stage 3)")
+    lora: LoraConfig | None = Field(
+        None, description="LoRA adapters instead of full fine-tuning (peft); None: every weight trains")
 
     @model_validator(mode="after")
     def _offload_needs_zero(self) -> EngineConfig:
@@ -62,6 +91,11 @@ class TrainConfig(EngineConfig):
     max_steps: int | None = Field(None, ge=1, description="caps epochs when set")
     checkpoint_every: int = Field(50, ge=1, description="mid-stage checkpoint period (steps)")
     log_every: int = Field(10, ge=1)
+    packing: bool = Field(
+        False, description="pack each micro-batch's samples into shared rows (per-sample positions; attention "
+        "never crosses samples: a block mask on sdpa/eager, varlen flash attention on flash_attention_2)")
+    packing_max_tokens: int | None = Field(
+        None, ge=1, description="tokens per packed row; None: the batch's padded width (every sample fits)")
 
 
 class VLLMConfig(Section):

@@ -1,0 +1,121 @@
+"""Objectives over packed rows (engines/packing.py), equal to their unpacked counterparts.
+
+Two layers:
+
+  - on a packed batch (`pack_rows` / `pack_batch` output) with `n` samples: the response-token
+    log-probabilities, the SFT loss, per-sample sequence log-probabilities (DPO, KTO) and per-sample
+    last-token scores of a scalar-head model (reward model);
+  - drop-ins taking the ordinary right-padded batch, packed on the fly within it, so shards,
+    micro-batches, pair halves [chosen..., rejected...] and per-row side tensors (ref_logps) are
+    untouched: `packed_causal_lm_objective` = objectives.causal_lm_objective,
+    `packed_sequence_logps` = preference.sequence_logps, `packed_scalar_scores` =
+    objectives.scalar_scores, `packed_pairwise_objective` = objectives.pairwise_objective.
+
+A target token is predicted only from inside its own sample: positions where a sample starts
+(position_ids 0) are never targets, as column 0 of a right-padded row never is.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from algos.preference import pairwise_reward_loss
+from algos.sequence import sft_loss
+from engines.logits import keep_last_logits, logprobs_from_hidden, unwrap
+from engines.packing import model_inputs, pack_batch
+
+
+def packed_hidden(model, packed: dict[str, Tensor]) -> Tensor:
+    """The last layer's (normed) hidden states of a packed batch: (P, W, H). The causal LM's output
+    layer runs on one position only where the model supports it."""
+    keep = keep_last_logits(model)
+    out = model(**model_inputs(model, packed), output_hidden_states=True, **keep)
+    return out.hidden_states[-1]
+
+
+def packed_token_logprobs(model, packed: dict[str, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    """log π(token | earlier tokens of its sample) at every loss_mask token that is not a sample's
+    first: (K,) float32; the sample each belongs to and its position there: (K,) long each (so
+    `engines.logits.scatter(logprobs, sample, position - 1, (B, L - 1))` is the unpacked layout)."""
+    wanted = (packed["loss_mask"][:, 1:] > 0) & (packed["position_ids"][:, 1:] > 0)
+    rows, cols = wanted.nonzero(as_tuple=True)
+    hidden = packed_hidden(model, packed)[rows, cols]
+    module = unwrap(model)
+    logprobs, _ = logprobs_from_hidden(module.get_output_embeddings(), hidden, packed["input_ids"][rows, cols + 1],
+                                       module.config.vocab_size)
+    return logprobs, packed["sample_index"][rows, cols + 1], packed["position_ids"][rows, cols + 1]
+
+
+def packed_sft_loss(model, packed: dict[str, Tensor]) -> tuple[Tensor, int]:
+    """SFT's NLL over a packed batch, the token mean of algos.sequence.sft_loss (Σ −log p / number of
+    response tokens); and that number."""
+    logprobs, _, _ = packed_token_logprobs(model, packed)
+    return sft_loss(logprobs.unsqueeze(0), torch.ones_like(logprobs).unsqueeze(0)), int(logprobs.numel())
+
+
+def packed_sample_logps(model, packed: dict[str, Tensor], n: int) -> Tensor:
+    """Σ of each sample's response-token log-probabilities: (n,) float32, in source-row order."""
+    logprobs, sample, _ = packed_token_logprobs(model, packed)
+    return logprobs.new_zeros(n).index_add(0, sample, logprobs)
+
+
+def last_token_positions(packed: dict[str, Tensor], n: int, pad_id: int | None) -> Tensor:
+    """Flat (P * W) index of each sample's scored token: (n,) long. As transformers'
+    …ForSequenceClassification pools: the sample's last token that is not `pad_id` (its first when
+    all are; its last when `pad_id` is None)."""
+    sample = packed["sample_index"].reshape(-1)
+    flat = torch.arange(sample.numel(), device=sample.device)
+    real = sample >= 0
+    idx, pos = sample[real], flat[real]
+    first = torch.full((n,), sample.numel(), device=sample.device).scatter_reduce(0, idx, pos, "amin")
+    scored = real if pad_id is None else real & (packed["input_ids"].reshape(-1) != pad_id)
+    last = torch.full((n,), -1, device=sample.device).scatter_reduce(0, sample[scored], flat[scored], "amax")
+    return torch.where(last >= 0, last, first)
+
+
+def packed_last_token_scores(model, packed: dict[str, Tensor], n: int) -> Tensor:
+    """A scalar-head model's score of each sample at its last token: (n,) float32, source-row order.
+    The head runs on the n scored hidden states only."""
+    module = unwrap(model)
+    hidden = packed_hidden(model, packed)
+    at = last_token_positions(packed, n, module.config.pad_token_id)
+    return module.score(hidden.reshape(-1, hidden.shape[-1])[at]).squeeze(-1).float()
+
+
+# ---- drop-ins on right-padded batches -------------------------------------------------------
+
+
+def _pack(model, batch: dict[str, Tensor], max_tokens: int | None) -> dict[str, Tensor]:
+    pad = unwrap(model).config.pad_token_id
+    return pack_batch(batch, max_tokens, pad_id=0 if pad is None else pad)
+
+
+def packed_causal_lm_objective(model, batch: dict[str, Tensor], *, max_tokens: int | None = None,
+                               ) -> tuple[Tensor, dict[str, float]]:
+    """objectives.causal_lm_objective over the batch packed into rows of at most `max_tokens`
+    (None: the batch's padded width): the same loss and metrics."""
+    packed = _pack(model, batch, max_tokens)
+    loss, tokens = packed_sft_loss(model, packed)
+    return loss, {"loss": loss.item(), "response_tokens": float(tokens)}
+
+
+def packed_sequence_logps(model, batch: dict[str, Tensor], *, max_tokens: int | None = None) -> Tensor:
+    """engines.preference.sequence_logps (Σ_t loss_mask_t · log π(token_t | tokens_<t)) packed: (B,)."""
+    return packed_sample_logps(model, _pack(model, batch, max_tokens), batch["input_ids"].shape[0])
+
+
+def packed_scalar_scores(model, batch: dict[str, Tensor], *, max_tokens: int | None = None) -> Tensor:
+    """objectives.scalar_scores packed: (B,) float32."""
+    return packed_last_token_scores(model, _pack(model, batch, max_tokens), batch["input_ids"].shape[0])
+
+
+def packed_pairwise_objective(model, batch: dict[str, Tensor], margin: float = 0.0, *,
+                              max_tokens: int | None = None) -> tuple[Tensor, dict[str, float]]:
+    """objectives.pairwise_objective (Bradley-Terry on [chosen..., rejected...]) with packed scores."""
+    scores = packed_scalar_scores(model, batch, max_tokens=max_tokens)
+    n = scores.shape[0] // 2
+    margins = torch.full((n,), margin, device=scores.device) if margin else None
+    out = pairwise_reward_loss(scores[:n], scores[n:], margin=margins)
+    return out.loss, {"loss": out.loss.item(), "accuracy": float(out.accuracy),
+                      "reward_margin": float(out.reward_margin)}

@@ -1,0 +1,196 @@
+"""Sequence packing: the layout by hand, the attention mask, and packed objectives equal to unpacked ones."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from alignflow.errors import DataError
+from engines.batches import pad_right, right_padded
+from engines.packing import block_causal_mask, model_inputs, pack_batch, pack_rows
+
+# Four samples of 3, 5, 2, 4 tokens; token j of sample i is 10 * (i + 1) + j.
+LENGTHS = [3, 5, 2, 4]
+SEQS = [[10 * (i + 1) + j for j in range(n)] for i, n in enumerate(LENGTHS)]
+
+
+def _rows(seqs, prompt_lens, pad_id=0):
+    masks = [[0] * p + [1] * (len(s) - p) for s, p in zip(seqs, prompt_lens)]
+    return {**right_padded(seqs, pad_id), "loss_mask": pad_right(masks, 0)}
+
+
+def test_pack_layout_by_hand():
+    # First-fit-decreasing into rows of 6: 5 (sample 1) opens row 0; 4 (sample 3) opens row 1;
+    # 3 (sample 0) fits neither (room 1, 2): row 2; 2 (sample 2) fits row 1 (room 2).
+    packed, stats = pack_rows(_rows(SEQS, [1, 2, 1, 3]), 6, pad_id=0)
+    assert packed["input_ids"].tolist() == [[20, 21, 22, 23, 24, 0], [40, 41, 42, 43, 30, 31], [10, 11, 12, 0, 0, 0]]
+    assert packed["position_ids"].tolist() == [[0, 1, 2, 3, 4, 0], [0, 1, 2, 3, 0, 1], [0, 1, 2, 0, 1, 2]]
+    assert packed["sample_index"].tolist() == [[1, 1, 1, 1, 1, -1], [3, 3, 3, 3, 2, 2], [0, 0, 0, -1, -1, -1]]
+    assert packed["loss_mask"].tolist() == [[0, 0, 1, 1, 1, 0], [0, 0, 0, 1, 0, 1], [0, 1, 1, 0, 0, 0]]
+    assert (stats.samples, stats.rows, stats.width, stats.tokens) == (4, 3, 6, 14)
+    assert stats.fill == pytest.approx(14 / 18)
+    # every token kept, each sample whole and in order, in exactly one row
+    for i, seq in enumerate(SEQS):
+        rows, cols = (packed["sample_index"] == i).nonzero(as_tuple=True)
+        assert len(set(rows.tolist())) == 1
+        assert cols.tolist() == list(range(cols[0], cols[0] + len(seq)))
+        assert packed["input_ids"][rows, cols].tolist() == seq
+        assert packed["position_ids"][rows, cols].tolist() == list(range(len(seq)))
+
+
+def test_a_row_longer_than_max_tokens_is_an_error_naming_it():
+    with pytest.raises(DataError, match="row 1 has 5 tokens, more than max_tokens=4"):
+        pack_rows(_rows(SEQS, [1, 1, 1, 1]), 4)
+
+
+def test_rows_must_be_right_padded():
+    rows = _rows(SEQS, [1, 1, 1, 1])
+    rows["attention_mask"][2] = torch.tensor([0, 1, 1, 0, 0])
+    with pytest.raises(DataError, match=r"rows \[2\] are not right-padded"):
+        pack_rows(rows, 8)
+
+
+def test_block_causal_mask_by_hand():
+    sample = torch.tensor([[3, 3, 3, 2, 2, -1]])
+    mask = block_causal_mask(sample)
+    expected = [[k <= q and sample[0, k] == sample[0, q] for k in range(6)] for q in range(6)]
+    assert mask.shape == (1, 1, 6, 6) and mask.dtype == torch.bool
+    assert mask[0, 0].tolist() == expected
+    additive = block_causal_mask(sample, torch.float32)[0, 0]
+    assert (additive == 0).tolist() == expected
+    assert additive[3, 0].item() == torch.finfo(torch.float32).min
+
+
+def test_flash_attention_gets_varlen_segments_and_no_mask():
+    packed, _ = pack_rows(_rows(SEQS, [1, 1, 1, 1]), 6)
+    model = SimpleNamespace(config=SimpleNamespace(_attn_implementation="flash_attention_2"))
+    inputs = model_inputs(model, packed)
+    assert "attention_mask" not in inputs
+    # segments of the flattened 3 x 6 tokens: 5 | pad 1 | 4 | 2 | 3 | pad 3
+    assert inputs["cu_seq_lens_q"].tolist() == [0, 5, 6, 10, 12, 15, 18]
+    assert inputs["cu_seq_lens_q"].dtype == torch.int32
+    assert inputs["max_length_q"] == inputs["max_length_k"] == 5
+    assert torch.equal(inputs["position_ids"], packed["position_ids"])
+    sdpa = model_inputs(SimpleNamespace(config=SimpleNamespace(_attn_implementation="sdpa")), packed)
+    assert sdpa["attention_mask"].shape == (3, 1, 6, 6) and "cu_seq_lens_q" not in sdpa
+
+
+# ---- a tiny model ------------------------------------------------------------------------
+
+
+def _batch(tokenizer, n: int = 7, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Samples of 6..40 tokens (prompts of 2..5), no special token inside."""
+    gen = torch.Generator().manual_seed(seed)
+    first, vocab = len(tokenizer.all_special_ids) + 8, len(tokenizer)
+    seqs, prompts = [], []
+    for _ in range(n):
+        length = int(torch.randint(6, 41, (1,), generator=gen))
+        seqs.append(torch.randint(first, vocab, (length,), generator=gen).tolist())
+        prompts.append(int(torch.randint(2, 6, (1,), generator=gen)))
+    return _rows(seqs, prompts, tokenizer.pad_token_id)
+
+
+@pytest.fixture(scope="module", params=["sdpa", "eager"])
+def policy(request, tiny_model):
+    from engines.models import load_policy
+
+    return load_policy(tiny_model, attn=request.param)
+
+
+@pytest.fixture(scope="module")
+def reward_model(tiny_model, tokenizer):
+    from engines.models import load_scalar_model
+
+    model = load_scalar_model(tiny_model, pad_token_id=tokenizer.pad_token_id)
+    with torch.no_grad():  # the fresh head is zero: give it weights, so the scores differ
+        model.score.weight.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(1))
+    return model
+
+
+@pytest.mark.parametrize("wider", [1, 3])
+def test_packed_sft_loss_and_gradients_equal_unpacked(policy, tokenizer, wider):
+    from engines.objectives import causal_lm_objective
+    from engines.packed_objectives import packed_causal_lm_objective
+
+    batch = _batch(tokenizer)
+    width = batch["input_ids"].shape[1]
+    packed = pack_batch(batch, width * wider)
+    assert packed["input_ids"].shape[0] < batch["input_ids"].shape[0]  # several samples per row
+
+    grads = []
+    for objective in (causal_lm_objective, lambda m, b: packed_causal_lm_objective(m, b, max_tokens=width * wider)):
+        policy.zero_grad()
+        loss, metrics = objective(policy, batch)
+        loss.backward()
+        grads.append({k: p.grad.clone() for k, p in policy.named_parameters() if p.grad is not None})
+        grads[-1]["_loss"], grads[-1]["_tokens"] = loss.detach(), metrics["response_tokens"]
+    plain, packed_grads = grads
+    expected_tokens = float(batch["loss_mask"][:, 1:].sum())
+    assert plain["_tokens"] == packed_grads["_tokens"] == expected_tokens
+    assert abs(plain["_loss"].item() - packed_grads["_loss"].item()) < 1e-5
+    assert plain.keys() == packed_grads.keys()
+    for k in plain:
+        torch.testing.assert_close(packed_grads[k], plain[k], rtol=1e-4, atol=1e-6, msg=k)
+
+
+def test_packed_token_and_sequence_logps_equal_unpacked(policy, tokenizer):
+    from engines.logits import masked_next_token_logprobs, scatter
+    from engines.packed_objectives import packed_sequence_logps, packed_token_logprobs
+
+    batch = _batch(tokenizer, n=8, seed=2)
+    width = batch["input_ids"].shape[1]
+    with torch.no_grad():
+        per_token = masked_next_token_logprobs(policy, batch, batch["loss_mask"])
+        expected = (per_token.double() * batch["loss_mask"][:, 1:]).sum(1)
+        logprobs, sample, position = packed_token_logprobs(policy, pack_batch(batch, 2 * width))
+        got = packed_sequence_logps(policy, batch, max_tokens=2 * width)
+    # token by token, placed back in the unpacked (B, L - 1) layout
+    assert logprobs.numel() == int(batch["loss_mask"][:, 1:].sum())
+    unpacked = scatter(logprobs, sample, position - 1, tuple(per_token.shape))
+    assert (unpacked - per_token).abs().max().item() < 1e-5
+    # sums of ~35 float32 terms of ~-5: one float32 ulp at |200| is 1.5e-5, so relative
+    assert got.shape == (8,)
+    assert ((got.double() - expected).abs() / expected.abs()).max().item() < 1e-6
+    assert expected.std() > 1.0  # the samples differ: a permuted result would not pass
+
+
+def test_packed_reward_scores_equal_unpacked(reward_model, tokenizer):
+    from engines.objectives import pairwise_objective, scalar_scores
+    from engines.packed_objectives import packed_pairwise_objective, packed_scalar_scores
+
+    batch = _batch(tokenizer, n=8, seed=3)
+    batch.pop("loss_mask")  # as pair_tensors makes them
+    with torch.no_grad():
+        expected = scalar_scores(reward_model, batch)
+        got = packed_scalar_scores(reward_model, batch, max_tokens=2 * batch["input_ids"].shape[1])
+        loss, metrics = pairwise_objective(reward_model, batch, margin=0.5)
+        packed_loss, packed_metrics = packed_pairwise_objective(reward_model, batch, 0.5)
+    assert (got - expected).abs().max().item() < 1e-5
+    assert expected.std() > 0.1
+    assert abs(loss.item() - packed_loss.item()) < 1e-5
+    assert packed_metrics["accuracy"] == metrics["accuracy"]
+
+
+def test_the_mask_blocks_attention_across_samples(policy, tokenizer):
+    from engines.packed_objectives import packed_hidden
+
+    batch = _batch(tokenizer, n=6, seed=4)
+    packed = pack_batch(batch, 2 * batch["input_ids"].shape[1])
+    rows = packed["sample_index"].tolist()
+    row = next(r for r, samples in enumerate(rows) if len(set(samples) - {-1}) > 1)  # a row of several samples
+    sample = packed["sample_index"][row]
+    a = sample[0].item()
+    others = (sample != a) & (sample >= 0)
+    changed = {k: v.clone() for k, v in packed.items()}
+    changed["input_ids"][row, sample == a] = torch.flip(packed["input_ids"][row, sample == a], [0])
+    with torch.no_grad():
+        before, after = packed_hidden(policy, packed)[row], packed_hidden(policy, changed)[row]
+        # control: the same rows under a plain causal mask do mix the samples
+        plain = {k: v for k, v in model_inputs(policy, packed).items() if k != "attention_mask"}
+        mixed = [policy(**{**plain, "input_ids": p["input_ids"]}, attention_mask=torch.ones_like(p["input_ids"]),
+                        output_hidden_states=True).hidden_states[-1][row] for p in (packed, changed)]
+    assert (after[sample == a] - before[sample == a]).abs().max() > 1e-3
+    assert (after[others] - before[others]).abs().max() < 1e-6
+    assert (mixed[1][others] - mixed[0][others]).abs().max() > 1e-3
