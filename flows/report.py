@@ -11,9 +11,17 @@ from alignflow.interrupts import end_status
 from alignflow.records import StageResult
 from flows.curves import publish_curves
 from tasks.context import RunContext
+from tasks.eval_metrics import (MAJORITY_ACCURACY, PASS_AT_PREFIX, RM_ACCURACY_PREFIX, RM_COUNT_PREFIX, pass_at_key,
+                                pass_at_ks)
 from tasks.plan import Plan
 
 POLICY_METRICS = ("eval/accuracy", "eval/reward", "eval/kl_to_reference", "eval/response_length")
+MAX_PASS_AT_COLUMNS = 4  # more k than this: the table shows pass@1 and pass@n (MLflow has every k)
+
+
+def compared(key: str) -> bool:
+    """A policy metric of the comparison (table and parent run)."""
+    return key in POLICY_METRICS or key.startswith(PASS_AT_PREFIX) or key == MAJORITY_ACCURACY
 
 
 class PipelineReport(BaseModel):
@@ -29,20 +37,44 @@ class PipelineReport(BaseModel):
     kl_budgets: dict[str, float] = {}
     curves_uri: str | None = None  # the learning-curve PNGs under the storage root (flows/curves.py)
 
+    def columns(self) -> list[tuple[str, str]]:
+        """(metric, header) of the table: POLICY_METRICS, then pass@k (every k up to
+        MAX_PASS_AT_COLUMNS, else pass@1 and pass@n) and majority-vote accuracy where measured."""
+        ks = sorted({k for m in self.policies.values() for k in pass_at_ks(m)})
+        ks = ks if len(ks) <= MAX_PASS_AT_COLUMNS else [ks[0], ks[-1]]
+        measured = any(MAJORITY_ACCURACY in m for m in self.policies.values())
+        majority = [(MAJORITY_ACCURACY, "majority")] if measured else []
+        return [(m, m.removeprefix("eval/")) for m in POLICY_METRICS] + [(pass_at_key(k), f"pass@{k}") for k in ks] \
+            + majority
+
     def table(self) -> str:
-        cols = ["policy", *[m.removeprefix("eval/") for m in POLICY_METRICS]]
-        rows = [cols] + [[name, *(f"{round(m[k], 3) + 0.0:.3f}" if k in m else "-" for k in POLICY_METRICS)]
+        keys, headers = zip(*self.columns())
+        cols = ["policy", *headers]
+        rows = [cols] + [[name, *(f"{round(m[k], 3) + 0.0:.3f}" if k in m else "-" for k in keys)]
                          for name, m in self.policies.items()]  # + 0.0: no "-0.000" for a KL of -1e-7
         widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
         if "eval/rm_pairwise_accuracy" in self.reward_model:
             lines.append(f"reward model held-out pairwise accuracy: {self.reward_model['eval/rm_pairwise_accuracy']:.3f}")
+        if bins := self.margin_bins():
+            lines.append("reward model accuracy by |chosen - rejected| score gap: " + "  ".join(bins))
         for name, budget in self.kl_budgets.items():
             kl = self.policies.get(name, {}).get("eval/kl_to_reference", float("nan"))
             verdict = "within" if kl <= budget else "OVER"
             lines.append(f"{name}: KL to reference {kl:.3f} {verdict} budget {budget:g}")
         return "\n".join(lines)
+
+    def margin_bins(self) -> list[str]:
+        """'[lo,hi) accuracy (n=count)' per score-gap bin of the reward model, in edge order."""
+        rm, bins = self.reward_model, []
+        for key in rm:
+            if key.startswith(RM_COUNT_PREFIX):
+                label = key.removeprefix(RM_COUNT_PREFIX)
+                lo, hi = label.split("_")
+                acc = rm.get(RM_ACCURACY_PREFIX + label)
+                bins.append((float(lo), f"[{lo},{hi}) {'-' if acc is None else f'{acc:.3f}'} (n={rm[key]:.0f})"))
+        return [text for _, text in sorted(bins)]
 
 
 def open_run(config: PipelineConfig, plan: Plan, in_flow: bool = True) -> RunContext:
@@ -108,7 +140,7 @@ def close_run(ctx: RunContext, report: PipelineReport | None = None) -> None:
     if report is not None:
         run = tracker.run(ctx.parent_run_id)
         metrics = {f"{name}/{k.removeprefix('eval/')}": v
-                   for name, m in report.policies.items() for k, v in m.items() if k in POLICY_METRICS}
+                   for name, m in report.policies.items() for k, v in m.items() if compared(k)}
         metrics.update({k.removeprefix("eval/"): v for k, v in report.reward_model.items()})
         run.log_metrics(metrics)
         run.log_text(report.table(), "report.txt")

@@ -7,7 +7,9 @@ compares them side by side):
                         pipeline trains a reward model)
   eval/response_length  mean response length in tokens
   eval/kl_to_reference  mean over responses of Σ_t (log π − log π_ref)
-Reward-model metric: eval/rm_pairwise_accuracy on held-out pairs.
+  eval/pass_at_<k>      unbiased pass@k for k = 1..num_samples; eval/majority_accuracy (tasks/eval_metrics.py)
+Reward-model metrics: eval/rm_pairwise_accuracy on held-out pairs, and per score-gap bin of
+`evaluation.rm_margin_bins` eval/rm_accuracy_margin_<lo>_<hi> and eval/rm_count_margin_<lo>_<hi>.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from engines.rollout_actors import start_engines
 from engines.scoring import ScorerActor, start_scorer
 from tasks.context import RunContext, compute_stage
 from tasks.data import load_split, token_limits
+from tasks.eval_metrics import margin_metrics, sample_metrics
 from tasks.plan import PlannedStage
 from tasks.registry import PolicyEvalInputs, PolicyEvalStage, RewardModelEvalInputs, RewardModelEvalStage
 
@@ -103,6 +106,8 @@ def evaluate_policy(stage: PlannedStage, inputs: PolicyEvalInputs, ctx: RunConte
             "eval/response_length": sum(len(r.token_ids) for r in rollouts) / n,
             "eval/kl_to_reference": sum(kls) / n,
             "eval/finished_fraction": sum(r.finished for r in rollouts) / n,
+            **sample_metrics([r.prompt_index for r in rollouts], [r.text for r in rollouts], correct,
+                             num_prompts=len(kept), num_samples=cfg.generation.num_samples),
             **report.as_metrics("eval"),
         }
         run.log_metrics(metrics)
@@ -137,6 +142,7 @@ def evaluate_reward_model(stage: PlannedStage, inputs: RewardModelEvalInputs, ct
         n = len(scores) // 2
         metrics = {"eval/rm_pairwise_accuracy": sum(c > r for c, r in zip(scores[:n], scores[n:])) / n,
                    "eval/rm_margin": sum(c - r for c, r in zip(scores[:n], scores[n:])) / n,
+                   **margin_metrics(scores[:n], scores[n:], cfg.rm_margin_bins),
                    **report.as_metrics("eval_preference")}
         run.log_metrics(metrics)
         (out / "metrics.json").write_text(json.dumps(metrics, indent=1))

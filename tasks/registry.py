@@ -72,6 +72,7 @@ class RewardModelEvalStage(Section):
     io: ModelIO
     scorer_placement: Placement
     micro_batch_size: int | None
+    rm_margin_bins: list[float] = Field(description="evaluation.rm_margin_bins")
 
 
 # ---- what stages receive from upstream ------------------------------------------------
@@ -154,10 +155,10 @@ register_stage(StageKind(
     "rl_round", "rl", RoundStage, RoundInputs, "2", "tasks.rl_round:rl_round",
     "one RL round of any registered algorithm (vLLM rollouts, DeepSpeed updates)"))
 register_stage(StageKind(
-    "evaluate_policy", "evaluation", PolicyEvalStage, PolicyEvalInputs, "2", "tasks.evaluate:evaluate_policy",
+    "evaluate_policy", "evaluation", PolicyEvalStage, PolicyEvalInputs, "3", "tasks.evaluate:evaluate_policy",
     "held-out accuracy, reward, length and KL of one policy"))
 register_stage(StageKind(
-    "evaluate_reward_model", "evaluation", RewardModelEvalStage, RewardModelEvalInputs, "1",
+    "evaluate_reward_model", "evaluation", RewardModelEvalStage, RewardModelEvalInputs, "2",
     "tasks.evaluate:evaluate_reward_model", "held-out pairwise accuracy of the reward model"))
 
 

@@ -10,9 +10,10 @@ rounds at all (it is then a product of the run); otherwise it is skipped.
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from alignflow.config.base import GenerationConfig, Placement, Section, TrainConfig
 from alignflow.config.data import DataConfig
@@ -43,6 +44,18 @@ class EvalConfig(Section):
         "alignflow.data.synthetic:check_answer",
         description="import path of f(response, answer) -> bool",
     )
+    rm_margin_bins: list[float] = Field(
+        default_factory=lambda: [0.0, 0.5, 1.0, 2.0],
+        description="edges of the reward model's |chosen - rejected| score-gap bins, its held-out pairwise accuracy "
+        "reported per bin: [0, 0.5, 1, 2] means [0,0.5), [0.5,1), [1,2), [2,inf); strictly increasing from 0")
+
+    @field_validator("rm_margin_bins")
+    @classmethod
+    def _margin_bins(cls, edges: list[float]) -> list[float]:
+        if not edges or edges[0] != 0.0 or any(b <= a for a, b in zip(edges, edges[1:])) \
+                or not all(math.isfinite(e) for e in edges):
+            raise ValueError(f"must be finite, strictly increasing and start at 0 (every gap in one bin), got {edges}")
+        return edges
 
 
 class StorageConfig(Section):

@@ -164,16 +164,14 @@ def test_a_pipeline_without_training_or_evaluation_draws_the_rounds_only(tmp_pat
     assert draw_curves({}, tmp_path / "none") == []
 
 
-def test_draw_curves_is_quick(tmp_path):
+def test_draw_curves_draws_long_histories(tmp_path):
     long = {"sft": {"train/loss": [(s, 1 / s) for s in range(1, 501)]},
             **{f"round_{r}": {"rl/reward/mean": [(s, s / 200) for s in range(1, 201)],
                               "rl/reward/std": [(s, 0.1) for s in range(1, 201)],
                               "rl/kl": [(s, s / 1000) for s in range(1, 201)]} for r in (1, 2, 3)},
             **{f"eval_{p}": {"eval/accuracy": [(0, 0.5)]} for p in ("base", "sft", "round_1", "round_2", "round_3")}}
-    draw_curves(HISTORIES, tmp_path / "warm")  # matplotlib's import is not the drawing
-    started = time.perf_counter()
-    assert len(draw_curves(long, tmp_path / "long")) == 3
-    assert time.perf_counter() - started < 2.0
+    paths = draw_curves(long, tmp_path / "long")
+    assert len(paths) == 3 and all(p.stat().st_size > 0 for p in paths)
 
 
 # ---- close_run / publish_curves ------------------------------------------------------------

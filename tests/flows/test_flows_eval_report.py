@@ -1,0 +1,80 @@
+"""The comparison table's pass@k, majority-vote and reward-model score-gap columns, and the same
+metrics through a real MLflow SQLite store (stage run and parent run): names MLflow accepts."""
+
+from __future__ import annotations
+
+from alignflow.config.pipeline import InfraConfig, StorageConfig
+from flows.report import PipelineReport, close_run
+from tasks.context import RunContext
+from tasks.eval_metrics import margin_metrics, sample_metrics
+
+EXPERIMENT = "alignflow-test"  # the shared `tracker` fixture's (tests/conftest.py)
+
+
+def _report(policies, reward_model=None, **kw) -> PipelineReport:
+    return PipelineReport(mlflow_run_id="r", mlflow_tracking_uri="sqlite:///x", storage_root="/a", stage_uris={},
+                          stage_states={}, policies=policies, reward_model=reward_model or {}, **kw)
+
+
+def _rows(table: str) -> dict[str, dict[str, str]]:
+    lines = table.splitlines()
+    cols = lines[0].split()
+    return {parts[0]: dict(zip(cols[1:], parts[1:])) for parts in map(str.split, lines[2:]) if len(parts) == len(cols)}
+
+
+def test_table_shows_every_pass_at_k_up_to_four_and_majority():
+    sft = {"eval/accuracy": 0.25, "eval/pass_at_1": 0.25, "eval/pass_at_2": 0.4, "eval/pass_at_3": 0.5,
+           "eval/pass_at_4": 0.625, "eval/majority_accuracy": 0.375}
+    lines = _report({"sft": sft, "base": {"eval/accuracy": 0.0}}).table().splitlines()
+    assert lines[0].split() == ["policy", "accuracy", "reward", "kl_to_reference", "response_length",
+                                "pass@1", "pass@2", "pass@3", "pass@4", "majority"]
+    assert lines[2].split() == ["sft", "0.250", "-", "-", "-", "0.250", "0.400", "0.500", "0.625", "0.375"]
+    assert lines[3].split() == ["base", "0.000", "-", "-", "-", "-", "-", "-", "-", "-"]  # measured before pass@k
+
+
+def test_table_shows_pass_at_1_and_n_beyond_four_samples():
+    m = {"eval/accuracy": 0.5, **{f"eval/pass_at_{k}": k / 10 for k in range(1, 9)}, "eval/majority_accuracy": 0.75}
+    rows = _rows(_report({"round_1": m}).table())
+    assert rows["round_1"] == {"accuracy": "0.500", "reward": "-", "kl_to_reference": "-", "response_length": "-",
+                               "pass@1": "0.100", "pass@8": "0.800", "majority": "0.750"}
+
+
+def test_table_without_pass_at_k_keeps_its_columns():
+    lines = _report({"sft": {"eval/accuracy": 0.25}}).table().splitlines()
+    assert lines[0].split() == ["policy", "accuracy", "reward", "kl_to_reference", "response_length"]
+
+
+def test_table_shows_reward_model_accuracy_per_score_gap_bin():
+    rm = {"eval/rm_pairwise_accuracy": 0.75,
+          **margin_metrics([2.0, 0.1, 0.0, 1.2], [1.0, 0.0, 0.3, 0.0], [0.0, 0.5, 1.0, 2.0])}
+    lines = _report({"sft": {"eval/accuracy": 0.25}}, rm).table().splitlines()
+    assert lines[-2] == "reward model held-out pairwise accuracy: 0.750"
+    assert lines[-1] == ("reward model accuracy by |chosen - rejected| score gap: "
+                         "[0,0.5) 0.500 (n=2)  [0.5,1) - (n=0)  [1,2) 1.000 (n=2)  [2,inf) - (n=0)")
+
+
+def test_the_metrics_reach_mlflow_under_the_stage_and_the_parent_run(tracker, tmp_path):
+    from mlflow import MlflowClient
+
+    policy = {"eval/accuracy": 1 / 3, **sample_metrics([0, 0, 1, 1], ["a", "a", "b", "c"], [True, True, False, True],
+                                                       num_prompts=2, num_samples=2)}
+    rm = margin_metrics([1.0, 3.0], [0.0, 0.5], [0.0, 0.5, 1.0, 2.0])
+    parent = tracker.start_parent("pipeline", {})
+    for stage, metrics in (("eval_sft", policy), ("eval_reward_model", rm)):
+        with tracker.stage_run(parent, stage, {}, tags={"alignflow.key": f"{stage}-{parent}"}) as run:
+            run.log_metrics(metrics)  # as the evaluation stages do: MLflow validates every name
+    infra = InfraConfig(mlflow_tracking_uri=tracker.tracking_uri, mlflow_experiment=EXPERIMENT,
+                        storage=StorageConfig(root=str(tmp_path)))
+    report = PipelineReport(mlflow_run_id=parent, mlflow_tracking_uri=tracker.tracking_uri, storage_root=str(tmp_path),
+                            stage_uris={}, stage_states={}, policies={"sft": policy}, reward_model=rm)
+    close_run(RunContext(infra=infra, parent_run_id=parent), report)
+
+    logged = MlflowClient(tracking_uri=tracker.tracking_uri).get_run(parent).data.metrics
+    # prompt 0: c=2 of 2; prompt 1: c=1 of 2 -> pass@1 = (1 + 1/2)/2 = 0.75, pass@2 = (1 + 1)/2 = 1
+    # majority: prompt 0 "a" right; prompt 1 tie "b" (first) wrong -> 0.5
+    assert {k: v for k, v in logged.items() if k.startswith("sft/")} == {
+        "sft/accuracy": 1 / 3, "sft/pass_at_1": 0.75, "sft/pass_at_2": 1.0, "sft/majority_accuracy": 0.5}
+    # gaps 1.0 (right) in [1,2), 2.5 (right) in [2,inf)
+    assert {k: v for k, v in logged.items() if "margin_" in k} == {
+        "rm_count_margin_0_0.5": 0.0, "rm_count_margin_0.5_1": 0.0, "rm_count_margin_1_2": 1.0,
+        "rm_accuracy_margin_1_2": 1.0, "rm_count_margin_2_inf": 1.0, "rm_accuracy_margin_2_inf": 1.0}
