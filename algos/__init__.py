@@ -60,6 +60,7 @@ from .preference import (
     DPO_LOSS_TYPES,
     KTOLossOutput,
     PreferenceLossOutput,
+    best_worst_pairs,
     dpo_loss,
     kto_loss,
     pairwise_reward_loss,
@@ -69,6 +70,7 @@ from .returns import compute_gae, discounted_returns
 from .rewards import RunningMeanStd, clip_rewards, truncation_penalty
 
 __all__ = [
+    "best_worst_pairs",
     "ADVANTAGE_ESTIMATORS",
     "AdaptiveKLController",
     "AdvantageOutput",

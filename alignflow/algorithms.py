@@ -5,7 +5,8 @@ An RL round reads its algorithm's spec and never branches on the name:
 - `update`: how the policy learns from a step's experience. "policy_gradient"
   (advantages, then clipped-surrogate epochs over minibatches) or
   "best_of_n_sft" (keep the best finished response per prompt, fine-tune on
-  those: rejection sampling).
+  those: rejection sampling), or "online_dpo" (per prompt the best sample
+  against the worst, then DPO steps against the round's reference).
 - `advantage`: an estimator of the `algos` advantage registry; `whiten`
   whitens its output over the batch (PPO's GAE).
 - the models it needs: a critic (values for GAE), the reference policy
@@ -32,7 +33,7 @@ from typing import Literal
 
 from alignflow.errors import ConfigError
 
-Update = Literal["policy_gradient", "best_of_n_sft"]
+Update = Literal["policy_gradient", "best_of_n_sft", "online_dpo"]
 KLPlacement = Literal["reward", "loss"]
 KLEstimator = Literal["k1", "k2", "k3"]
 LossAggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
@@ -47,6 +48,7 @@ class AlgorithmSpec:
     whiten: bool = False
     critic: bool = False
     reference: bool = True
+    reference_in_update: bool = False  # the update itself reads the reference (DPO), whatever the KL coefficient
     min_samples: int = 1
     policy_loss: str = "ppo_clip"
     kl_apply_as: KLPlacement = "reward"
@@ -110,3 +112,7 @@ register_algorithm(AlgorithmSpec(
 register_algorithm(AlgorithmSpec(
     "rejection_sampling", "best of n per prompt above a threshold, then SFT on those (Touvron et al. 2023)",
     update="best_of_n_sft", reference=False))
+register_algorithm(AlgorithmSpec(
+    "online_dpo", "iterative DPO: best vs worst of n fresh samples per prompt, DPO against the round's reference "
+    "(Xu et al. 2023, arXiv 2312.16682; Dong et al. 2024, arXiv 2405.07863)",
+    update="online_dpo", min_samples=2, reference_in_update=True))

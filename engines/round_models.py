@@ -2,7 +2,8 @@
 
     actor      TrainerGroup (DeepSpeed)                       always
     critic     TrainerGroup, from the reward model or policy   spec.critic
-    reference  ScorerActor (frozen policy)                     spec.reference and a KL term
+    reference  ScorerActor (frozen policy)                     spec.reference and a KL term (or online DPO);
+               with LoRA on the actor: the actor, adapters disabled (the round's start policy)
     rewarder   ScorerActor (reward model)                      reward.source = model
     engines    RolloutEngines (vLLM, or HF generate)           num_rollout_engines
 
@@ -29,6 +30,7 @@ from alignflow.errors import InsufficientResourcesError
 from alignflow.seeds import derive_seed
 from engines.rollout import Rollout, Sampling
 from engines.rollout_actors import PendingRollouts, RolloutEngines, start_engines, wait_placement_group
+from engines import objectives
 from engines.scoring import start_scorer
 from engines.trainer import EngineSpec, TrainerGroup
 
@@ -49,14 +51,21 @@ class RoundSetup:
 
 
 def uses_reference(cfg: RoundConfig) -> bool:
-    """The spec has a reference and a KL term needs it (a coefficient > 0, or the adaptive
-    controller, which may raise one from 0). Otherwise no reference model is started or run."""
-    return cfg.spec.reference and (cfg.kl.coef > 0 or cfg.kl.adaptive)
+    """The spec has a reference and its update reads it (online DPO), or a KL term needs it (a coefficient
+    > 0, or the adaptive controller, which may raise one from 0). Otherwise no reference model is started
+    or run."""
+    return cfg.spec.reference and (cfg.spec.reference_in_update or cfg.kl.coef > 0 or cfg.kl.adaptive)
+
+
+def reference_is_actor(cfg: RoundConfig) -> bool:
+    """With LoRA on the actor, the reference is the actor's frozen base with its adapters disabled (the
+    policy the round starts from), not a second copy in a scorer."""
+    return uses_reference(cfg) and cfg.actor.lora is not None
 
 
 def _scorers(cfg: RoundConfig) -> int:
     """How many scorer actors the round starts: reference and/or reward model, shared when colocated."""
-    wanted = int(uses_reference(cfg)) + int(cfg.reward.source == "model")
+    wanted = int(uses_reference(cfg) and not reference_is_actor(cfg)) + int(cfg.reward.source == "model")
     return min(wanted, 1) if cfg.colocate_reference_and_reward else wanted
 
 
@@ -115,6 +124,7 @@ class RoundModels:
     actor: TrainerGroup | None = None
     critic: TrainerGroup | None = None
     reference: object = None  # ScorerActor handle
+    reference_from_actor: bool = False  # LoRA: the actor with its adapters disabled is the reference
     rewarder: object = None  # ScorerActor handle
     engines: RolloutEngines = field(default_factory=lambda: RolloutEngines([]))
     colocated: bool = False
@@ -123,7 +133,13 @@ class RoundModels:
     def _trainers(self) -> list[TrainerGroup]:
         return [g for g in (self.actor, self.critic) if g is not None]
 
+    @property
+    def has_reference(self) -> bool:
+        return self.reference is not None or self.reference_from_actor
+
     def ref_logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        if self.reference_from_actor:
+            return self.actor.evaluate(batch, objectives.response_logprobs, without_adapters=True)
         return ray.get(self.reference.ref_logprobs.remote(batch))
 
     def model_rewards(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -212,7 +228,8 @@ def start_round_models(cfg: RoundConfig, setup: RoundSetup, updates_per_step: in
         common = dict(dtype=setup.dtype, torch_threads=setup.torch_threads, micro_batch_size=cfg.actor.micro_batch_size,
                       micro_batch_tokens=cfg.actor.micro_batch_tokens,
                       attn_implementation=setup.attn_implementation, **place)
-        reference = setup.reference_path if uses_reference(cfg) else None
+        models.reference_from_actor = reference_is_actor(cfg)
+        reference = setup.reference_path if uses_reference(cfg) and not models.reference_from_actor else None
         reward = setup.reward_path if cfg.reward.source == "model" else None
         if cfg.colocate_reference_and_reward and reference and reward:
             models.reference = models.rewarder = start_scorer(reference, reward, **common)

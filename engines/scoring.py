@@ -8,6 +8,9 @@ tensors. RL rounds and evaluation both score through it.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
+
 import torch
 
 from engines import models
@@ -47,6 +50,11 @@ class ScorerActor:
         """Reward-model score of each sequence: (B,) float32, CPU."""
         return self._run(self.reward, scalar_scores, batch)
 
+    @torch.no_grad()
+    def reference_map(self, batch: dict[str, torch.Tensor], fn) -> torch.Tensor:
+        """`fn(reference, micro-batch)` over a batch (e.g. sequence log-probabilities): one row per batch row, CPU."""
+        return self._run(self.reference, fn, batch)
+
     def device_report(self) -> dict:
         """Where each model's parameters live, and the placement group (tests assert them)."""
         return {"placement_group": placement_group_id(),
@@ -64,3 +72,22 @@ def start_scorer(reference_path: str | None, reward_path: str | None, *, dtype: 
     actor = ray.remote(**actor_options(num_cpus, num_gpus, scheduling_strategy))(ScorerActor)
     return actor.remote(reference_path, reward_path, dtype, torch_threads, attn_implementation, micro_batch_size,
                         micro_batch_tokens)
+
+
+@contextlib.contextmanager
+def scoring(reference_path: str | None, reward_path: str | None, *, num_cpus: float, num_gpus: float,
+            **kwargs) -> Iterator[Callable]:
+    """`call(method, *args)` on a ScorerActor for the block: with GPUs a Ray actor (killed on exit), without
+    them the same class in this process (Ray must be up for the first) (a CPU-only actor would only add a process start, ~10-40 s on 2 cores).
+    `kwargs`: ScorerActor's (dtype, torch_threads, attn_implementation, micro_batch_size, ...)."""
+    if num_gpus == 0:
+        local = ScorerActor(reference_path, reward_path, **kwargs)
+        yield lambda method, *args: getattr(local, method)(*args)
+        return
+    import ray
+
+    actor = start_scorer(reference_path, reward_path, num_cpus=num_cpus, num_gpus=num_gpus, **kwargs)
+    try:
+        yield lambda method, *args: ray.get(getattr(actor, method).remote(*args))
+    finally:
+        ray.kill(actor)

@@ -19,7 +19,7 @@ import algos
 from alignflow.config import RoundConfig
 from alignflow.seeds import derive_seed
 from engines import experience, objectives
-from engines.batches import minibatches, shard
+from engines.batches import minibatches, shard, split_pairs
 from engines.experience import Experience
 from engines.round_models import RoundModels
 from engines.trainer import TrainerGroup
@@ -35,14 +35,19 @@ class Trained:
 
 
 def train_minibatches(batch: dict[str, torch.Tensor], chunks, steps: list[tuple[TrainerGroup, Callable]]) -> dict[str, float]:
-    """One optimizer step per chunk of rows for every (trainer group, objective); mean metrics."""
+    """One optimizer step per chunk of rows for every (trainer group, objective); mean metrics. A later
+    group's metric named like an earlier group's (lr, grad_norm, lora/*) is logged as `critic/<name>`."""
     sums: dict[str, float] = {}
     n = 0
     for rows in chunks:
         part = {k: v[rows] for k, v in batch.items()}
-        for group, objective in steps:
+        first: set[str] = set()
+        for i, (group, objective) in enumerate(steps):
             for k, v in group.train_step(shard(part, group.world_size), objective).items():
-                sums[k] = sums.get(k, 0.0) + v
+                key = f"critic/{k}" if i and k in first else k
+                if not i:
+                    first.add(k)
+                sums[key] = sums.get(key, 0.0) + v
         n += 1
     return {k: v / n for k, v in sums.items()}
 
@@ -91,7 +96,7 @@ class PolicyGradientUpdate:
 
     def __call__(self, exp: Experience, step: int, lap: Lap) -> Trained:
         cfg, spec, m = self.cfg, self.cfg.spec, self.models
-        if m.reference is not None:
+        if m.has_reference:
             exp = exp.with_(ref_logprobs=m.ref_logprobs(exp.tensors()))
             lap("reference")
         if not self.on_policy(cfg):
@@ -176,4 +181,58 @@ class BestOfNSFTUpdate:
         pass
 
 
-UPDATES = {"policy_gradient": PolicyGradientUpdate, "best_of_n_sft": BestOfNSFTUpdate}
+class OnlineDPOUpdate:
+    """Online DPO: per prompt the best sample against the worst (tied groups give no pair and are counted),
+    the reference's sequence log-probabilities of those rows, then DPO steps on the pairs
+    (engines/preference.dpo_objective on rollout rows). The rollout engines get the new weights after
+    the step like every round's."""
+
+    def __init__(self, cfg: RoundConfig, models: RoundModels, seed: int):
+        self.cfg, self.models, self.seed = cfg, models, seed
+
+    @staticmethod
+    def updates_per_step(cfg: RoundConfig) -> int:
+        d = cfg.dpo
+        return d.epochs * max(1, cfg.prompts_per_step // (d.pairs_per_update or cfg.prompts_per_step))
+
+    def __call__(self, exp: Experience, step: int, lap: Lap) -> Trained:
+        from alignflow.config.preference import DPO_LOSS_TYPE
+        from engines.preference import dpo_objective
+
+        d, actor = self.cfg.dpo, self.models.actor
+        chosen, rejected, tied = algos.best_worst_pairs(exp.rewards, self.cfg.generation.num_samples)
+        rows, n = torch.cat([chosen, rejected]), len(chosen)
+        metrics = {"dpo/pairs": float(n), "dpo/tied_groups": float(tied),
+                   "dpo/reward_gap": (exp.rewards[chosen] - exp.rewards[rejected]).mean().item() if n else 0.0}
+        n -= n % actor.world_size  # pairs split evenly across the actor's ranks
+        metrics["dpo/pairs_left_out"] = float(len(chosen) - n)
+        if n:
+            rows = torch.cat([chosen[:n], rejected[:n]])
+            pairs = exp.select(rows)
+            ref = self.models.ref_logprobs(pairs.tensors())
+            lap("reference")
+            batch = {k: getattr(pairs, k) for k in ("input_ids", "attention_mask", "response_index", "action_mask")}
+            batch["ref_logps"] = algos.masked_sum(ref, pairs.action_mask, dim=-1)
+            objective = functools.partial(dpo_objective, loss_type=DPO_LOSS_TYPE[d.loss], beta=d.beta,
+                                          label_smoothing=d.label_smoothing, rollouts=True)
+            gen = torch.Generator().manual_seed(derive_seed(self.seed, f"minibatches/{step}"))
+            sums, count = {}, 0
+            for idx in minibatches(n, d.pairs_per_update or n, epochs=d.epochs, generator=gen,
+                                   multiple_of=actor.world_size):
+                part = split_pairs(batch, idx, n)
+                for k, v in actor.train_step(shard(part, actor.world_size, paired=True), objective,
+                                             paired=True).items():
+                    sums[k] = sums.get(k, 0.0) + v
+                count += 1
+            metrics.update({f"dpo/{k}": v / count for k, v in sums.items()})
+        lap("train")
+        return Trained(exp, rows[: 2 * n], metrics)
+
+    def state(self) -> dict[str, float]:
+        return {}
+
+    def load(self, state: dict[str, float]) -> None:
+        pass
+
+
+UPDATES = {"policy_gradient": PolicyGradientUpdate, "best_of_n_sft": BestOfNSFTUpdate, "online_dpo": OnlineDPOUpdate}

@@ -5,6 +5,10 @@
         └─────────> [sft] ─> [reward_model] ─> round_1 ─> ... round_R │
                        └──────────┴─────────────┴─────> eval_<policy> <┘
 
+With a preference section (DPO and kin), SFT feeds [preference_reference] ─>
+[preference]: the reference's log-probabilities of the preference split are
+a cached stage of their own, and the rounds start from the preference policy.
+
 The data stage reads the base model's tokenizer: it measures every split in
 tokens and settles the prompt and response limits every later stage uses.
 
@@ -133,14 +137,28 @@ def plan_pipeline(cfg: PipelineConfig) -> Plan:
                                      "no round scores with it or starts a critic from it")
 
     policies = {"base": base, **({"sft": reference} if reference != base else {})}  # label -> stage
-    policy = reference
+    if cfg.preference is not None:
+        pref = cfg.preference
+        scored = b.add("preference_reference", "preference_reference", r.PreferenceReferenceStage(
+            io=io, placement=pref.reference_placement, micro_batch_size=pref.reference_micro_batch_size),
+            data=data, reference=reference)
+        start = b.add("preference", "preference", r.PreferenceStage(train=pref, io=io, seed=seed("preference")),
+                      data=data, init=reference, reference=scored)
+        policies[pref.loss] = start
+    else:  # opt-in, like the rounds: not "skipped"
+        start = reference
+    # Rounds start from the preference policy where there is one, and keep it as their KL reference;
+    # evaluation measures every policy's KL to SFT (or the base model).
+    policy = start
     for i, round_cfg in enumerate(cfg.rounds, start=1):
         spec = round_cfg.spec
         policy = b.add(f"round_{i}", "rl_round",
                        r.RoundStage(round=round_cfg.resolved(), io=io, seed=seed(f"round_{i}")),
                        external=_code(f"rounds.{i - 1}.reward.rule", round_cfg.reward.rule, prints)
                        if round_cfg.reward.source == "rule" else {},
-                       data=data, policy=policy, reference=reference if spec.reference else None,
+                       data=data, policy=policy,
+                       # With LoRA the actor's frozen base (adapters off) is the reference: no input.
+                       reference=start if spec.reference and round_cfg.actor.lora is None else None,
                        reward=reward if round_cfg.needs_reward_model else None)
         policies[policy] = policy
 

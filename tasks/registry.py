@@ -20,8 +20,8 @@ from typing import Literal
 
 from pydantic import Field
 
-from alignflow.config import (DataConfig, EvalConfig, ModelConfig, Placement, RewardModelConfig, RoundConfig, Section,
-                              SFTConfig)
+from alignflow.config import (DataConfig, EvalConfig, ModelConfig, Placement, PreferenceConfig, RewardModelConfig,
+                              RoundConfig, Section, SFTConfig)
 from alignflow.records import StageResult
 
 # ---- what stages are given --------------------------------------------------------
@@ -52,6 +52,18 @@ class SFTStage(Section):
 
 class RewardModelStage(Section):
     train: RewardModelConfig
+    io: ModelIO
+    seed: int
+
+
+class PreferenceReferenceStage(Section):
+    io: ModelIO
+    placement: Placement
+    micro_batch_size: int | None
+
+
+class PreferenceStage(Section):
+    train: PreferenceConfig
     io: ModelIO
     seed: int
 
@@ -89,6 +101,17 @@ class DataInputs(Section):
 class TrainInputs(Section):
     data: StageResult
     init: StageResult = Field(description="the model training starts from")
+
+
+class PreferenceReferenceInputs(Section):
+    data: StageResult
+    reference: StageResult = Field(description="the frozen reference policy (the preference stage's start)")
+
+
+class PreferenceInputs(Section):
+    data: StageResult
+    init: StageResult = Field(description="the model training starts from (also the reference)")
+    reference: StageResult = Field(description="the reference's log-probabilities of the data (preference_reference)")
 
 
 class RoundInputs(Section):
@@ -151,6 +174,12 @@ register_stage(StageKind(
 register_stage(StageKind(
     "reward_model", "reward_model", RewardModelStage, TrainInputs, "2", "tasks.train:reward_model",
     "Bradley-Terry reward model on preference pairs (DeepSpeed)"))
+register_stage(StageKind(
+    "preference_reference", "preference", PreferenceReferenceStage, PreferenceReferenceInputs, "1",
+    "tasks.preference:preference_reference", "the reference's log-probabilities of every preference row, once"))
+register_stage(StageKind(
+    "preference", "preference", PreferenceStage, PreferenceInputs, "1", "tasks.preference:preference",
+    "DPO / IPO / cDPO / KTO on preference pairs against the cached reference (DeepSpeed)"))
 register_stage(StageKind(
     "rl_round", "rl", RoundStage, RoundInputs, "2", "tasks.rl_round:rl_round",
     "one RL round of any registered algorithm (vLLM rollouts, DeepSpeed updates)"))

@@ -1,6 +1,6 @@
-"""sft and reward_model: DeepSpeed training stages that resume mid-way.
+"""sft, reward_model (and preference, tasks/preference.py): DeepSpeed training stages that resume mid-way.
 
-Both tokenize their split, start a TrainerGroup on Ray, and step through a
+Each tokenizes their split, start a TrainerGroup on Ray, and step through a
 deterministic schedule. Every `checkpoint_every` steps the full training
 state (weights, optimizer, scheduler, RNG, step) is committed as a mid-stage
 checkpoint (tasks/checkpoints.py); a retried task starts from the latest
@@ -16,18 +16,20 @@ from pathlib import Path
 from alignflow.cluster import ensure_ray
 from alignflow.records import StageResult
 from alignflow.seeds import derive_seed
-from engines import batches, models, objectives, supervised
+from engines import batches, models, objectives, packed_objectives, supervised
 from engines.trainer import EngineSpec, TrainerGroup
 from tasks.checkpoints import StageCheckpoints
 from tasks.context import RunContext, compute_stage
 from tasks.data import load_split, token_limits
 from tasks.plan import PlannedStage
-from tasks.registry import RewardModelStage, SFTStage, TrainInputs
+from tasks.registry import PreferenceInputs, PreferenceStage, RewardModelStage, SFTStage, TrainInputs
 
 
-def train_stage(stage: PlannedStage, inputs: TrainInputs, ctx: RunContext, *, kind: str, split: str,
-                objective: Callable, paired: bool) -> StageResult:
-    cfg: SFTStage | RewardModelStage = stage.config
+def train_stage(stage: PlannedStage, inputs: TrainInputs | PreferenceInputs, ctx: RunContext, *, kind: str,
+                split: str, objective: Callable, paired: bool, to_tensors: Callable) -> StageResult:
+    """`to_tensors(tokenizer, records, TokenLimits) -> (tensors, LengthReport)`: the split as training rows
+    (pairs: chosen rows, then rejected rows)."""
+    cfg: SFTStage | RewardModelStage | PreferenceStage = stage.config
     train, io = cfg.train, cfg.io
     storage = ctx.storage()
 
@@ -35,9 +37,7 @@ def train_stage(stage: PlannedStage, inputs: TrainInputs, ctx: RunContext, *, ki
         init_path = str(storage.fetch(inputs.init.uri))
         tokenizer = models.load_tokenizer(init_path)
         records = load_split(inputs.data, ctx, split)
-        to_tensors = batches.pair_tensors if paired else batches.sft_tensors
-        limits = token_limits(inputs.data)
-        tensors, report = to_tensors(tokenizer, records, limits.prompt, limits.response)
+        tensors, report = to_tensors(tokenizer, records, token_limits(inputs.data))
         run.log_metrics(report.as_metrics(split))
         n_rows = tensors["input_ids"].shape[0] // (2 if paired else 1)
         schedule = supervised.plan(n_rows, train.batch_size, train.epochs, train.max_steps,
@@ -79,13 +79,23 @@ def train_stage(stage: PlannedStage, inputs: TrainInputs, ctx: RunContext, *, ki
 
 def sft(stage: PlannedStage, inputs: TrainInputs, ctx: RunContext) -> StageResult:
     """Supervised fine-tuning of the base model on demonstrations."""
-    return train_stage(stage, inputs, ctx, kind="causal", split="sft", objective=objectives.causal_lm_objective,
-                       paired=False)
+    train = stage.config.train
+    objective = (functools.partial(packed_objectives.packed_causal_lm_objective, max_tokens=train.packing_max_tokens)
+                 if train.packing else objectives.causal_lm_objective)
+    return train_stage(stage, inputs, ctx, kind="causal", split="sft", objective=objective, paired=False,
+                       to_tensors=_limited(batches.sft_tensors))
 
 
 def reward_model(stage: PlannedStage, inputs: TrainInputs, ctx: RunContext) -> StageResult:
     """Bradley-Terry reward model initialised from the SFT (or base) backbone."""
-    cfg: RewardModelStage = stage.config
-    return train_stage(stage, inputs, ctx, kind="scalar", split="preference",
-                       objective=functools.partial(objectives.pairwise_objective, margin=cfg.train.margin),
-                       paired=True)
+    train = stage.config.train
+    objective = (functools.partial(packed_objectives.packed_pairwise_objective, margin=train.margin,
+                                   max_tokens=train.packing_max_tokens)
+                 if train.packing else functools.partial(objectives.pairwise_objective, margin=train.margin))
+    return train_stage(stage, inputs, ctx, kind="scalar", split="preference", objective=objective, paired=True,
+                       to_tensors=_limited(batches.pair_tensors))
+
+
+def _limited(fn: Callable) -> Callable:
+    """A `(tokenizer, records, max_prompt_tokens, max_response_tokens)` builder as a `to_tensors`."""
+    return lambda tokenizer, records, limits: fn(tokenizer, records, limits.prompt, limits.response)

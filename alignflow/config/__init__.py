@@ -2,13 +2,15 @@
 
     base.py      the config base, placement, training engines, sampling
     data.py      data sources          model.py   the base policy
+    preference.py  DPO / IPO / cDPO / KTO
     rl.py        one RL round          pipeline.py  which stages exist, infra
     loading.py   YAML + overrides -> a validated PipelineConfig
 
 Unknown keys are errors, so a typo never silently falls back to a default.
 """
 
-from alignflow.config.base import EngineConfig, GenerationConfig, Placement, Section, TrainConfig, VLLMConfig
+from alignflow.config.base import (EngineConfig, GenerationConfig, LoraConfig, Placement, Section, TrainConfig,
+                                   VLLMConfig)
 from alignflow.config.data import DataConfig, DatasetSource, SyntheticTaskConfig
 from alignflow.config.loading import (
     DEFAULT_CONFIG,
@@ -30,8 +32,10 @@ from alignflow.config.pipeline import (
     SFTConfig,
     StorageConfig,
 )
+from alignflow.config.preference import PreferenceConfig
 from alignflow.config.rl import (
     ActorConfig,
+    OnlineDPOConfig,
     CriticConfig,
     KLConfig,
     PPOConfig,
@@ -44,8 +48,8 @@ from alignflow.errors import ConfigError
 
 __all__ = [
     "DEFAULT_CONFIG", "RESOURCE_FIELDS", "ActorConfig", "ConfigError", "CriticConfig", "DataConfig",
-    "DatasetSource", "EngineConfig", "EvalConfig", "GenerationConfig", "InfraConfig", "KLConfig", "ModelConfig",
-    "PPOConfig", "PipelineConfig", "Placement", "RejectionSamplingConfig", "RewardConfig", "RewardModelConfig",
+    "DatasetSource", "EngineConfig", "EvalConfig", "GenerationConfig", "InfraConfig", "KLConfig", "LoraConfig", "ModelConfig",
+    "OnlineDPOConfig", "PPOConfig", "PipelineConfig", "PreferenceConfig", "Placement", "RejectionSamplingConfig", "RewardConfig", "RewardModelConfig",
     "RolloutConfig", "RoundConfig", "SFTConfig", "Section", "StorageConfig", "SyntheticTaskConfig",
     "TinyModelConfig", "TrainConfig", "VLLMConfig", "apply_overrides", "cache_relevant", "default_config_path", "load_config",
     "parse_override", "resolve_paths", "validate_config",

@@ -1,11 +1,15 @@
 """The whole pipeline: which stages exist follows from these sections.
 
-    data -> base model -> [sft] -> [reward model] -> rounds 1..R -> [evaluation]
+    data -> base model -> [sft] -> [reward model] -> [preference] -> rounds 1..R -> [evaluation]
 
 A section set to null is not planned. SFT absent: rounds start from the base
-model, which is then also the reference. The reward model is trained when a
+model, which is then also the reference. A preference section (DPO, IPO,
+cDPO, KTO; off by default) trains after SFT; rounds then start from it.
+The reward model is trained when a
 round scores with it or starts its critic from it, or when there are no
-rounds at all (it is then a product of the run); otherwise it is skipped.
+rounds and no preference stage (it is then a product of the run); otherwise
+it is skipped: with a preference stage and no rounds, the pipeline is SFT,
+preference, evaluation.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from pydantic import Field, field_validator, model_validator
 from alignflow.config.base import GenerationConfig, Placement, Section, TrainConfig
 from alignflow.config.data import DataConfig
 from alignflow.config.model import ModelConfig
+from alignflow.config.preference import PreferenceConfig
 from alignflow.config.rl import RoundConfig
 
 
@@ -94,6 +99,7 @@ class PipelineConfig(Section):
     model: ModelConfig = ModelConfig()
     sft: SFTConfig | None = SFTConfig()
     reward_model: RewardModelConfig | None = RewardModelConfig()
+    preference: PreferenceConfig | None = None
     rounds: list[RoundConfig] = Field(default_factory=lambda: [RoundConfig(), RoundConfig()])
     evaluation: EvalConfig | None = EvalConfig()
     infra: InfraConfig = InfraConfig()
@@ -101,7 +107,7 @@ class PipelineConfig(Section):
     @property
     def trains_reward_model(self) -> bool:
         return self.reward_model is not None and (
-            not self.rounds or any(r.needs_reward_model for r in self.rounds))
+            (not self.rounds and self.preference is None) or any(r.needs_reward_model for r in self.rounds))
 
     @model_validator(mode="after")
     def _reward_model_where_needed(self) -> PipelineConfig:

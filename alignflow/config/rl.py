@@ -98,6 +98,23 @@ class PPOConfig(Section):
         return self
 
 
+class OnlineDPOConfig(Section):
+    """algorithm: online_dpo. Each step pairs, per prompt, the best sample with the worst (groups whose
+    rewards are all equal give no pair, counted) and takes DPO steps against the round's reference."""
+
+    loss: Literal["dpo", "ipo", "cdpo"] = "dpo"
+    beta: float = Field(0.1, gt=0)
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="cdpo's share of flipped labels (> 0)")
+    epochs: int = Field(1, ge=1, description="passes over a step's pairs")
+    pairs_per_update: int | None = Field(None, ge=1, description="pairs per optimizer step; None: all of a step's")
+
+    @model_validator(mode="after")
+    def _smoothing(self) -> OnlineDPOConfig:
+        if (self.loss == "cdpo") != (self.label_smoothing > 0):
+            raise ValueError("dpo.label_smoothing > 0 goes with dpo.loss=cdpo, and only with it")
+        return self
+
+
 class RejectionSamplingConfig(Section):
     """Keep the best of n per prompt (above a threshold) and fine-tune on them."""
 
@@ -143,6 +160,7 @@ class RoundConfig(Section):
     kl: KLConfig = KLConfig()
     ppo: PPOConfig = PPOConfig()
     rejection: RejectionSamplingConfig = RejectionSamplingConfig()
+    dpo: OnlineDPOConfig = OnlineDPOConfig()
     actor: ActorConfig = Field(default_factory=ActorConfig)
     critic: CriticConfig = Field(default_factory=CriticConfig)
     num_rollout_engines: int = Field(1, ge=1)
@@ -192,6 +210,13 @@ class RoundConfig(Section):
         if self.ppo.advantage_std_norm is not None and self.spec.group_std_norm is None:
             raise ValueError(f"ppo.advantage_std_norm: {self.algorithm} has no group-normalised advantages "
                              f"(no group std to switch); leave it out")
+        dpo_update = self.spec.update == "online_dpo"
+        if dpo_update and {"kl", "ppo"} & self.model_fields_set:
+            raise ValueError(f"{self.algorithm} takes DPO steps: its pull toward the reference is dpo.beta and its "
+                             f"updates dpo.epochs / dpo.pairs_per_update; leave out "
+                             f"{' and '.join(sorted({'kl', 'ppo'} & self.model_fields_set))}")
+        if "dpo" in self.model_fields_set and not dpo_update:
+            raise ValueError(f"the dpo section is online_dpo's; this round's algorithm is {self.algorithm}")
         if self.colocate_all:
             n = self.actor.num_workers
             if self.num_rollout_engines != n:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import re
 from pathlib import Path
 
 import pytest
@@ -484,3 +485,20 @@ def test_override_fields_maps_each_dotted_key_to_the_override_that_set_it_last()
 
     assert override_fields(["a.b=1", " c =2", "a.b=3", "rounds=[{x: 1}]"]) == {
         "c": " c =2", "a.b": "a.b=3", "rounds": "rounds=[{x: 1}]"}
+
+
+@pytest.mark.parametrize("override,field", [
+    ('preference={"loss": "cdpo"}', "label_smoothing > 0"),
+    ('preference={"loss": "dpo", "label_smoothing": 0.1}', "preference.label_smoothing is cdpo's"),
+    ('preference={"loss": "ipo", "undesirable_weight": 2.0}', "preference.undesirable_weight are kto's"),
+    ('preference={"loss": "orpo"}', "preference.loss"),
+])
+def test_preference_options_belong_to_their_loss(override, field):
+    with pytest.raises(ConfigError, match=re.escape(field)):
+        load_config(None, [override])
+
+
+def test_preference_is_off_by_default_and_takes_its_own_defaults():
+    assert load_config(None, []).preference is None
+    pref = load_config(None, ['preference={"loss": "kto", "desirable_weight": 1.33}']).preference
+    assert (pref.loss, pref.beta, pref.desirable_weight, pref.learning_rate) == ("kto", 0.1, 1.33, 5e-4)

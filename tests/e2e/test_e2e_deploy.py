@@ -25,7 +25,7 @@ PREFECT = str(Path(sys.executable).with_name("prefect"))
 EXPECTED = {
     "alignflow-scheduled-pipeline/nightly", "alignflow-scheduled-pipeline/pipeline",
     "alignflow-stage/data", "alignflow-stage/base-model", "alignflow-stage/sft", "alignflow-stage/reward-model",
-    "alignflow-stage/rl-rounds", "alignflow-stage/evaluation",
+    "alignflow-stage/preference", "alignflow-stage/rl-rounds", "alignflow-stage/evaluation",
 }
 
 

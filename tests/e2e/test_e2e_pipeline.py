@@ -505,3 +505,54 @@ def test_bad_data_row_fails_naming_file_row_and_key(small_pipeline_args, cli_env
     assert "Retry" not in res.output and "AwaitingRetry" not in res.output, res.describe()
     assert not (tmp_path / "artifacts" / "sft").exists(), "training started on bad data"
     print(f"bad data failed after {res.seconds:.0f} s")
+
+
+# ---- 8: the preference stage (DPO and kin) ------------------------------------------
+
+
+def test_kto_then_packed_dpo_reuse_the_cached_reference_and_log_per_step_rewards(small_pipeline_args, cli_env, alignflow_cli,
+                                                                          tmp_path):
+    small = {"max_steps": 4, "batch_size": 16, "log_every": 1}
+    base = ["stage", "preference", *small_pipeline_args(tmp_path, rounds=0), "sft.packing=true"]
+    root, client = tmp_path / "artifacts", mlflow_client(f"sqlite:///{tmp_path / 'mlflow.db'}")
+
+    def committed(stage: str) -> list[Path]:
+        return sorted(p.parent for p in root.glob(f"{stage}/*/manifest.json"))
+
+    def runs(stage: str) -> list:
+        return client.search_runs([experiment_id(client)], filter_string=f"tags.`alignflow.stage` = '{stage}'")
+
+    kto = alignflow_cli([*base, f"preference={json.dumps({**small, 'loss': 'kto'})}"], env=cli_env(),
+                        cwd=tmp_path / "cwd")
+    assert kto.returncode == 0, kto.describe()
+    [ref_dir] = committed("preference_reference")
+    assert (ref_dir / "reference_logps.safetensors").exists()
+    [kto_dir] = committed("preference")
+    assert (kto_dir / "model.safetensors").exists() and stage_json(kto.stdout)["uri"] == str(kto_dir)
+    [run] = runs("preference")
+    for name in ("accuracy", "reward_margin", "chosen_reward", "rejected_reward", "kl_reference_point"):
+        history = client.get_metric_history(run.info.run_id, f"train/{name}")
+        assert sorted(m.step for m in history) == [1, 2, 3, 4], name
+
+    # Another loss and beta: the same data and reference, so the reference's log-probabilities come from cache.
+    # Packed rows this time (per-sample positions, block mask): the same stage code, through DeepSpeed on Ray.
+    dpo_cfg = {**small, "loss": "dpo", "beta": 0.3, "packing": True}
+    dpo = alignflow_cli([*base, f"preference={json.dumps(dpo_cfg)}"], env=cli_env(),
+                        cwd=tmp_path / "cwd")
+    assert dpo.returncode == 0, dpo.describe()
+    assert committed("preference_reference") == [ref_dir] and len(runs("preference_reference")) == 1
+    assert len(committed("preference")) == 2 and len(runs("preference")) == 2
+    metrics = stage_json(dpo.stdout)["metrics"]
+    assert metrics["train/steps"] == 4 and 0.0 <= metrics["train/final_accuracy"] <= 1.0
+
+
+def test_killed_dpo_resumes_from_checkpoint(small_pipeline_args, cli_env, alignflow_cli, process_tools, tmp_path):
+    total = 200
+    pref = {"loss": "dpo", "epochs": 25, "max_steps": total, "batch_size": 16, "checkpoint_every": 20,
+            "log_every": 50}
+    args = ["stage", "preference", *small_pipeline_args(tmp_path, rounds=0), f"preference={json.dumps(pref)}"]
+    r = kill_and_resume("preference", args, tmp_path, alignflow_cli=alignflow_cli, cli_env=cli_env,
+                        process_tools=process_tools)
+    assert 20 <= r.checkpoint_step < total
+    assert r.run.data.metrics["train/steps_run"] == total - r.checkpoint_step
+    assert stage_json(r.rerun.stdout)["metrics"]["train/resumed_from_step"] == r.checkpoint_step

@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from alignflow.config import RewardConfig, RolloutConfig
+from alignflow.config import KLConfig, RewardConfig, RolloutConfig
 
 pytestmark = pytest.mark.engine
 
@@ -66,7 +66,8 @@ def _row_sums(logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (logprobs * mask).sum(-1)
 
 
-@pytest.mark.parametrize("algorithm", ["ppo", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"])
+@pytest.mark.parametrize("algorithm", ["ppo", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline",
+                                       "gspo"])
 def test_step_moves_policy_toward_advantage(ray_local, tiny_model, prompts, algorithm):
     from engines.objectives import response_logprobs
 
@@ -124,6 +125,67 @@ def test_rejection_sampling_trains_only_on_winners(ray_local, tiny_model, prompt
             # One minibatch: the trained response tokens are exactly the winners' tokens.
             n_tokens = sum(len(rollouts[i].token_ids) for i in expected.values())
             assert metrics["sft_response_tokens"] == n_tokens
+    finally:
+        rl.shutdown()
+
+
+def test_online_dpo_pairs_best_with_worst_and_widens_their_margin(ray_local, tiny_model, prompts):
+    from engines.objectives import response_logprobs
+
+    from alignflow.config import RoundConfig
+
+    fields = _round("grpo").model_dump(exclude={"algorithm", "ppo", "kl"}, exclude_defaults=True)
+    rl = _start(RoundConfig(algorithm="online_dpo", dpo={"beta": 0.1, "epochs": 2}, **fields), tiny_model, prompts)
+    try:
+        out = rl.step(0)
+        exp, rewards, metrics = out.experience, out.experience.rewards, out.metrics
+        # Independently: per group of 4, the first highest against the first lowest; equal groups give none.
+        chosen, rejected, tied = [], [], 0
+        for g in range(len(rewards) // 4):
+            r = rewards[4 * g : 4 * g + 4].tolist()
+            if max(r) == min(r):
+                tied += 1
+                continue
+            chosen.append(4 * g + r.index(max(r)))
+            rejected.append(4 * g + r.index(min(r)))
+        assert chosen, "need a group with both reward classes"
+        assert out.trained_rows.tolist() == chosen + rejected
+        assert metrics["dpo/pairs"] == len(chosen) and metrics["dpo/tied_groups"] == tied
+        assert rl.models.reference is not None
+        from engines.models import load_policy
+
+        batch = exp.select(torch.tensor(chosen + rejected)).tensors()
+        with torch.no_grad():
+            before = _row_sums(response_logprobs(load_policy(tiny_model).eval(), batch), batch["action_mask"])
+        after = _row_sums(rl.models.actor.evaluate(batch, response_logprobs), batch["action_mask"])
+        n = len(chosen)
+        # The reference is the start policy: the mean implicit-reward margin grows from 0.
+        margin = ((after[:n] - before[:n]) - (after[n:] - before[n:])).mean()
+        assert margin > 0, margin
+    finally:
+        rl.shutdown()
+
+
+def test_a_lora_round_trains_adapters_against_its_own_frozen_base(ray_local, tiny_model, prompts):
+    """actor.lora: under 5 % of the parameters train, no reference scorer starts (the actor with its
+    adapters disabled is the reference: the start policy's numbers), and the step still moves the
+    policy toward the advantage."""
+    from engines.models import load_policy
+    from engines.objectives import response_logprobs
+
+    lora = {"rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj"]}
+    cfg = _round("grpo", kl=KLConfig(coef=0.05), actor={"learning_rate": 2e-2, "warmup_steps": 0, "lora": lora})
+    rl = _start(cfg, tiny_model, prompts, reference="/nonexistent: the actor is the reference")
+    try:
+        assert rl.models.reference is None and rl.models.reference_from_actor
+        out = rl.step(0)
+        exp, rewards = out.experience, out.experience.rewards
+        assert out.metrics["lora/trainable_fraction"] < 0.05
+        with torch.no_grad():
+            start = response_logprobs(load_policy(tiny_model).eval(), exp.tensors())
+        torch.testing.assert_close(exp.ref_logprobs, start, atol=1e-5, rtol=0)  # the base, adapters off
+        delta = _row_sums(rl.models.actor.evaluate(exp.tensors(), response_logprobs) - start, exp.action_mask)
+        assert delta[rewards == 1].mean() > delta[rewards == 0].mean()
     finally:
         rl.shutdown()
 

@@ -82,6 +82,37 @@ def test_no_rounds_keeps_the_reward_model_as_a_product():
     assert not plan.of_kind("rl_round")
 
 
+DPO = '{"loss": "dpo"}'
+
+
+def test_a_preference_stage_without_rounds_is_sft_preference_evaluation():
+    plan = _plan(f"preference={DPO}", "rounds=[]")
+    assert list(plan.stages) == ["base_model", "data", "sft", "preference_reference", "preference",
+                                 "eval_base", "eval_sft", "eval_dpo"]
+    s = plan.stages
+    assert s["preference_reference"].inputs == {"data": "data", "reference": "sft"}
+    assert s["preference"].inputs == {"data": "data", "init": "sft", "reference": "preference_reference"}
+    assert s["eval_dpo"].inputs["policy"] == "preference" and s["eval_dpo"].inputs["reference"] == "sft"
+    assert "reward_model" in plan.skipped
+    assert list(plan.upto("preference").stages) == ["base_model", "data", "sft", "preference_reference", "preference"]
+
+
+def test_rounds_after_a_preference_stage_start_from_it():
+    plan = _plan('preference={"loss": "kto"}', f"rounds=[{GRPO_RULE}]")
+    assert plan.stages["round_1"].inputs["policy"] == plan.stages["round_1"].inputs["reference"] == "preference"
+    assert plan.stages["eval_kto"].inputs["policy"] == "preference"
+    assert plan.stages["eval_round_1"].inputs["reference"] == "sft"
+
+
+def test_the_cached_reference_does_not_depend_on_the_loss():
+    dpo, kto = _plan(f"preference={DPO}"), _plan('preference={"loss": "kto", "beta": 0.3}')
+    assert dpo.stages["preference_reference"].key == kto.stages["preference_reference"].key
+    assert dpo.stages["preference"].key != kto.stages["preference"].key
+    no_pref = _plan()
+    assert all(no_pref.stages[n].key == dpo.stages[n].key for n in ("sft", "reward_model"))
+    assert no_pref.stages["round_1"].key != dpo.stages["round_1"].key  # it starts from the DPO policy
+
+
 def test_no_evaluation():
     plan = _plan("evaluation=null")
     assert not plan.of_kind("evaluate_policy") and not plan.of_kind("evaluate_reward_model")

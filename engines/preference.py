@@ -1,0 +1,115 @@
+"""Preference data as token tensors, and the objectives of the preference stage (DPO, IPO, cDPO, KTO).
+
+A preference split of N pairs becomes two batches of 2N right-padded rows each,
+both laid out [chosen_0..chosen_{N-1}, rejected_0..rejected_{N-1}]:
+
+    main  prompt_k + chosen_k       /  prompt_k + rejected_k
+    kl    prompt_k + chosen_{k+1}   /  prompt_k + rejected_{k+1}     (k + 1 mod N)
+
+with `loss_mask` over input_ids on the response tokens (EOS included). DPO
+trains on `main` as pairs; KTO takes its 2N rows as examples (chosen:
+desirable, rejected: undesirable) and estimates its reference point
+z0 = KL(π ‖ π_ref) on the mismatched `kl` rows, as Ethayarajh et al. 2024 do.
+The reference's sequence log-probabilities of both batches are computed once
+per dataset (the `preference_reference` stage) and ride along as `ref_logps`
+and `ref_kl_logps`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from algos.preference import dpo_loss, kto_loss, sequence_logprobs
+from engines.batches import LengthReport, encode_response, filter_prompts, pad_right, right_padded
+from engines.logits import masked_next_token_logprobs, response_logprobs_and_entropy
+
+
+def _rows(seqs: list[list[int]], prompt_lens: list[int], pad_id: int) -> dict[str, torch.Tensor]:
+    masks = [[0] * n + [1] * (len(s) - n) for s, n in zip(seqs, prompt_lens)]
+    return {**right_padded(seqs, pad_id), "loss_mask": pad_right(masks, 0)}
+
+
+def preference_tensors(tokenizer, records: list[dict], max_prompt_tokens: int, max_response_tokens: int,
+                       ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], LengthReport]:
+    """(main, kl, report): the two 2N-row batches of the module docstring, (2N, L) each.
+
+    Prompts over `max_prompt_tokens` are left out and counted (engines/batches.filter_prompts), the
+    same way for the reference stage and the training stage, so their rows line up."""
+    kept, report = filter_prompts(tokenizer, records, max_prompt_tokens, "preference")
+    n = len(kept)
+    prompts = [ids for ids, _ in kept]
+    replies = {side: [encode_response(tokenizer, r[side], max_response_tokens) for _, r in kept]
+               for side in ("chosen", "rejected")}
+    lens = prompts + prompts
+    main = [p + replies[side][k] for side in ("chosen", "rejected") for k, p in enumerate(prompts)]
+    kl = [p + replies[side][(k + 1) % n] for side in ("chosen", "rejected") for k, p in enumerate(prompts)]
+    pad = tokenizer.pad_token_id
+    return _rows(main, [len(p) for p in lens], pad), _rows(kl, [len(p) for p in lens], pad), report
+
+
+def sequence_logps(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """log π(y | x) = Σ_t loss_mask_t · log π(token_t | tokens_<t): (B,) float32 (the DPO sequence
+    log-likelihood, algos.preference.sequence_logprobs over the next-token layout)."""
+    mask = batch["loss_mask"][:, 1:]
+    return sequence_logprobs(masked_next_token_logprobs(model, batch, batch["loss_mask"]), mask)
+
+
+def response_logps(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """log π(y | x) of rollout rows (the RL layout: response_index, action_mask): Σ_t over the response
+    tokens, (B,) float32. Online DPO's sequence log-likelihood."""
+    return sequence_logprobs(response_logprobs_and_entropy(model, batch)[0], batch["action_mask"])
+
+
+def _reward_metrics(out) -> dict[str, float]:
+    return {"loss": out.loss.item(), "accuracy": float(out.accuracy), "reward_margin": float(out.reward_margin),
+            "chosen_reward": float(out.chosen_rewards), "rejected_reward": float(out.rejected_rewards)}
+
+
+def _logps(rollouts: bool, packing_max_tokens: int | None | bool):
+    """The sequence log-likelihood function: rollout rows, data rows, or data rows packed (engines/packing.py)."""
+    if rollouts:
+        return response_logps
+    if packing_max_tokens is False:
+        return sequence_logps
+    from engines.packed_objectives import packed_sequence_logps
+
+    return functools.partial(packed_sequence_logps, max_tokens=packing_max_tokens)
+
+
+def dpo_objective(model, batch: dict[str, torch.Tensor], *, loss_type: str, beta: float, label_smoothing: float,
+                  rollouts: bool = False, packing_max_tokens: int | None | bool = False,
+                  ) -> tuple[torch.Tensor, dict[str, float]]:
+    """DPO / IPO / cDPO (algos.preference.dpo_loss) on a batch [chosen..., rejected...] with `ref_logps`:
+    data rows (`loss_mask`), or with `rollouts` an online-DPO round's rollout rows (RL layout).
+
+    Metrics: loss, accuracy (share of pairs whose implicit reward β(log π − log π_ref) ranks chosen
+    first), reward_margin, chosen_reward, rejected_reward. `packing_max_tokens`: False, or pack each batch
+    into rows of that many tokens (None: its padded width)."""
+    logps = _logps(rollouts, packing_max_tokens)(model, batch)
+    ref = batch["ref_logps"]
+    n = logps.shape[0] // 2
+    out = dpo_loss(logps[:n], logps[n:], ref[:n], ref[n:], beta=beta, loss_type=loss_type,
+                   label_smoothing=label_smoothing)
+    return out.loss, _reward_metrics(out)
+
+
+def kto_objective(model, batch: dict[str, torch.Tensor], *, beta: float, desirable_weight: float,
+                  undesirable_weight: float, packing_max_tokens: int | None | bool = False,
+                  ) -> tuple[torch.Tensor, dict[str, float]]:
+    """KTO (algos.preference.kto_loss) on examples with `desirable` (B,) bool and `ref_logps`.
+
+    The reference point z0 = mean_b (log π − log π_ref) over the batch's mismatched `kl_*` rows, without
+    gradient, averaged across the ranks of a training group (clamped at 0 by the loss)."""
+    seq = _logps(False, packing_max_tokens)
+    logps = seq(model, batch)
+    with torch.no_grad():
+        kl_rows = {k.removeprefix("kl_"): v for k, v in batch.items() if k.startswith("kl_")}
+        z0 = (seq(model, kl_rows) - batch["ref_kl_logps"]).mean()
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(z0)
+            z0 = z0 / torch.distributed.get_world_size()
+    out = kto_loss(logps, batch["ref_logps"], batch["desirable"], z0, beta=beta,
+                   desirable_weight=desirable_weight, undesirable_weight=undesirable_weight)
+    return out.loss, _reward_metrics(out) | {"kl_reference_point": float(out.kl)}

@@ -1,0 +1,136 @@
+"""The preference stage's rows and objectives (engines/preference.py) against sums and formulas done by hand."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engines.preference import dpo_objective, kto_objective, preference_tensors, sequence_logps
+
+RECORDS = [
+    {"prompt": "Which digit is largest? 1 5 3", "chosen": "5", "rejected": "1"},
+    {"prompt": "Which digit is largest? 7 2", "chosen": "7", "rejected": "2 2"},
+    {"prompt": [{"role": "user", "content": "Which digit is largest? 4 9 8 6"}], "chosen": "9", "rejected": "4"},
+]
+
+
+@pytest.fixture(scope="module")
+def policy(tiny_model):
+    from engines.models import load_policy
+
+    return load_policy(str(tiny_model), "float32", "eager").eval()
+
+
+def _ids(tokenizer, prompt) -> list[int]:
+    from engines.batches import render_prompt
+
+    return render_prompt(tokenizer, prompt)
+
+
+def _reply(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+
+
+def test_rows_pair_each_prompt_with_its_replies_and_the_next_pairs_for_kl(tokenizer):
+    main, kl, report = preference_tensors(tokenizer, RECORDS, max_prompt_tokens=64, max_response_tokens=8)
+    assert report.total == 3 and report.overlong == 0
+    assert main["input_ids"].shape[0] == kl["input_ids"].shape[0] == 6
+    for i, (side, k, reply_k) in enumerate([(s, k, r) for s in ("chosen", "rejected") for k, r in
+                                            ((0, 0), (1, 1), (2, 2))]):
+        prompt = _ids(tokenizer, RECORDS[k]["prompt"])
+        for rows, reply_from in ((main, reply_k), (kl, (k + 1) % 3)):
+            reply = _reply(tokenizer, RECORDS[reply_from][side])
+            n = int(rows["attention_mask"][i].sum())
+            assert rows["input_ids"][i, :n].tolist() == prompt + reply
+            assert rows["loss_mask"][i, :n].tolist() == [0] * len(prompt) + [1] * len(reply)
+            assert rows["loss_mask"][i, n:].sum() == 0
+
+
+def test_an_overlong_prompt_is_left_out_and_counted(tokenizer):
+    limit = len(_ids(tokenizer, RECORDS[1]["prompt"]))  # the shortest prompt fits, the others do not
+    main, _, report = preference_tensors(tokenizer, RECORDS, max_prompt_tokens=limit, max_response_tokens=8)
+    assert report.overlong == 2 and main["input_ids"].shape[0] == 2
+
+
+def _by_hand(policy, rows) -> torch.Tensor:
+    """Σ log softmax over the response tokens, one sequence at a time, without padding."""
+    out = []
+    for ids, mask, lm in zip(rows["input_ids"], rows["attention_mask"], rows["loss_mask"]):
+        n = int(mask.sum())
+        logp = F.log_softmax(policy(input_ids=ids[None, :n]).logits[0].double(), -1)
+        out.append(sum(logp[t - 1, ids[t]] for t in range(1, n) if lm[t]))
+    return torch.stack(out)
+
+
+def test_sequence_logps_sum_the_response_tokens(policy, tokenizer):
+    main, _, _ = preference_tensors(tokenizer, RECORDS, 64, 8)
+    with torch.no_grad():
+        got = sequence_logps(policy, main)
+        want = _by_hand(policy, main)
+    torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("loss_type,smoothing", [("sigmoid", 0.0), ("cdpo", 0.2), ("ipo", 0.0)])
+def test_dpo_objective_matches_the_formula(policy, tokenizer, loss_type, smoothing):
+    main, _, _ = preference_tensors(tokenizer, RECORDS, 64, 8)
+    ref = torch.tensor([-3.0, -1.5, -2.0, -4.0, -0.5, -6.0])
+    beta = 0.5
+    with torch.no_grad():
+        loss, metrics = dpo_objective(policy, {**main, "ref_logps": ref}, loss_type=loss_type, beta=beta,
+                                      label_smoothing=smoothing)
+        lp = _by_hand(policy, main).tolist()
+    expected, margins, correct = [], [], 0
+    for k in range(3):
+        c, r = lp[k] - ref[k].item(), lp[k + 3] - ref[k + 3].item()
+        h = c - r
+        if loss_type == "ipo":
+            expected.append((h - 1 / (2 * beta)) ** 2)
+        else:
+            sig = lambda x: 1 / (1 + math.exp(-x))  # noqa: E731
+            expected.append(-(1 - smoothing) * math.log(sig(beta * h)) - smoothing * math.log(sig(-beta * h)))
+        margins.append(beta * h)
+        correct += beta * c > beta * r
+    assert loss.item() == pytest.approx(sum(expected) / 3, abs=1e-4)
+    assert metrics["reward_margin"] == pytest.approx(sum(margins) / 3, abs=1e-4)
+    assert metrics["accuracy"] == pytest.approx(correct / 3)
+    assert metrics["chosen_reward"] == pytest.approx(sum(beta * (lp[k] - ref[k].item()) for k in range(3)) / 3,
+                                                     abs=1e-4)
+
+
+def test_kto_objective_takes_its_reference_point_from_the_mismatched_rows(policy, tokenizer):
+    main, kl, _ = preference_tensors(tokenizer, RECORDS, 64, 8)
+    ref = torch.tensor([-3.0, -1.5, -2.0, -4.0, -0.5, -6.0])
+    ref_kl = torch.tensor([-40.0, -38.0, -37.0, -39.5, -38.5, -37.5])  # far below: z0 > 0
+    desirable = torch.tensor([True, True, True, False, False, False])
+    batch = {**main, **{f"kl_{k}": v for k, v in kl.items()}, "ref_logps": ref, "ref_kl_logps": ref_kl,
+             "desirable": desirable}
+    beta, wd, wu = 0.3, 1.0, 1.5
+    with torch.no_grad():
+        loss, metrics = kto_objective(policy, batch, beta=beta, desirable_weight=wd, undesirable_weight=wu)
+        lp, lp_kl = _by_hand(policy, main).tolist(), _by_hand(policy, kl).tolist()
+    z0 = max(0.0, sum(a - b for a, b in zip(lp_kl, ref_kl.tolist())) / 6)
+    assert z0 > 0
+    sig = lambda x: 1 / (1 + math.exp(-x))  # noqa: E731
+    per = [wd * (1 - sig(beta * (lp[i] - ref[i].item() - z0))) if desirable[i] else
+           wu * (1 - sig(beta * (z0 - lp[i] + ref[i].item()))) for i in range(6)]
+    assert metrics["kl_reference_point"] == pytest.approx(z0, abs=1e-4)
+    assert loss.item() == pytest.approx(sum(per) / 6, abs=1e-4)
+
+
+def test_packed_rows_give_the_unpacked_losses(policy, tokenizer):
+    """preference.packing: each batch packed into shared rows with a block mask gives the same DPO and KTO
+    losses (the sums run over ~10 tokens of log-probabilities near -8: 1e-5 is float32's reach)."""
+    main, kl, _ = preference_tensors(tokenizer, RECORDS, 64, 8)
+    ref = torch.tensor([-3.0, -1.5, -2.0, -4.0, -0.5, -6.0])
+    batch = {**main, **{f"kl_{k}": v for k, v in kl.items()}, "ref_logps": ref, "ref_kl_logps": ref - 30,
+             "desirable": torch.tensor([True] * 3 + [False] * 3)}
+    with torch.no_grad():
+        for fn, kw in ((dpo_objective, dict(loss_type="sigmoid", beta=0.5, label_smoothing=0.0)),
+                       (kto_objective, dict(beta=0.3, desirable_weight=1.0, undesirable_weight=1.5))):
+            plain, _ = fn(policy, batch, **kw)
+            for width in (None, 2 * main["input_ids"].shape[1]):
+                packed, _ = fn(policy, batch, packing_max_tokens=width, **kw)
+                assert packed.item() == pytest.approx(plain.item(), abs=1e-5), (fn.__name__, width)
