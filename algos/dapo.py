@@ -8,6 +8,20 @@ import torch
 from torch import Tensor
 
 
+def _check_groups(sequence_rewards: Tensor, group_size: int) -> None:
+    if sequence_rewards.dim() != 1:
+        raise ValueError(
+            f"sequence_rewards must be 1-D (B,), got shape {tuple(sequence_rewards.shape)}"
+        )
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
+    if sequence_rewards.shape[0] % group_size != 0:
+        raise ValueError(
+            f"batch size {sequence_rewards.shape[0]} is not a multiple of "
+            f"group_size {group_size}"
+        )
+
+
 def dynamic_sampling_filter(
     sequence_rewards: Tensor, group_size: int, *, atol: float = 0.0
 ) -> Tuple[Tensor, int]:
@@ -24,17 +38,7 @@ def dynamic_sampling_filter(
     Reference: Yu et al. 2025, "DAPO: An Open-Source LLM Reinforcement
     Learning System at Scale", arXiv 2503.14476, sec. 3.2 (dynamic sampling).
     """
-    if sequence_rewards.dim() != 1:
-        raise ValueError(
-            f"sequence_rewards must be 1-D (B,), got shape {tuple(sequence_rewards.shape)}"
-        )
-    if group_size < 1:
-        raise ValueError(f"group_size must be >= 1, got {group_size}")
-    if sequence_rewards.shape[0] % group_size != 0:
-        raise ValueError(
-            f"batch size {sequence_rewards.shape[0]} is not a multiple of "
-            f"group_size {group_size}"
-        )
+    _check_groups(sequence_rewards, group_size)
     if atol < 0:
         raise ValueError(f"atol must be >= 0, got {atol}")
     g = sequence_rewards.reshape(-1, group_size)
@@ -96,17 +100,7 @@ def group_mean_filter(
     "Process Reinforcement through Implicit Rewards" (PRIME), arXiv
     2502.01456; a generalisation of DAPO's dynamic sampling, arXiv 2503.14476.
     """
-    if sequence_rewards.dim() != 1:
-        raise ValueError(
-            f"sequence_rewards must be 1-D (B,), got shape {tuple(sequence_rewards.shape)}"
-        )
-    if group_size < 1:
-        raise ValueError(f"group_size must be >= 1, got {group_size}")
-    if sequence_rewards.shape[0] % group_size != 0:
-        raise ValueError(
-            f"batch size {sequence_rewards.shape[0]} is not a multiple of "
-            f"group_size {group_size}"
-        )
+    _check_groups(sequence_rewards, group_size)
     if low > high:
         raise ValueError(f"need low <= high, got [{low}, {high}]")
     means = sequence_rewards.reshape(-1, group_size).mean(dim=1)

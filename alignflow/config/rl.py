@@ -198,6 +198,23 @@ class RoundConfig(Section):
             "advantage_std_norm": s.group_std_norm if p.advantage_std_norm is None else p.advantage_std_norm})
         return self.model_copy(update={"kl": kl, "ppo": ppo})
 
+    @model_validator(mode="before")
+    @classmethod
+    def _sections_of_the_algorithm(cls, data):
+        """As the user wrote it (a resolved round fills kl and ppo in itself): sections the update ignores are
+        errors, not silently unused."""
+        if not isinstance(data, dict):
+            return data
+        algorithm = data.get("algorithm", cls.model_fields["algorithm"].default)
+        dpo_update = algorithm in ALGORITHMS and ALGORITHMS[algorithm].update == "online_dpo"
+        ignored = sorted({"kl", "ppo"} & set(data)) if dpo_update else []
+        if ignored:
+            raise ValueError(f"{algorithm} takes DPO steps: its pull toward the reference is dpo.beta and its "
+                             f"updates dpo.epochs / dpo.pairs_per_update; leave out {' and '.join(ignored)}")
+        if "dpo" in data and not dpo_update:
+            raise ValueError(f"the dpo section is online_dpo's; this round's algorithm is {algorithm}")
+        return data
+
     @model_validator(mode="after")
     def _consistent(self) -> RoundConfig:
         if self.generation.num_samples < self.spec.min_samples:
@@ -210,13 +227,6 @@ class RoundConfig(Section):
         if self.ppo.advantage_std_norm is not None and self.spec.group_std_norm is None:
             raise ValueError(f"ppo.advantage_std_norm: {self.algorithm} has no group-normalised advantages "
                              f"(no group std to switch); leave it out")
-        dpo_update = self.spec.update == "online_dpo"
-        if dpo_update and {"kl", "ppo"} & self.model_fields_set:
-            raise ValueError(f"{self.algorithm} takes DPO steps: its pull toward the reference is dpo.beta and its "
-                             f"updates dpo.epochs / dpo.pairs_per_update; leave out "
-                             f"{' and '.join(sorted({'kl', 'ppo'} & self.model_fields_set))}")
-        if "dpo" in self.model_fields_set and not dpo_update:
-            raise ValueError(f"the dpo section is online_dpo's; this round's algorithm is {self.algorithm}")
         if self.colocate_all:
             n = self.actor.num_workers
             if self.num_rollout_engines != n:

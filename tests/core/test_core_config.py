@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import json
 import re
 from pathlib import Path
 
@@ -502,3 +503,22 @@ def test_preference_is_off_by_default_and_takes_its_own_defaults():
     assert load_config(None, []).preference is None
     pref = load_config(None, ['preference={"loss": "kto", "desirable_weight": 1.33}']).preference
     assert (pref.loss, pref.beta, pref.desirable_weight, pref.learning_rate) == ("kto", 0.1, 1.33, 5e-4)
+
+
+@pytest.mark.parametrize("round_,message", [
+    ({"algorithm": "online_dpo", "kl": {"coef": 0.1}}, "online_dpo takes DPO steps"),
+    ({"algorithm": "online_dpo", "ppo": {"epochs": 3}}, "leave out ppo"),
+    ({"algorithm": "grpo", "dpo": {"beta": 0.2}}, "the dpo section is online_dpo's"),
+    ({"algorithm": "online_dpo", "dpo": {"loss": "cdpo"}}, "dpo.label_smoothing > 0 goes with dpo.loss=cdpo"),
+])
+def test_a_round_refuses_sections_its_update_ignores(round_, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(None, [f"rounds={json.dumps([round_])}"])
+
+
+def test_an_online_dpo_round_plans_with_its_resolved_config():
+    from tasks.plan import plan_pipeline
+
+    cfg = load_config(None, ['rounds=[{"algorithm": "online_dpo", "dpo": {"beta": 0.2}}]'])
+    stage = plan_pipeline(cfg).stages["round_1"]
+    assert stage.config.round.dpo.beta == 0.2 and stage.inputs["reference"] == "sft"
