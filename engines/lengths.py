@@ -24,7 +24,8 @@ from alignflow.config import DataConfig
 from alignflow.errors import DataError
 from engines.batches import render_prompt
 
-RESPONSE_KEYS = {"sft": ("response",), "preference": ("chosen", "rejected"), "eval_preference": ("chosen", "rejected")}
+RESPONSE_KEYS = {"sft": ("response",), "preference": ("chosen", "rejected"), "preference_unpaired": ("response",),
+                 "eval_preference": ("chosen", "rejected")}
 
 
 def percentile(values: list[int], q: float) -> int:

@@ -1,7 +1,8 @@
 """Preference data as token tensors, and the objectives of the preference stage (DPO, IPO, cDPO, KTO).
 
-A preference split of N pairs becomes two batches of 2N right-padded rows each,
-both laid out [chosen_0..chosen_{N-1}, rejected_0..rejected_{N-1}]:
+A preference split of N pairs (and M unpaired KTO examples, after them)
+becomes two batches of 2N (+ M) right-padded rows each, laid out
+[chosen_0..chosen_{N-1}, rejected_0..rejected_{N-1}, unpaired...]:
 
     main  prompt_k + chosen_k       /  prompt_k + rejected_k
     kl    prompt_k + chosen_{k+1}   /  prompt_k + rejected_{k+1}     (k + 1 mod N)
@@ -18,6 +19,7 @@ and `ref_kl_logps`.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -31,22 +33,53 @@ def _rows(seqs: list[list[int]], prompt_lens: list[int], pad_id: int) -> dict[st
     return {**right_padded(seqs, pad_id), "loss_mask": pad_right(masks, 0)}
 
 
+@dataclass(frozen=True)
+class PreferenceRows:
+    """The preference split as rows: `main` and `kl` (2N + M rows each: the N pairs' chosen rows, their
+    rejected rows, then the M unpaired examples), `desirable` (2N + M,) bool, and what was left out."""
+
+    main: dict[str, torch.Tensor]
+    kl: dict[str, torch.Tensor]
+    pairs: int
+    desirable: torch.Tensor
+    reports: dict[str, LengthReport]  # split -> its prompt-length report
+
+    def metrics(self) -> dict[str, float]:
+        return {k: v for split, r in self.reports.items() for k, v in r.as_metrics(split).items()}
+
+
+def _mismatched(n: int, k: int) -> int:
+    return (k + 1) % n
+
+
 def preference_tensors(tokenizer, records: list[dict], max_prompt_tokens: int, max_response_tokens: int,
-                       ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], LengthReport]:
-    """(main, kl, report): the two 2N-row batches of the module docstring, (2N, L) each.
+                       unpaired: list[dict] = ()) -> PreferenceRows:
+    """The rows of the module docstring, with the unpaired examples (KTO: prompt, response, label) after
+    the pairs; their `kl` rows pair prompt j with response j + 1 among the unpaired (mod M).
 
     Prompts over `max_prompt_tokens` are left out and counted (engines/batches.filter_prompts), the
     same way for the reference stage and the training stage, so their rows line up."""
-    kept, report = filter_prompts(tokenizer, records, max_prompt_tokens, "preference")
+    kept, report = filter_prompts(tokenizer, records, max_prompt_tokens, "preference") if records else ([], None)
+    singles, single_report = (filter_prompts(tokenizer, list(unpaired), max_prompt_tokens, "preference_unpaired")
+                              if unpaired else ([], None))
+    prompts, main, kl = [], [], []
+    for side in ("chosen", "rejected"):
+        replies = [encode_response(tokenizer, r[side], max_response_tokens) for _, r in kept]
+        for k, (ids, _) in enumerate(kept):
+            prompts.append(ids)
+            main.append(ids + replies[k])
+            kl.append(ids + replies[_mismatched(len(kept), k)])
+    replies = [encode_response(tokenizer, r["response"], max_response_tokens) for _, r in singles]
+    for j, (ids, _) in enumerate(singles):
+        prompts.append(ids)
+        main.append(ids + replies[j])
+        kl.append(ids + replies[_mismatched(len(singles), j)])
     n = len(kept)
-    prompts = [ids for ids, _ in kept]
-    replies = {side: [encode_response(tokenizer, r[side], max_response_tokens) for _, r in kept]
-               for side in ("chosen", "rejected")}
-    lens = prompts + prompts
-    main = [p + replies[side][k] for side in ("chosen", "rejected") for k, p in enumerate(prompts)]
-    kl = [p + replies[side][(k + 1) % n] for side in ("chosen", "rejected") for k, p in enumerate(prompts)]
-    pad = tokenizer.pad_token_id
-    return _rows(main, [len(p) for p in lens], pad), _rows(kl, [len(p) for p in lens], pad), report
+    desirable = torch.tensor([True] * n + [False] * n + [r["label"] for _, r in singles], dtype=torch.bool)
+    lens, pad = [len(p) for p in prompts], tokenizer.pad_token_id
+    return PreferenceRows(main=_rows(main, lens, pad), kl=_rows(kl, lens, pad), pairs=n, desirable=desirable,
+                          reports={name: r for name, r in (("preference", report),
+                                                           ("preference_unpaired", single_report)) if r})
 
 
 def sequence_logps(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:

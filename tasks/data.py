@@ -16,16 +16,19 @@ from tasks.registry import DataInputs, DataStage
 
 log = logging.getLogger("alignflow")
 
-SPLITS = ("sft", "preference", "prompts", "eval", "eval_preference")
+SPLITS = ("sft", "preference", "preference_unpaired", "prompts", "eval", "eval_preference")
 
 
 def build_splits(cfg: DataConfig, seed: int) -> dict[str, list[dict]]:
     """All splits; user data is validated row by row before anything trains."""
     if cfg.source == "synthetic":
-        return synthetic.generate(cfg.synthetic, seed)
+        return {**synthetic.generate(cfg.synthetic, seed), "preference_unpaired": []}
+    preference = formats.load_records(cfg.preference, "preference")
     splits = {
         "sft": formats.load_records(cfg.sft, "sft"),
-        "preference": formats.load_records(cfg.preference, "preference"),
+        # Unpaired rows (data.preference.label_key) are KTO's; pairs serve every preference stage.
+        "preference": [r for r in preference if "label" not in r],
+        "preference_unpaired": [r for r in preference if "label" in r],
         "eval": formats.load_records(cfg.eval, "prompts"),
     }
     # RL prompts: their own source, else the SFT prompts (never the held-out
@@ -33,9 +36,9 @@ def build_splits(cfg: DataConfig, seed: int) -> dict[str, list[dict]]:
     splits["prompts"] = (formats.load_records(cfg.prompts, "prompts") if cfg.prompts
                          else [{"prompt": r["prompt"], "answer": None} for r in splits["sft"]])
     # Held-out pairs for reward-model accuracy: the last 10% of the pairs.
-    n_held = max(1, len(splits["preference"]) // 10)
-    splits["eval_preference"] = splits["preference"][-n_held:]
-    splits["preference"] = splits["preference"][:-n_held] or splits["eval_preference"]
+    n_held = max(1, len(splits["preference"]) // 10) if splits["preference"] else 0
+    splits["eval_preference"] = splits["preference"][len(splits["preference"]) - n_held:]
+    splits["preference"] = splits["preference"][: len(splits["preference"]) - n_held] or splits["eval_preference"]
     return splits
 
 

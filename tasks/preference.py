@@ -10,6 +10,7 @@ checkpoints, resume) with the cached log-probabilities riding in each batch.
 from __future__ import annotations
 
 import functools
+import logging
 from pathlib import Path
 
 import torch
@@ -27,6 +28,7 @@ from tasks.registry import PreferenceInputs, PreferenceReferenceInputs, Preferen
 from tasks.train import train_stage
 
 REFERENCE_FILE = "reference_logps.safetensors"
+log = logging.getLogger("alignflow")
 
 
 def preference_reference(stage: PlannedStage, inputs: PreferenceReferenceInputs, ctx: RunContext) -> StageResult:
@@ -38,46 +40,71 @@ def preference_reference(stage: PlannedStage, inputs: PreferenceReferenceInputs,
         from safetensors.torch import save_file
 
         ref_path = str(storage.fetch(inputs.reference.uri))
-        limits = token_limits(inputs.data)
-        main, kl, report = pref.preference_tensors(models.load_tokenizer(ref_path),
-                                                   load_split(inputs.data, ctx, "preference"),
-                                                   limits.prompt, limits.response)
-        run.log_metrics(report.as_metrics("preference"))
+        rows = _rows(models.load_tokenizer(ref_path), inputs, ctx)
+        run.log_metrics(rows.metrics())
         if cfg.placement.num_gpus:
             ensure_ray(ctx.infra)
         with scoring(ref_path, None, num_cpus=cfg.placement.num_cpus, num_gpus=cfg.placement.num_gpus,
                      dtype=cfg.io.dtype, torch_threads=ctx.infra.torch_threads,
                      attn_implementation=cfg.io.attn_implementation, micro_batch_size=cfg.micro_batch_size) as call:
-            logps = {name: call("reference_map", rows, pref.sequence_logps) for name, rows in (("main", main),
-                                                                                               ("kl", kl))}
+            logps = {name: call("reference_map", batch, pref.sequence_logps)
+                     for name, batch in (("main", rows.main), ("kl", rows.kl))}
         save_file({k: v.float().contiguous() for k, v in logps.items()}, str(out / REFERENCE_FILE))
-        n = main["input_ids"].shape[0] // 2
-        return {"preference/pairs": float(n), "preference/reference_logp_chosen": logps["main"][:n].mean().item(),
-                "preference/reference_logp_rejected": logps["main"][n:].mean().item()}
+        n = rows.pairs
+        return {"preference/pairs": float(n), "preference/unpaired": float(len(rows.desirable) - 2 * n),
+                "preference/reference_logp_chosen": logps["main"][:n].mean().item() if n else 0.0,
+                "preference/reference_logp_rejected": logps["main"][n : 2 * n].mean().item() if n else 0.0}
 
     return compute_stage(ctx, stage, compute)
 
 
-def _with_reference(reference: dict[str, torch.Tensor], kto: bool):
-    """`to_tensors` for train_stage: the preference rows with the cached reference log-probabilities."""
+def _rows(tokenizer, inputs, ctx: RunContext, limits: TokenLimits | None = None,
+          pairs: list[dict] | None = None) -> pref.PreferenceRows:
+    """The pairs and the unpaired examples of the data stage, as rows (the same for both stages)."""
+    limits = limits or token_limits(inputs.data)
+    pairs = load_split(inputs.data, ctx, "preference") if pairs is None else pairs
+    unpaired = load_split(inputs.data, ctx, "preference_unpaired")
+    return pref.preference_tensors(tokenizer, pairs, limits.prompt, limits.response, unpaired)
+
+
+def _with_reference(reference: dict[str, torch.Tensor], loss: str, inputs: PreferenceInputs, ctx: RunContext):
+    """`to_tensors` for train_stage: the preference rows with the cached reference log-probabilities. KTO takes
+    every row as an example; the DPO family the pairs (unpaired rows are left out, counted, with a warning)."""
 
     def to_tensors(tokenizer, records: list[dict], limits: TokenLimits):
-        main, kl, report = pref.preference_tensors(tokenizer, records, limits.prompt, limits.response)
-        rows = main["input_ids"].shape[0]
-        if reference["main"].shape[0] != rows:
+        rows = _rows(tokenizer, inputs, ctx, limits, pairs=records)
+        kto = loss == "kto"
+        total = rows.main["input_ids"].shape[0]
+        if reference["main"].shape[0] != total:
             raise RuntimeError(f"the cached reference log-probabilities cover {reference['main'].shape[0]} rows, the "
-                               f"preference split gives {rows}: rerun the preference_reference stage")
-        tensors = {**main, "ref_logps": reference["main"]}
+                               f"preference split gives {total}: rerun the preference_reference stage")
         if kto:
-            tensors.update({f"kl_{k}": v for k, v in kl.items()}, ref_kl_logps=reference["kl"],
-                           desirable=torch.arange(rows) < rows // 2)
-        return tensors, report
+            tensors = {**rows.main, "ref_logps": reference["main"], "desirable": rows.desirable,
+                       **{f"kl_{k}": v for k, v in rows.kl.items()}, "ref_kl_logps": reference["kl"]}
+        else:
+            keep = 2 * rows.pairs
+            if total > keep:
+                log.warning("preference: %d unpaired rows are KTO's; preference.loss=%s trains on the %d pairs",
+                            total - keep, loss, rows.pairs)
+            tensors = {k: v[:keep] for k, v in rows.main.items()} | {"ref_logps": reference["main"][:keep]}
+        return tensors, _Report(rows.metrics(), 0 if kto else total - 2 * rows.pairs)
 
     return to_tensors
 
 
+class _Report:
+    """What train_stage logs about the rows (LengthReport's interface)."""
+
+    def __init__(self, metrics: dict[str, float], unused: int):
+        self.metrics, self.unused = metrics, unused
+
+    def as_metrics(self, split: str) -> dict[str, float]:
+        return self.metrics | {"data/preference_unpaired_unused": float(self.unused)}
+
+
 def preference(stage: PlannedStage, inputs: PreferenceInputs, ctx: RunContext) -> StageResult:
-    """DPO / IPO / cDPO on pairs, or KTO on their 2N examples, from the SFT policy (or the base model)."""
+    """DPO / IPO / cDPO on the pairs, or KTO on their 2N examples and the unpaired ones, from the SFT policy
+    (or the base model)."""
     from safetensors.torch import load_file
 
     cfg: PreferenceStage = stage.config
@@ -92,4 +119,4 @@ def preference(stage: PlannedStage, inputs: PreferenceInputs, ctx: RunContext) -
         objective = functools.partial(pref.dpo_objective, loss_type=DPO_LOSS_TYPE[train.loss], beta=train.beta,
                                       label_smoothing=train.label_smoothing, packing_max_tokens=packing)
     return train_stage(stage, inputs, ctx, kind="causal", split="preference", objective=objective, paired=not kto,
-                       to_tensors=_with_reference(reference, kto))
+                       to_tensors=_with_reference(reference, train.loss, inputs, ctx))

@@ -163,7 +163,7 @@ def register_stage(kind: StageKind) -> StageKind:
 
 
 register_stage(StageKind(
-    "data", "data", DataStage, DataInputs, "4", "tasks.data:prepare_data",
+    "data", "data", DataStage, DataInputs, "5", "tasks.data:prepare_data",
     "the bundled task or user data as canonical JSONL splits, measured in tokens"))
 register_stage(StageKind(
     "base_model", "base_model", BaseModelStage, NoInputs, "2", "tasks.base_model:base_model",

@@ -47,6 +47,9 @@ class DatasetSource(Section):
     rejected_key: str = "rejected"
     messages_key: str | None = None
     answer_key: str | None = "answer"
+    label_key: str | None = Field(
+        None, description="preference rows with this key (true: desirable) and a response_key column instead of "
+        "chosen/rejected are unpaired examples: preference.loss=kto trains on them too; other stages leave them out")
     assistant_marker: str = Field(
         "\n\nAssistant:", min_length=1, description="preference rows without a prompt key: chosen/rejected "
         "strings are split after their last occurrence of this; the text before (marker included) is the prompt")

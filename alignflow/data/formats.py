@@ -4,6 +4,7 @@ Canonical records (what every later stage reads, as JSONL):
 
 - sft:        {"prompt": P, "response": str}
 - preference: {"prompt": P, "chosen": str, "rejected": str}
+              or, unpaired (KTO), {"prompt": P, "response": str, "label": bool}
 - prompts:    {"prompt": P, "answer": str | None}   (RL prompts, eval prompts)
 
 where P is a plain string (used verbatim) or a list of chat messages
@@ -23,6 +24,8 @@ Row shapes, per row (key names are DatasetSource fields; no key is guessed):
   after their last `assistant_marker` (prompt keeps the marker; replies stay
   verbatim, leading space included, so prompt + reply is the dialogue);
   message lists split before their last message. Different prompts fail.
+  With `label_key` set, a row holding that key is an unpaired example:
+  `prompt_key`, `response_key` and a true/false label.
 - prompts: `prompt_key` (or the whole `messages_key` list), `answer_key` if any.
 
 A row that fits none fails with the key it lacks, what to set, and its keys.
@@ -171,12 +174,27 @@ def _shared_prompt(row: dict, src: DatasetSource, where: str) -> tuple[str | lis
     )
 
 
+def _unpaired(row: dict, src: DatasetSource, where: str, section: str) -> dict[str, Any]:
+    """An unpaired preference row (KTO): {"prompt", "response", "label": bool}."""
+    label = row[src.label_key]
+    if not isinstance(label, bool) and label not in (0, 1):
+        raise DataError(f"{where}: key {src.label_key!r} must be true/false (or 1/0), got {label!r}")
+    return {
+        "prompt": _check_prompt(_need(row, src.prompt_key, where, f"or set prompt_key under {section}"),
+                                where, src.prompt_key),
+        "response": _text(row, src.response_key, where, f"or set response_key under {section}"),
+        "label": bool(label),
+    }
+
+
 def normalize_row(row: Any, kind: Kind, src: DatasetSource, where: str) -> dict[str, Any]:
     """One raw row -> its canonical record, or a DataError naming the row and key."""
     if not isinstance(row, dict):
         raise DataError(f"{where}: a row must be an object, got {type(row).__name__}")
     section = _SECTION[kind]
     if kind == "preference":
+        if src.label_key and row.get(src.label_key) is not None:
+            return _unpaired(row, src, where, section)
         if row.get(src.prompt_key) is None:
             prompt, chosen, rejected = _shared_prompt(row, src, where)
             return {"prompt": prompt, "chosen": chosen, "rejected": rejected}

@@ -601,3 +601,25 @@ def test_synthetic_splits_are_valid_canonical_records(tmp_path, splits):
         path = tmp_path / f"{name}.jsonl"
         formats.write_jsonl(splits[name][:20], str(path))
         assert load_records(DatasetSource(path=str(path)), kind) == splits[name][:20]
+
+
+def test_unpaired_kto_rows_beside_pairs_go_to_their_own_split(tmp_path):
+    from alignflow.config import DataConfig
+    from tasks.data import build_splits
+
+    pairs = [{"prompt": f"p{i}", "chosen": f"c{i}", "rejected": f"r{i}"} for i in range(10)]
+    unpaired = [{"prompt": "u1", "completion": "good", "thumbs_up": True},
+                {"prompt": "u2", "completion": "bad", "thumbs_up": 0}]
+    path = _jsonl(tmp_path / "pref.jsonl", pairs[:5] + unpaired + pairs[5:])
+    src = DatasetSource(path=path, label_key="thumbs_up", response_key="completion")
+    sft = _jsonl(tmp_path / "sft.jsonl", SFT_ROWS)
+    cfg = DataConfig(source="files", sft=DatasetSource(path=sft), preference=src, eval=DatasetSource(path=sft))
+    splits = build_splits(cfg, seed=0)
+    assert splits["preference_unpaired"] == [{"prompt": "u1", "response": "good", "label": True},
+                                             {"prompt": "u2", "response": "bad", "label": False}]
+    assert splits["preference"] + splits["eval_preference"] == pairs  # the last 10 % of the pairs held out
+    assert splits["eval_preference"] == pairs[-1:]
+
+    bad = _jsonl(tmp_path / "bad.jsonl", [{"prompt": "u", "completion": "x", "thumbs_up": "yes"}])
+    with pytest.raises(DataError, match=r"bad.jsonl, row 1: key 'thumbs_up' must be true/false"):
+        load_records(DatasetSource(path=bad, label_key="thumbs_up", response_key="completion"), "preference")

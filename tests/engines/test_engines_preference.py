@@ -35,8 +35,10 @@ def _reply(tokenizer, text: str) -> list[int]:
 
 
 def test_rows_pair_each_prompt_with_its_replies_and_the_next_pairs_for_kl(tokenizer):
-    main, kl, report = preference_tensors(tokenizer, RECORDS, max_prompt_tokens=64, max_response_tokens=8)
-    assert report.total == 3 and report.overlong == 0
+    rows = preference_tensors(tokenizer, RECORDS, max_prompt_tokens=64, max_response_tokens=8)
+    main, kl, report = rows.main, rows.kl, rows.reports["preference"]
+    assert report.total == 3 and report.overlong == 0 and rows.pairs == 3
+    assert rows.desirable.tolist() == [True] * 3 + [False] * 3
     assert main["input_ids"].shape[0] == kl["input_ids"].shape[0] == 6
     for i, (side, k, reply_k) in enumerate([(s, k, r) for s in ("chosen", "rejected") for k, r in
                                             ((0, 0), (1, 1), (2, 2))]):
@@ -49,10 +51,29 @@ def test_rows_pair_each_prompt_with_its_replies_and_the_next_pairs_for_kl(tokeni
             assert rows["loss_mask"][i, n:].sum() == 0
 
 
+UNPAIRED = [
+    {"prompt": "Which digit is largest? 3 8", "response": "8", "label": True},
+    {"prompt": "Which digit is largest? 6 1 0", "response": "1", "label": False},
+]
+
+
+def test_unpaired_examples_follow_the_pairs_with_their_labels(tokenizer):
+    rows = preference_tensors(tokenizer, RECORDS[:2], 64, 8, unpaired=UNPAIRED)
+    assert rows.pairs == 2 and rows.main["input_ids"].shape[0] == rows.kl["input_ids"].shape[0] == 6
+    assert rows.desirable.tolist() == [True, True, False, False, True, False]
+    for i, (k, reply_from) in enumerate(((0, 0), (1, 1))):
+        prompt = _ids(tokenizer, UNPAIRED[k]["prompt"])
+        for batch, j in ((rows.main, reply_from), (rows.kl, 1 - k)):
+            n = int(batch["attention_mask"][4 + i].sum())
+            assert batch["input_ids"][4 + i, :n].tolist() == prompt + _reply(tokenizer, UNPAIRED[j]["response"])
+    assert set(rows.reports) == {"preference", "preference_unpaired"}
+
+
 def test_an_overlong_prompt_is_left_out_and_counted(tokenizer):
     limit = len(_ids(tokenizer, RECORDS[1]["prompt"]))  # the shortest prompt fits, the others do not
-    main, _, report = preference_tensors(tokenizer, RECORDS, max_prompt_tokens=limit, max_response_tokens=8)
-    assert report.overlong == 2 and main["input_ids"].shape[0] == 2
+    rows = preference_tensors(tokenizer, RECORDS, max_prompt_tokens=limit, max_response_tokens=8)
+    assert rows.reports["preference"].overlong == 2 and rows.main["input_ids"].shape[0] == 2
+    assert rows.metrics()["data/preference_overlong_prompts"] == 2
 
 
 def _by_hand(policy, rows) -> torch.Tensor:
@@ -66,7 +87,7 @@ def _by_hand(policy, rows) -> torch.Tensor:
 
 
 def test_sequence_logps_sum_the_response_tokens(policy, tokenizer):
-    main, _, _ = preference_tensors(tokenizer, RECORDS, 64, 8)
+    main = preference_tensors(tokenizer, RECORDS, 64, 8).main
     with torch.no_grad():
         got = sequence_logps(policy, main)
         want = _by_hand(policy, main)
@@ -75,7 +96,7 @@ def test_sequence_logps_sum_the_response_tokens(policy, tokenizer):
 
 @pytest.mark.parametrize("loss_type,smoothing", [("sigmoid", 0.0), ("cdpo", 0.2), ("ipo", 0.0)])
 def test_dpo_objective_matches_the_formula(policy, tokenizer, loss_type, smoothing):
-    main, _, _ = preference_tensors(tokenizer, RECORDS, 64, 8)
+    main = preference_tensors(tokenizer, RECORDS, 64, 8).main
     ref = torch.tensor([-3.0, -1.5, -2.0, -4.0, -0.5, -6.0])
     beta = 0.5
     with torch.no_grad():
@@ -101,7 +122,8 @@ def test_dpo_objective_matches_the_formula(policy, tokenizer, loss_type, smoothi
 
 
 def test_kto_objective_takes_its_reference_point_from_the_mismatched_rows(policy, tokenizer):
-    main, kl, _ = preference_tensors(tokenizer, RECORDS, 64, 8)
+    rows = preference_tensors(tokenizer, RECORDS, 64, 8)
+    main, kl = rows.main, rows.kl
     ref = torch.tensor([-3.0, -1.5, -2.0, -4.0, -0.5, -6.0])
     ref_kl = torch.tensor([-40.0, -38.0, -37.0, -39.5, -38.5, -37.5])  # far below: z0 > 0
     desirable = torch.tensor([True, True, True, False, False, False])
@@ -123,7 +145,8 @@ def test_kto_objective_takes_its_reference_point_from_the_mismatched_rows(policy
 def test_packed_rows_give_the_unpacked_losses(policy, tokenizer):
     """preference.packing: each batch packed into shared rows with a block mask gives the same DPO and KTO
     losses (the sums run over ~10 tokens of log-probabilities near -8: 1e-5 is float32's reach)."""
-    main, kl, _ = preference_tensors(tokenizer, RECORDS, 64, 8)
+    rows = preference_tensors(tokenizer, RECORDS, 64, 8)
+    main, kl = rows.main, rows.kl
     ref = torch.tensor([-3.0, -1.5, -2.0, -4.0, -0.5, -6.0])
     batch = {**main, **{f"kl_{k}": v for k, v in kl.items()}, "ref_logps": ref, "ref_kl_logps": ref - 30,
              "desirable": torch.tensor([True] * 3 + [False] * 3)}
