@@ -55,7 +55,8 @@ def truncation_penalty(finished: Tensor, penalty: float) -> Tensor:
     if penalty < 0:
         raise ValueError(f"truncation penalty must be >= 0, got {penalty}")
     unfinished = ~finished.to(torch.bool)
-    return torch.where(unfinished, torch.full(finished.shape, -float(penalty)), torch.zeros(finished.shape))
+    zeros = torch.zeros(finished.shape, device=finished.device)
+    return torch.where(unfinished, zeros - float(penalty), zeros)
 
 
 @dataclass(frozen=True)

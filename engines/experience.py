@@ -31,6 +31,7 @@ class Experience:
         prompt_index               (B,)    the step's prompt; a prompt's n samples are contiguous
         finished                   (B,)    ended with EOS/stop rather than the length limit
         rewards                    (B,)    sequence reward (task reward + overlong shaping)
+        task_rewards               (B,)    the reward model's / rule's / service's reward, before any shaping
         ref_logprobs               (B, T)  reference policy (algorithms with a KL term)
         old_logprobs               (B, T)  the trained policy before this step's updates (None when the
                                            step is one optimizer step: the training forward's own)
@@ -47,6 +48,7 @@ class Experience:
     prompt_index: Tensor
     finished: Tensor
     rewards: Tensor | None = None
+    task_rewards: Tensor | None = None
     ref_logprobs: Tensor | None = None
     old_logprobs: Tensor | None = None
     values: Tensor | None = None

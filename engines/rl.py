@@ -75,7 +75,7 @@ class RLRound:
         self.schedule = Schedule(rows=n, batch_size=min(cfg.prompts_per_step, n), total_steps=cfg.steps,
                                  seed=derive_seed(setup.seed, "prompts"))
         update_cls = UPDATES[cfg.spec.update]
-        self.models = start_round_models(cfg, setup, update_cls.updates_per_step(cfg))
+        self.models = start_round_models(cfg, setup, update_cls.updates_per_step(cfg), update_cls.rows_per_update(cfg))
         self.update = update_cls(cfg, self.models, setup.seed)
         # reward.normalize: statistics of every reward of the round so far (checkpointed)
         self.reward_stats = algos.RunningMeanStd() if cfg.reward.normalize else None
@@ -100,7 +100,7 @@ class RLRound:
             overlong_buffer=r.overlong_buffer, overlong_penalty=r.overlong_penalty,
             truncation_penalty=r.truncation_penalty, clip=r.clip, stats=self.reward_stats)
         self.reward_stats = shaped.stats
-        return shaped.rewards, shaped.metrics
+        return shaped.rewards, task, shaped.metrics
 
     def _sampling(self) -> Sampling:
         g = self.cfg.generation
@@ -130,8 +130,8 @@ class RLRound:
         rollouts = self._rollouts(step, prompt_ids)
         clock.lap("generate")
         exp = experience.from_rollouts(rollouts, self.tokenizer.pad_token_id)
-        rewards, reward_metrics = self.rewards(exp, rollouts, records)
-        exp = exp.with_(rewards=rewards)
+        rewards, task, reward_metrics = self.rewards(exp, rollouts, records)
+        exp = exp.with_(rewards=rewards, task_rewards=task)
         clock.lap("score")
         trained = self.update(exp, step, clock.lap)
         self.models.sync()

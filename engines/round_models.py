@@ -3,7 +3,8 @@
     actor      TrainerGroup (DeepSpeed)                       always
     critic     TrainerGroup, from the reward model or policy   spec.critic
     reference  ScorerActor (frozen policy)                     spec.reference and a KL term (or online DPO);
-               with LoRA on the actor: the actor, adapters disabled (the round's start policy)
+               with LoRA on the actor in a round that starts from the reference: the actor,
+               adapters disabled
     rewarder   ScorerActor (reward model)                      reward.source = model
     engines    RolloutEngines (vLLM, or HF generate)           num_rollout_engines
 
@@ -57,15 +58,18 @@ def uses_reference(cfg: RoundConfig) -> bool:
     return cfg.spec.reference and (cfg.spec.reference_in_update or cfg.kl.coef > 0 or cfg.kl.adaptive)
 
 
-def reference_is_actor(cfg: RoundConfig) -> bool:
-    """With LoRA on the actor, the reference is the actor's frozen base with its adapters disabled (the
-    policy the round starts from), not a second copy in a scorer."""
-    return uses_reference(cfg) and cfg.actor.lora is not None
+def reference_is_actor(cfg: RoundConfig, setup: RoundSetup | None) -> bool:
+    """With LoRA on the actor and a round that starts from its reference (the first round after SFT or the
+    preference stage), the reference is the actor's frozen base with its adapters disabled, not a second
+    copy in a scorer. Later rounds start elsewhere and keep a reference scorer. Without a setup (sizing a
+    round before its inputs exist) a scorer is counted."""
+    return (setup is not None and uses_reference(cfg) and cfg.actor.lora is not None
+            and setup.reference_path == setup.policy_path)
 
 
-def _scorers(cfg: RoundConfig) -> int:
+def _scorers(cfg: RoundConfig, setup: RoundSetup | None = None) -> int:
     """How many scorer actors the round starts: reference and/or reward model, shared when colocated."""
-    wanted = int(uses_reference(cfg) and not reference_is_actor(cfg)) + int(cfg.reward.source == "model")
+    wanted = int(uses_reference(cfg) and not reference_is_actor(cfg, setup)) + int(cfg.reward.source == "model")
     return min(wanted, 1) if cfg.colocate_reference_and_reward else wanted
 
 
@@ -187,7 +191,7 @@ class RoundModels:
             self.placement_group = None
 
 
-def start_round_models(cfg: RoundConfig, setup: RoundSetup, updates_per_step: int) -> RoundModels:
+def start_round_models(cfg: RoundConfig, setup: RoundSetup, updates_per_step: int, rows_per_update: int) -> RoundModels:
     """Start every actor the spec needs; on failure, kill what was started (the caller's process lives on)."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -197,7 +201,7 @@ def start_round_models(cfg: RoundConfig, setup: RoundSetup, updates_per_step: in
 
     def engine(c, path: str, kind: str, purpose: str) -> EngineSpec:
         return EngineSpec.from_config(c, model_path=path, kind=kind, total_steps=total,
-                                      global_batch=cfg.ppo.minibatch_size, dtype=setup.dtype,
+                                      global_batch=rows_per_update, dtype=setup.dtype,
                                       torch_threads=setup.torch_threads, seed=derive_seed(setup.seed, purpose),
                                       attn_implementation=setup.attn_implementation)
 
@@ -228,7 +232,7 @@ def start_round_models(cfg: RoundConfig, setup: RoundSetup, updates_per_step: in
         common = dict(dtype=setup.dtype, torch_threads=setup.torch_threads, micro_batch_size=cfg.actor.micro_batch_size,
                       micro_batch_tokens=cfg.actor.micro_batch_tokens,
                       attn_implementation=setup.attn_implementation, **place)
-        models.reference_from_actor = reference_is_actor(cfg)
+        models.reference_from_actor = reference_is_actor(cfg, setup)
         reference = setup.reference_path if uses_reference(cfg) and not models.reference_from_actor else None
         reward = setup.reward_path if cfg.reward.source == "model" else None
         if cfg.colocate_reference_and_reward and reference and reward:

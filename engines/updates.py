@@ -52,11 +52,13 @@ def train_minibatches(batch: dict[str, torch.Tensor], chunks, steps: list[tuple[
     return {k: v / n for k, v in sums.items()}
 
 
-def kept_rows(rewards: torch.Tensor, cfg: RoundConfig) -> tuple[torch.Tensor, dict[str, float]]:
+def kept_rows(rewards: torch.Tensor, cfg: RoundConfig, task_rewards: torch.Tensor | None = None,
+              ) -> tuple[torch.Tensor, dict[str, float]]:
     """The rows a policy-gradient step trains on, and how many groups each filter dropped.
 
     `ppo.dynamic_sampling` drops groups whose rewards are all equal (`dynamic_sampling/dropped_groups`);
-    `ppo.dynamic_sampling_mean_range` then drops, of the groups left, those whose mean reward lies
+    `ppo.dynamic_sampling_mean_range` then drops, of the groups left, those whose mean task reward
+    (`task_rewards`, before normalising, clipping or penalties; `rewards` where none is given) lies
     outside [low, high] (`dynamic_sampling/dropped_groups_mean_range`). Rows: (kept,) indices, in order.
     """
     n, p = cfg.generation.num_samples, cfg.ppo
@@ -65,7 +67,8 @@ def kept_rows(rewards: torch.Tensor, cfg: RoundConfig) -> tuple[torch.Tensor, di
         keep, dropped = algos.dynamic_sampling_filter(rewards, n)
     if p.dynamic_sampling_mean_range is not None:
         low, high = p.dynamic_sampling_mean_range
-        in_range, _ = algos.group_mean_filter(rewards, n, low=low, high=high)
+        in_range, _ = algos.group_mean_filter(rewards if task_rewards is None else task_rewards, n, low=low,
+                                              high=high)
         dropped_range = int((keep & ~in_range).sum().item()) // n
         keep = keep & in_range
     metrics = {"dynamic_sampling/dropped_groups": float(dropped),
@@ -82,6 +85,11 @@ class PolicyGradientUpdate:
         kl = cfg.kl
         self.kl_ctl = (algos.AdaptiveKLController(kl.coef, kl.target, kl.horizon) if kl.adaptive
                        else algos.FixedKLController(kl.coef))
+
+    @staticmethod
+    def rows_per_update(cfg: RoundConfig) -> int:
+        """Rows of one optimizer step (the engines' global batch)."""
+        return cfg.ppo.minibatch_size
 
     @staticmethod
     def updates_per_step(cfg: RoundConfig) -> int:
@@ -110,7 +118,7 @@ class PolicyGradientUpdate:
             exp, estimator=spec.advantage, whiten=spec.whiten, group_size=cfg.generation.num_samples,
             gamma=cfg.ppo.gamma, lam=cfg.ppo.lam, kl_coef=self.kl_ctl.value if kl_in_reward else 0.0,
             kl_estimator=cfg.kl.estimator, kl_clamp=cfg.kl.clamp, std_norm=cfg.ppo.advantage_std_norm)
-        rows, filtered = kept_rows(exp.rewards, cfg)
+        rows, filtered = kept_rows(exp.rewards, cfg, task_rewards=exp.task_rewards)
         metrics = self._train(exp.select(rows), step) if len(rows) else {}
         lap("train")
         # On policy, the KL of the trained rows as the training forward measured it.
@@ -155,6 +163,8 @@ class BestOfNSFTUpdate:
     def __init__(self, cfg: RoundConfig, models: RoundModels, seed: int):
         self.cfg, self.models, self.seed = cfg, models, seed
 
+    rows_per_update = PolicyGradientUpdate.rows_per_update
+
     @staticmethod
     def updates_per_step(cfg: RoundConfig) -> int:
         return cfg.rejection.epochs * max(1, cfg.prompts_per_step // cfg.ppo.minibatch_size)
@@ -191,7 +201,13 @@ class OnlineDPOUpdate:
         self.cfg, self.models, self.seed = cfg, models, seed
 
     @staticmethod
+    def rows_per_update(cfg: RoundConfig) -> int:
+        """Two rows (chosen, rejected) per pair of an optimizer step."""
+        return 2 * (cfg.dpo.pairs_per_update or cfg.prompts_per_step)
+
+    @staticmethod
     def updates_per_step(cfg: RoundConfig) -> int:
+        """At most one pair per prompt: the learning-rate schedule's count when no group ties."""
         d = cfg.dpo
         return d.epochs * max(1, cfg.prompts_per_step // (d.pairs_per_update or cfg.prompts_per_step))
 
@@ -216,9 +232,11 @@ class OnlineDPOUpdate:
             objective = functools.partial(dpo_objective, loss_type=DPO_LOSS_TYPE[d.loss], beta=d.beta,
                                           label_smoothing=d.label_smoothing, rollouts=True)
             gen = torch.Generator().manual_seed(derive_seed(self.seed, f"minibatches/{step}"))
+            size = d.pairs_per_update or n
+            # minibatches drops each pass's remainder when a pass makes more than one chunk: counted.
+            metrics["dpo/pairs_left_out"] += float(n % size if n > size else 0)
             sums, count = {}, 0
-            for idx in minibatches(n, d.pairs_per_update or n, epochs=d.epochs, generator=gen,
-                                   multiple_of=actor.world_size):
+            for idx in minibatches(n, size, epochs=d.epochs, generator=gen, multiple_of=actor.world_size):
                 part = split_pairs(batch, idx, n)
                 for k, v in actor.train_step(shard(part, actor.world_size, paired=True), objective,
                                              paired=True).items():

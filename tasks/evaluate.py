@@ -18,7 +18,6 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-import ray
 import torch
 
 from alignflow.cluster import ensure_ray
@@ -28,7 +27,7 @@ from engines import batches, experience, models
 from engines.rewards import load_callable
 from engines.rollout import Sampling
 from engines.rollout_actors import start_engines
-from engines.scoring import ScorerActor, start_scorer
+from engines.scoring import scoring
 from tasks.context import RunContext, compute_stage
 from tasks.data import load_split, token_limits
 from tasks.eval_metrics import margin_metrics, sample_metrics
@@ -48,17 +47,10 @@ def _score(p: Placement, micro_batch_size: int | None, io, ctx: RunContext, batc
     On `evaluation.scorer_placement`: with GPUs, a ScorerActor holding them; without, the same class
     in this task's process (a CPU-only actor would only add a process start, ~10-40 s on 2 cores).
     """
-    kwargs = dict(dtype=io.dtype, torch_threads=ctx.infra.torch_threads, attn_implementation=io.attn_implementation,
-                  micro_batch_size=micro_batch_size)
-    if p.num_gpus == 0:
-        local = ScorerActor(reference, reward, **kwargs)
-        return (local.ref_logprobs(batch) if reference else None, local.rewards(batch) if reward else None)
-    actor = start_scorer(reference, reward, num_cpus=p.num_cpus, num_gpus=p.num_gpus, **kwargs)
-    try:
-        return (ray.get(actor.ref_logprobs.remote(batch)) if reference else None,
-                ray.get(actor.rewards.remote(batch)) if reward else None)
-    finally:
-        ray.kill(actor)
+    with scoring(reference, reward, num_cpus=p.num_cpus, num_gpus=p.num_gpus, dtype=io.dtype,
+                 torch_threads=ctx.infra.torch_threads, attn_implementation=io.attn_implementation,
+                 micro_batch_size=micro_batch_size) as call:
+        return (call("ref_logprobs", batch) if reference else None, call("rewards", batch) if reward else None)
 
 
 def _sampling(cfg: EvalConfig) -> Sampling:

@@ -157,8 +157,7 @@ def plan_pipeline(cfg: PipelineConfig) -> Plan:
                        external=_code(f"rounds.{i - 1}.reward.rule", round_cfg.reward.rule, prints)
                        if round_cfg.reward.source == "rule" else {},
                        data=data, policy=policy,
-                       # With LoRA the actor's frozen base (adapters off) is the reference: no input.
-                       reference=start if spec.reference and round_cfg.actor.lora is None else None,
+                       reference=start if spec.reference else None,
                        reward=reward if round_cfg.needs_reward_model else None)
         policies[policy] = policy
 

@@ -97,6 +97,12 @@ class TrainConfig(EngineConfig):
     packing_max_tokens: int | None = Field(
         None, ge=1, description="tokens per packed row; None: the batch's padded width (every sample fits)")
 
+    @model_validator(mode="after")
+    def _packing_width_needs_packing(self) -> TrainConfig:
+        if self.packing_max_tokens is not None and not self.packing:
+            raise ValueError("packing_max_tokens is packing's row width: set packing: true, or leave it out")
+        return self
+
 
 class VLLMConfig(Section):
     """vLLM engine options (backend: vllm). Every option is passed to `vllm.LLM`; none is hardcoded."""

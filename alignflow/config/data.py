@@ -78,6 +78,14 @@ class DataConfig(Section):
     max_cut_fraction: CutFractions = CutFractions()
 
     @model_validator(mode="after")
+    def _labels_only_on_preference(self) -> DataConfig:
+        labelled = [k for k in ("sft", "prompts", "eval") if (src := getattr(self, k)) and src.label_key]
+        if labelled:
+            raise ValueError(f"label_key marks unpaired preference rows (KTO); data.{', data.'.join(labelled)} "
+                             f"cannot use it: leave it out there")
+        return self
+
+    @model_validator(mode="after")
     def _files_present(self) -> DataConfig:
         if self.source == "files":
             missing = [k for k in ("sft", "preference", "eval") if getattr(self, k) is None]

@@ -23,8 +23,8 @@ DEFAULT_CONFIG = "tiny"
 # Fields that place work on the cluster, or trade memory for time, without
 # changing what it computes: left out of cache keys, so moving a stage to other
 # hardware reuses its result.
-RESOURCE_FIELDS = frozenset({"placement", "scorer_placement", "reference_placement", "colocate_all", "offload",
-                             "gradient_checkpointing"})
+RESOURCE_FIELDS = frozenset({"placement", "scorer_placement", "reference_placement", "reference_micro_batch_size",
+                             "colocate_all", "offload", "gradient_checkpointing"})
 
 
 def cache_relevant(cfg: BaseModel) -> dict[str, Any]:

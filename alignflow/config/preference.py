@@ -40,7 +40,7 @@ class PreferenceConfig(TrainConfig):
     def _loss_options(self) -> PreferenceConfig:
         if self.loss == "cdpo" and self.label_smoothing == 0:
             raise ValueError("preference.loss=cdpo needs preference.label_smoothing > 0 (with 0 it is dpo)")
-        if self.loss in ("dpo", "ipo") and self.label_smoothing:
+        if self.loss != "cdpo" and self.label_smoothing:
             raise ValueError(f"preference.label_smoothing is cdpo's; with preference.loss={self.loss} set it to 0 "
                              f"(or use loss: cdpo)")
         weights = {"desirable_weight", "undesirable_weight"} & self.model_fields_set

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationError, model_validator
 
 from alignflow.algorithms import ALGORITHMS, AlgorithmSpec, KLEstimator, KLPlacement, LossAggregation, get_algorithm
 from alignflow.config.base import EngineConfig, GenerationConfig, Placement, Section
@@ -83,8 +83,9 @@ class PPOConfig(Section):
         "algorithm's default; only for algorithms with group-normalised advantages")
     dynamic_sampling: bool = Field(False, description="DAPO: drop groups whose rewards are all equal")
     dynamic_sampling_mean_range: tuple[float, float] | None = Field(
-        None, description="[low, high]: train only on groups whose mean reward lies in it (e.g. pass rate "
-        "[0.1, 0.9]), beside dynamic_sampling; dropped groups are counted; None: off")
+        None, description="[low, high]: train only on groups whose mean task reward (before reward.normalize, "
+        "clip and penalties) lies in it (e.g. pass rate [0.1, 0.9]), beside dynamic_sampling; dropped groups "
+        "are counted; None: off")
 
     @model_validator(mode="after")
     def _importance_sampling(self) -> PPOConfig:
@@ -207,11 +208,25 @@ class RoundConfig(Section):
             return data
         algorithm = data.get("algorithm", cls.model_fields["algorithm"].default)
         dpo_update = algorithm in ALGORITHMS and ALGORITHMS[algorithm].update == "online_dpo"
-        ignored = sorted({"kl", "ppo"} & set(data)) if dpo_update else []
+
+        def changed(key: str, section: type[Section], allowed: tuple[str, ...] = ()) -> bool:
+            """The section differs from its defaults (an invalid one is left to its own field's error)."""
+            value = data.get(key)
+            if value is None:
+                return False
+            try:
+                given = section.model_validate(value).model_dump(exclude=set(allowed))
+            except ValidationError:
+                return False
+            return given != section().model_dump(exclude=set(allowed))
+
+        ignored = [k for k, s, ok in (("kl", KLConfig, ("budget",)), ("ppo", PPOConfig, ()))
+                   if dpo_update and changed(k, s, ok)]
         if ignored:
             raise ValueError(f"{algorithm} takes DPO steps: its pull toward the reference is dpo.beta and its "
-                             f"updates dpo.epochs / dpo.pairs_per_update; leave out {' and '.join(ignored)}")
-        if "dpo" in data and not dpo_update:
+                             f"updates dpo.epochs / dpo.pairs_per_update; leave out {' and '.join(ignored)} "
+                             f"(kl.budget, the held-out KL it must stay within, is the one field it reads)")
+        if not dpo_update and changed("dpo", OnlineDPOConfig):
             raise ValueError(f"the dpo section is online_dpo's; this round's algorithm is {algorithm}")
         return data
 
@@ -227,6 +242,11 @@ class RoundConfig(Section):
         if self.ppo.advantage_std_norm is not None and self.spec.group_std_norm is None:
             raise ValueError(f"ppo.advantage_std_norm: {self.algorithm} has no group-normalised advantages "
                              f"(no group std to switch); leave it out")
+        per_update = self.dpo.pairs_per_update or self.prompts_per_step
+        if self.spec.update == "online_dpo" and per_update % self.actor.num_workers:
+            raise ValueError(f"online_dpo splits each update's pairs across actor.num_workers="
+                             f"{self.actor.num_workers}: dpo.pairs_per_update (or prompts_per_step, without it) "
+                             f"must be a multiple of it, got {per_update}")
         if self.colocate_all:
             n = self.actor.num_workers
             if self.num_rollout_engines != n:

@@ -490,6 +490,10 @@ def test_override_fields_maps_each_dotted_key_to_the_override_that_set_it_last()
 
 @pytest.mark.parametrize("override,field", [
     ('preference={"loss": "cdpo"}', "label_smoothing > 0"),
+    ('preference={"loss": "kto", "label_smoothing": 0.1}', "preference.label_smoothing is cdpo's"),
+    ('sft={"packing_max_tokens": 256}', "packing_max_tokens is packing's row width"),
+    ('data={"source": "files", "sft": {"path": "s.jsonl", "label_key": "ok"}, "preference": {"path": "p.jsonl"}, '
+     '"eval": {"path": "e.jsonl"}}', "data.sft cannot use it"),
     ('preference={"loss": "dpo", "label_smoothing": 0.1}', "preference.label_smoothing is cdpo's"),
     ('preference={"loss": "ipo", "undesirable_weight": 2.0}', "preference.undesirable_weight are kto's"),
     ('preference={"loss": "orpo"}', "preference.loss"),
@@ -510,6 +514,8 @@ def test_preference_is_off_by_default_and_takes_its_own_defaults():
     ({"algorithm": "online_dpo", "ppo": {"epochs": 3}}, "leave out ppo"),
     ({"algorithm": "grpo", "dpo": {"beta": 0.2}}, "the dpo section is online_dpo's"),
     ({"algorithm": "online_dpo", "dpo": {"loss": "cdpo"}}, "dpo.label_smoothing > 0 goes with dpo.loss=cdpo"),
+    ({"algorithm": "online_dpo", "prompts_per_step": 32, "dpo": {"pairs_per_update": 5},
+      "actor": {"num_workers": 2}}, "must be a multiple of it, got 5"),
 ])
 def test_a_round_refuses_sections_its_update_ignores(round_, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
@@ -522,3 +528,13 @@ def test_an_online_dpo_round_plans_with_its_resolved_config():
     cfg = load_config(None, ['rounds=[{"algorithm": "online_dpo", "dpo": {"beta": 0.2}}]'])
     stage = plan_pipeline(cfg).stages["round_1"]
     assert stage.config.round.dpo.beta == 0.2 and stage.inputs["reference"] == "sft"
+
+
+def test_a_dumped_config_loads_back_and_online_dpo_keeps_its_kl_budget(tmp_path):
+    """`alignflow validate` prints every section, defaults included: what it prints must load again."""
+    rounds = [{"algorithm": "online_dpo", "kl": {"budget": 1.5}}, {"algorithm": "grpo"}]
+    cfg = load_config(None, [f"rounds={json.dumps(rounds)}"])
+    assert cfg.rounds[0].kl.budget == 1.5
+    path = tmp_path / "dumped.yaml"
+    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    assert load_config(path, []) == cfg

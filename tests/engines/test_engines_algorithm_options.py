@@ -153,6 +153,16 @@ def test_kept_rows_constant_groups_then_mean_range():
     assert rows.tolist() == list(range(8)) and set(metrics.values()) == {0.0}
 
 
+def test_the_mean_range_reads_the_task_rewards_not_the_shaped_ones():
+    """reward.normalize (or clip, penalties) moves the shaped rewards; the pass-rate range reads the task's."""
+    task = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0])  # group means 0.5, 1, 0
+    shaped = (task - task.mean()) / task.std()  # normalised: every group mean is off [0.2, 0.8] but group 0's
+    cfg = RoundConfig(algorithm="grpo", generation=RolloutConfig(num_samples=2),
+                      ppo=PPOConfig(dynamic_sampling_mean_range=(0.2, 0.8)))
+    rows, metrics = kept_rows(shaped, cfg, task_rewards=task)
+    assert rows.tolist() == [0, 1] and metrics["dynamic_sampling/dropped_groups_mean_range"] == 2.0
+
+
 # ---- the policy objectives on a real (tiny) model ------------------------------------------
 
 

@@ -166,6 +166,21 @@ def test_online_dpo_pairs_best_with_worst_and_widens_their_margin(ray_local, tin
         rl.shutdown()
 
 
+def test_only_a_lora_round_that_starts_from_its_reference_uses_the_actor_as_reference():
+    from engines.round_models import RoundSetup, reference_is_actor
+
+    cfg = _round("grpo", kl=KLConfig(coef=0.05), actor={"lora": {"rank": 4}})
+
+    def setup(policy: str, reference: str) -> RoundSetup:
+        return RoundSetup(policy_path=policy, reference_path=reference, reward_path=None, prompts=[],
+                          dtype="float32", torch_threads=1, max_model_len=80, seed=0)
+
+    assert reference_is_actor(cfg, setup("/sft", "/sft"))
+    assert not reference_is_actor(cfg, setup("/round_1", "/sft"))  # round 2 on: its base is round 1, not SFT
+    assert not reference_is_actor(_round("grpo", kl=KLConfig(coef=0.05)), setup("/sft", "/sft"))  # no LoRA
+    assert not reference_is_actor(cfg, None)
+
+
 def test_a_lora_round_trains_adapters_against_its_own_frozen_base(ray_local, tiny_model, prompts):
     """actor.lora: under 5 % of the parameters train, no reference scorer starts (the actor with its
     adapters disabled is the reference: the start policy's numbers), and the step still moves the
@@ -175,7 +190,7 @@ def test_a_lora_round_trains_adapters_against_its_own_frozen_base(ray_local, tin
 
     lora = {"rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj"]}
     cfg = _round("grpo", kl=KLConfig(coef=0.05), actor={"learning_rate": 2e-2, "warmup_steps": 0, "lora": lora})
-    rl = _start(cfg, tiny_model, prompts, reference="/nonexistent: the actor is the reference")
+    rl = _start(cfg, tiny_model, prompts, reference=tiny_model)  # the round starts from its reference
     try:
         assert rl.models.reference is None and rl.models.reference_from_actor
         out = rl.step(0)

@@ -190,7 +190,7 @@ def test_gspo_normalised_clipped_rewards_truncation_icepop_mean_range(ray_local,
     from alignflow.config import ActorConfig, KLConfig, PPOConfig, RewardConfig, RolloutConfig, RoundConfig
     from engines import objectives as objective_fns
 
-    low, high = -0.5, 0.5
+    low, high = 0.3, 1.0  # in task-reward units (a pass rate): groups with one right answer in four drop
     cfg = RoundConfig(
         algorithm="gspo", steps=2, prompts_per_step=8,
         generation=RolloutConfig(num_samples=4, max_new_tokens=MAX_NEW),
@@ -237,9 +237,10 @@ def test_gspo_normalised_clipped_rewards_truncation_icepop_mean_range(ray_local,
     centered = [x - sum(g) / 4 for g in groups for x in g]
     assert exp.advantages[:, 0].tolist() == pytest.approx(centered, abs=1e-5)
 
-    # rows: constant groups dropped, then groups whose mean reward is outside [low, high]
+    # rows: constant groups dropped, then groups whose mean task reward (not the shaped one) is outside
+    # [low, high]
     constant = [max(g) == min(g) for g in groups]
-    in_range = [low <= sum(g) / 4 <= high for g in groups]
+    in_range = [low <= sum(task[i:i + 4]) / 4 <= high for i in range(0, n, 4)]
     kept = [i for i in range(n) if not constant[i // 4] and in_range[i // 4]]
     assert 0 < len(kept) < n, "need kept and dropped groups"
     assert out.trained_rows.tolist() == kept
