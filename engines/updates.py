@@ -34,16 +34,20 @@ class Trained:
     metrics: dict[str, float]
 
 
-def train_minibatches(batch: dict[str, torch.Tensor], chunks, steps: list[tuple[TrainerGroup, Callable]]) -> dict[str, float]:
+def train_minibatches(batch: dict[str, torch.Tensor], chunks, steps: list[tuple[TrainerGroup, Callable]], *,
+                      pairs: int | None = None) -> dict[str, float]:
     """One optimizer step per chunk of rows for every (trainer group, objective); mean metrics. A later
-    group's metric named like an earlier group's (lr, grad_norm, lora/*) is logged as `critic/<name>`."""
+    group's metric named like an earlier group's (lr, grad_norm, lora/*) is logged as `critic/<name>`.
+    `pairs`: the batch is [chosen..., rejected...] of that many pairs and the chunks index pairs."""
     sums: dict[str, float] = {}
     n = 0
+    paired = pairs is not None
     for rows in chunks:
-        part = {k: v[rows] for k, v in batch.items()}
+        part = split_pairs(batch, rows, pairs) if paired else {k: v[rows] for k, v in batch.items()}
         first: set[str] = set()
         for i, (group, objective) in enumerate(steps):
-            for k, v in group.train_step(shard(part, group.world_size), objective).items():
+            for k, v in group.train_step(shard(part, group.world_size, paired=paired), objective,
+                                         paired=paired).items():
                 key = f"critic/{k}" if i and k in first else k
                 if not i:
                     first.add(k)
@@ -235,14 +239,9 @@ class OnlineDPOUpdate:
             size = d.pairs_per_update or n
             # minibatches drops each pass's remainder when a pass makes more than one chunk: counted.
             metrics["dpo/pairs_left_out"] += float(n % size if n > size else 0)
-            sums, count = {}, 0
-            for idx in minibatches(n, size, epochs=d.epochs, generator=gen, multiple_of=actor.world_size):
-                part = split_pairs(batch, idx, n)
-                for k, v in actor.train_step(shard(part, actor.world_size, paired=True), objective,
-                                             paired=True).items():
-                    sums[k] = sums.get(k, 0.0) + v
-                count += 1
-            metrics.update({f"dpo/{k}": v / count for k, v in sums.items()})
+            chunks = minibatches(n, size, epochs=d.epochs, generator=gen, multiple_of=actor.world_size)
+            trained = train_minibatches(batch, chunks, [(actor, objective)], pairs=n)
+            metrics.update({f"dpo/{k}": v for k, v in trained.items()})
         lap("train")
         return Trained(exp, rows[: 2 * n], metrics)
 
