@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 from alignflow.config import InfraConfig
@@ -11,7 +12,8 @@ from alignflow.errors import ConfigError
 # Set in the driver before Ray starts; Ray workers inherit them.
 PROCESS_ENV = {
     "RAY_USAGE_STATS_ENABLED": "0",
-    # Seen to keep every Ray port on 127.0.0.1 (STACK.md).
+    # Ray's "local only" mode: 127.0.0.1 becomes the node address (see _loopback_only, which a
+    # local start also needs when `ray` was imported before this was set).
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
     # vLLM in-process inside its Ray actor: 3-5 s start instead of ~30 s.
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
@@ -63,8 +65,29 @@ def apply_process_env(infra: InfraConfig | None = None) -> dict[str, str]:
     return {k: os.environ[k] for k in wanted}
 
 
+def _loopback_only() -> None:
+    """Make the local Ray's node address 127.0.0.1, so that every Ray listener binds to loopback.
+
+    Ray 2.60 binds its listeners by the node address: with 127.0.0.1 the GCS, raylet (node and
+    object manager), core workers (driver, actors, idle workers), dashboard and runtime-env agents
+    and the dashboard/monitor processes all bind 127.0.0.1; with any other address most bind to
+    `::`/0.0.0.0, and the runtime-env agent and dashboard agent to the host's address. But
+    `ray.init(_node_ip_address="127.0.0.1")` is no help on its own: Ray replaces a loopback address
+    by the host's (`services.resolve_ip_for_localhost`) unless `ray_constants.ENABLE_RAY_CLUSTER` is
+    False, and that constant is read from RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER once, when `ray` is
+    first imported. Where `ray` came first (a test session, a notebook, an earlier import), setting the
+    variable now is too late: the constant is set here as well (tests/engines/test_engines_ray_loopback.py).
+    """
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # and for every process it starts
+    constants = sys.modules.get("ray._private.ray_constants")
+    if constants is not None:
+        constants.ENABLE_RAY_CLUSTER = False
+
+
 def ray_init_kwargs(infra: InfraConfig) -> dict[str, Any]:
     """`ray.init` arguments: a local Ray on 127.0.0.1, or the configured cluster."""
+    if not infra.ray_address:
+        _loopback_only()
     applied = apply_process_env(infra)
     env = {**applied, **{k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}}
     kwargs: dict[str, Any] = {"runtime_env": {"env_vars": env}}
@@ -74,6 +97,7 @@ def ray_init_kwargs(infra: InfraConfig) -> dict[str, Any]:
         "num_cpus": infra.ray_num_cpus,
         "include_dashboard": False,
         "object_store_memory": 512 * 2**20,
+        # Kept as 127.0.0.1 only with _loopback_only() (called above).
         "_node_ip_address": "127.0.0.1",
         **kwargs,
     }

@@ -1,0 +1,144 @@
+"""A local Ray started by alignflow listens on loopback only.
+
+Every listening TCP socket and every bound, unconnected UDP socket of the Ray
+session (driver, gcs_server, raylet, dashboard/runtime-env agents, monitor,
+idle workers, an actor) must be on 127.0.0.1 or ::1; anything else is named.
+
+Ray runs in a subprocess of its own session, so it neither disturbs nor
+reuses a Ray of this test session, and the child imports `ray` before
+alignflow sets anything: that is the order in which a loopback start used to
+come out on the host's address (alignflow/cluster.py: _loopback_only).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+pytestmark = pytest.mark.engine
+
+REPO = Path(__file__).resolve().parents[2]
+LOOPBACK = {ipaddress.ip_address("127.0.0.1"), ipaddress.ip_address("::1")}
+
+CHILD = r"""
+import os, sys
+import ray  # first, as in a test session or the CLI's warm-up
+from alignflow.cluster import ensure_ray
+from alignflow.config import InfraConfig
+
+ensure_ray(InfraConfig(ray_num_cpus=2))
+
+@ray.remote(num_cpus=1)
+class Echo:
+    def pid(self):
+        return os.getpid()
+
+actor = Echo.remote()
+print("READY", ray.get(actor.pid.remote()), flush=True)
+sys.stdin.readline()  # until the test closes stdin
+ray.shutdown()
+"""
+
+
+def _on_loopback(ip: str) -> bool:
+    addr = ipaddress.ip_address(ip.split("%")[0])
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        addr = addr.ipv4_mapped  # ::ffff:127.0.0.1: IPv4 loopback through an IPv6 socket
+    return addr in LOOPBACK
+
+
+def _label(proc: psutil.Process) -> str:
+    """The process name; for Python, with its script (monitor.py, dashboard.py) or `-c` (the driver)."""
+    name = proc.name()
+    if name.startswith("python"):
+        args = proc.cmdline()[1:]
+        script = next((os.path.basename(a) for a in args if a.endswith(".py")), args[0] if args else "")
+        name = f"{name} {script}".strip()
+    return name
+
+
+def _listeners(pids) -> dict[tuple, str]:
+    """{(pid, proto, ip, port): process} of listening TCP and bound, unconnected UDP sockets."""
+    found = {}
+    for pid in pids:
+        try:
+            proc = psutil.Process(pid)
+            name = _label(proc)
+            conns = proc.net_connections(kind="inet")
+        except (psutil.NoSuchProcess, psutil.ZombieProcess):
+            continue
+        for c in conns:
+            tcp = c.type == socket.SOCK_STREAM
+            if (tcp and c.status == psutil.CONN_LISTEN) or (not tcp and c.laddr and not c.raddr):
+                found[(pid, "TCP" if tcp else "UDP", c.laddr.ip, c.laddr.port)] = name
+    return found
+
+
+def _wait_ready(proc: subprocess.Popen, timeout: float) -> int:
+    box: list[int] = []
+
+    def read():
+        for line in proc.stdout:
+            if line.startswith("READY "):
+                box.append(int(line.split()[1]))
+                return
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(timeout)
+    assert box, f"the local Ray did not start within {timeout} s (exit code {proc.poll()})"
+    return box[0]
+
+
+def test_local_ray_listens_on_loopback_only(process_tools, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}
+    env["RAY_USAGE_STATS_ENABLED"] = "0"
+    err_path = tmp_path / "ray_child.err"
+    with open(err_path, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-c", CHILD], cwd=REPO, env=env, stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True)
+    tree: dict[int, int] = {}
+    try:
+        try:
+            actor_pid = _wait_ready(proc, timeout=90)
+        except AssertionError as e:
+            raise AssertionError(f"{e}\n{err_path.read_text()[-3000:]}") from None
+        # Listeners opened a little after start (idle workers, metrics servers) are seen too:
+        # sampled until nothing new comes for 2 s (8 s at most).
+        found: dict[tuple, str] = {}
+        quiet_since, deadline = time.monotonic(), time.monotonic() + 8
+        while time.monotonic() - quiet_since < 2 and time.monotonic() < deadline:
+            tree.update(process_tools.tree(proc.pid))
+            new = _listeners(tree)
+            if new.keys() - found.keys():
+                found.update(new)
+                quiet_since = time.monotonic()
+            time.sleep(0.5)
+
+        names = set(found.values())
+        assert {"gcs_server", "raylet"} <= names, f"no listener of gcs_server and raylet among {sorted(names)}"
+        assert any(pid == actor_pid for pid, *_ in found), f"the actor ({actor_pid}) has no listener: {found}"
+        exposed = [f"{name} (pid {pid}): {proto} {ip}:{port}"
+                   for (pid, proto, ip, port), name in sorted(found.items()) if not _on_loopback(ip)]
+        assert not exposed, (f"{len(exposed)} of {len(found)} sockets of the local Ray are not on loopback:\n"
+                             + "\n".join(exposed))
+    finally:
+        proc.stdin.close()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
+        tree.update(process_tools.tree(proc.pid))
+        process_tools.kill(tree)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
