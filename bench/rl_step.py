@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/rl_step.py                          # this tree alone
     .venv/bin/python bench/rl_step.py --against HEAD~3          # this tree vs a commit, alternating
+    .venv/bin/python bench/rl_step.py --shape 30m --variants 'glibc_retain;glibc_retain+round.async_rollouts=true'
     .venv/bin/python bench/rl_step.py --variants 'glibc_retain;system;jemalloc;glibc_retain+round.async_rollouts=true'
     python3 bench/rl_step.py --config configs/gpu-small.yaml    # on a GPU: that config's model and round
 
@@ -39,6 +40,9 @@ REPO = Path(__file__).resolve().parent.parent
 PHASES = ["generate", "score", "reference", "old_logprobs", "critic", "train", "sync"]
 WORK = dict(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=1024, vocab_size=2048,
             tie_word_embeddings=True, max_position_embeddings=128)
+SHAPES = {"issue14": WORK,  # --shape: the model; the work stays the same
+          "30m": {**WORK, "hidden_size": 512, "num_layers": 8, "num_heads": 8, "num_kv_heads": 4,
+                  "intermediate_size": 2048}}
 PROMPTS, PROMPT_TOKENS, SAMPLES, NEW_TOKENS = 32, 26, 8, 32
 
 
@@ -112,6 +116,7 @@ def worker(args) -> dict:
     return {"step": statistics.median(sum(s.metrics.get(f"time/{p}", 0.0) for p in PHASES) for s in steps),
             "phases": phases, "flops": flops, "peak_gflops": peak, "cpu_user_s": user, "cpu_system_s": system,
             "wall_s": wall, "params_m": sum(p.numel() for p in models.load_policy(path).parameters()) / 1e6,
+            "weight_mb": sum(p.numel() * p.element_size() for p in models.load_policy(path).parameters()) / 2**20,
             "vocab": config.vocab_size, "reward": statistics.mean(s.metrics["reward/mean"] for s in steps)}
 
 
@@ -159,7 +164,7 @@ def variant_env(spec: str) -> dict[str, str]:
     return env
 
 
-def build_model(config: str | None) -> str:
+def build_model(config: str | None, shape: str = "issue14") -> str:
     """The benchmark's model, built once by this tree's tiny-model factory, for every variant."""
     from alignflow.config import TinyModelConfig, load_config
     from engines import models
@@ -167,7 +172,7 @@ def build_model(config: str | None) -> str:
     out = tempfile.mkdtemp(prefix="alignflow-bench-model-")
     if config:
         return str(models.build_tiny_model(load_config(config).model.tiny, seed=0, out_dir=out))
-    return str(models.build_tiny_model(TinyModelConfig(**WORK), seed=0, out_dir=out, corpus=word_corpus()))
+    return str(models.build_tiny_model(TinyModelConfig(**SHAPES[shape]), seed=0, out_dir=out, corpus=word_corpus()))
 
 
 def snapshot() -> Path:
@@ -213,6 +218,10 @@ def report(label: str, runs: list[dict], base: float | None, peak: float) -> flo
         # A phase that only waits (asynchronous generation) did no work of its own to rate.
         rate = f"{flops / t / 1e9:7.1f} GFLOP/s ({100 * flops / t / 1e9 / peak:4.1f}% of peak)" if flops and t > 0.05 else ""
         print(f"  {p:<13}{t:7.3f} s  {rate}")
+    sync = statistics.median(r["phases"]["sync"] for r in runs)
+    if sync > 0 and "weight_mb" in runs[0]:
+        print(f"  weight update {1e3 * sync:.0f} ms: {100 * sync / step:.1f}% of the step, "
+              f"{runs[0]['weight_mb'] / sync:.0f} MB/s ({runs[0]['weight_mb']:.1f} MB)")
     print("  runs: " + ", ".join(f"{r['step']:.2f}" for r in runs) + " s")
     return step
 
@@ -225,13 +234,15 @@ def main() -> None:
     parser.add_argument("--variants", default="glibc_retain", help="';'-separated; each '+'-joined an allocator "
                         "(infra.allocator) and NAME=VALUE settings, e.g. jemalloc+round.async_rollouts=true")
     parser.add_argument("--config", default=None, help="pipeline config: its model and first round")
+    parser.add_argument("--shape", default="issue14", choices=sorted(SHAPES), help="the model (without --config): "
+                        "issue 14's 4.5M-parameter one, or 30M (hidden 512, 8 layers)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)  # built once, by this tree's factory
     args = parser.parse_args()
     if args.worker:
         print("RESULT " + json.dumps(worker(args)), flush=True)
         return
-    args.model = build_model(args.config)
+    args.model = build_model(args.config, args.shape)
     trees = [("this tree", snapshot())]  # a copy: the tree may be edited while the bench runs
     script = trees[0][1] / "bench" / "rl_step.py"  # this bench's worker, whichever tree it imports
     if args.against:

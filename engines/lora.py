@@ -5,6 +5,7 @@
     pin_frozen_output_layer   ZeRO-3: the frozen output layer stays gathered through backward
     full_state_dict   the weights under the base model's HF names, W + (alpha/rank)·B·A where adapted,
                       computed into a fresh dict (the training model is not merged in place)
+    weight_entries    the same tensors one at a time, for the weight transport's buckets
     save_adapter      adapter_model.safetensors + adapter_config.json in `adapter/`
     load_adapter      the adapter (and score head) back, exactly
     adapters_disabled the base model, for reference log-probabilities from the same weights
@@ -17,7 +18,8 @@ functions (`full_state_dict`, `save_adapter`, `load_adapter`).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -130,7 +132,7 @@ def _hf_key(key: str, wrapped: dict[str, tuple[str, Any]]) -> str | None:
 
 
 @contextlib.contextmanager
-def _gathered(params: list[torch.nn.Parameter], zero_stage: int, modifier_rank: int | None = None) -> Iterator[None]:
+def gathered(params: list[torch.nn.Parameter], zero_stage: int, modifier_rank: int | None = None) -> Iterator[None]:
     import deepspeed
 
     with deepspeed.zero.GatheredParameters(params, modifier_rank=modifier_rank, enabled=zero_stage == 3):
@@ -140,7 +142,7 @@ def _gathered(params: list[torch.nn.Parameter], zero_stage: int, modifier_rank: 
 def full_state_dict(module: torch.nn.Module, zero_stage: int) -> dict[str, torch.Tensor]:
     """The full weights on every rank (gathered under ZeRO-3), CPU copies, under the HF names of the
     base model; with LoRA each adapted weight is merged: W + (alpha/rank)·B·A."""
-    with _gathered(list(module.parameters()), zero_stage):
+    with gathered(list(module.parameters()), zero_stage):
         if not is_lora(module):
             return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
         base = module.get_base_model()
@@ -155,6 +157,45 @@ def full_state_dict(module: torch.nn.Module, zero_stage: int) -> dict[str, torch
                 weight = state[f"{name}.weight"]
                 state[f"{name}.weight"] = weight + layer.get_delta_weight(ADAPTER).detach().cpu().to(weight.dtype)
         return state
+
+
+@dataclass(frozen=True)
+class WeightEntry:
+    """One tensor a weight update carries: its HF name, full shape and dtype, the parameters it is
+    computed from (gathered under ZeRO-3) and how to compute it (inside that gather)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    params: tuple[torch.nn.Parameter, ...]
+    value: Callable[[], torch.Tensor]
+
+
+def _full_shape(t: torch.Tensor) -> tuple[int, ...]:
+    return tuple(getattr(t, "ds_shape", t.shape))  # ZeRO-3 partitions a parameter; ds_shape is its own
+
+
+def weight_entries(module: torch.nn.Module) -> list[WeightEntry]:
+    """The tensors of a weight update, in the model's order (a layer's weights together), one at a
+    time: what `full_state_dict` computes all at once, restricted to `weight_names`. With LoRA an
+    adapted weight is W + (alpha/rank)·B·A, computed on the model's device."""
+    base = hf_model(module)
+    wrapped = _wrapped(base) if is_lora(module) else {}
+    own = {**dict(base.named_parameters()), **dict(base.named_buffers())}
+    entries = []
+    for key in base.state_dict(keep_vars=True):
+        name = _hf_key(key, wrapped)
+        if key not in own or name is None:  # a tied alias, an unsaved buffer, an adapter-only tensor
+            continue
+        t = own[key]
+        params = (t,) if isinstance(t, torch.nn.Parameter) else ()
+        value: Callable[[], torch.Tensor] = t.detach
+        infix, layer = wrapped.get(name.rsplit(".", 1)[0], ("", None))
+        if infix == "base_layer." and key.endswith("base_layer.weight"):
+            params += tuple(p for n, p in layer.named_parameters() if n.startswith("lora_"))
+            value = (lambda w=t, m=layer: w.detach() + m.get_delta_weight(ADAPTER).detach().to(w.dtype))
+        entries.append(WeightEntry(name, _full_shape(t), t.dtype, params, value))
+    return entries
 
 
 def weight_names(module: torch.nn.Module) -> set[str]:
@@ -174,7 +215,7 @@ def save_adapter(module: torch.nn.Module, zero_stage: int, directory: str | Path
     if not is_lora(module):
         return
     trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-    with _gathered([p for _, p in trainable], zero_stage):
+    with gathered([p for _, p in trainable], zero_stage):
         state = {n: p.detach().cpu().clone() for n, p in trainable}
     if write:
         module.save_pretrained(str(Path(directory) / ADAPTER_DIR), state_dict=state, safe_serialization=True,
@@ -188,7 +229,7 @@ def load_adapter(module: torch.nn.Module, zero_stage: int, directory: str | Path
 
     weights = load_file(str(Path(directory) / ADAPTER_DIR / "adapter_model.safetensors"))
     trainable = {n: p for n, p in module.named_parameters() if p.requires_grad}
-    with _gathered(list(trainable.values()), zero_stage, modifier_rank=0):
+    with gathered(list(trainable.values()), zero_stage, modifier_rank=0):
         result = set_peft_model_state_dict(module, weights, adapter_name=ADAPTER)
     missing = [k for k in result.missing_keys if k in trainable]
     if result.unexpected_keys or missing:

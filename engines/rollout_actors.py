@@ -4,7 +4,7 @@
 `start_engines` starts the configured number: each on its placement, a
 tensor-parallel vLLM engine in a placement group of its own (a bundle per
 GPU), or where colocation puts it. `RolloutEngines` spreads prompts across
-them and pushes weights into all of them.
+them; weights reach them through engines/weight_transport.py.
 """
 
 from __future__ import annotations
@@ -52,8 +52,14 @@ class RolloutActor:
     def generate(self, prompt_ids: list[list[int]], sampling: Sampling) -> list[Rollout]:
         return self.engine.generate(prompt_ids, sampling)
 
-    def update_weights(self, blob: bytes) -> None:
-        self.engine.update_weights(blob)
+    def prepare_weights(self, specs: list, bucket_bytes: int) -> int:
+        return self.engine.prepare_weights(specs, bucket_bytes)
+
+    def join_transport(self, address: tuple[str, int], first_rank: int, world_size: int, backend: str) -> None:
+        self.engine.join_transport(address, first_rank, world_size, backend)
+
+    def receive_weights(self) -> None:
+        self.engine.receive_weights()
 
     def sleep(self) -> None:
         self.engine.sleep()
@@ -106,7 +112,7 @@ class PendingRollouts:
 
 class RolloutEngines:
     """The rollout engines of a round or an evaluation, as one: prompts spread across them,
-    weights pushed into all of them, sleep and wake together."""
+    sleep and wake together (weights reach them through engines/weight_transport.py)."""
 
     def __init__(self, actors: list, placement_groups: list | None = None):
         self.actors, self.placement_groups = actors, placement_groups or []
@@ -132,9 +138,6 @@ class RolloutEngines:
                 by_prompt.setdefault(orig, []).append(
                     Rollout(orig, r.prompt_ids, r.token_ids, r.text, r.logprobs, r.finished))
         return [r for i in range(pending.n_prompts) for r in by_prompt[i]]
-
-    def update_weights(self, blob) -> None:
-        ray.get([e.update_weights.remote(blob) for e in self.actors])
 
     def sleep(self) -> None:
         ray.get([e.sleep.remote() for e in self.actors])

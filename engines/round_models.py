@@ -34,6 +34,7 @@ from engines.rollout_actors import PendingRollouts, RolloutEngines, start_engine
 from engines import objectives
 from engines.scoring import start_scorer
 from engines.trainer import EngineSpec, TrainerGroup
+from engines.weight_transport import WeightSync, backend_for
 
 
 @dataclass(frozen=True)
@@ -133,6 +134,8 @@ class RoundModels:
     engines: RolloutEngines = field(default_factory=lambda: RolloutEngines([]))
     colocated: bool = False
     placement_group: object = None  # colocate_all: the round's one placement group
+    transport: tuple[str, int] = ("gloo", 128 * 2**20)  # the weight transport's backend and bucket bytes
+    weight_sync: WeightSync | None = None  # made at the first sync
 
     def _trainers(self) -> list[TrainerGroup]:
         return [g for g in (self.actor, self.critic) if g is not None]
@@ -167,18 +170,25 @@ class RoundModels:
         return rollouts
 
     def sync(self) -> None:
-        """Push the actor's weights into every rollout engine (no restart). Colocated: the trainers'
+        """Stream the actor's weights into every rollout engine (no restart). Colocated: the trainers'
         optimizer state leaves the GPU, the engines wake their weights, take the update, then
         wake their KV cache."""
-        blob = ray.put(self.actor.weights_bytes())  # one copy in the object store for every engine
         if not self.colocated:
-            self.engines.update_weights(blob)
+            self._push()
             return
         for group in self._trainers():
             group.offload_states()
         self.engines.wake(["weights"])
-        self.engines.update_weights(blob)
+        self._push()
         self.engines.wake(["kv_cache"])
+
+    def _push(self) -> None:
+        """One update through the weight transport; the first also makes its group (names and shapes
+        are checked by every engine before that)."""
+        if self.weight_sync is None:
+            backend, bucket_bytes = self.transport
+            self.weight_sync = WeightSync(self.actor, self.engines, bucket_bytes=bucket_bytes, backend=backend)
+        self.weight_sync.push()
 
     def shutdown(self) -> None:
         for group in self._trainers():
@@ -197,6 +207,8 @@ def start_round_models(cfg: RoundConfig, setup: RoundSetup, updates_per_step: in
 
     check_resources(cfg)
     spec, models = cfg.spec, RoundModels(colocated=cfg.colocate_all)
+    models.transport = (backend_for(cfg.actor.placement.num_gpus > 0, cfg.colocate_all),
+                        int(cfg.generation.weight_bucket_mb * 2**20))
     total = cfg.steps * updates_per_step
 
     def engine(c, path: str, kind: str, purpose: str) -> EngineSpec:

