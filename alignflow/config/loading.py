@@ -59,19 +59,33 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         raise ConfigError(f"override {text!r}: the value is not valid YAML: {err}") from None
 
 
+def _list_index(text: str, node: list, part: str) -> int:
+    if not part.isdigit() or int(part) >= len(node):
+        raise ConfigError(f"override {text!r}: {part!r} is not an item of a list of {len(node)} "
+                          f"(items by index: 0..{len(node) - 1})")
+    return int(part)
+
+
 def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Set each `key.sub=value` in a nested dict (creating levels as needed)."""
+    """Set each `key.sub=value` in a nested dict (creating levels as needed); an existing list's
+    items by index (`rounds.1.steps=5`)."""
     for text in overrides:
         parts, value = parse_override(text)
-        node = tree
+        node: Any = tree
         for part in parts[:-1]:
-            child = node.get(part)
-            if child is None:
-                child = node[part] = {}
-            if not isinstance(child, dict):
+            if isinstance(node, list):
+                child = node[_list_index(text, node, part)]
+            else:
+                child = node.get(part)
+                if child is None:
+                    child = node[part] = {}
+            if not isinstance(child, (dict, list)):
                 raise ConfigError(f"override {text!r}: {part!r} is a value, not a section")
             node = child
-        node[parts[-1]] = value
+        if isinstance(node, list):
+            node[_list_index(text, node, parts[-1])] = value
+        else:
+            node[parts[-1]] = value
     return tree
 
 

@@ -209,6 +209,16 @@ def test_override_into_a_scalar():
         load_config(overrides=["sft.learning_rate.x=1"])
 
 
+def test_override_a_list_item_by_index():
+    cfg = load_config(overrides=["rounds.1.async_rollouts=true", "rounds.0.steps=7"])
+    assert [r.async_rollouts for r in cfg.rounds] == [False, True]
+    assert [r.steps for r in cfg.rounds][0] == 7
+    with pytest.raises(ConfigError, match=r"'5' is not an item of a list of 2 \(items by index: 0..1\)"):
+        load_config(overrides=["rounds.5.steps=3"])
+    with pytest.raises(ConfigError, match="'x' is not an item of a list of 2"):
+        load_config(overrides=["rounds.x=3"])
+
+
 # ---- files -------------------------------------------------------------------------
 
 
