@@ -34,7 +34,7 @@ from engines.rollout_actors import PendingRollouts, RolloutEngines, start_engine
 from engines import objectives
 from engines.scoring import start_scorer
 from engines.trainer import EngineSpec, TrainerGroup
-from engines.weight_transport import WeightSync, backend_for
+from engines.weight_transport import WeightSync, backend_for, default_bucket_bytes
 
 
 @dataclass(frozen=True)
@@ -134,7 +134,7 @@ class RoundModels:
     engines: RolloutEngines = field(default_factory=lambda: RolloutEngines([]))
     colocated: bool = False
     placement_group: object = None  # colocate_all: the round's one placement group
-    transport: tuple[str, int] = ("gloo", 128 * 2**20)  # the weight transport's backend and bucket bytes
+    transport: tuple[str, int] = field(default_factory=lambda: ("gloo", default_bucket_bytes()))  # backend, bucket
     weight_sync: WeightSync | None = None  # made at the first sync
 
     def _trainers(self) -> list[TrainerGroup]:

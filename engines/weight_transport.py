@@ -16,8 +16,10 @@ it is neither the trainers' DeepSpeed group nor vLLM's, so no one's ranks change
   receiver copies it device to device, and a barrier frees it.
 
 A bucket is one flat uint8 buffer: every tensor's bytes at an offset aligned to `ALIGN`, so the
-receiver's tensors are views of it (no copy). Extra memory on either side is one bucket (the
-trainer under ZeRO-3 also holds that bucket's gathered parameters).
+receiver's tensors are views of it (no copy). Packing, the wire and loading overlap: the sender
+packs bucket k+1 while bucket k travels, a receiver takes bucket k+1 while it loads bucket k. Extra
+memory on either side is two buckets at most (the trainer under ZeRO-3 also holds the gathered
+parameters of the bucket it packs).
 """
 
 from __future__ import annotations
@@ -31,6 +33,13 @@ import torch
 
 ALIGN = 64  # bytes: every view starts aligned for any dtype and vector loads
 TIMEOUT_S = 600.0  # a peer that never joins or sends fails the update instead of hanging it
+
+
+def default_bucket_bytes() -> int:
+    """`generation.weight_bucket_mb`'s default, in bytes (the config holds the one default)."""
+    from alignflow.config import GenerationConfig
+
+    return int(GenerationConfig.model_fields["weight_bucket_mb"].default * 2**20)
 
 TensorSpec = tuple[str, tuple[int, ...], str]  # (name, shape, dtype name as in torch, e.g. "float32")
 
@@ -152,9 +161,10 @@ class TransportGroup:
 
 def send_buckets(group: TransportGroup, buckets: Sequence[Bucket],
                  tensors_of: Callable[[Bucket], dict[str, torch.Tensor]], device: torch.device | str) -> int:
-    """Rank 0: every bucket, in order; `tensors_of(bucket)` gives its tensors. The tensors' bytes
-    (alignment padding not counted)."""
+    """Rank 0: every bucket, in order; `tensors_of(bucket)` gives its tensors. Bucket k+1 is packed
+    while bucket k is on the wire (two buffers at most). The tensors' bytes (padding not counted)."""
     sent = 0
+    in_flight = None  # (work, buffer) of the previous bucket
     for bucket in buckets:
         buf = pack(bucket, tensors_of(bucket), device)
         if group.backend == "ipc":
@@ -163,19 +173,23 @@ def send_buckets(group: TransportGroup, buckets: Sequence[Bucket],
             group.send_object(reduce_tensor(buf))
             group.barrier()  # every receiver has its copy: the buffer may go
         else:
-            group.broadcast(buf)
+            if in_flight is not None:
+                in_flight[0].wait()
+            in_flight = (group.pg.broadcast(buf, 0), buf)
         sent += sum(s.nbytes for s in bucket.slots)
         del buf
+    if in_flight is not None:
+        in_flight[0].wait()
     return sent
 
 
 def receive_buckets(group: TransportGroup, buckets: Sequence[Bucket], device: torch.device | str
                     ) -> Iterator[tuple[str, torch.Tensor]]:
-    """A receiving rank: (name, tensor) for every tensor, bucket by bucket as they arrive. Each
-    bucket gets a fresh buffer: a consumer may keep the views (vLLM keeps a layer's weights until
-    the layer is complete), so one is never overwritten."""
-    for bucket in buckets:
-        if group.backend == "ipc":
+    """A receiving rank: (name, tensor) for every tensor, bucket by bucket. Bucket k+1 is already
+    arriving while the consumer loads bucket k. Each bucket gets a fresh buffer: a consumer may keep
+    the views (vLLM keeps a layer's weights until the layer is complete), so none is overwritten."""
+    if group.backend == "ipc":
+        for bucket in buckets:
             rebuild, args = group.receive_object()
             args = list(args)
             args[6] = torch.cuda.current_device()  # storage_device: the same GPU, as this process numbers it
@@ -183,9 +197,18 @@ def receive_buckets(group: TransportGroup, buckets: Sequence[Bucket], device: to
             buf = shared.clone()  # the sender frees its buffer after the barrier
             del shared
             group.barrier()
-        else:
-            buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
-            group.broadcast(buf)
+            yield from unpack(bucket, buf)
+        return
+
+    def post(bucket: Bucket):
+        buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
+        return group.pg.broadcast(buf, 0), buf
+
+    arriving = post(buckets[0]) if buckets else None
+    for i, bucket in enumerate(buckets):
+        work, buf = arriving
+        work.wait()
+        arriving = post(buckets[i + 1]) if i + 1 < len(buckets) else None
         yield from unpack(bucket, buf)
 
 
@@ -278,13 +301,14 @@ class WeightSync:
                 + [e.receive_weights.remote() for e in self.engines.actors])
 
 
-def push_state(state: dict[str, torch.Tensor], receivers: Sequence, *, bucket_bytes: int = 128 * 2**20) -> int:
+def push_state(state: dict[str, torch.Tensor], receivers: Sequence, *, bucket_bytes: int | None = None) -> int:
     """Send `state` from this process (rank 0, gloo) into rollout actors (engines/rollout_actors.py):
     a checkpoint into engines without a trainer, and the transport's tests. Bytes sent."""
     import ray
 
     from alignflow.net import free_port
 
+    bucket_bytes = bucket_bytes or default_bucket_bytes()
     specs = [(k, tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in state.items()]
     counts = ray.get([r.prepare_weights.remote(specs, bucket_bytes) for r in receivers])
     address = ("127.0.0.1", free_port("127.0.0.1"))

@@ -128,7 +128,7 @@ class GenerationConfig(Section):
     num_samples: int = Field(4, ge=1)
     placement: Placement = Field(default_factory=Placement, description="per rollout engine")
     vllm: VLLMConfig = Field(default_factory=VLLMConfig)
-    weight_bucket_mb: float = Field(128.0, gt=0, description="the weight transport's bucket: a round's weight "
+    weight_bucket_mb: float = Field(64.0, gt=0, description="the weight transport's bucket: a round's weight "
                                     "update streams in buckets of this size (extra memory on each side)")
 
     @model_validator(mode="after")
