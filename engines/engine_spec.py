@@ -32,7 +32,11 @@ def move_training_state(engine, zero_stage: int, device) -> None:
     if zero_stage == 0:  # DeepSpeed moves ZeRO partitions; a plain (or bf16-wrapped) optimizer here
         _move_optimizer_state(engine.optimizer, device)
     elif str(device) == "cpu":
-        engine.offload_states()
+        from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum as State
+
+        # Not lp_params: the weight transport reads the training weights right after (engines/weight_sync.py).
+        engine.offload_states(include=[State.optim_states, State.hp_params, State.lp_grads,
+                                       State.contiguous_grad_buffer])
     else:
         engine.reload_states()
     if torch.cuda.is_available():

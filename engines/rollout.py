@@ -79,6 +79,11 @@ class VLLMWorkerExtension:
         self.alignflow_device = next(self.model_runner.get_model().parameters()).device
         self.alignflow_group = TransportGroup(tuple(address), rank, world_size, backend, self.alignflow_device)
 
+    def alignflow_gpu(self) -> str | None:
+        from engines.weight_sync import gpu_id
+
+        return gpu_id(next(self.model_runner.get_model().parameters()).device)
+
     def alignflow_receive(self, specs: list, bucket_bytes: int) -> int:
         from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 
@@ -136,7 +141,6 @@ class VLLMEngine:
         # TQDM_DISABLE (the CLI's quiet console, flows/console.py): no weight-loading bar either.
         self.llm = LLM(**{"use_tqdm_on_load": not os.environ.get("TQDM_DISABLE"), **engine_args})
         self.sleep_mode = bool(engine_args.get("enable_sleep_mode"))
-        self.tensor_parallel_size = int(engine_args.get("tensor_parallel_size", 1))
         self.tokenizer = self.llm.get_tokenizer()
         self._shapes = checkpoint_shapes(model_path)
 
@@ -161,11 +165,12 @@ class VLLMEngine:
                                         text=c.text, logprobs=lps, finished=c.finish_reason != "length"))
         return rollouts
 
-    def prepare_weights(self, specs: list, bucket_bytes: int) -> int:
-        """Check the names and shapes updates will carry (once); how many transport ranks this engine has."""
+    def prepare_weights(self, specs: list, bucket_bytes: int) -> list[str | None]:
+        """Check the names and shapes updates will carry (once); the GPU of each worker that will receive
+        them (one per tensor-parallel rank; None on the CPU)."""
         check_specs(self._shapes, specs, "vLLM engine")
         self._plan = (specs, bucket_bytes)
-        return self.tensor_parallel_size
+        return list(self.llm.collective_rpc("alignflow_gpu"))
 
     def join_transport(self, address: tuple[str, int], first_rank: int, world_size: int, backend: str) -> None:
         self.llm.collective_rpc("alignflow_join", args=(tuple(address), first_rank, world_size, backend))
@@ -245,12 +250,15 @@ class HFEngine:
                                     logprobs=picked[row, :end].tolist(), finished=stop))
         return rollouts
 
-    def prepare_weights(self, specs: list, bucket_bytes: int) -> int:
+    def prepare_weights(self, specs: list, bucket_bytes: int) -> list[str | None]:
         """Check the names and shapes updates will carry (once): those of this model's own weight set
-        (`models.weight_shapes`), where a tied output layer travels once, as the embedding it shares."""
+        (`models.weight_shapes`), where a tied output layer travels once, as the embedding it shares.
+        The GPU that will receive them (None on the CPU)."""
+        from engines.weight_sync import gpu_id
+
         check_specs(self._shapes, specs, "HF rollout engine")
         self._buckets = plan_buckets(specs, bucket_bytes)
-        return 1
+        return [gpu_id(self.device)]
 
     def join_transport(self, address: tuple[str, int], first_rank: int, world_size: int, backend: str) -> None:
         self._group = TransportGroup(tuple(address), first_rank, world_size, backend, self.device)

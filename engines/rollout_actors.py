@@ -4,7 +4,7 @@
 `start_engines` starts the configured number: each on its placement, a
 tensor-parallel vLLM engine in a placement group of its own (a bundle per
 GPU), or where colocation puts it. `RolloutEngines` spreads prompts across
-them; weights reach them through engines/weight_transport.py.
+them; weights reach them through engines/weight_sync.py.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ class RolloutActor:
     def generate(self, prompt_ids: list[list[int]], sampling: Sampling) -> list[Rollout]:
         return self.engine.generate(prompt_ids, sampling)
 
-    def prepare_weights(self, specs: list, bucket_bytes: int) -> int:
+    def prepare_weights(self, specs: list, bucket_bytes: int) -> list[str | None]:
         return self.engine.prepare_weights(specs, bucket_bytes)
 
     def join_transport(self, address: tuple[str, int], first_rank: int, world_size: int, backend: str) -> None:
@@ -60,6 +60,10 @@ class RolloutActor:
 
     def receive_weights(self) -> None:
         self.engine.receive_weights()
+
+    def ready(self) -> bool:
+        """Returns once the calls queued before it (a generation) are done."""
+        return True
 
     def sleep(self) -> None:
         self.engine.sleep()
@@ -112,7 +116,7 @@ class PendingRollouts:
 
 class RolloutEngines:
     """The rollout engines of a round or an evaluation, as one: prompts spread across them,
-    sleep and wake together (weights reach them through engines/weight_transport.py)."""
+    sleep and wake together (weights reach them through engines/weight_sync.py)."""
 
     def __init__(self, actors: list, placement_groups: list | None = None):
         self.actors, self.placement_groups = actors, placement_groups or []

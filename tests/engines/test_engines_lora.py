@@ -224,14 +224,14 @@ def _streams_merged_weights(group, tiny_model, probe) -> None:
     from engines.experience import from_rollouts
     from engines.rollout import Sampling
     from engines.rollout_actors import RolloutEngines, start_rollout_actor
-    from engines.weight_transport import WeightSync
+    from engines.weight_sync import WeightSync
 
     engine = start_rollout_actor("hf", str(tiny_model), num_cpus=0, torch_threads=1)
     try:
         prompts = [row[:6].tolist() for row in probe["input_ids"]]
         sampling = Sampling(n=2, max_new_tokens=5)
         stale = from_rollouts(ray.get(engine.generate.remote(prompts, sampling)), pad_id=0)
-        WeightSync(group, RolloutEngines([engine]), bucket_bytes=4 * 2**10, backend="gloo").push()
+        WeightSync(group, RolloutEngines([engine]), bucket_bytes=4 * 2**10).push()
         fresh = from_rollouts(ray.get(engine.generate.remote(prompts, sampling)), pad_id=0)
         for exp, close in ((fresh, True), (stale, False)):
             trainer = group.evaluate(exp.tensors(), objectives.response_logprobs)

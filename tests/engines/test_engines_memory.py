@@ -90,7 +90,7 @@ def test_tied_embeddings_take_a_weight_update_in_the_hf_backend(tmp_path, sft_ba
     from alignflow.net import free_port
     from engines.models import build_tiny_model, load_policy, weight_shapes
     from engines.rollout import HFEngine, Sampling
-    from engines.weight_transport import TransportGroup, plan_buckets, send_buckets
+    from engines.weight_transport import TransportGroup, pack, plan_buckets, send_buckets
 
     path = build_tiny_model(TinyModelConfig(tie_word_embeddings=True), seed=0, out_dir=tmp_path / "tied")
     trainer_side = load_policy(path)
@@ -112,7 +112,7 @@ def test_tied_embeddings_take_a_weight_update_in_the_hf_backend(tmp_path, sft_ba
 
     def push() -> None:  # the engine receives in this thread, the "trainer" sends from a second one
         sending = threading.Thread(target=send_buckets, args=(sender, plan_buckets(specs, 2**16),
-                                                              lambda b: {n: state[n] for n in b.names}, "cpu"))
+                                                              lambda b: pack(b, state, "cpu")))
         sending.start()
         try:
             engine.receive_weights()

@@ -338,7 +338,7 @@ def test_tied_embeddings_sync_into_vllm(ray_local, tiny_model, prompts, tmp_path
     from engines.rollout import Sampling
     from engines.rollout_actors import RolloutEngines, start_rollout_actor
     from engines.trainer import EngineSpec, TrainerGroup
-    from engines.weight_transport import WeightSync
+    from engines.weight_sync import WeightSync
 
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model))
     model.config.tie_word_embeddings = True
@@ -358,7 +358,7 @@ def test_tied_embeddings_sync_into_vllm(ray_local, tiny_model, prompts, tmp_path
         sft = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask, "loss_mask": batch.attention_mask}
         group.train_step(shard(sft, 1), objectives.causal_lm_objective)  # moves the tied matrix
         # The round's own path: the trainer streams its weights in 64 KB buckets (several per step).
-        WeightSync(group, RolloutEngines([engine]), bucket_bytes=64 * 2**10, backend="gloo").push()
+        WeightSync(group, RolloutEngines([engine]), bucket_bytes=64 * 2**10).push()
         after = ray.get(engine.generate.remote(ids, Sampling(n=2, max_new_tokens=6)))
         check = from_rollouts(after, pad_id=0)
         trainer = group.evaluate(check.tensors(), objectives.response_logprobs)

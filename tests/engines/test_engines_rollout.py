@@ -12,7 +12,7 @@ from alignflow.config import TinyModelConfig
 from engines import models
 from engines.rollout import Sampling, WeightSyncError
 from engines.rollout_actors import start_rollout_actor
-from engines.weight_transport import push_state
+from engines.weight_sync import push_state
 
 pytestmark = pytest.mark.engine
 

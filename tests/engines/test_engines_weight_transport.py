@@ -68,7 +68,7 @@ def test_a_gloo_group_streams_every_bucket_to_every_receiver():
     for t in threads:
         t.start()
     sender = TransportGroup(address, 0, world, "gloo", timeout_s=60)
-    sent = send_buckets(sender, buckets, lambda b: {n: STATE[n] for n in b.names}, "cpu")
+    sent = send_buckets(sender, buckets, lambda b: pack(b, STATE, "cpu"))
     for t in threads:
         t.join(60)
     assert not errors, errors

@@ -164,7 +164,7 @@ def test_tied_weight_update_keeps_logprob_parity_on_gpu(ray_gpu, gpu_model, gpu_
     from engines.batches import sft_tensors, shard, take
     from engines.rollout import Sampling
     from engines.rollout_actors import start_engines
-    from engines.weight_transport import WeightSync
+    from engines.weight_sync import WeightSync
 
     group = _gpu_engine(gpu_model, "causal", lr=3e-3, gpus=0.5)
     engines = start_engines(GenerationConfig(backend="hf", placement=Placement(num_gpus=0.5)), str(gpu_model),
@@ -173,7 +173,7 @@ def test_tied_weight_update_keeps_logprob_parity_on_gpu(ray_gpu, gpu_model, gpu_
         tensors, _ = sft_tensors(gpu_tokenizer, task_data["sft"], 64, 16)
         group.train_step(shard(take(tensors, torch.arange(16)), 1), objectives.causal_lm_objective)
         # Trainer and engine share the GPU: CUDA IPC handles (tied: lm_head travels as the embedding).
-        WeightSync(group, engines, bucket_bytes=2**20, backend="ipc").push()
+        WeightSync(group, engines, bucket_bytes=2**20).push()
         prompts = [ids for ids, _ in _prompts(gpu_tokenizer, task_data)[:8]]
         rollouts = engines.generate(prompts, Sampling(n=2, max_new_tokens=6))
         exp = experience.from_rollouts(rollouts, gpu_tokenizer.pad_token_id)

@@ -1,0 +1,163 @@
+"""The weight transport between a round's processes: who sends, who receives, over which backend.
+
+    choose_backend(...)  gloo on CPUs; nccl between GPUs; CUDA IPC where engine i shares rank i's GPU
+    WeightSender         the trainer's side, on every rank (TrainWorker holds one)
+    WeightSync           the driver's side: groups made once per round, then `push` per update
+    push_state(...)      a state dict from this process into rollout actors (tests, checkpoints)
+
+The wire format and the groups are engines/weight_transport.py; the engines' receiving side is
+engines/rollout.py (`prepare_weights`, `join_transport`, `receive_weights`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from engines.weight_transport import (Bucket, TensorSpec, TransportGroup, pack, plan_buckets, send_buckets,
+                                      tensor_bytes)
+
+__all__ = ["WeightSender", "WeightSync", "choose_backend", "default_bucket_bytes", "gpu_id", "push_state"]
+
+
+def default_bucket_bytes() -> int:
+    """`generation.weight_bucket_mb`'s default, in bytes (the config holds the one default)."""
+    from alignflow.config import GenerationConfig
+
+    return int(GenerationConfig.model_fields["weight_bucket_mb"].default * 2**20)
+
+
+def gpu_id(device: torch.device | str) -> str | None:
+    """The UUID of `device`'s GPU (the same GPU has the same one in every process); None on the CPU."""
+    device = torch.device(device)
+    return str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else None
+
+
+def choose_backend(trainer_gpus: Sequence[str | None], engine_gpus: Sequence[Sequence[str | None]]) -> str:
+    """The transport for where the processes are, by GPU identity: gloo where any side is on the CPU;
+    CUDA IPC where engine i sits on trainer rank i's GPU (colocation); nccl where every engine worker
+    has a GPU apart from trainer rank 0's and from each other's (NCCL cannot pair two processes on
+    one device). Anything else is a placement the transport cannot serve: refused, with the layout."""
+    from engines.weight_transport import WeightSyncError
+
+    workers = [g for engine in engine_gpus for g in engine]
+    if trainer_gpus[0] is None or None in workers:
+        return "gloo"
+    if len(engine_gpus) == len(trainer_gpus) and all(list(e) == [t] for e, t in zip(engine_gpus, trainer_gpus)):
+        return "ipc"
+    if trainer_gpus[0] not in workers and len(set(workers)) == len(workers):
+        return "nccl"
+    raise WeightSyncError(f"rollout engines on GPUs {[list(e) for e in engine_gpus]} and trainer ranks on "
+                          f"{list(trainer_gpus)}: sharing a GPU works only with one engine beside each trainer rank "
+                          "(colocate_all); otherwise give the engines whole GPUs of their own")
+
+
+class WeightSender:
+    """The trainer's side, on every rank. Under ZeRO-3 every rank gathers each bucket's parameters.
+    Over gloo or nccl, rank 0 (the transport's rank 0) packs and sends every bucket to every engine;
+    over CUDA IPC (colocated) each rank sends to the engine on its own GPU, in a group of two."""
+
+    def __init__(self, module: torch.nn.Module, zero_stage: int, rank: int, device: torch.device):
+        from engines import lora
+
+        self.entries = {e.name: e for e in lora.weight_entries(module)}
+        self.zero_stage, self.rank, self.device = zero_stage, rank, device
+        self.group: TransportGroup | None = None
+        self.buckets: list[Bucket] = []
+
+    def specs(self) -> list[TensorSpec]:
+        return [(e.name, e.shape, str(e.dtype).removeprefix("torch.")) for e in self.entries.values()]
+
+    def describe(self) -> dict:
+        """What the driver needs to make the groups: the update's tensors and this rank's GPU."""
+        return {"specs": self.specs(), "gpu": gpu_id(self.device)}
+
+    def join(self, address: tuple[str, int], world_size: int, backend: str, bucket_bytes: int) -> None:
+        """Every rank plans the buckets; the senders join their group (blocks until all have)."""
+        self.buckets = plan_buckets(self.specs(), bucket_bytes)
+        if self.rank == 0 or backend == "ipc":
+            self.group = TransportGroup(address, 0, world_size, backend, self.device)
+
+    def send(self) -> int:
+        """One update: every bucket, in order. Bytes sent (0 on a rank that only gathers)."""
+        from engines.lora import gathered
+
+        device = "cpu" if self.group is None or self.group.backend == "gloo" else self.device
+
+        def params_of(bucket: Bucket) -> list[torch.nn.Parameter]:
+            return list({id(p): p for n in bucket.names for p in self.entries[n].params}.values())
+
+        def pack_bucket(bucket: Bucket) -> torch.Tensor:
+            with torch.no_grad(), gathered(params_of(bucket), self.zero_stage):
+                return pack(bucket, {n: self.entries[n].value() for n in bucket.names}, device)
+
+        if self.group is None:  # ZeRO-3: the sender's gathers need this rank too
+            for bucket in self.buckets:
+                with gathered(params_of(bucket), self.zero_stage):
+                    pass
+            return 0
+        sent = send_buckets(self.group, self.buckets, pack_bucket)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # colocated: the engines' KV cache wakes next
+        return sent
+
+
+class WeightSync:
+    """The driver's side: a trainer group's weights into rollout engines, over transport groups made
+    once (a round's first sync). Names and shapes are checked by every engine before anything is
+    sent; each `push` is then one broadcast per bucket."""
+
+    def __init__(self, trainers, engines, *, bucket_bytes: int):
+        import ray
+
+        self.trainers, self.engines = trainers, engines
+        workers = trainers.workers
+        ranks = ray.get([w.describe_weights.remote() for w in workers])
+        specs = ranks[0]["specs"]
+        engine_gpus = ray.get([e.prepare_weights.remote(specs, bucket_bytes) for e in engines.actors])
+        backend = choose_backend([r["gpu"] for r in ranks], engine_gpus)
+        if backend == "ipc":  # trainer rank i -> the engine on its GPU: a group of two per rank
+            addresses = ray.get([w.address.remote() for w in workers])
+            joins = [w.join_transport.remote(a, 2, backend, bucket_bytes) for w, a in zip(workers, addresses)]
+            joins += [e.join_transport.remote(a, 1, 2, backend) for e, a in zip(engines.actors, addresses)]
+        else:  # rank 0 -> every engine worker
+            counts = [len(g) for g in engine_gpus]
+            world = 1 + sum(counts)
+            address = ray.get(workers[0].address.remote())  # rank 0's node, a fresh free port
+            joins = [w.join_transport.remote(address, world, backend, bucket_bytes) for w in workers]
+            joins += [e.join_transport.remote(address, 1 + sum(counts[:i]), world, backend)
+                      for i, e in enumerate(engines.actors)]
+        ray.get(joins)
+        self.nbytes = sum(tensor_bytes(shape, dtype) for _, shape, dtype in specs)
+        self.backend = backend
+
+    def push(self) -> None:
+        import ray
+
+        # Engines run calls in order: wait out a generation under way (asynchronous rollouts) before
+        # the trainers start sending, so no sender waits on the wire for a whole generation.
+        ray.get([e.ready.remote() for e in self.engines.actors])
+        ray.get([w.send_weights.remote() for w in self.trainers.workers]
+                + [e.receive_weights.remote() for e in self.engines.actors])
+
+
+def push_state(state: dict[str, torch.Tensor], receivers: Sequence, *, bucket_bytes: int | None = None) -> int:
+    """Send `state` from this process (rank 0, gloo) into rollout actors (engines/rollout_actors.py):
+    a checkpoint into engines without a trainer, and the transport's tests. Bytes sent."""
+    import ray
+
+    from alignflow.net import free_port
+
+    bucket_bytes = bucket_bytes or default_bucket_bytes()
+    specs = [(k, tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in state.items()]
+    counts = [len(gpus) for gpus in ray.get([r.prepare_weights.remote(specs, bucket_bytes) for r in receivers])]
+    address = ("127.0.0.1", free_port("127.0.0.1"))
+    world = 1 + sum(counts)
+    joins = [r.join_transport.remote(address, 1 + sum(counts[:i]), world, "gloo") for i, r in enumerate(receivers)]
+    group = TransportGroup(address, 0, world, "gloo")
+    ray.get(joins)
+    done = [r.receive_weights.remote() for r in receivers]
+    sent = send_buckets(group, plan_buckets(specs, bucket_bytes), lambda b: pack(b, state, "cpu"))
+    ray.get(done)
+    return sent
