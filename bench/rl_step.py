@@ -25,6 +25,7 @@ variant's step time to the first variant's.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -32,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from measure import cpu_times, forward_flops, matmul_peak_gflops  # bench/measure.py, beside this script
@@ -189,6 +191,23 @@ def snapshot() -> Path:
     return out
 
 
+@contextlib.contextmanager
+def compared_trees(against: str | None) -> Iterator[list[tuple[str, Path]]]:
+    """[(label, source tree)]: a copy of this tree (it may be edited while a bench runs), after
+    `against` checked out in a temporary git worktree when given (removed on exit)."""
+    trees = [("this tree", snapshot())]
+    if against is None:
+        yield trees
+        return
+    tree = Path(tempfile.mkdtemp(prefix="alignflow-against-"))
+    subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(tree), against], check=True,
+                   capture_output=True)
+    try:
+        yield [(against, tree), *trees]
+    finally:
+        subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], capture_output=True)
+
+
 def run_variant(label: str, tree: Path, spec: str, args, script: Path) -> dict:
     env = {**os.environ, "PYTHONPATH": str(tree)}
     for k in ("LD_PRELOAD", "MALLOC_CONF", *(k for k in os.environ if k.startswith("MALLOC_"))):
@@ -243,27 +262,19 @@ def main() -> None:
         print("RESULT " + json.dumps(worker(args)), flush=True)
         return
     args.model = build_model(args.config, args.shape)
-    trees = [("this tree", snapshot())]  # a copy: the tree may be edited while the bench runs
-    script = trees[0][1] / "bench" / "rl_step.py"  # this bench's worker, whichever tree it imports
-    if args.against:
-        tree = Path(tempfile.mkdtemp(prefix="alignflow-against-"))
-        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(tree), args.against], check=True,
-                       capture_output=True)
-        trees.insert(0, (args.against, tree))
     specs = args.variants.split(";")
     for spec in specs:
         variant_env(spec)  # fails before any run on an unknown one
-    # A commit compared against runs as it was (its own defaults); this tree runs every variant.
-    variants = [(f"{t} [{v}]" if v else t, path, v) for t, path in trees for v in (specs if path == trees[-1][1] else [""])]
-    results: dict[str, list[dict]] = {v[0]: [] for v in variants}
-    try:
+    with compared_trees(args.against) as trees:
+        script = trees[-1][1] / "bench" / "rl_step.py"  # this bench's worker, whichever tree it imports
+        # A commit compared against runs as it was (its own defaults); this tree runs every variant.
+        variants = [(f"{t} [{v}]" if v else t, path, v) for t, path in trees
+                    for v in (specs if path == trees[-1][1] else [""])]
+        results: dict[str, list[dict]] = {v[0]: [] for v in variants}
         for i in range(args.runs):
             for label, path, spec in variants:
                 results[label].append(run_variant(label, path, spec, args, script))
                 print(f"run {i + 1}/{args.runs} {label}: {results[label][-1]['step']:.2f} s", flush=True)
-    finally:
-        if args.against:
-            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], capture_output=True)
     work = "config " + args.config if args.config else (
         f"GRPO, {PROMPTS} prompts x {SAMPLES} samples x {NEW_TOKENS} new tokens")
     print(f"\n{work}; medians of {args.runs} runs of {args.steps} steps, variants alternating")

@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from rl_step import REPO, snapshot, word_corpus  # bench/rl_step.py, beside this script
+from rl_step import compared_trees, word_corpus  # bench/rl_step.py, beside this script
 
 SIZES = {  # label -> tiny-model shape (vocabulary 2048, untied)
     "1M": dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=512),
@@ -145,22 +145,13 @@ def main() -> None:
         raise SystemExit(f"--sizes: unknown {unknown}; known: {', '.join(SIZES)}")
     paths, nbytes = build_models(labels)
     args.models = json.dumps(paths)
-    trees = [("this tree", snapshot())]  # a copy: the tree may be edited while the bench runs
-    script = trees[0][1] / "bench" / "weight_sync.py"
-    if args.against:
-        tree = Path(tempfile.mkdtemp(prefix="alignflow-against-"))
-        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(tree), args.against], check=True,
-                       capture_output=True)
-        trees.insert(0, (args.against, tree))
-    results: dict[str, list[dict]] = {t: [] for t, _ in trees}
-    try:
+    with compared_trees(args.against) as trees:
+        script = trees[-1][1] / "bench" / "weight_sync.py"
+        results: dict[str, list[dict]] = {t: [] for t, _ in trees}
         for i in range(args.runs):
             for label, path in trees:
                 results[label].append(run_variant(label, path, args, script))
                 print(f"run {i + 1}/{args.runs} {label}: done", flush=True)
-    finally:
-        if args.against:
-            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], capture_output=True)
     print(f"\none weight update, trainer (ZeRO-0) -> one vLLM engine; medians of {args.runs} runs x "
           f"{args.updates} updates, variants alternating; extra = peak resident memory above the start, MB")
     print(f"{'size':>6} {'MB':>7}  {'variant':<14} {'update s':>9} {'MB/s':>8} {'ratio':>6} {'ms/MB':>6}"
