@@ -15,8 +15,8 @@ from collections.abc import Sequence
 
 import torch
 
-from engines.weight_transport import (Bucket, TensorSpec, TransportGroup, pack, plan_buckets, send_buckets,
-                                      tensor_bytes)
+from engines.weight_transport import (Bucket, TensorSpec, TransportGroup, WeightSyncError, pack, plan_buckets,
+                                      send_buckets)
 
 __all__ = ["WeightSender", "WeightSync", "choose_backend", "default_bucket_bytes", "gpu_id", "push_state"]
 
@@ -39,8 +39,6 @@ def choose_backend(trainer_gpus: Sequence[str | None], engine_gpus: Sequence[Seq
     CUDA IPC where engine i sits on trainer rank i's GPU (colocation); nccl where every engine worker
     has a GPU apart from trainer rank 0's and from each other's (NCCL cannot pair two processes on
     one device). Anything else is a placement the transport cannot serve: refused, with the layout."""
-    from engines.weight_transport import WeightSyncError
-
     workers = [g for engine in engine_gpus for g in engine]
     if trainer_gpus[0] is None or None in workers:
         return "gloo"
@@ -129,7 +127,6 @@ class WeightSync:
             joins += [e.join_transport.remote(address, 1 + sum(counts[:i]), world, backend)
                       for i, e in enumerate(engines.actors)]
         ray.get(joins)
-        self.nbytes = sum(tensor_bytes(shape, dtype) for _, shape, dtype in specs)
         self.backend = backend
 
     def push(self) -> None:
