@@ -72,8 +72,6 @@ class VLLMWorkerExtension:
     def alignflow_join(self, address: tuple[str, int], first_rank: int, world_size: int, backend: str) -> None:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
-        from engines.weight_transport import TransportGroup
-
         # A tensor-parallel engine's workers each receive the full tensors; loading shards them.
         rank = first_rank + get_tensor_model_parallel_rank()
         self.alignflow_device = next(self.model_runner.get_model().parameters()).device
@@ -86,8 +84,6 @@ class VLLMWorkerExtension:
 
     def alignflow_receive(self, specs: list, bucket_bytes: int) -> int:
         from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
-
-        from engines.weight_transport import plan_buckets, receive_buckets
 
         group = self.alignflow_group
         device = "cpu" if group.backend == "gloo" else self.alignflow_device

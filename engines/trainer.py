@@ -165,7 +165,7 @@ class TrainWorker:
         names = lora.weight_names(self.engine.module)
         return save({k: v for k, v in state.items() if k in names}) if self.rank == 0 else None
 
-    # The weight transport's sending side (engines/weight_transport.py; WeightSync drives it).
+    # The weight transport's sending side (engines/weight_sync.py: WeightSender, driven by WeightSync).
     def describe_weights(self) -> dict:
         return self.sender.describe()
 

@@ -127,7 +127,6 @@ class WeightSync:
             joins += [e.join_transport.remote(address, 1 + sum(counts[:i]), world, backend)
                       for i, e in enumerate(engines.actors)]
         ray.get(joins)
-        self.backend = backend
 
     def push(self) -> None:
         import ray
