@@ -9,6 +9,7 @@ and verify them, so a crash mid-upload never looks finished.
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import json
 import logging
@@ -23,6 +24,7 @@ from typing import Any
 import fsspec
 
 MANIFEST = "manifest.json"
+CACHE_ENV = "ALIGNFLOW_CACHE_DIR"  # a node's own cache directory (Storage.node_cache)
 log = logging.getLogger("alignflow")
 _CHECKPOINT_DIR = re.compile(r"step-(\d+)$")
 
@@ -126,12 +128,11 @@ class Storage:
         with fs.open(path, "r") as f:
             return json.load(f)
 
-    def commit(self, local_dir: str | Path, uri: str, meta: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Upload every file of `local_dir` to `uri`, then the manifest, last."""
+    def upload(self, local_dir: str | Path, uri: str) -> dict[str, dict[str, Any]]:
+        """Copy every file of `local_dir` under `uri`, uncommitted (no manifest); their manifest entries.
+        An actor uploads what it wrote on its own node this way (alignflow/artifacts.py: writing)."""
         local_dir = Path(local_dir)
         files = sorted(p for p in local_dir.rglob("*") if p.is_file() and p.name != MANIFEST)
-        if not files:
-            raise StorageError(f"refusing to commit empty directory {local_dir}")
         fs = self._fs()
         fs.makedirs(uri, exist_ok=True)
         entries = {}
@@ -142,7 +143,21 @@ class Storage:
             if "/" in rel:
                 fs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)
             fs.put_file(str(p), target)
-        manifest = {"files": entries, "meta": meta or {}}
+        return entries
+
+    def commit(self, local_dir: str | Path | None, uri: str, meta: dict[str, Any] | None = None,
+               uploaded: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+        """Upload every file of `local_dir` (if any) to `uri`, then the manifest, last. `uploaded`: entries
+        of files already under `uri` (uploaded by actors, from their nodes), listed in the manifest too."""
+        entries = dict(uploaded or {})
+        for rel, entry in (self.upload(local_dir, uri) if local_dir is not None else {}).items():
+            if rel in entries:
+                raise StorageError(f"{uri}/{rel} was written by an actor and by the task")
+            entries[rel] = entry
+        if not entries:
+            raise StorageError(f"refusing to commit {uri} with no files (written into {local_dir} or uploaded)")
+        fs = self._fs()
+        manifest = {"files": dict(sorted(entries.items())), "meta": meta or {}}
         fd, tmp = tempfile.mkstemp(suffix=".json", prefix="alignflow-manifest-")
         try:  # removed on every path, a meta that is not JSON included
             with os.fdopen(fd, "w") as f:
@@ -158,43 +173,47 @@ class Storage:
             os.unlink(tmp)
         return manifest
 
-    def fetch(self, uri: str, verify: bool = True) -> Path:
-        """A local, verified copy of a committed directory.
+    def node_cache(self) -> Path:
+        """This node's cache of remote artifacts: $ALIGNFLOW_CACHE_DIR where the node sets it (each
+        node of a cluster its own disk), else `cache_dir`."""
+        return Path(os.environ.get(CACHE_ENV) or self.cache_dir).expanduser()
 
-        Local roots are verified in place; remote ones are downloaded into
-        `cache_dir` (reused when already present and verified).
-        """
+    def fetch(self, uri: str, verify: bool = True, skip: tuple[str, ...] = ()) -> Path:
+        """A local, verified copy of a committed directory, on this node. Local roots are verified in
+        place; remote ones are downloaded into `node_cache()` (reused when present and verified).
+        `skip`: file-name patterns left out (a tokenizer without the weights)."""
         manifest = self.read_manifest(uri)
+        files = {rel: f for rel, f in manifest["files"].items()
+                 if not any(fnmatch.fnmatch(rel.rsplit("/", 1)[-1], pattern) for pattern in skip)}
         if self.is_local:
             local = Path(uri)
         else:
-            digest = hashlib.sha256(uri.encode()).hexdigest()[:24]
-            local = Path(self.cache_dir).expanduser() / digest
-            if not _matches(local, manifest["files"], check_digest=verify):
-                self._download(uri, manifest, local)
+            digest = hashlib.sha256("|".join([uri, *skip]).encode()).hexdigest()[:24]
+            local = self.node_cache() / digest
+            if not _matches(local, files, check_digest=verify):
+                self._download(uri, files, local)
         if verify:
-            bad = _mismatches(local, manifest["files"])
+            bad = _mismatches(local, files)
             if bad:
                 raise StorageError(f"{uri}: files do not match the manifest: {', '.join(bad)}")
         return local
 
-    def _download(self, uri: str, manifest: dict[str, Any], local: Path) -> None:
-        """Download into a fresh directory beside `local` (same filesystem), then
-        rename it into place. Tasks fetching the same artifact at once each
-        download; the first rename wins and the others drop their copy."""
+    def _download(self, uri: str, files: dict[str, Any], local: Path) -> None:
+        """Download into a fresh directory beside `local`, then rename it into place. Processes fetching
+        the same artifact at once each download; the first rename wins, the others drop their copy."""
         local.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=local.parent, prefix=f".{local.name}-"))
         try:
             fs = self._fs()
-            for rel in manifest["files"]:
+            for rel in files:
                 (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
                 fs.get_file(f"{uri}/{rel}", str(tmp / rel))
-            if local.exists() and not _matches(local, manifest["files"], check_digest=True):
+            if local.exists() and not _matches(local, files, check_digest=True):
                 shutil.rmtree(local, ignore_errors=True)  # a stale or broken copy
             try:
                 os.rename(tmp, local)
             except OSError:
-                if not _matches(local, manifest["files"], check_digest=True):
+                if not _matches(local, files, check_digest=True):
                     raise
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -226,11 +245,6 @@ class Storage:
             if m and fs.exists(f"{entry.rstrip('/')}/{MANIFEST}"):
                 found.append((int(m.group(1)), self._normalize(entry.rstrip("/"))))
         return sorted(found, reverse=True)
-
-    def latest_checkpoint(self, stage_uri: str) -> tuple[int, str] | None:
-        """The committed mid-stage checkpoint with the highest step, if any (not verified)."""
-        found = self.committed_checkpoints(stage_uri)
-        return found[0] if found else None
 
     def latest_valid_checkpoint(self, stage_uri: str) -> tuple[int, str, Path] | None:
         """The newest committed checkpoint whose files match its manifest, as (step, uri, local copy).

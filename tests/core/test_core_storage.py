@@ -115,7 +115,7 @@ def test_uri_layout(storage, tmp_path):
 
 def test_commit_refuses_an_empty_directory(storage, tmp_path):
     (tmp_path / "empty").mkdir()
-    with pytest.raises(StorageError, match="empty"):
+    with pytest.raises(StorageError, match="no files"):
         storage.commit(tmp_path / "empty", storage.stage_uri("s", "k"))
 
 
@@ -218,14 +218,14 @@ def test_checkpoint_uri(storage):
 
 def test_latest_checkpoint_ignores_uncommitted(storage, src):
     stage = storage.stage_uri("sft", "k")
-    assert storage.latest_checkpoint(stage) is None
+    assert storage.committed_checkpoints(stage) == []
     for step in (5, 20, 100):
         storage.commit(src, storage.checkpoint_uri(stage, step), meta={"step": step})
     # A crash while uploading step 200: files but no manifest.
     _make_dir(Path(storage.checkpoint_uri(stage, 200)))
     # Something else in the checkpoints directory.
     (Path(stage) / "checkpoints" / "notes").mkdir()
-    step, uri = storage.latest_checkpoint(stage)
+    step, uri = storage.committed_checkpoints(stage)[0]
     assert step == 100  # the highest committed step; step 200 is not committed
     assert uri == storage.checkpoint_uri(stage, 100)
     assert storage.read_manifest(uri)["meta"] == {"step": 100}
@@ -236,7 +236,7 @@ def test_latest_checkpoint_compares_steps_as_numbers(storage, src):
     # Unpadded names (written by hand or by an older version) still order by number.
     for name in ("step-9", "step-10"):
         storage.commit(src, f"{stage}/checkpoints/{name}")
-    assert storage.latest_checkpoint(stage)[0] == 10
+    assert storage.committed_checkpoints(stage)[0][0] == 10
 
 
 def test_prune_checkpoints(storage, src):
@@ -248,10 +248,10 @@ def test_prune_checkpoints(storage, src):
     storage.prune_checkpoints(stage, keep_step=20)
     remaining = sorted(p.name for p in (Path(stage) / "checkpoints").iterdir())
     assert remaining == ["step-00000020"]
-    assert storage.latest_checkpoint(stage)[0] == 20
+    assert storage.committed_checkpoints(stage)[0][0] == 20
     storage.prune_checkpoints(stage)
     assert list((Path(stage) / "checkpoints").iterdir()) == []
-    assert storage.latest_checkpoint(stage) is None
+    assert storage.committed_checkpoints(stage) == []
     assert storage.is_committed(stage)
     storage.fetch(stage)
 
@@ -273,7 +273,7 @@ def test_a_corrupted_newest_checkpoint_is_skipped_for_the_one_before(storage, sr
         storage.commit(src, storage.checkpoint_uri(stage, step), meta={"step": step})
     newest = storage.checkpoint_uri(stage, 20)
     corrupt(Path(newest))
-    assert storage.latest_checkpoint(stage) == (20, newest)  # still committed: only fetching finds out
+    assert storage.committed_checkpoints(stage)[0] == (20, newest)  # still committed: only fetching finds out
     with caplog.at_level(logging.WARNING, logger="alignflow"):
         found = storage.latest_valid_checkpoint(stage)
     assert found == (10, storage.checkpoint_uri(stage, 10), Path(storage.checkpoint_uri(stage, 10)))

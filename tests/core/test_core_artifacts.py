@@ -1,0 +1,111 @@
+"""Artifacts across nodes (alignflow/artifacts.py): writers upload from their own node, the task commits
+the manifest; readers fetch into their node's cache; over a real S3 endpoint (moto_server)."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import secrets
+from pathlib import Path
+
+import pytest
+
+from alignflow.artifacts import WEIGHT_FILES, ArtifactRef, child, local_dir, merge_entries, writing
+from alignflow.storage import CACHE_ENV, Storage, StorageError
+
+FILES = {"config.json": b'{"model_type": "qwen2"}', "model.safetensors": os.urandom(4096),
+         "tokenizer.json": b"{}", "adapter/adapter_model.safetensors": os.urandom(512)}
+
+
+@pytest.fixture
+def s3(moto_s3, tmp_path) -> Storage:
+    return Storage(root=f"s3://{moto_s3.bucket}/artifacts-{secrets.token_hex(4)}",
+                   endpoint_url=moto_s3.endpoint_url, cache_dir=str(tmp_path / "config-cache"))
+
+
+def _write(directory: Path, files: dict[str, bytes]) -> None:
+    for rel, data in files.items():
+        (directory / rel).parent.mkdir(parents=True, exist_ok=True)
+        (directory / rel).write_bytes(data)
+
+
+def test_an_actors_upload_is_committed_by_the_task_with_the_tasks_own_files(s3, tmp_path):
+    ref = ArtifactRef(s3.stage_uri("sft", "k1"), s3)
+    with writing(ref) as (scratch, uploaded):
+        _write(scratch, FILES)
+    assert scratch.exists() is False  # the writer's scratch is gone once uploaded
+    assert uploaded == {rel: {"size": len(data), "sha256": _sha(data)} for rel, data in FILES.items()}
+    assert not s3.is_committed(ref.uri), "an upload alone must not look finished"
+
+    task_dir = tmp_path / "task"
+    _write(task_dir, {"metrics.json": b"{}"})
+    manifest = s3.commit(task_dir, ref.uri, uploaded=uploaded)
+    assert sorted(manifest["files"]) == sorted([*FILES, "metrics.json"])
+    fetched = s3.fetch(ref.uri)  # verifies every file against the manifest
+    assert {rel: (fetched / rel).read_bytes() for rel in FILES} == FILES
+
+
+def test_a_checkpoint_of_uploads_alone_commits_and_nothing_at_all_is_refused(s3):
+    uri = s3.checkpoint_uri(s3.stage_uri("rl_round_1", "k"), 4)
+    with writing(ArtifactRef(uri, s3).child("actor")) as (scratch, uploaded):
+        _write(scratch, {"trainer-rank0.json": b"{}"})
+    s3.commit(None, uri, uploaded=merge_entries([uploaded], "actor"))
+    assert s3.read_manifest(uri)["files"].keys() == {"actor/trainer-rank0.json"}
+    with pytest.raises(StorageError, match="no files"):
+        s3.commit(None, s3.checkpoint_uri(s3.stage_uri("rl_round_1", "k"), 8), uploaded={})
+
+
+def test_one_file_from_two_writers_is_an_error(s3, tmp_path):
+    entry = {"size": 1, "sha256": "0" * 64}
+    with pytest.raises(RuntimeError, match="actor/model.safetensors was uploaded twice"):
+        merge_entries([{"model.safetensors": entry}, {"model.safetensors": entry}], "actor")
+    uri = s3.stage_uri("sft", "k2")
+    with writing(ArtifactRef(uri, s3)) as (scratch, uploaded):
+        _write(scratch, {"config.json": b"{}"})
+    _write(tmp_path / "task", {"config.json": b"{}"})
+    with pytest.raises(StorageError, match="config.json was written by an actor and by the task"):
+        s3.commit(tmp_path / "task", uri, uploaded=uploaded)
+
+
+def test_each_node_fetches_into_its_own_cache_and_a_task_can_leave_the_weights(s3, tmp_path, monkeypatch):
+    src = tmp_path / "src"
+    _write(src, FILES)
+    uri = s3.stage_uri("base_model", "k3")
+    s3.commit(src, uri)
+    ref = ArtifactRef(uri, s3)
+
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "node-a"))
+    tokenizer_only = Path(local_dir(ref, skip=WEIGHT_FILES))
+    assert tokenizer_only.is_relative_to(tmp_path / "node-a")
+    assert sorted(p.name for p in tokenizer_only.rglob("*") if p.is_file()) == ["config.json", "tokenizer.json"]
+
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "node-b"))
+    full = Path(local_dir(ref))
+    assert full.is_relative_to(tmp_path / "node-b")
+    assert {p.relative_to(full).as_posix() for p in full.rglob("*") if p.is_file()} == set(FILES)
+    assert not list((tmp_path / "node-a").rglob("*.safetensors"))
+    assert Path(local_dir(ref)) == full  # a second fetch on the node reuses its copy
+
+    monkeypatch.delenv(CACHE_ENV)
+    assert Path(local_dir(ref)).is_relative_to(tmp_path / "config-cache")  # without the variable: cache_dir
+
+
+def test_a_ref_travels_without_credentials(s3, moto_s3):
+    blob = pickle.dumps(ArtifactRef(s3.stage_uri("sft", "k"), s3))
+    assert moto_s3.secret_access_key.encode() not in blob
+    assert moto_s3.access_key_id.encode() not in blob
+
+
+def test_a_path_is_a_directory_on_this_node(tmp_path):
+    assert local_dir(str(tmp_path)) == str(tmp_path)
+    assert child(str(tmp_path), "actor") == str(tmp_path / "actor")
+    with writing(str(tmp_path / "out")) as (directory, uploaded):
+        (directory / "x.txt").write_text("x")
+    assert (tmp_path / "out" / "x.txt").read_text() == "x" and uploaded == {}
+
+
+def _sha(data: bytes) -> str:
+    import hashlib
+
+    return hashlib.sha256(data).hexdigest()
+
