@@ -102,11 +102,15 @@ def placement_group_id() -> str | None:
     return ray.get_runtime_context().get_placement_group_id() if ray.is_initialized() else None
 
 
-def actor_options(num_cpus: float, num_gpus: float, scheduling_strategy=None) -> dict[str, Any]:
-    """Ray actor options of a placement: its CPUs and GPUs, and where a placement group puts it."""
+def actor_options(num_cpus: float, num_gpus: float, scheduling_strategy=None,
+                  resources: dict[str, float] | None = None) -> dict[str, Any]:
+    """Ray actor options of a placement: its CPUs and GPUs, custom resources (placement.resources), and
+    where a placement group puts it (its bundle then holds the resources: the actor asks for none)."""
     opts: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": num_gpus}
     if scheduling_strategy is not None:
         opts["scheduling_strategy"] = scheduling_strategy
+    elif resources:
+        opts["resources"] = dict(resources)
     return opts
 
 

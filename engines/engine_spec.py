@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from alignflow.artifacts import Source
 from alignflow.config import EngineConfig
 from alignflow.config.base import LoraConfig
 
@@ -47,7 +48,7 @@ def move_training_state(engine, zero_stage: int, device) -> None:
 class EngineSpec:
     """What a training engine is built from (all plain values, Ray-shippable)."""
 
-    model_path: str
+    model_path: Source  # a directory on the worker's node, or a ref each worker fetches on its own
     kind: str  # "causal" (policy) or "scalar" (reward model / critic)
     learning_rate: float
     weight_decay: float
@@ -66,10 +67,11 @@ class EngineSpec:
     torch_threads: int = 2
     num_cpus_per_worker: float = 1.0
     num_gpus_per_worker: float = 0.0
+    resources_per_worker: dict[str, float] = field(default_factory=dict)  # placement.resources
     lora: LoraConfig | None = None  # LoRA adapters on a frozen base (engines/lora.py); None: full fine-tuning
 
     @classmethod
-    def from_config(cls, cfg: EngineConfig, *, model_path: str, kind: str, total_steps: int, global_batch: int,
+    def from_config(cls, cfg: EngineConfig, *, model_path: Source, kind: str, total_steps: int, global_batch: int,
                     dtype: str, torch_threads: int, seed: int, attn_implementation: str = "sdpa") -> EngineSpec:
         """The spec of an engine configured by `cfg` (optimizer, ZeRO, memory, placement)."""
         return cls(
@@ -80,7 +82,7 @@ class EngineSpec:
             micro_batch_tokens=cfg.micro_batch_tokens,
             gradient_checkpointing=cfg.gradient_checkpointing, offload=cfg.offload,
             torch_threads=torch_threads, num_cpus_per_worker=cfg.placement.num_cpus,
-            num_gpus_per_worker=cfg.placement.num_gpus, lora=cfg.lora,
+            num_gpus_per_worker=cfg.placement.num_gpus, resources_per_worker=cfg.placement.resources, lora=cfg.lora,
         )
 
     def ds_config(self, world_size: int) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 import algos
+from alignflow.artifacts import WEIGHT_FILES, Entries, Source, child, local_dir, merge_entries, writing
 from alignflow.config import RoundConfig
 from alignflow.seeds import derive_seed
 from engines import experience
@@ -70,7 +71,7 @@ class RLRound:
         cfg = self.cfg
         # Cheap checks first: nothing is started if the round cannot run.
         self.reward_fn = text_reward(cfg)
-        self.tokenizer = load_tokenizer(setup.policy_path)
+        self.tokenizer = load_tokenizer(local_dir(setup.policy_path, skip=WEIGHT_FILES))
         n = len(setup.prompts)
         self.schedule = Schedule(rows=n, batch_size=min(cfg.prompts_per_step, n), total_steps=cfg.steps,
                                  seed=derive_seed(setup.seed, "prompts"))
@@ -149,18 +150,22 @@ class RLRound:
 
     # ---- state ----------------------------------------------------------------------
 
-    def save_state(self, directory: str, step: int) -> None:
-        d = Path(directory)
-        self.models.actor.save_state(str(d / "actor"), {"step": step})
+    def save_state(self, target: Source, step: int) -> Entries:
+        """The trainers write `actor/` (and `critic/`) from their nodes, this process `round.json`; a ref:
+        the manifest entries of everything uploaded, for the caller to commit."""
+        parts = [merge_entries([self.models.actor.save_state(child(target, "actor"), {"step": step})], "actor")]
         if self.models.critic:
-            self.models.critic.save_state(str(d / "critic"), {"step": step})
-        (d / "round.json").write_text(json.dumps({"step": step, **self.update.state(), **self._reward_state()}))
+            parts.append(merge_entries([self.models.critic.save_state(child(target, "critic"), {"step": step})],
+                                       "critic"))
+        with writing(target) as (d, uploaded):
+            (d / "round.json").write_text(json.dumps({"step": step, **self.update.state(), **self._reward_state()}))
+        return merge_entries([*parts, uploaded])
 
-    def load_state(self, directory: str) -> int:
-        d = Path(directory)
-        self.models.actor.load_state(str(d / "actor"))
+    def load_state(self, source: Source) -> int:
+        self.models.actor.load_state(child(source, "actor"))
         if self.models.critic:
-            self.models.critic.load_state(str(d / "critic"))
+            self.models.critic.load_state(child(source, "critic"))
+        d = Path(local_dir(source, skip=WEIGHT_FILES))  # round.json, here
         state = json.loads((d / "round.json").read_text())
         self.update.load(state)
         if self.reward_stats is not None:
@@ -173,8 +178,8 @@ class RLRound:
     def _reward_state(self) -> dict:
         return {} if self.reward_stats is None else {"reward_stats": self.reward_stats.to_dict()}
 
-    def save_policy(self, directory: str) -> None:
-        self.models.actor.save_hf(directory)
+    def save_policy(self, target: Source) -> Entries:
+        return self.models.actor.save_hf(target)
 
     def shutdown(self) -> None:
         self.models.shutdown()

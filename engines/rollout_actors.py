@@ -16,6 +16,7 @@ import ray
 import torch
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from alignflow.artifacts import Source, local_dir
 from alignflow.config import GenerationConfig, VLLMConfig
 from engines.devices import actor_options
 from engines.rollout import HFEngine, Rollout, Sampling, VLLMEngine, vllm_engine_args
@@ -30,7 +31,7 @@ class RolloutActor:
     3-5 s to start instead of ~30 s, and both cores stay with the model.
     """
 
-    def __init__(self, backend: str, model_path: str, *, torch_threads: int = 2, dtype: str = "float32",
+    def __init__(self, backend: str, model_path: Source, *, torch_threads: int = 2, dtype: str = "float32",
                  seed: int = 0, max_model_len: int = 256, attn_implementation: str = "sdpa",
                  vllm: VLLMConfig | None = None, on_gpu: bool = False, sleep_mode: bool = False):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -39,6 +40,7 @@ class RolloutActor:
         # in-process mode that thread also runs the model.
         os.environ["OMP_NUM_THREADS"] = str(torch_threads)
         torch.set_num_threads(torch_threads)
+        model_path = local_dir(model_path)  # a ref: fetched on this actor's node
         if backend == "vllm":
             opts = vllm or VLLMConfig()
             args = vllm_engine_args(opts, model_path=model_path, dtype=dtype, seed=seed, max_model_len=max_model_len,
@@ -79,11 +81,11 @@ class RolloutActor:
         return {"placement_group": placement_group_id(), **(report() if report else {})}
 
 
-def start_rollout_actor(backend: str, model_path: str, *, num_cpus: float = 1.0, num_gpus: float = 0.0,
-                        scheduling_strategy=None, **kwargs):
-    """One RolloutActor on `num_cpus`/`num_gpus` (or where `scheduling_strategy` puts it)."""
+def start_rollout_actor(backend: str, model_path: Source, *, num_cpus: float = 1.0, num_gpus: float = 0.0,
+                        scheduling_strategy=None, resources: dict[str, float] | None = None, **kwargs):
+    """One RolloutActor on `num_cpus`/`num_gpus` and `resources` (or where `scheduling_strategy` puts it)."""
     kwargs.setdefault("on_gpu", num_gpus > 0)
-    opts = actor_options(num_cpus, num_gpus, scheduling_strategy)
+    opts = actor_options(num_cpus, num_gpus, scheduling_strategy, resources)
     return ray.remote(**opts)(RolloutActor).remote(backend, model_path, **kwargs)
 
 
@@ -91,7 +93,7 @@ def engine_bundles(g: GenerationConfig) -> list[dict[str, float]]:
     """The placement group of one tensor-parallel engine: a bundle per GPU. Its first bundle also
     holds the engine's actor (its CPUs); vLLM places a worker on every bundle."""
     tp = g.vllm.tensor_parallel_size
-    return [{"CPU": g.placement.num_cpus if i == 0 else 0.0, "GPU": 1.0} for i in range(tp)]
+    return [{"CPU": g.placement.num_cpus if i == 0 else 0.0, "GPU": 1.0, **g.placement.resources} for i in range(tp)]
 
 
 def wait_placement_group(pg, what: str, timeout_s: float = 300.0) -> None:
@@ -157,7 +159,7 @@ class RolloutEngines:
         self.actors, self.placement_groups = [], []
 
 
-def start_engines(g: GenerationConfig, model_path: str, *, count: int, seeds: list[int], dtype: str,
+def start_engines(g: GenerationConfig, model_path: Source, *, count: int, seeds: list[int], dtype: str,
                   torch_threads: int, max_model_len: int, attn_implementation: str = "sdpa",
                   sleep_mode: bool = False, strategies: list | None = None) -> RolloutEngines:
     """`count` engines as `g` configures them. A tensor-parallel vLLM engine gets a placement group
@@ -182,7 +184,8 @@ def start_engines(g: GenerationConfig, model_path: str, *, count: int, seeds: li
                                             scheduling_strategy=strategy, seed=seeds[i], **common)
             else:
                 actor = start_rollout_actor(g.backend, model_path, num_cpus=g.placement.num_cpus,
-                                            num_gpus=g.placement.num_gpus, seed=seeds[i], **common)
+                                            num_gpus=g.placement.num_gpus, resources=g.placement.resources,
+                                            seed=seeds[i], **common)
             engines.actors.append(actor)
     except BaseException:
         engines.shutdown()

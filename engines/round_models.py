@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import ray
 import torch
 
+from alignflow.artifacts import Source
 from alignflow.config import RoundConfig
 from alignflow.errors import InsufficientResourcesError
 from alignflow.seeds import derive_seed
@@ -39,11 +40,12 @@ from engines.weight_sync import WeightSync, default_bucket_bytes
 
 @dataclass(frozen=True)
 class RoundSetup:
-    """Where a round's models come from, and how its actors run."""
+    """Where a round's models come from, and how its actors run. Models are refs to committed
+    artifacts, which each actor fetches on its own node, or directories on every node (tests)."""
 
-    policy_path: str  # where this round starts (the previous round, SFT or the base model)
-    reference_path: str | None  # the frozen KL reference (algorithms that use one)
-    reward_path: str | None  # the reward model (scoring, or a critic's start)
+    policy_path: Source  # where this round starts (the previous round, SFT or the base model)
+    reference_path: Source | None  # the frozen KL reference (algorithms that use one)
+    reward_path: Source | None  # the reward model (scoring, or a critic's start)
     prompts: list[tuple[list[int], dict]]  # (prompt ids, record with "answer")
     dtype: str
     torch_threads: int
@@ -75,18 +77,26 @@ def _scorers(cfg: RoundConfig, setup: RoundSetup | None = None) -> int:
 
 
 def round_resources(cfg: RoundConfig) -> dict[str, float]:
-    """Total CPU/GPU slots of a round's actors (trainers, scorers, rollout engines).
-    Colocated, the GPUs are the bundles' (one per actor worker), whatever the shares."""
-    if cfg.colocate_all:
-        bundles = colocated_bundles(cfg)
-        return {"CPU": sum(b["CPU"] for b in bundles), "GPU": sum(b.get("GPU", 0.0) for b in bundles)}
+    """Total CPU/GPU slots (and custom resources) of a round's actors (trainers, scorers, rollout
+    engines). Colocated, the GPUs are the bundles' (one per actor worker), whatever the shares."""
     g = cfg.generation
-    parts = [(cfg.actor.placement.num_cpus, cfg.actor.placement.num_gpus, cfg.actor.num_workers),
-             (cfg.scorer_placement.num_cpus, cfg.scorer_placement.num_gpus, _scorers(cfg)),
-             (g.placement.num_cpus, g.gpus_per_engine, cfg.num_rollout_engines)]
-    if cfg.spec.critic:
-        parts.append((cfg.critic.placement.num_cpus, cfg.critic.placement.num_gpus, cfg.critic.num_workers))
-    return {"CPU": sum(c * n for c, _, n in parts), "GPU": sum(g_ * n for _, g_, n in parts)}
+    if cfg.colocate_all:
+        parts = [({"CPU": b.pop("CPU"), "GPU": b.pop("GPU", 0.0), **b}, 1) for b in colocated_bundles(cfg)]
+    else:
+        parts = [(_slots(cfg.actor.placement), cfg.actor.num_workers),
+                 (_slots(cfg.scorer_placement), _scorers(cfg)),
+                 ({**_slots(g.placement), "GPU": g.gpus_per_engine}, cfg.num_rollout_engines)]
+        if cfg.spec.critic:
+            parts.append((_slots(cfg.critic.placement), cfg.critic.num_workers))
+    total: dict[str, float] = {"CPU": 0.0, "GPU": 0.0}
+    for slots, n in parts:
+        for k, v in slots.items():
+            total[k] = total.get(k, 0.0) + v * n
+    return total
+
+
+def _slots(p) -> dict[str, float]:
+    return {"CPU": p.num_cpus, "GPU": p.num_gpus, **p.resources}
 
 
 def _kinds_on_bundle(cfg: RoundConfig, index: int) -> list[tuple[str, float]]:
@@ -103,7 +113,8 @@ def colocated_bundles(cfg: RoundConfig) -> list[dict[str, float]]:
     """One bundle per actor worker: the CPUs of everything placed on it, and one GPU when the
     actor's placement asks for GPUs (on a CPU-only cluster the bundles hold CPUs alone)."""
     gpu = {"GPU": 1.0} if cfg.actor.placement.num_gpus > 0 else {}
-    return [{"CPU": sum(c for _, c in _kinds_on_bundle(cfg, i)), **gpu} for i in range(cfg.actor.num_workers)]
+    return [{"CPU": sum(c for _, c in _kinds_on_bundle(cfg, i)), **gpu, **cfg.actor.placement.resources}
+            for i in range(cfg.actor.num_workers)]
 
 
 def gpu_share(cfg: RoundConfig) -> float:
@@ -209,7 +220,7 @@ def start_round_models(cfg: RoundConfig, setup: RoundSetup, updates_per_step: in
     models.bucket_bytes = int(cfg.generation.weight_bucket_mb * 2**20)
     total = cfg.steps * updates_per_step
 
-    def engine(c, path: str, kind: str, purpose: str) -> EngineSpec:
+    def engine(c, path: Source, kind: str, purpose: str) -> EngineSpec:
         return EngineSpec.from_config(c, model_path=path, kind=kind, total_steps=total,
                                       global_batch=rows_per_update, dtype=setup.dtype,
                                       torch_threads=setup.torch_threads, seed=derive_seed(setup.seed, purpose),
@@ -237,7 +248,7 @@ def start_round_models(cfg: RoundConfig, setup: RoundSetup, updates_per_step: in
                                          placements=[on_bundle(i, cfg.critic.placement.num_cpus) for i in range(k)]
                                          if cfg.colocate_all else None)
         p = cfg.scorer_placement
-        place = on_bundle(0, p.num_cpus) or {"num_cpus": p.num_cpus, "num_gpus": p.num_gpus}
+        place = on_bundle(0, p.num_cpus) or {"num_cpus": p.num_cpus, "num_gpus": p.num_gpus, "resources": p.resources}
         # The scorers see the actor's batches: they take its micro-batch size.
         common = dict(dtype=setup.dtype, torch_threads=setup.torch_threads, micro_batch_size=cfg.actor.micro_batch_size,
                       micro_batch_tokens=cfg.actor.micro_batch_tokens,

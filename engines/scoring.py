@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from alignflow.artifacts import Source, local_dir
 from engines import models
 from engines.batches import in_micro_batches
 from engines.devices import actor_device, actor_options, placement_group_id, to_cpu, to_device
@@ -23,16 +24,18 @@ class ScorerActor:
     """The reference policy (logprobs) and/or the reward model (scores). Whether the two share an
     actor or stand apart is the round's `colocate_reference_and_reward`."""
 
-    def __init__(self, reference_path: str | None, reward_path: str | None, dtype: str = "float32",
+    def __init__(self, reference_path: Source | None, reward_path: Source | None, dtype: str = "float32",
                  torch_threads: int = 2, attn_implementation: str = "sdpa", micro_batch_size: int | None = None,
                  micro_batch_tokens: int | None = None):
         torch.set_num_threads(torch_threads)
         self.device = actor_device()
         self.micro_batch_size, self.micro_batch_tokens = micro_batch_size, micro_batch_tokens
         self.reference = self.reward = None
+        # Refs are fetched on this actor's node (alignflow/artifacts.py).
         if reference_path:
-            self.reference = models.load_policy(reference_path, dtype, attn_implementation).to(self.device).eval()
+            self.reference = models.load_policy(local_dir(reference_path), dtype, attn_implementation).to(self.device).eval()
         if reward_path:
+            reward_path = local_dir(reward_path)
             pad = models.load_tokenizer(reward_path).pad_token_id
             self.reward = models.load_scalar_model(reward_path, dtype, pad, attn_implementation).to(self.device).eval()
 
@@ -62,21 +65,21 @@ class ScorerActor:
                    for name, m in (("reference", self.reference), ("reward", self.reward)) if m is not None}}
 
 
-def start_scorer(reference_path: str | None, reward_path: str | None, *, dtype: str, torch_threads: int,
+def start_scorer(reference_path: Source | None, reward_path: Source | None, *, dtype: str, torch_threads: int,
                  attn_implementation: str = "sdpa", micro_batch_size: int | None = None,
                  micro_batch_tokens: int | None = None, num_cpus: float = 1.0,
-                 num_gpus: float = 0.0, scheduling_strategy=None):
-    """A ScorerActor on `num_cpus`/`num_gpus` (or in a placement group's bundle)."""
+                 num_gpus: float = 0.0, scheduling_strategy=None, resources: dict[str, float] | None = None):
+    """A ScorerActor on `num_cpus`/`num_gpus` and `resources` (or in a placement group's bundle)."""
     import ray
 
-    actor = ray.remote(**actor_options(num_cpus, num_gpus, scheduling_strategy))(ScorerActor)
+    actor = ray.remote(**actor_options(num_cpus, num_gpus, scheduling_strategy, resources))(ScorerActor)
     return actor.remote(reference_path, reward_path, dtype, torch_threads, attn_implementation, micro_batch_size,
                         micro_batch_tokens)
 
 
 @contextlib.contextmanager
-def scoring(reference_path: str | None, reward_path: str | None, *, num_cpus: float, num_gpus: float,
-            **kwargs) -> Iterator[Callable]:
+def scoring(reference_path: Source | None, reward_path: Source | None, *, num_cpus: float, num_gpus: float,
+            resources: dict[str, float] | None = None, **kwargs) -> Iterator[Callable]:
     """`call(method, *args)` on a ScorerActor for the block: with GPUs a Ray actor (killed on exit), without
     them the same class in this process (Ray must be up for the first) (a CPU-only actor would only add a process start, ~10-40 s on 2 cores).
     `kwargs`: ScorerActor's (dtype, torch_threads, attn_implementation, micro_batch_size, ...)."""
@@ -86,7 +89,8 @@ def scoring(reference_path: str | None, reward_path: str | None, *, num_cpus: fl
         return
     import ray
 
-    actor = start_scorer(reference_path, reward_path, num_cpus=num_cpus, num_gpus=num_gpus, **kwargs)
+    actor = start_scorer(reference_path, reward_path, num_cpus=num_cpus, num_gpus=num_gpus, resources=resources,
+                         **kwargs)
     try:
         yield lambda method, *args: ray.get(getattr(actor, method).remote(*args))
     finally:

@@ -73,3 +73,29 @@ def load_state(directory: str | Path, name: str) -> Any:
     directory = Path(directory)
     tensors = load_file(str(directory / f"{name}.safetensors"))
     return _decode(json.loads((directory / f"{name}.json").read_text()), tensors)
+
+
+def optimizer_state(engine, zero_stage: int) -> dict[str, Any]:
+    """A DeepSpeed engine's optimizer state as `save_state` stores it: ZeRO keeps its LossScaler
+    object in the state, stored as its scale, a number."""
+    optimizer = engine.optimizer.state_dict()
+    if zero_stage > 0:
+        scaler = optimizer.pop("loss_scaler", None)
+        optimizer["loss_scale"] = float(getattr(scaler, "cur_scale", 1.0))
+    return optimizer
+
+
+def load_optimizer_state(engine, zero_stage: int, rank: int, world_size: int, directory: str | Path,
+                         own: dict[str, Any]) -> None:
+    """Restore what `optimizer_state` saved; `own`: this rank's. ZeRO merges the fp32 partitions of
+    every saved rank (`trainer-rank{r}` in `directory`)."""
+    if zero_stage == 0:
+        engine.optimizer.load_state_dict(own)
+        return
+    parts = [own if r == rank else load_state(directory, f"trainer-rank{r}")["optimizer"] for r in range(world_size)]
+    scale = own.get("loss_scale", 1.0)
+    for part in parts:
+        part.pop("loss_scale", None)
+        part["loss_scaler"] = engine.optimizer.loss_scaler
+    engine.optimizer.load_state_dict(parts, load_optimizer_states=True, load_from_fp32_weights=True)
+    engine.optimizer.loss_scaler.cur_scale = scale

@@ -17,6 +17,7 @@ safetensors + JSON (engines/state.py); no pickles.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 from collections.abc import Callable
@@ -26,13 +27,14 @@ from typing import Any
 import ray
 import torch
 
+from alignflow.artifacts import Entries, Source, local_dir, merge_entries, writing
 from alignflow.net import free_port
 from engines import lora, models
 from engines.batches import in_micro_batches, micro_batches
-from engines.devices import (actor_device, announce_cpu_accelerator, local_rank, placement_group_id, quiet_stdout,
-                             to_cpu, to_device)
+from engines.devices import (actor_device, actor_options, announce_cpu_accelerator, local_rank, placement_group_id,
+                             quiet_stdout, to_cpu, to_device)
 from engines.engine_spec import EngineSpec, lr_lambda, move_training_state, rows
-from engines.state import load_state, save_state
+from engines.state import load_optimizer_state, load_state, optimizer_state, save_state
 from engines.weight_sync import WeightSender
 
 
@@ -64,7 +66,7 @@ class TrainWorker:
             with quiet_stdout():  # on the CPU, DeepSpeed prints that its shared-memory op built
                 deepspeed.init_distributed(dist_backend=accel.communication_backend_name())
         self._seed(spec.seed)
-        self.spec = spec
+        self.spec = spec = dataclasses.replace(spec, model_path=local_dir(spec.model_path))  # fetched on this node
         self.tokenizer = models.load_tokenizer(spec.model_path)
         model = models.load_trainable(spec, self.tokenizer.pad_token_id)
         self.param_metrics = lora.param_metrics(model)  # with LoRA: the optimizer sees the adapters only
@@ -147,14 +149,16 @@ class TrainWorker:
             move_training_state(self.engine, self.spec.zero_stage, self.device)
             self._offloaded = False
 
-    def save_hf(self, directory: str) -> None:
+    def save_hf(self, target: Source) -> Entries:
         """Rank 0 writes an HF directory (safetensors + tokenizer; LoRA: merged weights, and the adapter
-        in `adapter/`); all ranks gather."""
+        in `adapter/`); all ranks gather. A ref: uploaded from this node (alignflow/artifacts.py)."""
         state = lora.full_state_dict(self.engine.module, self.spec.zero_stage)  # HF names; LoRA: merged
-        if self.rank == 0:
-            lora.hf_model(self.engine.module).save_pretrained(directory, state_dict=state, safe_serialization=True)
-            self.tokenizer.save_pretrained(directory)
-        lora.save_adapter(self.engine.module, self.spec.zero_stage, directory, write=self.rank == 0)
+        with writing(target) as (directory, uploaded):
+            if self.rank == 0:
+                lora.hf_model(self.engine.module).save_pretrained(directory, state_dict=state, safe_serialization=True)
+                self.tokenizer.save_pretrained(directory)
+            lora.save_adapter(self.engine.module, self.spec.zero_stage, str(directory), write=self.rank == 0)
+        return uploaded
 
     def weights_bytes(self) -> bytes | None:
         """Rank 0's full weights as safetensors bytes, under the names an update carries (inspection,
@@ -175,48 +179,27 @@ class TrainWorker:
     def send_weights(self) -> int:
         return self.sender.send()
 
-    def save_state(self, directory: str, extra: dict[str, Any]) -> None:
+    def save_state(self, target: Source, extra: dict[str, Any]) -> Entries:
         """Model (rank 0, HF; LoRA: the adapter alone) + this rank's optimizer/scheduler/RNG state."""
-        Path(directory).mkdir(parents=True, exist_ok=True)
-        if self.spec.lora is None:
-            self.save_hf(directory)
-        else:  # the frozen base is the spec's model
-            lora.save_adapter(self.engine.module, self.spec.zero_stage, directory, write=self.rank == 0)
-        optimizer = self.engine.optimizer.state_dict()
-        if self.spec.zero_stage > 0:
-            # ZeRO keeps its LossScaler object in the state: store its scale, a number.
-            scaler = optimizer.pop("loss_scaler", None)
-            optimizer["loss_scale"] = float(getattr(scaler, "cur_scale", 1.0))
-        save_state(
-            {
-                "optimizer": optimizer,
-                "scheduler": self.scheduler.state_dict(),
-                "step": self.step,
-                "torch_rng": torch.get_rng_state(),
-                "python_rng": list(random.getstate()[1]),
-                "extra": extra,
-            },
-            directory,
-            f"trainer-rank{self.rank}",
-        )
+        with writing(target) as (directory, uploaded):
+            if self.spec.lora is None:
+                self.save_hf(str(directory))
+            else:  # the frozen base is the spec's model
+                lora.save_adapter(self.engine.module, self.spec.zero_stage, str(directory), write=self.rank == 0)
+            save_state({"optimizer": optimizer_state(self.engine, self.spec.zero_stage),
+                        "scheduler": self.scheduler.state_dict(), "step": self.step,
+                        "torch_rng": torch.get_rng_state(), "python_rng": list(random.getstate()[1]), "extra": extra},
+                       directory, f"trainer-rank{self.rank}")
+        return uploaded
 
-    def load_state(self, directory: str) -> dict[str, Any]:
+    def load_state(self, source: Source) -> dict[str, Any]:
+        directory = local_dir(source)  # a checkpoint ref: fetched on this node
         if self.spec.lora is None:
             self._load_weights(directory)
         else:
             lora.load_adapter(self.engine.module, self.spec.zero_stage, directory)
         st = load_state(directory, f"trainer-rank{self.rank}")
-        if self.spec.zero_stage == 0:
-            self.engine.optimizer.load_state_dict(st["optimizer"])
-        else:
-            # ZeRO merges the fp32 partitions of every saved rank.
-            parts = [load_state(directory, f"trainer-rank{r}")["optimizer"] for r in range(self.world_size)]
-            scale = parts[self.rank].get("loss_scale", 1.0)
-            for part in parts:
-                part.pop("loss_scale", None)
-                part["loss_scaler"] = self.engine.optimizer.loss_scaler
-            self.engine.optimizer.load_state_dict(parts, load_optimizer_states=True, load_from_fp32_weights=True)
-            self.engine.optimizer.loss_scaler.cur_scale = scale
+        load_optimizer_state(self.engine, self.spec.zero_stage, self.rank, self.world_size, directory, st["optimizer"])
         self.scheduler.load_state_dict(st["scheduler"])
         self.step = st["step"]
         torch.set_rng_state(st["torch_rng"])
@@ -245,7 +228,7 @@ class TrainerGroup:
         replace the spec's placement (colocation); None: each rank on the spec's CPUs/GPUs."""
         if spec.global_batch % num_workers:
             raise ValueError(f"batch_size {spec.global_batch} must divide by num_workers {num_workers}")
-        default = {"num_cpus": spec.num_cpus_per_worker, "num_gpus": spec.num_gpus_per_worker}
+        default = actor_options(spec.num_cpus_per_worker, spec.num_gpus_per_worker, resources=spec.resources_per_worker)
         placements = placements or [default] * num_workers
         self.workers = [ray.remote(**placements[rank])(TrainWorker).remote(rank, num_workers, spec.torch_threads)
                         for rank in range(num_workers)]
@@ -273,14 +256,15 @@ class TrainerGroup:
         `without_adapters`: on the LoRA base model, the frozen reference (TrainWorker.evaluate)."""
         return ray.get([w.evaluate.remote(batch, fn, without_adapters) for w in self.workers])[0]
 
-    def save_hf(self, directory: str) -> None:
-        ray.get([w.save_hf.remote(directory) for w in self.workers])
+    def save_hf(self, target: Source) -> Entries:
+        """Every rank writes its part (rank 0 the files); a ref: the entries they uploaded."""
+        return merge_entries(ray.get([w.save_hf.remote(target) for w in self.workers]))
 
-    def save_state(self, directory: str, extra: dict[str, Any]) -> None:
-        ray.get([w.save_state.remote(directory, extra) for w in self.workers])
+    def save_state(self, target: Source, extra: dict[str, Any]) -> Entries:
+        return merge_entries(ray.get([w.save_state.remote(target, extra) for w in self.workers]))
 
-    def load_state(self, directory: str) -> dict[str, Any]:
-        return ray.get([w.load_state.remote(directory) for w in self.workers])[0]
+    def load_state(self, source: Source) -> dict[str, Any]:
+        return ray.get([w.load_state.remote(source) for w in self.workers])[0]
 
     def weights_bytes(self) -> bytes:
         return ray.get([w.weights_bytes.remote() for w in self.workers])[0]  # rank 0's

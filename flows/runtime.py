@@ -10,6 +10,7 @@ workers inherit it.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import subprocess
 import sys
@@ -103,6 +104,11 @@ def prefect_api(infra: InfraConfig, log_dir: Path, while_starting: Callable[[], 
 def ray_task_runner(infra: InfraConfig):
     from prefect_ray import RayTaskRunner
 
+    if infra.ray_address and is_local_uri(infra.storage.root):
+        logging.getLogger("alignflow").warning(
+            "infra.storage.root %s is a local path and the pipeline joins the Ray cluster at %s: actors on "
+            "other nodes read and write it at the same path, so it must be a filesystem every node mounts; "
+            "otherwise use an object store (s3://...)", infra.storage.root, infra.ray_address)
     kwargs = ray_init_kwargs(infra)
     address = kwargs.pop("address", None)
     return RayTaskRunner(address=address, init_kwargs=kwargs)

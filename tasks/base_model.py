@@ -7,7 +7,7 @@ from pathlib import Path
 
 from alignflow.records import StageResult
 from engines import models
-from tasks.context import RunContext, compute_stage
+from tasks.context import RunContext, StageOutput, compute_stage
 from tasks.plan import PlannedStage
 from tasks.registry import BaseModelStage, NoInputs
 
@@ -16,7 +16,8 @@ def base_model(stage: PlannedStage, inputs: NoInputs, ctx: RunContext) -> StageR
     cfg: BaseModelStage = stage.config
     model = cfg.model
 
-    def compute(out: Path, run, uri: str) -> dict[str, float]:
+    def compute(output: StageOutput, run) -> dict[str, float]:
+        out = output.dir
         if model.base == "tiny":
             models.build_tiny_model(model.tiny, cfg.seed, out)
         elif Path(model.base).is_dir():

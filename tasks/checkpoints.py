@@ -4,16 +4,17 @@ Every `every` steps the stage's full state is committed under
 `{stage_uri}/checkpoints/step-N` (manifest last, like any artifact) and older
 ones are dropped; a retried task resumes from the newest committed one. What
 the state is (trainer group, RL round) is the caller's: it passes `save` and
-`load` functions over a local directory.
+`load` functions over the checkpoint's ArtifactRef, which its actors write
+to and read from on their own nodes (alignflow/artifacts.py); the manifest
+is written here, last.
 """
 
 from __future__ import annotations
 
 import logging
-import tempfile
 from collections.abc import Callable
-from pathlib import Path
 
+from alignflow.artifacts import ArtifactRef, Entries
 from alignflow.storage import Storage
 from alignflow.tracking import StageRun
 
@@ -24,15 +25,16 @@ class StageCheckpoints:
     def __init__(self, storage: Storage, stage_uri: str, stage: str, every: int):
         self.storage, self.stage_uri, self.stage, self.every = storage, stage_uri, stage, every
 
-    def resume(self, load: Callable[[Path], int], run: StageRun) -> int:
-        """Load the newest committed checkpoint that verifies (`load(dir) -> its step`); 0 if there is none.
+    def resume(self, load: Callable[[ArtifactRef], int], run: StageRun) -> int:
+        """Load the newest committed checkpoint that verifies (`load(ref) -> its step`); 0 if there is none.
 
-        A corrupted newest checkpoint is skipped for the one before it (storage warns)."""
+        A corrupted newest checkpoint is skipped for the one before it (storage warns). It is verified
+        here, on the task's node; the actors that load it fetch it on theirs."""
         latest = self.storage.latest_valid_checkpoint(self.stage_uri)
         if latest is None:
             return 0
-        _, uri, local = latest
-        step = load(local)
+        _, uri, _ = latest
+        step = load(ArtifactRef(uri, self.storage))
         run.set_tag("alignflow.resumed_from_step", str(step))
         log.info("%s: resuming at step %d (%s)", self.stage, step, uri)
         return step
@@ -41,11 +43,11 @@ class StageCheckpoints:
         """After `step` steps: a checkpoint is due (never after the last step; the stage commits then)."""
         return step % self.every == 0 and step < total
 
-    def save(self, step: int, save: Callable[[str], None]) -> None:
-        """Commit the state `save(dir)` writes as the checkpoint of `step`; drop older ones."""
-        with tempfile.TemporaryDirectory(prefix=f"alignflow-{self.stage}-ckpt-") as tmp:
-            save(tmp)
-            uri = self.storage.checkpoint_uri(self.stage_uri, step)
-            self.storage.commit(tmp, uri, meta={"stage": self.stage, "step": step})
+    def save(self, step: int, save: Callable[[ArtifactRef], Entries]) -> None:
+        """Commit the state `save(ref)` uploads (returning its manifest entries) as the checkpoint of
+        `step`; drop older ones."""
+        uri = self.storage.checkpoint_uri(self.stage_uri, step)
+        self.storage.commit(None, uri, meta={"stage": self.stage, "step": step},
+                            uploaded=save(ArtifactRef(uri, self.storage)))
         self.storage.prune_checkpoints(self.stage_uri, keep_step=step)
         log.info("%s: checkpoint at step %d", self.stage, step)

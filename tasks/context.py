@@ -3,8 +3,9 @@
 A stage task is idempotent: if its directory `{root}/{name}/{key}` is
 already committed it returns it without computing (Prefect's cache is the
 first line; this is the second, for a result record lost or a cache
-expired). Otherwise it computes into a scratch directory, inside an MLflow
-child run, and commits the directory (manifest last). The manifest records
+expired). Otherwise it computes, inside an MLflow child run, and commits the
+stage's directory (manifest last): the files the task wrote into its scratch
+directory, and those its actors uploaded from their own nodes (StageOutput). The manifest records
 the stage's config, input keys and code version, so `alignflow plan` can say
 why a later plan of the same stage runs again.
 """
@@ -16,11 +17,13 @@ import logging
 import os
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict
 
+from alignflow.artifacts import WEIGHT_FILES, ArtifactRef, Entries, local_dir, merge_entries
 from alignflow.config import InfraConfig, cache_relevant
 from alignflow.records import StageResult
 from alignflow.storage import Storage
@@ -30,6 +33,23 @@ if TYPE_CHECKING:
     from tasks.plan import PlannedStage
 
 log = logging.getLogger("alignflow")
+
+
+@dataclass
+class StageOutput:
+    """What a stage's `compute` writes: files into `dir` (this task's scratch), and through actors that
+    write from their own nodes (`ref`; `add` what they uploaded). Committed together, manifest last."""
+
+    dir: Path
+    ref: ArtifactRef
+    uploaded: Entries = field(default_factory=dict)
+
+    @property
+    def uri(self) -> str:
+        return self.ref.uri
+
+    def add(self, entries: Entries) -> None:
+        self.uploaded = merge_entries([self.uploaded, entries])
 
 
 class RunContext(BaseModel):
@@ -44,17 +64,25 @@ class RunContext(BaseModel):
         s = self.infra.storage
         return Storage(root=s.root, endpoint_url=s.endpoint_url, cache_dir=s.cache_dir)
 
+    def ref(self, result: StageResult | None) -> ArtifactRef | None:
+        """A committed input as actors receive it: each fetches it on its own node (alignflow/artifacts.py)."""
+        return ArtifactRef(result.uri, self.storage()) if result is not None else None
+
+    def tokenizer_dir(self, result: StageResult) -> str:
+        """A committed model's tokenizer and config, without its weights, on this task's node."""
+        return local_dir(self.ref(result), skip=WEIGHT_FILES)
+
     def tracker(self) -> Tracker:
         return Tracker(self.infra.mlflow_tracking_uri, self.infra.mlflow_experiment)
 
 
 def compute_stage(
-    ctx: RunContext, stage: PlannedStage, compute: Callable[[Path, StageRun, str], dict[str, float]],
+    ctx: RunContext, stage: PlannedStage, compute: Callable[[StageOutput, StageRun], dict[str, float]],
 ) -> StageResult:
     """Return the committed stage, computing and committing it if needed.
 
-    `compute(out_dir, run, uri)` writes the stage's files into `out_dir`
-    and returns its summary metrics; `uri` is where they will be committed
+    `compute(out, run)` writes the stage's files (StageOutput) and returns
+    its summary metrics; `out.uri` is where they will be committed
     (mid-stage checkpoints go under it).
     """
     storage = ctx.storage()
@@ -67,8 +95,9 @@ def compute_stage(
     config = cache_relevant(stage.config)
     with ctx.tracker().stage_run(ctx.parent_run_id, stage.name, config, tags={"alignflow.key": stage.key}) as run:
         with tempfile.TemporaryDirectory(prefix=f"alignflow-{stage.name}-") as out:
-            metrics = compute(Path(out), run, uri)
-            storage.commit(out, uri, meta={
+            output = StageOutput(Path(out), ArtifactRef(uri, storage))
+            metrics = compute(output, run)
+            storage.commit(out, uri, uploaded=output.uploaded, meta={
                 "stage": stage.name, "kind": stage.kind, "key": stage.key, "config": config,
                 "input_keys": stage.input_keys, "code_version": stage.code_version, "metrics": metrics,
                 "committed_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 
 from alignflow.config import DataConfig
 from alignflow.errors import ConfigError
 from alignflow.data import formats, synthetic
 from alignflow.records import StageResult
-from tasks.context import RunContext, compute_stage
+from tasks.context import RunContext, StageOutput, compute_stage
 from tasks.plan import PlannedStage
 from tasks.registry import DataInputs, DataStage
 
@@ -45,12 +44,13 @@ def build_splits(cfg: DataConfig, seed: int) -> dict[str, list[dict]]:
 def prepare_data(stage: PlannedStage, inputs: DataInputs, ctx: RunContext) -> StageResult:
     cfg: DataStage = stage.config
 
-    def compute(out: Path, run, uri: str) -> dict[str, float]:
+    def compute(output: StageOutput, run) -> dict[str, float]:
         from engines import lengths, models
 
+        out = output.dir
         splits = build_splits(cfg.data, cfg.seed)
-        model_dir = ctx.storage().fetch(inputs.model.uri)
-        measured = lengths.measure(models.load_tokenizer(str(model_dir)), splits)
+        model_dir = ctx.tokenizer_dir(inputs.model)
+        measured = lengths.measure(models.load_tokenizer(model_dir), splits)
         limits = lengths.resolve(cfg.data, measured, models.max_positions(model_dir))
         for line in lengths.describe(measured, limits):
             log.info("%s", line)

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
+from alignflow.artifacts import ArtifactRef
 from alignflow.cluster import ensure_ray
 from alignflow.config import EvalConfig, Placement
 from alignflow.records import StageResult
@@ -28,7 +28,7 @@ from engines.rewards import load_callable
 from engines.rollout import Sampling
 from engines.rollout_actors import start_engines
 from engines.scoring import scoring
-from tasks.context import RunContext, compute_stage
+from tasks.context import RunContext, StageOutput, compute_stage
 from tasks.data import load_split, token_limits
 from tasks.eval_metrics import margin_metrics, sample_metrics
 from tasks.plan import PlannedStage
@@ -41,13 +41,13 @@ def load_checker(path: str) -> Callable[[str, str], bool]:
 
 
 def _score(p: Placement, micro_batch_size: int | None, io, ctx: RunContext, batch: dict, *,
-           reference: str | None, reward: str | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+           reference: ArtifactRef | None, reward: ArtifactRef | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(reference logprobs (B, T), reward scores (B,)) of a batch, each None when its model is.
 
     On `evaluation.scorer_placement`: with GPUs, a ScorerActor holding them; without, the same class
     in this task's process (a CPU-only actor would only add a process start, ~10-40 s on 2 cores).
     """
-    with scoring(reference, reward, num_cpus=p.num_cpus, num_gpus=p.num_gpus, dtype=io.dtype,
+    with scoring(reference, reward, num_cpus=p.num_cpus, num_gpus=p.num_gpus, resources=p.resources, dtype=io.dtype,
                  torch_threads=ctx.infra.torch_threads, attn_implementation=io.attn_implementation,
                  micro_batch_size=micro_batch_size) as call:
         return (call("ref_logprobs", batch) if reference else None, call("rewards", batch) if reward else None)
@@ -61,20 +61,19 @@ def _sampling(cfg: EvalConfig) -> Sampling:
 def evaluate_policy(stage: PlannedStage, inputs: PolicyEvalInputs, ctx: RunContext) -> StageResult:
     stage_cfg: PolicyEvalStage = stage.config
     cfg, io, name = stage_cfg.evaluation, stage_cfg.io, stage.name.removeprefix("eval_")
-    storage = ctx.storage()
 
-    def compute(out: Path, run, uri: str) -> dict[str, float]:
+    def compute(output: StageOutput, run) -> dict[str, float]:
         checker = load_checker(cfg.checker)
-        policy_path = str(storage.fetch(inputs.policy.uri))
-        tokenizer = models.load_tokenizer(policy_path)
+        policy_dir = ctx.tokenizer_dir(inputs.policy)  # the engine fetches the weights on its node
+        tokenizer = models.load_tokenizer(policy_dir)
         records = load_split(inputs.data, ctx, "eval")[: cfg.num_prompts]
         limits = token_limits(inputs.data)
-        prompt_limit, model_len = limits.for_generation(cfg.generation.max_new_tokens, policy_path, "evaluation.")
+        prompt_limit, model_len = limits.for_generation(cfg.generation.max_new_tokens, policy_dir, "evaluation.")
         kept, report = batches.filter_prompts(tokenizer, records, prompt_limit, "eval")
         prompt_ids = [ids for ids, _ in kept]
 
         ensure_ray(ctx.infra)
-        engines = start_engines(cfg.generation, policy_path, count=1, seeds=[stage_cfg.seed], dtype=io.dtype,
+        engines = start_engines(cfg.generation, ctx.ref(inputs.policy), count=1, seeds=[stage_cfg.seed], dtype=io.dtype,
                                 torch_threads=ctx.infra.torch_threads,
                                 max_model_len=model_len,
                                 attn_implementation=io.attn_implementation)
@@ -85,9 +84,8 @@ def evaluate_policy(stage: PlannedStage, inputs: PolicyEvalInputs, ctx: RunConte
 
         correct = [bool(checker(r.text, kept[r.prompt_index][1].get("answer") or "")) for r in rollouts]
         batch = experience.from_rollouts(rollouts, tokenizer.pad_token_id).tensors()
-        reward_path = str(storage.fetch(inputs.reward.uri)) if inputs.reward is not None else None
         ref, rewards = _score(cfg.scorer_placement, cfg.micro_batch_size, io, ctx, batch,
-                              reference=str(storage.fetch(inputs.reference.uri)), reward=reward_path)
+                              reference=ctx.ref(inputs.reference), reward=ctx.ref(inputs.reward))
         scores: list[float | None] = rewards.tolist() if rewards is not None else [None] * len(rollouts)
         ref_lp = [ref[b, : len(r.token_ids)].tolist() for b, r in enumerate(rollouts)]
         kls = [sum(r.logprobs) - sum(ref) for r, ref in zip(rollouts, ref_lp)]
@@ -109,8 +107,8 @@ def evaluate_policy(stage: PlannedStage, inputs: PolicyEvalInputs, ctx: RunConte
             for r, c, s in list(zip(rollouts, correct, scores))[: cfg.num_logged_samples]
         ]
         run.log_dict(samples, f"samples/{name}.json")
-        (out / "metrics.json").write_text(json.dumps(metrics, indent=1))
-        (out / "samples.json").write_text(json.dumps(samples, indent=1))
+        (output.dir / "metrics.json").write_text(json.dumps(metrics, indent=1))
+        (output.dir / "samples.json").write_text(json.dumps(samples, indent=1))
         return metrics
 
     return compute_stage(ctx, stage, compute)
@@ -119,17 +117,15 @@ def evaluate_policy(stage: PlannedStage, inputs: PolicyEvalInputs, ctx: RunConte
 def evaluate_reward_model(stage: PlannedStage, inputs: RewardModelEvalInputs, ctx: RunContext) -> StageResult:
     cfg: RewardModelEvalStage = stage.config
     io = cfg.io
-    storage = ctx.storage()
 
-    def compute(out: Path, run, uri: str) -> dict[str, float]:
-        reward_path = str(storage.fetch(inputs.reward.uri))
+    def compute(output: StageOutput, run) -> dict[str, float]:
         records = load_split(inputs.data, ctx, "eval_preference")
         limits = token_limits(inputs.data)
-        tensors, report = batches.pair_tensors(models.load_tokenizer(reward_path), records, limits.prompt,
-                                               limits.response)
+        tensors, report = batches.pair_tensors(models.load_tokenizer(ctx.tokenizer_dir(inputs.reward)), records,
+                                               limits.prompt, limits.response)
         ensure_ray(ctx.infra)
         _, rewards = _score(cfg.scorer_placement, cfg.micro_batch_size, io, ctx, tensors, reference=None,
-                            reward=reward_path)
+                            reward=ctx.ref(inputs.reward))
         scores = rewards.tolist()
         n = len(scores) // 2
         metrics = {"eval/rm_pairwise_accuracy": sum(c > r for c, r in zip(scores[:n], scores[n:])) / n,
@@ -137,7 +133,7 @@ def evaluate_reward_model(stage: PlannedStage, inputs: RewardModelEvalInputs, ct
                    **margin_metrics(scores[:n], scores[n:], cfg.rm_margin_bins),
                    **report.as_metrics("eval_preference")}
         run.log_metrics(metrics)
-        (out / "metrics.json").write_text(json.dumps(metrics, indent=1))
+        (output.dir / "metrics.json").write_text(json.dumps(metrics, indent=1))
         return metrics
 
     return compute_stage(ctx, stage, compute)

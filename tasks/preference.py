@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import logging
-from pathlib import Path
 
 import torch
 
@@ -21,7 +20,7 @@ from alignflow.cluster import ensure_ray
 from engines import models
 from engines import preference as pref
 from engines.scoring import scoring
-from tasks.context import RunContext, compute_stage
+from tasks.context import RunContext, StageOutput, compute_stage
 from tasks.data import TokenLimits, load_split, token_limits
 from tasks.plan import PlannedStage
 from tasks.registry import PreferenceInputs, PreferenceReferenceInputs, PreferenceReferenceStage, PreferenceStage
@@ -34,22 +33,21 @@ log = logging.getLogger("alignflow")
 def preference_reference(stage: PlannedStage, inputs: PreferenceReferenceInputs, ctx: RunContext) -> StageResult:
     """log π_ref(y | x) of the 2N `main` rows and the 2N `kl` rows (engines/preference.py), float32."""
     cfg: PreferenceReferenceStage = stage.config
-    storage = ctx.storage()
 
-    def compute(out: Path, run, uri: str) -> dict[str, float]:
+    def compute(output: StageOutput, run) -> dict[str, float]:
         from safetensors.torch import save_file
 
-        ref_path = str(storage.fetch(inputs.reference.uri))
-        rows = _rows(models.load_tokenizer(ref_path), inputs, ctx)
+        rows = _rows(models.load_tokenizer(ctx.tokenizer_dir(inputs.reference)), inputs, ctx)
         run.log_metrics(rows.metrics())
         if cfg.placement.num_gpus:
             ensure_ray(ctx.infra)
-        with scoring(ref_path, None, num_cpus=cfg.placement.num_cpus, num_gpus=cfg.placement.num_gpus,
+        with scoring(ctx.ref(inputs.reference), None, num_cpus=cfg.placement.num_cpus, num_gpus=cfg.placement.num_gpus,
+                     resources=cfg.placement.resources,
                      dtype=cfg.io.dtype, torch_threads=ctx.infra.torch_threads,
                      attn_implementation=cfg.io.attn_implementation, micro_batch_size=cfg.micro_batch_size) as call:
             logps = {name: call("reference_map", batch, pref.sequence_logps)
                      for name, batch in (("main", rows.main), ("kl", rows.kl))}
-        save_file({k: v.float().contiguous() for k, v in logps.items()}, str(out / REFERENCE_FILE))
+        save_file({k: v.float().contiguous() for k, v in logps.items()}, str(output.dir / REFERENCE_FILE))
         n = rows.pairs
         return {"preference/pairs": float(n), "preference/unpaired": float(len(rows.desirable) - 2 * n),
                 "preference/reference_logp_chosen": logps["main"][:n].mean().item() if n else 0.0,

@@ -8,15 +8,13 @@ checkpoint (tasks/checkpoints.py); a retried round resumes there.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from alignflow.cluster import ensure_ray
 from alignflow.records import StageResult
 from engines import batches, models
 from engines.rl import RLRound
 from engines.round_models import RoundSetup
 from tasks.checkpoints import StageCheckpoints
-from tasks.context import RunContext, compute_stage
+from tasks.context import RunContext, StageOutput, compute_stage
 from tasks.data import load_split, token_limits
 from tasks.plan import PlannedStage
 from tasks.registry import RoundInputs, RoundStage
@@ -27,36 +25,34 @@ def rl_round(stage: PlannedStage, inputs: RoundInputs, ctx: RunContext) -> Stage
     round_cfg, io = cfg.round, cfg.io
     storage = ctx.storage()
 
-    def fetch(result: StageResult | None) -> str | None:
-        return str(storage.fetch(result.uri)) if result else None
-
-    def compute(out: Path, run, uri: str) -> dict[str, float]:
-        policy_path = fetch(inputs.policy)
-        tokenizer = models.load_tokenizer(policy_path)
+    def compute(out: StageOutput, run) -> dict[str, float]:
+        policy_dir = ctx.tokenizer_dir(inputs.policy)  # the actors fetch the weights on their nodes
+        tokenizer = models.load_tokenizer(policy_dir)
         limits = token_limits(inputs.data)
-        prompt_limit, model_len = limits.for_generation(round_cfg.generation.max_new_tokens, policy_path,
+        prompt_limit, model_len = limits.for_generation(round_cfg.generation.max_new_tokens, policy_dir,
                                                         f"{stage.name}: ")
         prompts, report = batches.filter_prompts(tokenizer, load_split(inputs.data, ctx, "prompts"),
                                                  prompt_limit, "prompts")
         run.log_metrics(report.as_metrics("prompts"))
         setup = RoundSetup(
-            policy_path=policy_path, reference_path=fetch(inputs.reference), reward_path=fetch(inputs.reward),
+            policy_path=ctx.ref(inputs.policy), reference_path=ctx.ref(inputs.reference),
+            reward_path=ctx.ref(inputs.reward),
             prompts=prompts, dtype=io.dtype, torch_threads=ctx.infra.torch_threads,
             attn_implementation=io.attn_implementation,
             max_model_len=model_len, seed=cfg.seed,
         )
         ensure_ray(ctx.infra)
         rl = RLRound(round_cfg, setup)
-        checkpoints = StageCheckpoints(storage, uri, stage.name, round_cfg.checkpoint_every)
+        checkpoints = StageCheckpoints(storage, out.uri, stage.name, round_cfg.checkpoint_every)
         try:
-            start = checkpoints.resume(lambda d: rl.load_state(str(d)), run)
+            start = checkpoints.resume(rl.load_state, run)
             run.set_tag("alignflow.total_steps", str(round_cfg.steps))  # the CLI's progress display
             for step in range(start, round_cfg.steps):
                 metrics = rl.step(step).metrics
                 run.log_metrics({f"rl/{k}": v for k, v in metrics.items()} | {"progress/step": step + 1}, step=step + 1)
                 if checkpoints.due(step + 1, round_cfg.steps):
-                    checkpoints.save(step + 1, lambda tmp: rl.save_state(tmp, step + 1))
-            rl.save_policy(str(out))
+                    checkpoints.save(step + 1, lambda ref: rl.save_state(ref, step + 1))
+            out.add(rl.save_policy(out.ref))  # uploaded by the actor's rank 0, from its node
         finally:
             rl.shutdown()
         summary = {"rl/steps": float(round_cfg.steps), "rl/steps_run": float(round_cfg.steps - start),

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from pathlib import Path
 
 from alignflow.cluster import ensure_ray
 from alignflow.records import StageResult
@@ -19,7 +18,7 @@ from alignflow.seeds import derive_seed
 from engines import batches, models, objectives, packed_objectives, supervised
 from engines.trainer import EngineSpec, TrainerGroup
 from tasks.checkpoints import StageCheckpoints
-from tasks.context import RunContext, compute_stage
+from tasks.context import RunContext, StageOutput, compute_stage
 from tasks.data import load_split, token_limits
 from tasks.plan import PlannedStage
 from tasks.registry import PreferenceInputs, PreferenceStage, RewardModelStage, SFTStage, TrainInputs
@@ -33,9 +32,8 @@ def train_stage(stage: PlannedStage, inputs: TrainInputs | PreferenceInputs, ctx
     train, io = cfg.train, cfg.io
     storage = ctx.storage()
 
-    def compute(out: Path, run, uri: str) -> dict[str, float]:
-        init_path = str(storage.fetch(inputs.init.uri))
-        tokenizer = models.load_tokenizer(init_path)
+    def compute(out: StageOutput, run) -> dict[str, float]:
+        tokenizer = models.load_tokenizer(ctx.tokenizer_dir(inputs.init))  # the workers fetch the weights
         records = load_split(inputs.data, ctx, split)
         tensors, report = to_tensors(tokenizer, records, token_limits(inputs.data))
         run.log_metrics(report.as_metrics(split))
@@ -44,14 +42,14 @@ def train_stage(stage: PlannedStage, inputs: TrainInputs | PreferenceInputs, ctx
                                    seed=derive_seed(cfg.seed, "data_order"))
 
         ensure_ray(ctx.infra)
-        spec = EngineSpec.from_config(train, model_path=init_path, kind=kind, total_steps=schedule.total_steps,
+        spec = EngineSpec.from_config(train, model_path=ctx.ref(inputs.init), kind=kind, total_steps=schedule.total_steps,
                                       global_batch=train.batch_size, dtype=io.dtype,
                                       torch_threads=ctx.infra.torch_threads, seed=derive_seed(cfg.seed, "engine"),
                                       attn_implementation=io.attn_implementation)
         group = TrainerGroup(spec, train.num_workers)
-        checkpoints = StageCheckpoints(storage, uri, stage.name, train.checkpoint_every)
+        checkpoints = StageCheckpoints(storage, out.uri, stage.name, train.checkpoint_every)
         try:
-            start = checkpoints.resume(lambda d: int(group.load_state(str(d))["step"]), run)
+            start = checkpoints.resume(lambda ref: int(group.load_state(ref)["step"]), run)
             run.set_tag("alignflow.total_steps", str(schedule.total_steps))  # the CLI's progress display
             history: list[dict[str, float]] = []
 
@@ -60,11 +58,11 @@ def train_stage(stage: PlannedStage, inputs: TrainInputs | PreferenceInputs, ctx
                 if step % train.log_every == 0 or step == schedule.total_steps:
                     run.log_metrics({f"train/{k}": v for k, v in m.items()} | {"progress/step": step}, step=step)
                 if checkpoints.due(step, schedule.total_steps):
-                    checkpoints.save(step, lambda tmp: group.save_state(tmp, {"step": step}))
+                    checkpoints.save(step, lambda ref: group.save_state(ref, {"step": step}))
 
             steps_run = supervised.fit(group, tensors, schedule, objective, paired=paired, start_step=start,
                                        after_step=after_step)
-            group.save_hf(str(out))
+            out.add(group.save_hf(out.ref))  # uploaded by rank 0, from its node
         finally:
             group.shutdown()
         tail = history[-min(len(history), 10):] or [{}]

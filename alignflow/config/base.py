@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class Section(BaseModel):
@@ -18,6 +18,20 @@ class Placement(Section):
 
     num_cpus: float = Field(1.0, ge=0)
     num_gpus: float = Field(0.0, ge=0)
+    resources: dict[str, float] = Field(
+        default_factory=dict, description="custom Ray resources each actor needs, {name: amount}: a resource "
+        "that only some nodes advertise (`ray start --resources`) pins the actors to those nodes")
+
+    @field_validator("resources")
+    @classmethod
+    def _custom(cls, resources: dict[str, float]) -> dict[str, float]:
+        builtin = sorted(set(resources) & {"CPU", "GPU", "memory", "object_store_memory"})
+        if builtin:
+            raise ValueError(f"{builtin} are set by num_cpus/num_gpus, not as custom resources")
+        bad = {k: v for k, v in resources.items() if not v > 0}
+        if bad:
+            raise ValueError(f"amounts must be > 0, got {bad}")
+        return resources
 
 
 class LoraConfig(Section):

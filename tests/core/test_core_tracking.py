@@ -294,6 +294,7 @@ def test_wait_all_closes_the_parent_killed_on_an_interrupt_failed_on_an_error(tr
 
 
 def test_resume_skips_a_corrupted_checkpoint_for_the_one_before(tracker, tmp_path):
+    from alignflow.artifacts import local_dir
     from alignflow.storage import Storage
     from tasks.checkpoints import StageCheckpoints
 
@@ -306,6 +307,6 @@ def test_resume_skips_a_corrupted_checkpoint_for_the_one_before(tracker, tmp_pat
     (tmp_path / "root" / "sft" / "k" / "checkpoints" / "step-00000020" / "step.txt").write_text("2O")  # same size
     with tracker.stage_run(None, "sft", {}) as run:
         step = StageCheckpoints(storage, stage, "sft", every=10).resume(
-            lambda d: int((d / "step.txt").read_text()), run)
+            lambda ref: int((Path(local_dir(ref)) / "step.txt").read_text()), run)
     assert step == 10
     assert _client(tracker).get_run(run.run_id).data.tags["alignflow.resumed_from_step"] == "10"

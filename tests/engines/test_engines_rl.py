@@ -312,6 +312,28 @@ def test_round_resources_count_every_actor():
     assert uses_reference(_round("ppo", kl=KLConfig(coef=0.0, adaptive=True)))  # the controller may raise it
 
 
+def test_custom_resources_pin_actors_and_are_counted():
+    """placement.resources: what a round asks the cluster for, and what each actor asks Ray for."""
+    from alignflow.config import ActorConfig, KLConfig, Placement, RolloutConfig
+    from alignflow.errors import ConfigError
+    from engines.devices import actor_options
+    from engines.round_models import colocated_bundles, round_resources
+
+    pinned = _round("grpo", colocate_reference_and_reward=False, kl=KLConfig(coef=0.05),
+                    actor=ActorConfig(num_workers=2, placement=Placement(resources={"big_node": 0.5})),
+                    generation=RolloutConfig(num_samples=4, placement=Placement(resources={"big_node": 0.25})))
+    # 2 actor workers x 0.5 + 1 engine x 0.25; the reference scorer asks for none
+    assert round_resources(pinned) == {"CPU": 2 + 1 + 1, "GPU": 0.0, "big_node": 2 * 0.5 + 0.25}
+    colocated = pinned.model_copy(update={"colocate_all": True})
+    assert [b["big_node"] for b in colocated_bundles(colocated)] == [0.5, 0.5]  # each bundle pinned
+    assert actor_options(1.0, 0.0, resources={"big_node": 0.5}) == {
+        "num_cpus": 1.0, "num_gpus": 0.0, "resources": {"big_node": 0.5}}
+    assert "resources" not in actor_options(1.0, 0.0, scheduling_strategy="in-a-bundle", resources={"big_node": 0.5})
+    for bad, field in (({"GPU": 1.0}, "num_cpus/num_gpus"), ({"big_node": 0.0}, "> 0")):
+        with pytest.raises((ValueError, ConfigError), match=field):
+            Placement(resources=bad)
+
+
 def test_round_that_cannot_be_placed_fails_fast(ray_local, tiny_model, prompts):
     from alignflow.errors import InsufficientResourcesError
 
