@@ -12,7 +12,7 @@ from alignflow.errors import ConfigError
 # Set in the driver before Ray starts; Ray workers inherit them.
 PROCESS_ENV = {
     "RAY_USAGE_STATS_ENABLED": "0",
-    # Ray's "local only" mode: 127.0.0.1 becomes the node address (see _loopback_only, which a
+    # Ray's "local only" mode: 127.0.0.1 becomes the node address (see loopback_only, which a
     # local start also needs when `ray` was imported before this was set).
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
     # vLLM in-process inside its Ray actor: 3-5 s start instead of ~30 s.
@@ -65,7 +65,7 @@ def apply_process_env(infra: InfraConfig | None = None) -> dict[str, str]:
     return {k: os.environ[k] for k in wanted}
 
 
-def _loopback_only() -> None:
+def loopback_only() -> None:
     """Make the local Ray's node address 127.0.0.1, so that every Ray listener binds to loopback.
 
     Ray 2.60 binds its listeners by the node address: with 127.0.0.1 the GCS, raylet (node and
@@ -87,7 +87,7 @@ def _loopback_only() -> None:
 def ray_init_kwargs(infra: InfraConfig) -> dict[str, Any]:
     """`ray.init` arguments: a local Ray on 127.0.0.1, or the configured cluster."""
     if not infra.ray_address:
-        _loopback_only()
+        loopback_only()
     applied = apply_process_env(infra)
     env = {**applied, **{k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}}
     kwargs: dict[str, Any] = {"runtime_env": {"env_vars": env}}
@@ -97,7 +97,7 @@ def ray_init_kwargs(infra: InfraConfig) -> dict[str, Any]:
         "num_cpus": infra.ray_num_cpus,
         "include_dashboard": False,
         "object_store_memory": 512 * 2**20,
-        # Kept as 127.0.0.1 only with _loopback_only() (called above).
+        # Kept as 127.0.0.1 only with loopback_only() (called above).
         "_node_ip_address": "127.0.0.1",
         **kwargs,
     }

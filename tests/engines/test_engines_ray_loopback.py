@@ -7,7 +7,7 @@ idle workers, an actor) must be on 127.0.0.1 or ::1; anything else is named.
 Ray runs in a subprocess of its own session, so it neither disturbs nor
 reuses a Ray of this test session, and the child imports `ray` before
 alignflow sets anything: that is the order in which a loopback start used to
-come out on the host's address (alignflow/cluster.py: _loopback_only).
+come out on the host's address (alignflow/cluster.py: loopback_only).
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def _wait_ready(proc: subprocess.Popen, timeout: float) -> int:
     return box[0]
 
 
-def test_local_ray_listens_on_loopback_only(process_tools, tmp_path):
+def test_local_ray_listens_onloopback_only(process_tools, tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}
     env["RAY_USAGE_STATS_ENABLED"] = "0"
     err_path = tmp_path / "ray_child.err"
