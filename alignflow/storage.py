@@ -1,6 +1,6 @@
 """Artifacts under one root URI (local directory or s3://bucket/prefix).
 
-Layout: `{root}/{stage}/{key}/` where `key` is a content key (stage config +
+Layout: `{root}/{stage}/{key}/` where `key` is a content key (tasks/plan.py; stage config +
 input keys + code version). A directory is *committed* when its
 `manifest.json` exists; the manifest is written last, after every file, and
 lists each file's size and sha256. Readers accept only committed directories
@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import fsspec
+from filelock import FileLock
 
 MANIFEST = "manifest.json"
 CACHE_ENV = "ALIGNFLOW_CACHE_DIR"  # a node's own cache directory (Storage.node_cache)
@@ -44,22 +45,6 @@ def local_path(uri: str, base: Path | None = None) -> Path:
         raise StorageError(f"{uri} is not a local path")
     path = Path(uri.removeprefix("file://")).expanduser()
     return ((base or Path.cwd()) / path).resolve()
-
-
-def content_key(stage: str, config: Any, inputs: dict[str, str], code_version: str) -> str:
-    """Digest of what determines a stage's output: its config, inputs and code.
-
-    `config` is a pydantic model or a JSON-able value; `inputs` maps input
-    names to their own content keys (or URIs); 20 hex chars.
-    """
-    if hasattr(config, "model_dump"):
-        config = config.model_dump(mode="json")
-    blob = json.dumps(
-        {"stage": stage, "config": config, "inputs": inputs, "code": code_version},
-        sort_keys=True,
-        separators=(",", ":"),
-    )
-    return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 
 def file_digest(path: Path) -> str:
@@ -178,24 +163,26 @@ class Storage:
         node of a cluster its own disk), else `cache_dir`."""
         return Path(os.environ.get(CACHE_ENV) or self.cache_dir).expanduser()
 
-    def fetch(self, uri: str, verify: bool = True, skip: tuple[str, ...] = ()) -> Path:
+    def fetch(self, uri: str, verify: bool = True, skip: tuple[str, ...] = (), under: str = "") -> Path:
         """A local, verified copy of a committed directory, on this node. Local roots are verified in
-        place; remote ones are downloaded into `node_cache()` (reused when present and verified).
-        `skip`: file-name patterns left out (a tokenizer without the weights)."""
-        manifest = self.read_manifest(uri)
-        files = {rel: f for rel, f in manifest["files"].items()
-                 if not any(fnmatch.fnmatch(rel.rsplit("/", 1)[-1], pattern) for pattern in skip)}
+        place; remote ones are downloaded into `node_cache()` (reused when present and verified; one
+        process of a node downloads, the others then reuse its copy). `skip`: file-name patterns left
+        out (a tokenizer without the weights); `under`: only the files below that subdirectory."""
+        files = {rel: f for rel, f in self.read_manifest(uri)["files"].items()
+                 if rel.startswith(f"{under}/" if under else "") and not _skipped(rel, skip)}
         if self.is_local:
-            local = Path(uri)
+            local, fresh = Path(uri), True
         else:
-            digest = hashlib.sha256("|".join([uri, *skip]).encode()).hexdigest()[:24]
-            local = self.node_cache() / digest
-            if not _matches(local, files, check_digest=verify):
-                self._download(uri, files, local)
-        if verify:
-            bad = _mismatches(local, files)
-            if bad:
-                raise StorageError(f"{uri}: files do not match the manifest: {', '.join(bad)}")
+            parts = [uri, *skip, *([f"under={under}"] if under else [])]
+            local = self.node_cache() / hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
+            local.parent.mkdir(parents=True, exist_ok=True)
+            with FileLock(f"{local}.lock"):
+                fresh = not _matches(local, files, check_digest=verify)  # a copy that matches is verified
+                if fresh:
+                    self._download(uri, files, local)
+        bad = _mismatches(local, files) if verify and fresh else []
+        if bad:
+            raise StorageError(f"{uri}: files do not match the manifest: {', '.join(bad)}")
         return local
 
     def _download(self, uri: str, files: dict[str, Any], local: Path) -> None:
@@ -246,15 +233,22 @@ class Storage:
                 found.append((int(m.group(1)), self._normalize(entry.rstrip("/"))))
         return sorted(found, reverse=True)
 
-    def latest_valid_checkpoint(self, stage_uri: str) -> tuple[int, str, Path] | None:
+    def latest_valid_checkpoint(self, stage_uri: str, skip: tuple[str, ...] = ()) -> tuple[int, str, Path] | None:
         """The newest committed checkpoint whose files match its manifest, as (step, uri, local copy).
 
-        One that fails verification (a file corrupted or lost after the commit)
-        is skipped, with a warning, for the one before it; None if none is left.
+        One that fails verification (a file corrupted or lost after the commit) is skipped, with a
+        warning, for the one before it; None if none is left. `skip`: files not downloaded here, whose
+        stored sizes alone are checked (the actors that load them verify them on their own nodes).
         """
         for step, uri in self.committed_checkpoints(stage_uri):
             try:
-                return step, uri, self.fetch(uri, verify=True)
+                local = self.fetch(uri, verify=True, skip=skip)
+                fs, files = self._fs(), self.read_manifest(uri)["files"]
+                bad = [rel for rel, f in files.items() if _skipped(rel, skip)
+                       and (not fs.exists(f"{uri}/{rel}") or fs.size(f"{uri}/{rel}") != f["size"])]
+                if bad:
+                    raise StorageError(f"{uri}: stored files missing or of the wrong size: {', '.join(bad)}")
+                return step, uri, local
             except (StorageError, ValueError, KeyError) as err:  # ValueError: a manifest that is not JSON
                 log.warning("skipping checkpoint %s (step %d), it fails verification: %s", uri, step, err)
         return None
@@ -275,6 +269,10 @@ class Storage:
         if self.is_local or "://" in path:
             return path
         return f"{self.root.split('://', 1)[0]}://{path}"
+
+
+def _skipped(rel: str, patterns: tuple[str, ...]) -> bool:
+    return any(fnmatch.fnmatch(rel.rsplit("/", 1)[-1], pattern) for pattern in patterns)
 
 
 def _modified(info: dict[str, Any]) -> float:

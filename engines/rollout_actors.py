@@ -90,10 +90,12 @@ def start_rollout_actor(backend: str, model_path: Source, *, num_cpus: float = 1
 
 
 def engine_bundles(g: GenerationConfig) -> list[dict[str, float]]:
-    """The placement group of one tensor-parallel engine: a bundle per GPU. Its first bundle also
-    holds the engine's actor (its CPUs); vLLM places a worker on every bundle."""
+    """The placement group of one tensor-parallel engine: a bundle per GPU, all on one node (STRICT_PACK:
+    vLLM's workers read the model from that node's cache). Its first bundle also holds the engine's
+    actor (its CPUs, and placement.resources, which pin the node); vLLM places a worker on every bundle."""
     tp = g.vllm.tensor_parallel_size
-    return [{"CPU": g.placement.num_cpus if i == 0 else 0.0, "GPU": 1.0, **g.placement.resources} for i in range(tp)]
+    return [{"CPU": g.placement.num_cpus, "GPU": 1.0, **g.placement.resources} if i == 0 else {"CPU": 0.0, "GPU": 1.0}
+            for i in range(tp)]
 
 
 def wait_placement_group(pg, what: str, timeout_s: float = 300.0) -> None:
@@ -175,7 +177,7 @@ def start_engines(g: GenerationConfig, model_path: Source, *, count: int, seeds:
                                             num_gpus=g.placement.num_gpus, scheduling_strategy=strategies[i],
                                             seed=seeds[i], **common)
             elif g.vllm.tensor_parallel_size > 1:
-                pg = ray.util.placement_group(engine_bundles(g), strategy="PACK")
+                pg = ray.util.placement_group(engine_bundles(g), strategy="STRICT_PACK")
                 engines.placement_groups.append(pg)
                 wait_placement_group(pg, f"rollout engine {i} (tensor_parallel_size={g.vllm.tensor_parallel_size})")
                 strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0,

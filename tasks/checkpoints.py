@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from alignflow.artifacts import ArtifactRef, Entries
+from alignflow.artifacts import WEIGHT_FILES, ArtifactRef, Entries
 from alignflow.storage import Storage
 from alignflow.tracking import StageRun
 
@@ -28,9 +28,10 @@ class StageCheckpoints:
     def resume(self, load: Callable[[ArtifactRef], int], run: StageRun) -> int:
         """Load the newest committed checkpoint that verifies (`load(ref) -> its step`); 0 if there is none.
 
-        A corrupted newest checkpoint is skipped for the one before it (storage warns). It is verified
-        here, on the task's node; the actors that load it fetch it on theirs."""
-        latest = self.storage.latest_valid_checkpoint(self.stage_uri)
+        A corrupted newest checkpoint is skipped for the one before it (storage warns). Its small files
+        are verified here, on the task's node, its weights and optimizer state by their stored sizes;
+        the actors that load them fetch and verify them on their own nodes."""
+        latest = self.storage.latest_valid_checkpoint(self.stage_uri, skip=WEIGHT_FILES)
         if latest is None:
             return 0
         _, uri, _ = latest

@@ -26,6 +26,8 @@ nothing upstream does. Planning starts nothing and imports no engine.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, SerializeAsAny
@@ -34,8 +36,24 @@ from alignflow.config import DataConfig, PipelineConfig, Section, cache_relevant
 from alignflow.errors import ConfigError
 from alignflow.fingerprint import Fingerprints, module_source
 from alignflow.seeds import derive_seed
-from alignflow.storage import Storage, content_key
+from alignflow.storage import Storage
 from tasks import registry as r
+
+
+def content_key(stage: str, config: Any, inputs: dict[str, str], code_version: str) -> str:
+    """Digest of what determines a stage's output: its config, inputs and code.
+
+    `config` is a pydantic model or a JSON-able value; `inputs` maps input
+    names to their own content keys (or URIs); 20 hex chars.
+    """
+    if hasattr(config, "model_dump"):
+        config = config.model_dump(mode="json")
+    blob = json.dumps(
+        {"stage": stage, "config": config, "inputs": inputs, "code": code_version},
+        sort_keys=True,
+        separators=(",", ":"),
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 
 class PlannedStage(BaseModel):

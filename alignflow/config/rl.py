@@ -261,4 +261,10 @@ class RoundConfig(Section):
             if self.async_rollouts:
                 raise ValueError("async_rollouts needs the rollout engines awake while the models train: "
                                  "it cannot be combined with colocate_all")
+            pinned = [name for name, p in (("generation.placement", self.generation.placement),
+                                           ("critic.placement", self.critic.placement),
+                                           ("scorer_placement", self.scorer_placement)) if p.resources]
+            if pinned:
+                raise ValueError(f"colocate_all places every actor in the actor workers' bundles: set custom "
+                                 f"resources in actor.placement.resources, not in {', '.join(pinned)}")
         return self

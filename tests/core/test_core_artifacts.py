@@ -3,6 +3,7 @@ the manifest; readers fetch into their node's cache; over a real S3 endpoint (mo
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import secrets
@@ -109,3 +110,82 @@ def _sha(data: bytes) -> str:
 
     return hashlib.sha256(data).hexdigest()
 
+
+
+def _checkpoint(s3: Storage, step: int, tmp_path: Path) -> ArtifactRef:
+    """A committed round checkpoint as the actors write it: `actor/` and `critic/` uploaded, round.json."""
+    ref = ArtifactRef(s3.checkpoint_uri(s3.stage_uri("round_1", "k"), step), s3)
+    parts = []
+    for name in ("actor", "critic"):
+        with writing(ref.child(name)) as (scratch, uploaded):
+            _write(scratch, {"model.safetensors": os.urandom(2048), "trainer-rank0.json": b"{}"})
+        parts.append(merge_entries([uploaded], name))
+    _write(tmp_path / f"task-{step}", {"round.json": json.dumps({"step": step}).encode()})
+    s3.commit(tmp_path / f"task-{step}", ref.uri, uploaded=merge_entries(parts))
+    return ref
+
+
+def test_a_checkpoints_subdirectory_is_fetched_alone(s3, tmp_path, monkeypatch):
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "node"))
+    ref = _checkpoint(s3, 4, tmp_path)
+    assert ref.child("actor").target == f"{ref.uri}/actor"
+    actor = Path(local_dir(ref.child("actor")))
+    assert actor.name == "actor" and sorted(p.name for p in actor.iterdir()) == ["model.safetensors",
+                                                                              "trainer-rank0.json"]
+    assert not (actor.parent / "critic").exists() and not (actor.parent / "round.json").exists()
+
+
+def test_resume_verifies_small_files_here_and_weights_by_size_where_they_load(s3, tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "task-node"))
+    older, newest = _checkpoint(s3, 4, tmp_path), _checkpoint(s3, 8, tmp_path)
+    fs = s3._fs()
+    step, uri, local = s3.latest_valid_checkpoint(s3.stage_uri("round_1", "k"), skip=WEIGHT_FILES)
+    assert (step, uri) == (8, newest.uri)
+    assert json.loads((local / "round.json").read_text()) == {"step": 8}
+    assert not list((tmp_path / "task-node").rglob("*.safetensors")), "the task downloaded weights"
+
+    # Same size, other bytes: passes the task's size check, fails where the actor fetches it.
+    fs.pipe(f"{newest.uri}/actor/model.safetensors", os.urandom(2048))
+    assert s3.latest_valid_checkpoint(s3.stage_uri("round_1", "k"), skip=WEIGHT_FILES)[0] == 8
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "actor-node"))
+    with pytest.raises(StorageError, match="actor/model.safetensors"):
+        local_dir(newest.child("actor"))
+    # Truncated: the task skips that checkpoint for the one before it.
+    fs.pipe(f"{newest.uri}/critic/model.safetensors", b"short")
+    assert s3.latest_valid_checkpoint(s3.stage_uri("round_1", "k"), skip=WEIGHT_FILES)[:2] == (4, older.uri)
+    assert "critic/model.safetensors" in caplog.text
+
+
+def test_processes_of_one_node_download_a_shared_artifact_once(s3, tmp_path, monkeypatch):
+    """Trainer ranks, scorers and engines of one node start at once: one downloads, the others wait and reuse
+    its copy (a lock per copy), instead of each downloading a model-sized temporary copy."""
+    import threading
+
+    src = tmp_path / "src"
+    _write(src, FILES)
+    uri = s3.stage_uri("sft", "k4")
+    s3.commit(src, uri)
+    gets: list[str] = []
+    real = s3._fs
+
+    def counting_fs():
+        fs = real()
+        get_file = fs.get_file
+
+        def counted(rpath, lpath, **kw):
+            gets.append(rpath)
+            return get_file(rpath, lpath, **kw)
+
+        fs.get_file = counted
+        return fs
+
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "node"))
+    object.__setattr__(s3, "_fs", counting_fs)  # a spy on the real S3 filesystem, per Storage instance
+    results: list[str] = []
+    threads = [threading.Thread(target=lambda: results.append(local_dir(ArtifactRef(uri, s3)))) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(set(results)) == 1 and len(results) == 4
+    assert sorted(gets) == sorted(f"{uri}/{rel}" for rel in FILES), gets

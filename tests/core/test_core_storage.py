@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from alignflow.config import SFTConfig
-from alignflow.storage import MANIFEST, Storage, StorageError, content_key
+from alignflow.storage import MANIFEST, Storage, StorageError
+from tasks.plan import content_key
 
 FILES = {
     "config.json": b'{"model_type": "qwen2"}',

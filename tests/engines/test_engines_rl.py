@@ -206,21 +206,30 @@ def test_a_lora_round_trains_adapters_against_its_own_frozen_base(ray_local, tin
 
 
 def test_round_state_restores_actor_and_engine(ray_local, tiny_model, prompts, tmp_path):
+    """Through storage, as a retried round resumes: the actor's ranks upload the checkpoint's `actor/`
+    from their process, this one `round.json`; the manifest lists both; the next round's actors load
+    `actor/` from the committed checkpoint's ref."""
     from safetensors.torch import load
 
+    from alignflow.artifacts import ArtifactRef
+    from alignflow.storage import Storage
+
+    storage = Storage(root=str(tmp_path / "root"))
+    ref = ArtifactRef(storage.checkpoint_uri(storage.stage_uri("round_1", "k"), 2), storage)
     cfg = _round("grpo")
     first = _start(cfg, tiny_model, prompts)
     try:
         first.step(0)
         first.step(1)
-        first.save_state(str(tmp_path), step=2)
+        manifest = storage.commit(None, ref.uri, uploaded=first.save_state(ref, step=2))
         saved = load(first.models.actor.weights_bytes())
     finally:
         first.shutdown()
+    assert {"round.json", "actor/model.safetensors", "actor/trainer-rank0.json"} <= manifest["files"].keys()
 
     second = _start(cfg, tiny_model, prompts)
     try:
-        assert second.load_state(str(tmp_path)) == 2
+        assert second.load_state(ref) == 2
         restored = load(second.models.actor.weights_bytes())
         assert saved.keys() == restored.keys()
         assert all(torch.equal(saved[k], restored[k]) for k in saved)
@@ -329,6 +338,17 @@ def test_custom_resources_pin_actors_and_are_counted():
     assert actor_options(1.0, 0.0, resources={"big_node": 0.5}) == {
         "num_cpus": 1.0, "num_gpus": 0.0, "resources": {"big_node": 0.5}}
     assert "resources" not in actor_options(1.0, 0.0, scheduling_strategy="in-a-bundle", resources={"big_node": 0.5})
+    # A tensor-parallel engine: one node (STRICT_PACK), pinned through its first bundle, counted once.
+    from alignflow.config import VLLMConfig
+    from engines.rollout_actors import engine_bundles
+
+    tp = RolloutConfig(num_samples=4, vllm=VLLMConfig(tensor_parallel_size=2),
+                       placement=Placement(num_gpus=1, resources={"big_node": 1}))
+    assert engine_bundles(tp) == [{"CPU": 1.0, "GPU": 1.0, "big_node": 1.0}, {"CPU": 0.0, "GPU": 1.0}]
+    assert round_resources(_round("grpo", kl=KLConfig(coef=0.0), generation=tp))["big_node"] == 1.0
+    with pytest.raises(ValueError, match="not in generation.placement"):  # colocated: the bundles carry them
+        _round("grpo", colocate_all=True, generation=RolloutConfig(
+            num_samples=4, placement=Placement(resources={"big_node": 0.25})))
     for bad, field in (({"GPU": 1.0}, "num_cpus/num_gpus"), ({"big_node": 0.0}, "> 0")):
         with pytest.raises((ValueError, ConfigError), match=field):
             Placement(resources=bad)
