@@ -198,7 +198,11 @@ class RoundModels:
         are checked by every engine before that)."""
         if self.weight_sync is None:  # the backend follows where the actors are (weight_sync.choose_backend)
             self.weight_sync = WeightSync(self.actor, self.engines, bucket_bytes=self.bucket_bytes)
-        self.weight_sync.push()
+        try:
+            self.weight_sync.push()
+        except BaseException:
+            self.weight_sync = None  # a group with a failed transfer in it is not used again
+            raise
 
     def shutdown(self) -> None:
         for group in self._trainers():

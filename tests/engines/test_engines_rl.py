@@ -411,6 +411,42 @@ def test_tied_embeddings_sync_into_vllm(ray_local, tiny_model, prompts, tmp_path
         ray.kill(engine)
 
 
+def test_a_failed_update_is_raised_at_once_and_its_group_dropped(ray_local, tmp_path):
+    """One side of an update fails (here an HF engine left asleep, which refuses weights) while the other
+    is still sending: the failure is raised as soon as it happens (ray.get raises the first error of a
+    list), not when the sender gives up at the transport's timeout; the round drops the group, and its
+    shutdown kills what still waits."""
+    import ray
+
+    from alignflow.config import TinyModelConfig
+    from engines.models import build_tiny_model
+    from engines.rollout_actors import RolloutEngines, start_rollout_actor
+    from engines.round_models import RoundModels
+    from engines.trainer import EngineSpec, TrainerGroup
+
+    # About 6M parameters, 24 MB in float32: more than the sockets buffer, so the sender blocks.
+    shape = TinyModelConfig(hidden_size=256, num_layers=6, intermediate_size=1024)
+    path = str(build_tiny_model(shape, seed=0, out_dir=tmp_path / "model"))
+    spec = EngineSpec(model_path=path, kind="causal", learning_rate=1e-3, weight_decay=0.0, warmup_steps=0,
+                      total_steps=10, zero_stage=0, global_batch=1, grad_clip=1.0, seed=0, torch_threads=1)
+    models = RoundModels(actor=TrainerGroup(spec, num_workers=1),
+                         engines=RolloutEngines([start_rollout_actor("hf", path, max_model_len=64)]))
+    try:
+        models.sync()  # the first update makes the group and goes through
+        working = models.weight_sync
+        assert working is not None
+        ray.get(models.engines.actors[0].sleep.remote())
+        with pytest.raises(ray.exceptions.RayTaskError, match="wake it first"):
+            models.sync()
+        assert models.weight_sync is None
+        # Raised while the trainer was still blocked sending: it has not taken its next call.
+        busy = models.actor.workers[0].describe_weights.remote()
+        ready, _ = ray.wait([busy], timeout=5)
+        assert not ready, "the driver waited for the sender to finish"
+    finally:
+        models.shutdown()
+
+
 def test_ray_workers_get_the_configured_allocator(ray_local, monkeypatch):
     """`infra.allocator` reaches every process Ray starts (glibc_retain by default: freed memory
     stays with the process); jemalloc that is not installed is a config error naming the field."""
