@@ -81,7 +81,7 @@ def round_resources(cfg: RoundConfig) -> dict[str, float]:
     engines). Colocated, the GPUs are the bundles' (one per actor worker), whatever the shares."""
     g = cfg.generation
     if cfg.colocate_all:
-        parts = [({"CPU": b.pop("CPU"), "GPU": b.pop("GPU", 0.0), **b}, 1) for b in colocated_bundles(cfg)]
+        parts = [({"GPU": 0.0, **b}, 1) for b in colocated_bundles(cfg)]
     else:
         parts = [(_slots(cfg.actor.placement), cfg.actor.num_workers),
                  (_slots(cfg.scorer_placement), _scorers(cfg)),
