@@ -135,7 +135,7 @@ class RLRound:
         exp = exp.with_(rewards=rewards, task_rewards=task)
         clock.lap("score")
         trained = self.update(exp, step, clock.lap)
-        self.models.sync()
+        self.models.sync(push=trained.actor_trained)
         clock.lap("sync")
         rewards, n_tokens = trained.experience.rewards, sum(len(r.token_ids) for r in rollouts)
         metrics = {

@@ -180,17 +180,19 @@ class RoundModels:
                 group.reload_states()
         return rollouts
 
-    def sync(self) -> None:
-        """Stream the actor's weights into every rollout engine (no restart). Colocated: the trainers'
-        optimizer state leaves the GPU, the engines wake their weights, take the update, then
-        wake their KV cache."""
+    def sync(self, push: bool = True) -> None:
+        """Stream the actor's weights into every rollout engine (no restart; `push=False`: the actor did
+        not change, nothing is sent). Colocated: the trainers' optimizer state leaves the GPU, the
+        engines wake their weights, take the update, then wake their KV cache."""
         if not self.colocated:
-            self._push()
+            if push:
+                self._push()
             return
         for group in self._trainers():
             group.offload_states()
         self.engines.wake(["weights"])
-        self._push()
+        if push:
+            self._push()
         self.engines.wake(["kv_cache"])
 
     def _push(self) -> None:
@@ -222,10 +224,11 @@ def start_round_models(cfg: RoundConfig, setup: RoundSetup, updates_per_step: in
     check_resources(cfg)
     spec, models = cfg.spec, RoundModels(colocated=cfg.colocate_all)
     models.bucket_bytes = int(cfg.generation.weight_bucket_mb * 2**20)
-    total = cfg.steps * updates_per_step
 
     def engine(c, path: Source, kind: str, purpose: str) -> EngineSpec:
-        return EngineSpec.from_config(c, model_path=path, kind=kind, total_steps=total,
+        # The learning-rate schedule spans the steps that train it (the actor's: after actor.freeze_steps).
+        steps = cfg.steps - (cfg.actor.freeze_steps if purpose == "actor" else 0)
+        return EngineSpec.from_config(c, model_path=path, kind=kind, total_steps=steps * updates_per_step,
                                       global_batch=rows_per_update, dtype=setup.dtype,
                                       torch_threads=setup.torch_threads, seed=derive_seed(setup.seed, purpose),
                                       attn_implementation=setup.attn_implementation)

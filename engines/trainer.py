@@ -38,6 +38,11 @@ from engines.state import load_optimizer_state, load_state, optimizer_state, sav
 from engines.weight_sync import WeightSender
 
 
+def is_trainer_metric(name: str) -> bool:
+    """A metric a training engine reports of itself, not of its objective: lr, grad_norm, lora/*."""
+    return name in ("lr", "grad_norm") or name.startswith("lora/")
+
+
 class TrainWorker:
     """One rank: a model under DeepSpeed. Used as a Ray actor."""
 

@@ -22,7 +22,7 @@ from engines import experience, objectives
 from engines.batches import minibatches, shard, split_pairs
 from engines.experience import Experience
 from engines.round_models import RoundModels
-from engines.trainer import TrainerGroup
+from engines.trainer import TrainerGroup, is_trainer_metric
 
 Lap = Callable[[str], None]  # records the time of the phase that just ended
 
@@ -32,25 +32,23 @@ class Trained:
     experience: Experience
     rows: torch.Tensor  # the rows of `experience` the update trained on
     metrics: dict[str, float]
+    actor_trained: bool  # False: the policy is unchanged, the engines need no new weights
 
 
 def train_minibatches(batch: dict[str, torch.Tensor], chunks, steps: list[tuple[TrainerGroup, Callable]], *,
                       pairs: int | None = None) -> dict[str, float]:
     """One optimizer step per chunk of rows for every (trainer group, objective); mean metrics. A later
-    group's metric named like an earlier group's (lr, grad_norm, lora/*) is logged as `critic/<name>`.
+    group's own trainer metrics (lr, grad_norm, lora/*: `is_trainer_metric`) are logged as `critic/<name>`.
     `pairs`: the batch is [chosen..., rejected...] of that many pairs and the chunks index pairs."""
     sums: dict[str, float] = {}
     n = 0
     paired = pairs is not None
     for rows in chunks:
         part = split_pairs(batch, rows, pairs) if paired else {k: v[rows] for k, v in batch.items()}
-        first: set[str] = set()
         for i, (group, objective) in enumerate(steps):
             for k, v in group.train_step(shard(part, group.world_size, paired=paired), objective,
                                          paired=paired).items():
-                key = f"critic/{k}" if i and k in first else k
-                if not i:
-                    first.add(k)
+                key = f"critic/{k}" if i and is_trainer_metric(k) else k
                 sums[key] = sums.get(key, 0.0) + v
         n += 1
     return {k: v / n for k, v in sums.items()}
@@ -111,7 +109,8 @@ class PolicyGradientUpdate:
         if m.has_reference:
             exp = exp.with_(ref_logprobs=m.ref_logprobs(exp.tensors()))
             lap("reference")
-        if not self.on_policy(cfg):
+        frozen = step < cfg.actor.freeze_steps  # only the critic trains (actor.freeze_steps)
+        if not self.on_policy(cfg) or frozen:  # frozen: no actor forward in training measures them
             exp = exp.with_(old_logprobs=m.actor.evaluate(exp.tensors(), objectives.response_logprobs))
             lap("old_logprobs")
         if m.critic is not None:
@@ -123,21 +122,22 @@ class PolicyGradientUpdate:
             gamma=cfg.ppo.gamma, lam=cfg.ppo.lam, kl_coef=self.kl_ctl.value if kl_in_reward else 0.0,
             kl_estimator=cfg.kl.estimator, kl_clamp=cfg.kl.clamp, std_norm=cfg.ppo.advantage_std_norm)
         rows, filtered = kept_rows(exp.rewards, cfg, task_rewards=exp.task_rewards)
-        metrics = self._train(exp.select(rows), step) if len(rows) else {}
+        metrics = self._train(exp.select(rows), step, frozen) if len(rows) else {}
         lap("train")
         # On policy, the KL of the trained rows as the training forward measured it.
         seq_kl = (metrics.get("sequence_kl", 0.0) if exp.old_logprobs is None
                   else experience.sequence_kl(exp).mean().item())
         self.kl_ctl.update(seq_kl, n_steps=len(exp))
-        metrics.update({"kl": seq_kl, "kl_coef": self.kl_ctl.value, **filtered,
+        metrics.update({"kl": seq_kl, "kl_coef": self.kl_ctl.value, **filtered, "actor_frozen": float(frozen),
                         "advantage/mean": algos.masked_mean(exp.advantages, exp.action_mask).item()})
-        return Trained(exp, rows, metrics)
+        return Trained(exp, rows, metrics, actor_trained=bool(len(rows)) and not frozen)
 
-    def objectives(self) -> list[tuple[TrainerGroup, Callable]]:
-        """(trainer group, objective) pairs of one minibatch step, with this step's KL coefficient."""
+    def objectives(self, frozen: bool = False) -> list[tuple[TrainerGroup, Callable]]:
+        """(trainer group, objective) pairs of one minibatch step, with this step's KL coefficient;
+        `frozen`: the critic's alone."""
         cfg, p, m = self.cfg, self.cfg.ppo, self.models
         policy_loss = objectives.POLICY_LOSSES[cfg.spec.policy_loss]
-        steps = [(m.actor, functools.partial(
+        steps = [] if frozen else [(m.actor, functools.partial(
             policy_loss, clip_low=p.clip_low, clip_high=p.clip_high, dual_clip=p.dual_clip, agg=p.loss_agg,
             entropy_coef=p.entropy_coef, kl_loss_coef=self.kl_ctl.value if cfg.kl.apply_as == "loss" else 0.0,
             kl_estimator=cfg.kl.estimator, kl_clamp=cfg.kl.clamp, tis_cap=p.tis_cap, tis_low=p.tis_low,
@@ -147,12 +147,14 @@ class PolicyGradientUpdate:
                                                       agg=p.loss_agg)))
         return steps
 
-    def _train(self, exp: Experience, step: int) -> dict[str, float]:
-        p, steps = self.cfg.ppo, self.objectives()
+    def _train(self, exp: Experience, step: int, frozen: bool) -> dict[str, float]:
+        p, steps = self.cfg.ppo, self.objectives(frozen)
         ranks = math.lcm(*(g.world_size for g, _ in steps))  # rows split evenly across every group's ranks
         gen = torch.Generator().manual_seed(derive_seed(self.seed, f"minibatches/{step}"))
         chunks = minibatches(len(exp), p.minibatch_size, epochs=p.epochs, generator=gen, multiple_of=ranks)
-        return train_minibatches(exp.tensors(), chunks, steps)
+        metrics = train_minibatches(exp.tensors(), chunks, steps)
+        # The critic alone: its trainer metrics keep the names they have beside the actor's.
+        return {f"critic/{k}" if frozen and is_trainer_metric(k) else k: v for k, v in metrics.items()}
 
     def state(self) -> dict[str, float]:
         return {"kl_coef": self.kl_ctl.value}
@@ -186,7 +188,7 @@ class BestOfNSFTUpdate:
                                     [(actor, objectives.causal_lm_objective)])
             metrics.update({f"sft_{k}": v for k, v in sft.items()})
         lap("train")
-        return Trained(exp, winners, metrics)
+        return Trained(exp, winners, metrics, actor_trained=bool(len(winners)))
 
     def state(self) -> dict[str, float]:
         return {}
@@ -243,7 +245,7 @@ class OnlineDPOUpdate:
             trained = train_minibatches(batch, chunks, [(actor, objective)], pairs=n)
             metrics.update({f"dpo/{k}": v for k, v in trained.items()})
         lap("train")
-        return Trained(exp, rows[: 2 * n], metrics)
+        return Trained(exp, rows[: 2 * n], metrics, actor_trained=bool(n))
 
     def state(self) -> dict[str, float]:
         return {}

@@ -133,6 +133,11 @@ class ActorConfig(EngineConfig):
 
     learning_rate: float = Field(2e-4, gt=0)
     warmup_steps: int = Field(0, ge=0)
+    freeze_steps: int = Field(
+        0, ge=0, description="round steps at the start in which only the critic trains: the actor and the "
+        "rollout engines keep the round's starting policy while a critic started from the reward model learns "
+        "values, before its advantages move the policy (OpenRLHF's freezing_actor_steps, verl's "
+        "critic_warmup); algorithms with a critic only")
 
 
 class CriticConfig(EngineConfig):
@@ -242,6 +247,12 @@ class RoundConfig(Section):
         if self.ppo.advantage_std_norm is not None and self.spec.group_std_norm is None:
             raise ValueError(f"ppo.advantage_std_norm: {self.algorithm} has no group-normalised advantages "
                              f"(no group std to switch); leave it out")
+        frozen = self.actor.freeze_steps
+        if frozen and not self.spec.critic:
+            raise ValueError(f"actor.freeze_steps trains the critic alone; {self.algorithm} has no critic")
+        if frozen >= self.steps:
+            raise ValueError(f"actor.freeze_steps ({frozen}) must be < steps ({self.steps}): the actor would "
+                             f"never train")
         per_update = self.dpo.pairs_per_update or self.prompts_per_step
         if self.spec.update == "online_dpo" and per_update % self.actor.num_workers:
             raise ValueError(f"online_dpo splits each update's pairs across actor.num_workers="

@@ -526,6 +526,9 @@ def test_preference_is_off_by_default_and_takes_its_own_defaults():
     ({"algorithm": "online_dpo", "dpo": {"loss": "cdpo"}}, "dpo.label_smoothing > 0 goes with dpo.loss=cdpo"),
     ({"algorithm": "online_dpo", "prompts_per_step": 32, "dpo": {"pairs_per_update": 5},
       "actor": {"num_workers": 2}}, "must be a multiple of it, got 5"),
+    ({"algorithm": "grpo", "actor": {"freeze_steps": 2}}, "actor.freeze_steps trains the critic alone; grpo "
+     "has no critic"),
+    ({"algorithm": "ppo", "steps": 4, "actor": {"freeze_steps": 4}}, "actor.freeze_steps (4) must be < steps (4)"),
 ])
 def test_a_round_refuses_sections_its_update_ignores(round_, message):
     with pytest.raises(ConfigError, match=re.escape(message)):

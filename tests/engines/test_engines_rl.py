@@ -278,6 +278,37 @@ def test_async_rollouts_run_one_update_behind(ray_local, tiny_model, prompts):
         rl.shutdown()
 
 
+def test_frozen_actor_steps_train_the_critic_alone(ray_local, tiny_model, prompts):
+    """actor.freeze_steps=1: step 0 trains the critic only (the actor's weights and the engines' stay,
+    nothing is pushed); step 1 trains both and pushes. The actor's learning-rate schedule spans the
+    steps that train it."""
+    from alignflow.config import ActorConfig, CriticConfig
+    from engines.objectives import response_logprobs, token_values
+
+    cfg = _round("ppo", actor=ActorConfig(learning_rate=2e-3, warmup_steps=0, freeze_steps=1),
+                 critic=CriticConfig(learning_rate=1e-3, warmup_steps=0, init="policy"))
+    rl = _start(cfg, tiny_model, prompts)
+    try:
+        assert rl.models.actor.spec.total_steps == 2 * rl.models.critic.spec.total_steps // 3
+        frozen = rl.step(0)
+        exp, m = frozen.experience, frozen.metrics
+        assert m["actor_frozen"] == 1.0 and "policy_loss" not in m and "value_loss" in m
+        assert "critic/lr" in m and "lr" not in m, sorted(m)  # the critic's own name, as beside the actor
+        after = rl.models.actor.evaluate(exp.tensors(), response_logprobs)
+        assert torch.equal(after * exp.action_mask, exp.old_logprobs * exp.action_mask)
+        values = rl.models.critic.evaluate(exp.tensors(), token_values)
+        assert ((values - exp.values) * exp.action_mask).abs().max() > 1e-4, "the critic did not train"
+        assert rl.models.weight_sync is None, "an unchanged actor was pushed to the engines"
+
+        second = rl.step(1)
+        assert second.metrics["actor_frozen"] == 0.0 and "policy_loss" in second.metrics
+        moved = rl.models.actor.evaluate(second.experience.tensors(), response_logprobs)
+        assert ((moved - second.experience.old_logprobs) * second.experience.action_mask).abs().max() > 1e-4
+        assert rl.models.weight_sync is not None
+    finally:
+        rl.shutdown()
+
+
 def test_two_engines_and_separate_reference_and_reward(ray_local, tiny_model, prompts):
     """Prompts spread across two vLLM engines come back grouped per prompt, in
     order; the reference and the reward model run as separate actors."""
