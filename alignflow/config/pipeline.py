@@ -23,7 +23,7 @@ from alignflow.config.base import GenerationConfig, Placement, Section, TrainCon
 from alignflow.config.data import DataConfig
 from alignflow.config.model import ModelConfig
 from alignflow.config.preference import PreferenceConfig
-from alignflow.config.rl import RoundConfig
+from alignflow.config.rl import ActorConfig, RoundConfig
 
 
 class SFTConfig(TrainConfig):
@@ -100,7 +100,10 @@ class PipelineConfig(Section):
     sft: SFTConfig | None = SFTConfig()
     reward_model: RewardModelConfig | None = RewardModelConfig()
     preference: PreferenceConfig | None = None
-    rounds: list[RoundConfig] = Field(default_factory=lambda: [RoundConfig(), RoundConfig()])
+    # The second round's critic, fresh from the reward model, learns values for 3 steps before the actor
+    # (a low-entropy policy by then) moves: without, 3 of 5 asynchronous second rounds diverged.
+    rounds: list[RoundConfig] = Field(
+        default_factory=lambda: [RoundConfig(), RoundConfig(actor=ActorConfig(freeze_steps=3))])
     evaluation: EvalConfig | None = EvalConfig()
     infra: InfraConfig = InfraConfig()
 

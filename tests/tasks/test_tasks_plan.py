@@ -145,7 +145,8 @@ def test_resource_settings_do_not_change_cache_keys():
     base = _keys(_plan())
     moved = _keys(_plan(
         "sft.placement.num_cpus=2", "reward_model.placement.num_gpus=1",
-        'rounds=[{"actor": {"placement": {"num_cpus": 3}}, "scorer_placement": {"num_cpus": 2}}, {}]',
+        'rounds=[{"actor": {"placement": {"num_cpus": 3}}, "scorer_placement": {"num_cpus": 2}}, '
+        '{"actor": {"freeze_steps": 3}}]',  # the default round 2's one setting
         "infra.torch_threads=1", "infra.storage.root=/elsewhere",
     ))
     assert moved == base
