@@ -101,7 +101,7 @@ class PipelineConfig(Section):
     reward_model: RewardModelConfig | None = RewardModelConfig()
     preference: PreferenceConfig | None = None
     # The second round's critic, fresh from the reward model, learns values for 3 steps before the actor
-    # (a low-entropy policy by then) moves: without, 3 of 5 asynchronous second rounds diverged.
+    # (a low-entropy policy by then) moves: without, 4 of 5 asynchronous second rounds went wrong (README).
     rounds: list[RoundConfig] = Field(
         default_factory=lambda: [RoundConfig(), RoundConfig(actor=ActorConfig(freeze_steps=3))])
     evaluation: EvalConfig | None = EvalConfig()
