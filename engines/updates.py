@@ -37,18 +37,19 @@ class Trained:
 
 def train_minibatches(batch: dict[str, torch.Tensor], chunks, steps: list[tuple[TrainerGroup, Callable]], *,
                       pairs: int | None = None) -> dict[str, float]:
-    """One optimizer step per chunk of rows for every (trainer group, objective); mean metrics. A later
-    group's own trainer metrics (lr, grad_norm, lora/*: `is_trainer_metric`) are logged as `critic/<name>`.
+    """One optimizer step per chunk of rows for every (trainer group, objective); mean metrics. A value
+    model's own trainer metrics (lr, grad_norm, lora/*: `is_trainer_metric`) are logged as `critic/<name>`.
     `pairs`: the batch is [chosen..., rejected...] of that many pairs and the chunks index pairs."""
     sums: dict[str, float] = {}
     n = 0
     paired = pairs is not None
     for rows in chunks:
         part = split_pairs(batch, rows, pairs) if paired else {k: v[rows] for k, v in batch.items()}
-        for i, (group, objective) in enumerate(steps):
+        for group, objective in steps:
+            critic = group.spec.kind == "scalar"
             for k, v in group.train_step(shard(part, group.world_size, paired=paired), objective,
                                          paired=paired).items():
-                key = f"critic/{k}" if i and is_trainer_metric(k) else k
+                key = f"critic/{k}" if critic and is_trainer_metric(k) else k
                 sums[key] = sums.get(key, 0.0) + v
         n += 1
     return {k: v / n for k, v in sums.items()}
@@ -152,9 +153,7 @@ class PolicyGradientUpdate:
         ranks = math.lcm(*(g.world_size for g, _ in steps))  # rows split evenly across every group's ranks
         gen = torch.Generator().manual_seed(derive_seed(self.seed, f"minibatches/{step}"))
         chunks = minibatches(len(exp), p.minibatch_size, epochs=p.epochs, generator=gen, multiple_of=ranks)
-        metrics = train_minibatches(exp.tensors(), chunks, steps)
-        # The critic alone: its trainer metrics keep the names they have beside the actor's.
-        return {f"critic/{k}" if frozen and is_trainer_metric(k) else k: v for k, v in metrics.items()}
+        return train_minibatches(exp.tensors(), chunks, steps)
 
     def state(self) -> dict[str, float]:
         return {"kl_coef": self.kl_ctl.value}
