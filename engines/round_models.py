@@ -225,9 +225,8 @@ def start_round_models(cfg: RoundConfig, setup: RoundSetup, updates_per_step: in
     spec, models = cfg.spec, RoundModels(colocated=cfg.colocate_all)
     models.bucket_bytes = int(cfg.generation.weight_bucket_mb * 2**20)
 
-    def engine(c, path: Source, kind: str, purpose: str) -> EngineSpec:
-        # The learning-rate schedule spans the steps that train it (the actor's: after actor.freeze_steps).
-        steps = cfg.steps - (cfg.actor.freeze_steps if purpose == "actor" else 0)
+    def engine(c, path: Source, kind: str, purpose: str, steps: int) -> EngineSpec:
+        """`steps`: the round steps that train it, which its learning-rate schedule spans."""
         return EngineSpec.from_config(c, model_path=path, kind=kind, total_steps=steps * updates_per_step,
                                       global_batch=rows_per_update, dtype=setup.dtype,
                                       torch_threads=setup.torch_threads, seed=derive_seed(setup.seed, purpose),
@@ -245,13 +244,14 @@ def start_round_models(cfg: RoundConfig, setup: RoundSetup, updates_per_step: in
             models.placement_group = ray.util.placement_group(colocated_bundles(cfg), strategy="PACK")
             wait_placement_group(models.placement_group, f"round ({cfg.algorithm}) colocate_all")
         n = cfg.actor.num_workers
-        models.actor = TrainerGroup(engine(cfg.actor, setup.policy_path, "causal", "actor"), n,
+        models.actor = TrainerGroup(engine(cfg.actor, setup.policy_path, "causal", "actor",
+                                           cfg.steps - cfg.actor.freeze_steps), n,
                                     placements=[on_bundle(i, cfg.actor.placement.num_cpus) for i in range(n)]
                                     if cfg.colocate_all else None)
         if spec.critic:
             start = setup.reward_path if cfg.critic.init == "reward_model" else setup.policy_path
             k = cfg.critic.num_workers
-            models.critic = TrainerGroup(engine(cfg.critic, start, "scalar", "critic"), k,
+            models.critic = TrainerGroup(engine(cfg.critic, start, "scalar", "critic", cfg.steps), k,
                                          placements=[on_bundle(i, cfg.critic.placement.num_cpus) for i in range(k)]
                                          if cfg.colocate_all else None)
         p = cfg.scorer_placement
