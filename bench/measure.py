@@ -44,3 +44,23 @@ def cpu_times() -> dict[int, tuple[float, float]]:
         except psutil.Error:
             pass
     return out
+
+
+def scored_work(batch: dict) -> tuple[float, float]:
+    """(tokens, attended (query, key) pairs) that scoring or training this batch runs: every row's
+    tokens, or, where engines/shared_prefix.py shares the prompts, each group's prompt once (but
+    its last token) and each row's remainder."""
+    try:
+        from engines import shared_prefix
+    except ImportError:  # a tree compared against (--against) from before shared prompts
+        shared_prefix = None
+
+    lengths = batch["attention_mask"].sum(-1).float()
+    pairs = lengths * (lengths + 1) / 2
+    plan = shared_prefix.plan(batch) if shared_prefix else None
+    if plan is None:
+        return float(lengths.sum()), float(pairs.sum())
+    q = plan.prefix_len.float()
+    q_rows = q[plan.row_group]
+    return (float(lengths.sum() - q_rows.sum() + q.sum()),
+            float(pairs.sum() - (q_rows * (q_rows + 1) / 2).sum() + (q * (q + 1) / 2).sum()))

@@ -36,7 +36,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from measure import cpu_times, forward_flops, matmul_peak_gflops  # bench/measure.py, beside this script
+from measure import cpu_times, forward_flops, matmul_peak_gflops, scored_work  # bench/measure.py, beside this script
 
 REPO = Path(__file__).resolve().parent.parent
 PHASES = ["generate", "score", "reference", "old_logprobs", "critic", "train", "sync"]
@@ -112,7 +112,8 @@ def worker(args) -> dict:
     response = float(exp.action_mask.sum())
     lengths = exp.attention_mask.sum(-1).float()
     attended = float((lengths * (lengths + 1) / 2).sum())
-    fwd = forward_flops(config, tokens, response, attended)
+    scored_tokens, scored_pairs = scored_work(exp.tensors())  # prompts once per group where shared
+    fwd = forward_flops(config, scored_tokens, response, scored_pairs)
     flops = {"generate": forward_flops(config, tokens, response, attended), "reference": fwd,
              "old_logprobs": fwd, "critic": fwd, "train": 3 * fwd}
     return {"step": statistics.median(sum(s.metrics.get(f"time/{p}", 0.0) for p in PHASES) for s in steps),

@@ -28,6 +28,8 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from engines import shared_prefix
+
 
 # Logits per chunk: 16 MiB in fp32. Chunks of this size stay below the sizes glibc
 # serves with mmap (whose pages are unmapped again on every free) and keep a
@@ -114,11 +116,22 @@ def scatter(values: Tensor, rows: Tensor, cols: Tensor, shape: tuple[int, int]) 
 def response_logprobs_and_entropy(model, batch: dict[str, Tensor], *,
                                   with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
     """log π(a_t | s_t) of each response token, and its entropy when asked: (B, T) each, 0 on padding.
-    Only the real response tokens (action_mask) get logits."""
+    Only the real response tokens (action_mask) get logits. Groups of rows with one prompt run
+    that prompt once (engines/shared_prefix.py) where the batch and model allow it."""
     mask = batch["action_mask"]
-    rows, t = (mask > 0).nonzero(as_tuple=True)
-    positions = batch["response_index"][rows, t]
-    logprobs, entropy = logprobs_at(model, batch, rows, positions, with_entropy=with_entropy)
+    plan = shared_prefix.plan(batch) if shared_prefix.supported(model) else None
+    if plan is None:
+        rows, t = (mask > 0).nonzero(as_tuple=True)
+        positions = batch["response_index"][rows, t]
+        logprobs, entropy = logprobs_at(model, batch, rows, positions, with_entropy=with_entropy)
+    else:
+        hidden = shared_prefix.response_hidden(model, batch, plan, **keep_last_logits(model))
+        r, t = (mask[plan.rows] > 0).nonzero(as_tuple=True)
+        rows = plan.rows[r]
+        module = unwrap(model)
+        logprobs, entropy = logprobs_from_hidden(
+            module.get_output_embeddings(), hidden[r, t], batch["input_ids"][rows, batch["response_index"][rows, t] + 1],
+            module.config.vocab_size, with_entropy=with_entropy)
     shape = tuple(mask.shape)
     return scatter(logprobs, rows, t, shape), (scatter(entropy, rows, t, shape) if with_entropy else None)
 
