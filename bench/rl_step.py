@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import statistics
@@ -92,8 +93,11 @@ def worker(args) -> dict:
             "kl": {"coef": 0.04, "estimator": "k3", "apply_as": "loss"},
             "ppo": {"epochs": 1, "minibatch_size": PROMPTS * SAMPLES},
             "actor": {"learning_rate": 1e-5}})
-    overrides = json.loads(os.environ.get("ALIGNFLOW_BENCH_ROUND", "{}"))  # round.KEY=VALUE parts of the variant
-    cfg = RoundConfig.model_validate({**cfg.model_dump(), **overrides, "steps": args.steps + 1})
+    merged = cfg.model_dump()
+    for key, value in json.loads(os.environ.get("ALIGNFLOW_BENCH_ROUND", "{}")).items():  # round.A.B=VALUE parts
+        *path, last = key.split(".")
+        functools.reduce(dict.__getitem__, path, merged)[last] = value
+    cfg = RoundConfig.model_validate({**merged, "steps": args.steps + 1})
     rl = RLRound(cfg, RoundSetup(policy_path=path, reference_path=path, reward_path=path, prompts=prompts,
                                  dtype=dtype, torch_threads=2, max_model_len=PROMPT_TOKENS + NEW_TOKENS + 8, seed=0))
     try:
@@ -148,7 +152,8 @@ def infra_config(InfraConfig):
 
 def variant_env(spec: str) -> dict[str, str]:
     """A variant: '+'-joined an allocator (infra.allocator), NAME=VALUE environment settings and
-    round.KEY=VALUE round-config settings (VALUE as JSON), e.g. jemalloc+round.async_rollouts=true."""
+    round.KEY=VALUE round-config settings (VALUE as JSON; KEY dotted into sections, e.g.
+    round.actor.placement.cpu_cores=[1]), e.g. jemalloc+round.async_rollouts=true."""
     env, round_cfg = {}, {}
     for part in filter(None, spec.split("+")):
         if part.startswith("round.") and "=" in part:

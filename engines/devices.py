@@ -21,12 +21,13 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import socket
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 
-from alignflow.errors import InsufficientResourcesError
+from alignflow.errors import ConfigError, InsufficientResourcesError
 
 
 def placement_device(gpu_ids: Sequence[str | int], cuda_visible_devices: str | None, cuda_count: int) -> torch.device:
@@ -112,6 +113,27 @@ def actor_options(num_cpus: float, num_gpus: float, scheduling_strategy=None,
     elif resources:
         opts["resources"] = dict(resources)
     return opts
+
+
+def pin_cpu_cores(cores: Sequence[int] | None, threads: int) -> int:
+    """Pin this process (and every thread it starts from now on) to `cores` (`placement.cpu_cores`) and
+    return the thread count for its math libraries: one per core; `threads` where `cores` is None.
+    vLLM's CPU backend binds its OpenMP threads within this affinity."""
+    if cores is None:
+        return threads
+    available = os.sched_getaffinity(0)
+    missing = sorted(set(cores) - available)
+    if missing:
+        raise ConfigError(f"placement.cpu_cores: cores {missing} are not available to this actor's process on "
+                          f"node {socket.gethostname()} (available: {sorted(available)})")
+    os.sched_setaffinity(0, cores)
+    os.environ["OMP_NUM_THREADS"] = str(len(cores))
+    return len(cores)
+
+
+def cpu_report() -> dict[str, Any]:
+    """The cores this process may run on and its torch threads (device reports; tests assert them)."""
+    return {"cpu_affinity": sorted(os.sched_getaffinity(0)), "torch_threads": torch.get_num_threads()}
 
 
 def announce_cpu_accelerator(device: torch.device) -> torch.device:

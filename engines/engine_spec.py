@@ -66,6 +66,7 @@ class EngineSpec:
     offload: str = "none"  # "none" | "optimizer" | "optimizer_and_params"
     torch_threads: int = 2
     num_cpus_per_worker: float = 1.0
+    cpu_cores: tuple[int, ...] | None = None  # placement.cpu_cores: each worker pinned to them
     num_gpus_per_worker: float = 0.0
     resources_per_worker: dict[str, float] = field(default_factory=dict)  # placement.resources
     lora: LoraConfig | None = None  # LoRA adapters on a frozen base (engines/lora.py); None: full fine-tuning
@@ -82,6 +83,7 @@ class EngineSpec:
             micro_batch_tokens=cfg.micro_batch_tokens,
             gradient_checkpointing=cfg.gradient_checkpointing, offload=cfg.offload,
             torch_threads=torch_threads, num_cpus_per_worker=cfg.placement.num_cpus,
+            cpu_cores=tuple(cfg.placement.cpu_cores) if cfg.placement.cpu_cores is not None else None,
             num_gpus_per_worker=cfg.placement.num_gpus, resources_per_worker=cfg.placement.resources, lora=cfg.lora,
         )
 

@@ -18,7 +18,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from alignflow.artifacts import Source, local_dir
 from alignflow.config import GenerationConfig, VLLMConfig
-from engines.devices import actor_options
+from engines.devices import actor_options, pin_cpu_cores
 from engines.rollout import HFEngine, Rollout, Sampling, VLLMEngine, vllm_engine_args
 
 BACKENDS = ("vllm", "hf")
@@ -33,11 +33,13 @@ class RolloutActor:
 
     def __init__(self, backend: str, model_path: Source, *, torch_threads: int = 2, dtype: str = "float32",
                  seed: int = 0, max_model_len: int = 256, attn_implementation: str = "sdpa",
-                 vllm: VLLMConfig | None = None, on_gpu: bool = False, sleep_mode: bool = False):
+                 vllm: VLLMConfig | None = None, on_gpu: bool = False, sleep_mode: bool = False,
+                 cpu_cores: list[int] | None = None):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
         # Without it vLLM drops torch to one thread "for serving", and in
         # in-process mode that thread also runs the model.
+        torch_threads = pin_cpu_cores(cpu_cores, torch_threads)
         os.environ["OMP_NUM_THREADS"] = str(torch_threads)
         torch.set_num_threads(torch_threads)
         model_path = local_dir(model_path)  # a ref: fetched on this actor's node
@@ -75,10 +77,10 @@ class RolloutActor:
 
     def device_report(self) -> dict:
         """The engine's parameter devices (HF backend) and this actor's placement group."""
-        from engines.devices import placement_group_id
+        from engines.devices import cpu_report, placement_group_id
 
         report = getattr(self.engine, "device_report", None)
-        return {"placement_group": placement_group_id(), **(report() if report else {})}
+        return {"placement_group": placement_group_id(), **cpu_report(), **(report() if report else {})}
 
 
 def start_rollout_actor(backend: str, model_path: Source, *, num_cpus: float = 1.0, num_gpus: float = 0.0,
@@ -169,7 +171,7 @@ def start_engines(g: GenerationConfig, model_path: Source, *, count: int, seeds:
     engines = RolloutEngines([])
     common = dict(dtype=dtype, torch_threads=torch_threads, max_model_len=max_model_len,
                   attn_implementation=attn_implementation, vllm=g.vllm, sleep_mode=sleep_mode,
-                  on_gpu=g.placement.num_gpus > 0)
+                  on_gpu=g.placement.num_gpus > 0, cpu_cores=g.placement.cpu_cores)
     try:
         for i in range(count):
             if strategies is not None:

@@ -258,7 +258,7 @@ def start_round_models(cfg: RoundConfig, setup: RoundSetup, updates_per_step: in
         place = on_bundle(0, p.num_cpus) or {"num_cpus": p.num_cpus, "num_gpus": p.num_gpus, "resources": p.resources}
         # The scorers see the actor's batches: they take its micro-batch size.
         common = dict(dtype=setup.dtype, torch_threads=setup.torch_threads, micro_batch_size=cfg.actor.micro_batch_size,
-                      micro_batch_tokens=cfg.actor.micro_batch_tokens,
+                      micro_batch_tokens=cfg.actor.micro_batch_tokens, cpu_cores=p.cpu_cores,
                       attn_implementation=setup.attn_implementation, **place)
         models.reference_from_actor = reference_is_actor(cfg, setup)
         reference = setup.reference_path if uses_reference(cfg) and not models.reference_from_actor else None

@@ -16,7 +16,7 @@ import torch
 from alignflow.artifacts import Source, local_dir
 from engines import models
 from engines.batches import in_micro_batches
-from engines.devices import actor_device, actor_options, placement_group_id, to_cpu, to_device
+from engines.devices import actor_device, actor_options, cpu_report, pin_cpu_cores, placement_group_id, to_cpu, to_device
 from engines.objectives import response_logprobs, scalar_scores
 
 
@@ -26,8 +26,8 @@ class ScorerActor:
 
     def __init__(self, reference_path: Source | None, reward_path: Source | None, dtype: str = "float32",
                  torch_threads: int = 2, attn_implementation: str = "sdpa", micro_batch_size: int | None = None,
-                 micro_batch_tokens: int | None = None):
-        torch.set_num_threads(torch_threads)
+                 micro_batch_tokens: int | None = None, cpu_cores: list[int] | None = None):
+        torch.set_num_threads(pin_cpu_cores(cpu_cores, torch_threads))
         self.device = actor_device()
         self.micro_batch_size, self.micro_batch_tokens = micro_batch_size, micro_batch_tokens
         self.reference = self.reward = None
@@ -60,21 +60,21 @@ class ScorerActor:
 
     def device_report(self) -> dict:
         """Where each model's parameters live, and the placement group (tests assert them)."""
-        return {"placement_group": placement_group_id(),
+        return {"placement_group": placement_group_id(), **cpu_report(),
                 **{name: sorted({p.device.type for p in m.parameters()})
                    for name, m in (("reference", self.reference), ("reward", self.reward)) if m is not None}}
 
 
 def start_scorer(reference_path: Source | None, reward_path: Source | None, *, dtype: str, torch_threads: int,
                  attn_implementation: str = "sdpa", micro_batch_size: int | None = None,
-                 micro_batch_tokens: int | None = None, num_cpus: float = 1.0,
-                 num_gpus: float = 0.0, scheduling_strategy=None, resources: dict[str, float] | None = None):
+                 micro_batch_tokens: int | None = None, num_cpus: float = 1.0, num_gpus: float = 0.0,
+                 scheduling_strategy=None, resources: dict[str, float] | None = None, cpu_cores: list[int] | None = None):
     """A ScorerActor on `num_cpus`/`num_gpus` and `resources` (or in a placement group's bundle)."""
     import ray
 
     actor = ray.remote(**actor_options(num_cpus, num_gpus, scheduling_strategy, resources))(ScorerActor)
     return actor.remote(reference_path, reward_path, dtype, torch_threads, attn_implementation, micro_batch_size,
-                        micro_batch_tokens)
+                        micro_batch_tokens, cpu_cores)
 
 
 @contextlib.contextmanager

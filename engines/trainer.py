@@ -31,8 +31,8 @@ from alignflow.artifacts import Entries, Source, local_dir, merge_entries, writi
 from alignflow.net import free_port
 from engines import lora, models
 from engines.batches import in_micro_batches, micro_batches
-from engines.devices import (actor_device, actor_options, announce_cpu_accelerator, local_rank, placement_group_id,
-                             quiet_stdout, to_cpu, to_device)
+from engines.devices import (actor_device, actor_options, announce_cpu_accelerator, local_rank, pin_cpu_cores,
+                             cpu_report, placement_group_id, quiet_stdout, to_cpu, to_device)
 from engines.engine_spec import EngineSpec, lr_lambda, move_training_state, rows
 from engines.state import load_optimizer_state, load_state, optimizer_state, save_state
 from engines.weight_sync import WeightSender
@@ -46,9 +46,9 @@ def is_trainer_metric(name: str) -> bool:
 class TrainWorker:
     """One rank: a model under DeepSpeed. Used as a Ray actor."""
 
-    def __init__(self, rank: int, world_size: int, torch_threads: int):
+    def __init__(self, rank: int, world_size: int, torch_threads: int, cpu_cores: tuple[int, ...] | None = None):
         self.rank, self.world_size = rank, world_size
-        torch.set_num_threads(torch_threads)
+        torch.set_num_threads(pin_cpu_cores(cpu_cores, torch_threads))
 
     def address(self) -> tuple[str, int]:
         """The rendezvous address: this node as Ray knows it (127.0.0.1 for the
@@ -90,7 +90,7 @@ class TrainWorker:
         """Where this rank's model lives (tests assert it): device, parameter devices and dtypes."""
         params = list(self.engine.module.parameters())
         return {"device": str(self.device), "local_rank": int(os.environ["LOCAL_RANK"]),
-                "placement_group": placement_group_id(),
+                "placement_group": placement_group_id(), **cpu_report(),
                 "param_devices": sorted({p.device.type for p in params}),
                 "param_dtypes": sorted({str(p.dtype) for p in params})}
 
@@ -235,7 +235,8 @@ class TrainerGroup:
             raise ValueError(f"batch_size {spec.global_batch} must divide by num_workers {num_workers}")
         default = actor_options(spec.num_cpus_per_worker, spec.num_gpus_per_worker, resources=spec.resources_per_worker)
         placements = placements or [default] * num_workers
-        self.workers = [ray.remote(**placements[rank])(TrainWorker).remote(rank, num_workers, spec.torch_threads)
+        self.workers = [ray.remote(**placements[rank])(TrainWorker).remote(rank, num_workers, spec.torch_threads,
+                                                                           spec.cpu_cores)
                         for rank in range(num_workers)]
         try:
             master = ray.get(self.workers[0].address.remote())

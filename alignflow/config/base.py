@@ -21,6 +21,10 @@ class Placement(Section):
     resources: dict[str, float] = Field(
         default_factory=dict, description="custom Ray resources each actor needs, {name: amount}: a resource "
         "that only some nodes advertise (`ray start --resources`) pins the actors to those nodes")
+    cpu_cores: list[int] | None = Field(
+        None, description="CPU cores (the node's numbering, as in `taskset`) each of these actors' processes is "
+        "pinned to, with one math-library thread per core (vLLM on the CPU binds its threads within them); "
+        "None: the OS schedules it on any core, with infra.torch_threads threads")
 
     @field_validator("resources")
     @classmethod
@@ -32,6 +36,13 @@ class Placement(Section):
         if bad:
             raise ValueError(f"amounts must be > 0, got {bad}")
         return resources
+
+    @field_validator("cpu_cores")
+    @classmethod
+    def _cores(cls, cores: list[int] | None) -> list[int] | None:
+        if cores is not None and (not cores or len(set(cores)) != len(cores) or min(cores) < 0):
+            raise ValueError(f"a non-empty list of distinct core numbers >= 0, got {cores}")
+        return cores
 
 
 class LoraConfig(Section):
