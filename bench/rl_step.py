@@ -95,8 +95,8 @@ def worker(args) -> dict:
             "actor": {"learning_rate": 1e-5}})
     merged = cfg.model_dump()
     for key, value in json.loads(os.environ.get("ALIGNFLOW_BENCH_ROUND", "{}")).items():  # round.A.B=VALUE parts
-        *path, last = key.split(".")
-        functools.reduce(dict.__getitem__, path, merged)[last] = value
+        *sections, last = key.split(".")
+        functools.reduce(dict.__getitem__, sections, merged)[last] = value
     cfg = RoundConfig.model_validate({**merged, "steps": args.steps + 1})
     rl = RLRound(cfg, RoundSetup(policy_path=path, reference_path=path, reward_path=path, prompts=prompts,
                                  dtype=dtype, torch_threads=2, max_model_len=PROMPT_TOKENS + NEW_TOKENS + 8, seed=0))
