@@ -12,7 +12,8 @@ a few positions only (the response tokens, or SFT's loss tokens), so:
   3. the output layer and log-softmax run over them in chunks of at most
      `CHUNK_ELEMENTS` logits; with gradients, each chunk is recomputed in the
      backward pass (activation checkpointing), so only one chunk's logits
-     exist at any time.
+     exist at any time, unless all of a call's logits together stay within
+     `KEEP_ELEMENTS` (small vocabularies), where keeping them is cheaper.
 
 The forward still goes through the (DeepSpeed) engine and the output layer
 is called as a module, so ZeRO-3's parameter hooks see both. Training,
@@ -35,6 +36,10 @@ from engines import shared_prefix
 # serves with mmap (whose pages are unmapped again on every free) and keep a
 # 150k-vocabulary model's chunk at ~27 positions.
 CHUNK_ELEMENTS = 2**22
+# Logits of one call kept for backward rather than recomputed when there are at most this many: 64 MiB
+# in fp32 (a 2048-entry vocabulary's 8192 positions; ~110 positions of a 150k vocabulary, so real
+# vocabularies recompute). Recomputing costs another output-layer forward: 5 % of the bench's training.
+KEEP_ELEMENTS = 2**24
 
 
 def unwrap(model):
@@ -80,12 +85,12 @@ def logprobs_from_hidden(head, hidden: Tensor, targets: Tensor, vocab_size: int,
                          with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
     """log p(targets_n | hidden_n) = z_n[targets_n] − logsumexp(z_n), z_n = head(hidden_n) in fp32,
     and, when `with_entropy`, H_n = −Σ_v p_v log p_v. Chunks of `CHUNK_ELEMENTS // vocab_size`
-    rows; each chunk recomputed in backward when gradients flow.
+    rows; each chunk recomputed in backward when gradients flow and N x vocab_size > KEEP_ELEMENTS.
 
     hidden: (N, H); targets: (N,) long → (N,) float32, and (N,) float32 or None.
     """
     size = max(1, CHUNK_ELEMENTS // vocab_size)
-    recompute = torch.is_grad_enabled() and hidden.requires_grad
+    recompute = torch.is_grad_enabled() and hidden.requires_grad and hidden.shape[0] * vocab_size > KEEP_ELEMENTS
     parts = []
     for h, y in zip(hidden.split(size), targets.split(size)):
         parts.append(checkpoint(_chunk, head, h, y, with_entropy, use_reentrant=False) if recompute

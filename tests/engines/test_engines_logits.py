@@ -51,10 +51,16 @@ def _grads(model) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("chunk_elements", [2**22, 3 * 320])  # one chunk; chunks of 3 positions
-def test_response_logprobs_and_grads_match_full_logits(model, batch, chunk_elements, monkeypatch):
+@pytest.mark.parametrize("keep_elements", [2**24, 0])  # logits kept for backward; every chunk recomputed
+def test_response_logprobs_and_grads_match_full_logits(model, batch, chunk_elements, keep_elements, monkeypatch):
+    from torch.utils.checkpoint import checkpoint
+
     from engines import logits as logits_mod
 
     monkeypatch.setattr(logits_mod, "CHUNK_ELEMENTS", chunk_elements)
+    monkeypatch.setattr(logits_mod, "KEEP_ELEMENTS", keep_elements)
+    recomputed = []
+    monkeypatch.setattr(logits_mod, "checkpoint", lambda *a, **k: recomputed.append(1) or checkpoint(*a, **k))
     weights = torch.randn(batch["action_mask"].shape, generator=torch.Generator().manual_seed(1))
 
     expected_lp, expected_h = full_reference(model, batch)
@@ -68,6 +74,7 @@ def test_response_logprobs_and_grads_match_full_logits(model, batch, chunk_eleme
     torch.testing.assert_close(lp, expected_lp, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(h, expected_h, rtol=1e-5, atol=1e-5)
     assert lp[1, 2:].abs().sum() == 0 and h[1, 2:].abs().sum() == 0  # padding stays 0
+    assert bool(recomputed) == (keep_elements == 0)
     assert expected_grads.keys() == grads.keys()
     for name, g in expected_grads.items():
         torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
