@@ -22,13 +22,8 @@ if [[ ! -f "$stamp" ]]; then
   # transformers imports. Nothing here needs them.
   .venv/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
   # DeepSpeed compiles its shared-memory collective op with gcc (20-30 s on 2 cores) at the first
-  # init_distributed after an install, i.e. inside the first run's SFT stage: build it here instead.
-  DS_ACCELERATOR=cpu .venv/bin/python -c '
-from deepspeed.accelerator import get_accelerator
-from deepspeed.ops import __compatible_ops__
-builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
-if builder is not None and __compatible_ops__.get(builder.NAME, False):
-    builder.load(verbose=False)
-' >/dev/null
+  # init_distributed after an install, i.e. inside the first run's SFT stage: build it here instead,
+  # through the function init_distributed calls (a no-op where the op does not apply).
+  DS_ACCELERATOR=cpu .venv/bin/python -c 'from deepspeed.comm.torch import build_shm_op; build_shm_op()' >/dev/null
   touch "$stamp"
 fi
