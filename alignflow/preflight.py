@@ -12,7 +12,6 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import sys
 import urllib.error
 import urllib.request
 import uuid
@@ -25,6 +24,7 @@ from alignflow.config import DatasetSource, PipelineConfig
 from alignflow.config.loading import ConfigSources, config_sources
 from alignflow.data.formats import normalize_row, read_rows
 from alignflow.errors import ConfigError, DataError
+from alignflow.slots import check_slots
 from alignflow.storage import is_local_uri, local_path
 
 FIRST_ROWS = 5
@@ -56,7 +56,7 @@ def preflight(cfg: PipelineConfig, overrides: list[str] | None = None,
         _lengths(cfg, positions, found)
     _rewards(cfg, found)
     _storage(cfg, found)
-    _resources(cfg, found)
+    check_slots(cfg, found)
     return found
 
 
@@ -242,58 +242,3 @@ def _storage(cfg: PipelineConfig, found: Findings) -> None:
     except Exception as err:  # noqa: BLE001  (credentials, endpoint, bucket: the user's to fix)
         return found.fail(field, f"{root} does not take a probe object: {type(err).__name__}: {err}")
     found.ok()
-
-
-def _round_needs(r) -> tuple[float, float, str]:
-    """(CPUs, GPUs, what asks) of a round's actors: as engines/round_models.py round_resources, which
-    imports torch and Ray (~10 s); tests/core/test_core_preflight.py holds the two equal."""
-    g = r.generation
-    scorers = int(r.spec.reference and (r.kl.coef > 0 or r.kl.adaptive)) + int(r.reward.source == "model")
-    scorers = min(scorers, 1) if r.colocate_reference_and_reward else scorers
-    parts = [("actor", r.actor.placement.num_cpus, r.actor.placement.num_gpus, r.actor.num_workers),
-             ("scorer_placement", r.scorer_placement.num_cpus, r.scorer_placement.num_gpus, scorers),
-             ("generation", g.placement.num_cpus, g.gpus_per_engine, r.num_rollout_engines)]
-    if r.spec.critic:
-        parts.append(("critic", r.critic.placement.num_cpus, r.critic.placement.num_gpus, r.critic.num_workers))
-    cpus, what = sum(c * n for _, c, _, n in parts), ", ".join(f"{k} {n}x{c:g}" for k, c, _, n in parts if n)
-    if r.colocate_all:  # a bundle per actor worker: the CPUs of all on it, one GPU if the actor asks any
-        return cpus, float(r.actor.num_workers) * (r.actor.placement.num_gpus > 0), f"actors x CPUs: {what}"
-    return cpus, sum(gp * n for _, _, gp, n in parts), f"actors x CPUs: {what}"
-
-
-def _gpus() -> int:
-    """GPUs the local Ray will see. torch.cuda only if torch is already imported (importing it takes
-    seconds); otherwise the NVIDIA driver's device list, narrowed by CUDA_VISIBLE_DEVICES."""
-    if "torch" in sys.modules:
-        return sys.modules["torch"].cuda.device_count()
-    count = len(list(Path("/proc/driver/nvidia/gpus").glob("*")))
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    return count if visible is None else min(count, len([d for d in visible.split(",") if d.strip()]))
-
-
-def _resources(cfg: PipelineConfig, found: Findings) -> None:
-    """Each stage's actors against a local Ray's slots (a cluster, infra.ray_address, is checked once Ray is up)."""
-    if cfg.infra.ray_address:
-        return
-    stages = [(f"rounds.{i}", *_round_needs(r)) for i, r in enumerate(cfg.rounds)]
-    for name in ("sft", "reward_model"):
-        t = getattr(cfg, name)
-        if t is not None and (name == "sft" or cfg.trains_reward_model):
-            p = t.placement
-            stages.append((name, p.num_cpus * t.num_workers, p.num_gpus * t.num_workers,
-                           f"{name}.num_workers={t.num_workers} x {name}.placement.num_cpus={p.num_cpus:g}"))
-    if cfg.evaluation is not None:  # one rollout engine; scorers are actors only when they ask for GPUs
-        g, s = cfg.evaluation.generation, cfg.evaluation.scorer_placement
-        n = int(s.num_gpus > 0)
-        stages.append(("evaluation", g.placement.num_cpus + s.num_cpus * n, g.gpus_per_engine + s.num_gpus,
-                       f"actors x CPUs: generation 1x{g.placement.num_cpus:g}, scorer_placement {n}x{s.num_cpus:g}"))
-    slots, gpus = cfg.infra.ray_num_cpus, _gpus() if any(s[2] > 0 for s in stages) else 0
-    for field, cpu, gpu, what in stages:
-        if cpu > slots:
-            found.fail(field, f"its actors need {cpu:g} CPU slots at once ({what}); the local Ray gets {slots} "
-                              f"(infra.ray_num_cpus): lower the placements or counts, or raise infra.ray_num_cpus",
-                       also=("infra.ray_num_cpus",))
-        elif gpu > gpus:
-            found.fail(field, f"its actors need {gpu:g} GPUs at once; this machine has {gpus}")
-        else:
-            found.ok()

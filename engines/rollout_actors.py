@@ -24,34 +24,48 @@ from engines.rollout import HFEngine, Rollout, Sampling, VLLMEngine, vllm_engine
 BACKENDS = ("vllm", "hf")
 
 
-class RolloutActor:
-    """Hosts one engine in its own process (a Ray actor).
+def prepare_engine_process(torch_threads: int, cpu_cores: list[int] | None) -> int:
+    """The environment a rollout engine's process needs, set before vLLM loads; the torch threads it got.
 
-    vLLM runs in-process in the actor (`VLLM_ENABLE_V1_MULTIPROCESSING=0`):
-    3-5 s to start instead of ~30 s, and both cores stay with the model.
+    vLLM runs in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): 3-5 s to start instead of ~30 s, and
+    both cores stay with the model.
     """
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    # Without it vLLM drops torch to one thread "for serving", and in
+    # in-process mode that thread also runs the model.
+    torch_threads = pin_cpu_cores(cpu_cores, torch_threads)
+    os.environ["OMP_NUM_THREADS"] = str(torch_threads)
+    torch.set_num_threads(torch_threads)
+    return torch_threads
+
+
+def build_engine(backend: str, model_path: str, *, dtype: str = "float32", seed: int = 0, max_model_len: int = 256,
+                 attn_implementation: str = "sdpa", vllm: VLLMConfig | None = None, on_gpu: bool = False,
+                 sleep_mode: bool = False) -> VLLMEngine | HFEngine:
+    """One engine of `backend` on the model at the local path `model_path`, in this process."""
+    if backend == "vllm":
+        opts = vllm or VLLMConfig()
+        args = vllm_engine_args(opts, model_path=model_path, dtype=dtype, seed=seed, max_model_len=max_model_len,
+                                on_gpu=on_gpu, sleep_mode=sleep_mode)
+        return VLLMEngine(model_path, engine_args=args, kv_cache_gib=opts.kv_cache_gib)
+    if backend == "hf":
+        return HFEngine(model_path, dtype=dtype, seed=seed, attn_implementation=attn_implementation)
+    raise ValueError(f"unknown rollout backend {backend!r}; valid: {sorted(BACKENDS)}")
+
+
+class RolloutActor:
+    """Hosts one engine in its own process (a Ray actor), for as long as the actor lives."""
 
     def __init__(self, backend: str, model_path: Source, *, torch_threads: int = 2, dtype: str = "float32",
                  seed: int = 0, max_model_len: int = 256, attn_implementation: str = "sdpa",
                  vllm: VLLMConfig | None = None, on_gpu: bool = False, sleep_mode: bool = False,
                  cpu_cores: list[int] | None = None):
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-        # Without it vLLM drops torch to one thread "for serving", and in
-        # in-process mode that thread also runs the model.
-        torch_threads = pin_cpu_cores(cpu_cores, torch_threads)
-        os.environ["OMP_NUM_THREADS"] = str(torch_threads)
-        torch.set_num_threads(torch_threads)
-        model_path = local_dir(model_path)  # a ref: fetched on this actor's node
-        if backend == "vllm":
-            opts = vllm or VLLMConfig()
-            args = vllm_engine_args(opts, model_path=model_path, dtype=dtype, seed=seed, max_model_len=max_model_len,
-                                    on_gpu=on_gpu, sleep_mode=sleep_mode)
-            self.engine = VLLMEngine(model_path, engine_args=args, kv_cache_gib=opts.kv_cache_gib)
-        elif backend == "hf":
-            self.engine = HFEngine(model_path, dtype=dtype, seed=seed, attn_implementation=attn_implementation)
-        else:
-            raise ValueError(f"unknown rollout backend {backend!r}; valid: {sorted(BACKENDS)}")
+        prepare_engine_process(torch_threads, cpu_cores)
+        self.engine = build_engine(backend, local_dir(model_path),  # a ref: fetched on this actor's node
+                                   dtype=dtype, seed=seed, max_model_len=max_model_len,
+                                   attn_implementation=attn_implementation, vllm=vllm, on_gpu=on_gpu,
+                                   sleep_mode=sleep_mode)
 
     def generate(self, prompt_ids: list[list[int]], sampling: Sampling) -> list[Rollout]:
         return self.engine.generate(prompt_ids, sampling)

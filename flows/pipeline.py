@@ -14,6 +14,7 @@ from alignflow.config import PipelineConfig
 from alignflow.records import StageResult
 from flows.report import PipelineReport, build_report, close_run, open_run, wait_all
 from flows.stage_tasks import StageTasks
+from tasks.eval_engine import engine_host
 from tasks.plan import plan_pipeline
 
 
@@ -21,8 +22,8 @@ from tasks.plan import plan_pipeline
 def pipeline(config: PipelineConfig) -> PipelineReport:
     plan = plan_pipeline(config)
     ctx = open_run(config, plan)
-    futures = StageTasks(config.infra).submit_plan(plan, ctx)
-    results, states = wait_all(ctx, futures)
+    with engine_host(plan, ctx) as ctx:
+        results, states = wait_all(ctx, StageTasks(config.infra).submit_plan(plan, ctx))
     report = build_report(ctx, plan, results, states)
     close_run(ctx, report)
     return report
@@ -34,6 +35,7 @@ def partial_pipeline(config: PipelineConfig, target: str) -> StageResult:
     full = plan_pipeline(config)
     plan = full.upto(target)
     ctx = open_run(config, plan)
-    results, _ = wait_all(ctx, StageTasks(config.infra).submit_plan(plan, ctx))
+    with engine_host(plan, ctx) as ctx:
+        results, _ = wait_all(ctx, StageTasks(config.infra).submit_plan(plan, ctx))
     close_run(ctx)
     return results[full.resolve(target)[-1]]

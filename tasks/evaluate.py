@@ -26,8 +26,8 @@ from alignflow.records import StageResult
 from engines import batches, experience, models
 from engines.rewards import load_callable
 from engines.rollout import Sampling
-from engines.rollout_actors import start_engines
 from engines.scoring import scoring
+from tasks import eval_engine
 from tasks.context import RunContext, StageOutput, compute_stage
 from tasks.data import load_split, token_limits
 from tasks.eval_metrics import margin_metrics, sample_metrics
@@ -73,14 +73,10 @@ def evaluate_policy(stage: PlannedStage, inputs: PolicyEvalInputs, ctx: RunConte
         prompt_ids = [ids for ids, _ in kept]
 
         ensure_ray(ctx.infra)
-        engines = start_engines(cfg.generation, ctx.ref(inputs.policy), count=1, seeds=[stage_cfg.seed], dtype=io.dtype,
-                                torch_threads=ctx.infra.torch_threads,
-                                max_model_len=model_len,
-                                attn_implementation=io.attn_implementation)
-        try:
-            rollouts = engines.generate(prompt_ids, _sampling(cfg))
-        finally:
-            engines.shutdown()  # the scorers may need the same GPU
+        rollouts, where = eval_engine.generate(stage.name, cfg.generation, ctx, ctx.ref(inputs.policy), prompt_ids,
+                                               _sampling(cfg), seed=stage_cfg.seed, dtype=io.dtype,
+                                               max_model_len=model_len, attn_implementation=io.attn_implementation)
+        run.set_tag("alignflow.engine_process", where)
 
         correct = [bool(checker(r.text, kept[r.prompt_index][1].get("answer") or "")) for r in rollouts]
         batch = experience.from_rollouts(rollouts, tokenizer.pad_token_id).tensors()

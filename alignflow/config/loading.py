@@ -24,7 +24,7 @@ DEFAULT_CONFIG = "tiny"
 # changing what it computes: left out of cache keys, so moving a stage to other
 # hardware reuses its result.
 RESOURCE_FIELDS = frozenset({"placement", "scorer_placement", "reference_placement", "reference_micro_batch_size",
-                             "colocate_all", "offload", "gradient_checkpointing"})
+                             "colocate_all", "offload", "gradient_checkpointing", "engine_lifetime"})
 
 
 def cache_relevant(cfg: BaseModel) -> dict[str, Any]:

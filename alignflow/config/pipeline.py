@@ -49,6 +49,11 @@ class EvalConfig(Section):
         "alignflow.data.synthetic:check_answer",
         description="import path of f(response, answer) -> bool",
     )
+    engine_lifetime: Literal["auto", "stage", "run"] = Field(
+        "auto", description="run: one process hosts the rollout engine of every evaluation in a pipeline run (an "
+        "engine built fresh for each, the libraries loaded once: ~8 s less per evaluation on 2 CPU cores), and holds "
+        "generation.placement for the whole run; stage: a process per evaluation; auto: run where the engine takes "
+        "no GPU, stage where it does (a GPU held for the run would be taken from the rounds)")
     rm_margin_bins: list[float] = Field(
         default_factory=lambda: [0.0, 0.5, 1.0, 2.0],
         description="edges of the reward model's |chosen - rejected| score-gap bins, its held-out pairwise accuracy "
@@ -61,6 +66,20 @@ class EvalConfig(Section):
                 or not all(math.isfinite(e) for e in edges):
             raise ValueError(f"must be finite, strictly increasing and start at 0 (every gap in one bin), got {edges}")
         return edges
+
+    @model_validator(mode="after")
+    def _lifetime(self) -> EvalConfig:
+        if self.engine_lifetime == "run" and self.generation.vllm.tensor_parallel_size > 1:
+            raise ValueError("engine_lifetime: run hosts one engine process; a tensor-parallel engine "
+                             "(generation.vllm.tensor_parallel_size > 1) needs a process group per evaluation: use stage")
+        return self
+
+    @property
+    def keeps_engine(self) -> bool:
+        """Whether the run's evaluations share one engine process (`engine_lifetime`, `auto` resolved)."""
+        if self.engine_lifetime == "auto":
+            return self.generation.placement.num_gpus == 0
+        return self.engine_lifetime == "run"
 
 
 class StorageConfig(Section):

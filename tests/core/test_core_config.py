@@ -551,3 +551,20 @@ def test_a_dumped_config_loads_back_and_online_dpo_keeps_its_kl_budget(tmp_path)
     path = tmp_path / "dumped.yaml"
     path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
     assert load_config(path, []) == cfg
+
+
+@pytest.mark.parametrize("lifetime, num_gpus, keeps", [
+    ("auto", 0, True), ("auto", 1, False), ("stage", 0, False), ("run", 0, True), ("run", 1, True)])
+def test_evaluation_engine_lifetime_resolves(lifetime, num_gpus, keeps):
+    cfg = load_config(overrides=[f"evaluation.engine_lifetime={lifetime}",
+                                 f"evaluation.generation.placement.num_gpus={num_gpus}"])
+    assert cfg.evaluation.keeps_engine is keeps
+
+
+def test_a_tensor_parallel_evaluation_engine_cannot_live_for_the_run():
+    with pytest.raises(ConfigError, match="evaluation: .*engine_lifetime: run .*tensor_parallel_size"):
+        load_config(overrides=["evaluation.engine_lifetime=run", "evaluation.generation.placement.num_gpus=1",
+                               "evaluation.generation.vllm.tensor_parallel_size=2"])
+    auto = load_config(overrides=["evaluation.generation.placement.num_gpus=1",
+                                  "evaluation.generation.vllm.tensor_parallel_size=2"])
+    assert auto.evaluation.keeps_engine is False
