@@ -207,3 +207,30 @@ def test_evaluation_scorers_on_gpu(ray_gpu, gpu_model, gpu_tokenizer, task_data)
     assert ref.device.type == "cpu" and rewards.device.type == "cpu"
     torch.testing.assert_close(ref, cpu.ref_logprobs(batch), rtol=0, atol=2e-3)  # TF32 matmuls on the GPU
     torch.testing.assert_close(rewards, cpu.rewards(batch), rtol=0, atol=2e-3)
+
+
+def test_engine_host_builds_and_frees_engines_on_gpu(ray_gpu, gpu_model, gpu_tokenizer):
+    """evaluation.engine_lifetime: run on a GPU: engines built one after another in one process, each
+    on the GPU and gone after its call (the GPU memory it took comes back)."""
+    import ray
+
+    from engines.engine_host import EngineHost
+    from engines.rollout import Sampling
+
+    host = ray.remote(num_cpus=1, num_gpus=1)(EngineHost).remote("hf", torch_threads=2)
+    prompts = [gpu_tokenizer(t)["input_ids"] for t in ("Which digit is largest? 3 1 4", "hello")]
+    try:
+        draws = [ray.get(host.generate.remote("hf", str(gpu_model), prompts, Sampling(n=2, max_new_tokens=6),
+                                              seed=seed, dtype="bfloat16", on_gpu=True)) for seed in (1, 1, 2)]
+        assert ray.get(host.stats.remote()) == {"engines_built": 3}
+        allocated = ray.get(host.__ray_call__.remote(lambda self: torch.cuda.memory_allocated()))
+    finally:
+        ray.kill(host)
+    assert [r.token_ids for r in draws[0]] == [r.token_ids for r in draws[1]]  # a fresh engine per seed
+    assert len(draws[2]) == 4 and all(r.token_ids for r in draws[2])
+    from math import prod
+
+    from engines.rollout import checkpoint_shapes
+
+    weights = 2 * sum(prod(shape) for shape in checkpoint_shapes(str(gpu_model)).values())  # bf16 bytes
+    assert allocated < weights / 2, f"{allocated} bytes still on the GPU after the engines closed ({weights} a model)"
