@@ -24,6 +24,9 @@ if [[ ! -f "$stamp" ]]; then
   # DeepSpeed compiles its shared-memory collective op with gcc (20-30 s on 2 cores) at the first
   # init_distributed after an install, i.e. inside the first run's SFT stage: build it here instead,
   # through the function init_distributed calls (a no-op where the op does not apply).
-  DS_ACCELERATOR=cpu .venv/bin/python -c 'from deepspeed.comm.torch import build_shm_op; build_shm_op()' >/dev/null
+  # Into the environment's own directory (alignflow/cluster.py torch_extensions_dir), where runs look.
+  DS_ACCELERATOR=cpu .venv/bin/python -c 'import os; from alignflow.cluster import torch_extensions_dir
+os.environ["TORCH_EXTENSIONS_DIR"] = torch_extensions_dir()
+from deepspeed.comm.torch import build_shm_op; build_shm_op()' >/dev/null
   touch "$stamp"
 fi

@@ -84,10 +84,19 @@ def loopback_only() -> None:
         constants.ENABLE_RAY_CLUSTER = False
 
 
+def torch_extensions_dir() -> str:
+    """Where this environment's JIT-built torch ops live (DeepSpeed's shared-memory collective), built by
+    install.sh: inside the virtual environment. torch's default, one directory per user, is shared by every
+    environment, and an op built by one (its include paths in the build hash) is rebuilt by the next, 30-40 s."""
+    return os.path.join(sys.prefix, "torch_extensions")
+
+
 def ray_init_kwargs(infra: InfraConfig) -> dict[str, Any]:
     """`ray.init` arguments: a local Ray on 127.0.0.1, or the configured cluster."""
     if not infra.ray_address:
         loopback_only()
+        # Only where the workers are this machine's (they inherit it; a cluster's nodes keep their own).
+        os.environ.setdefault("TORCH_EXTENSIONS_DIR", torch_extensions_dir())
     applied = apply_process_env(infra)
     env = {**applied, **{k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}}
     kwargs: dict[str, Any] = {"runtime_env": {"env_vars": env}}

@@ -497,3 +497,25 @@ def test_ray_workers_get_the_configured_allocator(ray_local, monkeypatch):
     monkeypatch.setattr(cluster, "JEMALLOC_PATHS", ("/nonexistent/libjemalloc.so.2",))
     with pytest.raises(ConfigError, match="infra.allocator: jemalloc"):
         cluster.allocator_env("jemalloc")
+
+
+def test_local_ray_workers_build_torch_ops_inside_the_environment(ray_local):
+    """A local Ray's workers build and find JIT torch ops (DeepSpeed's shm op) in this environment's own
+    directory, where install.sh built it; a cluster's workers are not told a path of this machine."""
+    import os
+    import sys
+
+    import ray
+
+    from alignflow import cluster
+    from alignflow.config import InfraConfig
+
+    @ray.remote(num_cpus=0)
+    def extensions_dir():
+        import os
+
+        return os.environ.get("TORCH_EXTENSIONS_DIR")
+
+    assert ray.get(extensions_dir.remote()) == os.path.join(sys.prefix, "torch_extensions")
+    remote = cluster.ray_init_kwargs(InfraConfig(ray_address="10.0.0.1:6379"))
+    assert "TORCH_EXTENSIONS_DIR" not in remote["runtime_env"]["env_vars"]
