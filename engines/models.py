@@ -16,7 +16,12 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-from transformers import (
+
+from engines.lean_imports import skip_sklearn_in_transformers
+
+skip_sklearn_in_transformers()  # before transformers loads its model code
+
+from transformers import (  # noqa: E402
     AutoConfig,
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
@@ -28,8 +33,8 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from alignflow.config import TinyModelConfig
-from alignflow.data.synthetic import tokenizer_corpus
+from alignflow.config import TinyModelConfig  # noqa: E402
+from alignflow.data.synthetic import tokenizer_corpus  # noqa: E402
 
 # "unk" is never produced by byte-level BPE, but transformers loads any Qwen2
 # model's tokenizer as Qwen2Tokenizer, which adds its unk token if it is absent.

@@ -19,6 +19,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from alignflow.artifacts import Source, local_dir
 from alignflow.config import GenerationConfig, VLLMConfig
 from engines.devices import actor_options, pin_cpu_cores
+from engines.lean_imports import skip_sklearn_in_transformers
 from engines.rollout import HFEngine, Rollout, Sampling, VLLMEngine, vllm_engine_args
 
 BACKENDS = ("vllm", "hf")
@@ -28,8 +29,9 @@ def prepare_engine_process(torch_threads: int, cpu_cores: list[int] | None) -> i
     """The environment a rollout engine's process needs, set before vLLM loads; the torch threads it got.
 
     vLLM runs in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): 3-5 s to start instead of ~30 s, and
-    both cores stay with the model.
+    both cores stay with the model. vLLM loads transformers: without scikit-learn (engines/lean_imports.py).
     """
+    skip_sklearn_in_transformers()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     # Without it vLLM drops torch to one thread "for serving", and in
