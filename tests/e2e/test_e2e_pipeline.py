@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from flows import console
+
 pytestmark = pytest.mark.e2e
 
 UPSTREAM = ("data", "base_model", "sft", "reward_model")
@@ -226,6 +228,7 @@ def test_same_config_and_seed_give_the_same_results(s3_run, small_pipeline_args,
     assert re.search(r"^  round_1 +done +[\d.]+ s  2/2 steps  reward -?\d", output, re.M), output
     assert re.search(r"^  data +done .* prompt tokens <= \d+  response tokens <= \d+", output, re.M), output
     assert "httpx" not in output and "mlflow.store" not in output and "Traceback" not in output
+    assert not re.search(console.CPU_ADVICE, output), output  # CPU-build advice Ray forwards from workers
     assert len(output.splitlines()) <= 60, output
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 from alignflow.errors import DataError
@@ -38,14 +39,12 @@ def test_console_drops_what_a_user_error_logs_elsewhere():
 
 
 def test_quiet_setup_sets_the_worker_environment(monkeypatch):
-    for key in console.QUIET_ENV:
+    for key in {**console.QUIET_ENV, **console.QUIET_DRIVER_ENV}:
         monkeypatch.delenv(key, raising=False)
     root = logging.getLogger()
     saved = root.handlers[:]
     try:
         console.setup(verbose=False)
-        import os
-
         assert {k: os.environ[k] for k in console.QUIET_ENV} == console.QUIET_ENV
         assert len(root.handlers) == 1 and isinstance(root.handlers[0].filters[0], console.ConsoleFilter)
     finally:
@@ -53,6 +52,44 @@ def test_quiet_setup_sets_the_worker_environment(monkeypatch):
     from alignflow.cluster import FORWARDED_ENV
 
     assert set(console.QUIET_ENV) <= set(FORWARDED_ENV)
+
+
+# Worker lines as a CPU run's console showed them before (2026-11-24), and lines that must stay.
+CPU_ADVICE_LINES = [
+    "[W1124 22:59:30.623148114 utils.cpp:68] Warning: NUMA binding: Using MEMBIND policy for memory allocation "
+    "on the NUMA nodes (0). Memory allocations will be strictly bound to these NUMA nodes. (function init_cpu_memory_env)",
+    "Triton is installed, but doesn't include CPU backend. Disabling Triton.",
+    "[2026-11-24 22:58:46,992] [WARNING] [real_accelerator.py:213:get_accelerator] Setting accelerator to CPU. "
+    "If you have GPU or other accelerator, we were unable to detect it.",
+]
+KEPT_LINES = ["[W1124 22:59:30.6 ProcessGroupNCCL.cpp:1] Warning: NCCL watchdog timed out",
+              "RuntimeError: Triton kernel failed", "ERROR 11-24 vllm engine died"]
+
+
+def test_quiet_console_drops_cpu_build_advice_that_ray_forwards_and_keeps_the_rest():
+    """Ray's own log deduplicator in a CLI-like process set up quiet: the CPU-only advice lines
+    of two workers are gone, every other line arrives; `-v` keeps them all."""
+    import json
+    import subprocess
+
+    code = (
+        "import json, sys\n"
+        "from flows import console\n"
+        "console.setup(verbose=sys.argv[1] == 'v')\n"
+        "from ray._private.ray_logging import stderr_deduplicator as d\n"
+        "lines = json.loads(sys.argv[2])\n"
+        "out = [line for pid in (1, 2) for b in d.deduplicate({'ip': 'x', 'pid': pid, 'lines': lines}) for line in b['lines']]\n"
+        "print(json.dumps(out))")
+    env = {k: v for k, v in os.environ.items() if k not in {**console.QUIET_ENV, **console.QUIET_DRIVER_ENV}}
+
+    def forwarded(mode: str) -> list[str]:
+        res = subprocess.run([sys.executable, "-c", code, mode, json.dumps(CPU_ADVICE_LINES + KEPT_LINES)],
+                             capture_output=True, text=True, env=env, timeout=120)
+        assert res.returncode == 0, res.stderr
+        return json.loads(res.stdout.strip().splitlines()[-1])
+
+    assert forwarded("quiet") == KEPT_LINES  # each kept line once: the second worker's copies are deduplicated
+    assert forwarded("v") == CPU_ADVICE_LINES + KEPT_LINES
 
 
 def test_a_finished_stage_line():
