@@ -123,6 +123,13 @@ def gpu_share(cfg: RoundConfig) -> float:
     return 1.0 / len(_kinds_on_bundle(cfg, 0)) if cfg.actor.placement.num_gpus > 0 else 0.0
 
 
+def engines_share_a_gpu(cfg: RoundConfig) -> bool:
+    """Whether a rollout engine may share a GPU with another of the round's actors (colocate_all, or a
+    fractional GPU anywhere): then its start waits for the trainers. Otherwise every actor starts at once."""
+    places = [cfg.actor.placement, cfg.critic.placement, cfg.scorer_placement, cfg.generation.placement]
+    return cfg.colocate_all or any(0 < p.num_gpus < 1 for p in places)
+
+
 def check_resources(cfg: RoundConfig) -> None:
     """Fail before starting anything: an actor Ray cannot place would wait forever."""
     total = ray.cluster_resources()
@@ -218,7 +225,8 @@ class RoundModels:
 
 
 def start_round_models(cfg: RoundConfig, setup: RoundSetup, updates_per_step: int, rows_per_update: int) -> RoundModels:
-    """Start every actor the spec needs; on failure, kill what was started (the caller's process lives on)."""
+    """Start every actor the spec needs, all at once where no engine shares a GPU, and wait for the trainers;
+    on failure, kill what was started (the caller's process lives on)."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     check_resources(cfg)
@@ -247,13 +255,13 @@ def start_round_models(cfg: RoundConfig, setup: RoundSetup, updates_per_step: in
         models.actor = TrainerGroup(engine(cfg.actor, setup.policy_path, "causal", "actor",
                                            cfg.steps - cfg.actor.freeze_steps), n,
                                     placements=[on_bundle(i, cfg.actor.placement.num_cpus) for i in range(n)]
-                                    if cfg.colocate_all else None)
+                                    if cfg.colocate_all else None, wait=False)
         if spec.critic:
             start = setup.reward_path if cfg.critic.init == "reward_model" else setup.policy_path
             k = cfg.critic.num_workers
             models.critic = TrainerGroup(engine(cfg.critic, start, "scalar", "critic", cfg.steps), k,
                                          placements=[on_bundle(i, cfg.critic.placement.num_cpus) for i in range(k)]
-                                         if cfg.colocate_all else None)
+                                         if cfg.colocate_all else None, wait=False)
         p = cfg.scorer_placement
         place = on_bundle(0, p.num_cpus) or {"num_cpus": p.num_cpus, "num_gpus": p.num_gpus, "resources": p.resources}
         # The scorers see the actor's batches: they take its micro-batch size.
@@ -270,6 +278,9 @@ def start_round_models(cfg: RoundConfig, setup: RoundSetup, updates_per_step: in
                 models.reference = start_scorer(reference, None, **common)
             if reward:
                 models.rewarder = start_scorer(None, reward, **common)
+        if engines_share_a_gpu(cfg):  # vLLM sizes its cache by the memory free on the GPU: trainers first
+            for group in models._trainers():
+                group.wait_ready()
         g, count = cfg.generation, cfg.num_rollout_engines
         placements = None
         if cfg.colocate_all:
@@ -279,6 +290,8 @@ def start_round_models(cfg: RoundConfig, setup: RoundSetup, updates_per_step: in
             g, setup.policy_path, count=count, seeds=[derive_seed(setup.seed, f"rollout/{i}") for i in range(count)],
             dtype=setup.dtype, torch_threads=setup.torch_threads, max_model_len=setup.max_model_len,
             attn_implementation=setup.attn_implementation, sleep_mode=cfg.colocate_all, strategies=placements)
+        for group in models._trainers():
+            group.wait_ready()
     except BaseException:
         models.shutdown()
         raise

@@ -228,25 +228,35 @@ class TrainWorker:
 class TrainerGroup:
     """`num_workers` TrainWorker actors acting as one training engine."""
 
-    def __init__(self, spec: EngineSpec, num_workers: int, placements: list[dict[str, Any]] | None = None):
+    def __init__(self, spec: EngineSpec, num_workers: int, placements: list[dict[str, Any]] | None = None,
+                 wait: bool = True):
         """`placements`: per rank, Ray actor options (num_cpus, num_gpus, scheduling_strategy) that
-        replace the spec's placement (colocation); None: each rank on the spec's CPUs/GPUs."""
+        replace the spec's placement (colocation); None: each rank on the spec's CPUs/GPUs.
+        `wait=False`: return at once, `wait_ready()` waits (a round starts its other actors meanwhile)."""
         if spec.global_batch % num_workers:
             raise ValueError(f"batch_size {spec.global_batch} must divide by num_workers {num_workers}")
         default = actor_options(spec.num_cpus_per_worker, spec.num_gpus_per_worker, resources=spec.resources_per_worker)
         placements = placements or [default] * num_workers
+        self.spec, self.world_size = spec, num_workers
         self.workers = [ray.remote(**placements[rank])(TrainWorker).remote(rank, num_workers, spec.torch_threads,
                                                                            spec.cpu_cores)
                         for rank in range(num_workers)]
-        try:
-            master = ray.get(self.workers[0].address.remote())
-            # With LoRA: the trainable share of the parameters (lora/trainable_fraction); {} without.
-            self.param_metrics = ray.get([w.setup.remote(spec, master) for w in self.workers])[0]
-        except BaseException:
-            self.shutdown()  # the calling worker process lives on; so would the actors
-            raise
-        self.spec = spec
-        self.world_size = num_workers
+        master = self.workers[0].address.remote()  # an argument of every setup: Ray passes its value
+        self._pending_setup = [w.setup.remote(spec, master) for w in self.workers]
+        self.param_metrics: dict[str, float] = {}
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> TrainerGroup:
+        """Blocks until every worker has set up (a failure kills the workers and raises)."""
+        if self._pending_setup:
+            try:  # with LoRA: the trainable share of the parameters (lora/trainable_fraction); {} without
+                self.param_metrics = ray.get(self._pending_setup)[0]
+            except BaseException:
+                self.shutdown()  # the calling worker process lives on; so would the actors
+                raise
+            self._pending_setup = []
+        return self
 
     def train_step(self, shards: list[dict[str, Any]], objective: Callable, paired: bool = False) -> dict[str, float]:
         """One optimizer step on a global batch given as one shard per worker, each cut into
@@ -287,3 +297,4 @@ class TrainerGroup:
     def shutdown(self) -> None:
         for w in self.workers:
             ray.kill(w)
+        self.workers = []

@@ -519,3 +519,44 @@ def test_local_ray_workers_build_torch_ops_inside_the_environment(ray_local):
     assert ray.get(extensions_dir.remote()) == os.path.join(sys.prefix, "torch_extensions")
     remote = cluster.ray_init_kwargs(InfraConfig(ray_address="10.0.0.1:6379"))
     assert "TORCH_EXTENSIONS_DIR" not in remote["runtime_env"]["env_vars"]
+
+
+def test_a_round_asks_for_all_its_actors_before_waiting_for_its_trainers(ray_local, tiny_model, prompts, tmp_path):
+    """Where no engine shares a GPU, a round starts every actor at once (their processes spend their
+    first seconds in single-threaded imports, which then overlap) and only then waits for the trainers'
+    setup: a critic that cannot load its model fails the round after the rollout engine and the scorer
+    were started, and every actor the round started is killed."""
+    import time
+
+    from ray._private import state  # the GCS's actor table, dead actors included
+
+    from engines.rl import RLRound
+    from engines.round_models import RoundSetup, engines_share_a_gpu
+
+    cfg = _round("ppo", reward=RewardConfig(source="model"))
+    assert not engines_share_a_gpu(cfg)
+    before = set(state.actors())
+    missing, path = str(tmp_path / "missing-reward-model"), str(tiny_model)
+    with pytest.raises(Exception, match="missing-reward-model"):
+        RLRound(cfg, RoundSetup(policy_path=path, reference_path=path, reward_path=missing, prompts=prompts,
+                                dtype="float32", torch_threads=1, max_model_len=80, seed=0))
+
+    def started() -> list[tuple[str, str]]:
+        return sorted((a["ActorClassName"], a["State"]) for i, a in state.actors().items() if i not in before)
+
+    deadline = time.monotonic() + 60
+    while any(s != "DEAD" for _, s in started()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert {c for c, _ in started()} == {"TrainWorker", "ScorerActor", "RolloutActor"}, started()
+    assert {s for _, s in started()} == {"DEAD"}, started()
+
+
+def test_engines_wait_for_the_trainers_only_where_they_may_share_a_gpu():
+    from alignflow.config import ActorConfig, Placement
+    from engines.round_models import engines_share_a_gpu
+
+    assert not engines_share_a_gpu(_round("ppo"))
+    assert not engines_share_a_gpu(_round("ppo", generation=RolloutConfig(placement=Placement(num_gpus=1)),
+                                          actor=ActorConfig(placement=Placement(num_gpus=2))))
+    assert engines_share_a_gpu(_round("ppo", colocate_all=True))
+    assert engines_share_a_gpu(_round("ppo", actor=ActorConfig(placement=Placement(num_gpus=0.5))))
