@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/rl_step.py                          # this tree alone
     .venv/bin/python bench/rl_step.py --against HEAD~3          # this tree vs a commit, alternating
+    .venv/bin/python bench/rl_step.py --against HEAD~1 --against-variant "$V" --variants "$V"  # both with V
     .venv/bin/python bench/rl_step.py --shape 30m --variants 'glibc_retain;glibc_retain+round.async_rollouts=true'
     .venv/bin/python bench/rl_step.py --variants 'glibc_retain;system;jemalloc;glibc_retain+round.async_rollouts=true'
     python3 bench/rl_step.py --config configs/gpu-small.yaml    # on a GPU: that config's model and round
@@ -256,6 +257,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5, help="timed steps per run (after one warm-up step)")
     parser.add_argument("--runs", type=int, default=3, help="runs per variant, alternating")
     parser.add_argument("--against", default=None, help="git revision to compare with (checked out in /tmp)")
+    parser.add_argument("--against-variant", default="", help="the one variant (as in --variants) it runs")
     parser.add_argument("--variants", default="glibc_retain", help="';'-separated; each '+'-joined an allocator "
                         "(infra.allocator) and NAME=VALUE settings, e.g. jemalloc+round.async_rollouts=true")
     parser.add_argument("--config", default=None, help="pipeline config: its model and first round")
@@ -269,13 +271,13 @@ def main() -> None:
         return
     args.model = build_model(args.config, args.shape)
     specs = args.variants.split(";")
-    for spec in specs:
+    for spec in [*specs, args.against_variant]:
         variant_env(spec)  # fails before any run on an unknown one
     with compared_trees(args.against) as trees:
         script = trees[-1][1] / "bench" / "rl_step.py"  # this bench's worker, whichever tree it imports
-        # A commit compared against runs as it was (its own defaults); this tree runs every variant.
+        # A commit compared against runs as it was (its own defaults, or --against-variant); this tree every variant.
         variants = [(f"{t} [{v}]" if v else t, path, v) for t, path in trees
-                    for v in (specs if path == trees[-1][1] else [""])]
+                    for v in (specs if path == trees[-1][1] else [args.against_variant])]
         results: dict[str, list[dict]] = {v[0]: [] for v in variants}
         for i in range(args.runs):
             for label, path, spec in variants:

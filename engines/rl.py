@@ -33,6 +33,7 @@ from engines.experience import Experience
 from engines.rewards import RemoteReward, RuleReward, ScoredText
 from engines.rollout import Rollout, Sampling
 from engines.round_models import RoundSetup, start_round_models
+from engines.scoring import collect_scores, scorers_ahead, submit_scores
 from engines.supervised import Schedule
 from engines.updates import UPDATES
 
@@ -63,6 +64,14 @@ def text_reward(cfg: RoundConfig) -> Callable[[list[ScoredText]], list[float]] |
     return sources[r.source]() if r.source in sources else None
 
 
+def _rows_of(scores: torch.Tensor, exp: Experience) -> torch.Tensor:
+    """Scores made ahead, checked against the batch they belong to (the same rollouts, padded alike)."""
+    if scores.shape[0] != len(exp) or (scores.dim() == 2 and scores.shape != exp.action_mask.shape):
+        raise RuntimeError(f"scores made ahead have shape {tuple(scores.shape)}; the step's batch is "
+                           f"{tuple(exp.action_mask.shape)}")
+    return scores
+
+
 class RLRound:
     def __init__(self, cfg: RoundConfig, setup: RoundSetup):
         from engines.models import load_tokenizer
@@ -80,16 +89,24 @@ class RLRound:
         self.update = update_cls(cfg, self.models, setup.seed)
         # reward.normalize: statistics of every reward of the round so far (checkpointed)
         self.reward_stats = algos.RunningMeanStd() if cfg.reward.normalize else None
-        self._pending: tuple[int, object] | None = None  # async_rollouts: (step, its generation under way)
+        # async_rollouts: the scorers that score each generation as it ends, beside the step training,
+        # and (step, its generation under way, the scores submitted for it)
+        self._ahead = scorers_ahead(self.models.reference, self.models.rewarder,
+                                    reference_on_batch=update_cls.reference_on_batch,
+                                    model_rewards=self.reward_fn is None) if cfg.async_rollouts else {}
+        self._pending: tuple[int, object, list] | None = None
 
     def generate(self, prompt_ids: list[list[int]]) -> list[Rollout]:
         return self.models.generate(prompt_ids, self._sampling())
 
-    def rewards(self, exp: Experience, rollouts: list[Rollout],
-                records: list[dict]) -> tuple[torch.Tensor, dict[str, float]]:
-        """Sequence rewards (B,): the reward model on tokens, or the rule / service on text; then
-        normalisation, clipping and shaping (`experience.shape_rewards`), with their metrics."""
-        if self.reward_fn is None:
+    def rewards(self, exp: Experience, rollouts: list[Rollout], records: list[dict],
+                model_scores: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+        """Sequence rewards (B,): the reward model on tokens (`model_scores` where it scored them
+        ahead), or the rule / service on text; then normalisation, clipping and shaping
+        (`experience.shape_rewards`), with their metrics."""
+        if model_scores is not None:
+            task = model_scores
+        elif self.reward_fn is None:
             task = self.models.model_rewards(exp.tensors())
         else:
             items = [ScoredText(self.tokenizer.decode(r.prompt_ids, skip_special_tokens=True), r.text,
@@ -111,27 +128,37 @@ class RLRound:
         picked = [self.setup.prompts[i] for i in self.schedule.indices(step).tolist()]
         return [p for p, _ in picked], [r for _, r in picked]
 
-    def _rollouts(self, step: int, prompt_ids: list[list[int]]) -> list[Rollout]:
-        """This step's rollouts. With `async_rollouts`, the ones started during the previous step
-        (or now, on a round's first step or after a resume), and the next step's are started at once,
-        to run beside this step's scoring and training; the weight sync at the end of the step
-        waits for them (the engines run calls in order)."""
+    def _rollouts(self, step: int, prompt_ids: list[list[int]]) -> tuple[list[Rollout], list]:
+        """This step's rollouts, and the refs of their scores made ahead. With `async_rollouts`, the
+        ones started during the previous step (or now, on a round's first step or after a resume),
+        and the next step's are started at once, to run beside this step's scoring and training; the
+        weight sync at the end of the step waits for them (the engines run calls in order). The
+        scorers of `_ahead` score each generation as soon as it ends."""
         if not self.cfg.async_rollouts:
-            return self.generate(prompt_ids)
+            return self.generate(prompt_ids), []
         pending, self._pending = self._pending, None
         if pending is None or pending[0] != step:
-            pending = (step, self.models.submit(prompt_ids, self._sampling()))
+            pending = (step, *self._submit(prompt_ids))
         if step + 1 < self.cfg.steps:
-            self._pending = (step + 1, self.models.submit(self._prompts(step + 1)[0], self._sampling()))
-        return self.models.collect(pending[1])
+            self._pending = (step + 1, *self._submit(self._prompts(step + 1)[0]))
+        return self.models.collect(pending[1]), pending[2]
+
+    def _submit(self, prompt_ids: list[list[int]]) -> tuple[object, list]:
+        generation = self.models.submit(prompt_ids, self._sampling())
+        return generation, submit_scores(self._ahead, generation, self.tokenizer.pad_token_id)
 
     def step(self, step: int) -> StepOutcome:
         clock = _Clock()
         prompt_ids, records = self._prompts(step)
-        rollouts = self._rollouts(step, prompt_ids)
+        rollouts, scores = self._rollouts(step, prompt_ids)
         clock.lap("generate")
         exp = experience.from_rollouts(rollouts, self.tokenizer.pad_token_id)
-        rewards, task, reward_metrics = self.rewards(exp, rollouts, records)
+        ahead = collect_scores(scores)  # waiting for them counts as scoring
+        if "ref_logprobs" in ahead:
+            exp = exp.with_(ref_logprobs=_rows_of(ahead["ref_logprobs"], exp))
+        model_scores = ahead.get("rewards")
+        rewards, task, reward_metrics = self.rewards(exp, rollouts, records,
+                                                     None if model_scores is None else _rows_of(model_scores, exp))
         exp = exp.with_(rewards=rewards, task_rewards=task)
         clock.lap("score")
         trained = self.update(exp, step, clock.lap)

@@ -136,6 +136,18 @@ class PendingRollouts:
     refs: list
 
 
+def merge_rollouts(n_prompts: int, chunks: list[list[int]], results: list[list[Rollout]]) -> list[Rollout]:
+    """One generation's rollouts from the engines' results (`RolloutEngines.submit` gave engine i the
+    prompts `chunks[i]`): grouped per prompt, in prompt order, each carrying its prompt's index."""
+    by_prompt: dict[int, list[Rollout]] = {}
+    for chunk, rollouts in zip(chunks, results):
+        for r in rollouts:
+            orig = chunk[r.prompt_index]
+            by_prompt.setdefault(orig, []).append(
+                Rollout(orig, r.prompt_ids, r.token_ids, r.text, r.logprobs, r.finished))
+    return [r for i in range(n_prompts) for r in by_prompt[i]]
+
+
 class RolloutEngines:
     """The rollout engines of a round or an evaluation, as one: prompts spread across them,
     sleep and wake together (weights reach them through engines/weight_sync.py)."""
@@ -157,13 +169,7 @@ class RolloutEngines:
 
     @staticmethod
     def collect(pending: PendingRollouts) -> list[Rollout]:
-        by_prompt: dict[int, list[Rollout]] = {}
-        for chunk, rollouts in zip(pending.chunks, ray.get(pending.refs)):
-            for r in rollouts:
-                orig = chunk[r.prompt_index]
-                by_prompt.setdefault(orig, []).append(
-                    Rollout(orig, r.prompt_ids, r.token_ids, r.text, r.logprobs, r.finished))
-        return [r for i in range(pending.n_prompts) for r in by_prompt[i]]
+        return merge_rollouts(pending.n_prompts, pending.chunks, ray.get(pending.refs))
 
     def sleep(self) -> None:
         ray.get([e.sleep.remote() for e in self.actors])

@@ -53,6 +53,20 @@ class ScorerActor:
         """Reward-model score of each sequence: (B,) float32, CPU."""
         return self._run(self.reward, scalar_scores, batch)
 
+    def score_rollouts(self, kinds: tuple[str, ...], pad_id: int, n_prompts: int, chunks: list[list[int]],
+                       *results) -> dict[str, torch.Tensor]:
+        """`kinds` (of SCORES_AHEAD) of a generation submitted before this call: Ray hands this actor
+        the engines' `results` once they are generated (`submit_scores`). The batch is the one the
+        round builds from the same rollouts (engines/experience.from_rollouts), row for row."""
+        from engines.experience import from_rollouts
+        from engines.rollout_actors import merge_rollouts
+
+        unknown = set(kinds) - set(SCORES_AHEAD)
+        if unknown:
+            raise ValueError(f"score_rollouts: {sorted(unknown)} not among {SCORES_AHEAD}")
+        batch = from_rollouts(merge_rollouts(n_prompts, chunks, list(results)), pad_id).tensors()
+        return {kind: getattr(self, kind)(batch) for kind in kinds}
+
     @torch.no_grad()
     def reference_map(self, batch: dict[str, torch.Tensor], fn) -> torch.Tensor:
         """`fn(reference, micro-batch)` over a batch (e.g. sequence log-probabilities): one row per batch row, CPU."""
@@ -63,6 +77,42 @@ class ScorerActor:
         return {"placement_group": placement_group_id(), **cpu_report(),
                 **{name: sorted({p.device.type for p in m.parameters()})
                    for name, m in (("reference", self.reference), ("reward", self.reward)) if m is not None}}
+
+
+SCORES_AHEAD = ("ref_logprobs", "rewards")  # what a scorer can compute before the step that uses it
+
+
+def scorers_ahead(reference, rewarder, *, reference_on_batch: bool, model_rewards: bool) -> dict[str, object]:
+    """The scorer actors (handles, or None) that can score a step's rollouts while the previous step
+    trains (asynchronous rollouts), by what they compute: the reference where the update takes its
+    log-probs of the whole batch (`reference_on_batch`), the reward model where it scores the
+    rollouts. Neither depends on the policy being trained. An actor the update also calls itself
+    (the reference of online DPO's pairs) is left out with all it computes: that call would queue
+    behind a score of the next step's rollouts, and so wait for their generation."""
+    ahead = {}
+    if reference is not None and reference_on_batch:
+        ahead["ref_logprobs"] = reference
+    if model_rewards and rewarder is not None and (rewarder is not reference or reference_on_batch):
+        ahead["rewards"] = rewarder
+    return ahead
+
+
+def submit_scores(ahead: dict[str, object], pending, pad_id: int) -> list:
+    """Ask each actor of `ahead` (`scorers_ahead`) for its scores of a generation under way
+    (`RolloutEngines.submit`'s PendingRollouts), one call per actor; each runs once the rollouts
+    exist, in the actor's call order. `collect_scores` waits for them."""
+    by_actor: dict[int, tuple[object, list[str]]] = {}
+    for kind, actor in ahead.items():
+        by_actor.setdefault(id(actor), (actor, []))[1].append(kind)
+    return [actor.score_rollouts.remote(tuple(kinds), pad_id, pending.n_prompts, pending.chunks, *pending.refs)
+            for actor, kinds in by_actor.values()]
+
+
+def collect_scores(refs: list) -> dict[str, torch.Tensor]:
+    """{kind: tensor} of `submit_scores`' calls ({} for none)."""
+    import ray
+
+    return {kind: value for part in (ray.get(refs) if refs else []) for kind, value in part.items()}
 
 
 def start_scorer(reference_path: Source | None, reward_path: Source | None, *, dtype: str, torch_threads: int,

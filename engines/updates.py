@@ -83,6 +83,8 @@ class PolicyGradientUpdate:
     """Advantages (KL in the reward or in the loss), then clipped-surrogate epochs over minibatches
     for the actor, and value regression for the critic when the spec has one."""
 
+    reference_on_batch = True  # the reference's log-probs of the whole step (scored ahead where rollouts are async)
+
     def __init__(self, cfg: RoundConfig, models: RoundModels, seed: int):
         self.cfg, self.models, self.seed = cfg, models, seed
         kl = cfg.kl
@@ -108,7 +110,8 @@ class PolicyGradientUpdate:
     def __call__(self, exp: Experience, step: int, lap: Lap) -> Trained:
         cfg, spec, m = self.cfg, self.cfg.spec, self.models
         if m.has_reference:
-            exp = exp.with_(ref_logprobs=m.ref_logprobs(exp.tensors()))
+            if exp.ref_logprobs is None:  # else scored ahead, beside the previous step (engines/scoring.py)
+                exp = exp.with_(ref_logprobs=m.ref_logprobs(exp.tensors()))
             lap("reference")
         frozen = step < cfg.actor.freeze_steps  # only the critic trains (actor.freeze_steps)
         if not self.on_policy(cfg) or frozen:  # frozen: no actor forward in training measures them
@@ -165,6 +168,8 @@ class PolicyGradientUpdate:
 class BestOfNSFTUpdate:
     """Rejection sampling: per prompt the best finished response above the threshold, then SFT on those."""
 
+    reference_on_batch = False  # no reference
+
     def __init__(self, cfg: RoundConfig, models: RoundModels, seed: int):
         self.cfg, self.models, self.seed = cfg, models, seed
 
@@ -201,6 +206,8 @@ class OnlineDPOUpdate:
     the reference's sequence log-probabilities of those rows, then DPO steps on the pairs
     (engines/preference.dpo_objective on rollout rows). The rollout engines get the new weights after
     the step like every round's."""
+
+    reference_on_batch = False  # the reference scores the pairs alone, once they are chosen
 
     def __init__(self, cfg: RoundConfig, models: RoundModels, seed: int):
         self.cfg, self.models, self.seed = cfg, models, seed

@@ -278,6 +278,62 @@ def test_async_rollouts_run_one_update_behind(ray_local, tiny_model, prompts):
         rl.shutdown()
 
 
+def test_async_rollouts_score_the_next_step_ahead(ray_local, tiny_model, tokenizer, prompts, tmp_path):
+    """With async_rollouts, the reference and the reward model score step s+1's rollouts as soon as
+    they are generated, beside step s's training: step 1's reference log-probs and reward-model
+    scores were submitted during step 0 and equal the scores of the same batch computed directly.
+    Two engines and two scorer actors: rows come back in the order the round pads them."""
+    from alignflow.config import KLConfig, PPOConfig
+    from engines import models
+    from engines.rl import RLRound
+    from engines.round_models import RoundSetup
+
+    reward_model = models.load_scalar_model(tiny_model, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        reward_model.score.weight.normal_()  # a fresh head scores 0 everywhere
+    models.save_pretrained(reward_model, tokenizer, tmp_path / "rm")
+    cfg = _round("grpo", async_rollouts=True, num_rollout_engines=2, colocate_reference_and_reward=False,
+                 kl=KLConfig(coef=0.05), reward=RewardConfig(source="model"),
+                 ppo=PPOConfig(minibatch_size=32, epochs=1, tis_cap=2.0))
+    path = str(tiny_model)
+    rl = RLRound(cfg, RoundSetup(policy_path=path, reference_path=path, reward_path=str(tmp_path / "rm"),
+                                 prompts=prompts, dtype="float32", torch_threads=1, max_model_len=80, seed=0))
+    try:
+        assert set(rl._ahead) == {"ref_logprobs", "rewards"}
+        rl.step(0)
+        step, _, scores = rl._pending
+        assert step == 1 and len(scores) == 2  # one call per scorer actor, submitted during step 0
+        exp = rl.step(1).experience
+        batch = {k: getattr(exp, k) for k in ("input_ids", "attention_mask", "response_index", "action_mask",
+                                              "prompt_index")}
+        direct_ref = rl.models.ref_logprobs(batch)
+        torch.testing.assert_close(exp.ref_logprobs * exp.action_mask, direct_ref * exp.action_mask,
+                                   rtol=0, atol=1e-6)
+        torch.testing.assert_close(exp.task_rewards, rl.models.model_rewards(batch), rtol=0, atol=1e-6)
+        assert exp.action_mask.sum() > 0 and exp.task_rewards.std() > 0  # real scores, not a constant
+    finally:
+        rl.shutdown()
+
+
+def test_scorers_ahead_leave_out_an_actor_the_update_calls_itself():
+    """What is scored ahead: the reference where the update takes its log-probs of the whole batch,
+    the reward model where it scores the rollouts; an actor the update calls itself mid-step (the
+    reference of online DPO's chosen pairs) with nothing ahead, or that call would wait for the
+    next step's generation."""
+    from engines.scoring import scorers_ahead
+
+    one, ref, rm = object(), object(), object()
+    assert scorers_ahead(one, one, reference_on_batch=True, model_rewards=True) == {
+        "ref_logprobs": one, "rewards": one}
+    assert scorers_ahead(ref, rm, reference_on_batch=True, model_rewards=False) == {"ref_logprobs": ref}
+    assert scorers_ahead(None, rm, reference_on_batch=True, model_rewards=True) == {"rewards": rm}  # no KL term
+    assert scorers_ahead(None, None, reference_on_batch=True, model_rewards=False) == {}  # the rule
+    # online DPO: its reference scores the pairs once they are chosen
+    assert scorers_ahead(one, one, reference_on_batch=False, model_rewards=True) == {}
+    assert scorers_ahead(ref, rm, reference_on_batch=False, model_rewards=True) == {"rewards": rm}
+
+
 def test_frozen_actor_steps_train_the_critic_alone(ray_local, tiny_model, prompts):
     """actor.freeze_steps=1: step 0 trains the critic only (the actor's weights and the engines' stay,
     nothing is pushed); step 1 trains both and pushes. The actor's learning-rate schedule spans the
