@@ -178,7 +178,8 @@ class RoundConfig(Section):
     async_rollouts: bool = Field(
         False, description="generate the next step's rollouts while this step scores and trains: the "
         "engines then sample from the policy one update behind the one that trains on them (corrected by "
-        "ppo.tis_cap's truncated importance sampling)")
+        "ppo.tis_cap's truncated importance sampling); the reference and reward model score each "
+        "generation as soon as it ends, beside the step that trains")
     scorer_placement: Placement = Field(default_factory=Placement, description="reference / reward actors")
     checkpoint_every: int = Field(10, ge=1, description="steps between resumable checkpoints")
 
