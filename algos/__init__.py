@@ -16,7 +16,7 @@ from .advantages import (
 )
 from .aggregate import LOSS_AGGREGATIONS, aggregate_loss
 from .dapo import dynamic_sampling_filter, group_mean_filter, overlong_penalty
-from .entropy import entropy_bonus_loss, entropy_from_logits, target_logprobs_and_entropy
+from .entropy import entropy_bonus_loss, entropy_from_logits
 from .evaluation import (
     MarginBin,
     accuracy_by_margin_bin,
@@ -97,7 +97,6 @@ __all__ = [
     "dynamic_sampling_filter",
     "entropy_bonus_loss",
     "entropy_from_logits",
-    "target_logprobs_and_entropy",
     "get_advantage_estimator",
     "group_centered_advantages",
     "group_mean",

@@ -29,7 +29,6 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-import algos
 from engines import shared_prefix
 
 
@@ -72,10 +71,15 @@ def final_hidden(model, batch: dict[str, Tensor]) -> Tensor:
 
 
 def _chunk(head, hidden: Tensor, targets: Tensor, with_entropy: bool) -> tuple[Tensor, ...]:
-    """log p(y) and, when asked, H of one chunk's fp32 logits, from one softmax whose result backward
-    reuses (`algos.target_logprobs_and_entropy`)."""
-    logprobs, entropy = algos.target_logprobs_and_entropy(head(hidden).float(), targets, with_entropy=with_entropy)
-    return (logprobs, entropy) if with_entropy else (logprobs,)
+    """log p(y) = z_y − lse(z); H = lse(z) − Σ_v p_v z_v with p = exp(z − lse) (finite logits: an
+    output layer's), in four passes over the logits where log-softmax-based entropy takes seven."""
+    logits = head(hidden).float()
+    lse = torch.logsumexp(logits, dim=-1)
+    logprobs = torch.gather(logits, -1, targets.unsqueeze(-1)).squeeze(-1) - lse
+    if not with_entropy:
+        return (logprobs,)
+    p = torch.exp(logits - lse.unsqueeze(-1))
+    return logprobs, lse - (p * logits).sum(-1)
 
 
 def logprobs_from_hidden(head, hidden: Tensor, targets: Tensor, vocab_size: int, *,
