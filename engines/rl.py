@@ -8,6 +8,10 @@ A step:
      pure functions in engines/experience.py) and trains on it;
   4. the new weights are pushed into the running rollout engines.
 
+With `async_rollouts`, the next step's generation runs beside steps 2-3, and
+the scorer actors score it (reference log-probs, reward-model scores) as soon
+as it ends (engines/scoring.py `scorers_ahead`).
+
 The round reads its algorithm's spec and never branches on its name; it
 only moves batches between actors. Resumable state: the actor's (and
 critic's) training state, the update's state (KL coefficient), the
