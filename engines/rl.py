@@ -104,10 +104,10 @@ class RLRound:
         return self.models.generate(prompt_ids, self._sampling())
 
     def rewards(self, exp: Experience, rollouts: list[Rollout], records: list[dict],
-                model_scores: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
-        """Sequence rewards (B,): the reward model on tokens (`model_scores` where it scored them
-        ahead), or the rule / service on text; then normalisation, clipping and shaping
-        (`experience.shape_rewards`), with their metrics."""
+                model_scores: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+        """Sequence rewards (B,) and the task rewards they were shaped from: the reward model on tokens
+        (`model_scores` where it scored them ahead), or the rule / service on text; then normalisation,
+        clipping and shaping (`experience.shape_rewards`), with their metrics."""
         if model_scores is not None:
             task = model_scores
         elif self.reward_fn is None:
@@ -157,12 +157,10 @@ class RLRound:
         rollouts, scores = self._rollouts(step, prompt_ids)
         clock.lap("generate")
         exp = experience.from_rollouts(rollouts, self.tokenizer.pad_token_id)
-        ahead = collect_scores(scores)  # waiting for them counts as scoring
+        ahead = {k: _rows_of(v, exp) for k, v in collect_scores(scores).items()}  # waiting counts as scoring
         if "ref_logprobs" in ahead:
-            exp = exp.with_(ref_logprobs=_rows_of(ahead["ref_logprobs"], exp))
-        model_scores = ahead.get("rewards")
-        rewards, task, reward_metrics = self.rewards(exp, rollouts, records,
-                                                     None if model_scores is None else _rows_of(model_scores, exp))
+            exp = exp.with_(ref_logprobs=ahead["ref_logprobs"])
+        rewards, task, reward_metrics = self.rewards(exp, rollouts, records, ahead.get("rewards"))
         exp = exp.with_(rewards=rewards, task_rewards=task)
         clock.lap("score")
         trained = self.update(exp, step, clock.lap)
