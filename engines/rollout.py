@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from alignflow.config import VLLMConfig
+from engines.texts import response_texts
 from engines.weight_transport import (TransportGroup, WeightSyncError, check_specs, plan_buckets,  # noqa: F401
                                       receive_buckets)
 
@@ -148,19 +149,17 @@ class VLLMEngine:
         # engine once a batch is large enough to hit the partial-prefill path
         # ("CPU Generator does not use offset"). The engine seed (set at
         # construction) makes a run reproducible instead.
+        # Token ids only (detokenize=False): the text is decoded once per response (engines/texts.py).
         params = SamplingParams(
             n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
-            max_tokens=sampling.max_new_tokens, logprobs=0, ignore_eos=sampling.ignore_eos,
+            max_tokens=sampling.max_new_tokens, logprobs=0, ignore_eos=sampling.ignore_eos, detokenize=False,
         )
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params, use_tqdm=False)
-        rollouts = []
-        for i, out in enumerate(outs):
-            for c in out.outputs:
-                ids = list(c.token_ids)
-                lps = [lp[t].logprob for lp, t in zip(c.logprobs, ids)]
-                rollouts.append(Rollout(prompt_index=i, prompt_ids=list(prompt_ids[i]), token_ids=ids,
-                                        text=c.text, logprobs=lps, finished=c.finish_reason != "length"))
-        return rollouts
+        done = [(i, list(c.token_ids), c) for i, out in enumerate(outs) for c in out.outputs]
+        texts = response_texts(self.tokenizer, [list(prompt_ids[i]) for i, _, _ in done], [ids for _, ids, _ in done])
+        return [Rollout(prompt_index=i, prompt_ids=list(prompt_ids[i]), token_ids=ids, text=text,
+                        logprobs=[lp[t].logprob for lp, t in zip(c.logprobs, ids)],
+                        finished=c.finish_reason != "length") for (i, ids, c), text in zip(done, texts)]
 
     def prepare_weights(self, specs: list, bucket_bytes: int) -> list[str | None]:
         """Check the names and shapes updates will carry (once); the GPU of each worker that will receive
@@ -246,16 +245,15 @@ class HFEngine:
         logp = torch.stack([torch.log_softmax(s.float(), -1) for s in out.scores], 1)
         picked = torch.gather(logp, -1, seqs.unsqueeze(-1)).squeeze(-1).cpu()
         seqs = seqs.cpu()
-        rollouts = []
+        rows = []
         for row in range(seqs.shape[0]):
             toks = seqs[row].tolist()
             stop = tok.eos_token_id in toks and not sampling.ignore_eos
             end = toks.index(tok.eos_token_id) + 1 if stop else len(toks)
-            i = row // sampling.n
-            rollouts.append(Rollout(prompt_index=i, prompt_ids=list(prompt_ids[i]), token_ids=toks[:end],
-                                    text=tok.decode(toks[:end], skip_special_tokens=True),
-                                    logprobs=picked[row, :end].tolist(), finished=stop))
-        return rollouts
+            rows.append((row // sampling.n, toks[:end], picked[row, :end].tolist(), stop))
+        texts = response_texts(tok, [list(prompt_ids[i]) for i, *_ in rows], [toks for _, toks, *_ in rows])
+        return [Rollout(prompt_index=i, prompt_ids=list(prompt_ids[i]), token_ids=toks, text=text, logprobs=lps,
+                        finished=stop) for (i, toks, lps, stop), text in zip(rows, texts)]
 
     def prepare_weights(self, specs: list, bucket_bytes: int) -> list[str | None]:
         """Check the names and shapes updates will carry (once): those of this model's own weight set

@@ -116,6 +116,37 @@ def test_vllm_generate_and_weight_sync(vllm_actor, policy, other_model, prompts,
     assert _max_diff(after, _hf_logprobs(policy, after)) > 0.1
 
 
+def _vllm_own_texts(actor, prompts, sampling) -> list[tuple[list[int], str]]:
+    """A generation in the actor's engine with vLLM's own incremental detokenizer on: (tokens, text)."""
+    def run(self, prompts, sampling):
+        from vllm import SamplingParams
+
+        params = SamplingParams(n=sampling.n, temperature=sampling.temperature, max_tokens=sampling.max_new_tokens,
+                                detokenize=True)
+        outs = self.engine.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [(list(c.token_ids), c.text) for o in outs for c in o.outputs]
+
+    return ray.get(actor.__ray_call__.remote(run, prompts, sampling))
+
+
+def test_vllm_texts_are_those_of_its_incremental_detokenizer(vllm_actor, prompts, tokenizer):
+    """Rollouts carry token ids from vLLM and text decoded once at the end (engines/texts.py); on the
+    same tokens that text is vLLM's own."""
+    from engines.texts import response_texts
+
+    sampling = Sampling(n=8, temperature=1.0, max_new_tokens=24)
+    own = _vllm_own_texts(vllm_actor, prompts, sampling)
+    pairs = [prompts[i // sampling.n] for i in range(len(own))]
+    assert response_texts(tokenizer, pairs, [ids for ids, _ in own]) == [text for _, text in own]
+    assert sum(len(text) for _, text in own) > 100
+
+    out = ray.get(vllm_actor.generate.remote(prompts, sampling))
+    assert [r.text for r in out] == response_texts(tokenizer, [r.prompt_ids for r in out],
+                                                   [r.token_ids for r in out])
+    whole = [tokenizer.decode(r.token_ids, skip_special_tokens=True) for r in out]
+    assert all(r.text == w for r, w in zip(out, whole) if not w.endswith("\ufffd"))
+
+
 def _weights_of(model_path) -> dict[str, torch.Tensor]:
     return models.load_policy(model_path).state_dict()
 
