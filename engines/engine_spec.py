@@ -19,28 +19,43 @@ def rows(batch: dict[str, Any]) -> int:
 
 
 def _move_optimizer_state(optimizer, device) -> None:
-    """Every tensor of a torch optimizer's per-parameter state moved to `device`."""
+    """The moments of a torch optimizer's per-parameter state (every tensor but scalars: Adam's `step`
+    stays where the optimizer keeps it) moved to `device`."""
     inner = getattr(optimizer, "optimizer", optimizer)  # DeepSpeed wraps the torch optimizer
     for state in inner.state.values():
         for k, v in state.items():
-            if isinstance(v, torch.Tensor):
+            if isinstance(v, torch.Tensor) and v.dim() > 0:
                 state[k] = v.to(device, non_blocking=True)
 
 
-def move_training_state(engine, zero_stage: int, device) -> None:
-    """A DeepSpeed engine's optimizer state (ZeRO: its partitions and fp32 master weights) to
-    `device` ("cpu" to offload, the rank's GPU to reload)."""
+def move_training_state(engine, zero_stage: int, *, offload: bool, device) -> None:
+    """A DeepSpeed engine's optimizer state (ZeRO: its partitions and fp32 master weights) to CPU
+    memory (`offload`), or back to `device`, the rank's own (not `offload`).
+
+    ZeRO-3's `offload_states` moves master weights and Adam moments only for DeepSpeed's own FusedAdam
+    (it asserts so) and the trainer's optimizer is torch's AdamW: at stage 3 DeepSpeed moves the
+    gradient partitions and buckets, and the master partitions and moments move here."""
+    from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum as State
+
+    device = "cpu" if offload else device
     if zero_stage == 0:  # DeepSpeed moves ZeRO partitions; a plain (or bf16-wrapped) optimizer here
         _move_optimizer_state(engine.optimizer, device)
-    elif str(device) == "cpu":
-        from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum as State
-
+    elif zero_stage == 3:
+        if offload:
+            engine.offload_states(include=[State.lp_grads, State.contiguous_grad_buffer])
+        else:
+            engine.reload_states()
+        for flat in engine.optimizer.fp32_partitioned_groups_flat:  # the optimizer's parameters
+            flat.data = flat.data.to(device, non_blocking=True)
+        _move_optimizer_state(engine.optimizer, device)
+    elif offload:
         # Not lp_params: the weight transport reads the training weights right after (engines/weight_sync.py).
         engine.offload_states(include=[State.optim_states, State.hp_params, State.lp_grads,
                                        State.contiguous_grad_buffer])
     else:
         engine.reload_states()
     if torch.cuda.is_available():
+        torch.cuda.synchronize()
         torch.cuda.empty_cache()
 
 

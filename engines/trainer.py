@@ -146,12 +146,12 @@ class TrainWorker:
         """Optimizer state to CPU memory while colocated rollout engines generate (GPU only; under
         `offload` it lives in CPU memory already)."""
         if self.device.type == "cuda" and self.spec.offload == "none" and not getattr(self, "_offloaded", False):
-            move_training_state(self.engine, self.spec.zero_stage, "cpu")
+            move_training_state(self.engine, self.spec.zero_stage, offload=True, device=self.device)
             self._offloaded = True
 
     def reload_states(self) -> None:
         if getattr(self, "_offloaded", False):
-            move_training_state(self.engine, self.spec.zero_stage, self.device)
+            move_training_state(self.engine, self.spec.zero_stage, offload=False, device=self.device)
             self._offloaded = False
 
     def save_hf(self, target: Source) -> Entries:

@@ -49,6 +49,41 @@ def test_sft_bf16_on_gpu(ray_gpu, gpu_model, gpu_tokenizer, task_data, zero):
         group.shutdown()
 
 
+def _optimizer_state_devices(worker) -> list[str]:
+    """In a TrainWorker: the devices of its optimizer's moments and (ZeRO-3) fp32 master partitions."""
+    opt = worker.engine.optimizer
+    inner = getattr(opt, "optimizer", opt)
+    tensors = [v for st in inner.state.values() for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+    tensors += list(getattr(opt, "fp32_partitioned_groups_flat", []))
+    return sorted({t.device.type for t in tensors})
+
+
+@pytest.mark.parametrize("zero", [0, 2, 3])
+def test_optimizer_state_leaves_the_gpu_and_comes_back(ray_gpu, gpu_model, gpu_tokenizer, task_data, zero):
+    """What a colocated round does around generation, at every ZeRO stage (ZeRO-3's own offload asserts
+    DeepSpeed's FusedAdam; the trainer's AdamW is moved by engines/engine_spec.py)."""
+    import ray
+
+    from engines import objectives
+    from engines.batches import sft_tensors, shard, take
+
+    tensors, _ = sft_tensors(gpu_tokenizer, task_data["sft"], 64, 16)
+    batch = shard(take(tensors, torch.arange(16)), 1)
+    group = _gpu_engine(gpu_model, "causal", zero=zero, lr=3e-3)
+    try:
+        first = group.train_step(batch, objectives.causal_lm_objective)["loss"]
+        devices = lambda: ray.get(group.workers[0].__ray_call__.remote(_optimizer_state_devices))  # noqa: E731
+        assert devices() == ["cuda"]
+        group.offload_states()
+        assert devices() == ["cpu"]
+        group.reload_states()
+        assert devices() == ["cuda"]
+        later = [group.train_step(batch, objectives.causal_lm_objective)["loss"] for _ in range(4)]
+        assert later[-1] < first - 0.1, (first, later)
+    finally:
+        group.shutdown()
+
+
 def test_reward_model_with_margin_on_gpu(ray_gpu, gpu_model, gpu_tokenizer, task_data):
     import functools
 
