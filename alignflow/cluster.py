@@ -19,7 +19,8 @@ PROCESS_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-    # The first logprobs request would otherwise JIT-compile for 12-15 s.
+    # The first logprobs request would otherwise JIT-compile for 12-15 s. A GPU engine's process drops
+    # it again: there vLLM compiles and captures CUDA graphs (engines/rollout_actors.py).
     "TORCH_COMPILE_DISABLE": "1",
     "TOKENIZERS_PARALLELISM": "false",
     "VLLM_LOGGING_LEVEL": "WARNING",

@@ -22,8 +22,9 @@ from engines.rollout_actors import build_engine, prepare_engine_process
 
 
 class EngineHost:
-    def __init__(self, backend: str, *, torch_threads: int = 2, cpu_cores: list[int] | None = None):
-        self.torch_threads = prepare_engine_process(torch_threads, cpu_cores)
+    def __init__(self, backend: str, *, torch_threads: int = 2, cpu_cores: list[int] | None = None,
+                 on_gpu: bool = False):
+        self.torch_threads = prepare_engine_process(torch_threads, cpu_cores, on_gpu=on_gpu)
         self.engines_built = 0
         if backend == "vllm":
             from vllm import LLM  # noqa: F401  (the point of the host: loaded once, before an evaluation asks)

@@ -25,15 +25,20 @@ from engines.rollout import HFEngine, Rollout, Sampling, VLLMEngine, vllm_engine
 BACKENDS = ("vllm", "hf")
 
 
-def prepare_engine_process(torch_threads: int, cpu_cores: list[int] | None) -> int:
+def prepare_engine_process(torch_threads: int, cpu_cores: list[int] | None, *, on_gpu: bool = False) -> int:
     """The environment a rollout engine's process needs, set before vLLM loads; the torch threads it got.
 
     vLLM runs in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): 3-5 s to start instead of ~30 s, and
     both cores stay with the model. vLLM loads transformers: without scikit-learn (engines/lean_imports.py).
+    On a GPU (`on_gpu`) the engine compiles: the TORCH_COMPILE_DISABLE every process of a run inherits
+    (alignflow/cluster.py, for the CPU) would turn off vLLM's torch.compile and with it its piecewise
+    CUDA graphs; `vllm.enforce_eager: true` is the switch for an eager GPU engine.
     """
     skip_sklearn_in_transformers()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    if on_gpu:
+        os.environ.pop("TORCH_COMPILE_DISABLE", None)
     # Without it vLLM drops torch to one thread "for serving", and in
     # in-process mode that thread also runs the model.
     torch_threads = pin_cpu_cores(cpu_cores, torch_threads)
@@ -63,7 +68,7 @@ class RolloutActor:
                  seed: int = 0, max_model_len: int = 256, attn_implementation: str = "sdpa",
                  vllm: VLLMConfig | None = None, on_gpu: bool = False, sleep_mode: bool = False,
                  cpu_cores: list[int] | None = None):
-        prepare_engine_process(torch_threads, cpu_cores)
+        prepare_engine_process(torch_threads, cpu_cores, on_gpu=on_gpu)
         self.engine = build_engine(backend, local_dir(model_path),  # a ref: fetched on this actor's node
                                    dtype=dtype, seed=seed, max_model_len=max_model_len,
                                    attn_implementation=attn_implementation, vllm=vllm, on_gpu=on_gpu,

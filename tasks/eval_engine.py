@@ -47,7 +47,8 @@ def engine_host(plan: Plan, ctx: RunContext) -> Iterator[RunContext]:
     g, name = todo[0].config.evaluation.generation, host_name(ctx)
     opts = actor_options(g.placement.num_cpus, g.placement.num_gpus, None, g.placement.resources)
     host = ray.remote(**opts)(EngineHost).options(name=name, namespace=NAMESPACE).remote(
-        g.backend, torch_threads=ctx.infra.torch_threads, cpu_cores=g.placement.cpu_cores)
+        g.backend, torch_threads=ctx.infra.torch_threads, cpu_cores=g.placement.cpu_cores,
+        on_gpu=g.placement.num_gpus > 0)
     try:
         yield ctx.model_copy(update={"engine_host": name})
     finally:

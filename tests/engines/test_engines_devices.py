@@ -76,6 +76,27 @@ def test_vllm_defaults_follow_the_device():
     assert not {"enable_prefix_caching", "max_num_seqs", "max_num_batched_tokens"} & (cpu.keys() | gpu.keys())
 
 
+@pytest.mark.parametrize("on_gpu, compile_disabled", [(False, "1"), (True, None)])
+def test_a_gpu_engine_process_lets_vllm_compile(on_gpu, compile_disabled):
+    """Every process of a run inherits TORCH_COMPILE_DISABLE=1 (alignflow/cluster.py: on the CPU the first
+    logprobs request would compile for 12-15 s); vLLM reads it when it builds an engine and then runs
+    without torch.compile and piecewise CUDA graphs, so a GPU engine's process drops it first."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from alignflow.cluster import PROCESS_ENV
+
+    code = ("import os; from engines.rollout_actors import prepare_engine_process\n"
+            f"prepare_engine_process(1, None, on_gpu={on_gpu})\n"
+            "print(os.environ.get('TORCH_COMPILE_DISABLE'))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2], capture_output=True,
+                         text=True, timeout=300, env={**os.environ, "TORCH_COMPILE_DISABLE": PROCESS_ENV["TORCH_COMPILE_DISABLE"]})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == str(compile_disabled)
+
+
 def test_every_vllm_option_reaches_the_engine():
     opts = VLLMConfig(tensor_parallel_size=2, gpu_memory_utilization=0.55, enforce_eager=True,
                       enable_prefix_caching=False, max_num_seqs=48, max_num_batched_tokens=4096)
