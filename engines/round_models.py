@@ -278,9 +278,10 @@ def start_round_models(cfg: RoundConfig, setup: RoundSetup, updates_per_step: in
                 models.reference = start_scorer(reference, None, **common)
             if reward:
                 models.rewarder = start_scorer(None, reward, **common)
-        if engines_share_a_gpu(cfg):  # vLLM sizes its cache by the memory free on the GPU: trainers first
+        if engines_share_a_gpu(cfg):  # vLLM sizes its cache by the memory free on the GPU: trainers and scorers first
             for group in models._trainers():
                 group.wait_ready()
+            ray.get([s.device_report.remote() for s in {models.reference, models.rewarder} - {None}])
         g, count = cfg.generation, cfg.num_rollout_engines
         placements = None
         if cfg.colocate_all:
