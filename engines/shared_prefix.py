@@ -95,6 +95,17 @@ def plan(batch: dict[str, Tensor]) -> PrefixPlan | None:
                       prefix_len=prefix_len)
 
 
+def _rows_of_groups(cache, row_group: Tensor) -> None:
+    """Each layer's prefix keys and values, (G, ...) -> (R, ...): row r gets its group's. With
+    `index_select`, whose backward sums a group's rows with `index_add_` in row order, not the
+    cache's own `batch_select_indices` (`keys[indices]`): on the CPU that backward accumulates
+    with atomic adds across threads, so the order, and the last bits of the prefix's gradients,
+    depended on how the threads were scheduled; runs that shared their cores with another process
+    (asynchronous rollouts) did not repeat."""
+    for layer in cache.layers:
+        layer.keys, layer.values = layer.keys.index_select(0, row_group), layer.values.index_select(0, row_group)
+
+
 def response_hidden(model, batch: dict[str, Tensor], p: PrefixPlan, **keep) -> Tensor:
     """The last layer's hidden states that predict each row's response tokens: (R, T, H), row r's
     position t predicting response token t (rows `p.rows`). `keep`: the output layer's
@@ -109,7 +120,7 @@ def response_hidden(model, batch: dict[str, Tensor], p: PrefixPlan, **keep) -> T
     model(input_ids=prefix_ids, attention_mask=prefix_mask,
           position_ids=torch.arange(width, device=device).expand(groups, width),
           past_key_values=cache, use_cache=True, **keep)
-    cache.batch_select_indices(row_group)
+    _rows_of_groups(cache, row_group)
     steps = action.shape[1]
     start = prefix_len[row_group].unsqueeze(1)  # (R, 1)
     positions = start + torch.arange(steps, device=device)  # (R, T)

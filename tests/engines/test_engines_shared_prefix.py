@@ -81,6 +81,46 @@ def test_shared_prompts_give_the_full_computation_with_fewer_tokens(model):
         torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_gradients_repeat_bit_for_bit_while_another_process_takes_the_cores(tmp_path):
+    """The prefix's rows reach the group's rows by index_select, whose backward sums in row order.
+    Advanced indexing (the cache's batch_select_indices) summed with atomic adds across threads:
+    with the cores shared, as asynchronous rollouts share them, the prompts' gradients then
+    differed in their last bits from run to run (3 distinct results in 8 runs of this batch)."""
+    import subprocess
+    import sys
+
+    from alignflow.config import TinyModelConfig
+    from engines.batches import micro_batches
+    from engines.logits import response_logprobs_and_entropy
+    from engines.models import build_tiny_model, load_policy
+
+    # issue 14's bench shape but its vocabulary: smaller models did not show the old code's variation
+    shape = TinyModelConfig(hidden_size=256, num_heads=4, num_kv_heads=2, num_layers=4, intermediate_size=1024)
+    model = load_policy(build_tiny_model(shape, seed=0, out_dir=tmp_path)).train()
+    g = torch.Generator().manual_seed(3)
+    rows = [(i // 8, list(range(5 + i // 8, 31 + i // 8)), torch.randint(10, 250, (32,), generator=g).tolist())
+            for i in range(256)]  # 32 prompts x 8 samples, as GRPO batches them
+    batch = _batch(rows)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    busy = [subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 60: pass"])
+            for _ in range(2)]
+    try:
+        seen = set()
+        for _ in range(5):
+            model.zero_grad(set_to_none=True)
+            for part in micro_batches(batch, None, tokens=4096):
+                lp, _ = response_logprobs_and_entropy(model, part)
+                lp.sum().backward()
+            seen.add(tuple(p.grad.contiguous().view(-1).numpy().tobytes() for p in model.parameters()
+                           if p.grad is not None))
+    finally:
+        for p in busy:
+            p.kill()
+        torch.set_num_threads(threads)
+    assert len(seen) == 1
+
+
 @pytest.mark.parametrize("case", ["different prompts under one index", "no group of two", "no prompt_index",
                                   "one-token prompt"])
 def test_sharing_is_refused_where_it_would_be_wrong_or_useless(model, case):
