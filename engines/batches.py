@@ -127,6 +127,14 @@ def minibatches(n_rows: int, size: int, *, epochs: int, generator: torch.Generat
     dropped when there is more than one chunk. Each chunk is cut to a multiple
     of `multiple_of` (so rows split evenly across a trainer group's ranks), and
     a chunk left empty is skipped.
+
+    The shuffle picks which rows a chunk holds; within it they keep the batch's
+    order (ascending). A batch lists each prompt's samples together, and so do
+    its chunks, their shards and micro-batches: the shared-prefix forward
+    (engines/shared_prefix.py) runs each prompt once per micro-batch, not once
+    per sample scattered into it. On issue 14's work (4 micro-batches of 256
+    rows), shuffled micro-batches held 24-31 prompts each, in order 6-10, and
+    the actor's step on one core took 3.95 s shuffled, 3.38 s in order.
     """
     for _ in range(epochs):
         perm = torch.randperm(n_rows, generator=generator)
@@ -134,7 +142,7 @@ def minibatches(n_rows: int, size: int, *, epochs: int, generator: torch.Generat
         for chunk in chunks:
             chunk = chunk[: len(chunk) - len(chunk) % multiple_of]
             if len(chunk):
-                yield chunk
+                yield chunk.sort().values
 
 
 def micro_batch_rows(n_rows: int, width: int, size: int | None, tokens: int | None, *, paired: bool = False) -> int:
@@ -169,3 +177,4 @@ def in_micro_batches(batch: dict[str, Any], size: int | None, fn, *, tokens: int
     if not all(isinstance(o, torch.Tensor) for o in outs):
         raise TypeError("in micro-batches, a function must return a tensor with one row per batch row")
     return torch.cat(outs, 0)
+

@@ -11,6 +11,8 @@ from engines.batches import (
     LengthReport,
     PromptTooLongError,
     encode_response,
+    micro_batches,
+    minibatches,
     pair_tensors,
     shard,
     sft_tensors,
@@ -176,3 +178,41 @@ def test_split_pairs():
     batch = _numbered(10)  # 5 pairs
     out = split_pairs(batch, torch.tensor([3, 0]), 5)
     assert out["input_ids"][:, 0].tolist() == [9, 0, 24, 15]  # rows 3, 0, 8, 5
+
+
+def test_minibatches_draw_rows_at_random_and_keep_each_chunk_in_batch_order():
+    gen = torch.Generator().manual_seed(0)
+    chunks = list(minibatches(64, 16, epochs=2, generator=gen))
+    assert [len(c) for c in chunks] == [16] * 8
+    for epoch in (chunks[:4], chunks[4:]):  # each pass covers every row once
+        assert sorted(torch.cat(epoch).tolist()) == list(range(64))
+    assert all(c.tolist() == sorted(c.tolist()) for c in chunks)
+    # Random membership: not the batch cut into consecutive runs, and the two passes differ.
+    assert any(c.tolist() != list(range(int(c[0]), int(c[0]) + 16)) for c in chunks)
+    assert [c.tolist() for c in chunks[:4]] != [c.tolist() for c in chunks[4:]]
+
+
+def test_minibatches_drop_the_remainder_and_cut_to_a_multiple_of_the_ranks():
+    gen = torch.Generator().manual_seed(1)
+    assert [len(c) for c in minibatches(70, 32, epochs=1, generator=gen)] == [32, 32]  # 6 rows dropped
+    assert [len(c) for c in minibatches(10, 32, epochs=1, generator=gen, multiple_of=4)] == [8]
+    assert list(minibatches(3, 32, epochs=1, generator=gen, multiple_of=4)) == []
+
+
+def test_a_prompts_samples_stay_together_in_the_micro_batches_of_a_minibatch():
+    # 16 prompts x 8 samples, listed prompt by prompt as a round's batch is; a minibatch of half the
+    # rows in micro-batches of 16: each micro-batch holds the few prompts its rows came from.
+    n, samples = 16, 8
+    batch = {"input_ids": torch.zeros(n * samples, 4, dtype=torch.long),
+             "prompt_index": torch.arange(n).repeat_interleave(samples)}
+    gen = torch.Generator().manual_seed(2)
+    (rows, _) = minibatches(n * samples, n * samples // 2, epochs=1, generator=gen)
+    part = {k: v[rows] for k, v in batch.items()}
+    micros = micro_batches(part, 16)
+    for micro in micros:
+        prompts = micro["prompt_index"].tolist()
+        assert prompts == sorted(prompts)  # each prompt's samples side by side
+    # The shared-prefix forward runs a prompt once per micro-batch it is in: each prompt of the
+    # minibatch once, plus at most one prompt split across each boundary between micro-batches.
+    forwards = sum(len(set(m["prompt_index"].tolist())) for m in micros)
+    assert forwards <= len(set(part["prompt_index"].tolist())) + len(micros) - 1
