@@ -14,7 +14,7 @@ from .advantages import (
     register_advantage_estimator,
     sequence_scores,
 )
-from .aggregate import LOSS_AGGREGATIONS, aggregate_loss
+from .aggregate import LOSS_AGGREGATIONS, aggregate_loss, aggregate_weight
 from .dapo import dynamic_sampling_filter, group_mean_filter, overlong_penalty
 from .entropy import entropy_bonus_loss, entropy_from_logits
 from .evaluation import (
@@ -89,6 +89,7 @@ __all__ = [
     "ValueLossOutput",
     "accuracy_by_margin_bin",
     "aggregate_loss",
+    "aggregate_weight",
     "clip_rewards",
     "compute_gae",
     "constant_groups",

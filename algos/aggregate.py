@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch
 from torch import Tensor
 
 from .masked import _bool_mask, _check_same_shape, masked_mean, masked_sum
@@ -48,4 +49,36 @@ def aggregate_loss(
         if const <= 0:
             raise ValueError(f"loss_scale_constant must be > 0, got {const}")
         return (masked_sum(token_loss, action_mask, dim=-1) / const).mean()
+    raise ValueError(f"unknown loss aggregation {agg!r}; valid: {', '.join(LOSS_AGGREGATIONS)}")
+
+
+def aggregate_weight(action_mask: Tensor, *, agg: str = "token_mean") -> Tensor:
+    """What ``aggregate_loss`` averages over: the weight of a part of a batch
+    when the parts' losses are combined into the whole batch's.
+
+    Formulas (``m`` = mask, ``B`` rows):
+
+    * ``"token_mean"``: ``w = sum_{b,t} m`` (the valid tokens);
+    * ``"seq_mean_token_mean"``: ``w = sum_b [sum_t m_b > 0]`` (the rows
+      with a valid token);
+    * ``"seq_mean_token_sum_norm"``: ``w = B``.
+
+    For a batch cut into parts ``p`` (micro-batches, ranks), with the same
+    ``loss_scale_constant`` throughout:
+    ``aggregate_loss(batch) = sum_p (w_p / sum_q w_q) * aggregate_loss(p)``,
+    exactly; a part of weight 0 has loss 0 and drops out. Weighting by rows
+    instead is exact only for the sequence means: under ``"token_mean"`` it
+    gives a part of short responses the weight of one of long ones (the
+    aggregations are those of DAPO, Yu et al. 2025, arXiv 2503.14476, and
+    Dr. GRPO, Liu et al. 2025, arXiv 2503.20783).
+
+    Shapes: ``action_mask`` ``(B, T)``; returns a 0-d float tensor.
+    """
+    mask = _bool_mask(action_mask)
+    if agg == "token_mean":
+        return masked_sum(torch.ones(mask.shape, device=mask.device), action_mask)
+    if agg == "seq_mean_token_mean":
+        return mask.any(dim=-1).sum().float()
+    if agg == "seq_mean_token_sum_norm":
+        return torch.tensor(float(mask.shape[0]), device=mask.device)
     raise ValueError(f"unknown loss aggregation {agg!r}; valid: {', '.join(LOSS_AGGREGATIONS)}")

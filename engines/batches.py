@@ -8,7 +8,7 @@ counted, reported and left out, and a split where none fit is an error.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -178,3 +178,18 @@ def in_micro_batches(batch: dict[str, Any], size: int | None, fn, *, tokens: int
         raise TypeError("in micro-batches, a function must return a tensor with one row per batch row")
     return torch.cat(outs, 0)
 
+
+def loss_scales(parts: list[list[dict[str, Any]]], weigh: Callable[[dict[str, Any]], float]) -> list[list[float]]:
+    """Per rank, per micro-batch, the factor its loss is multiplied by before backward so that the
+    accumulated, rank-averaged gradient is that of the objective on the whole batch at once.
+
+    `parts[r]`: rank r's micro-batches. `weigh(micro)`: what the objective's loss averages over in
+    it: its rows for a mean over rows or pairs, its response tokens for a token mean
+    (algos.aggregate_weight). A micro-batch's scale is `R * w / sum(w)` over all ranks' micro-batches:
+    its share of the whole, times the R ranks whose gradients DeepSpeed averages. Rows alone would
+    be exact for row means only: a token mean would count a micro-batch of short responses like one
+    of long ones. Nothing to weigh (a batch without a valid token) gives scales of 0.
+    """
+    weights = [[float(weigh(m)) for m in micro] for micro in parts]
+    total = sum(map(sum, weights))
+    return [[len(parts) * w / total if total else 0.0 for w in ws] for ws in weights]

@@ -27,6 +27,27 @@ def causal_lm_objective(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Te
     return loss, {"loss": loss.item(), "response_tokens": float(mask.sum())}
 
 
+# ---- What each objective averages over: the `weigh` of TrainerGroup.train_step. A step taken in
+# micro-batches, on several ranks, is then the step on the whole batch at once (batches.loss_scales).
+
+
+def per_row(batch: dict[str, torch.Tensor]) -> float:
+    """For means over rows or pairs (reward model, DPO, KTO): the rows."""
+    return float(batch["input_ids"].shape[0])
+
+
+def response_tokens(batch: dict[str, torch.Tensor]) -> float:
+    """For `causal_lm_objective`'s token mean (plain or packed): the response tokens."""
+    return float(batch["loss_mask"][:, 1:].sum())
+
+
+def aggregated(batch: dict[str, torch.Tensor], *, agg: str) -> float:
+    """For the policy and value objectives under the loss aggregation `agg` (`algos.aggregate_weight`)."""
+    from algos import aggregate_weight
+
+    return float(aggregate_weight(batch["action_mask"], agg=agg))
+
+
 def scalar_scores(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Sequence scores of a reward model / critic head at the last real token: (B,) float32.
 

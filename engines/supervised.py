@@ -50,19 +50,20 @@ def fit(
     data: dict[str, torch.Tensor],
     schedule: Schedule,
     objective: Callable,
+    weigh: Callable,
     *,
     paired: bool,
     start_step: int = 0,
     after_step: Callable[[int, dict[str, float]], None],
 ) -> int:
-    """Run steps [start_step, total_steps); `after_step(steps done, metrics)` after each.
-    Returns the number of steps run."""
+    """Run steps [start_step, total_steps); `after_step(steps done, metrics)` after each. `weigh`: what
+    `objective` averages over (TrainerGroup.train_step). Returns the number of steps run."""
     n_rows = data["input_ids"].shape[0] // (2 if paired else 1)
     for step in range(start_step, schedule.total_steps):
         t0 = time.perf_counter()
         idx = schedule.indices(step)
         batch = split_pairs(data, idx, n_rows) if paired else take(data, idx)
-        metrics = group.train_step(shard(batch, group.world_size, paired=paired), objective, paired=paired)
+        metrics = group.train_step(shard(batch, group.world_size, paired=paired), objective, paired=paired, weigh=weigh)
         metrics["step_time_s"] = time.perf_counter() - t0
         after_step(step + 1, metrics)
     return schedule.total_steps - start_step

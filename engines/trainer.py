@@ -30,10 +30,10 @@ import torch
 from alignflow.artifacts import Entries, Source, local_dir, merge_entries, writing
 from alignflow.net import free_port
 from engines import lora, models
-from engines.batches import in_micro_batches, micro_batches
+from engines.batches import in_micro_batches, loss_scales, micro_batches
 from engines.devices import (actor_device, actor_options, announce_cpu_accelerator, local_rank, pin_cpu_cores,
                              cpu_report, placement_group_id, quiet_stdout, to_cpu, to_device)
-from engines.engine_spec import EngineSpec, lr_lambda, move_training_state, rows
+from engines.engine_spec import EngineSpec, lr_lambda, move_training_state
 from engines.state import load_optimizer_state, load_state, optimizer_state, save_state
 from engines.weight_sync import WeightSender
 
@@ -99,21 +99,19 @@ class TrainWorker:
         random.seed(seed)
         torch.manual_seed(seed)
 
-    def train_step(self, micro_batches: list[dict[str, Any]], objective: Callable) -> dict[str, float]:
-        """One optimizer step over this rank's share, given as micro-batches: forward and backward
-        on each, gradients accumulated (each loss weighted by its share of the rows), one step.
-        Metrics are the row-weighted means over the micro-batches."""
+    def train_step(self, micro_batches: list[dict[str, Any]], objective: Callable,
+                   scales: list[float]) -> dict[str, float]:
+        """One optimizer step on this rank's micro-batches, each loss times its scale (batches.loss_scales),
+        gradients accumulated. Metrics: scale-weighted sums (their mean over the ranks: the means)."""
         self.engine.train()
-        sizes = [rows(b) for b in micro_batches]
-        total = sum(sizes)
         sums: dict[str, float] = {}
-        for i, (micro, n) in enumerate(zip(micro_batches, sizes)):
+        for i, (micro, scale) in enumerate(zip(micro_batches, scales, strict=True)):
             # DeepSpeed reduces (ZeRO >= 1) and steps only at the boundary: the last micro-batch.
             self.engine.set_gradient_accumulation_boundary(i == len(micro_batches) - 1)
             loss, metrics = objective(self.engine, to_device(micro, self.device))
-            self.engine.backward(loss * (n / total))
+            self.engine.backward(loss * scale)
             for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + float(v) * n / total
+                sums[k] = sums.get(k, 0.0) + float(v) * scale
         # DeepSpeed reports the norm only under ZeRO >= 1; at stage 0 the
         # full gradients are on every rank, so take it before step() clears them.
         local_norm = None
@@ -258,13 +256,15 @@ class TrainerGroup:
             self._pending_setup = []
         return self
 
-    def train_step(self, shards: list[dict[str, Any]], objective: Callable, paired: bool = False) -> dict[str, float]:
-        """One optimizer step on a global batch given as one shard per worker, each cut into
-        micro-batches of at most `micro_batch_size` rows and `micro_batch_tokens` padded tokens
-        (pairs: chosen/rejected halves kept together)."""
+    def train_step(self, shards: list[dict[str, Any]], objective: Callable, paired: bool = False, *,
+                   weigh: Callable[[dict[str, Any]], float]) -> dict[str, float]:
+        """One optimizer step on a global batch given as one shard per worker, each cut into micro-batches
+        of at most `micro_batch_size` rows and `micro_batch_tokens` padded tokens (pairs kept whole);
+        `weigh(micro)`: what the objective averages over in it (engines/objectives), as loss_scales."""
         size, tokens = self.spec.micro_batch_size, self.spec.micro_batch_tokens
-        results = ray.get([w.train_step.remote(micro_batches(s, size, tokens=tokens, paired=paired), objective)
-                           for w, s in zip(self.workers, shards)])
+        parts = [micro_batches(s, size, tokens=tokens, paired=paired) for s in shards]
+        results = ray.get([w.train_step.remote(p, objective, scales)
+                           for w, p, scales in zip(self.workers, parts, loss_scales(parts, weigh))])
         return {k: sum(r[k] for r in results) / len(results) for k in results[0]}
 
     def evaluate(self, batch: dict[str, Any], fn: Callable, without_adapters: bool = False) -> Any:

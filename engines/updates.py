@@ -35,9 +35,10 @@ class Trained:
     actor_trained: bool  # False: the policy is unchanged, the engines need no new weights
 
 
-def train_minibatches(batch: dict[str, torch.Tensor], chunks, steps: list[tuple[TrainerGroup, Callable]], *,
+def train_minibatches(batch: dict[str, torch.Tensor], chunks, steps: list[tuple[TrainerGroup, Callable, Callable]], *,
                       pairs: int | None = None) -> dict[str, float]:
-    """One optimizer step per chunk of rows for every (trainer group, objective); mean metrics. A value
+    """One optimizer step per chunk of rows for every (trainer group, objective, weigh: what it averages
+    over, engines/objectives); mean metrics. A value
     model's own trainer metrics (lr, grad_norm, lora/*: `is_trainer_metric`) are logged as `critic/<name>`.
     `pairs`: the batch is [chosen..., rejected...] of that many pairs and the chunks index pairs."""
     sums: dict[str, float] = {}
@@ -45,10 +46,10 @@ def train_minibatches(batch: dict[str, torch.Tensor], chunks, steps: list[tuple[
     paired = pairs is not None
     for rows in chunks:
         part = split_pairs(batch, rows, pairs) if paired else {k: v[rows] for k, v in batch.items()}
-        for group, objective in steps:
+        for group, objective, weigh in steps:
             critic = group.spec.kind == "scalar"
             for k, v in group.train_step(shard(part, group.world_size, paired=paired), objective,
-                                         paired=paired).items():
+                                         paired=paired, weigh=weigh).items():
                 key = f"critic/{k}" if critic and is_trainer_metric(k) else k
                 sums[key] = sums.get(key, 0.0) + v
         n += 1
@@ -136,24 +137,25 @@ class PolicyGradientUpdate:
                         "advantage/mean": algos.masked_mean(exp.advantages, exp.action_mask).item()})
         return Trained(exp, rows, metrics, actor_trained=bool(len(rows)) and not frozen)
 
-    def objectives(self, frozen: bool = False) -> list[tuple[TrainerGroup, Callable]]:
-        """(trainer group, objective) pairs of one minibatch step, with this step's KL coefficient;
+    def objectives(self, frozen: bool = False) -> list[tuple[TrainerGroup, Callable, Callable]]:
+        """(trainer group, objective, weigh) of one minibatch step, with this step's KL coefficient;
         `frozen`: the critic's alone."""
         cfg, p, m = self.cfg, self.cfg.ppo, self.models
         policy_loss = objectives.POLICY_LOSSES[cfg.spec.policy_loss]
+        weigh = functools.partial(objectives.aggregated, agg=p.loss_agg)
         steps = [] if frozen else [(m.actor, functools.partial(
             policy_loss, clip_low=p.clip_low, clip_high=p.clip_high, dual_clip=p.dual_clip, agg=p.loss_agg,
             entropy_coef=p.entropy_coef, kl_loss_coef=self.kl_ctl.value if cfg.kl.apply_as == "loss" else 0.0,
             kl_estimator=cfg.kl.estimator, kl_clamp=cfg.kl.clamp, tis_cap=p.tis_cap, tis_low=p.tis_low,
-            tis_mode=p.tis_mode, on_policy=self.on_policy(cfg)))]
+            tis_mode=p.tis_mode, on_policy=self.on_policy(cfg)), weigh)]
         if m.critic is not None:
             steps.append((m.critic, functools.partial(objectives.value_objective, clip_eps=p.value_clip,
-                                                      agg=p.loss_agg)))
+                                                      agg=p.loss_agg), weigh))
         return steps
 
     def _train(self, exp: Experience, step: int, frozen: bool) -> dict[str, float]:
         p, steps = self.cfg.ppo, self.objectives(frozen)
-        ranks = math.lcm(*(g.world_size for g, _ in steps))  # rows split evenly across every group's ranks
+        ranks = math.lcm(*(g.world_size for g, *_ in steps))  # rows split evenly across every group's ranks
         gen = torch.Generator().manual_seed(derive_seed(self.seed, f"minibatches/{step}"))
         chunks = minibatches(len(exp), p.minibatch_size, epochs=p.epochs, generator=gen, multiple_of=ranks)
         return train_minibatches(exp.tensors(), chunks, steps)
@@ -189,7 +191,7 @@ class BestOfNSFTUpdate:
             chunks = minibatches(len(winners), self.cfg.ppo.minibatch_size, epochs=self.cfg.rejection.epochs,
                                  generator=gen, multiple_of=actor.world_size)
             sft = train_minibatches(experience.sft_batch(exp.select(winners)), chunks,
-                                    [(actor, objectives.causal_lm_objective)])
+                                    [(actor, objectives.causal_lm_objective, objectives.response_tokens)])
             metrics.update({f"sft_{k}": v for k, v in sft.items()})
         lap("train")
         return Trained(exp, winners, metrics, actor_trained=bool(len(winners)))
@@ -248,7 +250,7 @@ class OnlineDPOUpdate:
             # minibatches drops each pass's remainder when a pass makes more than one chunk: counted.
             metrics["dpo/pairs_left_out"] += float(n % size if n > size else 0)
             chunks = minibatches(n, size, epochs=d.epochs, generator=gen, multiple_of=actor.world_size)
-            trained = train_minibatches(batch, chunks, [(actor, objective)], pairs=n)
+            trained = train_minibatches(batch, chunks, [(actor, objective, objectives.per_row)], pairs=n)
             metrics.update({f"dpo/{k}": v for k, v in trained.items()})
         lap("train")
         return Trained(exp, rows[: 2 * n], metrics, actor_trained=bool(n))

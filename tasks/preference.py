@@ -17,7 +17,7 @@ import torch
 from alignflow.config.preference import DPO_LOSS_TYPE
 from alignflow.records import StageResult
 from alignflow.cluster import ensure_ray
-from engines import models
+from engines import models, objectives
 from engines import preference as pref
 from engines.scoring import scoring
 from tasks.context import RunContext, StageOutput, compute_stage
@@ -116,5 +116,6 @@ def preference(stage: PlannedStage, inputs: PreferenceInputs, ctx: RunContext) -
     else:
         objective = functools.partial(pref.dpo_objective, loss_type=DPO_LOSS_TYPE[train.loss], beta=train.beta,
                                       label_smoothing=train.label_smoothing, packing_max_tokens=packing)
-    return train_stage(stage, inputs, ctx, kind="causal", split="preference", objective=objective, paired=not kto,
+    return train_stage(stage, inputs, ctx, kind="causal", split="preference", objective=objective,
+                       weigh=objectives.per_row, paired=not kto,
                        to_tensors=_with_reference(reference, train.loss, inputs, ctx))

@@ -25,9 +25,9 @@ from tasks.registry import PreferenceInputs, PreferenceStage, RewardModelStage, 
 
 
 def train_stage(stage: PlannedStage, inputs: TrainInputs | PreferenceInputs, ctx: RunContext, *, kind: str,
-                split: str, objective: Callable, paired: bool, to_tensors: Callable) -> StageResult:
+                split: str, objective: Callable, weigh: Callable, paired: bool, to_tensors: Callable) -> StageResult:
     """`to_tensors(tokenizer, records, TokenLimits) -> (tensors, LengthReport)`: the split as training rows
-    (pairs: chosen rows, then rejected rows)."""
+    (pairs: chosen rows, then rejected rows); `weigh`: what `objective` averages over (engines/objectives)."""
     cfg: SFTStage | RewardModelStage | PreferenceStage = stage.config
     train, io = cfg.train, cfg.io
     storage = ctx.storage()
@@ -60,7 +60,7 @@ def train_stage(stage: PlannedStage, inputs: TrainInputs | PreferenceInputs, ctx
                 if checkpoints.due(step, schedule.total_steps):
                     checkpoints.save(step, lambda ref: group.save_state(ref, {"step": step}))
 
-            steps_run = supervised.fit(group, tensors, schedule, objective, paired=paired, start_step=start,
+            steps_run = supervised.fit(group, tensors, schedule, objective, weigh, paired=paired, start_step=start,
                                        after_step=after_step)
             out.add(group.save_hf(out.ref))  # uploaded by rank 0, from its node
         finally:
@@ -80,8 +80,8 @@ def sft(stage: PlannedStage, inputs: TrainInputs, ctx: RunContext) -> StageResul
     train = stage.config.train
     objective = (functools.partial(packed_objectives.packed_causal_lm_objective, max_tokens=train.packing_max_tokens)
                  if train.packing else objectives.causal_lm_objective)
-    return train_stage(stage, inputs, ctx, kind="causal", split="sft", objective=objective, paired=False,
-                       to_tensors=_limited(batches.sft_tensors))
+    return train_stage(stage, inputs, ctx, kind="causal", split="sft", objective=objective,
+                       weigh=objectives.response_tokens, paired=False, to_tensors=_limited(batches.sft_tensors))
 
 
 def reward_model(stage: PlannedStage, inputs: TrainInputs, ctx: RunContext) -> StageResult:
@@ -90,8 +90,8 @@ def reward_model(stage: PlannedStage, inputs: TrainInputs, ctx: RunContext) -> S
     objective = (functools.partial(packed_objectives.packed_pairwise_objective, margin=train.margin,
                                    max_tokens=train.packing_max_tokens)
                  if train.packing else functools.partial(objectives.pairwise_objective, margin=train.margin))
-    return train_stage(stage, inputs, ctx, kind="scalar", split="preference", objective=objective, paired=True,
-                       to_tensors=_limited(batches.pair_tensors))
+    return train_stage(stage, inputs, ctx, kind="scalar", split="preference", objective=objective,
+                       weigh=objectives.per_row, paired=True, to_tensors=_limited(batches.pair_tensors))
 
 
 def _limited(fn: Callable) -> Callable:

@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from algos.aggregate import aggregate_weight
 from algos.policy_loss import aggregate_loss, ppo_policy_loss, value_loss
 
 G = 1e6
@@ -93,10 +94,39 @@ def test_aggregations(agg):
 
 
 def test_aggregate_unknown_lists_names():
-    with pytest.raises(ValueError) as err:
-        aggregate_loss(torch.zeros(1, 1), torch.ones(1, 1), agg="sum")
-    for name in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"):
-        assert name in str(err.value)
+    for fn in (lambda: aggregate_loss(torch.zeros(1, 1), torch.ones(1, 1), agg="sum"),
+               lambda: aggregate_weight(torch.ones(1, 1), agg="sum")):
+        with pytest.raises(ValueError) as err:
+            fn()
+        for name in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"):
+            assert name in str(err.value)
+
+
+@pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
+def test_parts_weighted_by_aggregate_weight_give_the_whole_batch_loss(agg):
+    # Rows of 3, 1, 0, 4, 2 valid tokens cut into parts [0:2], [2:3] (no token), [3:5].
+    g = torch.Generator().manual_seed(0)
+    loss = torch.rand(5, 4, generator=g, dtype=torch.float64)
+    lengths = [3, 1, 0, 4, 2]
+    mask = torch.tensor([[1] * n + [0] * (4 - n) for n in lengths])
+    parts = [slice(0, 2), slice(2, 3), slice(3, 5)]
+    weights = [aggregate_weight(mask[p], agg=agg).item() for p in parts]
+    assert weights == {"token_mean": [4, 0, 6], "seq_mean_token_mean": [2, 0, 2],
+                       "seq_mean_token_sum_norm": [2, 1, 2]}[agg]
+    combined = sum(w / sum(weights) * aggregate_loss(loss[p], mask[p], agg=agg).item()
+                   for w, p in zip(weights, parts))
+    # The whole batch's value, from the definitions (not from aggregate_loss).
+    rows = [sum(loss[b, :n].tolist()) for b, n in enumerate(lengths)]
+    whole = {"token_mean": sum(rows) / sum(lengths),
+             "seq_mean_token_mean": sum(r / n for r, n in zip(rows, lengths) if n) / 4,
+             "seq_mean_token_sum_norm": sum(rows) / 4 / 5}[agg]
+    assert combined == pytest.approx(whole, rel=1e-12)
+    # Rows as weights miss the token mean: the parts hold 2 and 2 rows but 4 and 6 tokens.
+    by_rows = sum(len(lengths[p]) / 5 * aggregate_loss(loss[p], mask[p], agg=agg).item() for p in parts)
+    if agg == "token_mean":
+        assert abs(by_rows - whole) > 1e-3
+    # A float mask weighs its tokens as aggregate_loss does.
+    assert aggregate_weight(torch.tensor([[0.5, 1.0, 0.0]]), agg="token_mean").item() == 1.5
 
 
 def _grad(lp_minus_old, adv, **kw):

@@ -11,6 +11,7 @@ from engines.batches import (
     LengthReport,
     PromptTooLongError,
     encode_response,
+    loss_scales,
     micro_batches,
     minibatches,
     pair_tensors,
@@ -216,3 +217,15 @@ def test_a_prompts_samples_stay_together_in_the_micro_batches_of_a_minibatch():
     # minibatch once, plus at most one prompt split across each boundary between micro-batches.
     forwards = sum(len(set(m["prompt_index"].tolist())) for m in micros)
     assert forwards <= len(set(part["prompt_index"].tolist())) + len(micros) - 1
+
+
+def test_loss_scales_are_each_micro_batchs_share_of_the_whole_times_the_ranks():
+    # 2 ranks: micro-batches of 3 and 1 tokens on rank 0, 4 and 0 on rank 1.
+    parts = [[{"t": 3}, {"t": 1}], [{"t": 4}, {"t": 0}]]
+    scales = loss_scales(parts, lambda m: m["t"])
+    assert scales == [[2 * 3 / 8, 2 * 1 / 8], [2 * 4 / 8, 0.0]]
+    # DeepSpeed averages the ranks' sums: the weights of the whole batch's mean.
+    losses = [[5.0, 7.0], [1.0, 0.0]]
+    per_rank = [sum(s * x for s, x in zip(ss, ls)) for ss, ls in zip(scales, losses)]
+    assert sum(per_rank) / 2 == pytest.approx((3 * 5 + 1 * 7 + 4 * 1) / 8)
+    assert loss_scales([[{"t": 0}], [{"t": 0}]], lambda m: m["t"]) == [[0.0], [0.0]]  # nothing to weigh

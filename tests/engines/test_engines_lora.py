@@ -52,7 +52,7 @@ def _spec(model_path, kind: str, **kw) -> EngineSpec:
 def _train(group, data, steps: int, start: int = 0) -> list[dict[str, float]]:
     schedule = plan(data["input_ids"].shape[0], BATCH, epochs=100, max_steps=40, seed=0)
     return [group.train_step(batches.shard(batches.take(data, schedule.indices(s)), group.world_size),
-                             objectives.causal_lm_objective) for s in range(start, start + steps)]
+                             objectives.causal_lm_objective, weigh=objectives.response_tokens) for s in range(start, start + steps)]
 
 
 @pytest.fixture(scope="module")
@@ -189,7 +189,7 @@ def test_lora_reward_model_trains_its_head(ray_local, tiny_model, splits, tokeni
         schedule = plan(n, BATCH, epochs=100, max_steps=4, seed=0)
         for step in range(4):
             shards = batches.shard(batches.split_pairs(pairs, schedule.indices(step), n), 1, paired=True)
-            group.train_step(shards, objectives.pairwise_objective)
+            group.train_step(shards, objectives.pairwise_objective, weigh=objectives.per_row)
         hidden = json.loads((tiny_model / "config.json").read_text())["hidden_size"]
         assert group.param_metrics["lora/trainable_params"] == _expected_trainable(tiny_model) + hidden  # + score
         group.save_hf(str(tmp_path))

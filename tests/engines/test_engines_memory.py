@@ -1,7 +1,8 @@
 """Memory options and the GPU-shaped paths that run on CPUs too, on real engines.
 
-- Micro-batches with gradient accumulation (ZeRO-0 and ZeRO-2), and gradient
-  checkpointing, give the weights of one whole-batch step.
+- Micro-batches with gradient accumulation (ZeRO-0 and ZeRO-2), two ranks, and
+  gradient checkpointing give the weights of one whole-batch step of the token-mean
+  SFT loss over responses of different lengths.
 - A tied-embedding model takes a weight update in the HF rollout backend.
 - A colocated round (one placement group, engines sleeping while the models
   train) runs and learns; a sleeping engine refuses work, so a wrong order fails.
@@ -17,17 +18,6 @@ pytestmark = pytest.mark.engine
 LR = 1e-2
 
 
-def row_mean_nll(model, batch):
-    """Mean over rows of each row's mean response NLL: exact under row-weighted accumulation."""
-    from algos.sequence import shifted_logprobs
-
-    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
-    lp = shifted_logprobs(out.logits, batch["input_ids"])
-    mask = batch["loss_mask"][:, 1:].float()
-    loss = (-(lp * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean()
-    return loss, {"loss": loss.item()}
-
-
 @pytest.fixture(scope="module")
 def sft_batch(tokenizer):
     from alignflow.config import SyntheticTaskConfig
@@ -36,21 +26,31 @@ def sft_batch(tokenizer):
 
     data = synthetic.generate(SyntheticTaskConfig(num_sft=8, num_preference=1, num_eval=1, num_rl_prompts=1), seed=0)
     tensors, _ = sft_tensors(tokenizer, data["sft"], 64, 16)
+    # The synthetic answers are all 2 tokens long; the loss also covers the last i % 5 prompt tokens of
+    # row i, so the rows count 2 to 6 loss tokens, as responses of different lengths would.
+    mask = tensors["loss_mask"]
+    for i in range(len(mask)):
+        first = int(mask[i].nonzero()[0])
+        mask[i, first - i % 5:first] = 1
     return tensors
 
 
-def _one_step(tiny_model, batch, **engine) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+def _one_step(tiny_model, batch, workers: int = 1, weigh=None, **engine) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """One SFT step (the token mean of the response NLL), weighed by response tokens unless `weigh`."""
     from alignflow.config import EngineConfig
     from safetensors.torch import load
 
+    from engines import objectives
+    from engines.batches import shard
     from engines.trainer import EngineSpec, TrainerGroup
 
     cfg = EngineConfig(learning_rate=LR, warmup_steps=0, **engine)
     spec = EngineSpec.from_config(cfg, model_path=str(tiny_model), kind="causal", total_steps=10, global_batch=8,
                                   dtype="float32", torch_threads=1, seed=0)
-    group = TrainerGroup(spec, 1)
+    group = TrainerGroup(spec, workers)
     try:
-        metrics = group.train_step([batch], row_mean_nll)
+        metrics = group.train_step(shard(batch, workers), objectives.causal_lm_objective,
+                                   weigh=weigh or objectives.response_tokens)
         return load(group.weights_bytes()), metrics
     finally:
         group.shutdown()
@@ -62,10 +62,14 @@ def test_micro_batches_and_checkpointing_match_one_batch(ray_local, tiny_model, 
     whole, m_whole = _one_step(tiny_model, sft_batch)
     before = checkpoint_shapes(str(tiny_model))
     assert set(whole) == set(before)
+    # The rows' response lengths differ, so the micro-batches (and ranks) hold different token counts.
+    lengths = sft_batch["loss_mask"][:, 1:].sum(-1)
+    assert len(set(lengths.tolist())) > 1, lengths
     variants = {
         "micro 3 (3+3+2 rows)": dict(micro_batch_size=3),
         "micro 3, ZeRO-2": dict(micro_batch_size=3, zero_stage=2),
         "micro 4, checkpointing": dict(micro_batch_size=4, gradient_checkpointing=True),
+        "2 ranks of 4 rows, micro 3 (3+1)": dict(workers=2, micro_batch_size=3),
     }
     for name, engine in variants.items():
         weights, metrics = _one_step(tiny_model, sft_batch, **engine)
@@ -76,6 +80,12 @@ def test_micro_batches_and_checkpointing_match_one_batch(ray_local, tiny_model, 
         assert diff < 1e-2 * LR, f"{name}: weights differ from the whole-batch step by {diff}"
         assert metrics["loss"] == pytest.approx(m_whole["loss"], abs=1e-5), name
         assert metrics["grad_norm"] == pytest.approx(m_whole["grad_norm"], rel=1e-4), name
+    # Weighed by rows, as if the loss were a mean over rows, the micro-batches' token means are mixed in
+    # the wrong proportions: the step is not the whole batch's.
+    from engines import objectives
+
+    _, by_rows = _one_step(tiny_model, sft_batch, weigh=objectives.per_row, micro_batch_size=3)
+    assert abs(by_rows["loss"] - m_whole["loss"]) > 1e-4
     # The step moved the weights (the comparison above is not between untouched copies).
     from safetensors.torch import load_file
 

@@ -485,7 +485,7 @@ def test_tied_embeddings_sync_into_vllm(ray_local, tiny_model, prompts, tmp_path
         rollouts = ray.get(engine.generate.remote(ids, Sampling(n=2, max_new_tokens=6)))
         batch = from_rollouts(rollouts, pad_id=0)
         sft = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask, "loss_mask": batch.attention_mask}
-        group.train_step(shard(sft, 1), objectives.causal_lm_objective)  # moves the tied matrix
+        group.train_step(shard(sft, 1), objectives.causal_lm_objective, weigh=objectives.response_tokens)  # moves the tied matrix
         # The round's own path: the trainer streams its weights in 64 KB buckets (several per step).
         WeightSync(group, RolloutEngines([engine]), bucket_bytes=64 * 2**10).push()
         after = ray.get(engine.generate.remote(ids, Sampling(n=2, max_new_tokens=6)))

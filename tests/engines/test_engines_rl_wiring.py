@@ -62,7 +62,7 @@ def _run_step(cfg, tiny_model, reference_model, prompts, then=None):
     rl = RLRound(cfg, RoundSetup(policy_path=path, reference_path=str(reference_model), reward_path=path,
                                  prompts=prompts, dtype="float32", torch_threads=1, max_model_len=80, seed=0))
     try:
-        objectives = [dict(obj.keywords) for _, obj in rl.update.objectives()]  # as the step will use them
+        objectives = [dict(obj.keywords) for _, obj, _ in rl.update.objectives()]  # as the step will use them
         out = rl.step(0)
         if then is not None:
             then(rl, out)

@@ -179,7 +179,7 @@ def test_a_zero3_policy_step_is_the_same_with_and_without_sharing(ray_local, tin
         group = TrainerGroup(spec, num_workers=1)
         try:
             shard = batch if with_groups else {k: v for k, v in batch.items() if k != "prompt_index"}
-            metrics = group.train_step([shard], objective)
+            metrics = group.train_step([shard], objective, weigh=functools.partial(objectives.aggregated, agg="token_mean"))
             results.append((metrics, load(group.weights_bytes())))
         finally:
             group.shutdown()

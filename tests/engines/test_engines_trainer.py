@@ -49,7 +49,7 @@ def sft_run(ray_local, tiny_model, sft_data):
     history = []
     for step in range(SFT_STEPS):
         shards = batches.shard(_batch(sft_data, schedule, step), group.world_size)
-        history.append(group.train_step(shards, objectives.causal_lm_objective))
+        history.append(group.train_step(shards, objectives.causal_lm_objective, weigh=objectives.response_tokens))
     yield group, schedule, history
     group.shutdown()
 
@@ -90,8 +90,8 @@ def test_resume_is_exact(sft_run, tiny_model, sft_data, tmp_path):
         assert resumed.evaluate(probe, _loss) == pytest.approx(group.evaluate(probe, _loss), abs=1e-6)
         for step in (SFT_STEPS, SFT_STEPS + 1, SFT_STEPS + 2):
             shards = batches.shard(_batch(sft_data, schedule, step), 1)
-            original = group.train_step(shards, objectives.causal_lm_objective)
-            again = resumed.train_step(shards, objectives.causal_lm_objective)
+            original = group.train_step(shards, objectives.causal_lm_objective, weigh=objectives.response_tokens)
+            again = resumed.train_step(shards, objectives.causal_lm_objective, weigh=objectives.response_tokens)
             assert original.keys() == again.keys()
             for k in original:
                 assert again[k] == pytest.approx(original[k], abs=1e-5, rel=1e-5), f"step {step}: {k}"
@@ -149,7 +149,7 @@ def test_reward_model_learns_the_training_pairs(ray_local, tiny_model, splits, t
         for step in range(40):
             idx = schedule.indices(step)
             shards = batches.shard(batches.split_pairs(pairs, idx, n), 1, paired=True)
-            metrics = group.train_step(shards, objectives.pairwise_objective)
+            metrics = group.train_step(shards, objectives.pairwise_objective, weigh=objectives.per_row)
             assert set(metrics) >= {"loss", "accuracy", "reward_margin"}
         acc1, loss1 = group.evaluate(pairs, _pair_accuracy_and_loss)
         assert acc1 >= 0.75, f"pairwise accuracy {acc0:.2f} -> {acc1:.2f}"
@@ -180,14 +180,15 @@ def test_resume_is_exact_under_zero_with_two_workers(ray_local, tiny_model, sft_
     resumed = None
     try:
         for step in range(3):
-            first.train_step(batches.shard(_batch(sft_data, schedule, step), 2), objectives.causal_lm_objective)
+            first.train_step(batches.shard(_batch(sft_data, schedule, step), 2), objectives.causal_lm_objective,
+                             weigh=objectives.response_tokens)
         first.save_state(str(tmp_path), {"step": 3})
         resumed = TrainerGroup(spec, num_workers=2)
         assert resumed.load_state(str(tmp_path)) == {"step": 3}
         for step in (3, 4):
             shards = batches.shard(_batch(sft_data, schedule, step), 2)
-            original = first.train_step(shards, objectives.causal_lm_objective)
-            again = resumed.train_step(shards, objectives.causal_lm_objective)
+            original = first.train_step(shards, objectives.causal_lm_objective, weigh=objectives.response_tokens)
+            again = resumed.train_step(shards, objectives.causal_lm_objective, weigh=objectives.response_tokens)
             for k in ("loss", "lr", "grad_norm"):
                 assert again[k] == pytest.approx(original[k], abs=1e-5, rel=1e-5), f"zero {zero_stage} step {step}: {k}"
         w_first, w_resumed = load(first.weights_bytes()), load(resumed.weights_bytes())
@@ -224,8 +225,8 @@ def test_offloading_and_reloading_the_optimizer_state_leaves_training_unchanged(
             shards = batches.shard(_batch(sft_data, schedule, step), 1)
             if step >= 1:
                 ray.get([w.__ray_call__.remote(_state_out_and_back) for w in moved.workers])
-            a = plain.train_step(shards, objectives.causal_lm_objective)
-            b = moved.train_step(shards, objectives.causal_lm_objective)
+            a = plain.train_step(shards, objectives.causal_lm_objective, weigh=objectives.response_tokens)
+            b = moved.train_step(shards, objectives.causal_lm_objective, weigh=objectives.response_tokens)
             assert b["loss"] == pytest.approx(a["loss"], abs=1e-6) and b["grad_norm"] == pytest.approx(a["grad_norm"], abs=1e-6)
         w_plain, w_moved = load(plain.weights_bytes()), load(moved.weights_bytes())
         for k in w_plain:

@@ -43,7 +43,7 @@ def test_sft_bf16_on_gpu(ray_gpu, gpu_model, gpu_tokenizer, task_data, zero):
     try:
         _on_cuda(group.device_reports()[0], "bfloat16")
         batch = take(tensors, torch.arange(16))
-        losses = [group.train_step(shard(batch, 1), objectives.causal_lm_objective)["loss"] for _ in range(8)]
+        losses = [group.train_step(shard(batch, 1), objectives.causal_lm_objective, weigh=objectives.response_tokens)["loss"] for _ in range(8)]
         assert losses[-1] < losses[0] - 0.1, losses
     finally:
         group.shutdown()
@@ -71,14 +71,14 @@ def test_optimizer_state_leaves_the_gpu_and_comes_back(ray_gpu, gpu_model, gpu_t
     batch = shard(take(tensors, torch.arange(16)), 1)
     group = _gpu_engine(gpu_model, "causal", zero=zero, lr=3e-3)
     try:
-        first = group.train_step(batch, objectives.causal_lm_objective)["loss"]
+        first = group.train_step(batch, objectives.causal_lm_objective, weigh=objectives.response_tokens)["loss"]
         devices = lambda: ray.get(group.workers[0].__ray_call__.remote(_optimizer_state_devices))  # noqa: E731
         assert devices() == ["cuda"]
         group.offload_states()
         assert devices() == ["cpu"]
         group.reload_states()
         assert devices() == ["cuda"]
-        later = [group.train_step(batch, objectives.causal_lm_objective)["loss"] for _ in range(4)]
+        later = [group.train_step(batch, objectives.causal_lm_objective, weigh=objectives.response_tokens)["loss"] for _ in range(4)]
         assert later[-1] < first - 0.1, (first, later)
     finally:
         group.shutdown()
@@ -97,7 +97,7 @@ def test_reward_model_with_margin_on_gpu(ray_gpu, gpu_model, gpu_tokenizer, task
         n = tensors["input_ids"].shape[0] // 2
         batch = split_pairs(tensors, torch.arange(16), n)
         objective = functools.partial(objectives.pairwise_objective, margin=0.5)  # a margin tensor on the GPU
-        out = [group.train_step(shard(batch, 1, paired=True), objective, paired=True) for _ in range(8)]
+        out = [group.train_step(shard(batch, 1, paired=True), objective, paired=True, weigh=objectives.per_row) for _ in range(8)]
         assert out[-1]["loss"] < out[0]["loss"], [m["loss"] for m in out]
     finally:
         group.shutdown()
@@ -206,7 +206,7 @@ def test_tied_weight_update_keeps_logprob_parity_on_gpu(ray_gpu, gpu_model, gpu_
                             count=1, seeds=[0], dtype="bfloat16", torch_threads=2, max_model_len=96)
     try:
         tensors, _ = sft_tensors(gpu_tokenizer, task_data["sft"], 64, 16)
-        group.train_step(shard(take(tensors, torch.arange(16)), 1), objectives.causal_lm_objective)
+        group.train_step(shard(take(tensors, torch.arange(16)), 1), objectives.causal_lm_objective, weigh=objectives.response_tokens)
         # Trainer and engine share the GPU: CUDA IPC handles (tied: lm_head travels as the embedding).
         WeightSync(group, engines, bucket_bytes=2**20).push()
         prompts = [ids for ids, _ in _prompts(gpu_tokenizer, task_data)[:8]]
