@@ -1,0 +1,90 @@
+"""A step taken in micro-batches on several ranks is the whole batch's step.
+
+The policy objective (clipped surrogate, entropy bonus, k3 KL loss) on rollouts of
+different response lengths, for each loss aggregation: the whole batch's gradient
+against the sum of the micro-batches' gradients, each loss times its
+`engines.batches.loss_scales` factor and the ranks averaged as DeepSpeed averages
+them. In process, on the tiny model; the same arithmetic runs in the trainer
+(tests/engines/test_engines_memory.py checks it through DeepSpeed).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+AGGS = ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model):
+    from engines.models import load_policy
+
+    return load_policy(tiny_model).eval()
+
+
+@pytest.fixture(scope="module")
+def batch():
+    """Eight rollouts of 1-6 response tokens, with advantages, old, reference and rollout log-probs."""
+    from engines.experience import from_rollouts
+    from engines.rollout import Rollout
+
+    g = torch.Generator().manual_seed(0)
+    lengths = [6, 1, 4, 2, 5, 1, 3, 6]
+    rollouts = [Rollout(i, torch.randint(3, 60, (3 + i % 3,), generator=g).tolist(),
+                        torch.randint(3, 60, (n,), generator=g).tolist(), "", [0.0] * n, True)
+                for i, n in enumerate(lengths)]
+    tensors = from_rollouts(rollouts, pad_id=0).tensors()
+    mask = tensors["action_mask"]
+    assert mask.sum(-1).tolist() == lengths
+    noise = lambda scale: scale * torch.randn(mask.shape, generator=g) * mask  # noqa: E731
+    old = -2.0 + noise(0.3)
+    return {**tensors, "advantages": noise(1.0), "old_logprobs": old, "ref_logprobs": old + noise(0.2),
+            "rollout_logprobs": old + noise(0.1)}
+
+
+def _objective(agg):
+    from engines import objectives
+
+    return functools.partial(objectives.policy_objective, clip_low=0.2, clip_high=0.28, dual_clip=3.0, agg=agg,
+                             entropy_coef=0.01, kl_loss_coef=0.1, kl_estimator="k3", kl_clamp=10.0, tis_cap=None)
+
+
+def _grads(model, losses_and_scales) -> dict[str, torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    for loss, scale in losses_and_scales:
+        (loss * scale).backward()
+    out = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def _stepped(model, batch, objective, weigh, ranks: int, rows: int) -> dict[str, torch.Tensor]:
+    """The gradient DeepSpeed would apply: per rank the scaled micro-batch losses accumulated, then the
+    ranks' gradients averaged."""
+    from engines.batches import loss_scales, micro_batches, shard
+
+    parts = [micro_batches(s, rows) for s in shard(batch, ranks)]
+    scales = loss_scales(parts, weigh)
+    grads = [_grads(model, [(objective(model, m)[0], s) for m, s in zip(micro, ss)])
+             for micro, ss in zip(parts, scales)]
+    return {n: sum(g[n] for g in grads) / ranks for n in grads[0]}
+
+
+@pytest.mark.parametrize("agg", AGGS)
+def test_micro_batches_and_ranks_give_the_whole_batch_gradient(model, batch, agg):
+    from engines import objectives
+
+    objective = _objective(agg)
+    whole = _grads(model, [(objective(model, batch)[0], 1.0)])
+    weigh = functools.partial(objectives.aggregated, agg=agg)
+    for ranks, rows in ((1, 3), (2, 2), (2, 1)):
+        split = _stepped(model, batch, objective, weigh, ranks, rows)
+        for name, g in whole.items():  # fp32 sums in another order: atol relative to the gradient's scale
+            torch.testing.assert_close(split[name], g, rtol=1e-4, atol=1e-5 * g.abs().max().item(),
+                                       msg=lambda m: f"{ranks} ranks, {rows} rows, {name}: {m}")
+    if agg == "token_mean":  # weighed by rows, micro-batches of 7, 6, 6 and 9 tokens count alike
+        by_rows = _stepped(model, batch, objective, objectives.per_row, 2, 2)
+        assert max(((by_rows[n] - g).abs().max() / g.abs().max()).item() for n, g in whole.items()) > 1e-2
