@@ -102,7 +102,7 @@ def policy_objective(
     model, batch: dict[str, torch.Tensor], *, clip_low: float, clip_high: float, dual_clip: float | None,
     agg: str, entropy_coef: float, kl_loss_coef: float, kl_estimator: str, kl_clamp: float | None,
     tis_cap: float | None, tis_low: float | None = None, tis_mode: str = "truncate", on_policy: bool = False,
-    surrogate: Callable = ppo_policy_loss,
+    surrogate: Callable = ppo_policy_loss, loss_scale_constant: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO clipped surrogate (+ entropy bonus, + GRPO-style KL loss when kl_loss_coef > 0).
 
@@ -118,6 +118,8 @@ def policy_objective(
     off), kl_to_reference (the estimator's token mean), sequence_kl (Σ_t of the k1 estimate of
     this forward against the reference, the row mean), entropy, clip_fraction, approx_kl;
     with TIS, tis_weight_mean and tis_masked_fraction (share of tokens masked out).
+    `loss_scale_constant`: C of `agg="seq_mean_token_sum_norm"` (Dr. GRPO: the generation budget, so
+    the scale does not follow the step's longest response); None: the batch's padded response width.
     """
     from algos import entropy_bonus_loss, kl_estimate, aggregate_loss, masked_mean
 
@@ -132,11 +134,12 @@ def policy_objective(
     out = surrogate(
         logprobs, old, batch["advantages"], mask, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip,
         agg=agg, rollout_logprobs=batch["rollout_logprobs"] if tis_cap else None, tis_cap=tis_cap, tis_low=tis_low,
-        tis_mode=tis_mode,
+        tis_mode=tis_mode, loss_scale_constant=loss_scale_constant,
     )
     loss = out.loss
     if entropy_coef:
-        loss = loss + entropy_bonus_loss(entropy, mask, entropy_coef=entropy_coef, agg=agg)
+        loss = loss + entropy_bonus_loss(entropy, mask, entropy_coef=entropy_coef, agg=agg,
+                                         loss_scale_constant=loss_scale_constant)
     metrics = {
         "policy_loss": out.loss.item(), "clip_fraction": float(out.clip_fraction),
         "approx_kl": float(out.approx_kl), "entropy": float(masked_mean(entropy.detach(), mask)),
@@ -145,7 +148,7 @@ def policy_objective(
         metrics.update(tis_weight_mean=float(out.tis_weight_mean), tis_masked_fraction=float(out.tis_masked_fraction))
     if "ref_logprobs" in batch:  # algorithms without a reference (no KL term) have none
         kl = kl_estimate(logprobs, batch["ref_logprobs"], kind=kl_estimator, clamp=kl_clamp)
-        kl_loss = kl_loss_coef * aggregate_loss(kl, mask, agg=agg)
+        kl_loss = kl_loss_coef * aggregate_loss(kl, mask, agg=agg, loss_scale_constant=loss_scale_constant)
         if kl_loss_coef:
             loss = loss + kl_loss
         k1 = sequence_k1(logprobs.detach(), batch["ref_logprobs"], mask)
@@ -167,10 +170,12 @@ def gspo_objective(model, batch: dict[str, torch.Tensor], **kwargs) -> tuple[tor
 POLICY_LOSSES = {"ppo_clip": policy_objective, "gspo_clip": gspo_objective}
 
 
-def value_objective(model, batch: dict[str, torch.Tensor], *, clip_eps: float | None, agg: str) -> tuple[torch.Tensor, dict[str, float]]:
-    """Clipped value regression toward the returns."""
+def value_objective(model, batch: dict[str, torch.Tensor], *, clip_eps: float | None, agg: str,
+                    loss_scale_constant: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clipped value regression toward the returns (`loss_scale_constant` as in `policy_objective`)."""
     from algos import value_loss
 
     values = token_values(model, batch)
-    out = value_loss(values, batch["values"], batch["returns"], batch["action_mask"], clip_eps=clip_eps, agg=agg)
+    out = value_loss(values, batch["values"], batch["returns"], batch["action_mask"], clip_eps=clip_eps, agg=agg,
+                     loss_scale_constant=loss_scale_constant)
     return out.loss, {"value_loss": out.loss.item(), "value_clip_fraction": float(out.clip_fraction)}

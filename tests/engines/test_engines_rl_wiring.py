@@ -138,6 +138,7 @@ def test_grpo_kl_loss_dynamic_sampling_clip_higher(ray_local, tiny_model, refere
     actor = objectives[0]
     assert (actor["clip_low"], actor["clip_high"], actor["kl_estimator"], actor["kl_loss_coef"], actor["agg"]) == (
         0.2, 0.28, "k3", 0.1, "token_mean")
+    assert actor["loss_scale_constant"] == cfg.generation.max_new_tokens  # Dr. GRPO's C, were agg to use it
     # One minibatch, one epoch: no separate old-logprob forward; the training forward's own
     # logprobs are the old ones. Its KL term is the k3 KL of the pre-update policy (recomputed
     # here from the checkpoint) to the reference over the trained rows, times the coefficient.

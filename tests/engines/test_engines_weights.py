@@ -88,3 +88,17 @@ def test_micro_batches_and_ranks_give_the_whole_batch_gradient(model, batch, agg
     if agg == "token_mean":  # weighed by rows, micro-batches of 7, 6, 6 and 9 tokens count alike
         by_rows = _stepped(model, batch, objective, objectives.per_row, 2, 2)
         assert max(((by_rows[n] - g).abs().max() / g.abs().max()).item() for n, g in whole.items()) > 1e-2
+
+
+def test_dr_grpo_scale_is_the_generation_budget_not_the_batch_width(model, batch):
+    """Dr. GRPO divides each row's token sum by a constant: with one given, the loss does not follow the
+    step's longest response (the batch's padded width); without, it does, as T / (T + k)."""
+    T = batch["action_mask"].shape[1]
+    wider = {k: torch.cat([v, torch.zeros(v.shape[0], 4, dtype=v.dtype)], 1) if v.shape[1:] == (T,) else v
+             for k, v in batch.items()}  # 4 more response columns, all masked
+    objective = _objective("seq_mean_token_sum_norm")
+    given = [objective(model, b, loss_scale_constant=16.0)[0].item() for b in (batch, wider)]
+    assert given[1] == pytest.approx(given[0], rel=1e-6)
+    default = [objective(model, b)[0].item() for b in (batch, wider)]
+    assert default[1] == pytest.approx(default[0] * T / (T + 4), rel=1e-5)
+    assert given[0] == pytest.approx(default[0] * T / 16, rel=1e-5)
