@@ -193,3 +193,29 @@ def loss_scales(parts: list[list[dict[str, Any]]], weigh: Callable[[dict[str, An
     weights = [[float(weigh(m)) for m in micro] for micro in parts]
     total = sum(map(sum, weights))
     return [[len(parts) * w / total if total else 0.0 for w in ws] for ws in weights]
+
+
+def add_metrics(sums: dict[str, Any], metrics: dict[str, Any], scale: float) -> None:
+    """One micro-batch's metrics into a rank's `sums`. A number counts by its loss's scale
+    (`loss_scales`): right for the loss and for means over what the loss averages over. A mean over
+    something else comes as a `(sum, count)` pair, added as it is, so the mean is exact whatever the
+    micro-batches: a row mean (sequence_kl) weighed by tokens would follow their lengths."""
+    for k, v in metrics.items():
+        if isinstance(v, tuple):
+            total, count = sums.get(k, (0.0, 0.0))
+            sums[k] = (total + float(v[0]), count + float(v[1]))
+        else:
+            sums[k] = sums.get(k, 0.0) + float(v) * scale
+
+
+def combine_ranks(results: list[dict[str, Any]]) -> dict[str, float]:
+    """The ranks' metrics (`add_metrics`) as one: numbers averaged over the ranks, as DeepSpeed averages
+    their gradients; pairs summed over the ranks, then the sum divided by the count (0 for no count)."""
+    out = {}
+    for k, v in results[0].items():
+        if isinstance(v, tuple):
+            total, count = (sum(r[k][i] for r in results) for i in (0, 1))
+            out[k] = total / count if count else 0.0
+        else:
+            out[k] = sum(r[k] for r in results) / len(results)
+    return out

@@ -117,11 +117,12 @@ def policy_objective(
     batch needs none. Metrics: policy_loss (the surrogate alone), kl_loss (the KL term, 0 when
     off), kl_to_reference (the estimator's token mean), sequence_kl (Σ_t of the k1 estimate of
     this forward against the reference, the row mean), entropy, clip_fraction, approx_kl;
-    with TIS, tis_weight_mean and tis_masked_fraction (share of tokens masked out).
+    with TIS, tis_weight_mean and tis_masked_fraction (share of tokens masked out). The token
+    means computed here and the row mean come as (sum, count) pairs (engines/batches.add_metrics).
     `loss_scale_constant`: C of `agg="seq_mean_token_sum_norm"` (Dr. GRPO: the generation budget, so
     the scale does not follow the step's longest response); None: the batch's padded response width.
     """
-    from algos import entropy_bonus_loss, kl_estimate, aggregate_loss, masked_mean
+    from algos import entropy_bonus_loss, kl_estimate, aggregate_loss, masked_sum
 
     mask = batch["action_mask"]
     logprobs, entropy = response_logprobs_and_entropy(model, batch, with_entropy=True)
@@ -140,9 +141,10 @@ def policy_objective(
     if entropy_coef:
         loss = loss + entropy_bonus_loss(entropy, mask, entropy_coef=entropy_coef, agg=agg,
                                          loss_scale_constant=loss_scale_constant)
+    tokens = float(mask.sum())  # token and row means as (sum, count): exact over micro-batches (batches.add_metrics)
     metrics = {
         "policy_loss": out.loss.item(), "clip_fraction": float(out.clip_fraction),
-        "approx_kl": float(out.approx_kl), "entropy": float(masked_mean(entropy.detach(), mask)),
+        "approx_kl": float(out.approx_kl), "entropy": (float(masked_sum(entropy.detach(), mask)), tokens),
     }
     if tis_cap:
         metrics.update(tis_weight_mean=float(out.tis_weight_mean), tis_masked_fraction=float(out.tis_masked_fraction))
@@ -152,8 +154,8 @@ def policy_objective(
         if kl_loss_coef:
             loss = loss + kl_loss
         k1 = sequence_k1(logprobs.detach(), batch["ref_logprobs"], mask)
-        metrics.update(kl_to_reference=float(masked_mean(kl.detach(), mask)), kl_loss=float(kl_loss.detach()),
-                       sequence_kl=float(k1.mean()))
+        metrics.update(kl_to_reference=(float(masked_sum(kl.detach(), mask)), tokens), kl_loss=float(kl_loss.detach()),
+                       sequence_kl=(float(k1.sum()), float(len(k1))))
     elif kl_loss_coef:
         raise ValueError("a KL loss needs ref_logprobs in the batch")
     return loss, metrics

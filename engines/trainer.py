@@ -30,7 +30,7 @@ import torch
 from alignflow.artifacts import Entries, Source, local_dir, merge_entries, writing
 from alignflow.net import free_port
 from engines import lora, models
-from engines.batches import in_micro_batches, loss_scales, micro_batches
+from engines.batches import add_metrics, combine_ranks, in_micro_batches, loss_scales, micro_batches
 from engines.devices import (actor_device, actor_options, announce_cpu_accelerator, local_rank, pin_cpu_cores,
                              cpu_report, placement_group_id, quiet_stdout, to_cpu, to_device)
 from engines.engine_spec import EngineSpec, lr_lambda, move_training_state
@@ -102,7 +102,7 @@ class TrainWorker:
     def train_step(self, micro_batches: list[dict[str, Any]], objective: Callable,
                    scales: list[float]) -> dict[str, float]:
         """One optimizer step on this rank's micro-batches, each loss times its scale (batches.loss_scales),
-        gradients accumulated. Metrics: scale-weighted sums (their mean over the ranks: the means)."""
+        gradients accumulated. Metrics: summed as batches.add_metrics (the group combines the ranks')."""
         self.engine.train()
         sums: dict[str, float] = {}
         for i, (micro, scale) in enumerate(zip(micro_batches, scales, strict=True)):
@@ -110,8 +110,7 @@ class TrainWorker:
             self.engine.set_gradient_accumulation_boundary(i == len(micro_batches) - 1)
             loss, metrics = objective(self.engine, to_device(micro, self.device))
             self.engine.backward(loss * scale)
-            for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + float(v) * scale
+            add_metrics(sums, metrics, scale)
         # DeepSpeed reports the norm only under ZeRO >= 1; at stage 0 the
         # full gradients are on every rank, so take it before step() clears them.
         local_norm = None
@@ -265,7 +264,7 @@ class TrainerGroup:
         parts = [micro_batches(s, size, tokens=tokens, paired=paired) for s in shards]
         results = ray.get([w.train_step.remote(p, objective, scales)
                            for w, p, scales in zip(self.workers, parts, loss_scales(parts, weigh))])
-        return {k: sum(r[k] for r in results) / len(results) for k in results[0]}
+        return combine_ranks(results)
 
     def evaluate(self, batch: dict[str, Any], fn: Callable, without_adapters: bool = False) -> Any:
         """`fn(model, batch)`, rank 0's result (every rank runs it: ZeRO-3 needs all in each forward);

@@ -9,6 +9,8 @@ import torch
 
 from engines.batches import (
     LengthReport,
+    add_metrics,
+    combine_ranks,
     PromptTooLongError,
     encode_response,
     loss_scales,
@@ -229,3 +231,19 @@ def test_loss_scales_are_each_micro_batchs_share_of_the_whole_times_the_ranks():
     per_rank = [sum(s * x for s, x in zip(ss, ls)) for ss, ls in zip(scales, losses)]
     assert sum(per_rank) / 2 == pytest.approx((3 * 5 + 1 * 7 + 4 * 1) / 8)
     assert loss_scales([[{"t": 0}], [{"t": 0}]], lambda m: m["t"]) == [[0.0], [0.0]]  # nothing to weigh
+
+
+def test_metrics_combine_by_loss_scale_and_pairs_exactly():
+    # Rank 0: micro-batches of scale 0.5 and 1.0; rank 1: one of scale 0.5 (2 ranks: scales sum to 2).
+    ranks = []
+    for micro in ([(0.5, {"loss": 2.0, "kl": (3.0, 1)}), (1.0, {"loss": 4.0, "kl": (5.0, 3)})],
+                  [(0.5, {"loss": 6.0, "kl": (0.0, 0)})]):
+        sums = {}
+        for scale, metrics in micro:
+            add_metrics(sums, metrics, scale)
+        ranks.append(sums)
+    assert ranks[0] == {"loss": 0.5 * 2.0 + 1.0 * 4.0, "kl": (8.0, 4.0)}
+    out = combine_ranks(ranks)
+    assert out["loss"] == pytest.approx((0.5 * 2 + 1.0 * 4 + 0.5 * 6) / 2)  # the weighted mean, weights 1/4, 1/2, 1/4
+    assert out["kl"] == pytest.approx(8.0 / 4)  # every row once, whatever the scales
+    assert combine_ranks([{"kl": (0.0, 0.0)}]) == {"kl": 0.0}

@@ -102,3 +102,33 @@ def test_dr_grpo_scale_is_the_generation_budget_not_the_batch_width(model, batch
     default = [objective(model, b)[0].item() for b in (batch, wider)]
     assert default[1] == pytest.approx(default[0] * T / (T + 4), rel=1e-5)
     assert given[0] == pytest.approx(default[0] * T / 16, rel=1e-5)
+
+
+@pytest.mark.parametrize("agg", AGGS)
+def test_metrics_over_micro_batches_and_ranks_are_the_whole_batchs(model, batch, agg):
+    """The loss terms combine by the loss scales; the row mean (sequence_kl) and the token means the
+    objective reports as (sum, count) combine exactly, whatever the aggregation."""
+    from engines import objectives
+    from engines.batches import add_metrics, combine_ranks, loss_scales, micro_batches, shard
+
+    objective = _objective(agg)
+    with torch.no_grad():
+        _, whole = objective(model, batch)
+        parts = [micro_batches(s, 1) for s in shard(batch, 2)]
+        ranks = []
+        for micro, scales in zip(parts, loss_scales(parts, functools.partial(objectives.aggregated, agg=agg))):
+            sums = {}
+            for m, scale in zip(micro, scales):
+                add_metrics(sums, objective(model, m)[1], scale)
+            ranks.append(sums)
+    combined = combine_ranks(ranks)
+    exact = ["policy_loss", "kl_loss", "sequence_kl", "entropy", "kl_to_reference"]
+    for k in exact:
+        value = whole[k][0] / whole[k][1] if isinstance(whole[k], tuple) else whole[k]
+        assert combined[k] == pytest.approx(value, rel=1e-5), k
+    # The row mean by hand: each row's summed k1 (log-prob difference to the reference), over the 8 rows.
+    with torch.no_grad():
+        from engines.objectives import response_logprobs
+
+        k1 = ((response_logprobs(model, batch) - batch["ref_logprobs"]) * batch["action_mask"]).sum(-1)
+    assert combined["sequence_kl"] == pytest.approx(k1.mean().item(), rel=1e-5)
