@@ -20,11 +20,12 @@ from engines.logits import masked_next_token_logprobs, response_logprobs_and_ent
 
 
 def causal_lm_objective(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
-    """SFT: NLL on response tokens only (loss_mask is over input_ids; logits only there)."""
+    """SFT: NLL on response tokens only (loss_mask is over input_ids; logits only there). Metrics: loss,
+    response_length (response tokens per row, as (sum, count): engines/batches.add_metrics)."""
     logprobs = masked_next_token_logprobs(model, batch, batch["loss_mask"])
     mask = batch["loss_mask"][:, 1:]
     loss = sft_loss(logprobs, mask)
-    return loss, {"loss": loss.item(), "response_tokens": float(mask.sum())}
+    return loss, {"loss": loss.item(), "response_length": (float(mask.sum()), float(mask.shape[0]))}
 
 
 # ---- What each objective averages over: the `weigh` of TrainerGroup.train_step. A step taken in

@@ -97,7 +97,7 @@ def packed_causal_lm_objective(model, batch: dict[str, Tensor], *, max_tokens: i
     (None: the batch's padded width): the same loss and metrics."""
     packed = _pack(model, batch, max_tokens)
     loss, tokens = packed_sft_loss(model, packed)
-    return loss, {"loss": loss.item(), "response_tokens": float(tokens)}
+    return loss, {"loss": loss.item(), "response_length": (float(tokens), float(batch["input_ids"].shape[0]))}
 
 
 def packed_sequence_logps(model, batch: dict[str, Tensor], *, max_tokens: int | None = None) -> Tensor:

@@ -124,7 +124,7 @@ def test_rejection_sampling_trains_only_on_winners(ray_local, tiny_model, prompt
         if expected:
             # One minibatch: the trained response tokens are exactly the winners' tokens.
             n_tokens = sum(len(rollouts[i].token_ids) for i in expected.values())
-            assert metrics["sft_response_tokens"] == n_tokens
+            assert metrics["sft_response_length"] == pytest.approx(n_tokens / len(expected))
     finally:
         rl.shutdown()
 

@@ -61,8 +61,8 @@ def test_sft_reduces_the_loss(sft_run):
     assert last < 0.7 * first, f"loss {first:.3f} -> {last:.3f}"
     for m in history:
         # At ZeRO-0 DeepSpeed reports no norm; the worker computes it.
-        assert set(m) >= {"loss", "response_tokens", "lr", "grad_norm"} and m["grad_norm"] > 0
-        assert m["response_tokens"] == 2 * BATCH  # one digit + EOS per row
+        assert set(m) >= {"loss", "response_length", "lr", "grad_norm"} and m["grad_norm"] > 0
+        assert m["response_length"] == 2  # one digit + EOS per row
     # Warmup (3 steps) then decay; the lr reported after a step is the next step's.
     assert history[0]["lr"] == pytest.approx(3e-3 * 2 / 3)
     assert max(m["lr"] for m in history) == pytest.approx(3e-3)
