@@ -14,10 +14,6 @@ from alignflow.config import EngineConfig
 from alignflow.config.base import LoraConfig
 
 
-def rows(batch: dict[str, Any]) -> int:
-    return int(batch["input_ids"].shape[0])
-
-
 def _move_optimizer_state(optimizer, device) -> None:
     """The moments of a torch optimizer's per-parameter state (every tensor but scalars: Adam's `step`
     stays where the optimizer keeps it) moved to `device`."""

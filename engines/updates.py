@@ -38,8 +38,8 @@ class Trained:
 def train_minibatches(batch: dict[str, torch.Tensor], chunks, steps: list[tuple[TrainerGroup, Callable, Callable]], *,
                       pairs: int | None = None) -> dict[str, float]:
     """One optimizer step per chunk of rows for every (trainer group, objective, weigh: what it averages
-    over, engines/objectives); mean metrics. A value
-    model's own trainer metrics (lr, grad_norm, lora/*: `is_trainer_metric`) are logged as `critic/<name>`.
+    over, engines/objectives); mean metrics. A value model's own trainer metrics (lr, grad_norm, lora/*:
+    `is_trainer_metric`) are logged as `critic/<name>`.
     `pairs`: the batch is [chosen..., rejected...] of that many pairs and the chunks index pairs."""
     sums: dict[str, float] = {}
     n = 0
