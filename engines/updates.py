@@ -143,15 +143,15 @@ class PolicyGradientUpdate:
         cfg, p, m = self.cfg, self.cfg.ppo, self.models
         policy_loss = objectives.POLICY_LOSSES[cfg.spec.policy_loss]
         weigh = functools.partial(objectives.aggregated, agg=p.loss_agg)
-        scale = float(cfg.generation.max_new_tokens)  # Dr. GRPO's constant (used by seq_mean_token_sum_norm alone)
+        constant = float(cfg.generation.max_new_tokens)  # Dr. GRPO's C (seq_mean_token_sum_norm alone uses it)
         steps = [] if frozen else [(m.actor, functools.partial(
             policy_loss, clip_low=p.clip_low, clip_high=p.clip_high, dual_clip=p.dual_clip, agg=p.loss_agg,
             entropy_coef=p.entropy_coef, kl_loss_coef=self.kl_ctl.value if cfg.kl.apply_as == "loss" else 0.0,
             kl_estimator=cfg.kl.estimator, kl_clamp=cfg.kl.clamp, tis_cap=p.tis_cap, tis_low=p.tis_low,
-            tis_mode=p.tis_mode, on_policy=self.on_policy(cfg), loss_scale_constant=scale), weigh)]
+            tis_mode=p.tis_mode, on_policy=self.on_policy(cfg), loss_scale_constant=constant), weigh)]
         if m.critic is not None:
             steps.append((m.critic, functools.partial(objectives.value_objective, clip_eps=p.value_clip,
-                                                      agg=p.loss_agg, loss_scale_constant=scale), weigh))
+                                                      agg=p.loss_agg, loss_scale_constant=constant), weigh))
         return steps
 
     def _train(self, exp: Experience, step: int, frozen: bool) -> dict[str, float]:
