@@ -10,7 +10,8 @@ becomes two batches of 2N (+ M) right-padded rows each, laid out
 with `loss_mask` over input_ids on the response tokens (EOS included). DPO
 trains on `main` as pairs; KTO takes its 2N rows as examples (chosen:
 desirable, rejected: undesirable) and estimates its reference point
-z0 = KL(π ‖ π_ref) on the mismatched `kl` rows, as Ethayarajh et al. 2024 do.
+z0 = KL(π ‖ π_ref) on the mismatched `kl` rows of the whole step (every
+micro-batch and rank: KTOObjective.prepare), as Ethayarajh et al. 2024 do.
 The reference's sequence log-probabilities of both batches are computed once
 per dataset (the `preference_reference` stage) and ride along as `ref_logps`
 and `ref_kl_logps`.
@@ -128,21 +129,51 @@ def dpo_objective(model, batch: dict[str, torch.Tensor], *, loss_type: str, beta
     return out.loss, _reward_metrics(out)
 
 
+def kto_reference_point(model, micro_batches: list[dict[str, torch.Tensor]], device: torch.device | str, *,
+                        packing_max_tokens: int | None | bool = False) -> torch.Tensor:
+    """KTO's reference point z0 = mean_b (log π − log π_ref) over the mismatched `kl_*` rows of all
+    `micro_batches` and of every rank of a training group (a sum and a count all-reduced), without
+    gradient: () float32 on `device`, unclamped (kto_loss clamps it at 0)."""
+    seq = _logps(False, packing_max_tokens)
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    with torch.no_grad():
+        for micro in micro_batches:
+            kl_rows = {k.removeprefix("kl_"): v.to(device) for k, v in micro.items() if k.startswith("kl_")}
+            diff = (seq(model, kl_rows) - micro["ref_kl_logps"].to(device)).double()
+            total += torch.stack([diff.sum(), diff.new_tensor(float(diff.numel()))])
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(total)
+    return (total[0] / total[1]).float()
+
+
 def kto_objective(model, batch: dict[str, torch.Tensor], *, beta: float, desirable_weight: float,
                   undesirable_weight: float, packing_max_tokens: int | None | bool = False,
-                  ) -> tuple[torch.Tensor, dict[str, float]]:
-    """KTO (algos.preference.kto_loss) on examples with `desirable` (B,) bool and `ref_logps`.
-
-    The reference point z0 = mean_b (log π − log π_ref) over the batch's mismatched `kl_*` rows, without
-    gradient, averaged across the ranks of a training group (clamped at 0 by the loss)."""
-    seq = _logps(False, packing_max_tokens)
-    logps = seq(model, batch)
-    with torch.no_grad():
-        kl_rows = {k.removeprefix("kl_"): v for k, v in batch.items() if k.startswith("kl_")}
-        z0 = (seq(model, kl_rows) - batch["ref_kl_logps"]).mean()
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.all_reduce(z0)
-            z0 = z0 / torch.distributed.get_world_size()
+                  z0: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """KTO (algos.preference.kto_loss) on examples with `desirable` (B,) bool and `ref_logps`, against
+    the reference point `z0` (None: `kto_reference_point` of this batch alone)."""
+    if z0 is None:
+        z0 = kto_reference_point(model, [batch], batch["input_ids"].device, packing_max_tokens=packing_max_tokens)
+    logps = _logps(False, packing_max_tokens)(model, batch)
     out = kto_loss(logps, batch["ref_logps"], batch["desirable"], z0, beta=beta,
                    desirable_weight=desirable_weight, undesirable_weight=undesirable_weight)
     return out.loss, _reward_metrics(out) | {"kl_reference_point": float(out.kl)}
+
+
+@dataclass(frozen=True)
+class KTOObjective:
+    """KTO as a training group runs it: `prepare` (called by each rank before its micro-batches, see
+    engines/trainer.py) takes z0 over the whole step, so micro-batch size and rank count leave the step
+    as the whole batch's. Per micro-batch, z0 would be an estimate from a few rows that moves with them."""
+
+    beta: float
+    desirable_weight: float
+    undesirable_weight: float
+    packing_max_tokens: int | None | bool = False
+
+    def prepare(self, model, micro_batches: list[dict[str, torch.Tensor]], device) -> dict[str, torch.Tensor]:
+        return {"z0": kto_reference_point(model, micro_batches, device, packing_max_tokens=self.packing_max_tokens)}
+
+    def __call__(self, model, batch: dict[str, torch.Tensor], z0: torch.Tensor | None = None):
+        return kto_objective(model, batch, beta=self.beta, desirable_weight=self.desirable_weight,
+                             undesirable_weight=self.undesirable_weight, packing_max_tokens=self.packing_max_tokens,
+                             z0=z0)

@@ -7,8 +7,10 @@ row shards, one per worker; DeepSpeed averages gradients across them.
 
 The objective is injected: `train_step(shards, objective)` calls
 `objective(model, micro_batch) -> (loss, metrics)` on every worker, once per
-micro-batch, gradients accumulated. The engine does not know which
-algorithm it serves. Each rank's device follows engines/devices.py.
+micro-batch, gradients accumulated; an objective with a `prepare(model,
+micro_batches, device) -> kwargs` method first takes what the whole step
+shares (KTO's reference point), passed to each call. The engine does not know
+which algorithm it serves. Each rank's device follows engines/devices.py.
 
 Resume state (`save_state` / `load_state`) is the model in HF format (with LoRA:
 the adapter only, engines/lora.py) plus, per rank, optimizer and RNG state as
@@ -70,7 +72,8 @@ class TrainWorker:
         if not torch.distributed.is_initialized():
             with quiet_stdout():  # on the CPU, DeepSpeed prints that its shared-memory op built
                 deepspeed.init_distributed(dist_backend=accel.communication_backend_name())
-        self._seed(spec.seed)
+        random.seed(spec.seed)
+        torch.manual_seed(spec.seed)
         self.spec = spec = dataclasses.replace(spec, model_path=local_dir(spec.model_path))  # fetched on this node
         self.tokenizer = models.load_tokenizer(spec.model_path)
         model = models.load_trainable(spec, self.tokenizer.pad_token_id)
@@ -94,21 +97,18 @@ class TrainWorker:
                 "param_devices": sorted({p.device.type for p in params}),
                 "param_dtypes": sorted({str(p.dtype) for p in params})}
 
-    @staticmethod
-    def _seed(seed: int) -> None:
-        random.seed(seed)
-        torch.manual_seed(seed)
-
     def train_step(self, micro_batches: list[dict[str, Any]], objective: Callable,
                    scales: list[float]) -> dict[str, float]:
         """One optimizer step on this rank's micro-batches, each loss times its scale (batches.loss_scales),
         gradients accumulated. Metrics: summed as batches.add_metrics (the group combines the ranks')."""
         self.engine.train()
+        prepare = getattr(objective, "prepare", None)
+        shared = prepare(self.engine, micro_batches, self.device) if prepare is not None else {}
         sums: dict[str, float] = {}
         for i, (micro, scale) in enumerate(zip(micro_batches, scales, strict=True)):
             # DeepSpeed reduces (ZeRO >= 1) and steps only at the boundary: the last micro-batch.
             self.engine.set_gradient_accumulation_boundary(i == len(micro_batches) - 1)
-            loss, metrics = objective(self.engine, to_device(micro, self.device))
+            loss, metrics = objective(self.engine, to_device(micro, self.device), **shared)
             self.engine.backward(loss * scale)
             add_metrics(sums, metrics, scale)
         # DeepSpeed reports the norm only under ZeRO >= 1; at stage 0 the
@@ -121,8 +121,7 @@ class TrainWorker:
         self.step += 1
         metrics = {**sums, **self.param_metrics}
         metrics["lr"] = self.scheduler.get_last_lr()[0]
-        grad_norm = self.engine.get_global_grad_norm()
-        if grad_norm is None:
+        if (grad_norm := self.engine.get_global_grad_norm()) is None:
             grad_norm = local_norm
         if grad_norm is not None:
             metrics["grad_norm"] = float(grad_norm)

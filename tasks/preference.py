@@ -111,7 +111,7 @@ def preference(stage: PlannedStage, inputs: PreferenceInputs, ctx: RunContext) -
     kto = train.loss == "kto"
     packing = train.packing_max_tokens if train.packing else False
     if kto:
-        objective = functools.partial(pref.kto_objective, beta=train.beta, desirable_weight=train.desirable_weight,
+        objective = pref.KTOObjective(beta=train.beta, desirable_weight=train.desirable_weight,
                                       undesirable_weight=train.undesirable_weight, packing_max_tokens=packing)
     else:
         objective = functools.partial(pref.dpo_objective, loss_type=DPO_LOSS_TYPE[train.loss], beta=train.beta,

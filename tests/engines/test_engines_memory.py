@@ -2,7 +2,8 @@
 
 - Micro-batches with gradient accumulation (ZeRO-0 and ZeRO-2), two ranks, and
   gradient checkpointing give the weights of one whole-batch step of the token-mean
-  SFT loss over responses of different lengths.
+  SFT loss over responses of different lengths; and of KTO, whose reference point
+  is taken over the whole step.
 - A tied-embedding model takes a weight update in the HF rollout backend.
 - A colocated round (one placement group, engines sleeping while the models
   train) runs and learns; a sleeping engine refuses work, so a wrong order fails.
@@ -35,8 +36,10 @@ def sft_batch(tokenizer):
     return tensors
 
 
-def _one_step(tiny_model, batch, workers: int = 1, weigh=None, **engine) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-    """One SFT step (the token mean of the response NLL), weighed by response tokens unless `weigh`."""
+def _one_step(tiny_model, batch, workers: int = 1, weigh=None, objective=None,
+              **engine) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """One step of `objective` (default: SFT, the token mean of the response NLL), weighed by `weigh`
+    (default: response tokens)."""
     from alignflow.config import EngineConfig
     from safetensors.torch import load
 
@@ -49,7 +52,7 @@ def _one_step(tiny_model, batch, workers: int = 1, weigh=None, **engine) -> tupl
                                   dtype="float32", torch_threads=1, seed=0)
     group = TrainerGroup(spec, workers)
     try:
-        metrics = group.train_step(shard(batch, workers), objectives.causal_lm_objective,
+        metrics = group.train_step(shard(batch, workers), objective or objectives.causal_lm_objective,
                                    weigh=weigh or objectives.response_tokens)
         return load(group.weights_bytes()), metrics
     finally:
@@ -91,6 +94,51 @@ def test_micro_batches_and_checkpointing_match_one_batch(ray_local, tiny_model, 
 
     start = load_file(str(tiny_model / "model.safetensors"))
     assert max((whole[k] - start[k]).abs().max().item() for k in whole) > 1e-4
+
+
+@pytest.fixture(scope="module")
+def kto_batch(tiny_model, tokenizer):
+    """8 KTO examples (4 pairs' chosen and rejected rows) with their mismatched rows. The reference
+    log-probabilities are the starting policy's less 0-6 nats: implicit rewards the loss is sensitive to,
+    z0 > 0 (not clamped), and rows far enough apart that each alone would give its own z0."""
+    from alignflow.config import SyntheticTaskConfig
+    from alignflow.data import synthetic
+    from engines.models import load_policy
+    from engines.preference import preference_tensors, sequence_logps
+
+    data = synthetic.generate(SyntheticTaskConfig(num_sft=1, num_preference=4, num_eval=1, num_rl_prompts=1), seed=0)
+    rows = preference_tensors(tokenizer, data["preference"], 64, 16)
+    policy = load_policy(str(tiny_model)).eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        ref = sequence_logps(policy, rows.main) - 4.0 * torch.rand(8, generator=g)
+        ref_kl = sequence_logps(policy, rows.kl) - 6.0 * torch.rand(8, generator=g)
+    return {**rows.main, **{f"kl_{k}": v for k, v in rows.kl.items()}, "desirable": rows.desirable,
+            "ref_logps": ref, "ref_kl_logps": ref_kl}
+
+
+def test_kto_in_micro_batches_on_two_ranks_takes_the_whole_steps_reference_point(ray_local, tiny_model, kto_batch):
+    from engines import objectives
+    from engines.batches import micro_batches
+    from engines.models import load_policy
+    from engines.preference import KTOObjective, kto_reference_point, sequence_logps
+
+    objective = KTOObjective(beta=1.0, desirable_weight=1.0, undesirable_weight=1.5)
+    whole, m_whole = _one_step(tiny_model, kto_batch, objective=objective, weigh=objectives.per_row)
+    split, m_split = _one_step(tiny_model, kto_batch, workers=2, objective=objective, weigh=objectives.per_row,
+                               micro_batch_size=1)
+    # z0 by hand: the starting policy's log-likelihood of each mismatched row, less the reference's, averaged.
+    policy = load_policy(str(tiny_model)).eval()
+    kl_rows = {k.removeprefix("kl_"): v for k, v in kto_batch.items() if k.startswith("kl_")}
+    with torch.no_grad():
+        z0 = (sequence_logps(policy, kl_rows) - kto_batch["ref_kl_logps"]).mean().item()
+        alone = [kto_reference_point(policy, [m], "cpu").item() for m in micro_batches(kto_batch, 1)]
+    assert z0 > 0 and max(abs(a - z0) for a in alone) > 1.0  # one row's z0 is not the step's
+    for m in (m_whole, m_split):
+        assert m["kl_reference_point"] == pytest.approx(z0, rel=1e-5)
+    assert m_split["loss"] == pytest.approx(m_whole["loss"], abs=1e-6)
+    assert m_split["grad_norm"] == pytest.approx(m_whole["grad_norm"], rel=1e-4)
+    assert max((split[k] - whole[k]).abs().max().item() for k in whole) < 1e-2 * LR
 
 
 def test_tied_embeddings_take_a_weight_update_in_the_hf_backend(tmp_path, sft_batch):

@@ -157,3 +157,28 @@ def test_packed_rows_give_the_unpacked_losses(policy, tokenizer):
             for width in (None, 2 * main["input_ids"].shape[1]):
                 packed, _ = fn(policy, batch, packing_max_tokens=width, **kw)
                 assert packed.item() == pytest.approx(plain.item(), abs=1e-5), (fn.__name__, width)
+
+
+def test_kto_objective_prepared_over_micro_batches_gives_the_whole_batchs_loss(policy, tokenizer):
+    """KTOObjective.prepare takes z0 over every micro-batch; each micro-batch's loss against it, weighed by
+    rows, adds up to the whole batch's loss. Against its own z0 (one row's), a micro-batch's loss differs."""
+    from engines.batches import micro_batches
+    from engines.preference import KTOObjective
+
+    rows = preference_tensors(tokenizer, RECORDS, 64, 8)
+    with torch.no_grad():  # implicit rewards of 1-4 nats; z0 = 2.75, by pairs of rows 2.25, 3.5 and 2.5
+        ref = _by_hand(policy, rows.main) - torch.tensor([2.0, 3.0, 1.0, 4.0, 2.5, 3.5])
+        ref_kl = _by_hand(policy, rows.kl) - torch.tensor([0.5, 4.0, 1.0, 6.0, 2.0, 3.0])
+    batch = {**rows.main, **{f"kl_{k}": v for k, v in rows.kl.items()}, "ref_kl_logps": ref_kl,
+             "ref_logps": ref, "desirable": rows.desirable}
+    objective = KTOObjective(beta=1.0, desirable_weight=1.0, undesirable_weight=1.5)
+    with torch.no_grad():
+        whole, m_whole = objective(policy, batch)
+        micro = micro_batches(batch, 2)
+        shared = objective.prepare(policy, micro, "cpu")
+        assert shared["z0"].item() == pytest.approx(m_whole["kl_reference_point"], rel=1e-6)
+        assert shared["z0"].item() == pytest.approx(2.75, abs=1e-5)
+        parts = [objective(policy, m, **shared)[0].item() * 2 / 6 for m in micro]
+        alone = [objective(policy, m)[0].item() * 2 / 6 for m in micro]
+    assert sum(parts) == pytest.approx(whole.item(), abs=1e-6)
+    assert abs(sum(alone) - whole.item()) > 1e-2
