@@ -99,6 +99,11 @@ def token_values(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return _response(values, batch)
 
 
+def _token_pair(mean: torch.Tensor, tokens: float) -> tuple[float, float]:
+    """A token mean of algos (over the batch's valid tokens) as the (sum, count) of batches.add_metrics."""
+    return float(mean) * tokens, tokens
+
+
 def policy_objective(
     model, batch: dict[str, torch.Tensor], *, clip_low: float, clip_high: float, dual_clip: float | None,
     agg: str, entropy_coef: float, kl_loss_coef: float, kl_estimator: str, kl_clamp: float | None,
@@ -144,11 +149,12 @@ def policy_objective(
                                          loss_scale_constant=loss_scale_constant)
     tokens = float(mask.sum())  # token and row means as (sum, count): exact over micro-batches (batches.add_metrics)
     metrics = {
-        "policy_loss": out.loss.item(), "clip_fraction": float(out.clip_fraction),
-        "approx_kl": float(out.approx_kl), "entropy": (float(masked_sum(entropy.detach(), mask)), tokens),
+        "policy_loss": out.loss.item(), "clip_fraction": _token_pair(out.clip_fraction, tokens),
+        "approx_kl": _token_pair(out.approx_kl, tokens), "entropy": (float(masked_sum(entropy.detach(), mask)), tokens),
     }
     if tis_cap:
-        metrics.update(tis_weight_mean=float(out.tis_weight_mean), tis_masked_fraction=float(out.tis_masked_fraction))
+        metrics.update(tis_weight_mean=_token_pair(out.tis_weight_mean, tokens),
+                       tis_masked_fraction=_token_pair(out.tis_masked_fraction, tokens))
     if "ref_logprobs" in batch:  # algorithms without a reference (no KL term) have none
         kl = kl_estimate(logprobs, batch["ref_logprobs"], kind=kl_estimator, clamp=kl_clamp)
         kl_loss = kl_loss_coef * aggregate_loss(kl, mask, agg=agg, loss_scale_constant=loss_scale_constant)
@@ -181,4 +187,5 @@ def value_objective(model, batch: dict[str, torch.Tensor], *, clip_eps: float | 
     values = token_values(model, batch)
     out = value_loss(values, batch["values"], batch["returns"], batch["action_mask"], clip_eps=clip_eps, agg=agg,
                      loss_scale_constant=loss_scale_constant)
-    return out.loss, {"value_loss": out.loss.item(), "value_clip_fraction": float(out.clip_fraction)}
+    return out.loss, {"value_loss": out.loss.item(),
+                      "value_clip_fraction": _token_pair(out.clip_fraction, float(batch["action_mask"].sum()))}

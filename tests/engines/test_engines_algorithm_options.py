@@ -191,7 +191,7 @@ def test_gspo_objective_clips_whole_sequences(policy_batch):
                                               tis_cap=None, **COMMON)
     # row 0: s = 1.0002 inside [1 - 3e-4, 1 + 4e-4]; row 1: s = e^0.5 clipped to 1 + 4e-4; A = 1
     assert loss.item() == pytest.approx(-(1.0002 + 1.0004) / 2, rel=1e-5)
-    assert metrics["clip_fraction"] == pytest.approx(2 / 5)
+    assert metrics["clip_fraction"] == pytest.approx((2.0, 5.0))  # (clipped tokens, tokens)
     # the token-ratio PPO loss on the same batch: row 1 clipped at 1.2 per token, token mean
     loss, metrics = objectives.policy_objective(model, batch, clip_low=0.2, clip_high=0.2, agg="token_mean",
                                                 tis_cap=None, **COMMON)
@@ -212,5 +212,5 @@ def test_rollout_importance_modes_in_the_policy_objective(policy_batch, mode, we
     loss, metrics = objectives.policy_objective(model, batch, clip_low=0.2, clip_high=0.2, agg="token_mean",
                                                 tis_cap=2.0, tis_low=0.5, tis_mode=mode, **COMMON)
     assert loss.item() == pytest.approx(-sum(weights) / 5, rel=1e-5)
-    assert metrics["tis_masked_fraction"] == pytest.approx(masked)
-    assert metrics["tis_weight_mean"] == pytest.approx(sum(weights) / 5, rel=1e-5)
+    assert metrics["tis_masked_fraction"] == pytest.approx((masked * 5, 5.0))  # (sum, count) over the 5 tokens
+    assert metrics["tis_weight_mean"] == pytest.approx((sum(weights), 5.0), rel=1e-5)

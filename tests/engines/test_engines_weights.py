@@ -107,11 +107,12 @@ def test_dr_grpo_scale_is_the_generation_budget_not_the_batch_width(model, batch
 @pytest.mark.parametrize("agg", AGGS)
 def test_metrics_over_micro_batches_and_ranks_are_the_whole_batchs(model, batch, agg):
     """The loss terms combine by the loss scales; the row mean (sequence_kl) and the token means the
-    objective reports as (sum, count) combine exactly, whatever the aggregation."""
+    objective reports as (sum, count) combine exactly, whatever the aggregation. TIS masks tokens whose
+    rollout ratio leaves [0.9, 1.1], so clip_fraction and the TIS metrics differ between micro-batches."""
     from engines import objectives
     from engines.batches import add_metrics, combine_ranks, loss_scales, micro_batches, shard
 
-    objective = _objective(agg)
+    objective = functools.partial(_objective(agg), tis_cap=1.1, tis_low=0.9, tis_mode="mask")
     with torch.no_grad():
         _, whole = objective(model, batch)
         parts = [micro_batches(s, 1) for s in shard(batch, 2)]
@@ -122,7 +123,8 @@ def test_metrics_over_micro_batches_and_ranks_are_the_whole_batchs(model, batch,
                 add_metrics(sums, objective(model, m)[1], scale)
             ranks.append(sums)
     combined = combine_ranks(ranks)
-    exact = ["policy_loss", "kl_loss", "sequence_kl", "entropy", "kl_to_reference"]
+    exact = ["policy_loss", "kl_loss", "sequence_kl", "entropy", "kl_to_reference", "clip_fraction", "approx_kl",
+             "tis_weight_mean", "tis_masked_fraction"]
     for k in exact:
         value = whole[k][0] / whole[k][1] if isinstance(whole[k], tuple) else whole[k]
         assert combined[k] == pytest.approx(value, rel=1e-5), k
