@@ -14,14 +14,18 @@ from alignflow.config import EngineConfig
 from alignflow.config.base import LoraConfig
 
 
-def _move_optimizer_state(optimizer, device) -> None:
-    """The moments of a torch optimizer's per-parameter state (every tensor but scalars: Adam's `step`
-    stays where the optimizer keeps it) moved to `device`."""
+def optimizer_tensors(optimizer) -> list[torch.Tensor]:
+    """What a DeepSpeed optimizer holds beside the model's own weights, at ZeRO-0 and ZeRO-3: the fp32
+    master weights it keeps for bf16/fp16 weights (ZeRO-0 with torch's AdamW: `fp32_groups`, a fused
+    optimizer: `fp32_groups_flat`; ZeRO-3: `fp32_partitioned_groups_flat`) and the torch optimizer's
+    per-parameter moments (not scalars: Adam's `step` stays where the optimizer keeps it). In fp32 at
+    ZeRO-0 the optimizer steps the model's weights themselves: moments only."""
+    masters = [p for group in getattr(optimizer, "fp32_groups", None) or [] for p in group]
+    for name in ("fp32_groups_flat", "fp32_partitioned_groups_flat"):
+        masters += list(getattr(optimizer, name, None) or [])
     inner = getattr(optimizer, "optimizer", optimizer)  # DeepSpeed wraps the torch optimizer
-    for state in inner.state.values():
-        for k, v in state.items():
-            if isinstance(v, torch.Tensor) and v.dim() > 0:
-                state[k] = v.to(device, non_blocking=True)
+    moments = [v for state in inner.state.values() for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+    return masters + moments
 
 
 def move_training_state(engine, zero_stage: int, *, offload: bool, device) -> None:
@@ -30,26 +34,28 @@ def move_training_state(engine, zero_stage: int, *, offload: bool, device) -> No
 
     ZeRO-3's `offload_states` moves master weights and Adam moments only for DeepSpeed's own FusedAdam
     (it asserts so) and the trainer's optimizer is torch's AdamW: at stage 3 DeepSpeed moves the
-    gradient partitions and buckets, and the master partitions and moments move here."""
+    gradient partitions and buckets, and the master partitions and moments move here, as at stage 0
+    (`optimizer_tensors`; in bf16 the masters are 4 of the 12 bytes per parameter)."""
     from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum as State
 
     device = "cpu" if offload else device
-    if zero_stage == 0:  # DeepSpeed moves ZeRO partitions; a plain (or bf16-wrapped) optimizer here
-        _move_optimizer_state(engine.optimizer, device)
-    elif zero_stage == 3:
-        if offload:
-            engine.offload_states(include=[State.lp_grads, State.contiguous_grad_buffer])
+    if zero_stage in (1, 2):
+        if offload:  # not lp_params: the weight transport reads the training weights right after (weight_sync.py)
+            engine.offload_states(include=[State.optim_states, State.hp_params, State.lp_grads,
+                                           State.contiguous_grad_buffer])
         else:
             engine.reload_states()
-        for flat in engine.optimizer.fp32_partitioned_groups_flat:  # the optimizer's parameters
-            flat.data = flat.data.to(device, non_blocking=True)
-        _move_optimizer_state(engine.optimizer, device)
-    elif offload:
-        # Not lp_params: the weight transport reads the training weights right after (engines/weight_sync.py).
-        engine.offload_states(include=[State.optim_states, State.hp_params, State.lp_grads,
-                                       State.contiguous_grad_buffer])
-    else:
+        return _release_cache()
+    if zero_stage == 3 and offload:
+        engine.offload_states(include=[State.lp_grads, State.contiguous_grad_buffer])
+    elif zero_stage == 3:
         engine.reload_states()
+    for t in optimizer_tensors(engine.optimizer):  # in place (.data): the optimizer's state stays keyed by them
+        t.data = t.data.to(device, non_blocking=True)
+    _release_cache()
+
+
+def _release_cache() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
         torch.cuda.empty_cache()

@@ -209,6 +209,37 @@ def _state_out_and_back(worker) -> None:
     move_training_state(worker.engine, worker.spec.zero_stage, offload=False, device=worker.device)
 
 
+def _optimizer_state_bytes(worker) -> tuple[int, int, list[str]]:
+    """In a TrainWorker: bytes of what a colocated round moves off the GPU (engine_spec.optimizer_tensors),
+    its trainable parameters, and the dtypes of its model's weights."""
+    from engines.engine_spec import optimizer_tensors
+
+    params = [p for p in worker.engine.module.parameters() if p.requires_grad]
+    numel = sum(getattr(p, "ds_numel", p.numel()) for p in params)  # ZeRO-3: the full size of a partitioned one
+    state = sum(t.numel() * t.element_size() for t in optimizer_tensors(worker.engine.optimizer))
+    return state, numel, sorted({str(p.dtype) for p in params})
+
+
+@pytest.mark.parametrize("zero_stage, dtype, per_param", [(0, "bfloat16", 12), (3, "bfloat16", 12), (0, "float32", 8)])
+def test_the_offloaded_optimizer_state_is_masters_and_moments(ray_local, tiny_model, sft_data, zero_stage, dtype,
+                                                              per_param):
+    """In bf16 DeepSpeed keeps fp32 master weights beside the model's: a colocated round must move them off
+    the GPU with Adam's two moments, 12 bytes per parameter (ZeRO-0 missed the 4 of the masters before).
+    In fp32 the optimizer steps the model's own weights, which stay: the moments, 8 bytes."""
+    import ray
+
+    schedule = plan(sft_data["input_ids"].shape[0], BATCH, epochs=100, max_steps=20, seed=0)
+    group = TrainerGroup(_spec(tiny_model, "causal", zero_stage=zero_stage, dtype=dtype), num_workers=1)
+    try:
+        group.train_step(batches.shard(_batch(sft_data, schedule, 0), 1), objectives.causal_lm_objective,
+                         weigh=objectives.response_tokens)  # Adam's moments exist after a first step
+        [(state, numel, dtypes)] = ray.get([w.__ray_call__.remote(_optimizer_state_bytes) for w in group.workers])
+        assert dtypes == [f"torch.{dtype}"]
+        assert state == per_param * numel, (state, numel)
+    finally:
+        group.shutdown()
+
+
 @pytest.mark.parametrize("zero_stage", [0, 2, 3])
 def test_offloading_and_reloading_the_optimizer_state_leaves_training_unchanged(ray_local, tiny_model, sft_data,
                                                                                 zero_stage):
