@@ -3,32 +3,46 @@ PPO and GRPO rounds on the HF rollout backend, colocation with sleep and wake, e
 and the tied-embedding weight update with logprob parity.
 
 Each test asserts where the parameters live (cuda) as well as what the step computed.
+
+With ALIGNFLOW_GPU_TESTS_DEVICE=cpu the same tests run on the CPU, every GPU share 0 and every
+device assertion expecting the CPU: all but the device itself, so that CI, which has no GPU, runs
+this suite's calls into the engines (tests/engines/test_engines_gpu_suite.py).
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 
 pytestmark = pytest.mark.gpu
 
+DEVICE = os.environ.get("ALIGNFLOW_GPU_TESTS_DEVICE", "cuda")
+
+
+def gpus(share: float) -> float:
+    """A GPU share of Ray's placement: as given on the GPU, 0 on the CPU."""
+    return share if DEVICE == "cuda" else 0
+
 # bf16 has an 8-bit mantissa: a token logprob recomputed by another kernel (HF generate's
 # incremental decoding vs one full forward) differs by up to about 0.1 nats, 0.02 on average.
 BF16_MAX_ABS, BF16_MEAN_ABS = 0.15, 0.03
 
 
-def _gpu_engine(model, kind, dtype="bfloat16", zero=0, lr=1e-3, batch=16, gpus=1.0, **extra):
+def _gpu_engine(model, kind, dtype="bfloat16", zero=0, lr=1e-3, batch=16, share=1.0, **extra):
     from alignflow.config import EngineConfig, Placement
     from engines.trainer import EngineSpec, TrainerGroup
 
-    cfg = EngineConfig(learning_rate=lr, warmup_steps=0, zero_stage=zero, placement=Placement(num_gpus=gpus), **extra)
+    cfg = EngineConfig(learning_rate=lr, warmup_steps=0, zero_stage=zero, placement=Placement(num_gpus=gpus(share)),
+                       **extra)
     spec = EngineSpec.from_config(cfg, model_path=str(model), kind=kind, total_steps=20, global_batch=batch,
                                   dtype=dtype, torch_threads=2, seed=0)
     return TrainerGroup(spec, 1)
 
 
-def _on_cuda(report: dict, dtype: str | None = None) -> None:
-    assert report["device"].startswith("cuda") and report["param_devices"] == ["cuda"], report
+def _on_device(report: dict, dtype: str | None = None) -> None:
+    assert report["device"].startswith(DEVICE) and report["param_devices"] == [DEVICE], report
     if dtype:
         assert report["param_dtypes"] == [f"torch.{dtype}"], report
 
@@ -41,7 +55,7 @@ def test_sft_bf16_on_gpu(ray_gpu, gpu_model, gpu_tokenizer, task_data, zero):
     tensors, _ = sft_tensors(gpu_tokenizer, task_data["sft"], 64, 16)
     group = _gpu_engine(gpu_model, "causal", zero=zero, lr=3e-3, micro_batch_size=8)
     try:
-        _on_cuda(group.device_reports()[0], "bfloat16")
+        _on_device(group.device_reports()[0], "bfloat16")
         batch = take(tensors, torch.arange(16))
         losses = [group.train_step(shard(batch, 1), objectives.causal_lm_objective, weigh=objectives.response_tokens)["loss"] for _ in range(8)]
         assert losses[-1] < losses[0] - 0.1, losses
@@ -50,11 +64,12 @@ def test_sft_bf16_on_gpu(ray_gpu, gpu_model, gpu_tokenizer, task_data, zero):
 
 
 def _optimizer_state_devices(worker) -> list[str]:
-    """In a TrainWorker: the devices of its optimizer's moments and (ZeRO-3) fp32 master partitions."""
+    """In a TrainWorker: the devices of its optimizer's moments and fp32 master weights (ZeRO-0 in bf16:
+    DeepSpeed's `fp32_groups`; ZeRO-2: its fp32 partitions; ZeRO-3: its flat fp32 partitions)."""
+    from engines.engine_spec import optimizer_tensors
+
     opt = worker.engine.optimizer
-    inner = getattr(opt, "optimizer", opt)
-    tensors = [v for st in inner.state.values() for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
-    tensors += list(getattr(opt, "fp32_partitioned_groups_flat", []))
+    tensors = optimizer_tensors(opt) + list(getattr(opt, "single_partition_of_fp32_groups", None) or [])
     return sorted({t.device.type for t in tensors})
 
 
@@ -73,11 +88,11 @@ def test_optimizer_state_leaves_the_gpu_and_comes_back(ray_gpu, gpu_model, gpu_t
     try:
         first = group.train_step(batch, objectives.causal_lm_objective, weigh=objectives.response_tokens)["loss"]
         devices = lambda: ray.get(group.workers[0].__ray_call__.remote(_optimizer_state_devices))  # noqa: E731
-        assert devices() == ["cuda"]
+        assert devices() == [DEVICE]
         group.offload_states()
         assert devices() == ["cpu"]
         group.reload_states()
-        assert devices() == ["cuda"]
+        assert devices() == [DEVICE]
         later = [group.train_step(batch, objectives.causal_lm_objective, weigh=objectives.response_tokens)["loss"] for _ in range(4)]
         assert later[-1] < first - 0.1, (first, later)
     finally:
@@ -93,7 +108,7 @@ def test_reward_model_with_margin_on_gpu(ray_gpu, gpu_model, gpu_tokenizer, task
     tensors, _ = pair_tensors(gpu_tokenizer, task_data["preference"], 64, 16)
     group = _gpu_engine(gpu_model, "scalar", zero=2, lr=3e-3)
     try:
-        _on_cuda(group.device_reports()[0], "bfloat16")
+        _on_device(group.device_reports()[0], "bfloat16")
         n = tensors["input_ids"].shape[0] // 2
         batch = split_pairs(tensors, torch.arange(16), n)
         objective = functools.partial(objectives.pairwise_objective, margin=0.5)  # a margin tensor on the GPU
@@ -117,18 +132,19 @@ def _prompts(tokenizer, task_data):
     return filter_prompts(tokenizer, task_data["prompts"], 64, "prompts")[0]
 
 
-def _assert_round_on_cuda(rl) -> None:
+def _assert_round_on_device(rl) -> None:
     import ray
 
     m = rl.models
     for group in (m.actor, m.critic):
         if group is not None:
-            _on_cuda(group.device_reports()[0], "bfloat16")
+            _on_device(group.device_reports()[0], "bfloat16")
     for scorer in {id(s): s for s in (m.reference, m.rewarder) if s is not None}.values():
-        report = ray.get(scorer.device_report.remote())
-        assert all(v == ["cuda"] for k, v in report.items() if k != "placement_group"), report
+        report = ray.get(scorer.device_report.remote())  # also its placement group, CPU affinity, threads
+        models = {k: report[k] for k in ("reference", "reward") if k in report}
+        assert models and all(v == [DEVICE] for v in models.values()), report
     for report in ray.get([e.device_report.remote() for e in m.engines.actors]):
-        assert report["policy"] == ["cuda"], report
+        assert report["policy"] == [DEVICE], report
 
 
 def _moves_policy(rl) -> None:
@@ -146,7 +162,7 @@ def _moves_policy(rl) -> None:
 def _gpu_round_cfg(algorithm: str, share: float, **kw):
     from alignflow.config import ActorConfig, CriticConfig, Placement, PPOConfig, RolloutConfig, RoundConfig
 
-    gpu = Placement(num_cpus=1, num_gpus=share)
+    gpu = Placement(num_cpus=1, num_gpus=gpus(share))
     return RoundConfig(
         algorithm=algorithm, steps=2, prompts_per_step=8, scorer_placement=gpu,
         generation=RolloutConfig(backend="hf", num_samples=4, max_new_tokens=6, placement=gpu),
@@ -154,37 +170,43 @@ def _gpu_round_cfg(algorithm: str, share: float, **kw):
         critic=CriticConfig(placement=gpu), **kw)
 
 
+def parity_reward(prompt: str, response: str, answer: str | None) -> float:
+    """Splits the random model's responses into two classes: rewards that differ within a group (the
+    task's own rule, an exact answer, would score every response of a random model 0)."""
+    return float(sum(map(ord, response)) % 2)
+
+
 @pytest.mark.parametrize("algorithm, share, extra, scored_by_model", [
     ("ppo", 0.2, {}, True),  # actor, critic, scorer (reference + reward model), engine: a GPU share each
-    ("grpo", 0.25, {"reward": {"source": "rule"}}, False),  # KL in the loss, k3
+    ("grpo", 0.25, {"reward": {"source": "rule", "rule": f"{__name__}:parity_reward"}}, False),  # KL loss, k3
 ])
-def test_round_on_gpu_moves_policy(ray_gpu, gpu_model, gpu_tokenizer, task_data, algorithm, share, extra,
-                                   scored_by_model):
-    reward_path = str(gpu_model) if scored_by_model else None
+def test_round_on_gpu_moves_policy(ray_gpu, gpu_model, gpu_reward_model, gpu_tokenizer, task_data, algorithm,
+                                   share, extra, scored_by_model):
+    reward_path = str(gpu_reward_model) if scored_by_model else None  # PPO's critic starts from it too
     rl = _round(_gpu_round_cfg(algorithm, share, **extra), gpu_model, _prompts(gpu_tokenizer, task_data),
                 reward_path=reward_path)
     try:
-        _assert_round_on_cuda(rl)
+        _assert_round_on_device(rl)
         _moves_policy(rl)
     finally:
         rl.shutdown()
 
 
-def test_colocated_ppo_sleeps_and_wakes_on_one_gpu(ray_gpu, gpu_model, gpu_tokenizer, task_data):
+def test_colocated_ppo_sleeps_and_wakes_on_one_gpu(ray_gpu, gpu_model, gpu_reward_model, gpu_tokenizer, task_data):
     import ray
 
     cfg = _gpu_round_cfg("ppo", 1.0, colocate_all=True)
-    rl = _round(cfg, gpu_model, _prompts(gpu_tokenizer, task_data), reward_path=str(gpu_model))
+    rl = _round(cfg, gpu_model, _prompts(gpu_tokenizer, task_data), reward_path=str(gpu_reward_model))
     try:
         assert len(rl.models.placement_group.bundle_specs) == 1
-        _assert_round_on_cuda(rl)
+        _assert_round_on_device(rl)
         _moves_policy(rl)  # step 2 generates only if step 1's sync woke the engine in order
         # While training, the engine slept: its weights left the GPU and came back.
         engine = rl.models.engines.actors[0]
         ray.get(engine.sleep.remote())
         assert ray.get(engine.device_report.remote())["policy"] == ["cpu"]
         ray.get(engine.wake.remote(["weights"]))
-        assert ray.get(engine.device_report.remote())["policy"] == ["cuda"]
+        assert ray.get(engine.device_report.remote())["policy"] == [DEVICE]
     finally:
         rl.shutdown()
 
@@ -201,8 +223,8 @@ def test_tied_weight_update_keeps_logprob_parity_on_gpu(ray_gpu, gpu_model, gpu_
     from engines.rollout_actors import start_engines
     from engines.weight_sync import WeightSync
 
-    group = _gpu_engine(gpu_model, "causal", lr=3e-3, gpus=0.5)
-    engines = start_engines(GenerationConfig(backend="hf", placement=Placement(num_gpus=0.5)), str(gpu_model),
+    group = _gpu_engine(gpu_model, "causal", lr=3e-3, share=0.5)
+    engines = start_engines(GenerationConfig(backend="hf", placement=Placement(num_gpus=gpus(0.5))), str(gpu_model),
                             count=1, seeds=[0], dtype="bfloat16", torch_threads=2, max_model_len=96)
     try:
         tensors, _ = sft_tensors(gpu_tokenizer, task_data["sft"], 64, 16)
@@ -220,7 +242,7 @@ def test_tied_weight_update_keeps_logprob_parity_on_gpu(ray_gpu, gpu_model, gpu_
         group.shutdown()
 
 
-def test_evaluation_scorers_on_gpu(ray_gpu, gpu_model, gpu_tokenizer, task_data):
+def test_evaluation_scorers_on_gpu(ray_gpu, gpu_model, gpu_reward_model, gpu_tokenizer, task_data):
     """The scorer actor evaluation uses: models on the GPU, CPU float32 results equal to a CPU run's."""
     import ray
 
@@ -231,15 +253,16 @@ def test_evaluation_scorers_on_gpu(ray_gpu, gpu_model, gpu_tokenizer, task_data)
     prompts = [ids for ids, _ in _prompts(gpu_tokenizer, task_data)[:4]]
     rollouts = [Rollout(i, p, p[:3], "", [0.0] * 3, True) for i, p in enumerate(prompts)]
     batch = experience.from_rollouts(rollouts, gpu_tokenizer.pad_token_id).tensors()
-    gpu = start_scorer(str(gpu_model), str(gpu_model), dtype="float32", torch_threads=2, num_gpus=1)
+    gpu = start_scorer(str(gpu_model), str(gpu_reward_model), dtype="float32", torch_threads=2, num_gpus=gpus(1))
     try:
         report = ray.get(gpu.device_report.remote())
-        assert report["reference"] == ["cuda"] and report["reward"] == ["cuda"]
+        assert report["reference"] == [DEVICE] and report["reward"] == [DEVICE]
         ref, rewards = ray.get([gpu.ref_logprobs.remote(batch), gpu.rewards.remote(batch)])
     finally:
         ray.kill(gpu)
-    cpu = ScorerActor(str(gpu_model), str(gpu_model), dtype="float32")
+    cpu = ScorerActor(str(gpu_model), str(gpu_reward_model), dtype="float32")
     assert ref.device.type == "cpu" and rewards.device.type == "cpu"
+    assert rewards.abs().min() > 1e-3, rewards  # a score head that scores (a fresh one gives 0 everywhere)
     torch.testing.assert_close(ref, cpu.ref_logprobs(batch), rtol=0, atol=2e-3)  # TF32 matmuls on the GPU
     torch.testing.assert_close(rewards, cpu.rewards(batch), rtol=0, atol=2e-3)
 
@@ -252,13 +275,14 @@ def test_engine_host_builds_and_frees_engines_on_gpu(ray_gpu, gpu_model, gpu_tok
     from engines.engine_host import EngineHost
     from engines.rollout import Sampling
 
-    host = ray.remote(num_cpus=1, num_gpus=1)(EngineHost).remote("hf", torch_threads=2)
+    host = ray.remote(num_cpus=1, num_gpus=gpus(1))(EngineHost).remote("hf", torch_threads=2)
     prompts = [gpu_tokenizer(t)["input_ids"] for t in ("Which digit is largest? 3 1 4", "hello")]
     try:
         draws = [ray.get(host.generate.remote("hf", str(gpu_model), prompts, Sampling(n=2, max_new_tokens=6),
-                                              seed=seed, dtype="bfloat16", on_gpu=True)) for seed in (1, 1, 2)]
+                                              seed=seed, dtype="bfloat16", on_gpu=DEVICE == "cuda")) for seed in (1, 1, 2)]
         assert ray.get(host.stats.remote()) == {"engines_built": 3}
-        allocated = ray.get(host.__ray_call__.remote(lambda self: torch.cuda.memory_allocated()))
+        allocated = ray.get(host.__ray_call__.remote(
+            lambda self: torch.cuda.memory_allocated() if torch.cuda.is_available() else 0))
     finally:
         ray.kill(host)
     assert [r.token_ids for r in draws[0]] == [r.token_ids for r in draws[1]]  # a fresh engine per seed
