@@ -119,6 +119,16 @@ def shard(batch: dict[str, torch.Tensor], world_size: int, paired: bool = False)
     return shards
 
 
+def padded_shards(batch: dict[str, torch.Tensor], world_size: int) -> list[dict[str, torch.Tensor]]:
+    """A batch's rows in `world_size` consecutive shards of one size, ceil(n / world_size), the last
+    filled up with copies of the last row (results on them are dropped): under ZeRO-3 every rank
+    must run as many forwards as the others, so each gets as many rows."""
+    n = batch["input_ids"].shape[0]
+    per = -(-n // world_size)
+    rows = torch.arange(per * world_size).clamp(max=n - 1)
+    return [take(batch, rows[r * per : (r + 1) * per]) for r in range(world_size)]
+
+
 def minibatches(n_rows: int, size: int, *, epochs: int, generator: torch.Generator,
                 multiple_of: int = 1) -> Iterator[torch.Tensor]:
     """Row indices of every minibatch of `epochs` passes over `n_rows` rows.

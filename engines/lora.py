@@ -8,11 +8,12 @@
     weight_entries    the same tensors one at a time, for the weight transport's buckets
     save_adapter      adapter_model.safetensors + adapter_config.json in `adapter/`
     load_adapter      the adapter (and score head) back, exactly
+    load_weights      a full model's weights back (without LoRA: the trainer's resume)
     adapters_disabled the base model, for reference log-probabilities from the same weights
 
 Everything takes the module under the DeepSpeed engine (`engine.module`) and works without LoRA too
 (a plain HF model), so the trainer has one path. Under ZeRO-3 every rank must call the gathering
-functions (`full_state_dict`, `save_adapter`, `load_adapter`).
+functions (`full_state_dict`, `save_adapter`, `load_adapter`, `load_weights`).
 """
 
 from __future__ import annotations
@@ -220,6 +221,19 @@ def save_adapter(module: torch.nn.Module, zero_stage: int, directory: str | Path
     if write:
         module.save_pretrained(str(Path(directory) / ADAPTER_DIR), state_dict=state, safe_serialization=True,
                                save_embedding_layers=False)
+
+
+def load_weights(module: torch.nn.Module, zero_stage: int, directory: str) -> None:
+    """A full model's weights from `directory`/model.safetensors into `module` (gathered under ZeRO-3).
+    Tied output embeddings are saved once; any other name missing or unexpected is an error."""
+    from safetensors.torch import load_file
+
+    weights = load_file(str(Path(directory) / "model.safetensors"))
+    with gathered(list(module.parameters()), zero_stage, modifier_rank=0):
+        missing, unexpected = module.load_state_dict(weights, strict=False)
+        tied = set(getattr(module, "_tied_weights_keys", None) or [])
+        if unexpected or [m for m in missing if m not in tied]:
+            raise RuntimeError(f"weights do not match the model: missing={missing} unexpected={unexpected}")
 
 
 def load_adapter(module: torch.nn.Module, zero_stage: int, directory: str | Path) -> None:

@@ -164,7 +164,7 @@ class RoundModels:
 
     def ref_logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         if self.reference_from_actor:
-            return self.actor.evaluate(batch, objectives.response_logprobs, without_adapters=True)
+            return self.actor.evaluate_rows(batch, objectives.response_logprobs, without_adapters=True)
         return ray.get(self.reference.ref_logprobs.remote(batch))
 
     def model_rewards(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:

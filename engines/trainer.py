@@ -23,7 +23,6 @@ import dataclasses
 import os
 import random
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import ray
@@ -32,7 +31,7 @@ import torch
 from alignflow.artifacts import Entries, Source, local_dir, merge_entries, writing
 from alignflow.net import free_port
 from engines import lora, models
-from engines.batches import add_metrics, combine_ranks, in_micro_batches, loss_scales, micro_batches
+from engines.batches import add_metrics, combine_ranks, in_micro_batches, loss_scales, micro_batches, padded_shards
 from engines.devices import (actor_device, actor_options, announce_cpu_accelerator, local_rank, pin_cpu_cores,
                              cpu_report, placement_group_id, quiet_stdout, to_cpu, to_device)
 from engines.engine_spec import EngineSpec, lr_lambda, move_training_state
@@ -196,7 +195,7 @@ class TrainWorker:
     def load_state(self, source: Source) -> dict[str, Any]:
         directory = local_dir(source)  # a checkpoint ref: fetched on this node
         if self.spec.lora is None:
-            self._load_weights(directory)
+            lora.load_weights(self.engine.module, self.spec.zero_stage, directory)
         else:
             lora.load_adapter(self.engine.module, self.spec.zero_stage, directory)
         st = load_state(directory, f"trainer-rank{self.rank}")
@@ -207,19 +206,6 @@ class TrainWorker:
         state = random.getstate()
         random.setstate((state[0], tuple(st["python_rng"]), state[2]))
         return st["extra"]
-
-    def _load_weights(self, directory: str) -> None:
-        from safetensors.torch import load_file
-
-        weights = load_file(str(Path(directory) / "model.safetensors"))
-        module = self.engine.module
-        with lora.gathered(list(module.parameters()), self.spec.zero_stage, modifier_rank=0):
-            missing, unexpected = module.load_state_dict(weights, strict=False)
-            # Tied output embeddings are saved once; everything else must match.
-            tied = set(getattr(module, "_tied_weights_keys", None) or [])
-            if unexpected or [m for m in missing if m not in tied]:
-                raise RuntimeError(f"weights do not match the model: missing={missing} unexpected={unexpected}")
-
 
 class TrainerGroup:
     """`num_workers` TrainWorker actors acting as one training engine."""
@@ -269,6 +255,15 @@ class TrainerGroup:
         """`fn(model, batch)`, rank 0's result (every rank runs it: ZeRO-3 needs all in each forward);
         `without_adapters`: on the LoRA base model, the frozen reference (TrainWorker.evaluate)."""
         return ray.get([w.evaluate.remote(batch, fn, without_adapters) for w in self.workers])[0]
+
+    def evaluate_rows(self, batch: dict[str, Any], fn: Callable, without_adapters: bool = False) -> torch.Tensor:
+        """`fn(model, rows)` -> one result row per batch row (logprobs, values), each rank on its share of
+        the rows (batches.padded_shards), concatenated in row order: 1/R of `evaluate`'s work per rank."""
+        if self.world_size == 1:
+            return self.evaluate(batch, fn, without_adapters)
+        shards = padded_shards(batch, self.world_size)
+        parts = ray.get([w.evaluate.remote(s, fn, without_adapters) for w, s in zip(self.workers, shards)])
+        return torch.cat(parts)[: batch["input_ids"].shape[0]]
 
     def save_hf(self, target: Source) -> Entries:
         """Every rank writes its part (rank 0 the files); a ref: the entries they uploaded."""

@@ -116,10 +116,10 @@ class PolicyGradientUpdate:
             lap("reference")
         frozen = step < cfg.actor.freeze_steps  # only the critic trains (actor.freeze_steps)
         if not self.on_policy(cfg) or frozen:  # frozen: no actor forward in training measures them
-            exp = exp.with_(old_logprobs=m.actor.evaluate(exp.tensors(), objectives.response_logprobs))
+            exp = exp.with_(old_logprobs=m.actor.evaluate_rows(exp.tensors(), objectives.response_logprobs))
             lap("old_logprobs")
         if m.critic is not None:
-            exp = exp.with_(values=m.critic.evaluate(exp.tensors(), objectives.token_values))
+            exp = exp.with_(values=m.critic.evaluate_rows(exp.tensors(), objectives.token_values))
             lap("critic")
         kl_in_reward = cfg.kl.apply_as == "reward"
         exp = experience.with_advantages(

@@ -247,3 +247,14 @@ def test_metrics_combine_by_loss_scale_and_pairs_exactly():
     assert out["loss"] == pytest.approx((0.5 * 2 + 1.0 * 4 + 0.5 * 6) / 2)  # the weighted mean, weights 1/4, 1/2, 1/4
     assert out["kl"] == pytest.approx(8.0 / 4)  # every row once, whatever the scales
     assert combine_ranks([{"kl": (0.0, 0.0)}]) == {"kl": 0.0}
+
+
+@pytest.mark.parametrize("n, ranks, expected", [(5, 2, [[0, 1, 2], [3, 4, 4]]), (4, 2, [[0, 1], [2, 3]]),
+                                                (1, 2, [[0], [0]]), (7, 3, [[0, 1, 2], [3, 4, 5], [6, 6, 6]])])
+def test_padded_shards_are_consecutive_and_of_one_size(n, ranks, expected):
+    from engines.batches import padded_shards
+
+    batch = {"input_ids": torch.arange(n).unsqueeze(1) * 10, "row": torch.arange(n)}
+    shards = padded_shards(batch, ranks)
+    assert [s["row"].tolist() for s in shards] == expected
+    assert all(torch.equal(s["input_ids"][:, 0], s["row"] * 10) for s in shards)

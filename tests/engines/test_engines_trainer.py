@@ -200,6 +200,27 @@ def test_resume_is_exact_under_zero_with_two_workers(ray_local, tiny_model, sft_
             resumed.shutdown()
 
 
+def _last_logits_and_rank(model, batch):
+    """Per row: the last position's logits, and the rank that computed them."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, -1].float()
+    rank = torch.full((logits.shape[0], 1), float(torch.distributed.get_rank()), device=logits.device)
+    return torch.cat([logits, rank], 1)
+
+
+def test_evaluate_rows_gives_each_rank_its_share_of_the_rows(ray_local, tiny_model, sft_data):
+    """Old log-probs and values: each of R ranks computes 1/R of the rows (evaluate has every rank compute
+    all of them). At ZeRO-3, where every rank takes part in each forward: 5 rows as 3 + 2 (+1 copy)."""
+    group = TrainerGroup(_spec(tiny_model, "causal", zero_stage=3), num_workers=2)
+    batch = batches.take(sft_data, torch.arange(5))
+    try:
+        rows = group.evaluate_rows(batch, _last_logits_and_rank)
+        everything = group.evaluate(batch, _last_logits_and_rank)
+    finally:
+        group.shutdown()
+    assert rows[:, -1].tolist() == [0, 0, 0, 1, 1] and everything[:, -1].tolist() == [0] * 5
+    torch.testing.assert_close(rows[:, :-1], everything[:, :-1], rtol=0, atol=1e-5)
+
+
 def _state_out_and_back(worker) -> None:
     """In a TrainWorker: its optimizer state offloaded to CPU memory and reloaded, as a colocated round does
     around generation (on a GPU; here on the CPU, where both moves stay on the CPU)."""
