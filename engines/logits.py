@@ -16,8 +16,13 @@ a few positions only (the response tokens, or SFT's loss tokens), so:
      `KEEP_ELEMENTS` (small vocabularies), where keeping them is cheaper.
 
 The forward still goes through the (DeepSpeed) engine and the output layer
-is called as a module, so ZeRO-3's parameter hooks see both. Training,
-the reference scorer and evaluation all take this path.
+is called as a module, so ZeRO-3's parameter hooks see both. Each call of a
+module whose weights ZeRO-3 partitions gathers them from every rank, so all
+ranks must make as many calls: under ZeRO-3 on several ranks the chunk count
+(and recomputation) follows the rank with the most positions, its extra
+chunks empty elsewhere, and shared-prefix forwards run only where every rank
+can (`most_over_ranks`). Training, the reference scorer and evaluation all
+take this path.
 """
 
 from __future__ import annotations
@@ -41,6 +46,21 @@ CHUNK_ELEMENTS = 2**22
 # vocabularies recompute). Recomputing costs another output-layer forward: keeping made a policy update of
 # the bench's work 6 % faster.
 KEEP_ELEMENTS = 2**24
+
+
+def most_over_ranks(value: int, module, device) -> int:
+    """`value`; under ZeRO-3 on several ranks (`module`'s weights partitioned), the largest of the
+    ranks' values, all-reduced on `device` (the computation's: nccl reduces CUDA tensors only). Each
+    rank must call then in step with the others: fewer calls of a partitioned module on one rank
+    crash the group (seen on gloo: a rank aborts in the mismatched all-gather)."""
+    import torch.distributed as dist
+
+    param = next(module.parameters(), None)
+    if getattr(param, "ds_id", None) is None or not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    out = torch.tensor([value], dtype=torch.long, device=device)
+    dist.all_reduce(out, op=dist.ReduceOp.MAX)
+    return int(out.item())
 
 
 def unwrap(model):
@@ -91,9 +111,11 @@ def logprobs_from_hidden(head, hidden: Tensor, targets: Tensor, vocab_size: int,
     hidden: (N, H); targets: (N,) long → (N,) float32, and (N,) float32 or None.
     """
     size = max(1, CHUNK_ELEMENTS // vocab_size)
-    recompute = torch.is_grad_enabled() and hidden.requires_grad and hidden.shape[0] * vocab_size > KEEP_ELEMENTS
+    n = most_over_ranks(hidden.shape[0], head, hidden.device)  # ZeRO-3: as many head calls on every rank
+    recompute = torch.is_grad_enabled() and hidden.requires_grad and n * vocab_size > KEEP_ELEMENTS
     parts = []
-    for h, y in zip(hidden.split(size), targets.split(size)):
+    for i in range(0, n, size):
+        h, y = hidden[i : i + size], targets[i : i + size]  # past this rank's positions: empty
         parts.append(checkpoint(_chunk, head, h, y, with_entropy, use_reentrant=False) if recompute
                      else _chunk(head, h, y, with_entropy))
     if not parts:  # no position wanted
@@ -126,6 +148,8 @@ def response_logprobs_and_entropy(model, batch: dict[str, Tensor], *,
     that prompt once (engines/shared_prefix.py) where the batch and model allow it."""
     mask = batch["action_mask"]
     plan = shared_prefix.plan(batch) if shared_prefix.supported(model) else None
+    if most_over_ranks(int(plan is None), unwrap(model), mask.device):  # ZeRO-3: one path on every rank
+        plan = None
     if plan is None:
         rows, t = (mask > 0).nonzero(as_tuple=True)
         positions = batch["response_index"][rows, t]

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -219,6 +221,75 @@ def test_evaluate_rows_gives_each_rank_its_share_of_the_rows(ray_local, tiny_mod
         group.shutdown()
     assert rows[:, -1].tolist() == [0, 0, 0, 1, 1] and everything[:, -1].tolist() == [0] * 5
     torch.testing.assert_close(rows[:, :-1], everything[:, :-1], rtol=0, atol=1e-5)
+
+
+def _chunks_of_four_positions(worker) -> None:
+    """In a TrainWorker: the output layer runs on 4 positions at a time (engines/logits.py)."""
+    import engines.logits
+
+    engines.logits.CHUNK_ELEMENTS = 4 * engines.logits.unwrap(worker.engine).config.vocab_size
+
+
+def _in_time(fn, seconds: float = 120.0):
+    """fn() in a thread; a TimeoutError if it has not returned by then (ranks out of step hang: the
+    group is killed after, which ends the thread's wait)."""
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    try:
+        return pool.submit(fn).result(timeout=seconds)
+    finally:
+        pool.shutdown(wait=False)
+
+
+def test_zero3_ranks_call_partitioned_modules_in_step(ray_local, tiny_model, sft_data):
+    """Under ZeRO-3 each call of a partitioned module gathers its weights from every rank, so the ranks
+    must make as many calls; a rank with fewer crashes the group or hangs it. (1) A step whose
+    shards hold 16 and 8 loss tokens, with the output layer on 4 positions at a time (4 and 2 calls):
+    the weights of the same step in one call each. (2) Then a policy step on rollout rows where rank 0's
+    share repeats a prompt (a shared-prefix forward: two model calls) and rank 1's does not (one)."""
+    import ray
+    from safetensors.torch import load
+
+    from engines import experience
+    from engines.rollout import Rollout
+
+    batch = batches.take(sft_data, torch.arange(BATCH))
+    mask = batch["loss_mask"].clone()
+    for i in range(BATCH // 2, BATCH):  # the second shard: one loss token per row
+        first = int(mask[i].nonzero()[0])
+        mask[i] = 0
+        mask[i, first] = 1
+    batch["loss_mask"] = mask
+    assert [int(s["loss_mask"][:, 1:].sum()) for s in batches.shard(batch, 2)] == [16, 8]
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(3, 200, (12,), generator=g).tolist()
+    rollouts = [Rollout(0 if i < 3 else i, prompt if i < 3 else torch.randint(3, 200, (12,), generator=g).tolist(),
+                        torch.randint(3, 200, (3,), generator=g).tolist(), "", [0.0] * 3, True) for i in range(6)]
+    rows = experience.from_rollouts(rollouts, pad_id=0).tensors()
+    rows["advantages"] = torch.randn(rows["action_mask"].shape, generator=g) * rows["action_mask"]
+    policy = functools.partial(objectives.policy_objective, clip_low=0.2, clip_high=0.2, dual_clip=None,
+                               agg="token_mean", entropy_coef=0.0, kl_loss_coef=0.0, kl_estimator="k3",
+                               kl_clamp=None, tis_cap=None, on_policy=True)
+    spec = _spec(tiny_model, "causal", zero_stage=3)
+    weights, metrics = [], []
+    for chunked in (False, True):
+        group = TrainerGroup(spec, num_workers=2)
+        try:
+            if chunked:
+                ray.get([w.__ray_call__.remote(_chunks_of_four_positions) for w in group.workers])
+            sft = _in_time(lambda: group.train_step(batches.shard(batch, 2), objectives.causal_lm_objective,
+                                                    weigh=objectives.response_tokens))
+            rl = _in_time(lambda: group.train_step(batches.shard(rows, 2), policy,
+                                                   weigh=functools.partial(objectives.aggregated, agg="token_mean")))
+            metrics.append((sft, rl))
+            weights.append(load(group.weights_bytes()))
+        finally:
+            group.shutdown()
+    (sft_0, rl_0), (sft_1, rl_1) = metrics
+    assert sft_1["loss"] == pytest.approx(sft_0["loss"], abs=1e-6)
+    assert sft_1["grad_norm"] == pytest.approx(sft_0["grad_norm"], rel=1e-5)
+    assert rl_1["grad_norm"] == pytest.approx(rl_0["grad_norm"], rel=1e-4)
+    # Adam's steps are about lr * sign(g): rounding where g is near 0 moves an element by a fraction of lr.
+    assert max((weights[1][k] - weights[0][k]).abs().max().item() for k in weights[0]) < 1e-2 * spec.learning_rate
 
 
 def _state_out_and_back(worker) -> None:
