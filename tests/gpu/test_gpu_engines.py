@@ -6,7 +6,9 @@ Each test asserts where the parameters live (cuda) as well as what the step comp
 
 With ALIGNFLOW_GPU_TESTS_DEVICE=cpu the same tests run on the CPU, every GPU share 0 and every
 device assertion expecting the CPU: all but the device itself, so that CI, which has no GPU, runs
-this suite's calls into the engines (tests/engines/test_engines_gpu_suite.py).
+this suite's calls into the engines (tests/engines/test_engines_gpu_suite.py). What only a GPU
+shows holds trivially there: optimizer state that "leaves the GPU" (already on the CPU), the
+memory an engine host gives back.
 """
 
 from __future__ import annotations
