@@ -114,13 +114,12 @@ def logprobs_from_hidden(head, hidden: Tensor, targets: Tensor, vocab_size: int,
     n = most_over_ranks(hidden.shape[0], head, hidden.device)  # ZeRO-3: as many head calls on every rank
     recompute = torch.is_grad_enabled() and hidden.requires_grad and n * vocab_size > KEEP_ELEMENTS
     parts = []
-    for i in range(0, n, size):
-        h, y = hidden[i : i + size], targets[i : i + size]  # past this rank's positions: empty
+    # Past this rank's positions a chunk is empty; with none at all, one empty chunk: the result still
+    # hangs from the output layer, so a loss over no tokens is 0 with a (zero) gradient, not an error.
+    for i in range(0, max(n, 1), size):
+        h, y = hidden[i : i + size], targets[i : i + size]
         parts.append(checkpoint(_chunk, head, h, y, with_entropy, use_reentrant=False) if recompute
                      else _chunk(head, h, y, with_entropy))
-    if not parts:  # no position wanted
-        empty = hidden.new_zeros(0, dtype=torch.float32)
-        return empty, (empty if with_entropy else None)
     logprobs = torch.cat([p[0] for p in parts])
     return logprobs, (torch.cat([p[1] for p in parts]) if with_entropy else None)
 

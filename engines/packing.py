@@ -77,6 +77,21 @@ def row_lengths(tensors: dict[str, Tensor]) -> list[int]:
     return lengths.tolist()
 
 
+def check_fits(tensors: dict[str, Tensor], max_tokens: int, where: str) -> None:
+    """Every row of a split (and of its `kl_` rows, KTO's) within `max_tokens` (`where`: the config field),
+    checked before training: during it, the rank whose micro-batch held the row would fail alone, its
+    peers waiting for it in a collective."""
+    for prefix, label in (("", "training"), ("kl_", "KTO mismatched (kl_)")):
+        if f"{prefix}attention_mask" not in tensors:
+            continue
+        lengths = tensors[f"{prefix}attention_mask"].sum(1)
+        over = (lengths > max_tokens).nonzero().flatten().tolist()
+        if over:
+            raise DataError(f"{where}={max_tokens}: {len(over)} {label} rows are longer (row {over[0]}: "
+                            f"{int(lengths[over[0]])} tokens), and packing never cuts a row: raise it, or lower "
+                            "the data's token limits")
+
+
 def pack_rows(tensors: dict[str, Tensor], max_tokens: int, *, pad_id: int = 0) -> tuple[dict[str, Tensor], PackStats]:
     """Pack right-padded rows into rows of at most `max_tokens` tokens (first-fit-decreasing).
 

@@ -16,6 +16,7 @@ from alignflow.cluster import ensure_ray
 from alignflow.records import StageResult
 from alignflow.seeds import derive_seed
 from engines import batches, models, objectives, packed_objectives, supervised
+from engines.packing import check_fits
 from engines.trainer import EngineSpec, TrainerGroup
 from tasks.checkpoints import StageCheckpoints
 from tasks.context import RunContext, StageOutput, compute_stage
@@ -36,6 +37,8 @@ def train_stage(stage: PlannedStage, inputs: TrainInputs | PreferenceInputs, ctx
         tokenizer = models.load_tokenizer(ctx.tokenizer_dir(inputs.init))  # the workers fetch the weights
         records = load_split(inputs.data, ctx, split)
         tensors, report = to_tensors(tokenizer, records, token_limits(inputs.data))
+        if train.packing and train.packing_max_tokens is not None:
+            check_fits(tensors, train.packing_max_tokens, f"{stage.name}.packing_max_tokens")
         run.log_metrics(report.as_metrics(split))
         n_rows = tensors["input_ids"].shape[0] // (2 if paired else 1)
         schedule = supervised.plan(n_rows, train.batch_size, train.epochs, train.max_steps,

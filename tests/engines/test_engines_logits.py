@@ -137,3 +137,27 @@ def test_on_policy_objective_equals_the_one_given_old_logprobs(model, batch):
         torch.testing.assert_close(own_grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
     with pytest.raises(ValueError, match="old_logprobs"):
         policy_objective(model, full, **common)
+
+
+def test_a_micro_batch_without_a_wanted_token_gives_a_zero_loss_with_a_gradient(model, batch):
+    """No response (or loss) token in a micro-batch: log-probs (B, T) of zeros that still hang from the
+    output layer, so the loss backpropagates zeros instead of failing ("does not require grad")."""
+    import functools
+
+    from engines import objectives
+
+    empty = {**batch, "action_mask": torch.zeros_like(batch["action_mask"]),
+             "advantages": torch.zeros(batch["action_mask"].shape)}
+    policy = functools.partial(objectives.policy_objective, clip_low=0.2, clip_high=0.2, dual_clip=None,
+                               agg="token_mean", entropy_coef=0.01, kl_loss_coef=0.0, kl_estimator="k3",
+                               kl_clamp=None, tis_cap=None, on_policy=True)
+    sft = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"],
+           "loss_mask": torch.zeros_like(batch["input_ids"])}
+    for objective, rows in ((policy, empty), (objectives.causal_lm_objective, sft)):
+        model.zero_grad(set_to_none=True)
+        loss, _ = objective(model, rows)
+        assert loss.item() == 0.0
+        loss.backward()
+        head = model.get_output_embeddings().weight.grad
+        assert head is not None and not head.any()
+    model.zero_grad(set_to_none=True)

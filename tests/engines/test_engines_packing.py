@@ -194,3 +194,17 @@ def test_the_mask_blocks_attention_across_samples(policy, tokenizer):
     assert (after[sample == a] - before[sample == a]).abs().max() > 1e-3
     assert (after[others] - before[others]).abs().max() < 1e-6
     assert (mixed[1][others] - mixed[0][others]).abs().max() > 1e-3
+
+
+def test_rows_longer_than_the_packing_width_are_refused_before_training():
+    """A row over packing_max_tokens fails the stage before the trainer group starts (during training, the
+    rank that held it would fail alone while its peers wait), naming the field, the rows and the longest."""
+    from engines.packing import check_fits
+
+    mask = lambda lengths: torch.tensor([[1] * n + [0] * (9 - n) for n in lengths])  # noqa: E731
+    tensors = {"attention_mask": mask([3, 5, 9]), "kl_attention_mask": mask([4, 9, 2])}
+    check_fits(tensors, 9, "preference.packing_max_tokens")
+    with pytest.raises(DataError, match=r"preference.packing_max_tokens=8: 1 training rows are longer \(row 2: 9"):
+        check_fits(tensors, 8, "preference.packing_max_tokens")
+    with pytest.raises(DataError, match=r"=8: 1 KTO mismatched \(kl_\) rows are longer \(row 1: 9 tokens\)"):
+        check_fits({**tensors, "attention_mask": mask([3, 5, 8])}, 8, "preference.packing_max_tokens")
