@@ -245,6 +245,8 @@ class TrainerGroup:
         """One optimizer step on a global batch given as one shard per worker, each cut into micro-batches
         of at most `micro_batch_size` rows and `micro_batch_tokens` padded tokens (pairs kept whole);
         `weigh(micro)`: what the objective averages over in it (engines/objectives), as loss_scales."""
+        if len({tuple(s["input_ids"].shape) for s in shards}) > 1:  # else the ranks' micro-batch counts may differ
+            raise ValueError(f"shards of one step must have one shape: {[tuple(s['input_ids'].shape) for s in shards]}")
         size, tokens = self.spec.micro_batch_size, self.spec.micro_batch_tokens
         parts = [micro_batches(s, size, tokens=tokens, paired=paired) for s in shards]
         results = ray.get([w.train_step.remote(p, objective, scales)

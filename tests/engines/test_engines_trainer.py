@@ -357,3 +357,16 @@ def test_offloading_and_reloading_the_optimizer_state_leaves_training_unchanged(
     finally:
         plain.shutdown()
         moved.shutdown()
+
+
+def test_shards_of_one_step_must_have_one_shape():
+    """Ranks cut their shards into micro-batches by rows and padded width: shards of different shapes
+    could give them different numbers of forwards, which ZeRO-3 cannot survive. Refused before any rank
+    is asked."""
+    from types import SimpleNamespace
+
+    group = SimpleNamespace(spec=_spec("unused", "causal"), workers=[])
+    rows = lambda n, width: {"input_ids": torch.zeros(n, width, dtype=torch.long)}  # noqa: E731
+    with pytest.raises(ValueError, match=r"one shape: \[\(4, 10\), \(4, 12\)\]"):
+        TrainerGroup.train_step(group, [rows(4, 10), rows(4, 12)], objectives.causal_lm_objective,
+                                weigh=objectives.per_row)
