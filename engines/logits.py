@@ -50,9 +50,9 @@ KEEP_ELEMENTS = 2**24
 
 def most_over_ranks(value: int, module, device) -> int:
     """`value`; under ZeRO-3 on several ranks (`module`'s weights partitioned), the largest of the
-    ranks' values, all-reduced on `device` (the computation's: nccl reduces CUDA tensors only). Each
-    rank must call then in step with the others: fewer calls of a partitioned module on one rank
-    crash the group (seen on gloo: a rank aborts in the mismatched all-gather)."""
+    ranks' values, all-reduced on `device` (the computation's: nccl reduces CUDA tensors only). Ranks
+    that size their module calls by it call in step: fewer calls of a partitioned module on one rank
+    crash the group or hang it (tests/engines/test_engines_trainer.py)."""
     import torch.distributed as dist
 
     param = next(module.parameters(), None)
