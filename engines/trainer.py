@@ -153,11 +153,11 @@ class TrainWorker:
         """Rank 0 writes an HF directory (safetensors + tokenizer; LoRA: merged weights, and the adapter
         in `adapter/`); all ranks gather. A ref: uploaded from this node (alignflow/artifacts.py)."""
         state = lora.full_state_dict(self.engine.module, self.spec.zero_stage)  # HF names; LoRA: merged
-        with writing(target) as (directory, uploaded):
-            if self.rank == 0:
+        with writing(target) as (directory, uploaded):  # every gather before rank 0's writes: one that fails
+            lora.save_adapter(self.engine.module, self.spec.zero_stage, str(directory), write=self.rank == 0)
+            if self.rank == 0:  # leaves no rank waiting in a gather
                 lora.hf_model(self.engine.module).save_pretrained(directory, state_dict=state, safe_serialization=True)
                 self.tokenizer.save_pretrained(directory)
-            lora.save_adapter(self.engine.module, self.spec.zero_stage, str(directory), write=self.rank == 0)
         return uploaded
 
     def weights_bytes(self) -> bytes | None:
