@@ -4,7 +4,9 @@ Counted without importing the engines (torch and Ray take ~10 s): a round's
 actors as engines/round_models.py round_resources counts them, a training
 stage's workers, an evaluation's engine and scorers; and, where the
 evaluations keep their engine for the run (`evaluation.keeps_engine`), the
-run's engine host beside every stage (tasks/eval_engine.py).
+run's engine host beside every stage (tasks/eval_engine.py). An evaluation
+with an engine of its own ends it before its scorer starts: it needs the
+larger of the two, not both (one GPU serves configs/gpu-small.yaml).
 """
 
 from __future__ import annotations
@@ -62,8 +64,12 @@ def check_slots(cfg: PipelineConfig, found) -> None:
             stages = [(f, c + g.placement.num_cpus, gp + g.gpus_per_engine,
                        f"{w}; the run's evaluation engine host 1x{g.placement.num_cpus:g}") for f, c, gp, w in stages]
         n = int(s.num_gpus > 0)
-        stages.append(("evaluation", g.placement.num_cpus + s.num_cpus * n, g.gpus_per_engine + s.num_gpus,
-                       f"actors x CPUs: generation 1x{g.placement.num_cpus:g}, scorer_placement {n}x{s.num_cpus:g}"))
+        what = f"actors x CPUs: generation 1x{g.placement.num_cpus:g}, scorer_placement {n}x{s.num_cpus:g}"
+        if cfg.evaluation.keeps_engine:  # the host keeps its slots while the scorer runs
+            stages.append(("evaluation", g.placement.num_cpus + s.num_cpus * n, g.gpus_per_engine + s.num_gpus, what))
+        else:  # an engine of its own, gone before the scorer starts (tasks/eval_engine.py): one after the other
+            stages.append(("evaluation", max(g.placement.num_cpus, s.num_cpus * n), max(g.gpus_per_engine, s.num_gpus),
+                           f"{what}, one after the other"))
     slots, gpus = cfg.infra.ray_num_cpus, _gpus() if any(s[2] > 0 for s in stages) else 0
     for field, cpu, gpu, what in stages:
         if cpu > slots:
