@@ -21,6 +21,7 @@ from alignflow.config import GenerationConfig, VLLMConfig
 from alignflow.errors import ConfigError
 from engines.devices import actor_options, pin_cpu_cores
 from engines.lean_imports import skip_sklearn_in_transformers
+from engines.placement_groups import wait_placement_group
 from engines.rollout import HFEngine, Rollout, Sampling, VLLMEngine, vllm_engine_args
 
 BACKENDS = ("vllm", "hf")
@@ -141,17 +142,6 @@ def engine_bundles(g: GenerationConfig) -> list[dict[str, float]]:
             for i in range(tp)]
 
 
-def wait_placement_group(pg, what: str, timeout_s: float = 300.0) -> None:
-    from alignflow.errors import InsufficientResourcesError
-
-    ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
-    if not ready:
-        ray.util.remove_placement_group(pg)
-        raise InsufficientResourcesError(
-            f"{what}: Ray could not reserve {pg.bundle_specs} within {timeout_s:.0f} s "
-            f"(cluster: {ray.cluster_resources()})")
-
-
 @dataclass(frozen=True)
 class PendingRollouts:
     """A generation under way on the engines: which prompts each engine got, and its result refs."""
@@ -228,7 +218,8 @@ def start_engines(g: GenerationConfig, model_path: Source, *, count: int, seeds:
             elif g.vllm.tensor_parallel_size > 1:
                 pg = ray.util.placement_group(engine_bundles(g), strategy="STRICT_PACK")
                 engines.placement_groups.append(pg)
-                wait_placement_group(pg, f"rollout engine {i} (tensor_parallel_size={g.vllm.tensor_parallel_size})")
+                wait_placement_group(pg, f"rollout engine {i} (tensor_parallel_size={g.vllm.tensor_parallel_size})",
+                                     "STRICT_PACK")
                 strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0,
                                                             placement_group_capture_child_tasks=True)
                 actor = start_rollout_actor(g.backend, model_path, num_cpus=g.placement.num_cpus, num_gpus=0,

@@ -31,7 +31,8 @@ from alignflow.config import RoundConfig
 from alignflow.errors import InsufficientResourcesError
 from alignflow.seeds import derive_seed
 from engines.rollout import Rollout, Sampling
-from engines.rollout_actors import PendingRollouts, RolloutEngines, start_engines, wait_placement_group
+from engines.placement_groups import wait_placement_group
+from engines.rollout_actors import PendingRollouts, RolloutEngines, start_engines
 from engines import objectives
 from engines.scoring import start_scorer
 from engines.trainer import EngineSpec, TrainerGroup
@@ -250,7 +251,7 @@ def start_round_models(cfg: RoundConfig, setup: RoundSetup, updates_per_step: in
     try:
         if cfg.colocate_all:
             models.placement_group = ray.util.placement_group(colocated_bundles(cfg), strategy="PACK")
-            wait_placement_group(models.placement_group, f"round ({cfg.algorithm}) colocate_all")
+            wait_placement_group(models.placement_group, f"round ({cfg.algorithm}) colocate_all", "PACK")
         n = cfg.actor.num_workers
         models.actor = TrainerGroup(engine(cfg.actor, setup.policy_path, "causal", "actor",
                                            cfg.steps - cfg.actor.freeze_steps), n,

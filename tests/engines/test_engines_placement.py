@@ -1,4 +1,6 @@
-"""`placement.cpu_cores`: each role's processes pinned to its cores, with a thread per core."""
+"""`placement.cpu_cores`: each role's processes pinned to its cores, with a thread per core. Placement
+groups (engines/placement_groups.py): one the cluster can hold waits while others hold its resources;
+one no node can hold fails, naming it."""
 
 from __future__ import annotations
 
@@ -64,3 +66,68 @@ def test_a_core_the_node_lacks_is_named(ray_local, tiny_model):
     with pytest.raises(Exception, match=r"placement.cpu_cores: cores \[4096\] are not available"):
         ray.get(scorer.device_report.remote())
     ray.kill(scorer)
+
+
+def test_placement_fits_counts_nodes_and_the_strategy():
+    from engines.placement_groups import placement_fits
+
+    two = [{"CPU": 8.0, "GPU": 1.0}, {"CPU": 8.0, "GPU": 1.0}]
+    gpus = [{"CPU": 0.0, "GPU": 1.0}, {"CPU": 0.0, "GPU": 1.0}]
+    assert placement_fits(gpus, "PACK", two)
+    assert not placement_fits(gpus, "STRICT_PACK", two)  # one node must hold both
+    assert placement_fits(gpus, "STRICT_PACK", [{"CPU": 2.0, "GPU": 2.0}])
+    assert not placement_fits([{"GPU": 2.0}], "PACK", two)  # a bundle never splits across nodes
+    assert placement_fits([{"CPU": 6.0}] * 2, "PACK", two)
+    assert not placement_fits([{"CPU": 6.0}] * 3, "PACK", two)  # each fits a node, all three do not
+    assert not placement_fits([{"CPU": 1.0, "accel": 1.0}], "PACK", two)
+    assert placement_fits([{"CPU": 1.0, "GPU": 0.0}], "PACK", [{"CPU": 1.0}])  # what a bundle asks 0 of, no node needs
+
+
+def test_a_busy_placement_group_waits_and_one_no_node_holds_fails(ray_local, caplog):
+    """Stages that became ready together queue for one GPU: the group that waits past the timeout for
+    resources the cluster has is served once they are free; one no node can hold fails."""
+    import threading
+    import time
+
+    import ray
+    from ray.util import placement_group, placement_group_table, remove_placement_group
+
+    from alignflow.errors import InsufficientResourcesError
+    from engines.placement_groups import wait_placement_group
+
+    cpus = ray.cluster_resources()["CPU"]
+
+    class Holder:
+        def ping(self) -> bool:
+            return True
+
+    holder = ray.remote(num_cpus=cpus)(Holder).remote()  # another stage's actors: every CPU slot
+    assert ray.get(holder.ping.remote())
+    pg, outcome = placement_group([{"CPU": 1.0}], strategy="PACK"), []
+
+    def wait() -> None:
+        try:
+            wait_placement_group(pg, "busy group", "PACK", timeout_s=0.5, poll_s=0.2, say_every_s=60)
+            outcome.append("reserved")
+        except BaseException as e:  # noqa: BLE001  (the test reads it)
+            outcome.append(e)
+
+    waiter = threading.Thread(target=wait)
+    with caplog.at_level("WARNING", logger="alignflow"):
+        waiter.start()
+        time.sleep(3.0)  # six times the timeout
+        assert waiter.is_alive() and outcome == []
+        ray.kill(holder)
+        waiter.join(60)
+    assert outcome == ["reserved"]
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("busy group: waiting")]
+    assert len(said) == 1 and "the cluster has it, other stages hold it now" in said[0]  # once in 60 s
+    remove_placement_group(pg)
+
+    for bundles, strategy in (([{"CPU": cpus + 1}], "PACK"), ([{"CPU": cpus / 2 + 1}] * 2, "STRICT_PACK")):
+        too_big = placement_group(bundles, strategy=strategy)
+        started = time.monotonic()
+        with pytest.raises(InsufficientResourcesError, match=rf"too big: no node of this Ray cluster can hold .*{strategy}"):
+            wait_placement_group(too_big, "too big", strategy, timeout_s=0.5, poll_s=0.2)
+        assert time.monotonic() - started < 30
+        assert placement_group_table(too_big)["state"] == "REMOVED"
