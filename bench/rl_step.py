@@ -16,11 +16,11 @@ intermediate 1024, vocabulary 2048, tied embeddings, fp32); 32 prompts of
 Each variant (a source tree, an allocator) runs in its own process with its
 own Ray, `--runs` times, the variants alternating run by run (this machine
 is noisy: compare only numbers taken side by side). A run times `--steps`
-steps after one warm-up step. Printed per variant, medians over runs:
-the step time and its phases; system CPU time as a share of all CPU time the
-run's processes spent in the timed steps; each phase's achieved GFLOP/s
-against the fp32 matmul peak this run measured; and the ratio of each
-variant's step time to the first variant's.
+steps after one warm-up step. Printed per variant, medians over runs: the
+step time and its phases; system CPU time as a share of the runs' CPU time;
+each phase's tokens/s (generated tokens for generation, prompt + response
+for the rest) and GFLOP/s against the fp32 matmul peak this run measured;
+and the ratio of each variant's step time to the first variant's.
 """
 
 from __future__ import annotations
@@ -30,15 +30,16 @@ import contextlib
 import functools
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 from measure import cpu_times, forward_flops, matmul_peak_gflops, scored_work  # bench/measure.py, beside this script
+from trees import compared_trees  # bench/trees.py
 
 REPO = Path(__file__).resolve().parent.parent
 PHASES = ["generate", "score", "reference", "old_logprobs", "critic", "train", "sync"]
@@ -109,12 +110,10 @@ def worker(args) -> dict:
     finally:
         rl.shutdown()
         ray.shutdown()
-    user = sum(after[p][0] - before[p][0] for p in after if p in before)
-    system = sum(after[p][1] - before[p][1] for p in after if p in before)
+    user, system = (sum(after[p][i] - before[p][i] for p in after if p in before) for i in (0, 1))
     phases = {p: statistics.median(s.metrics.get(f"time/{p}", 0.0) for s in steps) for p in PHASES}
     exp = steps[-1].experience
-    tokens = float(exp.attention_mask.sum())
-    response = float(exp.action_mask.sum())
+    tokens, response = float(exp.attention_mask.sum()), float(exp.action_mask.sum())
     lengths = exp.attention_mask.sum(-1).float()
     attended = float((lengths * (lengths + 1) / 2).sum())
     scored_tokens, scored_pairs = scored_work(exp.tensors())  # prompts once per group where shared
@@ -123,6 +122,7 @@ def worker(args) -> dict:
              "old_logprobs": fwd, "critic": fwd, "train": 3 * fwd}
     return {"step": statistics.median(sum(s.metrics.get(f"time/{p}", 0.0) for p in PHASES) for s in steps),
             "phases": phases, "flops": flops, "peak_gflops": peak, "cpu_user_s": user, "cpu_system_s": system,
+            "tokens": {p: response if p == "generate" else tokens for p in PHASES if p != "sync"},
             "wall_s": wall, "params_m": sum(p.numel() for p in models.load_policy(path).parameters()) / 1e6,
             "weight_mb": sum(p.numel() * p.element_size() for p in models.load_policy(path).parameters()) / 2**20,
             "vocab": config.vocab_size, "reward": statistics.mean(s.metrics["reward/mean"] for s in steps)}
@@ -184,37 +184,6 @@ def build_model(config: str | None, shape: str = "issue14") -> str:
     return str(models.build_tiny_model(TinyModelConfig(**SHAPES[shape]), seed=0, out_dir=out, corpus=word_corpus()))
 
 
-def snapshot() -> Path:
-    """The working tree's source files (tracked and untracked, not ignored) copied to a temporary directory."""
-    import shutil
-
-    files = subprocess.run(["git", "-C", str(REPO), "ls-files", "-co", "--exclude-standard"], check=True,
-                           capture_output=True, text=True).stdout.split()
-    out = Path(tempfile.mkdtemp(prefix="alignflow-tree-"))
-    for f in files:
-        if (REPO / f).is_file():
-            (out / f).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(REPO / f, out / f)
-    return out
-
-
-@contextlib.contextmanager
-def compared_trees(against: str | None) -> Iterator[list[tuple[str, Path]]]:
-    """[(label, source tree)]: a copy of this tree (it may be edited while a bench runs), after
-    `against` checked out in a temporary git worktree when given (removed on exit)."""
-    trees = [("this tree", snapshot())]
-    if against is None:
-        yield trees
-        return
-    tree = Path(tempfile.mkdtemp(prefix="alignflow-against-"))
-    subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(tree), against], check=True,
-                   capture_output=True)
-    try:
-        yield [(against, tree), *trees]
-    finally:
-        subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], capture_output=True)
-
-
 def run_variant(label: str, tree: Path, spec: str, args, script: Path) -> dict:
     env = {**os.environ, "PYTHONPATH": str(tree)}
     for k in ("LD_PRELOAD", "MALLOC_CONF", *(k for k in os.environ if k.startswith("MALLOC_"))):
@@ -242,8 +211,9 @@ def report(label: str, runs: list[dict], base: float | None, peak: float) -> flo
             continue
         flops = runs[0]["flops"].get(p)
         # A phase that only waits (asynchronous generation) did no work of its own to rate.
-        rate = f"{flops / t / 1e9:7.1f} GFLOP/s ({100 * flops / t / 1e9 / peak:4.1f}% of peak)" if flops and t > 0.05 else ""
-        print(f"  {p:<13}{t:7.3f} s  {rate}")
+        rate = f"{flops / t / 1e9:7.1f} GFLOP/s ({100 * flops / t / 1e9 / peak:4.1f}% of peak)" if flops and t > 0.01 else ""
+        n = runs[0].get("tokens", {}).get(p)  # generated tokens for generate, prompt + response for the rest
+        print(f"  {p:<13}{t:7.3f} s  " + (f"{n / t:9.0f} tokens/s  {rate}" if n and t > 0.01 else rate))
     sync = statistics.median(r["phases"]["sync"] for r in runs)
     if sync > 0 and "weight_mb" in runs[0]:
         print(f"  weight update {1e3 * sync:.0f} ms: {100 * sync / step:.1f}% of the step, "
@@ -269,11 +239,13 @@ def main() -> None:
     if args.worker:
         print("RESULT " + json.dumps(worker(args)), flush=True)
         return
-    args.model = build_model(args.config, args.shape)
     specs = args.variants.split(";")
     for spec in [*specs, args.against_variant]:
         variant_env(spec)  # fails before any run on an unknown one
-    with compared_trees(args.against) as trees:
+    args.model = build_model(args.config, args.shape)  # a temporary directory: removed with the trees
+    with contextlib.ExitStack() as done:
+        done.callback(shutil.rmtree, args.model, ignore_errors=True)
+        trees = done.enter_context(compared_trees(args.against))
         script = trees[-1][1] / "bench" / "rl_step.py"  # this bench's worker, whichever tree it imports
         # A commit compared against runs as it was (its own defaults, or --against-variant); this tree every variant.
         variants = [(f"{t} [{v}]" if v else t, path, v) for t, path in trees

@@ -28,7 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from rl_step import compared_trees, word_corpus  # bench/rl_step.py, beside this script
+from rl_step import word_corpus  # bench/rl_step.py, beside this script
+from trees import compared_trees  # bench/trees.py
 
 SIZES = {  # label -> tiny-model shape (vocabulary 2048, untied)
     "1M": dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=512),
