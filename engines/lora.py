@@ -140,19 +140,30 @@ def gathered(params: list[torch.nn.Parameter], zero_stage: int, modifier_rank: i
         yield
 
 
+def _cpu_copies(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """CPU copies of `state`'s tensors, one per tensor however many names it has: a tied output layer
+    stays the embedding itself, and `save_pretrained` writes it once, as a tied checkpoint has it."""
+    copies: dict[tuple, torch.Tensor] = {}
+    out = {}
+    for key, value in state.items():
+        at = (value.device, value.data_ptr(), value.dtype, tuple(value.shape), value.stride())
+        if at not in copies or value.numel() == 0:
+            copies[at] = value.detach().cpu().clone()
+        out[key] = copies[at]
+    return out
+
+
 def full_state_dict(module: torch.nn.Module, zero_stage: int) -> dict[str, torch.Tensor]:
-    """The full weights on every rank (gathered under ZeRO-3), CPU copies, under the HF names of the
-    base model; with LoRA each adapted weight is merged: W + (alpha/rank)·B·A."""
+    """The full weights on every rank (gathered under ZeRO-3), CPU copies (tied names share one),
+    under the HF names of the base model; with LoRA each adapted weight is merged: W + (alpha/rank)·B·A."""
     with gathered(list(module.parameters()), zero_stage):
         if not is_lora(module):
-            return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+            return _cpu_copies(module.state_dict())
         base = module.get_base_model()
         wrapped = _wrapped(base)
-        state = {}
-        for key, value in base.state_dict().items():
-            name = _hf_key(key, wrapped)
-            if name is not None:
-                state[name] = value.detach().cpu().clone()
+        named = {name: value for name, value in ((_hf_key(k, wrapped), v) for k, v in base.state_dict().items())
+                 if name is not None}
+        state = _cpu_copies(named)
         for name, (infix, layer) in wrapped.items():
             if infix == "base_layer.":
                 weight = state[f"{name}.weight"]

@@ -25,7 +25,7 @@ import torch
 from alignflow.config import VLLMConfig
 from engines.texts import response_texts
 from engines.weight_transport import (TransportGroup, WeightSyncError, check_specs, plan_buckets,  # noqa: F401
-                                      receive_buckets)
+                                      receive_buckets, update_shapes)
 
 
 @dataclass(frozen=True)
@@ -49,19 +49,6 @@ class Rollout:
     finished: bool  # ended with EOS/stop rather than the length limit
 
 
-def checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
-    """Tensor names and shapes of an HF checkpoint, from the safetensors headers."""
-    from pathlib import Path
-
-    from safetensors import safe_open
-
-    shapes = {}
-    for f in sorted(Path(model_path).glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as st:
-            shapes.update({k: tuple(st.get_slice(k).get_shape()) for k in st.keys()})
-    return shapes
-
-
 class VLLMWorkerExtension:
     """Mixed into vLLM's worker (`worker_extension_cls`): weights received in place, bucket by bucket
     over the weight transport (engines/weight_transport.py).
@@ -78,6 +65,11 @@ class VLLMWorkerExtension:
         rank = first_rank + get_tensor_model_parallel_rank()
         self.alignflow_device = next(self.model_runner.get_model().parameters()).device
         self.alignflow_group = TransportGroup(tuple(address), rank, world_size, backend, self.alignflow_device)
+
+    def alignflow_ties_output_layer(self) -> bool:
+        """Whether the loaded model's output layer is its embedding (vLLM unties a checkpoint that stores
+        both and re-ties them where they are equal); shared parameters are named once, the embedding first."""
+        return "lm_head.weight" not in dict(self.model_runner.get_model().named_parameters())
 
     def alignflow_gpu(self) -> str | None:
         from engines.weight_sync import gpu_id
@@ -140,7 +132,7 @@ class VLLMEngine:
         self.llm = LLM(**{"use_tqdm_on_load": not os.environ.get("TQDM_DISABLE"), **engine_args})
         self.sleep_mode = bool(engine_args.get("enable_sleep_mode"))
         self.tokenizer = self.llm.get_tokenizer()
-        self._shapes = checkpoint_shapes(model_path)
+        self._model_path = model_path
 
     def generate(self, prompt_ids: list[list[int]], sampling: Sampling) -> list[Rollout]:
         from vllm import SamplingParams
@@ -163,8 +155,10 @@ class VLLMEngine:
 
     def prepare_weights(self, specs: list, bucket_bytes: int) -> list[str | None]:
         """Check the names and shapes updates will carry (once); the GPU of each worker that will receive
-        them (one per tensor-parallel rank; None on the CPU)."""
-        check_specs(self._shapes, specs, "vLLM engine")
+        them (one per tensor-parallel rank; None on the CPU). A tied output layer is expected as the
+        model vLLM loaded ties it, whatever the checkpoint stores (update_shapes)."""
+        tied = all(self.llm.collective_rpc("alignflow_ties_output_layer"))
+        check_specs(update_shapes(self._model_path, tied), specs, "vLLM engine")
         self._plan = (specs, bucket_bytes)
         return list(self.llm.collective_rpc("alignflow_gpu"))
 

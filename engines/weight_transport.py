@@ -6,6 +6,7 @@ Its wire: buckets, groups, sending and receiving (who talks to whom: engines/wei
     group = TransportGroup(address, rank, world, ...)   rank 0 sends; every other rank receives
     sender:   send_buckets(group, buckets, pack_bucket) one broadcast per bucket
     receiver: receive_buckets(group, buckets, device)   yields (name, tensor) bucket by bucket
+    update_shapes(model_path, tied)                     what an engine on a checkpoint expects an update to carry
 
 The group is a torch process group of its own, made from a TCP store at the trainer's address:
 it is neither the trainers' DeepSpeed group nor vLLM's, so no one's ranks change. Backends:
@@ -224,3 +225,26 @@ def check_specs(expected: dict[str, tuple[int, ...]], specs: Sequence[TensorSpec
     if missing or unknown or shapes:
         raise WeightSyncError(f"{where}: weight update rejected before sending: missing={missing[:5]} "
                               f"unknown={unknown[:5]} shapes={shapes[:5]}")
+
+
+def checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
+    """Tensor names and shapes of an HF checkpoint, from the safetensors headers."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    shapes = {}
+    for f in sorted(Path(model_path).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            shapes.update({k: tuple(st.get_slice(k).get_shape()) for k in st.keys()})
+    return shapes
+
+
+def update_shapes(model_path: str, tied: bool) -> dict[str, tuple[int, ...]]:
+    """What a weight update into an engine on this checkpoint carries: its tensors, less the output layer
+    where the loaded model ties it to the embedding (`tied`). Some checkpoints of tied models store it
+    as well; the trainer's model ties it too, and sends the embedding once (engines/models.weight_shapes)."""
+    shapes = checkpoint_shapes(model_path)
+    if tied:
+        shapes.pop("lm_head.weight", None)
+    return shapes

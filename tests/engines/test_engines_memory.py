@@ -60,7 +60,7 @@ def _one_step(tiny_model, batch, workers: int = 1, weigh=None, objective=None,
 
 
 def test_micro_batches_and_checkpointing_match_one_batch(ray_local, tiny_model, sft_batch):
-    from engines.rollout import checkpoint_shapes
+    from engines.weight_transport import checkpoint_shapes
 
     whole, m_whole = _one_step(tiny_model, sft_batch)
     before = checkpoint_shapes(str(tiny_model))

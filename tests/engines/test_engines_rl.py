@@ -457,8 +457,14 @@ def test_tied_embeddings_sync_into_vllm(ray_local, tiny_model, prompts, tmp_path
     """A model whose output layer is tied to its input embeddings: after a
     training step, the weights pushed into vLLM are accepted (the tied weight
     once, as in the checkpoint) and vLLM samples from the trained weights,
-    output layer included (STACK.md saw a stale packed output layer once)."""
+    output layer included (STACK.md saw a stale packed output layer once).
+    The trainer's own checkpoint stays tied, and an engine on it takes updates."""
+    import json
+    import shutil
+
     import ray
+    from safetensors import safe_open
+    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from engines import objectives
@@ -485,14 +491,33 @@ def test_tied_embeddings_sync_into_vllm(ray_local, tiny_model, prompts, tmp_path
         rollouts = ray.get(engine.generate.remote(ids, Sampling(n=2, max_new_tokens=6)))
         batch = from_rollouts(rollouts, pad_id=0)
         sft = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask, "loss_mask": batch.attention_mask}
-        group.train_step(shard(sft, 1), objectives.causal_lm_objective, weigh=objectives.response_tokens)  # moves the tied matrix
-        # The round's own path: the trainer streams its weights in 64 KB buckets (several per step).
-        WeightSync(group, RolloutEngines([engine]), bucket_bytes=64 * 2**10).push()
-        after = ray.get(engine.generate.remote(ids, Sampling(n=2, max_new_tokens=6)))
-        check = from_rollouts(after, pad_id=0)
-        trainer = group.evaluate(check.tensors(), objectives.response_logprobs)
-        diff = ((check.rollout_logprobs - trainer) * check.action_mask).abs().max().item()
-        assert diff <= 1e-4, diff
+
+        def step_push_and_compare() -> None:
+            group.train_step(shard(sft, 1), objectives.causal_lm_objective, weigh=objectives.response_tokens)  # moves the tied matrix
+            # The round's own path: the trainer streams its weights in 64 KB buckets (several per step).
+            WeightSync(group, RolloutEngines([engine]), bucket_bytes=64 * 2**10).push()
+            after = ray.get(engine.generate.remote(ids, Sampling(n=2, max_new_tokens=6)))
+            check = from_rollouts(after, pad_id=0)
+            trainer = group.evaluate(check.tensors(), objectives.response_logprobs)
+            diff = ((check.rollout_logprobs - trainer) * check.action_mask).abs().max().item()
+            assert diff <= 1e-4, diff
+
+        step_push_and_compare()
+
+        # A pipeline's next stage: the trainer's checkpoint, tied as it was loaded, takes updates in an
+        # engine of its own. So does a checkpoint that stores the tied output layer as well.
+        saved, aliased = tmp_path / "saved", tmp_path / "aliased"
+        group.save_hf(str(saved))
+        with safe_open(str(saved / "model.safetensors"), framework="pt") as st:
+            state = {k: st.get_tensor(k) for k in st.keys()}
+        assert "lm_head.weight" not in state and json.loads((saved / "config.json").read_text())["tie_word_embeddings"]
+        shutil.copytree(saved, aliased)
+        save_file({**state, "lm_head.weight": state["model.embed_tokens.weight"].clone()},
+                  str(aliased / "model.safetensors"), metadata={"format": "pt"})
+        for path in (saved, aliased):
+            ray.kill(engine)
+            engine = start_rollout_actor("vllm", str(path), max_model_len=80)
+            step_push_and_compare()
     finally:
         group.shutdown()
         ray.kill(engine)

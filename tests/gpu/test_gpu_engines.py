@@ -291,7 +291,7 @@ def test_engine_host_builds_and_frees_engines_on_gpu(ray_gpu, gpu_model, gpu_tok
     assert len(draws[2]) == 4 and all(r.token_ids for r in draws[2])
     from math import prod
 
-    from engines.rollout import checkpoint_shapes
+    from engines.weight_transport import checkpoint_shapes
 
     weights = 2 * sum(prod(shape) for shape in checkpoint_shapes(str(gpu_model)).values())  # bf16 bytes
     assert allocated < weights / 2, f"{allocated} bytes still on the GPU after the engines closed ({weights} a model)"
