@@ -333,6 +333,27 @@ def small_pipeline_args() -> Callable[..., list[str]]:
     return make
 
 
+GPU_SHAPE = ("hidden_size: 1024, num_layers: 28, num_heads: 16, num_kv_heads: 2, intermediate_size: 4864",
+             "hidden_size: 128, num_layers: 2, num_heads: 2, num_kv_heads: 1, intermediate_size: 256")
+
+
+@pytest.fixture(scope="session")
+def gpu_config_on_cpu() -> Callable[[Path], Path]:
+    """`write(directory) -> path`: configs/gpu-small.yaml as it is, but at a small shape (2 layers,
+    hidden 128; still Qwen2, tied, bf16) and with no GPU in any placement: its pipeline, colocated
+    rounds included, on the CPU."""
+
+    def write(directory: Path) -> Path:
+        text = (REPO / "configs" / "gpu-small.yaml").read_text()
+        assert text.count(GPU_SHAPE[0]) == 1 and text.count("num_gpus: 1") == 8, \
+            "configs/gpu-small.yaml changed: update tests/conftest.py:gpu_config_on_cpu"
+        path = Path(directory) / "gpu-small-on-cpu.yaml"
+        path.write_text(text.replace(*GPU_SHAPE).replace("num_gpus: 1", "num_gpus: 0"))
+        return path
+
+    return write
+
+
 @pytest.fixture(scope="session")
 def cli_env(tmp_path_factory) -> Callable[..., dict[str, str]]:
     """`env(**extra) -> environment` for CLI subprocesses, from os.environ *now*

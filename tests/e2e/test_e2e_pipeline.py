@@ -349,6 +349,27 @@ def test_rule_reward_rounds_of_mixed_kinds_need_no_reward_model(small_pipeline_a
     print(f"grpo -> rejection sampling -> ppo without a reward model: {res.seconds:.0f} s")
 
 
+def test_the_gpu_config_runs_end_to_end_on_the_cpu(gpu_config_on_cpu, cli_env, alignflow_cli, tmp_path):
+    """configs/gpu-small.yaml at a small shape and without GPUs: tied embeddings, bf16, gradient
+    checkpointing, PPO rounds with every model colocated (vLLM sleeping while they train), and
+    evaluations whose engine and scorer take turns. Its SFT checkpoint stays tied."""
+    from safetensors import safe_open
+
+    small = ["data.synthetic.num_sft=128", "data.synthetic.num_preference=128", "data.synthetic.num_rl_prompts=64",
+             "data.synthetic.num_eval=20", "rounds.0.steps=2", "rounds.1.steps=2",
+             f"infra.mlflow_tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}"]
+    res = alignflow_cli(["run", str(gpu_config_on_cpu(tmp_path)), *small], env=cli_env(), cwd=tmp_path / "cwd")
+    assert res.returncode == 0, res.describe()
+    stages = parse_stages(res.stdout)
+    assert set(stages) == {*BASE_STAGES, "round_1", "round_2", "eval_round_1", "eval_round_2"}
+    assert all(state == "Completed" for state, _ in stages.values()), stages
+    assert set(parse_table(res.stdout)) == {"base", "sft", "round_1", "round_2"}
+    (sft,) = (tmp_path / "cwd" / "artifacts" / "sft").iterdir()
+    with safe_open(str(sft / "model.safetensors"), framework="pt") as st:
+        assert "model.embed_tokens.weight" in st.keys() and "lm_head.weight" not in st.keys()
+    print(f"gpu-small at a small shape on the CPU: {res.seconds:.0f} s")
+
+
 # ---- 3: a failed stage, fixed and rerun -------------------------------------------
 
 BROKEN_CHECKER = '''
