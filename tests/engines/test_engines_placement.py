@@ -83,6 +83,7 @@ def test_placement_fits_counts_nodes_and_the_strategy():
     assert placement_fits([{"CPU": 1.0, "GPU": 0.0}], "PACK", [{"CPU": 1.0}])  # what a bundle asks 0 of, no node needs
 
 
+@pytest.mark.engine
 def test_a_busy_placement_group_waits_and_one_no_node_holds_fails(ray_local, caplog):
     """Stages that became ready together queue for one GPU: the group that waits past the timeout for
     resources the cluster has is served once they are free; one no node can hold fails."""
