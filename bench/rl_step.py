@@ -41,7 +41,6 @@ from pathlib import Path
 from measure import cpu_times, forward_flops, matmul_peak_gflops, scored_work  # bench/measure.py, beside this script
 from trees import compared_trees  # bench/trees.py
 
-REPO = Path(__file__).resolve().parent.parent
 PHASES = ["generate", "score", "reference", "old_logprobs", "critic", "train", "sync"]
 WORK = dict(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=1024, vocab_size=2048,
             tie_word_embeddings=True, max_position_embeddings=128)
