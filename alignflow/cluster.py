@@ -58,9 +58,10 @@ def allocator_env(allocator: str) -> dict[str, str]:
     return {}
 
 
-def apply_process_env(infra: InfraConfig | None = None) -> dict[str, str]:
-    """Set the process environment Ray workers inherit (values already set win); what it set."""
-    wanted = {**PROCESS_ENV, **(allocator_env(infra.allocator) if infra else {})}
+def apply_process_env(infra: InfraConfig | None = None, local: bool = False) -> dict[str, str]:
+    """Set the process environment Ray workers inherit (values already set win); what it set. `local`: for a
+    local Ray, whose process groups stay on the loopback interface (loopback_env)."""
+    wanted = {**PROCESS_ENV, **(allocator_env(infra.allocator) if infra else {}), **(loopback_env() if local else {})}
     for k, v in wanted.items():
         os.environ.setdefault(k, v)
     return {k: os.environ[k] for k in wanted}
@@ -85,6 +86,20 @@ def loopback_only() -> None:
         constants.ENABLE_RAY_CLUSTER = False
 
 
+def loopback_env() -> dict[str, str]:
+    """A local Ray's torch.distributed traffic kept on the loopback interface: gloo's connections and NCCL's
+    bootstrap listen on the interface these name, by default the one the host name resolves to (often the
+    LAN's). The groups' stores bind their own address (engines/rendezvous.py)."""
+    import psutil
+
+    name = next((n for n, addrs in psutil.net_if_addrs().items() if any(a.address == "127.0.0.1" for a in addrs)),
+                None)
+    if name is None:
+        raise RuntimeError(f"no network interface holds 127.0.0.1 (interfaces: {sorted(psutil.net_if_addrs())}): "
+                           "a local Ray needs the loopback interface")
+    return {"GLOO_SOCKET_IFNAME": name, "NCCL_SOCKET_IFNAME": name}
+
+
 def torch_extensions_dir() -> str:
     """Where this environment's JIT-built torch ops live (DeepSpeed's shared-memory collective), built by
     install.sh: inside the virtual environment. torch's default, one directory per user, is shared by every
@@ -98,7 +113,7 @@ def ray_init_kwargs(infra: InfraConfig) -> dict[str, Any]:
         loopback_only()
         # Only where the workers are this machine's (they inherit it; a cluster's nodes keep their own).
         os.environ.setdefault("TORCH_EXTENSIONS_DIR", torch_extensions_dir())
-    applied = apply_process_env(infra)
+    applied = apply_process_env(infra, local=not infra.ray_address)
     env = {**applied, **{k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}}
     kwargs: dict[str, Any] = {"runtime_env": {"env_vars": env}}
     if infra.ray_address:

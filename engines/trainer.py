@@ -35,6 +35,7 @@ from engines.batches import add_metrics, combine_ranks, in_micro_batches, loss_s
 from engines.devices import (actor_device, actor_options, announce_cpu_accelerator, local_rank, pin_cpu_cores,
                              cpu_report, placement_group_id, quiet_stdout, to_cpu, to_device)
 from engines.engine_spec import EngineSpec, lr_lambda, move_training_state
+from engines.rendezvous import init_training_group
 from engines.state import load_optimizer_state, load_state, optimizer_state, save_state
 from engines.weight_sync import WeightSender
 
@@ -67,10 +68,11 @@ class TrainWorker:
             MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), RANK=str(self.rank),
             WORLD_SIZE=str(self.world_size), LOCAL_RANK=str(local_rank(self.device)),
         )
-        accel = get_accelerator()
+        backend = get_accelerator().communication_backend_name()
         if not torch.distributed.is_initialized():
+            init_training_group(master, self.rank, self.world_size, self.device, backend)  # served on `master` alone
             with quiet_stdout():  # on the CPU, DeepSpeed prints that its shared-memory op built
-                deepspeed.init_distributed(dist_backend=accel.communication_backend_name())
+                deepspeed.init_distributed(dist_backend=backend)
         random.seed(spec.seed)
         torch.manual_seed(spec.seed)
         self.spec = spec = dataclasses.replace(spec, model_path=local_dir(spec.model_path))  # fetched on this node

@@ -34,6 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engines.rendezvous import tcp_store
+
 ALIGN = 64  # bytes: every view starts aligned for any dtype and vector loads
 TIMEOUT_S = 600.0  # a peer that never joins or sends fails the update instead of hanging it
 
@@ -130,7 +132,7 @@ class TransportGroup:
         timeout = datetime.timedelta(seconds=timeout_s)
         self.rank, self.world_size, self.backend = rank, world_size, backend
         self.device = torch.device(device)
-        self.store = dist.TCPStore(address[0], address[1], world_size, is_master=rank == 0, timeout=timeout)
+        self.store = tcp_store(address, world_size, is_master=rank == 0, timeout=timeout)  # served on `address` alone
         if backend == "nccl":
             self.pg = dist.ProcessGroupNCCL(self.store, rank, world_size, timeout=timeout)
         else:

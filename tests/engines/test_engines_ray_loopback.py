@@ -1,8 +1,12 @@
-"""A local Ray started by alignflow listens on loopback only.
+"""A local Ray started by alignflow, and the process groups it runs, listen on loopback only.
 
 Every listening TCP socket and every bound, unconnected UDP socket of the Ray
 session (driver, gcs_server, raylet, dashboard/runtime-env agents, monitor,
 idle workers, an actor) must be on 127.0.0.1 or ::1; anything else is named.
+The session also trains: two DeepSpeed ranks, whose group's store rank 0
+serves, and a weight update streamed into a rollout engine over a transport
+group whose store the trainer serves. torch's TCPStore listens on every
+interface unless it is handed a socket (engines/rendezvous.py).
 
 Ray runs in a subprocess of its own session, so it neither disturbs nor
 reuses a Ray of this test session, and the child imports `ray` before
@@ -35,7 +39,7 @@ import ray  # first, as in a test session or the CLI's warm-up
 from alignflow.cluster import ensure_ray
 from alignflow.config import InfraConfig
 
-ensure_ray(InfraConfig(ray_num_cpus=2))
+ensure_ray(InfraConfig(ray_num_cpus=4))
 
 @ray.remote(num_cpus=1)
 class Echo:
@@ -43,7 +47,24 @@ class Echo:
         return os.getpid()
 
 actor = Echo.remote()
-print("READY", ray.get(actor.pid.remote()), flush=True)
+pid = ray.get(actor.pid.remote())
+
+# Process groups, kept up while the test looks: the trainers' (rank 0 serves its store) and the weight
+# transport's (the trainer serves its store; the engine joins it).
+from alignflow.config import EngineConfig, TinyModelConfig
+from engines.models import build_tiny_model
+from engines.rollout_actors import RolloutEngines, start_rollout_actor
+from engines.trainer import EngineSpec, TrainerGroup
+from engines.weight_sync import WeightSync
+
+model = build_tiny_model(TinyModelConfig(hidden_size=32, num_layers=1, intermediate_size=64), seed=0,
+                         out_dir=sys.argv[1])
+spec = EngineSpec.from_config(EngineConfig(), model_path=str(model), kind="causal", total_steps=1, global_batch=2,
+                              dtype="float32", torch_threads=1, seed=0)
+group = TrainerGroup(spec, 2)
+engine = start_rollout_actor("hf", str(model), num_cpus=0, torch_threads=1)
+WeightSync(group, RolloutEngines([engine]), bucket_bytes=2**20).push()
+print("READY", pid, flush=True)
 sys.stdin.readline()  # until the test closes stdin
 ray.shutdown()
 """
@@ -104,12 +125,12 @@ def test_local_ray_listens_onloopback_only(process_tools, tmp_path):
     env["RAY_USAGE_STATS_ENABLED"] = "0"
     err_path = tmp_path / "ray_child.err"
     with open(err_path, "w") as err:
-        proc = subprocess.Popen([sys.executable, "-c", CHILD], cwd=REPO, env=env, stdin=subprocess.PIPE,
+        proc = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path / "model")], cwd=REPO, env=env, stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True)
     tree: dict[int, int] = {}
     try:
         try:
-            actor_pid = _wait_ready(proc, timeout=90)
+            actor_pid = _wait_ready(proc, timeout=240)
         except AssertionError as e:
             raise AssertionError(f"{e}\n{err_path.read_text()[-3000:]}") from None
         # Listeners opened a little after start (idle workers, metrics servers) are seen too:
@@ -127,6 +148,9 @@ def test_local_ray_listens_onloopback_only(process_tools, tmp_path):
         names = set(found.values())
         assert {"gcs_server", "raylet"} <= names, f"no listener of gcs_server and raylet among {sorted(names)}"
         assert any(pid == actor_pid for pid, *_ in found), f"the actor ({actor_pid}) has no listener: {found}"
+        # The process groups' members were looked at: both trainer ranks (rank 0 serves both stores) and the engine.
+        trainers = {pid for (pid, *_), name in found.items() if "TrainWorker" in name}
+        assert len(trainers) == 2 and any("RolloutActor" in name for name in found.values()), sorted(found.items())
         exposed = [f"{name} (pid {pid}): {proto} {ip}:{port}"
                    for (pid, proto, ip, port), name in sorted(found.items()) if not _on_loopback(ip)]
         assert not exposed, (f"{len(exposed)} of {len(found)} sockets of the local Ray are not on loopback:\n"
