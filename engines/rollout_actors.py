@@ -22,7 +22,8 @@ from alignflow.errors import ConfigError
 from engines.devices import actor_options, pin_cpu_cores
 from engines.lean_imports import skip_sklearn_in_transformers
 from engines.placement_groups import wait_placement_group
-from engines.rollout import HFEngine, Rollout, Sampling, VLLMEngine, vllm_engine_args
+from engines.hf_engine import HFEngine
+from engines.rollout import Rollout, Sampling, VLLMEngine, vllm_engine_args
 
 BACKENDS = ("vllm", "hf")
 

@@ -147,7 +147,8 @@ def test_tied_embeddings_take_a_weight_update_in_the_hf_backend(tmp_path, sft_ba
     from alignflow.config import TinyModelConfig
     from alignflow.net import free_port
     from engines.models import build_tiny_model, load_policy, weight_shapes
-    from engines.rollout import HFEngine, Sampling
+    from engines.hf_engine import HFEngine
+    from engines.rollout import Sampling
     from engines.weight_transport import TransportGroup, pack, plan_buckets, send_buckets
 
     path = build_tiny_model(TinyModelConfig(tie_word_embeddings=True), seed=0, out_dir=tmp_path / "tied")

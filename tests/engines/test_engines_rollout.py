@@ -172,6 +172,26 @@ def test_vllm_rejects_a_bad_update_and_keeps_generating(vllm_actor, policy, prom
     assert _max_diff(out, _hf_logprobs(policy, out)) <= 1e-4
 
 
+def test_a_sleeping_vllm_engine_refuses_work_until_woken(vllm_actor, policy, prompts, tokenizer):
+    """On every machine, though on the CPU sleep frees nothing: a sleeping vLLM would otherwise take the request
+    and wait forever on its paused scheduler. The round's order: weights woken, updated, then the KV cache."""
+    ray.get(vllm_actor.sleep.remote())
+    with pytest.raises(RuntimeError, match=r"generate while \['kv_cache', 'weights'\] sleep"):
+        ray.get(vllm_actor.generate.remote(prompts, SAMPLING))
+    with pytest.raises(RuntimeError, match="update weights while .* wake it first"):
+        ray.get(vllm_actor.receive_weights.remote())  # refused before it would wait for a sender
+    ray.get(vllm_actor.wake.remote(["weights"]))
+    push_state(_weights_of(policy), [vllm_actor])  # weights awake: the KV cache need not be
+    with pytest.raises(RuntimeError, match=r"generate while \['kv_cache'\] sleep"):
+        ray.get(vllm_actor.generate.remote(prompts, SAMPLING))
+    with pytest.raises(ValueError, match="unknown sleep tags"):
+        ray.get(vllm_actor.wake.remote(["kv"]))
+    ray.get(vllm_actor.wake.remote(["kv_cache"]))
+    out = ray.get(vllm_actor.generate.remote(prompts, SAMPLING))
+    _check_shapes(out, prompts, SAMPLING, tokenizer.eos_token_id)
+    assert _max_diff(out, _hf_logprobs(policy, out)) <= 1e-4
+
+
 @pytest.fixture(scope="module")
 def hf_actor(ray_local, policy):
     actor = start_rollout_actor("hf", str(policy), num_cpus=1, torch_threads=1, dtype="float32", seed=0)

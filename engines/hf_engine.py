@@ -1,0 +1,103 @@
+"""The HF rollout engine: transformers `generate`, the benchmark baseline and a fallback a user can choose
+(generation.backend: hf). The interface is engines/rollout.py's."""
+
+from __future__ import annotations
+
+import torch
+
+from engines.rollout import Rollout, Sampling, SleepState
+from engines.texts import response_texts
+from engines.weight_transport import TransportGroup, check_specs, plan_buckets, receive_buckets
+
+
+class HFEngine(SleepState):
+    """transformers `generate`: the baseline in benchmarks, a user-selectable fallback.
+
+    Seeded once, at construction, in its own actor process (as vLLM seeds its
+    engine): successive calls draw fresh samples, and the same seed replays the
+    same sequence of calls. On a GPU, sleeping moves the weights to CPU memory
+    and waking brings them back; on the CPU only the state changes (SleepState).
+    """
+
+    def __init__(self, model_path: str, *, dtype: str = "float32", seed: int = 0, attn_implementation: str = "sdpa",
+                 **_):
+        from engines.devices import actor_device
+        from engines.models import load_policy, load_tokenizer, weight_shapes
+
+        torch.manual_seed(seed)
+        self.device = actor_device()
+        self.model = load_policy(model_path, dtype, attn_implementation).to(self.device).eval()
+        self.tokenizer = load_tokenizer(model_path)
+        self._shapes = weight_shapes(self.model)
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[list[int]], sampling: Sampling) -> list[Rollout]:
+        self._awake("generate", needs=self.TAGS)
+        tok = self.tokenizer
+        width = max(len(p) for p in prompt_ids)
+        # Left padding so every prompt ends where generation starts.
+        ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in prompt_ids], device=self.device)
+        attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids], device=self.device)
+        out = self.model.generate(
+            input_ids=ids, attention_mask=attn, do_sample=sampling.temperature > 0,
+            temperature=sampling.temperature or None, top_p=sampling.top_p,
+            top_k=0,  # transformers defaults to 50: sample the full distribution, as vLLM does
+            max_new_tokens=sampling.max_new_tokens, num_return_sequences=sampling.n,
+            min_new_tokens=sampling.max_new_tokens if sampling.ignore_eos else None,
+            output_scores=True, return_dict_in_generate=True, pad_token_id=tok.pad_token_id,
+            eos_token_id=tok.eos_token_id,
+        )
+        seqs = out.sequences[:, width:]
+        logp = torch.stack([torch.log_softmax(s.float(), -1) for s in out.scores], 1)
+        picked = torch.gather(logp, -1, seqs.unsqueeze(-1)).squeeze(-1).cpu()
+        seqs = seqs.cpu()
+        rows = []
+        for row in range(seqs.shape[0]):
+            toks = seqs[row].tolist()
+            stop = tok.eos_token_id in toks and not sampling.ignore_eos
+            end = toks.index(tok.eos_token_id) + 1 if stop else len(toks)
+            rows.append((row // sampling.n, toks[:end], picked[row, :end].tolist(), stop))
+        texts = response_texts(tok, [list(prompt_ids[i]) for i, *_ in rows], [toks for _, toks, *_ in rows])
+        return [Rollout(prompt_index=i, prompt_ids=list(prompt_ids[i]), token_ids=toks, text=text, logprobs=lps,
+                        finished=stop) for (i, toks, lps, stop), text in zip(rows, texts)]
+
+    def prepare_weights(self, specs: list, bucket_bytes: int) -> list[str | None]:
+        """Check the names and shapes updates will carry (once): those of this model's own weight set
+        (`models.weight_shapes`), where a tied output layer travels once, as the embedding it shares.
+        The GPU that will receive them (None on the CPU)."""
+        from engines.weight_sync import gpu_id
+
+        check_specs(self._shapes, specs, "HF rollout engine")
+        self._buckets = plan_buckets(specs, bucket_bytes)
+        return [gpu_id(self.device)]
+
+    def join_transport(self, address: tuple[str, int], first_rank: int, world_size: int, backend: str) -> None:
+        self._group = TransportGroup(tuple(address), first_rank, world_size, backend, self.device)
+
+    @torch.no_grad()
+    def receive_weights(self) -> None:
+        """Load an update in place, tensor by tensor as the buckets arrive."""
+        self._awake("update weights", needs=("weights",))
+        own = {**dict(self.model.named_parameters()), **dict(self.model.named_buffers())}
+        device = "cpu" if self._group.backend == "gloo" else self.device
+        for name, tensor in receive_buckets(self._group, self._buckets, device):
+            own[name].copy_(tensor)
+
+    def sleep(self) -> None:
+        if self.device.type == "cuda":
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+        self._sleeping()
+
+    def wake(self, tags: list[str] | None = None) -> None:
+        weights_slept = "weights" in self.asleep
+        if "weights" in self._woken(tags) and weights_slept and self.device.type == "cuda":
+            self.model.to(self.device)
+
+    def close(self) -> None:
+        del self.model
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def device_report(self) -> dict[str, list[str]]:
+        return {"policy": sorted({p.device.type for p in self.model.parameters()})}
