@@ -37,6 +37,15 @@ class Placement(Section):
             raise ValueError(f"amounts must be > 0, got {bad}")
         return resources
 
+    @field_validator("num_gpus")
+    @classmethod
+    def _one_gpu_at_most(cls, num_gpus: float) -> float:
+        if num_gpus > 1:
+            raise ValueError(f"{num_gpus:g}: an actor uses one GPU, and more would sit idle; for more GPUs set "
+                             "num_workers (training) or vllm.tensor_parallel_size and num_rollout_engines "
+                             "(generation), each with num_gpus: 1")
+        return num_gpus
+
     @field_validator("cpu_cores")
     @classmethod
     def _cores(cls, cores: list[int] | None) -> list[int] | None:
@@ -97,6 +106,14 @@ class EngineConfig(Section):
         "and parameters too (zero_stage 3)")
     lora: LoraConfig | None = Field(
         None, description="LoRA adapters instead of full fine-tuning (peft); None: every weight trains")
+
+    @model_validator(mode="after")
+    def _a_gpu_per_rank(self) -> EngineConfig:
+        if 0 < self.placement.num_gpus < 1 and self.num_workers > 1:
+            raise ValueError(f"placement.num_gpus: {self.placement.num_gpus:g} with num_workers: {self.num_workers}: "
+                             "Ray may put two ranks of this group on one GPU, and NCCL refuses such a group; give "
+                             "each worker num_gpus: 1 (colocate_all shares the GPUs of a round's actors)")
+        return self
 
     @model_validator(mode="after")
     def _offload_needs_zero(self) -> EngineConfig:

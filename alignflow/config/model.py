@@ -39,4 +39,12 @@ class ModelConfig(Section):
         "state under bfloat16/float16, and logprobs, KL and losses are computed in float32")
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field(
         "sdpa", description="transformers attention kernel of every trained and scoring model "
-        "(flash_attention_2 needs the flash-attn package and a GPU)")
+        "(flash_attention_2 needs the flash-attn package, a GPU and dtype bfloat16 or float16)")
+
+    @model_validator(mode="after")
+    def _flash_attention_dtype(self) -> ModelConfig:
+        if self.attn_implementation == "flash_attention_2" and self.dtype == "float32":
+            raise ValueError("attn_implementation: flash_attention_2 runs in bfloat16 or float16 only, and the "
+                             "models load in dtype: float32 (the kernel would refuse the first forward): set "
+                             "dtype: bfloat16, or use sdpa")
+        return self

@@ -273,6 +273,14 @@ class RoundConfig(Section):
             if self.async_rollouts:
                 raise ValueError("async_rollouts needs the rollout engines awake while the models train: "
                                  "it cannot be combined with colocate_all")
+            on_gpu = self.actor.placement.num_gpus > 0 or self.generation.placement.num_gpus > 0
+            if (on_gpu and self.generation.backend == "vllm"
+                    and "gpu_memory_utilization" not in self.generation.vllm.model_fields_set):
+                raise ValueError(
+                    "colocate_all: vLLM starts on GPUs where the actor, critic, reference and reward model already "
+                    "hold their memory, and refuses to start unless generation.vllm.gpu_memory_utilization (a "
+                    f"share of the whole GPU, {self.generation.vllm.gpu_memory_utilization} by default) is free: "
+                    "set it to the share vLLM may take for its weights and KV cache (configs/gpu-small.yaml: 0.3)")
             pinned = [name for name, p in (("generation.placement", self.generation.placement),
                                            ("critic.placement", self.critic.placement),
                                            ("scorer_placement", self.scorer_placement)) if p.resources]

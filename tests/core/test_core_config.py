@@ -568,3 +568,46 @@ def test_a_tensor_parallel_evaluation_engine_cannot_live_for_the_run():
     auto = load_config(overrides=["evaluation.generation.placement.num_gpus=1",
                                   "evaluation.generation.vllm.tensor_parallel_size=2"])
     assert auto.evaluation.keeps_engine is False
+
+
+# ---- GPU placements that would fail on the GPU, refused up front ------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "overrides, field, says",
+    [
+        (["model.attn_implementation=flash_attention_2", "model.dtype=float32"], "model",
+         "flash_attention_2 runs in bfloat16 or float16 only"),
+        (["sft.placement.num_gpus=2"], "sft.placement.num_gpus", "an actor uses one GPU"),
+        (["rounds.0.generation.placement.num_gpus=1.5"], "rounds.0.generation.placement.num_gpus",
+         "an actor uses one GPU"),
+        (["sft.placement.num_gpus=0.5", "sft.num_workers=2"], "sft", "NCCL refuses such a group"),
+    ],
+)
+def test_gpu_placements_nccl_or_the_kernels_would_refuse(overrides, field, says):
+    gpu_small = REPO / "configs" / "gpu-small.yaml"
+    load_config(gpu_small)  # as shipped: valid
+    with pytest.raises(ConfigError, match=re.escape(says)) as err:
+        load_config(gpu_small, overrides)
+    assert field in str(err.value)
+    # the neighbours of each refused value stay valid
+    load_config(gpu_small, ["model.attn_implementation=flash_attention_2", "model.dtype=bfloat16",
+                            "sft.placement.num_gpus=0.5", "sft.num_workers=1", "reward_model.num_workers=2"])
+
+
+def test_colocated_vllm_on_gpus_needs_its_memory_share_set(tmp_path):
+    """vLLM checks at start that gpu_memory_utilization of the whole GPU is free; colocated, the trainers and
+    scorers hold theirs already, so the 0.9 default would fail the first round after SFT and the reward model."""
+    text = (REPO / "configs" / "gpu-small.yaml").read_text()
+    assert "vllm: {gpu_memory_utilization: 0.3, enable_prefix_caching: true}" in text
+    unset = _write(tmp_path, text.replace("vllm: {gpu_memory_utilization: 0.3, enable_prefix_caching: true}",
+                                          "vllm: {enable_prefix_caching: true}"))
+    with pytest.raises(ConfigError, match=r"rounds\.0.*generation\.vllm\.gpu_memory_utilization .*0\.9 by default"):
+        load_config(unset)
+    assert load_config(unset, ["rounds.0.generation.vllm.gpu_memory_utilization=0.9",
+                               "rounds.1.generation.vllm.gpu_memory_utilization=0.25"]).rounds[1].generation.vllm \
+        .gpu_memory_utilization == 0.25  # set, even to the default: the user's choice
+    # without GPUs (a CPU run of the same config) there is no memory to share, and the HF backend takes no share
+    load_config(unset, ["rounds.0.actor.placement.num_gpus=0", "rounds.0.generation.placement.num_gpus=0",
+                        "rounds.1.actor.placement.num_gpus=0", "rounds.1.generation.placement.num_gpus=0"])
+    load_config(unset, ["rounds.0.generation.backend=hf", "rounds.1.generation.backend=hf"])

@@ -268,7 +268,8 @@ def test_round_slots_equal_the_engines_count(tmp_path):
     rounds = [{}, {"algorithm": "grpo", "reward": {"source": "rule"}},
               {"colocate_reference_and_reward": False, "num_rollout_engines": 3, "scorer_placement": {"num_cpus": 2}},
               {"algorithm": "ppo", "colocate_all": True, "num_rollout_engines": 2,
-               "actor": {"num_workers": 2, "placement": {"num_gpus": 1, "num_cpus": 2}}, "critic": {"num_workers": 2}},
+               "actor": {"num_workers": 2, "placement": {"num_gpus": 1, "num_cpus": 2}}, "critic": {"num_workers": 2},
+               "generation": {"vllm": {"gpu_memory_utilization": 0.3}}},
               {"algorithm": "rloo", "generation": {"vllm": {"tensor_parallel_size": 2}, "placement": {"num_gpus": 1}}},
               # online DPO reads its reference whatever the KL settings; GRPO without a KL term starts none
               {"algorithm": "online_dpo", "generation": {"num_samples": 2}},

@@ -179,14 +179,11 @@ def test_deepspeed_config_carries_offload_and_precision():
 # ---- colocation ------------------------------------------------------------------------
 
 
-def _colocated(**kw) -> RoundConfig:
-    gpu = Placement(num_cpus=1, num_gpus=1)
-    return RoundConfig(algorithm="ppo", colocate_all=True, num_rollout_engines=2,
-                       actor=ActorConfig(num_workers=2, placement=gpu), critic=CriticConfig(num_workers=2), **kw)
-
-
 def test_colocation_shares_one_gpu_per_worker():
-    cfg = _colocated()
+    gpu = Placement(num_cpus=1, num_gpus=1)
+    cfg = RoundConfig(algorithm="ppo", colocate_all=True, num_rollout_engines=2,
+                      actor=ActorConfig(num_workers=2, placement=gpu), critic=CriticConfig(num_workers=2),
+                      generation=RolloutConfig(vllm=VLLMConfig(gpu_memory_utilization=0.3)))
     bundles = colocated_bundles(cfg)
     assert [b["GPU"] for b in bundles] == [1.0, 1.0]  # 2 GPUs for actor, critic, engines and scorer
     # Bundle 0 holds actor, engine, critic and the shared reference/reward scorer: 4 models, 1/4 each.

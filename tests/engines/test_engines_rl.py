@@ -638,6 +638,6 @@ def test_engines_wait_for_the_trainers_only_where_they_may_share_a_gpu():
 
     assert not engines_share_a_gpu(_round("ppo"))
     assert not engines_share_a_gpu(_round("ppo", generation=RolloutConfig(placement=Placement(num_gpus=1)),
-                                          actor=ActorConfig(placement=Placement(num_gpus=2))))
+                                          actor=ActorConfig(placement=Placement(num_gpus=1))))
     assert engines_share_a_gpu(_round("ppo", colocate_all=True))
     assert engines_share_a_gpu(_round("ppo", actor=ActorConfig(placement=Placement(num_gpus=0.5))))
