@@ -82,6 +82,8 @@ class HFEngine(SleepState):
         device = "cpu" if self._group.backend == "gloo" else self.device
         for name, tensor in receive_buckets(self._group, self._buckets, device):
             own[name].copy_(tensor)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # returned: the weights are in place
 
     def sleep(self) -> None:
         if self.device.type == "cuda":

@@ -116,6 +116,8 @@ class VLLMWorkerExtension:
             method = getattr(module, "quant_method", None)
             if isinstance(method, UnquantizedEmbeddingMethod):
                 method.process_weights_after_loading(module)
+        if self.alignflow_device.type == "cuda":  # the copies into the model are queued on this thread's stream;
+            torch.cuda.synchronize(self.alignflow_device)  # a TP worker's forwards run on another thread (Ray)
         return len(specs)
 
 

@@ -96,8 +96,8 @@ class WeightSender:
                     pass
             return 0
         sent = send_buckets(self.group, self.buckets, pack_bucket)
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()  # colocated: the engines' KV cache wakes next
+        if self.group.backend == "ipc":
+            torch.cuda.empty_cache()  # colocated: the engine's KV cache wakes next, on this GPU
         return sent
 
 

@@ -129,17 +129,25 @@ class TransportGroup:
 
         if backend not in ("gloo", "nccl", "ipc"):
             raise ValueError(f"unknown weight transport backend {backend!r}; valid: gloo, nccl, ipc")
-        timeout = datetime.timedelta(seconds=timeout_s)
+        self.timeout = timeout = datetime.timedelta(seconds=timeout_s)
         self.rank, self.world_size, self.backend = rank, world_size, backend
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.store = tcp_store(address, world_size, is_master=rank == 0, timeout=timeout)  # served on `address` alone
         if backend == "nccl":
             self.pg = dist.ProcessGroupNCCL(self.store, rank, world_size, timeout=timeout)
         else:
             self.pg = dist.ProcessGroupGloo(self.store, rank, world_size, timeout)
 
+    def wait(self, work) -> None:
+        """Block this process until `work` is done, or fail after the group's timeout. NCCL's own `wait()`
+        only orders the GPU stream: a peer that stopped mid-update would then trip NCCL's watchdog, which
+        ends the process, instead of raising here."""
+        work.wait(self.timeout)
+
     def broadcast(self, tensor: torch.Tensor) -> None:
-        self.pg.broadcast(tensor, 0).wait()
+        self.wait(self.pg.broadcast(tensor, 0))
 
     def barrier(self) -> None:
         flag = torch.zeros(1)
@@ -173,12 +181,12 @@ def send_buckets(group: TransportGroup, buckets: Sequence[Bucket], pack_bucket: 
             group.barrier()  # every receiver has its copy: the buffer may go
         else:
             if in_flight is not None:
-                in_flight[0].wait()
+                group.wait(in_flight[0])
             in_flight = (group.pg.broadcast(buf, 0), buf)
         sent += sum(s.nbytes for s in bucket.slots)
         del buf
     if in_flight is not None:
-        in_flight[0].wait()
+        group.wait(in_flight[0])
     if group.device.type == "cuda":
         torch.cuda.current_stream().synchronize()  # a late NCCL error surfaces here, not in a watchdog
     return sent
@@ -193,7 +201,7 @@ def receive_buckets(group: TransportGroup, buckets: Sequence[Bucket], device: to
         for bucket in buckets:
             rebuild, args = group.receive_object()
             args = list(args)
-            args[6] = torch.cuda.current_device()  # storage_device: the same GPU, as this process numbers it
+            args[6] = group.device.index  # storage_device: the same GPU, as this process numbers it
             shared = rebuild(*args)
             buf = shared.clone()  # the sender frees its buffer after the barrier
             del shared
@@ -208,7 +216,7 @@ def receive_buckets(group: TransportGroup, buckets: Sequence[Bucket], device: to
     arriving = post(buckets[0]) if buckets else None
     for i, bucket in enumerate(buckets):
         work, buf = arriving
-        work.wait()
+        group.wait(work)
         arriving = post(buckets[i + 1]) if i + 1 < len(buckets) else None
         yield from unpack(bucket, buf)
 
