@@ -190,14 +190,15 @@ class RoundModels:
 
     def sync(self, push: bool = True) -> None:
         """Stream the actor's weights into every rollout engine (no restart; `push=False`: the actor did
-        not change, nothing is sent). Colocated: the trainers' optimizer state leaves the GPU, the
-        engines wake their weights, take the update, then wake their KV cache."""
+        not change, nothing is sent). Colocated: the trainers' optimizer state leaves the GPU, the scorers
+        give back their cached memory, the engines wake their weights, take the update, then wake their KV cache."""
         if not self.colocated:
             if push:
                 self._push()
             return
         for group in self._trainers():
             group.offload_states()
+        ray.get([s.release_memory.remote() for s in {self.reference, self.rewarder} - {None}])
         self.engines.wake(["weights"])
         if push:
             self._push()

@@ -72,6 +72,12 @@ class ScorerActor:
         """`fn(reference, micro-batch)` over a batch (e.g. sequence log-probabilities): one row per batch row, CPU."""
         return self._run(self.reference, fn, batch)
 
+    def release_memory(self) -> None:
+        """Give the allocator's cached GPU memory back (colocated: before the rollout engines wake their KV
+        cache, which vLLM re-maps at the size it measured at start); a no-op on the CPU."""
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     def device_report(self) -> dict:
         """Where each model's parameters live, and the placement group (tests assert them)."""
         return {"placement_group": placement_group_id(), **cpu_report(),
