@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import random
 from pathlib import Path
 from typing import Any
 
@@ -99,3 +100,21 @@ def load_optimizer_state(engine, zero_stage: int, rank: int, world_size: int, di
         part["loss_scaler"] = engine.optimizer.loss_scaler
     engine.optimizer.load_state_dict(parts, load_optimizer_states=True, load_from_fp32_weights=True)
     engine.optimizer.loss_scaler.cur_scale = scale
+
+
+def rng_state(device: torch.device) -> dict[str, Any]:
+    """This process's random state: Python's, torch's on the CPU and, on a GPU, that GPU's (dropout, LoRA's
+    included, draws there): what a resumed step needs to draw the same numbers."""
+    state = {"torch_rng": torch.get_rng_state(), "python_rng": list(random.getstate()[1])}
+    if device.type == "cuda":
+        state["cuda_rng"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def restore_rng(state: dict[str, Any], device: torch.device) -> None:
+    """Set what `rng_state` saved (a checkpoint saved without a GPU's state leaves that GPU's as it is)."""
+    torch.set_rng_state(state["torch_rng"])
+    python = random.getstate()
+    random.setstate((python[0], tuple(state["python_rng"]), python[2]))
+    if device.type == "cuda" and "cuda_rng" in state:
+        torch.cuda.set_rng_state(state["cuda_rng"], device)

@@ -36,7 +36,7 @@ from engines.devices import (actor_device, actor_options, announce_cpu_accelerat
                              cpu_report, placement_group_id, quiet_stdout, to_cpu, to_device)
 from engines.engine_spec import EngineSpec, lr_lambda, move_training_state
 from engines.rendezvous import init_training_group
-from engines.state import load_optimizer_state, load_state, optimizer_state, save_state
+from engines.state import load_optimizer_state, load_state, optimizer_state, restore_rng, rng_state, save_state
 from engines.weight_sync import WeightSender
 
 
@@ -189,8 +189,8 @@ class TrainWorker:
             else:  # the frozen base is the spec's model
                 lora.save_adapter(self.engine.module, self.spec.zero_stage, str(directory), write=self.rank == 0)
             save_state({"optimizer": optimizer_state(self.engine, self.spec.zero_stage),
-                        "scheduler": self.scheduler.state_dict(), "step": self.step,
-                        "torch_rng": torch.get_rng_state(), "python_rng": list(random.getstate()[1]), "extra": extra},
+                        "scheduler": self.scheduler.state_dict(), "step": self.step, **rng_state(self.device),
+                        "extra": extra},
                        directory, f"trainer-rank{self.rank}")
         return uploaded
 
@@ -204,9 +204,7 @@ class TrainWorker:
         load_optimizer_state(self.engine, self.spec.zero_stage, self.rank, self.world_size, directory, st["optimizer"])
         self.scheduler.load_state_dict(st["scheduler"])
         self.step = st["step"]
-        torch.set_rng_state(st["torch_rng"])
-        state = random.getstate()
-        random.setstate((state[0], tuple(st["python_rng"]), state[2]))
+        restore_rng(st, self.device)
         return st["extra"]
 
 class TrainerGroup:

@@ -295,3 +295,18 @@ def test_engine_host_builds_and_frees_engines_on_gpu(ray_gpu, gpu_model, gpu_tok
 
     weights = 2 * sum(prod(shape) for shape in checkpoint_shapes(str(gpu_model)).values())  # bf16 bytes
     assert allocated < weights / 2, f"{allocated} bytes still on the GPU after the engines closed ({weights} a model)"
+
+
+def test_a_checkpoints_random_state_replays_the_gpus_draws():
+    """Resume state holds the GPU's generator too (dropout, LoRA's included, draws there): restored, a step
+    draws what it drew before. On the CPU there is no GPU generator to hold."""
+    from engines.state import restore_rng, rng_state
+
+    device = torch.device(DEVICE)
+    saved = rng_state(device)
+    assert ("cuda_rng" in saved) == (DEVICE == "cuda"), sorted(saved)
+    first = torch.rand(8, device=device), torch.rand(8)
+    restore_rng(saved, device)
+    again = torch.rand(8, device=device), torch.rand(8)
+    assert all(torch.equal(x, y) for x, y in zip(first, again))
+    assert not torch.equal(first[0], torch.rand(8, device=device))  # and the draws do move on
