@@ -153,6 +153,16 @@ def _cpu_copies(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def merged(weight: torch.Tensor, layer) -> torch.Tensor:
+    """W + (alpha/rank)·B·A of a LoRA layer whose base weight is `weight`: computed in float32 and rounded
+    to W's dtype once. peft's `get_delta_weight` rounds B·A to bf16 on a GPU, and the sum rounds again."""
+    from peft.utils.other import transpose
+
+    delta = layer.lora_B[ADAPTER].weight.float() @ layer.lora_A[ADAPTER].weight.float()
+    delta = transpose(delta, layer.fan_in_fan_out) * layer.scaling[ADAPTER]
+    return (weight.float() + delta.to(weight.device)).to(weight.dtype)
+
+
 def full_state_dict(module: torch.nn.Module, zero_stage: int) -> dict[str, torch.Tensor]:
     """The full weights on every rank (gathered under ZeRO-3), CPU copies (tied names share one),
     under the HF names of the base model; with LoRA each adapted weight is merged: W + (alpha/rank)·B·A."""
@@ -166,8 +176,7 @@ def full_state_dict(module: torch.nn.Module, zero_stage: int) -> dict[str, torch
         state = _cpu_copies(named)
         for name, (infix, layer) in wrapped.items():
             if infix == "base_layer.":
-                weight = state[f"{name}.weight"]
-                state[f"{name}.weight"] = weight + layer.get_delta_weight(ADAPTER).detach().cpu().to(weight.dtype)
+                state[f"{name}.weight"] = merged(state[f"{name}.weight"], layer).detach()
         return state
 
 
@@ -205,7 +214,7 @@ def weight_entries(module: torch.nn.Module) -> list[WeightEntry]:
         infix, layer = wrapped.get(name.rsplit(".", 1)[0], ("", None))
         if infix == "base_layer." and key.endswith("base_layer.weight"):
             params += tuple(p for n, p in layer.named_parameters() if n.startswith("lora_"))
-            value = (lambda w=t, m=layer: w.detach() + m.get_delta_weight(ADAPTER).detach().to(w.dtype))
+            value = (lambda w=t, m=layer: merged(w, m).detach())
         entries.append(WeightEntry(name, _full_shape(t), t.dtype, params, value))
     return entries
 

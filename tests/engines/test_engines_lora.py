@@ -215,6 +215,30 @@ def test_unknown_target_module_names_the_field_and_the_layers(tiny_model):
         lora.apply(models.load_scalar_model(tiny_model), LoraConfig(target_modules=("score",)), "scalar")
 
 
+def test_merged_bf16_weights_are_rounded_once(tiny_model):
+    """A bf16 LoRA layer's merged weight, in the saved checkpoint and in a weight update, is the bf16 value
+    nearest W + (alpha/rank)·B·A: summed in float32 and rounded once, not the delta rounded and then summed."""
+    from engines import lora, models
+
+    model = lora.apply(models.load_policy(tiny_model, "bfloat16"), LoraConfig(rank=4, alpha=8.0,
+                                                                             target_modules=("q_proj",)), "causal")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0, 0.05)
+    layer = model.get_base_model().model.layers[0].self_attn.q_proj
+    w, a, b = (t.detach().float() for t in (layer.base_layer.weight, layer.lora_A["default"].weight,
+                                            layer.lora_B["default"].weight))
+    nearest = (w + 2.0 * b @ a).to(torch.bfloat16)
+    twice = w.to(torch.bfloat16) + (2.0 * b @ a).to(torch.bfloat16)
+    assert (nearest != twice).any()  # the two roundings differ here: the check below can tell them apart
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert torch.equal(lora.full_state_dict(model, 0)[name], nearest)
+    entry = next(e for e in lora.weight_entries(model) if e.name == name)
+    assert torch.equal(entry.value(), nearest) and entry.dtype == torch.bfloat16
+
+
 def _streams_merged_weights(group, tiny_model, probe) -> None:
     """The weight transport under ZeRO-3 with LoRA: each bucket gathered across both ranks and merged,
     then streamed (4 KB buckets: many) into an HF rollout engine, which then samples what the trainer
