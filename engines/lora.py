@@ -83,8 +83,9 @@ def param_metrics(module: torch.nn.Module) -> dict[str, float]:
     """With LoRA: trainable parameters, all parameters (base + adapters) and their ratio; {} without."""
     if not is_lora(module):
         return {}
-    trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in module.parameters())
+    numel = {id(p): getattr(p, "ds_numel", p.numel()) for p in module.parameters()}  # ZeRO-3: whole, not the partition
+    trainable = sum(numel[id(p)] for p in module.parameters() if p.requires_grad)
+    total = sum(numel.values())
     return {"lora/trainable_params": float(trainable), "lora/total_params": float(total),
             "lora/trainable_fraction": trainable / total}
 

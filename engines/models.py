@@ -12,8 +12,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -165,13 +167,34 @@ def load_policy(path: str | Path, dtype: str = "float32", attn: str = "sdpa") ->
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype], attn_implementation=_attention(attn))
 
 
-def load_trainable(spec, pad_token_id: int | None) -> torch.nn.Module:
+@contextlib.contextmanager
+def partitioned_loading(ds_config: dict[str, Any] | None) -> Iterator[None]:
+    """Models loaded inside have every parameter partitioned across the ranks as it is read (DeepSpeed's
+    zero.Init through transformers), where `ds_config` is ZeRO-3's: no rank ever holds the whole model,
+    in CPU or in GPU memory, so a model larger than one GPU loads. Other configs (None): as they are."""
+    if ds_config is None or ds_config["zero_optimization"]["stage"] != 3:
+        yield
+        return
+    from transformers.integrations import HfDeepSpeedConfig
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    active = HfDeepSpeedConfig(ds_config)  # transformers holds it by a weak reference while it lives
+    try:
+        yield
+    finally:
+        unset_hf_deepspeed_config()
+        del active
+
+
+def load_trainable(spec, pad_token_id: int | None, ds_config: dict[str, Any] | None = None) -> torch.nn.Module:
     """The model a training engine wraps (`spec`: engines/engine_spec.EngineSpec): the policy or the
-    scalar model, gradient checkpointing when asked, and LoRA adapters over it when `spec.lora`."""
-    if spec.kind == "causal":
-        model = load_policy(spec.model_path, spec.dtype, spec.attn_implementation)
-    else:
-        model = load_scalar_model(spec.model_path, spec.dtype, pad_token_id, spec.attn_implementation)
+    scalar model, gradient checkpointing when asked, and LoRA adapters over it when `spec.lora`; under
+    ZeRO-3 (`ds_config`, the engine's DeepSpeed config) partitioned as it loads (`partitioned_loading`)."""
+    with partitioned_loading(ds_config):
+        if spec.kind == "causal":
+            model = load_policy(spec.model_path, spec.dtype, spec.attn_implementation)
+        else:
+            model = load_scalar_model(spec.model_path, spec.dtype, pad_token_id, spec.attn_implementation)
     if spec.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
@@ -180,6 +203,21 @@ def load_trainable(spec, pad_token_id: int | None) -> torch.nn.Module:
 
         model = lora.apply(model, spec.lora, spec.kind)
     return model
+
+
+def _whole(params: list[torch.nn.Parameter]):
+    """Parameters partitioned as they loaded (`partitioned_loading`) gathered whole, and written back from
+    rank 0 on leaving; other parameters as they are."""
+    if not any(hasattr(p, "ds_id") for p in params):
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=0)
+
+
+def held_bytes(model: torch.nn.Module) -> int:
+    """Bytes of parameters this process holds: of its partitions, where they are partitioned (ZeRO-3)."""
+    return sum(t.numel() * t.element_size() for t in (getattr(p, "ds_tensor", p) for p in model.parameters()))
 
 
 def weight_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
@@ -204,7 +242,7 @@ def load_scalar_model(path: str | Path, dtype: str = "float32", pad_token_id: in
     )
     head = getattr(model, "score", None)
     if head is not None and any(k.startswith("score.") for k in info["missing_keys"]):
-        with torch.no_grad():
+        with torch.no_grad(), _whole(list(head.parameters())):
             for p in head.parameters():
                 p.zero_()
     if pad_token_id is not None:

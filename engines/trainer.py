@@ -77,13 +77,15 @@ class TrainWorker:
         torch.manual_seed(spec.seed)
         self.spec = spec = dataclasses.replace(spec, model_path=local_dir(spec.model_path))  # fetched on this node
         self.tokenizer = models.load_tokenizer(spec.model_path)
-        model = models.load_trainable(spec, self.tokenizer.pad_token_id)
+        ds_config = spec.ds_config(self.world_size)
+        model = models.load_trainable(spec, self.tokenizer.pad_token_id, ds_config)  # ZeRO-3: partitioned as it loads
+        self.loaded_bytes = models.held_bytes(model)
         self.param_metrics = lora.param_metrics(model)  # with LoRA: the optimizer sees the adapters only
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=spec.learning_rate,
                                       weight_decay=spec.weight_decay)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(spec.warmup_steps, spec.total_steps))
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
-            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=spec.ds_config(self.world_size)
+            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
         )
         lora.pin_frozen_output_layer(self.engine.module, spec.zero_stage)
         self.sender = WeightSender(self.engine.module, spec.zero_stage, self.rank, self.device)
@@ -91,9 +93,11 @@ class TrainWorker:
         return self.param_metrics
 
     def device_report(self) -> dict[str, Any]:
-        """Where this rank's model lives (tests assert it): device, parameter devices and dtypes."""
+        """Where this rank's model lives (tests assert it): device, parameter devices and dtypes, and the
+        parameter bytes it held once loaded (ZeRO-3: its partition's)."""
         params = list(self.engine.module.parameters())
         return {"device": str(self.device), "local_rank": int(os.environ["LOCAL_RANK"]),
+                "loaded_bytes": self.loaded_bytes,
                 "placement_group": placement_group_id(), **cpu_report(),
                 "param_devices": sorted({p.device.type for p in params}),
                 "param_dtypes": sorted({str(p.dtype) for p in params})}

@@ -223,6 +223,32 @@ def test_evaluate_rows_gives_each_rank_its_share_of_the_rows(ray_local, tiny_mod
     torch.testing.assert_close(rows[:, :-1], everything[:, :-1], rtol=0, atol=1e-5)
 
 
+def test_zero3_partitions_the_model_as_it_loads(ray_local, tiny_model, sft_data):
+    """Under ZeRO-3 no rank ever holds the whole model, not even while loading it (so a model larger than
+    one GPU loads): each of 2 ranks holds about half the parameter bytes once loaded. What they hold
+    together is the checkpoint, exactly; and a critic's new head, partitioned too, starts at zero."""
+    from safetensors.torch import load, load_file
+
+    checkpoint = {k: v for f in sorted(tiny_model.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+    whole = sum(v.numel() * v.element_size() for v in checkpoint.values())
+    policy = TrainerGroup(_spec(tiny_model, "causal", zero_stage=3), num_workers=2)
+    try:
+        held = [r["loaded_bytes"] for r in policy.device_reports()]
+        assert all(0.4 * whole <= b <= 0.6 * whole for b in held), (held, whole)
+        weights = load(policy.weights_bytes())
+    finally:
+        policy.shutdown()
+    assert weights.keys() == checkpoint.keys()
+    assert all(torch.equal(weights[k], checkpoint[k]) for k in checkpoint)
+    critic = TrainerGroup(_spec(tiny_model, "scalar", zero_stage=3), num_workers=2)
+    try:
+        assert max(r["loaded_bytes"] for r in critic.device_reports()) <= 0.6 * whole
+        scores = critic.evaluate(batches.take(sft_data, torch.arange(4)), objectives.scalar_scores)
+    finally:
+        critic.shutdown()
+    assert scores.shape == (4,) and scores.abs().max().item() == 0.0
+
+
 def _chunks_of_four_positions(worker) -> None:
     """In a TrainWorker: the output layer runs on 4 positions at a time (engines/logits.py)."""
     import engines.logits
