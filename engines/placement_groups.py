@@ -9,6 +9,7 @@ after `timeout_s`, the time an autoscaler gets to add a node.
 
     placement_fits(bundles, strategy, nodes)   can these nodes ever hold the group?
     wait_placement_group(pg, what, strategy)   block until Ray reserves it
+    reserve_together(options, count, what)     `count` actors that start all together or not at all
 """
 
 from __future__ import annotations
@@ -68,3 +69,26 @@ def wait_placement_group(pg, what: str, strategy: str, *, timeout_s: float = TIM
             said = waited
             log.warning("%s: waiting %.0f s for %s: the cluster has it, other stages hold it now (free: %s)",
                         what, waited, pg.bundle_specs, ray.available_resources())
+
+
+def reserve_together(options: dict, count: int, what: str) -> tuple[object, list[dict]]:
+    """A placement group (PACK) of `count` bundles, each holding what one actor of `options` (Ray actor
+    options: num_cpus, num_gpus, resources) asks for, reserved as `wait_placement_group` says; the group
+    (None where the actors ask for nothing to reserve) and each actor's options, on its bundle.
+
+    For the ranks of one process group: placed one by one, the first could start and wait in the
+    group's rendezvous holding its GPU while another stage holds what the rest need, and two such
+    stages would each wait for the other."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    bundle = {k: float(v) for k, v in {"CPU": options.get("num_cpus", 0), "GPU": options.get("num_gpus", 0),
+                                       **(options.get("resources") or {})}.items() if v}
+    if not bundle:
+        return None, [dict(options)] * count
+    import ray
+
+    pg = ray.util.placement_group([bundle] * count, strategy="PACK")
+    wait_placement_group(pg, what, "PACK")
+    own = {k: v for k, v in options.items() if k != "resources"}  # the bundle holds them
+    return pg, [{**own, "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)}
+                for i in range(count)]

@@ -35,14 +35,10 @@ from engines.batches import add_metrics, combine_ranks, in_micro_batches, loss_s
 from engines.devices import (actor_device, actor_options, announce_cpu_accelerator, local_rank, pin_cpu_cores,
                              cpu_report, placement_group_id, quiet_stdout, to_cpu, to_device)
 from engines.engine_spec import EngineSpec, lr_lambda, move_training_state
+from engines.placement_groups import reserve_together
 from engines.rendezvous import init_training_group
 from engines.state import load_optimizer_state, load_state, optimizer_state, restore_rng, rng_state, save_state
 from engines.weight_sync import WeightSender
-
-
-def is_trainer_metric(name: str) -> bool:
-    """A metric a training engine reports of itself, not of its objective: lr, grad_norm, lora/*."""
-    return name in ("lr", "grad_norm") or name.startswith("lora/")
 
 
 class TrainWorker:
@@ -222,7 +218,9 @@ class TrainerGroup:
         if spec.global_batch % num_workers:
             raise ValueError(f"batch_size {spec.global_batch} must divide by num_workers {num_workers}")
         default = actor_options(spec.num_cpus_per_worker, spec.num_gpus_per_worker, resources=spec.resources_per_worker)
-        placements = placements or [default] * num_workers
+        self.placement_group = None  # ranks of their own: reserved together (else `placements` place them)
+        if placements is None:
+            self.placement_group, placements = reserve_together(default, num_workers, f"{spec.kind} trainer ranks")
         self.spec, self.world_size = spec, num_workers
         self.workers = [ray.remote(**placements[rank])(TrainWorker).remote(rank, num_workers, spec.torch_threads,
                                                                            spec.cpu_cores)
@@ -297,3 +295,6 @@ class TrainerGroup:
         for w in self.workers:
             ray.kill(w)
         self.workers = []
+        if self.placement_group is not None:
+            ray.util.remove_placement_group(self.placement_group)
+            self.placement_group = None

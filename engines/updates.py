@@ -22,9 +22,14 @@ from engines import experience, objectives
 from engines.batches import minibatches, shard, split_pairs
 from engines.experience import Experience
 from engines.round_models import RoundModels
-from engines.trainer import TrainerGroup, is_trainer_metric
+from engines.trainer import TrainerGroup
 
 Lap = Callable[[str], None]  # records the time of the phase that just ended
+
+
+def is_trainer_metric(name: str) -> bool:
+    """A metric a training engine reports of itself, not of its objective: lr, grad_norm, lora/*."""
+    return name in ("lr", "grad_norm") or name.startswith("lora/")
 
 
 @dataclass(frozen=True)

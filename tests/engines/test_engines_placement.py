@@ -132,3 +132,47 @@ def test_a_busy_placement_group_waits_and_one_no_node_holds_fails(ray_local, cap
             wait_placement_group(too_big, "too big", strategy, timeout_s=0.5, poll_s=0.2)
         assert time.monotonic() - started < 30
         assert placement_group_table(too_big)["state"] == "REMOVED"
+
+
+@pytest.mark.engine
+def test_a_trainer_groups_ranks_start_together_or_not_at_all(ray_local, tiny_model):
+    """Placed one by one, a group's first rank would start and wait in its rendezvous, holding its slot (on
+    GPUs, its GPU), while another stage holds what the second needs: two such stages wait on each other.
+    The ranks are one placement group: none starts until all can, and the group goes with them."""
+    import threading
+    import time
+
+    import ray
+    from ray._private import state  # the GCS's actor table
+    from ray.util import placement_group_table
+
+    from engines.engine_spec import EngineSpec
+    from engines.trainer import TrainerGroup
+
+    def trainers() -> list[str]:
+        return [a["State"] for a in state.actors().values() if a["ActorClassName"] == "TrainWorker"
+                and a["State"] != "DEAD"]
+
+    class Holder:
+        def ping(self) -> bool:
+            return True
+
+    holder = ray.remote(num_cpus=ray.cluster_resources()["CPU"] - 1)(Holder).remote()  # room for one rank
+    assert ray.get(holder.ping.remote()) and trainers() == []
+    spec = EngineSpec(model_path=str(tiny_model), kind="causal", learning_rate=1e-3, weight_decay=0.0, warmup_steps=0,
+                      total_steps=1, zero_stage=0, global_batch=2, grad_clip=1.0, seed=0, torch_threads=1)
+    made: list = []
+    starting = threading.Thread(target=lambda: made.append(TrainerGroup(spec, 2)))
+    starting.start()
+    time.sleep(3.0)
+    assert starting.is_alive() and trainers() == []  # not one rank while the second cannot start
+    ray.kill(holder)
+    starting.join(120)
+    group = made[0]
+    try:
+        groups = {r["placement_group"] for r in group.device_reports()}
+        assert len(groups) == 1 and None not in groups, groups
+        pg = group.placement_group
+    finally:
+        group.shutdown()
+    assert placement_group_table(pg)["state"] == "REMOVED"
