@@ -73,7 +73,14 @@ def _warm_up(cfg: PipelineConfig, verbose: bool) -> None:
 
     from alignflow.cluster import ray_init_kwargs
 
+    from flows.runtime import check_api_reachable
+
     ray.init(**ray_init_kwargs(cfg.infra), logging_level=logging.INFO if verbose else logging.WARNING)
+    try:
+        check_api_reachable(cfg.infra)
+    except BaseException:
+        ray.shutdown()  # leave the cluster before the CLI exits on the error
+        raise
     import flows.pipeline  # noqa: F401  (prefect, mlflow, torch: seconds of imports)
 
 

@@ -101,6 +101,43 @@ def prefect_api(infra: InfraConfig, log_dir: Path, while_starting: Callable[[], 
             proc.kill()
 
 
+def unreachable_api(api_url: str, node_addresses: list[str], own_addresses: set[str]) -> str | None:
+    """Why Ray nodes on other machines cannot reach the Prefect API at `api_url`, or None: a loopback
+    address is, on each machine, that machine itself. Nodes at one of this machine's `own_addresses` (a
+    local cluster, `ray.cluster_utils.Cluster`, on 127.0.0.1 or the host's address) reach it."""
+    import ipaddress
+    from urllib.parse import urlparse
+
+    host = urlparse(api_url).hostname or ""
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    others = sorted({a for a in node_addresses if a not in own_addresses and not ipaddress.ip_address(a).is_loopback})
+    if not loopback or not others:
+        return None
+    return (f"the Prefect API of this run is {api_url}, on this machine only, and Prefect tasks also run on the "
+            f"Ray nodes at {', '.join(others)}, which cannot reach it: set infra.prefect_api_url (or PREFECT_API_URL) "
+            "to a Prefect server every node reaches")
+
+
+def check_api_reachable(infra: InfraConfig) -> None:
+    """Raise a ConfigError where a joined Ray cluster spans machines that cannot reach this run's Prefect API
+    (`unreachable_api`), before any stage starts. A local Ray reaches it."""
+    import psutil
+    import ray
+
+    from alignflow.errors import ConfigError
+
+    if not infra.ray_address:
+        return
+    nodes = [n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]]
+    own = {a.address.split("%")[0] for addrs in psutil.net_if_addrs().values() for a in addrs}
+    why = unreachable_api(os.environ["PREFECT_API_URL"], nodes, own)
+    if why:
+        raise ConfigError(why)
+
+
 def ray_task_runner(infra: InfraConfig):
     from prefect_ray import RayTaskRunner
 

@@ -159,3 +159,18 @@ def test_partial_pipeline_flow_runs_the_target_and_its_inputs(prefect_server, tm
     parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
     assert [r.info.status for r in parents] == ["FINISHED"]
     assert parents[0].data.tags["alignflow.key.data"] == stage.key
+
+
+def test_a_cluster_of_other_machines_must_reach_the_prefect_api():
+    """The CLI's own Prefect server listens on 127.0.0.1: Ray nodes of the joined cluster on other machines,
+    where Prefect tasks run too, cannot reach it. Refused with what to set, before any stage starts."""
+    from flows.runtime import unreachable_api
+
+    own = {"127.0.0.1", "10.0.0.5", "::1"}
+    why = unreachable_api("http://127.0.0.1:4200/api", ["10.0.0.5", "10.0.0.7", "10.0.0.8", "10.0.0.7"], own)
+    assert why and "10.0.0.7, 10.0.0.8" in why and "10.0.0.5" not in why and "infra.prefect_api_url" in why
+    assert unreachable_api("http://localhost:4200/api", ["10.0.0.9"], own)
+    # a server every node can reach, or nodes all on this machine (ray.cluster_utils.Cluster): fine
+    assert unreachable_api("http://prefect.internal:4200/api", ["10.0.0.7"], own) is None
+    assert unreachable_api("http://10.0.0.5:4200/api", ["10.0.0.7"], own) is None
+    assert unreachable_api("http://127.0.0.1:4200/api", ["127.0.0.1", "10.0.0.5"], own) is None
