@@ -189,9 +189,8 @@ class RoundModels:
         return rollouts
 
     def sync(self, push: bool = True) -> None:
-        """Stream the actor's weights into every rollout engine (no restart; `push=False`: the actor did
-        not change, nothing is sent). Colocated: the trainers' optimizer state leaves the GPU, the scorers
-        give back their cached memory, the engines wake their weights, take the update, then wake their KV cache."""
+        """Stream the actor's weights into every rollout engine, no restart (`push=False`: unchanged, none sent).
+        Colocated: trainers' optimizer state, scorers' cached memory leave the GPU; engines wake weights, update, KV."""
         if not self.colocated:
             if push:
                 self._push()
