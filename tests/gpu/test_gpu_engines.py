@@ -13,6 +13,7 @@ memory an engine host gives back.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import pytest
@@ -161,13 +162,14 @@ def _moves_policy(rl) -> None:
     assert (after - before).abs().max() > 1e-3
 
 
-def _gpu_round_cfg(algorithm: str, share: float, **kw):
-    from alignflow.config import ActorConfig, CriticConfig, Placement, PPOConfig, RolloutConfig, RoundConfig
+def _gpu_round_cfg(algorithm: str, share: float, backend: str = "hf", **kw):
+    from alignflow.config import ActorConfig, CriticConfig, Placement, PPOConfig, RolloutConfig, RoundConfig, VLLMConfig
 
     gpu = Placement(num_cpus=1, num_gpus=gpus(share))
+    vllm = VLLMConfig(gpu_memory_utilization=0.25)  # colocated: a quarter of the GPU for weights and KV cache
     return RoundConfig(
         algorithm=algorithm, steps=2, prompts_per_step=8, scorer_placement=gpu,
-        generation=RolloutConfig(backend="hf", num_samples=4, max_new_tokens=6, placement=gpu),
+        generation=RolloutConfig(backend=backend, num_samples=4, max_new_tokens=6, placement=gpu, vllm=vllm),
         ppo=PPOConfig(minibatch_size=32, epochs=1), actor=ActorConfig(learning_rate=3e-3, placement=gpu),
         critic=CriticConfig(placement=gpu), **kw)
 
@@ -209,6 +211,44 @@ def test_colocated_ppo_sleeps_and_wakes_on_one_gpu(ray_gpu, gpu_model, gpu_rewar
         assert ray.get(engine.device_report.remote())["policy"] == ["cpu"]
         ray.get(engine.wake.remote(["weights"]))
         assert ray.get(engine.device_report.remote())["policy"] == [DEVICE]
+    finally:
+        rl.shutdown()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                    reason="vLLM is not installed (on a GPU machine: pip install -e '.[gpu]')")
+@pytest.mark.skipif(DEVICE != "cuda", reason="vLLM sleeps only on GPUs; on the CPU the gpu-small e2e (tests/e2e) "
+                                             "runs colocated vLLM rounds")
+def test_colocated_ppo_on_vllm_sleeps_wakes_and_serves_each_update(ray_gpu, gpu_model, gpu_reward_model,
+                                                                   gpu_tokenizer, task_data):
+    """configs/gpu-small.yaml's round: actor, critic, scorer and a vLLM engine (CUDA graphs on) on one GPU.
+    Asleep, the engine gives the GPU its weights and KV cache; woken in order, it takes each update by CUDA
+    IPC into memory its graphs still point at, so its sampled-token logprobs are the trainer's."""
+    import ray
+
+    from engines import experience, objectives
+    from engines.rollout import Sampling
+
+    rl = _round(_gpu_round_cfg("ppo", 1.0, backend="vllm", colocate_all=True), gpu_model,
+                _prompts(gpu_tokenizer, task_data), reward_path=str(gpu_reward_model))
+    engine = rl.models.engines.actors[0]
+
+    def free() -> int:
+        return ray.get(engine.__ray_call__.remote(lambda self: torch.cuda.mem_get_info()[0]))
+
+    try:
+        _moves_policy(rl)  # step 2 generates only if step 1's sync woke the engine in order
+        awake = free()
+        rl.models.engines.sleep()
+        assert free() - awake > 2**30, (awake, free())  # the KV cache (a quarter of the GPU) and weights left
+        rl.models.sync(push=True)  # weights woken, the update by IPC, then the KV cache
+        assert awake - free() < 2**28, (awake, free())
+        prompts = [ids for ids, _ in _prompts(gpu_tokenizer, task_data)[:8]]
+        exp = experience.from_rollouts(rl.models.engines.generate(prompts, Sampling(n=2, max_new_tokens=6)),
+                                       gpu_tokenizer.pad_token_id)
+        trainer = rl.models.actor.evaluate(exp.tensors(), objectives.response_logprobs)
+        diff = (trainer - exp.rollout_logprobs).abs()[exp.action_mask.bool()]
+        assert diff.max() < BF16_MAX_ABS and diff.mean() < BF16_MEAN_ABS, (diff.max(), diff.mean())
     finally:
         rl.shutdown()
 
