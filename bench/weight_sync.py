@@ -66,7 +66,8 @@ def worker(args) -> dict:
     from alignflow.config import GenerationConfig, InfraConfig
     from engines.round_models import RoundModels
     from engines.rollout_actors import start_engines
-    from engines.trainer import EngineSpec, TrainerGroup
+    from engines.engine_spec import EngineSpec
+    from engines.trainer_group import TrainerGroup
 
     ray.init(**ray_init_kwargs(InfraConfig(ray_num_cpus=4)))
     results = {}

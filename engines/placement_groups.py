@@ -74,7 +74,8 @@ def wait_placement_group(pg, what: str, strategy: str, *, timeout_s: float = TIM
 def reserve_together(options: dict, count: int, what: str) -> tuple[object, list[dict]]:
     """A placement group (PACK) of `count` bundles, each holding what one actor of `options` (Ray actor
     options: num_cpus, num_gpus, resources) asks for, reserved as `wait_placement_group` says; the group
-    (None where the actors ask for nothing to reserve) and each actor's options, on its bundle.
+    and each actor's options, on its bundle. None and `options` as they are for one actor (it starts
+    whole or not at all) or for actors that ask for nothing to reserve.
 
     For the ranks of one process group: placed one by one, the first could start and wait in the
     group's rendezvous holding its GPU while another stage holds what the rest need, and two such
@@ -83,12 +84,16 @@ def reserve_together(options: dict, count: int, what: str) -> tuple[object, list
 
     bundle = {k: float(v) for k, v in {"CPU": options.get("num_cpus", 0), "GPU": options.get("num_gpus", 0),
                                        **(options.get("resources") or {})}.items() if v}
-    if not bundle:
+    if not bundle or count == 1:
         return None, [dict(options)] * count
     import ray
 
     pg = ray.util.placement_group([bundle] * count, strategy="PACK")
-    wait_placement_group(pg, what, "PACK")
+    try:
+        wait_placement_group(pg, what, "PACK")
+    except BaseException:  # interrupted or cancelled while waiting: a pending group would take the resources later
+        ray.util.remove_placement_group(pg)
+        raise
     own = {k: v for k, v in options.items() if k != "resources"}  # the bundle holds them
     return pg, [{**own, "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)}
                 for i in range(count)]

@@ -3,13 +3,12 @@
     actor      TrainerGroup (DeepSpeed)                       always
     critic     TrainerGroup, from the reward model or policy   spec.critic
     reference  ScorerActor (frozen policy)                     spec.reference and a KL term (or online DPO);
-               with LoRA on the actor in a round that starts from the reference: the actor,
-               adapters disabled
+               with LoRA on the actor in a round that starts from the reference: the actor, adapters off
     rewarder   ScorerActor (reward model)                      reward.source = model
     engines    RolloutEngines (vLLM, or HF generate)           num_rollout_engines
 
-Reference and reward model share one scorer actor when colocated. What
-crosses an actor boundary is CPU tensors; the round never sees a model.
+Reference and reward model share one scorer actor when colocated. What crosses an actor boundary
+is CPU tensors; the round never sees a model.
 
 With `colocate_all`, every actor of the round lives in one Ray placement
 group, a bundle per actor worker: worker i of the actor and of the critic
@@ -30,12 +29,13 @@ from alignflow.artifacts import Source
 from alignflow.config import RoundConfig
 from alignflow.errors import InsufficientResourcesError
 from alignflow.seeds import derive_seed
-from engines.rollout import Rollout, Sampling
-from engines.placement_groups import wait_placement_group
-from engines.rollout_actors import PendingRollouts, RolloutEngines, start_engines
 from engines import objectives
+from engines.engine_spec import EngineSpec
+from engines.placement_groups import wait_placement_group
+from engines.rollout import Rollout, Sampling
+from engines.rollout_actors import PendingRollouts, RolloutEngines, start_engines
 from engines.scoring import start_scorer
-from engines.trainer import EngineSpec, TrainerGroup
+from engines.trainer_group import TrainerGroup
 from engines.weight_sync import WeightSync, default_bucket_bytes
 
 

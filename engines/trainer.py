@@ -1,9 +1,10 @@
-"""The training engine: DeepSpeed workers as Ray actors.
+"""The training engine's rank: `TrainWorker`, one DeepSpeed worker as a Ray actor.
 
-`TrainerGroup` starts `num_workers` Ray actors that form one torch.distributed
-group (gloo on CPU, nccl on GPU), each wrapping the same model in a DeepSpeed
-engine with the configured ZeRO stage. A global batch is split into equal
-row shards, one per worker; DeepSpeed averages gradients across them.
+`TrainerGroup` (engines/trainer_group.py) starts `num_workers` of them, which
+form one torch.distributed group (gloo on CPU, nccl on GPU), each wrapping the
+same model in a DeepSpeed engine with the configured ZeRO stage. A global batch
+is split into equal row shards, one per worker; DeepSpeed averages gradients
+across them.
 
 The objective is injected: `train_step(shards, objective)` calls
 `objective(model, micro_batch) -> (loss, metrics)` on every worker, once per
@@ -28,15 +29,13 @@ from typing import Any
 import ray
 import torch
 
-from alignflow.artifacts import Entries, Source, local_dir, merge_entries, writing
-from alignflow.net import free_port
+from alignflow.artifacts import Entries, Source, local_dir, writing
 from engines import lora, models
-from engines.batches import add_metrics, combine_ranks, in_micro_batches, loss_scales, micro_batches, padded_shards
-from engines.devices import (actor_device, actor_options, announce_cpu_accelerator, local_rank, pin_cpu_cores,
+from engines.batches import add_metrics, in_micro_batches
+from engines.devices import (actor_device, announce_cpu_accelerator, local_rank, pin_cpu_cores,
                              cpu_report, placement_group_id, quiet_stdout, to_cpu, to_device)
 from engines.engine_spec import EngineSpec, lr_lambda, move_training_state
-from engines.placement_groups import reserve_together
-from engines.rendezvous import init_training_group
+from engines.rendezvous import init_training_group, reserve_address
 from engines.state import load_optimizer_state, load_state, optimizer_state, restore_rng, rng_state, save_state
 from engines.weight_sync import WeightSender
 
@@ -49,11 +48,11 @@ class TrainWorker:
         torch.set_num_threads(pin_cpu_cores(cpu_cores, torch_threads))
 
     def address(self) -> tuple[str, int]:
-        """The rendezvous address: this node as Ray knows it (127.0.0.1 for the
-        local Ray, the node's cluster address otherwise), and a free port."""
+        """A rendezvous address: this node as Ray knows it (127.0.0.1 for the local Ray, the node's
+        cluster address otherwise), and a port reserved for a store this rank will serve."""
         node_id = ray.get_runtime_context().get_node_id()
         ip = next(n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id)
-        return ip, free_port(ip)
+        return reserve_address(ip)  # listening from now on, for rank 0's store (engines/rendezvous.py)
 
     def setup(self, spec: EngineSpec, master: tuple[str, int]) -> None:
         # The device rule (engines/devices.py): the GPU Ray placed this rank on, or the CPU.
@@ -206,95 +205,3 @@ class TrainWorker:
         self.step = st["step"]
         restore_rng(st, self.device)
         return st["extra"]
-
-class TrainerGroup:
-    """`num_workers` TrainWorker actors acting as one training engine."""
-
-    def __init__(self, spec: EngineSpec, num_workers: int, placements: list[dict[str, Any]] | None = None,
-                 wait: bool = True):
-        """`placements`: per rank, Ray actor options (num_cpus, num_gpus, scheduling_strategy) that
-        replace the spec's placement (colocation); None: each rank on the spec's CPUs/GPUs.
-        `wait=False`: return at once, `wait_ready()` waits (a round starts its other actors meanwhile)."""
-        if spec.global_batch % num_workers:
-            raise ValueError(f"batch_size {spec.global_batch} must divide by num_workers {num_workers}")
-        default = actor_options(spec.num_cpus_per_worker, spec.num_gpus_per_worker, resources=spec.resources_per_worker)
-        self.placement_group = None  # ranks of their own: reserved together (else `placements` place them)
-        if placements is None:
-            self.placement_group, placements = reserve_together(default, num_workers, f"{spec.kind} trainer ranks")
-        self.spec, self.world_size = spec, num_workers
-        self.workers = [ray.remote(**placements[rank])(TrainWorker).remote(rank, num_workers, spec.torch_threads,
-                                                                           spec.cpu_cores)
-                        for rank in range(num_workers)]
-        master = self.workers[0].address.remote()  # an argument of every setup: Ray passes its value
-        self._pending_setup = [w.setup.remote(spec, master) for w in self.workers]
-        self.param_metrics: dict[str, float] = {}
-        if wait:
-            self.wait_ready()
-
-    def wait_ready(self) -> TrainerGroup:
-        """Blocks until every worker has set up (a failure kills the workers and raises)."""
-        if self._pending_setup:
-            try:  # with LoRA: the trainable share of the parameters (lora/trainable_fraction); {} without
-                self.param_metrics = ray.get(self._pending_setup)[0]
-            except BaseException:
-                self.shutdown()  # the calling worker process lives on; so would the actors
-                raise
-            self._pending_setup = []
-        return self
-
-    def train_step(self, shards: list[dict[str, Any]], objective: Callable, paired: bool = False, *,
-                   weigh: Callable[[dict[str, Any]], float]) -> dict[str, float]:
-        """One optimizer step on a global batch given as one shard per worker, each cut into micro-batches
-        of at most `micro_batch_size` rows and `micro_batch_tokens` padded tokens (pairs kept whole);
-        `weigh(micro)`: what the objective averages over in it (engines/objectives), as loss_scales."""
-        if len({tuple(s["input_ids"].shape) for s in shards}) > 1:  # else the ranks' micro-batch counts may differ
-            raise ValueError(f"shards of one step must have one shape: {[tuple(s['input_ids'].shape) for s in shards]}")
-        size, tokens = self.spec.micro_batch_size, self.spec.micro_batch_tokens
-        parts = [micro_batches(s, size, tokens=tokens, paired=paired) for s in shards]
-        results = ray.get([w.train_step.remote(p, objective, scales)
-                           for w, p, scales in zip(self.workers, parts, loss_scales(parts, weigh))])
-        return combine_ranks(results)
-
-    def evaluate(self, batch: dict[str, Any], fn: Callable, without_adapters: bool = False) -> Any:
-        """`fn(model, batch)`, rank 0's result (every rank runs it: ZeRO-3 needs all in each forward);
-        `without_adapters`: on the LoRA base model, the frozen reference (TrainWorker.evaluate)."""
-        return ray.get([w.evaluate.remote(batch, fn, without_adapters) for w in self.workers])[0]
-
-    def evaluate_rows(self, batch: dict[str, Any], fn: Callable, without_adapters: bool = False) -> torch.Tensor:
-        """`fn(model, rows)` -> one result row per batch row (logprobs, values), each rank on its share of
-        the rows (batches.padded_shards), concatenated in row order: 1/R of `evaluate`'s work per rank."""
-        if self.world_size == 1:
-            return self.evaluate(batch, fn, without_adapters)
-        shards = padded_shards(batch, self.world_size)
-        parts = ray.get([w.evaluate.remote(s, fn, without_adapters) for w, s in zip(self.workers, shards)])
-        return torch.cat(parts)[: batch["input_ids"].shape[0]]
-
-    def save_hf(self, target: Source) -> Entries:
-        """Every rank writes its part (rank 0 the files); a ref: the entries they uploaded."""
-        return merge_entries(ray.get([w.save_hf.remote(target) for w in self.workers]))
-
-    def save_state(self, target: Source, extra: dict[str, Any]) -> Entries:
-        return merge_entries(ray.get([w.save_state.remote(target, extra) for w in self.workers]))
-
-    def load_state(self, source: Source) -> dict[str, Any]:
-        return ray.get([w.load_state.remote(source) for w in self.workers])[0]
-
-    def weights_bytes(self) -> bytes:
-        return ray.get([w.weights_bytes.remote() for w in self.workers])[0]  # rank 0's
-
-    def offload_states(self) -> None:
-        ray.get([w.offload_states.remote() for w in self.workers])
-
-    def reload_states(self) -> None:
-        ray.get([w.reload_states.remote() for w in self.workers])
-
-    def device_reports(self) -> list[dict[str, Any]]:
-        return ray.get([w.device_report.remote() for w in self.workers])
-
-    def shutdown(self) -> None:
-        for w in self.workers:
-            ray.kill(w)
-        self.workers = []
-        if self.placement_group is not None:
-            ray.util.remove_placement_group(self.placement_group)
-            self.placement_group = None

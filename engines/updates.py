@@ -22,7 +22,7 @@ from engines import experience, objectives
 from engines.batches import minibatches, shard, split_pairs
 from engines.experience import Experience
 from engines.round_models import RoundModels
-from engines.trainer import TrainerGroup
+from engines.trainer_group import TrainerGroup
 
 Lap = Callable[[str], None]  # records the time of the phase that just ended
 

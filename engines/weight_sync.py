@@ -143,12 +143,12 @@ def push_state(state: dict[str, torch.Tensor], receivers: Sequence, *, bucket_by
     a checkpoint into engines without a trainer, and the transport's tests. Bytes sent."""
     import ray
 
-    from alignflow.net import free_port
+    from engines.rendezvous import reserve_address
 
     bucket_bytes = bucket_bytes or default_bucket_bytes()
     specs = [(k, tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in state.items()]
     counts = [len(gpus) for gpus in ray.get([r.prepare_weights.remote(specs, bucket_bytes) for r in receivers])]
-    address = ("127.0.0.1", free_port("127.0.0.1"))
+    address = reserve_address("127.0.0.1")  # this process serves the group's store
     world = 1 + sum(counts)
     joins = [r.join_transport.remote(address, 1 + sum(counts[:i]), world, "gloo") for i, r in enumerate(receivers)]
     group = TransportGroup(address, 0, world, "gloo")

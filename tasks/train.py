@@ -16,8 +16,9 @@ from alignflow.cluster import ensure_ray
 from alignflow.records import StageResult
 from alignflow.seeds import derive_seed
 from engines import batches, models, objectives, packed_objectives, supervised
+from engines.engine_spec import EngineSpec
 from engines.packing import check_fits
-from engines.trainer import EngineSpec, TrainerGroup
+from engines.trainer_group import TrainerGroup
 from tasks.checkpoints import StageCheckpoints
 from tasks.context import RunContext, StageOutput, compute_stage
 from tasks.data import load_split, token_limits

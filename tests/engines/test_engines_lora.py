@@ -21,8 +21,9 @@ from alignflow.config.base import EngineConfig, LoraConfig
 from alignflow.data import synthetic
 from alignflow.errors import ConfigError
 from engines import batches, objectives
+from engines.engine_spec import EngineSpec
 from engines.supervised import plan
-from engines.trainer import EngineSpec, TrainerGroup
+from engines.trainer_group import TrainerGroup
 
 pytestmark = pytest.mark.engine
 

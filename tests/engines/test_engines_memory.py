@@ -45,7 +45,8 @@ def _one_step(tiny_model, batch, workers: int = 1, weigh=None, objective=None,
 
     from engines import objectives
     from engines.batches import shard
-    from engines.trainer import EngineSpec, TrainerGroup
+    from engines.engine_spec import EngineSpec
+    from engines.trainer_group import TrainerGroup
 
     cfg = EngineConfig(learning_rate=LR, warmup_steps=0, **engine)
     spec = EngineSpec.from_config(cfg, model_path=str(tiny_model), kind="causal", total_steps=10, global_batch=8,

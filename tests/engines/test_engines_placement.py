@@ -147,7 +147,7 @@ def test_a_trainer_groups_ranks_start_together_or_not_at_all(ray_local, tiny_mod
     from ray.util import placement_group_table
 
     from engines.engine_spec import EngineSpec
-    from engines.trainer import TrainerGroup
+    from engines.trainer_group import TrainerGroup
 
     def trainers() -> list[str]:
         return [a["State"] for a in state.actors().values() if a["ActorClassName"] == "TrainWorker"

@@ -54,7 +54,8 @@ pid = ray.get(actor.pid.remote())
 from alignflow.config import EngineConfig, TinyModelConfig
 from engines.models import build_tiny_model
 from engines.rollout_actors import RolloutEngines, start_rollout_actor
-from engines.trainer import EngineSpec, TrainerGroup
+from engines.engine_spec import EngineSpec
+from engines.trainer_group import TrainerGroup
 from engines.weight_sync import WeightSync
 
 model = build_tiny_model(TinyModelConfig(hidden_size=32, num_layers=1, intermediate_size=64), seed=0,

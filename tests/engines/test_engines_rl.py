@@ -472,7 +472,8 @@ def test_tied_embeddings_sync_into_vllm(ray_local, tiny_model, prompts, tmp_path
     from engines.experience import from_rollouts
     from engines.rollout import Sampling
     from engines.rollout_actors import RolloutEngines, start_rollout_actor
-    from engines.trainer import EngineSpec, TrainerGroup
+    from engines.engine_spec import EngineSpec
+    from engines.trainer_group import TrainerGroup
     from engines.weight_sync import WeightSync
 
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model))
@@ -534,7 +535,8 @@ def test_a_failed_update_is_raised_at_once_and_its_group_dropped(ray_local, tmp_
     from engines.models import build_tiny_model
     from engines.rollout_actors import RolloutEngines, start_rollout_actor
     from engines.round_models import RoundModels
-    from engines.trainer import EngineSpec, TrainerGroup
+    from engines.engine_spec import EngineSpec
+    from engines.trainer_group import TrainerGroup
 
     # About 6M parameters, 24 MB in float32: more than the sockets buffer, so the sender blocks.
     shape = TinyModelConfig(hidden_size=256, num_layers=6, intermediate_size=1024)

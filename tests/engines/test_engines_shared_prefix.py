@@ -165,7 +165,8 @@ def test_a_zero3_policy_step_is_the_same_with_and_without_sharing(ray_local, tin
     from safetensors.torch import load
 
     from engines import objectives
-    from engines.trainer import EngineSpec, TrainerGroup
+    from engines.engine_spec import EngineSpec
+    from engines.trainer_group import TrainerGroup
 
     batch = _batch(GROUPED)
     batch["advantages"] = torch.linspace(-1, 1, 6).unsqueeze(1) * batch["action_mask"]

@@ -13,8 +13,9 @@ from safetensors.torch import load
 from alignflow.config import SyntheticTaskConfig
 from alignflow.data import synthetic
 from engines import batches, objectives
+from engines.engine_spec import EngineSpec
 from engines.supervised import plan
-from engines.trainer import EngineSpec, TrainerGroup
+from engines.trainer_group import TrainerGroup
 
 pytestmark = pytest.mark.engine
 
@@ -224,9 +225,10 @@ def test_evaluate_rows_gives_each_rank_its_share_of_the_rows(ray_local, tiny_mod
 
 
 def test_zero3_partitions_the_model_as_it_loads(ray_local, tiny_model, sft_data):
-    """Under ZeRO-3 no rank ever holds the whole model, not even while loading it (so a model larger than
-    one GPU loads): each of 2 ranks holds about half the parameter bytes once loaded. What they hold
-    together is the checkpoint, exactly; and a critic's new head, partitioned too, starts at zero."""
+    """Under ZeRO-3 the model is partitioned as it loads (so a model larger than one GPU loads): each of 2
+    ranks holds about half the parameter bytes once loaded, where each used to hold all of them until
+    DeepSpeed partitioned them. Together they hold the checkpoint, exactly; and a critic's new head,
+    partitioned too, starts at zero."""
     from safetensors.torch import load, load_file
 
     checkpoint = {k: v for f in sorted(tiny_model.glob("*.safetensors")) for k, v in load_file(str(f)).items()}

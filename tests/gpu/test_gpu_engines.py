@@ -35,7 +35,8 @@ BF16_MAX_ABS, BF16_MEAN_ABS = 0.15, 0.03
 
 def _gpu_engine(model, kind, dtype="bfloat16", zero=0, lr=1e-3, batch=16, share=1.0, **extra):
     from alignflow.config import EngineConfig, Placement
-    from engines.trainer import EngineSpec, TrainerGroup
+    from engines.engine_spec import EngineSpec
+    from engines.trainer_group import TrainerGroup
 
     cfg = EngineConfig(learning_rate=lr, warmup_steps=0, zero_stage=zero, placement=Placement(num_gpus=gpus(share)),
                        **extra)
