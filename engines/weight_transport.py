@@ -28,6 +28,7 @@ parameters of the bucket it packs).
 from __future__ import annotations
 
 import datetime
+import os
 import pickle
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -136,14 +137,24 @@ class TransportGroup:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.store = tcp_store(address, world_size, is_master=rank == 0, timeout=timeout)  # served on `address` alone
         if backend == "nccl":
-            self.pg = dist.ProcessGroupNCCL(self.store, rank, world_size, timeout=timeout)
+            # Blocking wait: a timed-out bucket raises in the waiting call (`wait`), rather than NCCL's watchdog
+            # ending the process (its default handling of a timeout). Read by the group as it is made.
+            previous = os.environ.get("TORCH_NCCL_BLOCKING_WAIT")
+            os.environ["TORCH_NCCL_BLOCKING_WAIT"] = "1"
+            try:
+                self.pg = dist.ProcessGroupNCCL(self.store, rank, world_size, timeout=timeout)
+            finally:
+                if previous is None:
+                    os.environ.pop("TORCH_NCCL_BLOCKING_WAIT")
+                else:
+                    os.environ["TORCH_NCCL_BLOCKING_WAIT"] = previous
         else:
             self.pg = dist.ProcessGroupGloo(self.store, rank, world_size, timeout)
 
     def wait(self, work) -> None:
-        """Block this process until `work` is done, or fail after the group's timeout. NCCL's own `wait()`
-        only orders the GPU stream: a peer that stopped mid-update would then trip NCCL's watchdog, which
-        ends the process, instead of raising here."""
+        """Block this process until `work` is done, or raise after the group's timeout. NCCL's `wait()` with
+        no timeout only orders the GPU stream: a peer that stopped mid-update would leave the caller waiting
+        on the GPU until NCCL's watchdog ended the process."""
         work.wait(self.timeout)
 
     def broadcast(self, tensor: torch.Tensor) -> None:
@@ -151,7 +162,7 @@ class TransportGroup:
 
     def barrier(self) -> None:
         flag = torch.zeros(1)
-        self.pg.allreduce([flag]).wait()
+        self.wait(self.pg.allreduce([flag]))
 
     def send_object(self, obj) -> None:
         data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
@@ -203,7 +214,8 @@ def receive_buckets(group: TransportGroup, buckets: Sequence[Bucket], device: to
             args = list(args)
             args[6] = group.device.index  # storage_device: the same GPU, as this process numbers it
             shared = rebuild(*args)
-            buf = shared.clone()  # the sender frees its buffer after the barrier
+            buf = shared.clone()  # the sender frees its buffer after the barrier: the copy is done before it
+            torch.cuda.current_stream(group.device).synchronize()
             del shared
             group.barrier()
             yield from unpack(bucket, buf)

@@ -93,3 +93,32 @@ def test_a_plan_that_does_not_fit_the_engine_is_rejected_with_its_differences():
         assert detail in str(err.value)
     with pytest.raises(WeightSyncError, match="repeated"):
         check_specs(expected, _specs(STATE) + [("norm", (16,), "float32")], "engine")
+
+
+def test_a_sender_that_stops_mid_update_fails_the_receiver_after_the_timeout():
+    """The first bucket arrives; the sender then stops (a trainer that died mid-update). The receiver raises
+    in its own call once the group's timeout has passed, instead of waiting on forever."""
+    import time
+
+    specs = _specs(STATE)
+    buckets = plan_buckets(specs, 1200)
+    assert len(buckets) == 3
+    address, got, errors = ("127.0.0.1", free_port()), [], []
+
+    def receiver() -> None:
+        group = TransportGroup(address, 1, 2, "gloo", timeout_s=2)
+        started = time.monotonic()
+        try:
+            for name, _ in receive_buckets(group, buckets, "cpu"):
+                got.append(name)
+        except RuntimeError as e:
+            errors.append((e, time.monotonic() - started))
+
+    thread = threading.Thread(target=receiver)
+    thread.start()
+    sender = TransportGroup(address, 0, 2, "gloo", timeout_s=2)
+    send_buckets(sender, buckets[:1], lambda b: pack(b, STATE, "cpu"))  # one bucket of three, then nothing
+    thread.join(60)
+    assert not thread.is_alive() and got == ["embed"], got
+    (error, waited), = errors
+    assert 2 <= waited < 30 and "timed out" in str(error).lower(), (waited, error)
