@@ -207,7 +207,8 @@ def load_trainable(spec, pad_token_id: int | None, ds_config: dict[str, Any] | N
 
 def _whole(params: list[torch.nn.Parameter]):
     """Parameters partitioned as they loaded (`partitioned_loading`) gathered whole, and written back from
-    rank 0 on leaving; other parameters as they are."""
+    rank 0 on leaving; other parameters as they are (and scorers, which never partition, never import
+    DeepSpeed for it: lora.gathered goes by the ZeRO stage, which a loader does not know)."""
     if not any(hasattr(p, "ds_id") for p in params):
         return contextlib.nullcontext()
     import deepspeed
