@@ -83,9 +83,11 @@ def param_metrics(module: torch.nn.Module) -> dict[str, float]:
     """With LoRA: trainable parameters, all parameters (base + adapters) and their ratio; {} without."""
     if not is_lora(module):
         return {}
-    numel = {id(p): getattr(p, "ds_numel", p.numel()) for p in module.parameters()}  # ZeRO-3: whole, not the partition
-    trainable = sum(numel[id(p)] for p in module.parameters() if p.requires_grad)
-    total = sum(numel.values())
+    def numel(p: torch.nn.Parameter) -> int:
+        return getattr(p, "ds_numel", p.numel())  # ZeRO-3: the whole parameter, not this rank's partition
+
+    trainable = sum(numel(p) for p in module.parameters() if p.requires_grad)
+    total = sum(numel(p) for p in module.parameters())
     return {"lora/trainable_params": float(trainable), "lora/total_params": float(total),
             "lora/trainable_fraction": trainable / total}
 

@@ -170,8 +170,9 @@ def load_policy(path: str | Path, dtype: str = "float32", attn: str = "sdpa") ->
 @contextlib.contextmanager
 def partitioned_loading(ds_config: dict[str, Any] | None) -> Iterator[None]:
     """Models loaded inside have every parameter partitioned across the ranks as it is read (DeepSpeed's
-    zero.Init through transformers), where `ds_config` is ZeRO-3's: no rank ever holds the whole model,
-    in CPU or in GPU memory, so a model larger than one GPU loads. Other configs (None): as they are."""
+    zero.Init through transformers), where `ds_config` is ZeRO-3's: no rank holds all the parameters at
+    once (each reads the safetensors checkpoint memory-mapped), so a model larger than one GPU loads.
+    Other configs (None): as they are."""
     if ds_config is None or ds_config["zero_optimization"]["stage"] != 3:
         yield
         return
