@@ -184,7 +184,8 @@ def build_model(config: str | None, shape: str = "issue14") -> str:
 
 
 def run_variant(label: str, tree: Path, spec: str, args, script: Path) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(tree)}
+    # The tree first; what the environment already adds stays after it (a staged GPU machine's site, .gpu/).
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")]))}
     for k in ("LD_PRELOAD", "MALLOC_CONF", *(k for k in os.environ if k.startswith("MALLOC_"))):
         env.pop(k, None)
     env.update(variant_env(spec))
