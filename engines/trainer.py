@@ -34,7 +34,7 @@ from engines import lora, models
 from engines.batches import add_metrics, in_micro_batches
 from engines.devices import (actor_device, announce_cpu_accelerator, local_rank, pin_cpu_cores,
                              cpu_report, placement_group_id, quiet_stdout, to_cpu, to_device)
-from engines.engine_spec import EngineSpec, lr_lambda, move_training_state
+from engines.engine_spec import EngineSpec, lr_lambda, make_optimizer, move_training_state
 from engines.rendezvous import init_training_group, reserve_address
 from engines.state import load_optimizer_state, load_state, optimizer_state, restore_rng, rng_state, save_state
 from engines.weight_sync import WeightSender
@@ -76,8 +76,7 @@ class TrainWorker:
         model = models.load_trainable(spec, self.tokenizer.pad_token_id, ds_config)  # ZeRO-3: partitioned as it loads
         self.loaded_bytes = models.held_bytes(model)
         self.param_metrics = lora.param_metrics(model)  # with LoRA: the optimizer sees the adapters only
-        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=spec.learning_rate,
-                                      weight_decay=spec.weight_decay)
+        optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad], spec, self.device)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(spec.warmup_steps, spec.total_steps))
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config

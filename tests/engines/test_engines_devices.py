@@ -176,6 +176,22 @@ def test_deepspeed_config_carries_offload_and_precision():
     assert spec.micro_batch_size == 4 and ds["train_micro_batch_size_per_gpu"] == 16
 
 
+@pytest.mark.parametrize("offload, device, cpu_adam", [
+    ("optimizer", "cuda", True), ("optimizer_and_params", "cuda", True),  # the step on the CPU: DeepSpeed's Adam
+    ("none", "cuda", False),  # the step on the GPU
+    ("optimizer", "cpu", False),  # nothing moves on a CPU run: torch's AdamW, no C++ build
+])
+def test_an_offloaded_optimizer_on_a_gpu_is_deepspeeds_cpu_adam(offload, device, cpu_adam):
+    from engines.engine_spec import EngineSpec, make_optimizer, steps_with_cpu_adam
+
+    assert steps_with_cpu_adam(offload, torch.device(device)) is cpu_adam
+    if not cpu_adam:  # (building DeepSpeed's CPU Adam takes a minute: tests/gpu makes one on a GPU)
+        spec = EngineSpec(model_path="/m", kind="causal", learning_rate=0.1, weight_decay=0.05, warmup_steps=0,
+                          total_steps=1, zero_stage=2, global_batch=1, grad_clip=1.0, seed=0, offload=offload)
+        opt = make_optimizer([torch.nn.Parameter(torch.ones(2))], spec, torch.device(device))
+        assert type(opt) is torch.optim.AdamW and opt.defaults["weight_decay"] == 0.05 and opt.defaults["lr"] == 0.1
+
+
 # ---- colocation ------------------------------------------------------------------------
 
 

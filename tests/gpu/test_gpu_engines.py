@@ -103,6 +103,30 @@ def test_optimizer_state_leaves_the_gpu_and_comes_back(ray_gpu, gpu_model, gpu_t
         group.shutdown()
 
 
+def test_offloaded_optimizer_steps_with_deepspeeds_cpu_adam(ray_gpu, gpu_model, gpu_tokenizer, task_data):
+    """ZeRO-Offload (`offload: optimizer`, ZeRO-2) on a GPU: the bf16 weights train on the GPU, the fp32
+    masters and moments live in CPU memory, DeepSpeed's CPU Adam (built on first use) steps them, and the
+    loss falls. On the CPU the optimizer is torch's AdamW (engines/engine_spec.py: steps_with_cpu_adam)."""
+    import ray
+
+    from engines import objectives
+    from engines.batches import sft_tensors, shard, take
+
+    tensors, _ = sft_tensors(gpu_tokenizer, task_data["sft"], 64, 16)
+    batch = shard(take(tensors, torch.arange(16)), 1)
+    group = _gpu_engine(gpu_model, "causal", zero=2, lr=3e-3, offload="optimizer")
+    try:
+        _on_device(group.device_reports()[0], "bfloat16")
+        kind = ray.get(group.workers[0].__ray_call__.remote(lambda w: type(w.engine.optimizer.optimizer).__name__))
+        assert kind == ("DeepSpeedCPUAdam" if DEVICE == "cuda" else "AdamW")
+        losses = [group.train_step(batch, objectives.causal_lm_objective, weigh=objectives.response_tokens)["loss"]
+                  for _ in range(6)]
+        assert ray.get(group.workers[0].__ray_call__.remote(_optimizer_state_devices)) == ["cpu"]
+        assert losses[-1] < losses[0] - 0.1, losses
+    finally:
+        group.shutdown()
+
+
 def test_reward_model_with_margin_on_gpu(ray_gpu, gpu_model, gpu_tokenizer, task_data):
     import functools
 
