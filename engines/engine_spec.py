@@ -130,8 +130,9 @@ def steps_with_cpu_adam(offload: str, device: torch.device) -> bool:
     """Whether an engine's optimizer is DeepSpeed's CPU Adam: under ZeRO-Offload on a GPU, where the step
     runs on the CPU over fp32 partitions and DeepSpeed's vectorised, multi-threaded Adam is what makes
     offload usable (OpenRLHF's `--adam_offload` chooses it too). It is built on first use (a C++ compile:
-    ~65 s on 2 cores, once per machine, cached in ~/.cache/torch_extensions). On a CPU-only run offload
-    moves nothing, and torch's AdamW steps without a build."""
+    ~65 s on 2 cores), then cached in TORCH_EXTENSIONS_DIR: inside the virtual environment for a local Ray
+    (alignflow/cluster.py), torch's ~/.cache/torch_extensions on a cluster's nodes. On a CPU-only run
+    offload moves nothing, and torch's AdamW steps without a build."""
     return offload != "none" and device.type == "cuda"
 
 
