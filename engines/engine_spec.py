@@ -118,7 +118,7 @@ class EngineSpec:
             "gradient_accumulation_steps": 1,
             "gradient_clipping": self.grad_clip,
             "zero_optimization": zero,
-            # Offloaded on the CPU, the optimizer is torch's AdamW (`make_optimizer`), which DeepSpeed must accept.
+            # On a CPU-only run the offloaded optimizer is torch's AdamW (`make_optimizer`), which DeepSpeed would refuse.
             **({"zero_force_ds_cpu_optimizer": False} if self.offload != "none" else {}),
             "bf16": {"enabled": self.dtype == "bfloat16"},
             "fp16": {"enabled": self.dtype == "float16"},
