@@ -336,10 +336,10 @@ def test_evaluation_scorers_on_gpu(ray_gpu, gpu_model, gpu_reward_model, gpu_tok
 
 def test_engine_host_builds_and_frees_engines_on_gpu(ray_gpu, tmp_path_factory):
     """evaluation.engine_lifetime: run on a GPU: engines built one after another in one process, each
-    on the GPU and gone after its call. What stays allocated is torch's cuBLAS workspace (32 MiB per
-    stream on Hopper, kept for the process's next matmul, whatever the model), the same after every
-    engine; without it, less than half a model. The model (31 MB in bf16) outweighs what else a CUDA
-    process keeps."""
+    on the GPU and gone after its call. What stays allocated is the same after every engine: mostly
+    torch's cuBLAS workspace (32 MiB per stream on Hopper, kept for the process's next matmul, whatever
+    the model; an H200 showed 33 MiB in all). With the workspaces cleared, less than half a model stays:
+    the model (31 MB in bf16) is chosen to outweigh the rest of what a CUDA process keeps."""
     import ray
 
     from alignflow.config import TinyModelConfig
