@@ -186,8 +186,9 @@ def test_an_offloaded_optimizer_on_a_gpu_is_deepspeeds_cpu_adam(offload, device,
 
     assert steps_with_cpu_adam(offload, torch.device(device)) is cpu_adam
     if not cpu_adam:  # (building DeepSpeed's CPU Adam takes a minute: tests/gpu makes one on a GPU)
-        spec = EngineSpec(model_path="/m", kind="causal", learning_rate=0.1, weight_decay=0.05, warmup_steps=0,
-                          total_steps=1, zero_stage=2, global_batch=1, grad_clip=1.0, seed=0, offload=offload)
+        cfg = EngineConfig(zero_stage=2, offload=offload, learning_rate=0.1, weight_decay=0.05)
+        spec = EngineSpec.from_config(cfg, model_path="/m", kind="causal", total_steps=1, global_batch=1,
+                                      dtype="float32", torch_threads=1, seed=0)
         opt = make_optimizer([torch.nn.Parameter(torch.ones(2))], spec, torch.device(device))
         assert type(opt) is torch.optim.AdamW and opt.defaults["weight_decay"] == 0.05 and opt.defaults["lr"] == 0.1
 
