@@ -40,6 +40,7 @@ from .kl import (
     FixedKLController,
     kl_estimate,
     kl_penalized_rewards,
+    sequence_k1,
 )
 from .masked import (
     last_valid_index,
@@ -123,6 +124,7 @@ __all__ = [
     "ppo_policy_loss",
     "register_advantage_estimator",
     "rollout_importance_weights",
+    "sequence_k1",
     "sequence_logprobs",
     "sequence_scores",
     "truncation_penalty",

@@ -53,6 +53,21 @@ def kl_estimate(
     return torch.expm1(-d) + d
 
 
+def sequence_k1(logprobs: Tensor, ref_logprobs: Tensor, action_mask: Tensor) -> Tensor:
+    """The sampled (k1) KL of each response to the reference, summed over its tokens.
+
+    Formula: ``kl_i = sum_t m_it * (logprobs_it - ref_logprobs_it)`` (:func:`kl_estimate`, ``kind="k1"``,
+    masked by ``action_mask`` m): a Monte-Carlo estimate of the sequence-level KL(pi || pi_ref),
+    the figure a KL budget and the ``sequence_kl`` metric read.
+
+    Shapes: ``logprobs``, ``ref_logprobs`` and ``action_mask`` ``(B, T)``; returns ``(B,)``.
+
+    Reference: J. Schulman, 2020, "Approximating KL Divergence"; the sequence KL of RLHF as in
+    Ouyang et al. 2022, arXiv 2203.02155.
+    """
+    return kl_estimate(logprobs, ref_logprobs, kind="k1").mul(action_mask).sum(-1)
+
+
 def kl_penalized_rewards(
     sequence_rewards: Tensor,
     logprobs: Tensor,

@@ -17,7 +17,7 @@ An RL round reads its algorithm's spec and never branches on the name:
   aggregation, the clip range of the surrogate, and whether group
   advantages are divided by the group std (`group_std_norm`; None: the
   estimator has no group std to switch); a round's config may override each.
-- `policy_loss`: the surrogate (engines/objectives.py `POLICY_LOSSES`):
+- `policy_loss`: the surrogate (engines/train/objectives.py `POLICY_LOSSES`):
   "ppo_clip" (token ratios) or "gspo_clip" (sequence ratios).
 
 Adding an algorithm is one `register_algorithm` entry here, plus its math in

@@ -20,7 +20,7 @@ PROCESS_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
     # The first logprobs request would otherwise JIT-compile for 12-15 s. A GPU engine's process drops
-    # it again: there vLLM compiles and captures CUDA graphs (engines/rollout_actors.py).
+    # it again: there vLLM compiles and captures CUDA graphs (engines/rollout/actors.py).
     "TORCH_COMPILE_DISABLE": "1",
     "TOKENIZERS_PARALLELISM": "false",
     "VLLM_LOGGING_LEVEL": "WARNING",
@@ -89,7 +89,7 @@ def loopback_only() -> None:
 def loopback_env() -> dict[str, str]:
     """A local Ray's torch.distributed traffic kept on the loopback interface: gloo's connections and NCCL's
     bootstrap listen on the interface these name, by default the one the host name resolves to (often the
-    LAN's). The groups' stores bind their own address (engines/rendezvous.py)."""
+    LAN's). The groups' stores bind their own address (engines/placement/rendezvous.py)."""
     import psutil
 
     name = next((n for n, addrs in psutil.net_if_addrs().items() if any(a.address == "127.0.0.1" for a in addrs)),

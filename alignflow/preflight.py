@@ -175,7 +175,7 @@ def _lengths(cfg: PipelineConfig, positions: int, found: Findings) -> None:
 
 
 def _callable(field: str, path: str, found: Findings) -> None:
-    """`module:function` imports and is callable (as engines/rewards.py load_callable loads it)."""
+    """`module:function` imports and is callable (as engines/rl/rewards.py load_callable loads it)."""
     module, _, name = path.partition(":")
     if not name:
         return found.fail(field, f"{path!r} must be 'module:function'")
@@ -187,7 +187,7 @@ def _callable(field: str, path: str, found: Findings) -> None:
 
 
 def _remote(field: str, url: str, timeout_s: float, found: Findings) -> None:
-    """One request in engines/rewards.py RemoteReward's protocol (POST prompts/responses/answers -> rewards)."""
+    """One request in engines/rl/rewards.py RemoteReward's protocol (POST prompts/responses/answers -> rewards)."""
     body = json.dumps({"prompts": ["preflight"], "responses": ["preflight"], "answers": [None]}).encode()
     request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
     try:

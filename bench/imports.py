@@ -4,7 +4,7 @@
     .venv/bin/python bench/imports.py --runs 9
 
 Each measurement is a fresh interpreter importing what a process of that kind imports: a trainer
-(engines.trainer: torch, transformers' model code, DeepSpeed's hooks, Ray) and a rollout engine
+(engines.train.worker: torch, transformers' model code, DeepSpeed's hooks, Ray) and a rollout engine
 (prepare_engine_process, then vLLM). `as shipped` is the code as it is (transformers told scikit-learn
 is absent, engines/lean_imports.py); `with sklearn` first imports the transformers module that pulls
 scikit-learn in, which is how every process started before. Variants alternate, order reversed every
@@ -23,8 +23,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PROCESSES = {
-    "trainer": "import engines.trainer",
-    "rollout engine": "from engines.rollout_actors import prepare_engine_process; prepare_engine_process(2, None); "
+    "trainer": "import engines.train.worker",
+    "rollout engine": "from engines.rollout.actors import prepare_engine_process; prepare_engine_process(2, None); "
                       "from vllm import LLM",
 }
 VARIANTS = {"with sklearn": "import transformers.generation.candidate_generator", "as shipped": ""}

@@ -48,10 +48,10 @@ def cpu_times() -> dict[int, tuple[float, float]]:
 
 def scored_work(batch: dict) -> tuple[float, float]:
     """(tokens, attended (query, key) pairs) that scoring or training this batch runs: every row's
-    tokens, or, where engines/shared_prefix.py shares the prompts, each group's prompt once (but
+    tokens, or, where engines/train/shared_prefix.py shares the prompts, each group's prompt once (but
     its last token) and each row's remainder."""
     try:
-        from engines import shared_prefix
+        from engines.train import shared_prefix
     except ImportError:  # a tree compared against (--against) from before shared prompts
         shared_prefix = None
 

@@ -67,9 +67,9 @@ def main() -> None:
 
     import torch
 
-    from engines.objectives import causal_lm_objective
-    from engines.packed_objectives import packed_causal_lm_objective
-    from engines.packing import pack_batch
+    from engines.train.objectives import causal_lm_objective
+    from engines.train.packed_objectives import packed_causal_lm_objective
+    from engines.train.packing import pack_batch
 
     torch.set_num_threads(args.threads)
     model = build(args)

@@ -70,8 +70,8 @@ def worker(args) -> dict:
     from alignflow.config import InfraConfig, RoundConfig, SyntheticTaskConfig, load_config
     from alignflow.data import synthetic
     from engines import models
-    from engines.rl import RLRound
-    from engines.round_models import RoundSetup
+    from engines.rl.round import RLRound
+    from engines.rl.round_models import RoundSetup
 
     peak = matmul_peak_gflops(2)
     ray.init(**ray_init_kwargs(infra_config(InfraConfig)))

@@ -64,10 +64,10 @@ def worker(args) -> dict:
 
     from alignflow.cluster import ray_init_kwargs
     from alignflow.config import GenerationConfig, InfraConfig
-    from engines.round_models import RoundModels
-    from engines.rollout_actors import start_engines
-    from engines.engine_spec import EngineSpec
-    from engines.trainer_group import TrainerGroup
+    from engines.rl.round_models import RoundModels
+    from engines.rollout.actors import start_engines
+    from engines.train.group import TrainerGroup
+    from engines.train.spec import EngineSpec
 
     ray.init(**ray_init_kwargs(InfraConfig(ray_num_cpus=4)))
     results = {}

@@ -141,7 +141,7 @@ def minibatches(n_rows: int, size: int, *, epochs: int, generator: torch.Generat
     The shuffle picks which rows a chunk holds; within it they keep the batch's
     order (ascending). A batch lists each prompt's samples together, and so do
     its chunks, their shards and micro-batches: the shared-prefix forward
-    (engines/shared_prefix.py) runs each prompt once per micro-batch, not once
+    (engines/train/shared_prefix.py) runs each prompt once per micro-batch, not once
     per sample scattered into it. On issue 14's work (4 micro-batches of 256
     rows), shuffled micro-batches held 24-31 prompts each, in order 6-10, and
     the actor's step on one core took 3.95 s shuffled, 3.38 s in order.

@@ -96,7 +96,7 @@ def pin_frozen_output_layer(module: torch.nn.Module, zero_stage: int) -> None:
     """ZeRO-3 with LoRA: keep the frozen output layer gathered after its forward (DeepSpeed's
     `is_external_param`; it is released again with every parameter at the step).
 
-    engines/logits.py runs the output layer in chunks under a non-reentrant activation checkpoint.
+    engines/train/logits.py runs the output layer in chunks under a non-reentrant activation checkpoint.
     A frozen weight is saved there by reference, not detached, so by recomputation time ZeRO-3 has
     released it (shape [0]) and torch's metadata check fails; a trainable weight is saved detached
     and keeps its storage. Pinned, the weight costs its full size on every rank during the step."""

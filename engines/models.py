@@ -187,25 +187,6 @@ def partitioned_loading(ds_config: dict[str, Any] | None) -> Iterator[None]:
         del active
 
 
-def load_trainable(spec, pad_token_id: int | None, ds_config: dict[str, Any] | None = None) -> torch.nn.Module:
-    """The model a training engine wraps (`spec`: engines/engine_spec.EngineSpec): the policy or the
-    scalar model, gradient checkpointing when asked, and LoRA adapters over it when `spec.lora`; under
-    ZeRO-3 (`ds_config`, the engine's DeepSpeed config) partitioned as it loads (`partitioned_loading`)."""
-    with partitioned_loading(ds_config):
-        if spec.kind == "causal":
-            model = load_policy(spec.model_path, spec.dtype, spec.attn_implementation)
-        else:
-            model = load_scalar_model(spec.model_path, spec.dtype, pad_token_id, spec.attn_implementation)
-    if spec.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.config.use_cache = False
-    if spec.lora is not None:
-        from engines import lora
-
-        model = lora.apply(model, spec.lora, spec.kind)
-    return model
-
-
 def _whole(params: list[torch.nn.Parameter]):
     """Parameters partitioned as they loaded (`partitioned_loading`) gathered whole, and written back from
     rank 0 on leaving; other parameters as they are (and scorers, which never partition, never import

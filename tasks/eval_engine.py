@@ -1,7 +1,7 @@
 """Where a policy evaluation's rollout engine runs: the run's engine host, or a process of its own.
 
 Where `evaluation.keeps_engine` holds (engine_lifetime `run`, or `auto` with
-no GPU for the engine), the flow starts one EngineHost (engines/engine_host.py)
+no GPU for the engine), the flow starts one EngineHost (engines/rollout/host.py)
 for the run before the first stage, if any policy evaluation will compute:
 it loads vLLM while SFT trains, and each evaluation builds its engine in it.
 It is a named Ray actor owned by the flow's process, so it ends with the flow
@@ -41,8 +41,8 @@ def engine_host(plan: Plan, ctx: RunContext) -> Iterator[RunContext]:
         return
     import ray
 
-    from engines.devices import actor_options
-    from engines.engine_host import EngineHost
+    from engines.placement.devices import actor_options
+    from engines.rollout.host import EngineHost
 
     g, name = todo[0].config.evaluation.generation, host_name(ctx)
     opts = actor_options(g.placement.num_cpus, g.placement.num_gpus, None, g.placement.resources)
@@ -72,7 +72,7 @@ def generate(stage: str, g: GenerationConfig, ctx: RunContext, policy: ArtifactR
     own (gone once they are back)."""
     import ray
 
-    from engines.rollout_actors import start_engines
+    from engines.rollout.actors import start_engines
 
     host = _find_host(ctx.engine_host, stage) if ctx.engine_host else None
     if host is not None:

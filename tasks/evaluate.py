@@ -23,10 +23,11 @@ from alignflow.artifacts import ArtifactRef
 from alignflow.cluster import ensure_ray
 from alignflow.config import EvalConfig, Placement
 from alignflow.records import StageResult
-from engines import batches, experience, models
-from engines.rewards import load_callable
-from engines.rollout import Sampling
-from engines.scoring import scoring
+from engines import batches, models
+from engines.rl import experience
+from engines.rl.rewards import load_callable
+from engines.rl.scoring import scoring
+from engines.rollout.base import Sampling
 from tasks import eval_engine
 from tasks.context import RunContext, StageOutput, compute_stage
 from tasks.data import load_split, token_limits

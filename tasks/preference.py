@@ -17,9 +17,10 @@ import torch
 from alignflow.config.preference import DPO_LOSS_TYPE
 from alignflow.records import StageResult
 from alignflow.cluster import ensure_ray
-from engines import models, objectives
-from engines import preference as pref
-from engines.scoring import scoring
+from engines import models
+from engines.rl.scoring import scoring
+from engines.train import objectives
+from engines.train import preference as pref
 from tasks.context import RunContext, StageOutput, compute_stage
 from tasks.data import TokenLimits, load_split, token_limits
 from tasks.plan import PlannedStage
@@ -31,7 +32,7 @@ log = logging.getLogger("alignflow")
 
 
 def preference_reference(stage: PlannedStage, inputs: PreferenceReferenceInputs, ctx: RunContext) -> StageResult:
-    """log π_ref(y | x) of the 2N `main` rows and the 2N `kl` rows (engines/preference.py), float32."""
+    """log π_ref(y | x) of the 2N `main` rows and the 2N `kl` rows (engines/train/preference.py), float32."""
     cfg: PreferenceReferenceStage = stage.config
 
     def compute(output: StageOutput, run) -> dict[str, float]:

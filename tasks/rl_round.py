@@ -11,8 +11,8 @@ from __future__ import annotations
 from alignflow.cluster import ensure_ray
 from alignflow.records import StageResult
 from engines import batches, models
-from engines.rl import RLRound
-from engines.round_models import RoundSetup
+from engines.rl.round import RLRound
+from engines.rl.round_models import RoundSetup
 from tasks.checkpoints import StageCheckpoints
 from tasks.context import RunContext, StageOutput, compute_stage
 from tasks.data import load_split, token_limits

@@ -15,10 +15,11 @@ from collections.abc import Callable
 from alignflow.cluster import ensure_ray
 from alignflow.records import StageResult
 from alignflow.seeds import derive_seed
-from engines import batches, models, objectives, packed_objectives, supervised
-from engines.engine_spec import EngineSpec
-from engines.packing import check_fits
-from engines.trainer_group import TrainerGroup
+from engines import batches, models
+from engines.train import objectives, packed_objectives, supervised
+from engines.train.group import TrainerGroup
+from engines.train.packing import check_fits
+from engines.train.spec import EngineSpec
 from tasks.checkpoints import StageCheckpoints
 from tasks.context import RunContext, StageOutput, compute_stage
 from tasks.data import load_split, token_limits
@@ -29,7 +30,7 @@ from tasks.registry import PreferenceInputs, PreferenceStage, RewardModelStage, 
 def train_stage(stage: PlannedStage, inputs: TrainInputs | PreferenceInputs, ctx: RunContext, *, kind: str,
                 split: str, objective: Callable, weigh: Callable, paired: bool, to_tensors: Callable) -> StageResult:
     """`to_tensors(tokenizer, records, TokenLimits) -> (tensors, LengthReport)`: the split as training rows
-    (pairs: chosen rows, then rejected rows); `weigh`: what `objective` averages over (engines/objectives)."""
+    (pairs: chosen rows, then rejected rows); `weigh`: what `objective` averages over (engines/train/objectives.py)."""
     cfg: SFTStage | RewardModelStage | PreferenceStage = stage.config
     train, io = cfg.train, cfg.io
     storage = ctx.storage()

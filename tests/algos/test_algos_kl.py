@@ -10,6 +10,7 @@ from algos.kl import (
     FixedKLController,
     kl_estimate,
     kl_penalized_rewards,
+    sequence_k1,
 )
 
 G = 1e6
@@ -131,3 +132,15 @@ def test_adaptive_controller_validates():
         AdaptiveKLController(0.1, target=0.0, horizon=10)
     with pytest.raises(ValueError):
         AdaptiveKLController(0.1, target=1.0, horizon=0)
+
+
+def test_sequence_k1_sums_the_masked_log_ratio_per_row():
+    lp = [[-1.0, -0.5, -2.0, -0.1], [-0.2, -3.0, -1.0, -1.0]]
+    ref = [[-1.5, 0.5, -4.0, -0.1], [-0.7, -1.0, -1.0, -9.0]]
+    mask = [[1, 1, 1, 0], [1, 1, 0, 0]]
+    expected = [sum(m * (a - b) for a, b, m in zip(*row)) for row in zip(lp, ref, mask)]
+    out = sequence_k1(torch.tensor(lp, dtype=torch.float64), torch.tensor(ref, dtype=torch.float64),
+                      torch.tensor(mask, dtype=torch.float64))
+    assert out.shape == (2,)
+    assert out.tolist() == pytest.approx(expected, abs=1e-12)
+    assert expected == pytest.approx([1.5, -1.5])  # 0.5 - 1.0 + 2.0 (the last token masked); 0.5 - 2.0

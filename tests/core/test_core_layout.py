@@ -33,8 +33,8 @@ def _imports(path: Path) -> set[str]:
 
 def test_every_algorithm_spec_names_existing_math():
     import algos
-    from engines.objectives import POLICY_LOSSES
-    from engines.updates import UPDATES
+    from engines.rl.updates import UPDATES
+    from engines.train.objectives import POLICY_LOSSES
 
     for spec in ALGORITHMS.values():
         assert spec.update in UPDATES, spec.name
@@ -52,7 +52,7 @@ def test_no_branch_on_an_algorithm_name_outside_the_registry():
     names = set(ALGORITHMS)
     found = []
     for path in SOURCES:
-        if path.parts[-2] not in ("flows", "tasks", "engines"):
+        if path.relative_to(REPO).parts[0] not in ("flows", "tasks", "engines"):  # engines/ with its rooms
             continue
         for node in ast.walk(_tree(path)):
             if isinstance(node, ast.Compare):
@@ -61,6 +61,96 @@ def test_no_branch_on_an_algorithm_name_outside_the_registry():
                     if any(isinstance(c, ast.Constant) and c.value in names for c in consts):
                         found.append(f"{path.relative_to(REPO)}:{node.lineno}")
     assert not found, f"compares with an algorithm name: {found}"
+
+
+# engines/ by role: a room may import the rooms below it (and the shared files at engines/'s top level,
+# rank 0), never one beside or above it. train and rollout stand side by side: neither imports the other.
+ENGINE_ROOMS = {"placement": 1, "transport": 2, "train": 3, "rollout": 3, "rl": 4}
+
+
+def _engine_room(module: str) -> str | None:
+    """The room of an `engines` module ("" for the shared files at its top level), None outside engines/."""
+    parts = module.split(".")
+    if parts[0] != "engines":
+        return None
+    return parts[1] if len(parts) > 1 and parts[1] in ENGINE_ROOMS else ""
+
+
+def _engine_imports(path: Path) -> set[str]:
+    """Every `engines` module `path` imports, at the top or inside a function (`from engines.rl import
+    experience` imports engines.rl.experience)."""
+    names = set()
+    for node in ast.walk(_tree(path)):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            for a in node.names:
+                module = f"{node.module}.{a.name}"
+                names.add(module if (REPO / module.replace(".", "/")).with_suffix(".py").exists() else node.module)
+    return {n for n in names if _engine_room(n) is not None}
+
+
+ENGINE_SOURCES = [p for p in SOURCES if p.relative_to(REPO).parts[0] == "engines"]
+
+
+def _above_or_beside(own: str, modules: set[str]) -> list[str]:
+    """The modules of `modules` in a room that `own` (a room, or "" for the shared files) may not import."""
+    rank = ENGINE_ROOMS.get(own, 0)
+    return sorted(m for m in modules if _engine_room(m) != own and ENGINE_ROOMS.get(_engine_room(m), 0) >= rank)
+
+
+@pytest.mark.parametrize("path", ENGINE_SOURCES, ids=lambda p: p.relative_to(REPO).as_posix())
+def test_engine_rooms_import_only_the_rooms_below_them(path):
+    own = _engine_room(".".join(path.relative_to(REPO).with_suffix("").parts))
+    wrong = _above_or_beside(own, _engine_imports(path))
+    assert not wrong, f"{path.relative_to(REPO)} ({own or 'shared'}) imports {wrong}: a room beside or above it"
+
+
+def test_the_room_rule_refuses_arrows_up_and_sideways():
+    """The rule's control: what the old flat folder had (an objective importing experience making) fails."""
+    assert _above_or_beside("train", {"engines.rl.experience"}) == ["engines.rl.experience"]
+    assert _above_or_beside("train", {"engines.rollout.base", "engines.train.logits"}) == ["engines.rollout.base"]
+    assert _above_or_beside("", {"engines.placement.devices", "engines.lora"}) == ["engines.placement.devices"]
+    assert _above_or_beside("rl", {"engines.train.objectives", "engines.rollout.base", "engines.models",
+                                   "engines.transport.sync", "engines.placement.groups"}) == []
+    assert _engine_imports(REPO / "engines" / "rl" / "round.py") >= {"engines.rl.experience", "engines.models"}
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Import circles of `graph` (module -> modules it imports), each as the path that closes it."""
+    found, state = [], {}
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = "open"
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "open":
+                found.append(path[path.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt, path + [nxt])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    return found
+
+
+def test_no_import_circle_among_the_engines_modules():
+    """Lazy imports included: a circle through a function-level import is a circle all the same."""
+    graph = {".".join(p.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__"): _engine_imports(p)
+             for p in ENGINE_SOURCES}
+    assert _circles({"engines.models": {"engines.lora"}, "engines.lora": {"engines.models"}})  # the old one
+    assert not _circles(graph), _circles(graph)
+
+
+def test_each_engine_room_holds_at_most_a_dozen_modules():
+    """A room over a dozen files no longer says what belongs together: give it rooms of its own."""
+    for room in ENGINE_ROOMS:
+        modules = [p for p in (REPO / "engines" / room).glob("*.py") if p.name != "__init__.py"]
+        assert 0 < len(modules) <= 12, (room, len(modules))
+    assert (REPO / "engines" / "__init__.py").exists()
+    rooms = {p.name for p in (REPO / "engines").iterdir() if (p / "__init__.py").exists()}
+    assert rooms == set(ENGINE_ROOMS), f"engines/ has rooms {sorted(rooms)}; the rule above knows {sorted(ENGINE_ROOMS)}"
 
 
 def test_only_the_tracking_module_talks_to_mlflow():

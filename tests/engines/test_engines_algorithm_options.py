@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from alignflow.config import ConfigError, PPOConfig, RewardConfig, RolloutConfig, RoundConfig, load_config
-from engines import experience, objectives
-from engines.rollout import Rollout
-from engines.updates import kept_rows
+from engines.rl import experience
+from engines.rl.updates import kept_rows
+from engines.rollout.base import Rollout
+from engines.train import objectives
 
 
 def _round(algorithm: str, **fields) -> RoundConfig:

@@ -14,9 +14,9 @@ from alignflow.config import (ActorConfig, CriticConfig, EngineConfig, Generatio
                               RoundConfig, VLLMConfig)
 from alignflow.errors import InsufficientResourcesError
 from engines.batches import in_micro_batches, micro_batches
-from engines.devices import local_rank, placement_device, to_cpu, to_device
-from engines.rollout import vllm_engine_args
-from engines.round_models import colocated_bundles, gpu_share, round_resources
+from engines.placement.devices import local_rank, placement_device, to_cpu, to_device
+from engines.rl.round_models import colocated_bundles, gpu_share, round_resources
+from engines.rollout.vllm_engine import vllm_engine_args
 
 # ---- which device a placement gives -----------------------------------------------------
 
@@ -88,7 +88,7 @@ def test_a_gpu_engine_process_lets_vllm_compile(on_gpu, compile_disabled):
 
     from alignflow.cluster import PROCESS_ENV
 
-    code = ("import os; from engines.rollout_actors import prepare_engine_process\n"
+    code = ("import os; from engines.rollout.actors import prepare_engine_process\n"
             f"prepare_engine_process(1, None, on_gpu={on_gpu})\n"
             "print(os.environ.get('TORCH_COMPILE_DISABLE'))")
     out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2], capture_output=True,
@@ -100,7 +100,7 @@ def test_a_gpu_engine_process_lets_vllm_compile(on_gpu, compile_disabled):
 def test_a_vllm_build_serves_only_the_device_it_was_built_for():
     """A CUDA build placed on the CPU would take GPU 0 outside Ray's accounting (Ray leaves a GPU-less actor
     every GPU visible); a CPU build given a GPU cannot use it. Both are errors naming the field."""
-    from engines.rollout_actors import vllm_build_mismatch
+    from engines.rollout.actors import vllm_build_mismatch
 
     assert vllm_build_mismatch("cpu", True, on_gpu=False) is None
     assert vllm_build_mismatch("cuda", False, on_gpu=True) is None
@@ -111,7 +111,7 @@ def test_a_vllm_build_serves_only_the_device_it_was_built_for():
 
 def test_this_machines_vllm_build_refuses_a_gpu_placement(tiny_model):
     from alignflow.errors import ConfigError
-    from engines.rollout_actors import build_engine
+    from engines.rollout.actors import build_engine
 
     with pytest.raises(ConfigError, match="CPU build"):
         build_engine("vllm", str(tiny_model), on_gpu=True)
@@ -164,7 +164,7 @@ def test_offload_needs_zero(fields, words):
 
 
 def test_deepspeed_config_carries_offload_and_precision():
-    from engines.engine_spec import EngineSpec
+    from engines.train.spec import EngineSpec
 
     cfg = EngineConfig(zero_stage=3, offload="optimizer_and_params", micro_batch_size=4)
     spec = EngineSpec.from_config(cfg, model_path="/m", kind="causal", total_steps=10, global_batch=32,
@@ -182,7 +182,7 @@ def test_deepspeed_config_carries_offload_and_precision():
     ("optimizer", "cpu", False),  # nothing moves on a CPU run: torch's AdamW, no C++ build
 ])
 def test_an_offloaded_optimizer_on_a_gpu_is_deepspeeds_cpu_adam(offload, device, cpu_adam):
-    from engines.engine_spec import EngineSpec, make_optimizer, steps_with_cpu_adam
+    from engines.train.spec import EngineSpec, make_optimizer, steps_with_cpu_adam
 
     assert steps_with_cpu_adam(offload, torch.device(device)) is cpu_adam
     if not cpu_adam:  # (building DeepSpeed's CPU Adam takes a minute: tests/gpu makes one on a GPU)
@@ -228,8 +228,8 @@ def test_colocation_rejects_shapes_it_cannot_place(kw, words):
 
 
 def test_the_weight_transport_follows_where_the_processes_are():
-    from engines.weight_sync import choose_backend
-    from engines.weight_transport import WeightSyncError
+    from engines.transport.sync import choose_backend
+    from engines.transport.wire import WeightSyncError
 
     assert choose_backend([None], [[None]]) == "gloo"  # this machine
     assert choose_backend(["gpu-0"], [[None], [None]]) == "gloo"  # engines on CPUs: CPU buffers

@@ -7,9 +7,9 @@ import ray
 
 from alignflow.config import TinyModelConfig
 from engines import models
-from engines.engine_host import EngineHost
-from engines.rollout import Sampling
-from engines.rollout_actors import start_rollout_actor
+from engines.rollout.actors import start_rollout_actor
+from engines.rollout.base import Sampling
+from engines.rollout.host import EngineHost
 
 pytestmark = pytest.mark.engine
 

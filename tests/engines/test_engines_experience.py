@@ -1,4 +1,4 @@
-"""Experience making as pure functions (engines/experience.py), on CPU tensors, without Ray.
+"""Experience making as pure functions (engines/rl/experience.py), on CPU tensors, without Ray.
 
 Expected values are computed here in plain Python from the formulas in the
 docstrings, never by calling the `algos` functions the code uses.
@@ -12,8 +12,8 @@ import math
 import pytest
 import torch
 
-from engines import experience
-from engines.rollout import Rollout
+from engines.rl import experience
+from engines.rollout.base import Rollout
 
 PAD = 0
 

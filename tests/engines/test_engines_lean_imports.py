@@ -19,7 +19,7 @@ def _run(code: str) -> dict:
 
 def test_a_trainer_process_loads_model_code_without_sklearn_and_sklearn_still_imports():
     got = _run("import sys, json\n"
-               "import engines.trainer\n"
+               "import engines.train.worker\n"
                "from transformers import PreTrainedModel\n"
                "import transformers.generation.candidate_generator as cg\n"
                "before = 'sklearn' in sys.modules\n"
@@ -31,7 +31,7 @@ def test_a_trainer_process_loads_model_code_without_sklearn_and_sklearn_still_im
 
 def test_a_rollout_engine_process_loads_vllm_without_sklearn():
     got = _run("import sys, json\n"
-               "from engines.rollout_actors import prepare_engine_process\n"
+               "from engines.rollout.actors import prepare_engine_process\n"
                "prepare_engine_process(1, None)\n"
                "from vllm import LLM\n"
                "import transformers.generation.candidate_generator\n"

@@ -1,4 +1,4 @@
-"""Logits only where they are used (engines/logits.py), against the full-vocabulary computation.
+"""Logits only where they are used (engines/train/logits.py), against the full-vocabulary computation.
 
 The reference values come from the model's own full logits (every position, every
 vocabulary entry) through `algos.sequence.shifted_logprobs` and `entropy_from_logits`,
@@ -26,8 +26,8 @@ def model(tiny_model):
 @pytest.fixture(scope="module")
 def batch():
     """Two rollouts of different prompt and response lengths, right-padded as experience making pads them."""
-    from engines.experience import from_rollouts
-    from engines.rollout import Rollout
+    from engines.rl.experience import from_rollouts
+    from engines.rollout.base import Rollout
 
     exp = from_rollouts([Rollout(0, [5, 6, 7, 8], [11, 12, 13, 40], "", [0.0] * 4, True),
                          Rollout(1, [9, 10], [14, 15], "", [0.0] * 2, True)], pad_id=0)
@@ -55,7 +55,7 @@ def _grads(model) -> dict[str, torch.Tensor]:
 def test_response_logprobs_and_grads_match_full_logits(model, batch, chunk_elements, keep_elements, monkeypatch):
     from torch.utils.checkpoint import checkpoint
 
-    from engines import logits as logits_mod
+    from engines.train import logits as logits_mod
 
     monkeypatch.setattr(logits_mod, "CHUNK_ELEMENTS", chunk_elements)
     monkeypatch.setattr(logits_mod, "KEEP_ELEMENTS", keep_elements)
@@ -81,7 +81,7 @@ def test_response_logprobs_and_grads_match_full_logits(model, batch, chunk_eleme
 
 
 def test_sft_logprobs_match_full_logits(model, batch):
-    from engines.logits import masked_next_token_logprobs
+    from engines.train.logits import masked_next_token_logprobs
 
     loss_mask = torch.zeros_like(batch["input_ids"])
     loss_mask[0, 5:8] = 1
@@ -96,7 +96,7 @@ def test_sft_logprobs_match_full_logits(model, batch):
 def test_the_output_layer_never_sees_every_position(model, batch):
     """The output layer runs on one position per row (the model's own forward) and on the
     response tokens, never on the (B, L) grid."""
-    from engines.logits import response_logprobs_and_entropy
+    from engines.train.logits import response_logprobs_and_entropy
 
     seen = []
     hook = model.get_output_embeddings().register_forward_hook(lambda m, inp, out: seen.append(tuple(inp[0].shape)))
@@ -114,7 +114,7 @@ def test_the_output_layer_never_sees_every_position(model, batch):
 def test_on_policy_objective_equals_the_one_given_old_logprobs(model, batch):
     """One optimizer step per batch: the policy loss with old = this forward's detached logprobs
     equals the loss given those logprobs from a separate forward, in value and gradient."""
-    from engines.objectives import policy_objective, response_logprobs
+    from engines.train.objectives import policy_objective, response_logprobs
 
     with torch.no_grad():
         old = response_logprobs(model, batch)
@@ -144,7 +144,7 @@ def test_a_micro_batch_without_a_wanted_token_gives_a_zero_loss_with_a_gradient(
     output layer, so the loss backpropagates zeros instead of failing ("does not require grad")."""
     import functools
 
-    from engines import objectives
+    from engines.train import objectives
 
     empty = {**batch, "action_mask": torch.zeros_like(batch["action_mask"]),
              "advantages": torch.zeros(batch["action_mask"].shape)}

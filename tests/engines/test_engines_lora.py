@@ -20,10 +20,11 @@ from alignflow.config import SyntheticTaskConfig
 from alignflow.config.base import EngineConfig, LoraConfig
 from alignflow.data import synthetic
 from alignflow.errors import ConfigError
-from engines import batches, objectives
-from engines.engine_spec import EngineSpec
-from engines.supervised import plan
-from engines.trainer_group import TrainerGroup
+from engines import batches
+from engines.train import objectives
+from engines.train.group import TrainerGroup
+from engines.train.spec import EngineSpec
+from engines.train.supervised import plan
 
 pytestmark = pytest.mark.engine
 
@@ -72,7 +73,7 @@ def _logits(model, batch):
 
 def _response_logps(model, batch):
     """log π(response | prompt) of each row: (B,)."""
-    from engines.logits import masked_next_token_logprobs
+    from engines.train.logits import masked_next_token_logprobs
 
     return masked_next_token_logprobs(model, batch, batch["loss_mask"]).sum(-1)
 
@@ -152,7 +153,7 @@ def test_adapters_disabled_is_the_base_model(lora_run, tiny_model, sft_data):
 
 
 def test_resume_restores_the_adapter_exactly(lora_run, tiny_model, sft_data, tmp_path):
-    from engines.state import load_state
+    from engines.train.state import load_state
 
     group, _ = lora_run
     group.save_state(str(tmp_path), {"step": STEPS})
@@ -246,10 +247,10 @@ def _streams_merged_weights(group, tiny_model, probe) -> None:
     computes."""
     import ray
 
-    from engines.experience import from_rollouts
-    from engines.rollout import Sampling
-    from engines.rollout_actors import RolloutEngines, start_rollout_actor
-    from engines.weight_sync import WeightSync
+    from engines.rl.experience import from_rollouts
+    from engines.rollout.actors import RolloutEngines, start_rollout_actor
+    from engines.rollout.base import Sampling
+    from engines.transport.sync import WeightSync
 
     engine = start_rollout_actor("hf", str(tiny_model), num_cpus=0, torch_threads=1)
     try:

@@ -43,10 +43,10 @@ def _one_step(tiny_model, batch, workers: int = 1, weigh=None, objective=None,
     from alignflow.config import EngineConfig
     from safetensors.torch import load
 
-    from engines import objectives
     from engines.batches import shard
-    from engines.engine_spec import EngineSpec
-    from engines.trainer_group import TrainerGroup
+    from engines.train import objectives
+    from engines.train.group import TrainerGroup
+    from engines.train.spec import EngineSpec
 
     cfg = EngineConfig(learning_rate=LR, warmup_steps=0, **engine)
     spec = EngineSpec.from_config(cfg, model_path=str(tiny_model), kind="causal", total_steps=10, global_batch=8,
@@ -61,7 +61,7 @@ def _one_step(tiny_model, batch, workers: int = 1, weigh=None, objective=None,
 
 
 def test_micro_batches_and_checkpointing_match_one_batch(ray_local, tiny_model, sft_batch):
-    from engines.weight_transport import checkpoint_shapes
+    from engines.transport.wire import checkpoint_shapes
 
     whole, m_whole = _one_step(tiny_model, sft_batch)
     before = checkpoint_shapes(str(tiny_model))
@@ -86,7 +86,7 @@ def test_micro_batches_and_checkpointing_match_one_batch(ray_local, tiny_model, 
         assert metrics["grad_norm"] == pytest.approx(m_whole["grad_norm"], rel=1e-4), name
     # Weighed by rows, as if the loss were a mean over rows, the micro-batches' token means are mixed in
     # the wrong proportions: the step is not the whole batch's.
-    from engines import objectives
+    from engines.train import objectives
 
     _, by_rows = _one_step(tiny_model, sft_batch, weigh=objectives.per_row, micro_batch_size=3)
     assert abs(by_rows["loss"] - m_whole["loss"]) > 1e-4
@@ -105,7 +105,7 @@ def kto_batch(tiny_model, tokenizer):
     from alignflow.config import SyntheticTaskConfig
     from alignflow.data import synthetic
     from engines.models import load_policy
-    from engines.preference import preference_tensors, sequence_logps
+    from engines.train.preference import preference_tensors, sequence_logps
 
     data = synthetic.generate(SyntheticTaskConfig(num_sft=1, num_preference=4, num_eval=1, num_rl_prompts=1), seed=0)
     rows = preference_tensors(tokenizer, data["preference"], 64, 16)
@@ -119,10 +119,10 @@ def kto_batch(tiny_model, tokenizer):
 
 
 def test_kto_in_micro_batches_on_two_ranks_takes_the_whole_steps_reference_point(ray_local, tiny_model, kto_batch):
-    from engines import objectives
     from engines.batches import micro_batches
     from engines.models import load_policy
-    from engines.preference import KTOObjective, kto_reference_point, sequence_logps
+    from engines.train import objectives
+    from engines.train.preference import KTOObjective, kto_reference_point, sequence_logps
 
     objective = KTOObjective(beta=1.0, desirable_weight=1.0, undesirable_weight=1.5)
     whole, m_whole = _one_step(tiny_model, kto_batch, objective=objective, weigh=objectives.per_row)
@@ -148,9 +148,9 @@ def test_tied_embeddings_take_a_weight_update_in_the_hf_backend(tmp_path, sft_ba
     from alignflow.config import TinyModelConfig
     from alignflow.net import free_port
     from engines.models import build_tiny_model, load_policy, weight_shapes
-    from engines.hf_engine import HFEngine
-    from engines.rollout import Sampling
-    from engines.weight_transport import TransportGroup, pack, plan_buckets, send_buckets
+    from engines.rollout.base import Sampling
+    from engines.rollout.hf_engine import HFEngine
+    from engines.transport.wire import TransportGroup, pack, plan_buckets, send_buckets
 
     path = build_tiny_model(TinyModelConfig(tie_word_embeddings=True), seed=0, out_dir=tmp_path / "tied")
     trainer_side = load_policy(path)
@@ -205,9 +205,9 @@ def test_colocated_round_sleeps_engines_and_learns(ray_local, tiny_model, tokeni
     from alignflow.config import ActorConfig, PPOConfig, RewardConfig, RolloutConfig, RoundConfig, SyntheticTaskConfig
     from alignflow.data import synthetic
     from engines.batches import filter_prompts
-    from engines.objectives import response_logprobs
-    from engines.rl import RLRound
-    from engines.round_models import RoundSetup
+    from engines.rl.round import RLRound
+    from engines.rl.round_models import RoundSetup
+    from engines.train.objectives import response_logprobs
 
     data = synthetic.generate(SyntheticTaskConfig(num_sft=1, num_preference=1, num_eval=1, num_rl_prompts=16), seed=0)
     prompts, _ = filter_prompts(tokenizer, data["prompts"], 64, "prompts")

@@ -9,7 +9,7 @@ import torch
 
 from alignflow.errors import DataError
 from engines.batches import pad_right, right_padded
-from engines.packing import block_causal_mask, model_inputs, pack_batch, pack_rows
+from engines.train.packing import block_causal_mask, model_inputs, pack_batch, pack_rows
 
 # Four samples of 3, 5, 2, 4 tokens; token j of sample i is 10 * (i + 1) + j.
 LENGTHS = [3, 5, 2, 4]
@@ -111,8 +111,8 @@ def reward_model(tiny_model, tokenizer):
 
 @pytest.mark.parametrize("wider", [1, 3])
 def test_packed_sft_loss_and_gradients_equal_unpacked(policy, tokenizer, wider):
-    from engines.objectives import causal_lm_objective
-    from engines.packed_objectives import packed_causal_lm_objective
+    from engines.train.objectives import causal_lm_objective
+    from engines.train.packed_objectives import packed_causal_lm_objective
 
     batch = _batch(tokenizer)
     width = batch["input_ids"].shape[1]
@@ -136,8 +136,8 @@ def test_packed_sft_loss_and_gradients_equal_unpacked(policy, tokenizer, wider):
 
 
 def test_packed_token_and_sequence_logps_equal_unpacked(policy, tokenizer):
-    from engines.logits import masked_next_token_logprobs, scatter
-    from engines.packed_objectives import packed_sequence_logps, packed_token_logprobs
+    from engines.train.logits import masked_next_token_logprobs, scatter
+    from engines.train.packed_objectives import packed_sequence_logps, packed_token_logprobs
 
     batch = _batch(tokenizer, n=8, seed=2)
     width = batch["input_ids"].shape[1]
@@ -157,8 +157,8 @@ def test_packed_token_and_sequence_logps_equal_unpacked(policy, tokenizer):
 
 
 def test_packed_reward_scores_equal_unpacked(reward_model, tokenizer):
-    from engines.objectives import pairwise_objective, scalar_scores
-    from engines.packed_objectives import packed_pairwise_objective, packed_scalar_scores
+    from engines.train.objectives import pairwise_objective, scalar_scores
+    from engines.train.packed_objectives import packed_pairwise_objective, packed_scalar_scores
 
     batch = _batch(tokenizer, n=8, seed=3)
     batch.pop("loss_mask")  # as pair_tensors makes them
@@ -174,7 +174,7 @@ def test_packed_reward_scores_equal_unpacked(reward_model, tokenizer):
 
 
 def test_the_mask_blocks_attention_across_samples(policy, tokenizer):
-    from engines.packed_objectives import packed_hidden
+    from engines.train.packed_objectives import packed_hidden
 
     batch = _batch(tokenizer, n=6, seed=4)
     packed = pack_batch(batch, 2 * batch["input_ids"].shape[1])
@@ -199,7 +199,7 @@ def test_the_mask_blocks_attention_across_samples(policy, tokenizer):
 def test_rows_longer_than_the_packing_width_are_refused_before_training():
     """A row over packing_max_tokens fails the stage before the trainer group starts (during training, the
     rank that held it would fail alone while its peers wait), naming the field, the rows and the longest."""
-    from engines.packing import check_fits
+    from engines.train.packing import check_fits
 
     mask = lambda lengths: torch.tensor([[1] * n + [0] * (9 - n) for n in lengths])  # noqa: E731
     tensors = {"attention_mask": mask([3, 5, 9]), "kl_attention_mask": mask([4, 9, 2])}

@@ -1,5 +1,5 @@
 """`placement.cpu_cores`: each role's processes pinned to its cores, with a thread per core. Placement
-groups (engines/placement_groups.py): one the cluster can hold waits while others hold its resources;
+groups (engines/placement/groups.py): one the cluster can hold waits while others hold its resources;
 one no node can hold fails, naming it."""
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ def test_each_role_runs_on_its_cores_with_a_thread_per_core(ray_local, tiny_mode
     from alignflow.config import RoundConfig, SyntheticTaskConfig
     from alignflow.data import synthetic
     from engines.batches import filter_prompts
-    from engines.rl import RLRound
-    from engines.round_models import RoundSetup
+    from engines.rl.round import RLRound
+    from engines.rl.round_models import RoundSetup
 
     generate_on, train_on = [CORES[0]], [CORES[-1]]  # one core each (the same one on a 1-core machine)
     data = synthetic.generate(SyntheticTaskConfig(num_sft=1, num_preference=1, num_eval=1, num_rl_prompts=8), seed=0)
@@ -60,7 +60,7 @@ def test_each_role_runs_on_its_cores_with_a_thread_per_core(ray_local, tiny_mode
 def test_a_core_the_node_lacks_is_named(ray_local, tiny_model):
     import ray
 
-    from engines.scoring import start_scorer
+    from engines.rl.scoring import start_scorer
 
     scorer = start_scorer(str(tiny_model), None, dtype="float32", torch_threads=1, cpu_cores=[4096])
     with pytest.raises(Exception, match=r"placement.cpu_cores: cores \[4096\] are not available"):
@@ -69,7 +69,7 @@ def test_a_core_the_node_lacks_is_named(ray_local, tiny_model):
 
 
 def test_placement_fits_counts_nodes_and_the_strategy():
-    from engines.placement_groups import placement_fits
+    from engines.placement.groups import placement_fits
 
     two = [{"CPU": 8.0, "GPU": 1.0}, {"CPU": 8.0, "GPU": 1.0}]
     gpus = [{"CPU": 0.0, "GPU": 1.0}, {"CPU": 0.0, "GPU": 1.0}]
@@ -94,7 +94,7 @@ def test_a_busy_placement_group_waits_and_one_no_node_holds_fails(ray_local, cap
     from ray.util import placement_group, placement_group_table, remove_placement_group
 
     from alignflow.errors import InsufficientResourcesError
-    from engines.placement_groups import wait_placement_group
+    from engines.placement.groups import wait_placement_group
 
     cpus = ray.cluster_resources()["CPU"]
 
@@ -146,8 +146,8 @@ def test_a_trainer_groups_ranks_start_together_or_not_at_all(ray_local, tiny_mod
     from ray._private import state  # the GCS's actor table
     from ray.util import placement_group_table
 
-    from engines.engine_spec import EngineSpec
-    from engines.trainer_group import TrainerGroup
+    from engines.train.group import TrainerGroup
+    from engines.train.spec import EngineSpec
 
     def trainers() -> list[str]:
         return [a["State"] for a in state.actors().values() if a["ActorClassName"] == "TrainWorker"

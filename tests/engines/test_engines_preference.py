@@ -1,4 +1,4 @@
-"""The preference stage's rows and objectives (engines/preference.py) against sums and formulas done by hand."""
+"""The preference stage's rows and objectives (engines/train/preference.py) against sums and formulas done by hand."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engines.preference import dpo_objective, kto_objective, preference_tensors, sequence_logps
+from engines.train.preference import dpo_objective, kto_objective, preference_tensors, sequence_logps
 
 RECORDS = [
     {"prompt": "Which digit is largest? 1 5 3", "chosen": "5", "rejected": "1"},
@@ -163,7 +163,7 @@ def test_kto_objective_prepared_over_micro_batches_gives_the_whole_batchs_loss(p
     """KTOObjective.prepare takes z0 over every micro-batch; each micro-batch's loss against it, weighed by
     rows, adds up to the whole batch's loss. Against its own z0 (one row's), a micro-batch's loss differs."""
     from engines.batches import micro_batches
-    from engines.preference import KTOObjective
+    from engines.train.preference import KTOObjective
 
     rows = preference_tensors(tokenizer, RECORDS, 64, 8)
     with torch.no_grad():  # implicit rewards of 1-4 nats; z0 = 2.75, by pairs of rows 2.25, 3.5 and 2.5

@@ -6,7 +6,7 @@ idle workers, an actor) must be on 127.0.0.1 or ::1; anything else is named.
 The session also trains: two DeepSpeed ranks, whose group's store rank 0
 serves, and a weight update streamed into a rollout engine over a transport
 group whose store the trainer serves. torch's TCPStore listens on every
-interface unless it is handed a socket (engines/rendezvous.py).
+interface unless it is handed a socket (engines/placement/rendezvous.py).
 
 Ray runs in a subprocess of its own session, so it neither disturbs nor
 reuses a Ray of this test session, and the child imports `ray` before
@@ -53,10 +53,10 @@ pid = ray.get(actor.pid.remote())
 # transport's (the trainer serves its store; the engine joins it).
 from alignflow.config import EngineConfig, TinyModelConfig
 from engines.models import build_tiny_model
-from engines.rollout_actors import RolloutEngines, start_rollout_actor
-from engines.engine_spec import EngineSpec
-from engines.trainer_group import TrainerGroup
-from engines.weight_sync import WeightSync
+from engines.rollout.actors import RolloutEngines, start_rollout_actor
+from engines.train.group import TrainerGroup
+from engines.train.spec import EngineSpec
+from engines.transport.sync import WeightSync
 
 model = build_tiny_model(TinyModelConfig(hidden_size=32, num_layers=1, intermediate_size=64), seed=0,
                          out_dir=sys.argv[1])

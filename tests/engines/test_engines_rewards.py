@@ -15,7 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from engines.rewards import RemoteReward, RewardServiceError, RuleReward, ScoredText
+from engines.rl.rewards import RemoteReward, RewardServiceError, RuleReward, ScoredText
 
 ITEMS = [ScoredText("p1", "7", "7"), ScoredText("p2", "3", "9")]
 

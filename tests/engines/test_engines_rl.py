@@ -54,8 +54,8 @@ def prompts(tokenizer):
 
 
 def _start(cfg, tiny_model, prompts, reference=None):
-    from engines.rl import RLRound
-    from engines.round_models import RoundSetup
+    from engines.rl.round import RLRound
+    from engines.rl.round_models import RoundSetup
 
     path = str(tiny_model)
     return RLRound(cfg, RoundSetup(policy_path=path, reference_path=str(reference or path), reward_path=path,
@@ -69,7 +69,7 @@ def _row_sums(logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("algorithm", ["ppo", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline",
                                        "gspo"])
 def test_step_moves_policy_toward_advantage(ray_local, tiny_model, prompts, algorithm):
-    from engines.objectives import response_logprobs
+    from engines.train.objectives import response_logprobs
 
     rl = _start(_round(algorithm), tiny_model, prompts)
     try:
@@ -130,7 +130,7 @@ def test_rejection_sampling_trains_only_on_winners(ray_local, tiny_model, prompt
 
 
 def test_online_dpo_pairs_best_with_worst_and_widens_their_margin(ray_local, tiny_model, prompts):
-    from engines.objectives import response_logprobs
+    from engines.train.objectives import response_logprobs
 
     from alignflow.config import RoundConfig
 
@@ -167,7 +167,7 @@ def test_online_dpo_pairs_best_with_worst_and_widens_their_margin(ray_local, tin
 
 
 def test_only_a_lora_round_that_starts_from_its_reference_uses_the_actor_as_reference():
-    from engines.round_models import RoundSetup, reference_is_actor
+    from engines.rl.round_models import RoundSetup, reference_is_actor
 
     cfg = _round("grpo", kl=KLConfig(coef=0.05), actor={"lora": {"rank": 4}})
 
@@ -186,7 +186,7 @@ def test_a_lora_round_trains_adapters_against_its_own_frozen_base(ray_local, tin
     adapters disabled is the reference: the start policy's numbers), and the step still moves the
     policy toward the advantage."""
     from engines.models import load_policy
-    from engines.objectives import response_logprobs
+    from engines.train.objectives import response_logprobs
 
     lora = {"rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj"]}
     cfg = _round("grpo", kl=KLConfig(coef=0.05), actor={"learning_rate": 2e-2, "warmup_steps": 0, "lora": lora})
@@ -234,8 +234,8 @@ def test_round_state_restores_actor_and_engine(ray_local, tiny_model, prompts, t
         assert saved.keys() == restored.keys()
         assert all(torch.equal(saved[k], restored[k]) for k in saved)
         # The engine was synced on load: its sampled-token logprobs match the restored trainer.
-        from engines.experience import from_rollouts
-        from engines.objectives import response_logprobs
+        from engines.rl.experience import from_rollouts
+        from engines.train.objectives import response_logprobs
 
         picked = [prompts[i][0] for i in second.schedule.indices(2).tolist()]
         exp = from_rollouts(second.generate(picked), second.tokenizer.pad_token_id)
@@ -250,9 +250,9 @@ def test_async_rollouts_run_one_update_behind(ray_local, tiny_model, prompts):
     """With async_rollouts, step s+1's rollouts are sampled while step s trains, from the policy
     before step s's update; after each step's sync the engines hold the trained policy."""
     from alignflow.config import PPOConfig
-    from engines.experience import from_rollouts
     from engines.models import load_policy
-    from engines.objectives import response_logprobs
+    from engines.rl.experience import from_rollouts
+    from engines.train.objectives import response_logprobs
 
     rl = _start(_round("grpo", async_rollouts=True, ppo=PPOConfig(minibatch_size=32, epochs=1, tis_cap=2.0)),
                 tiny_model, prompts)
@@ -285,8 +285,8 @@ def test_async_rollouts_score_the_next_step_ahead(ray_local, tiny_model, tokeniz
     Two engines and two scorer actors: rows come back in the order the round pads them."""
     from alignflow.config import KLConfig, PPOConfig
     from engines import models
-    from engines.rl import RLRound
-    from engines.round_models import RoundSetup
+    from engines.rl.round import RLRound
+    from engines.rl.round_models import RoundSetup
 
     reward_model = models.load_scalar_model(tiny_model, pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(1)
@@ -321,7 +321,7 @@ def test_scorers_ahead_leave_out_an_actor_the_update_calls_itself():
     the reward model where it scores the rollouts; an actor the update calls itself mid-step (the
     reference of online DPO's chosen pairs) with nothing ahead, or that call would wait for the
     next step's generation."""
-    from engines.scoring import scorers_ahead
+    from engines.rl.scoring import scorers_ahead
 
     one, ref, rm = object(), object(), object()
     assert scorers_ahead(one, one, reference_on_batch=True, model_rewards=True) == {
@@ -339,7 +339,7 @@ def test_frozen_actor_steps_train_the_critic_alone(ray_local, tiny_model, prompt
     nothing is pushed); step 1 trains both and pushes. The actor's learning-rate schedule spans the
     steps that train it."""
     from alignflow.config import ActorConfig, CriticConfig
-    from engines.objectives import response_logprobs, token_values
+    from engines.train.objectives import response_logprobs, token_values
 
     cfg = _round("ppo", actor=ActorConfig(learning_rate=2e-3, warmup_steps=0, freeze_steps=1),
                  critic=CriticConfig(learning_rate=1e-3, warmup_steps=0, init="policy"))
@@ -388,7 +388,7 @@ def test_two_engines_and_separate_reference_and_reward(ray_local, tiny_model, pr
 
 def test_round_resources_count_every_actor():
     from alignflow.config import ActorConfig, KLConfig, Placement, RewardConfig, RolloutConfig
-    from engines.round_models import round_resources, uses_reference
+    from engines.rl.round_models import round_resources, uses_reference
 
     kl = KLConfig(coef=0.05)
     cfg = _round("ppo", num_rollout_engines=3, colocate_reference_and_reward=False, kl=kl,
@@ -412,8 +412,8 @@ def test_custom_resources_pin_actors_and_are_counted():
     """placement.resources: what a round asks the cluster for, and what each actor asks Ray for."""
     from alignflow.config import ActorConfig, KLConfig, Placement, RolloutConfig
     from alignflow.errors import ConfigError
-    from engines.devices import actor_options
-    from engines.round_models import colocated_bundles, round_resources
+    from engines.placement.devices import actor_options
+    from engines.rl.round_models import colocated_bundles, round_resources
 
     pinned = _round("grpo", colocate_reference_and_reward=False, kl=KLConfig(coef=0.05),
                     actor=ActorConfig(num_workers=2, placement=Placement(resources={"big_node": 0.5})),
@@ -427,7 +427,7 @@ def test_custom_resources_pin_actors_and_are_counted():
     assert "resources" not in actor_options(1.0, 0.0, scheduling_strategy="in-a-bundle", resources={"big_node": 0.5})
     # A tensor-parallel engine: one node (STRICT_PACK), pinned through its first bundle, counted once.
     from alignflow.config import VLLMConfig
-    from engines.rollout_actors import engine_bundles
+    from engines.rollout.actors import engine_bundles
 
     tp = RolloutConfig(num_samples=4, vllm=VLLMConfig(tensor_parallel_size=2),
                        placement=Placement(num_gpus=1, resources={"big_node": 1}))
@@ -467,14 +467,14 @@ def test_tied_embeddings_sync_into_vllm(ray_local, tiny_model, prompts, tmp_path
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from engines import objectives
     from engines.batches import shard
-    from engines.experience import from_rollouts
-    from engines.rollout import Sampling
-    from engines.rollout_actors import RolloutEngines, start_rollout_actor
-    from engines.engine_spec import EngineSpec
-    from engines.trainer_group import TrainerGroup
-    from engines.weight_sync import WeightSync
+    from engines.rl.experience import from_rollouts
+    from engines.rollout.actors import RolloutEngines, start_rollout_actor
+    from engines.rollout.base import Sampling
+    from engines.train import objectives
+    from engines.train.group import TrainerGroup
+    from engines.train.spec import EngineSpec
+    from engines.transport.sync import WeightSync
 
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model))
     model.config.tie_word_embeddings = True
@@ -533,10 +533,10 @@ def test_a_failed_update_is_raised_at_once_and_its_group_dropped(ray_local, tmp_
 
     from alignflow.config import TinyModelConfig
     from engines.models import build_tiny_model
-    from engines.rollout_actors import RolloutEngines, start_rollout_actor
-    from engines.round_models import RoundModels
-    from engines.engine_spec import EngineSpec
-    from engines.trainer_group import TrainerGroup
+    from engines.rl.round_models import RoundModels
+    from engines.rollout.actors import RolloutEngines, start_rollout_actor
+    from engines.train.group import TrainerGroup
+    from engines.train.spec import EngineSpec
 
     # About 6M parameters, 24 MB in float32: more than the sockets buffer, so the sender blocks.
     shape = TinyModelConfig(hidden_size=256, num_layers=6, intermediate_size=1024)
@@ -613,8 +613,8 @@ def test_a_round_asks_for_all_its_actors_before_waiting_for_its_trainers(ray_loc
 
     from ray._private import state  # the GCS's actor table, dead actors included
 
-    from engines.rl import RLRound
-    from engines.round_models import RoundSetup, engines_share_a_gpu
+    from engines.rl.round import RLRound
+    from engines.rl.round_models import RoundSetup, engines_share_a_gpu
 
     cfg = _round("ppo", reward=RewardConfig(source="model"))
     assert not engines_share_a_gpu(cfg)
@@ -636,7 +636,7 @@ def test_a_round_asks_for_all_its_actors_before_waiting_for_its_trainers(ray_loc
 
 def test_engines_wait_for_the_trainers_only_where_they_may_share_a_gpu():
     from alignflow.config import ActorConfig, Placement
-    from engines.round_models import engines_share_a_gpu
+    from engines.rl.round_models import engines_share_a_gpu
 
     assert not engines_share_a_gpu(_round("ppo"))
     assert not engines_share_a_gpu(_round("ppo", generation=RolloutConfig(placement=Placement(num_gpus=1)),

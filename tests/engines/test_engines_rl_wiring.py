@@ -55,8 +55,8 @@ def prompts(tokenizer):
 
 def _run_step(cfg, tiny_model, reference_model, prompts, then=None):
     """Step 0 of a round; `then(rl, outcome)` runs before the round shuts down."""
-    from engines.rl import RLRound
-    from engines.round_models import RoundSetup
+    from engines.rl.round import RLRound
+    from engines.rl.round_models import RoundSetup
 
     path = str(tiny_model)
     rl = RLRound(cfg, RoundSetup(policy_path=path, reference_path=str(reference_model), reward_path=path,
@@ -144,7 +144,7 @@ def test_grpo_kl_loss_dynamic_sampling_clip_higher(ray_local, tiny_model, refere
     # here from the checkpoint) to the reference over the trained rows, times the coefficient.
     assert actor["on_policy"] and exp.old_logprobs is None and "time/old_logprobs" not in m
     from engines.models import load_policy
-    from engines.objectives import response_logprobs
+    from engines.train.objectives import response_logprobs
 
     rows = out.trained_rows
     with torch.no_grad():
@@ -160,10 +160,10 @@ def test_grpo_kl_loss_dynamic_sampling_clip_higher(ray_local, tiny_model, refere
 def test_clip_higher_reaches_the_loss(tiny_model):
     """The policy objective on a real model: a ratio between 1 + clip_low and 1 + clip_high counts
     unclipped with clip-higher and clipped without it (`algos.ppo_policy_loss` applied independently)."""
-    from engines import objectives
-    from engines.experience import from_rollouts
     from engines.models import load_policy
-    from engines.rollout import Rollout
+    from engines.rl.experience import from_rollouts
+    from engines.rollout.base import Rollout
+    from engines.train import objectives
 
     model = load_policy(tiny_model).eval()
     exp = from_rollouts([Rollout(0, [5, 6, 7], [11, 12, 13], "", [0.0] * 3, True),
@@ -190,7 +190,7 @@ def test_gspo_normalised_clipped_rewards_truncation_icepop_mean_range(ray_local,
     import math
 
     from alignflow.config import ActorConfig, KLConfig, PPOConfig, RewardConfig, RolloutConfig, RoundConfig
-    from engines import objectives as objective_fns
+    from engines.train import objectives as objective_fns
 
     low, high = 0.3, 1.0  # in task-reward units (a pass rate): groups with one right answer in four drop
     cfg = RoundConfig(

@@ -10,9 +10,10 @@ import torch
 
 from alignflow.config import TinyModelConfig
 from engines import models
-from engines.rollout import Sampling, WeightSyncError
-from engines.rollout_actors import start_rollout_actor
-from engines.weight_sync import push_state
+from engines.rollout.actors import start_rollout_actor
+from engines.rollout.base import Sampling
+from engines.transport.sync import push_state
+from engines.transport.wire import WeightSyncError
 
 pytestmark = pytest.mark.engine
 
@@ -130,9 +131,9 @@ def _vllm_own_texts(actor, prompts, sampling) -> list[tuple[list[int], str]]:
 
 
 def test_vllm_texts_are_those_of_its_incremental_detokenizer(vllm_actor, prompts, tokenizer):
-    """Rollouts carry token ids from vLLM and text decoded once at the end (engines/texts.py); on the
+    """Rollouts carry token ids from vLLM and text decoded once at the end (engines/rollout/texts.py); on the
     same tokens that text is vLLM's own."""
-    from engines.texts import response_texts
+    from engines.rollout.texts import response_texts
 
     sampling = Sampling(n=8, temperature=1.0, max_new_tokens=24)
     own = _vllm_own_texts(vllm_actor, prompts, sampling)

@@ -1,4 +1,4 @@
-"""Each prompt once per group (engines/shared_prefix.py), against the full-vocabulary computation.
+"""Each prompt once per group (engines/train/shared_prefix.py), against the full-vocabulary computation.
 
 The reference values are the model's own full logits over every row's whole sequence
 (`full_reference` in test_engines_logits.py, independent of the shared path); values and
@@ -22,8 +22,8 @@ def model(tiny_model):
 
 
 def _batch(rollouts):
-    from engines.experience import from_rollouts
-    from engines.rollout import Rollout
+    from engines.rl.experience import from_rollouts
+    from engines.rollout.base import Rollout
 
     return from_rollouts([Rollout(i, p, r, "", [0.0] * len(r), True) for i, p, r in rollouts], pad_id=0).tensors()
 
@@ -47,8 +47,8 @@ def _tokens_seen(model):
 
 
 def test_shared_prompts_give_the_full_computation_with_fewer_tokens(model):
-    from engines import shared_prefix
-    from engines.logits import response_logprobs_and_entropy
+    from engines.train import shared_prefix
+    from engines.train.logits import response_logprobs_and_entropy
 
     batch = _batch(GROUPED)
     plan = shared_prefix.plan(batch)
@@ -91,8 +91,8 @@ def test_gradients_repeat_bit_for_bit_while_another_process_takes_the_cores(tmp_
 
     from alignflow.config import TinyModelConfig
     from engines.batches import micro_batches
-    from engines.logits import response_logprobs_and_entropy
     from engines.models import build_tiny_model, load_policy
+    from engines.train.logits import response_logprobs_and_entropy
 
     # issue 14's bench shape but its vocabulary: smaller models did not show the old code's variation
     shape = TinyModelConfig(hidden_size=256, num_heads=4, num_kv_heads=2, num_layers=4, intermediate_size=1024)
@@ -124,8 +124,8 @@ def test_gradients_repeat_bit_for_bit_while_another_process_takes_the_cores(tmp_
 @pytest.mark.parametrize("case", ["different prompts under one index", "no group of two", "no prompt_index",
                                   "one-token prompt"])
 def test_sharing_is_refused_where_it_would_be_wrong_or_useless(model, case):
-    from engines import shared_prefix
-    from engines.logits import response_logprobs_and_entropy
+    from engines.train import shared_prefix
+    from engines.train.logits import response_logprobs_and_entropy
 
     rollouts = {
         "different prompts under one index": [(0, [5, 6, 7], [11, 12]), (0, [5, 9, 7], [11, 12])],
@@ -144,8 +144,8 @@ def test_sharing_is_refused_where_it_would_be_wrong_or_useless(model, case):
 
 
 def test_gradient_checkpointing_turns_sharing_off_while_gradients_flow(tiny_model):
-    from engines import shared_prefix
     from engines.models import load_policy
+    from engines.train import shared_prefix
 
     model = load_policy(tiny_model)
     assert shared_prefix.supported(model)
@@ -164,9 +164,9 @@ def test_a_zero3_policy_step_is_the_same_with_and_without_sharing(ray_local, tin
 
     from safetensors.torch import load
 
-    from engines import objectives
-    from engines.engine_spec import EngineSpec
-    from engines.trainer_group import TrainerGroup
+    from engines.train import objectives
+    from engines.train.group import TrainerGroup
+    from engines.train.spec import EngineSpec
 
     batch = _batch(GROUPED)
     batch["advantages"] = torch.linspace(-1, 1, 6).unsqueeze(1) * batch["action_mask"]

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engines.state import load_state, save_state
+from engines.train.state import load_state, save_state
 
 
 class Phase(enum.IntEnum):

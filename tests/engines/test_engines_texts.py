@@ -1,4 +1,4 @@
-"""A response's text decoded once at the end (engines/texts.py) against incremental decoding.
+"""A response's text decoded once at the end (engines/rollout/texts.py) against incremental decoding.
 
 The reference is `tokenizers.decoders.DecodeStream` primed with the prompt and fed the response
 one token at a time: the decoder vLLM runs when it detokenizes (its FastIncrementalDetokenizer).
@@ -32,7 +32,7 @@ def _metaspace_tokenizer():
 
 
 def test_byte_level_random_tokens_match_the_incremental_decoder(tokenizer):
-    from engines.texts import REPLACEMENT, response_texts
+    from engines.rollout.texts import REPLACEMENT, response_texts
 
     rng = random.Random(0)
     vocab = len(tokenizer)
@@ -47,7 +47,7 @@ def test_byte_level_random_tokens_match_the_incremental_decoder(tokenizer):
 
 
 def test_a_response_cut_inside_a_character_keeps_only_complete_characters(tokenizer):
-    from engines.texts import REPLACEMENT, response_texts
+    from engines.rollout.texts import REPLACEMENT, response_texts
 
     prompt = tokenizer.encode("Which digit is largest?")
     answer = tokenizer.encode(" héllo wörld 日本語 ✓", add_special_tokens=False)
@@ -61,7 +61,7 @@ def test_a_response_cut_inside_a_character_keeps_only_complete_characters(tokeni
 
 
 def test_a_character_the_prompt_leaves_open_belongs_to_the_response(tokenizer):
-    from engines.texts import response_texts
+    from engines.rollout.texts import response_texts
 
     ids = tokenizer.encode("日本", add_special_tokens=False)
     cut = next(k for k in range(1, len(ids)) if tokenizer.decode(ids[:k]).endswith("\ufffd"))
@@ -71,7 +71,7 @@ def test_a_character_the_prompt_leaves_open_belongs_to_the_response(tokenizer):
 
 
 def test_special_tokens_are_skipped(tokenizer):
-    from engines.texts import response_texts
+    from engines.rollout.texts import response_texts
 
     prompt = tokenizer.encode("hello")
     body = tokenizer.encode(" 42", add_special_tokens=False)
@@ -79,7 +79,7 @@ def test_special_tokens_are_skipped(tokenizer):
 
 
 def test_sentencepiece_style_response_keeps_its_leading_space():
-    from engines.texts import CONTEXT_TOKENS, response_texts
+    from engines.rollout.texts import CONTEXT_TOKENS, response_texts
 
     tok = _metaspace_tokenizer()
     short, long = tok.encode("hello there"), tok.encode("which number is largest the answer is hello there")
@@ -92,7 +92,7 @@ def test_sentencepiece_style_response_keeps_its_leading_space():
 
 
 def test_prompts_and_responses_must_pair_up(tokenizer):
-    from engines.texts import response_texts
+    from engines.rollout.texts import response_texts
 
     with pytest.raises(ValueError, match="2 prompts for 1 responses"):
         response_texts(tokenizer, [[1], [2]], [[3]])
@@ -110,7 +110,7 @@ class _SumTokenizer:
 
 
 def test_a_decode_that_does_not_extend_the_prompts_is_an_error_naming_the_response():
-    from engines.texts import response_texts
+    from engines.rollout.texts import response_texts
 
     with pytest.raises(ValueError, match=r"response 1: .*does not begin with the prompt's decode \('3'\)"):
         response_texts(_SumTokenizer(), [[1, 1], [1, 2]], [[0], [7]])

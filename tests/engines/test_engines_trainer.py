@@ -12,10 +12,11 @@ from safetensors.torch import load
 
 from alignflow.config import SyntheticTaskConfig
 from alignflow.data import synthetic
-from engines import batches, objectives
-from engines.engine_spec import EngineSpec
-from engines.supervised import plan
-from engines.trainer_group import TrainerGroup
+from engines import batches
+from engines.train import objectives
+from engines.train.group import TrainerGroup
+from engines.train.spec import EngineSpec
+from engines.train.supervised import plan
 
 pytestmark = pytest.mark.engine
 
@@ -252,10 +253,10 @@ def test_zero3_partitions_the_model_as_it_loads(ray_local, tiny_model, sft_data)
 
 
 def _chunks_of_four_positions(worker) -> None:
-    """In a TrainWorker: the output layer runs on 4 positions at a time (engines/logits.py)."""
-    import engines.logits
+    """In a TrainWorker: the output layer runs on 4 positions at a time (engines/train/logits.py)."""
+    import engines.train.logits
 
-    engines.logits.CHUNK_ELEMENTS = 4 * engines.logits.unwrap(worker.engine).config.vocab_size
+    engines.train.logits.CHUNK_ELEMENTS = 4 * engines.train.logits.unwrap(worker.engine).config.vocab_size
 
 
 def _in_time(fn, seconds: float = 120.0):
@@ -277,8 +278,8 @@ def test_zero3_ranks_call_partitioned_modules_in_step(ray_local, tiny_model, sft
     import ray
     from safetensors.torch import load
 
-    from engines import experience
-    from engines.rollout import Rollout
+    from engines.rl import experience
+    from engines.rollout.base import Rollout
 
     batch = batches.take(sft_data, torch.arange(BATCH))
     mask = batch["loss_mask"].clone()
@@ -323,16 +324,16 @@ def test_zero3_ranks_call_partitioned_modules_in_step(ray_local, tiny_model, sft
 def _state_out_and_back(worker) -> None:
     """In a TrainWorker: its optimizer state offloaded to CPU memory and reloaded, as a colocated round does
     around generation (on a GPU; here on the CPU, where both moves stay on the CPU)."""
-    from engines.engine_spec import move_training_state
+    from engines.train.spec import move_training_state
 
     move_training_state(worker.engine, worker.spec.zero_stage, offload=True, device=worker.device)
     move_training_state(worker.engine, worker.spec.zero_stage, offload=False, device=worker.device)
 
 
 def _optimizer_state_bytes(worker) -> tuple[int, int, list[str]]:
-    """In a TrainWorker: bytes of what a colocated round moves off the GPU (engine_spec.optimizer_tensors),
+    """In a TrainWorker: bytes of what a colocated round moves off the GPU (engines/train/spec.py: optimizer_tensors),
     its trainable parameters, and the dtypes of its model's weights."""
-    from engines.engine_spec import optimizer_tensors
+    from engines.train.spec import optimizer_tensors
 
     params = [p for p in worker.engine.module.parameters() if p.requires_grad]
     numel = sum(getattr(p, "ds_numel", p.numel()) for p in params)  # ZeRO-3: the full size of a partitioned one

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from alignflow.net import free_port
-from engines.weight_transport import (ALIGN, TransportGroup, WeightSyncError, check_specs, pack, plan_buckets,
-                                      receive_buckets, send_buckets, unpack)
+from engines.transport.wire import (ALIGN, TransportGroup, WeightSyncError, check_specs, pack, plan_buckets,
+                                    receive_buckets, send_buckets, unpack)
 
 STATE = {
     "embed": torch.randn(50, 16),  # 3200 bytes

@@ -28,8 +28,8 @@ def model(tiny_model):
 @pytest.fixture(scope="module")
 def batch():
     """Eight rollouts of 1-6 response tokens, with advantages, old, reference and rollout log-probs."""
-    from engines.experience import from_rollouts
-    from engines.rollout import Rollout
+    from engines.rl.experience import from_rollouts
+    from engines.rollout.base import Rollout
 
     g = torch.Generator().manual_seed(0)
     lengths = [6, 1, 4, 2, 5, 1, 3, 6]
@@ -46,7 +46,7 @@ def batch():
 
 
 def _objective(agg):
-    from engines import objectives
+    from engines.train import objectives
 
     return functools.partial(objectives.policy_objective, clip_low=0.2, clip_high=0.28, dual_clip=3.0, agg=agg,
                              entropy_coef=0.01, kl_loss_coef=0.1, kl_estimator="k3", kl_clamp=10.0, tis_cap=None)
@@ -75,7 +75,7 @@ def _stepped(model, batch, objective, weigh, ranks: int, rows: int) -> dict[str,
 
 @pytest.mark.parametrize("agg", AGGS)
 def test_micro_batches_and_ranks_give_the_whole_batch_gradient(model, batch, agg):
-    from engines import objectives
+    from engines.train import objectives
 
     objective = _objective(agg)
     whole = _grads(model, [(objective(model, batch)[0], 1.0)])
@@ -109,8 +109,8 @@ def test_metrics_over_micro_batches_and_ranks_are_the_whole_batchs(model, batch,
     """The loss terms combine by the loss scales; the row mean (sequence_kl) and the token means the
     objective reports as (sum, count) combine exactly, whatever the aggregation. TIS masks tokens whose
     rollout ratio leaves [0.9, 1.1], so clip_fraction and the TIS metrics differ between micro-batches."""
-    from engines import objectives
     from engines.batches import add_metrics, combine_ranks, loss_scales, micro_batches, shard
+    from engines.train import objectives
 
     objective = functools.partial(_objective(agg), tis_cap=1.1, tis_low=0.9, tis_mode="mask")
     with torch.no_grad():
@@ -130,7 +130,7 @@ def test_metrics_over_micro_batches_and_ranks_are_the_whole_batchs(model, batch,
         assert combined[k] == pytest.approx(value, rel=1e-5), k
     # The row mean by hand: each row's summed k1 (log-prob difference to the reference), over the 8 rows.
     with torch.no_grad():
-        from engines.objectives import response_logprobs
+        from engines.train.objectives import response_logprobs
 
         k1 = ((response_logprobs(model, batch) - batch["ref_logprobs"]) * batch["action_mask"]).sum(-1)
     assert combined["sequence_kl"] == pytest.approx(k1.mean().item(), rel=1e-5)

@@ -35,8 +35,8 @@ BF16_MAX_ABS, BF16_MEAN_ABS = 0.15, 0.03
 
 def _gpu_engine(model, kind, dtype="bfloat16", zero=0, lr=1e-3, batch=16, share=1.0, **extra):
     from alignflow.config import EngineConfig, Placement
-    from engines.engine_spec import EngineSpec
-    from engines.trainer_group import TrainerGroup
+    from engines.train.group import TrainerGroup
+    from engines.train.spec import EngineSpec
 
     cfg = EngineConfig(learning_rate=lr, warmup_steps=0, zero_stage=zero, placement=Placement(num_gpus=gpus(share)),
                        **extra)
@@ -53,8 +53,8 @@ def _on_device(report: dict, dtype: str | None = None) -> None:
 
 @pytest.mark.parametrize("zero", [0, 2, 3])
 def test_sft_bf16_on_gpu(ray_gpu, gpu_model, gpu_tokenizer, task_data, zero):
-    from engines import objectives
     from engines.batches import sft_tensors, shard, take
+    from engines.train import objectives
 
     tensors, _ = sft_tensors(gpu_tokenizer, task_data["sft"], 64, 16)
     group = _gpu_engine(gpu_model, "causal", zero=zero, lr=3e-3, micro_batch_size=8)
@@ -70,7 +70,7 @@ def test_sft_bf16_on_gpu(ray_gpu, gpu_model, gpu_tokenizer, task_data, zero):
 def _optimizer_state_devices(worker) -> list[str]:
     """In a TrainWorker: the devices of its optimizer's moments and fp32 master weights (ZeRO-0 in bf16:
     DeepSpeed's `fp32_groups`; ZeRO-2: its fp32 partitions; ZeRO-3: its flat fp32 partitions)."""
-    from engines.engine_spec import optimizer_tensors
+    from engines.train.spec import optimizer_tensors
 
     opt = worker.engine.optimizer
     tensors = optimizer_tensors(opt) + list(getattr(opt, "single_partition_of_fp32_groups", None) or [])
@@ -80,11 +80,11 @@ def _optimizer_state_devices(worker) -> list[str]:
 @pytest.mark.parametrize("zero", [0, 2, 3])
 def test_optimizer_state_leaves_the_gpu_and_comes_back(ray_gpu, gpu_model, gpu_tokenizer, task_data, zero):
     """What a colocated round does around generation, at every ZeRO stage (ZeRO-3's own offload asserts
-    DeepSpeed's FusedAdam; the trainer's AdamW is moved by engines/engine_spec.py)."""
+    DeepSpeed's FusedAdam; the trainer's AdamW is moved by engines/train/spec.py)."""
     import ray
 
-    from engines import objectives
     from engines.batches import sft_tensors, shard, take
+    from engines.train import objectives
 
     tensors, _ = sft_tensors(gpu_tokenizer, task_data["sft"], 64, 16)
     batch = shard(take(tensors, torch.arange(16)), 1)
@@ -106,11 +106,11 @@ def test_optimizer_state_leaves_the_gpu_and_comes_back(ray_gpu, gpu_model, gpu_t
 def test_offloaded_optimizer_steps_with_deepspeeds_cpu_adam(ray_gpu, gpu_model, gpu_tokenizer, task_data):
     """ZeRO-Offload (`offload: optimizer`, ZeRO-2) on a GPU: the bf16 weights train on the GPU, the fp32
     masters and moments live in CPU memory, DeepSpeed's CPU Adam (built on first use) steps them, and the
-    loss falls. On the CPU the optimizer is torch's AdamW (engines/engine_spec.py: steps_with_cpu_adam)."""
+    loss falls. On the CPU the optimizer is torch's AdamW (engines/train/spec.py: steps_with_cpu_adam)."""
     import ray
 
-    from engines import objectives
     from engines.batches import sft_tensors, shard, take
+    from engines.train import objectives
 
     tensors, _ = sft_tensors(gpu_tokenizer, task_data["sft"], 64, 16)
     batch = shard(take(tensors, torch.arange(16)), 1)
@@ -130,8 +130,8 @@ def test_offloaded_optimizer_steps_with_deepspeeds_cpu_adam(ray_gpu, gpu_model, 
 def test_reward_model_with_margin_on_gpu(ray_gpu, gpu_model, gpu_tokenizer, task_data):
     import functools
 
-    from engines import objectives
     from engines.batches import pair_tensors, shard, split_pairs
+    from engines.train import objectives
 
     tensors, _ = pair_tensors(gpu_tokenizer, task_data["preference"], 64, 16)
     group = _gpu_engine(gpu_model, "scalar", zero=2, lr=3e-3)
@@ -147,8 +147,8 @@ def test_reward_model_with_margin_on_gpu(ray_gpu, gpu_model, gpu_tokenizer, task
 
 
 def _round(cfg, model, prompts, reward_path=None):
-    from engines.rl import RLRound
-    from engines.round_models import RoundSetup
+    from engines.rl.round import RLRound
+    from engines.rl.round_models import RoundSetup
 
     return RLRound(cfg, RoundSetup(policy_path=str(model), reference_path=str(model), reward_path=reward_path,
                                    prompts=prompts, dtype="bfloat16", torch_threads=2, max_model_len=96, seed=0))
@@ -176,7 +176,7 @@ def _assert_round_on_device(rl) -> None:
 
 
 def _moves_policy(rl) -> None:
-    from engines.objectives import response_logprobs
+    from engines.train.objectives import response_logprobs
 
     first = rl.step(0)
     probe = first.experience.tensors()
@@ -251,8 +251,9 @@ def test_colocated_ppo_on_vllm_sleeps_wakes_and_serves_each_update(ray_gpu, gpu_
     IPC into memory its graphs still point at, so its sampled-token logprobs are the trainer's."""
     import ray
 
-    from engines import experience, objectives
-    from engines.rollout import Sampling
+    from engines.rl import experience
+    from engines.rollout.base import Sampling
+    from engines.train import objectives
 
     rl = _round(_gpu_round_cfg("ppo", 1.0, backend="vllm", colocate_all=True), gpu_model,
                 _prompts(gpu_tokenizer, task_data), reward_path=str(gpu_reward_model))
@@ -284,11 +285,12 @@ def test_tied_weight_update_keeps_logprob_parity_on_gpu(ray_gpu, gpu_model, gpu_
     import ray
 
     from alignflow.config import GenerationConfig, Placement
-    from engines import experience, objectives
     from engines.batches import sft_tensors, shard, take
-    from engines.rollout import Sampling
-    from engines.rollout_actors import start_engines
-    from engines.weight_sync import WeightSync
+    from engines.rl import experience
+    from engines.rollout.actors import start_engines
+    from engines.rollout.base import Sampling
+    from engines.train import objectives
+    from engines.transport.sync import WeightSync
 
     group = _gpu_engine(gpu_model, "causal", lr=3e-3, share=0.5)
     engines = start_engines(GenerationConfig(backend="hf", placement=Placement(num_gpus=gpus(0.5))), str(gpu_model),
@@ -313,9 +315,9 @@ def test_evaluation_scorers_on_gpu(ray_gpu, gpu_model, gpu_reward_model, gpu_tok
     """The scorer actor evaluation uses: models on the GPU, CPU float32 results equal to a CPU run's."""
     import ray
 
-    from engines import experience
-    from engines.rollout import Rollout
-    from engines.scoring import ScorerActor, start_scorer
+    from engines.rl import experience
+    from engines.rl.scoring import ScorerActor, start_scorer
+    from engines.rollout.base import Rollout
 
     prompts = [ids for ids, _ in _prompts(gpu_tokenizer, task_data)[:4]]
     rollouts = [Rollout(i, p, p[:3], "", [0.0] * 3, True) for i, p in enumerate(prompts)]
@@ -343,9 +345,9 @@ def test_engine_host_builds_and_frees_engines_on_gpu(ray_gpu, tmp_path_factory):
     import ray
 
     from alignflow.config import TinyModelConfig
-    from engines.engine_host import EngineHost
     from engines.models import build_tiny_model, load_tokenizer
-    from engines.rollout import Sampling
+    from engines.rollout.base import Sampling
+    from engines.rollout.host import EngineHost
 
     model = build_tiny_model(TinyModelConfig(hidden_size=512, num_layers=4, intermediate_size=2048,
                                              tie_word_embeddings=True), seed=0, out_dir=tmp_path_factory.mktemp("m"))
@@ -374,7 +376,7 @@ def test_engine_host_builds_and_frees_engines_on_gpu(ray_gpu, tmp_path_factory):
     assert len(draws[2]) == 4 and all(r.token_ids for r in draws[2])
     from math import prod
 
-    from engines.weight_transport import checkpoint_shapes
+    from engines.transport.wire import checkpoint_shapes
 
     weights = 2 * sum(prod(shape) for shape in checkpoint_shapes(str(model)).values())  # bf16 bytes
     assert kept[0] == kept[1] == kept[2], f"GPU bytes kept after each engine closed: {kept} ({weights} a model)"
@@ -384,7 +386,7 @@ def test_engine_host_builds_and_frees_engines_on_gpu(ray_gpu, tmp_path_factory):
 def test_a_checkpoints_random_state_replays_the_gpus_draws():
     """Resume state holds the GPU's generator too (dropout, LoRA's included, draws there): restored, a step
     draws what it drew before. On the CPU there is no GPU generator to hold."""
-    from engines.state import restore_rng, rng_state
+    from engines.train.state import restore_rng, rng_state
 
     device = torch.device(DEVICE)
     saved = rng_state(device)

@@ -1,5 +1,5 @@
 """Weight transport: the trainer's weights streamed into the rollout engines over a process group.
-Its wire: buckets, groups, sending and receiving (who talks to whom: engines/weight_sync.py).
+Its wire: buckets, groups, sending and receiving (who talks to whom: engines/transport/sync.py).
 
     specs = the trainer's [(name, shape, dtype)]       once per round: checked by every engine
     buckets = plan_buckets(specs, bucket_bytes)         the same plan on both sides
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engines.rendezvous import tcp_store
+from engines.placement.rendezvous import tcp_store
 
 ALIGN = 64  # bytes: every view starts aligned for any dtype and vector loads
 TIMEOUT_S = 600.0  # a peer that never joins or sends fails the update instead of hanging it

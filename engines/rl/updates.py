@@ -1,7 +1,7 @@
 """How a round's policy learns from one step's experience: one class per `AlgorithmSpec.update`.
 
 An update takes the step's Experience (rollouts and rewards in), completes
-it through the pure phases of engines/experience.py, trains on it, and
+it through the pure phases of engines/rl/experience.py, trains on it, and
 returns the completed Experience, the rows it trained on and its metrics.
 The orchestrator never looks inside.
 """
@@ -18,11 +18,12 @@ import torch
 import algos
 from alignflow.config import RoundConfig
 from alignflow.seeds import derive_seed
-from engines import experience, objectives
 from engines.batches import minibatches, shard, split_pairs
-from engines.experience import Experience
-from engines.round_models import RoundModels
-from engines.trainer_group import TrainerGroup
+from engines.rl import experience
+from engines.rl.experience import Experience
+from engines.rl.round_models import RoundModels
+from engines.train import objectives
+from engines.train.group import TrainerGroup
 
 Lap = Callable[[str], None]  # records the time of the phase that just ended
 
@@ -43,7 +44,7 @@ class Trained:
 def train_minibatches(batch: dict[str, torch.Tensor], chunks, steps: list[tuple[TrainerGroup, Callable, Callable]], *,
                       pairs: int | None = None) -> dict[str, float]:
     """One optimizer step per chunk of rows for every (trainer group, objective, weigh: what it averages
-    over, engines/objectives); mean metrics. A value model's own trainer metrics (lr, grad_norm, lora/*:
+    over, engines/train/objectives.py); mean metrics. A value model's own trainer metrics (lr, grad_norm, lora/*:
     `is_trainer_metric`) are logged as `critic/<name>`.
     `pairs`: the batch is [chosen..., rejected...] of that many pairs and the chunks index pairs."""
     sums: dict[str, float] = {}
@@ -116,7 +117,7 @@ class PolicyGradientUpdate:
     def __call__(self, exp: Experience, step: int, lap: Lap) -> Trained:
         cfg, spec, m = self.cfg, self.cfg.spec, self.models
         if m.has_reference:
-            if exp.ref_logprobs is None:  # else scored ahead, beside the previous step (engines/scoring.py)
+            if exp.ref_logprobs is None:  # else scored ahead, beside the previous step (engines/rl/scoring.py)
                 exp = exp.with_(ref_logprobs=m.ref_logprobs(exp.tensors()))
             lap("reference")
         frozen = step < cfg.actor.freeze_steps  # only the critic trains (actor.freeze_steps)
@@ -212,7 +213,7 @@ class BestOfNSFTUpdate:
 class OnlineDPOUpdate:
     """Online DPO: per prompt the best sample against the worst (tied groups give no pair and are counted),
     the reference's sequence log-probabilities of those rows, then DPO steps on the pairs
-    (engines/preference.dpo_objective on rollout rows). The rollout engines get the new weights after
+    (engines/train/preference.py: dpo_objective on rollout rows). The rollout engines get the new weights after
     the step like every round's."""
 
     reference_on_batch = False  # the reference scores the pairs alone, once they are chosen
@@ -233,7 +234,7 @@ class OnlineDPOUpdate:
 
     def __call__(self, exp: Experience, step: int, lap: Lap) -> Trained:
         from alignflow.config.preference import DPO_LOSS_TYPE
-        from engines.preference import dpo_objective
+        from engines.train.preference import dpo_objective
 
         d, actor = self.cfg.dpo, self.models.actor
         chosen, rejected, tied = algos.best_worst_pairs(exp.rewards, self.cfg.generation.num_samples)

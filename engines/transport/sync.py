@@ -5,8 +5,8 @@
     WeightSync           the driver's side: groups made once per round, then `push` per update
     push_state(...)      a state dict from this process into rollout actors (tests, checkpoints)
 
-The wire format and the groups are engines/weight_transport.py; the engines' receiving side is
-engines/rollout.py (`prepare_weights`, `join_transport`, `receive_weights`).
+The wire format and the groups are engines/transport/wire.py; the engines' receiving side is
+engines/rollout/vllm_engine.py (`prepare_weights`, `join_transport`, `receive_weights`).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from collections.abc import Sequence
 
 import torch
 
-from engines.weight_transport import (Bucket, TensorSpec, TransportGroup, WeightSyncError, pack, plan_buckets,
-                                      send_buckets)
+from engines.transport.wire import (Bucket, TensorSpec, TransportGroup, WeightSyncError, pack, plan_buckets,
+                                    send_buckets)
 
 __all__ = ["WeightSender", "WeightSync", "choose_backend", "default_bucket_bytes", "gpu_id", "push_state"]
 
@@ -139,11 +139,11 @@ class WeightSync:
 
 
 def push_state(state: dict[str, torch.Tensor], receivers: Sequence, *, bucket_bytes: int | None = None) -> int:
-    """Send `state` from this process (rank 0, gloo) into rollout actors (engines/rollout_actors.py):
+    """Send `state` from this process (rank 0, gloo) into rollout actors (engines/rollout/actors.py):
     a checkpoint into engines without a trainer, and the transport's tests. Bytes sent."""
     import ray
 
-    from engines.rendezvous import reserve_address
+    from engines.placement.rendezvous import reserve_address
 
     bucket_bytes = bucket_bytes or default_bucket_bytes()
     specs = [(k, tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in state.items()]

@@ -26,7 +26,7 @@ import torch
 
 from algos.preference import dpo_loss, kto_loss, sequence_logprobs
 from engines.batches import LengthReport, encode_response, filter_prompts, pad_right, right_padded
-from engines.logits import masked_next_token_logprobs, response_logprobs_and_entropy
+from engines.train.logits import masked_next_token_logprobs, response_logprobs_and_entropy
 
 
 def _rows(seqs: list[list[int]], prompt_lens: list[int], pad_id: int) -> dict[str, torch.Tensor]:
@@ -102,12 +102,12 @@ def _reward_metrics(out) -> dict[str, float]:
 
 
 def _logps(rollouts: bool, packing_max_tokens: int | None | bool):
-    """The sequence log-likelihood function: rollout rows, data rows, or data rows packed (engines/packing.py)."""
+    """The sequence log-likelihood function: rollout rows, data rows, or data rows packed (engines/train/packing.py)."""
     if rollouts:
         return response_logps
     if packing_max_tokens is False:
         return sequence_logps
-    from engines.packed_objectives import packed_sequence_logps
+    from engines.train.packed_objectives import packed_sequence_logps
 
     return functools.partial(packed_sequence_logps, max_tokens=packing_max_tokens)
 
@@ -162,7 +162,7 @@ def kto_objective(model, batch: dict[str, torch.Tensor], *, beta: float, desirab
 @dataclass(frozen=True)
 class KTOObjective:
     """KTO as a training group runs it: `prepare` (called by each rank before its micro-batches, see
-    engines/trainer.py) takes z0 over the whole step, so micro-batch size and rank count leave the step
+    engines/train/worker.py) takes z0 over the whole step, so micro-batch size and rank count leave the step
     as the whole batch's. Per micro-batch, z0 would be an estimate from a few rows that moves with them."""
 
     beta: float

@@ -6,7 +6,7 @@
 2. Whatever crosses an actor boundary (a batch in, logprobs, values or
    scores out) travels as CPU tensors, and is moved on arrival
    (`to_device`) or before leaving (`to_cpu`). Weights travel through the
-   weight transport (engines/rollout.py), never as device tensors.
+   weight transport (engines/transport/), never as device tensors.
 
 Ray normally isolates an actor's GPUs: it sets `CUDA_VISIBLE_DEVICES` to
 them, so the actor's first GPU is `cuda:0` and its LOCAL_RANK is 0. Where

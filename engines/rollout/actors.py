@@ -1,10 +1,10 @@
 """Rollout engines as Ray actors, and a round's (or an evaluation's) engines as one.
 
-`RolloutActor` hosts one engine (engines/rollout.py) in its own process.
+`RolloutActor` hosts one engine (engines/rollout/base.py) in its own process.
 `start_engines` starts the configured number: each on its placement, a
 tensor-parallel vLLM engine in a placement group of its own (a bundle per
 GPU), or where colocation puts it. `RolloutEngines` spreads prompts across
-them; weights reach them through engines/weight_sync.py.
+them; weights reach them through engines/transport/sync.py.
 """
 
 from __future__ import annotations
@@ -19,11 +19,12 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from alignflow.artifacts import Source, local_dir
 from alignflow.config import GenerationConfig, VLLMConfig
 from alignflow.errors import ConfigError
-from engines.devices import actor_options, pin_cpu_cores
 from engines.lean_imports import skip_sklearn_in_transformers
-from engines.placement_groups import wait_placement_group
-from engines.hf_engine import HFEngine
-from engines.rollout import Rollout, Sampling, VLLMEngine, vllm_engine_args
+from engines.placement.devices import actor_options, pin_cpu_cores
+from engines.placement.groups import wait_placement_group
+from engines.rollout.base import Rollout, Sampling
+from engines.rollout.hf_engine import HFEngine
+from engines.rollout.vllm_engine import VLLMEngine, vllm_engine_args
 
 BACKENDS = ("vllm", "hf")
 
@@ -120,7 +121,7 @@ class RolloutActor:
 
     def device_report(self) -> dict:
         """The engine's parameter devices (HF backend) and this actor's placement group."""
-        from engines.devices import cpu_report, placement_group_id
+        from engines.placement.devices import cpu_report, placement_group_id
 
         report = getattr(self.engine, "device_report", None)
         return {"placement_group": placement_group_id(), **cpu_report(), **(report() if report else {})}
@@ -166,7 +167,7 @@ def merge_rollouts(n_prompts: int, chunks: list[list[int]], results: list[list[R
 
 class RolloutEngines:
     """The rollout engines of a round or an evaluation, as one: prompts spread across them,
-    sleep and wake together (weights reach them through engines/weight_sync.py)."""
+    sleep and wake together (weights reach them through engines/transport/sync.py)."""
 
     def __init__(self, actors: list, placement_groups: list | None = None):
         self.actors, self.placement_groups = actors, placement_groups or []

@@ -2,7 +2,7 @@
 
 `Experience` holds a step's tensors under the `algos` names; each phase
 returns a new one (`exp.with_(...)`), and nothing here touches Ray, vLLM or
-DeepSpeed: the round orchestrator (engines/rl.py) only moves batches between
+DeepSpeed: the round orchestrator (engines/rl/round.py) only moves batches between
 actors and calls these. Shapes: B rollouts, L = longest prompt + response,
 T = longest response.
 """
@@ -17,7 +17,7 @@ from torch import Tensor
 
 import algos
 from engines.batches import right_padded
-from engines.rollout import Rollout
+from engines.rollout.base import Rollout
 
 
 @dataclass(frozen=True)
@@ -173,16 +173,11 @@ def with_advantages(exp: Experience, *, estimator: str, whiten: bool, group_size
     return exp.with_(token_rewards=token_rewards, advantages=advantages, returns=out.returns)
 
 
-def sequence_k1(logprobs: Tensor, ref_logprobs: Tensor, action_mask: Tensor) -> Tensor:
-    """Σ_t (log π − log π_ref) over each response (k1, the sampled KL): (B, T) each → (B,)."""
-    return algos.kl_estimate(logprobs, ref_logprobs, kind="k1").mul(action_mask).sum(-1)
-
-
 def sequence_kl(exp: Experience) -> Tensor:
-    """`sequence_k1` of the old policy against the reference: (B,). 0 without a reference."""
+    """`algos.sequence_k1` of the old policy against the reference: (B,). 0 without a reference."""
     if exp.ref_logprobs is None:
         return torch.zeros(len(exp))
-    return sequence_k1(exp.old_logprobs, exp.ref_logprobs, exp.action_mask)
+    return algos.sequence_k1(exp.old_logprobs, exp.ref_logprobs, exp.action_mask)
 
 
 def best_of_n(exp: Experience, threshold: float | None) -> Tensor:

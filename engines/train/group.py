@@ -1,5 +1,5 @@
-"""The training engine as one: `TrainerGroup`, the ranks (engines/trainer.py: TrainWorker) of one
-DeepSpeed process group, started together and driven as a single engine (engines/trainer.py says how
+"""The training engine as one: `TrainerGroup`, the ranks (engines/train/worker.py: TrainWorker) of one
+DeepSpeed process group, started together and driven as a single engine (engines/train/worker.py says how
 a step runs on each rank)."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import torch
 
 from alignflow.artifacts import Entries, Source, merge_entries
 from engines.batches import combine_ranks, loss_scales, micro_batches, padded_shards
-from engines.devices import actor_options
-from engines.engine_spec import EngineSpec
-from engines.placement_groups import reserve_together
-from engines.trainer import TrainWorker
+from engines.placement.devices import actor_options
+from engines.placement.groups import reserve_together
+from engines.train.spec import EngineSpec
+from engines.train.worker import TrainWorker
 
 
 class TrainerGroup:
@@ -61,7 +61,7 @@ class TrainerGroup:
                    weigh: Callable[[dict[str, Any]], float]) -> dict[str, float]:
         """One optimizer step on a global batch given as one shard per worker, each cut into micro-batches
         of at most `micro_batch_size` rows and `micro_batch_tokens` padded tokens (pairs kept whole);
-        `weigh(micro)`: what the objective averages over in it (engines/objectives), as loss_scales."""
+        `weigh(micro)`: what the objective averages over in it (engines/train/objectives.py), as loss_scales."""
         if len({tuple(s["input_ids"].shape) for s in shards}) > 1:  # else the ranks' micro-batch counts may differ
             raise ValueError(f"shards of one step must have one shape: {[tuple(s['input_ids'].shape) for s in shards]}")
         size, tokens = self.spec.micro_batch_size, self.spec.micro_batch_tokens

@@ -1,7 +1,7 @@
 """Sequence packing: several samples per row, attention that never crosses samples.
 
 Right-padded rows (input_ids, attention_mask, loss_mask: (N, L), as `engines.batches.sft_tensors`,
-`pair_tensors` and `engines.preference.preference_tensors` make them) are packed first-fit-decreasing
+`pair_tensors` and `engines.train.preference.preference_tensors` make them) are packed first-fit-decreasing
 into rows of at most `max_tokens` tokens:
 
     row r:  sample a (positions 0..n_a-1) | sample b (positions 0..n_b-1) | padding (positions 0..)

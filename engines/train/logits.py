@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from engines import shared_prefix
+from engines.train import shared_prefix
 
 
 # Logits per chunk: 16 MiB in fp32. Chunks of this size stay below the sizes glibc
@@ -144,7 +144,7 @@ def response_logprobs_and_entropy(model, batch: dict[str, Tensor], *,
                                   with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
     """log π(a_t | s_t) of each response token, and its entropy when asked: (B, T) each, 0 on padding.
     Only the real response tokens (action_mask) get logits. Groups of rows with one prompt run
-    that prompt once (engines/shared_prefix.py) where the batch and model allow it."""
+    that prompt once (engines/train/shared_prefix.py) where the batch and model allow it."""
     mask = batch["action_mask"]
     plan = shared_prefix.plan(batch) if shared_prefix.supported(model) else None
     if most_over_ranks(int(plan is None), unwrap(model), mask.device):  # ZeRO-3: one path on every rank

@@ -3,7 +3,7 @@
 vLLM detokenizes incrementally by default: every sampled token of every
 sequence goes through the tokenizer inside the engine loop, whether or not
 anyone reads the text, and the loop waits for it (the engine runs
-in-process, engines/rollout_actors.py). Rollouts here ask vLLM for token
+in-process, engines/rollout/actors.py). Rollouts here ask vLLM for token
 ids only (`detokenize=False`) and decode each finished response here, in
 one batch. On issue 14's bench work (256 responses of 32 tokens) that took
 `generate` from 2.41 to 2.23 s on one CPU core, and from 1.61 to 1.51 s in

@@ -1,13 +1,13 @@
 """The HF rollout engine: transformers `generate`, the benchmark baseline and a fallback a user can choose
-(generation.backend: hf). The interface is engines/rollout.py's."""
+(generation.backend: hf). The interface is engines/rollout/base.py's."""
 
 from __future__ import annotations
 
 import torch
 
-from engines.rollout import Rollout, Sampling, SleepState
-from engines.texts import response_texts
-from engines.weight_transport import TransportGroup, check_specs, plan_buckets, receive_buckets
+from engines.rollout.base import Rollout, Sampling, SleepState
+from engines.rollout.texts import response_texts
+from engines.transport.wire import TransportGroup, check_specs, plan_buckets, receive_buckets
 
 
 class HFEngine(SleepState):
@@ -21,8 +21,8 @@ class HFEngine(SleepState):
 
     def __init__(self, model_path: str, *, dtype: str = "float32", seed: int = 0, attn_implementation: str = "sdpa",
                  **_):
-        from engines.devices import actor_device
         from engines.models import load_policy, load_tokenizer, weight_shapes
+        from engines.placement.devices import actor_device
 
         torch.manual_seed(seed)
         self.device = actor_device()
@@ -65,7 +65,7 @@ class HFEngine(SleepState):
         """Check the names and shapes updates will carry (once): those of this model's own weight set
         (`models.weight_shapes`), where a tied output layer travels once, as the embedding it shares.
         The GPU that will receive them (None on the CPU)."""
-        from engines.weight_sync import gpu_id
+        from engines.transport.sync import gpu_id
 
         check_specs(self._shapes, specs, "HF rollout engine")
         self._buckets = plan_buckets(specs, bucket_bytes)

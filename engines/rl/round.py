@@ -3,14 +3,14 @@
 A step:
   1. the rollout engines sample n responses per prompt, with logprobs;
   2. rewards: the reward model, a rule or a remote service (+ overlong shaping);
-  3. the update of the round's algorithm spec (engines/updates.py) completes
+  3. the update of the round's algorithm spec (engines/rl/updates.py) completes
      the experience (reference and actor logprobs, values, KL, advantages:
-     pure functions in engines/experience.py) and trains on it;
+     pure functions in engines/rl/experience.py) and trains on it;
   4. the new weights are pushed into the running rollout engines.
 
 With `async_rollouts`, the next step's generation runs beside steps 2-3, and
 the scorer actors score it (reference log-probs, reward-model scores) as soon
-as it ends (engines/scoring.py `scorers_ahead`).
+as it ends (engines/rl/scoring.py `scorers_ahead`).
 
 The round reads its algorithm's spec and never branches on its name; it
 only moves batches between actors. Resumable state: the actor's (and
@@ -32,14 +32,14 @@ import algos
 from alignflow.artifacts import WEIGHT_FILES, Entries, Source, child, local_dir, merge_entries, writing
 from alignflow.config import RoundConfig
 from alignflow.seeds import derive_seed
-from engines import experience
-from engines.experience import Experience
-from engines.rewards import RemoteReward, RuleReward, ScoredText
-from engines.rollout import Rollout, Sampling
-from engines.round_models import RoundSetup, start_round_models
-from engines.scoring import collect_scores, scorers_ahead, submit_scores
-from engines.supervised import Schedule
-from engines.updates import UPDATES
+from engines.rl import experience
+from engines.rl.experience import Experience
+from engines.rl.rewards import RemoteReward, RuleReward, ScoredText
+from engines.rl.round_models import RoundSetup, start_round_models
+from engines.rl.scoring import collect_scores, scorers_ahead, submit_scores
+from engines.rl.updates import UPDATES
+from engines.rollout.base import Rollout, Sampling
+from engines.train.supervised import Schedule
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 A rule or a remote service answers, for each (prompt, response, answer),
 a float: both are callables on a list of ScoredText. The reward model
-scores token sequences instead and runs in a ScorerActor (engines/scoring.py).
+scores token sequences instead and runs in a ScorerActor (engines/rl/scoring.py).
 """
 
 from __future__ import annotations

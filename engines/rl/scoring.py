@@ -1,7 +1,7 @@
 """Frozen models for experience making and evaluation: the reference policy and the reward model.
 
 `ScorerActor` holds either or both, as one Ray actor, on the device its
-placement gives it (engines/devices.py). Batches arrive as CPU tensors, run
+placement gives it (engines/placement/devices.py). Batches arrive as CPU tensors, run
 in micro-batches (`micro_batch_size` rows, `micro_batch_tokens` tokens), and results leave as CPU
 tensors. RL rounds and evaluation both score through it.
 """
@@ -16,8 +16,9 @@ import torch
 from alignflow.artifacts import Source, local_dir
 from engines import models
 from engines.batches import in_micro_batches
-from engines.devices import actor_device, actor_options, cpu_report, pin_cpu_cores, placement_group_id, to_cpu, to_device
-from engines.objectives import response_logprobs, scalar_scores
+from engines.placement.devices import (actor_device, actor_options, cpu_report, pin_cpu_cores, placement_group_id,
+                                       to_cpu, to_device)
+from engines.train.objectives import response_logprobs, scalar_scores
 
 
 class ScorerActor:
@@ -45,7 +46,7 @@ class ScorerActor:
 
     @torch.no_grad()
     def ref_logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """log π_ref of each response token: (B, T) float32, CPU (batch as engines/experience.py builds it)."""
+        """log π_ref of each response token: (B, T) float32, CPU (batch as engines/rl/experience.py builds it)."""
         return self._run(self.reference, response_logprobs, batch)
 
     @torch.no_grad()
@@ -57,9 +58,9 @@ class ScorerActor:
                        *results) -> dict[str, torch.Tensor]:
         """`kinds` (of SCORES_AHEAD) of a generation submitted before this call: Ray hands this actor
         the engines' `results` once they are generated (`submit_scores`). The batch is the one the
-        round builds from the same rollouts (engines/experience.from_rollouts), row for row."""
-        from engines.experience import from_rollouts
-        from engines.rollout_actors import merge_rollouts
+        round builds from the same rollouts (engines/rl/experience.py from_rollouts), row for row."""
+        from engines.rl.experience import from_rollouts
+        from engines.rollout.actors import merge_rollouts
 
         unknown = set(kinds) - set(SCORES_AHEAD)
         if unknown:

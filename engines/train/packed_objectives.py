@@ -1,4 +1,4 @@
-"""Objectives over packed rows (engines/packing.py), equal to their unpacked counterparts.
+"""Objectives over packed rows (engines/train/packing.py), equal to their unpacked counterparts.
 
 Two layers:
 
@@ -22,8 +22,8 @@ from torch import Tensor
 
 from algos.preference import pairwise_reward_loss
 from algos.sequence import sft_loss
-from engines.logits import keep_last_logits, logprobs_from_hidden, unwrap
-from engines.packing import model_inputs, pack_batch
+from engines.train.logits import keep_last_logits, logprobs_from_hidden, unwrap
+from engines.train.packing import model_inputs, pack_batch
 
 
 def packed_hidden(model, packed: dict[str, Tensor]) -> Tensor:
@@ -37,7 +37,7 @@ def packed_hidden(model, packed: dict[str, Tensor]) -> Tensor:
 def packed_token_logprobs(model, packed: dict[str, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
     """log π(token | earlier tokens of its sample) at every loss_mask token that is not a sample's
     first: (K,) float32; the sample each belongs to and its position there: (K,) long each (so
-    `engines.logits.scatter(logprobs, sample, position - 1, (B, L - 1))` is the unpacked layout)."""
+    `engines.train.logits.scatter(logprobs, sample, position - 1, (B, L - 1))` is the unpacked layout)."""
     wanted = (packed["loss_mask"][:, 1:] > 0) & (packed["position_ids"][:, 1:] > 0)
     rows, cols = wanted.nonzero(as_tuple=True)
     hidden = packed_hidden(model, packed)[rows, cols]
@@ -101,7 +101,7 @@ def packed_causal_lm_objective(model, batch: dict[str, Tensor], *, max_tokens: i
 
 
 def packed_sequence_logps(model, batch: dict[str, Tensor], *, max_tokens: int | None = None) -> Tensor:
-    """engines.preference.sequence_logps (Σ_t loss_mask_t · log π(token_t | tokens_<t)) packed: (B,)."""
+    """engines.train.preference.sequence_logps (Σ_t loss_mask_t · log π(token_t | tokens_<t)) packed: (B,)."""
     return packed_sample_logps(model, _pack(model, batch, max_tokens), batch["input_ids"].shape[0])
 
 

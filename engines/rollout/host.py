@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 
 from alignflow.artifacts import Source, local_dir
-from engines.rollout import Rollout, Sampling
-from engines.rollout_actors import build_engine, prepare_engine_process
+from engines.rollout.actors import build_engine, prepare_engine_process
+from engines.rollout.base import Rollout, Sampling
 
 
 class EngineHost:

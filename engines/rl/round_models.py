@@ -29,14 +29,14 @@ from alignflow.artifacts import Source
 from alignflow.config import RoundConfig
 from alignflow.errors import InsufficientResourcesError
 from alignflow.seeds import derive_seed
-from engines import objectives
-from engines.engine_spec import EngineSpec
-from engines.placement_groups import wait_placement_group
-from engines.rollout import Rollout, Sampling
-from engines.rollout_actors import PendingRollouts, RolloutEngines, start_engines
-from engines.scoring import start_scorer
-from engines.trainer_group import TrainerGroup
-from engines.weight_sync import WeightSync, default_bucket_bytes
+from engines.placement.groups import wait_placement_group
+from engines.rl.scoring import start_scorer
+from engines.rollout.actors import PendingRollouts, RolloutEngines, start_engines
+from engines.rollout.base import Rollout, Sampling
+from engines.train import objectives
+from engines.train.group import TrainerGroup
+from engines.train.spec import EngineSpec
+from engines.transport.sync import WeightSync, default_bucket_bytes
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The training engine's rank: `TrainWorker`, one DeepSpeed worker as a Ray actor.
 
-`TrainerGroup` (engines/trainer_group.py) starts `num_workers` of them, which
+`TrainerGroup` (engines/train/group.py) starts `num_workers` of them, which
 form one torch.distributed group (gloo on CPU, nccl on GPU), each wrapping the
 same model in a DeepSpeed engine with the configured ZeRO stage. A global batch
 is split into equal row shards, one per worker; DeepSpeed averages gradients
@@ -11,11 +11,11 @@ The objective is injected: `train_step(shards, objective)` calls
 micro-batch, gradients accumulated; an objective with a `prepare(model,
 micro_batches, device) -> kwargs` method first takes what the whole step
 shares (KTO's reference point), passed to each call. The engine does not know
-which algorithm it serves. Each rank's device follows engines/devices.py.
+which algorithm it serves. Each rank's device follows engines/placement/devices.py.
 
 Resume state (`save_state` / `load_state`) is the model in HF format (with LoRA:
 the adapter only, engines/lora.py) plus, per rank, optimizer and RNG state as
-safetensors + JSON (engines/state.py); no pickles.
+safetensors + JSON (engines/train/state.py); no pickles.
 """
 
 from __future__ import annotations
@@ -32,12 +32,30 @@ import torch
 from alignflow.artifacts import Entries, Source, local_dir, writing
 from engines import lora, models
 from engines.batches import add_metrics, in_micro_batches
-from engines.devices import (actor_device, announce_cpu_accelerator, local_rank, pin_cpu_cores,
-                             cpu_report, placement_group_id, quiet_stdout, to_cpu, to_device)
-from engines.engine_spec import EngineSpec, lr_lambda, make_optimizer, move_training_state
-from engines.rendezvous import init_training_group, reserve_address
-from engines.state import load_optimizer_state, load_state, optimizer_state, restore_rng, rng_state, save_state
-from engines.weight_sync import WeightSender
+from engines.placement.devices import (actor_device, announce_cpu_accelerator, local_rank, pin_cpu_cores,
+                                       cpu_report, placement_group_id, quiet_stdout, to_cpu, to_device)
+from engines.placement.rendezvous import init_training_group, reserve_address
+from engines.train.spec import EngineSpec, lr_lambda, make_optimizer, move_training_state
+from engines.train.state import load_optimizer_state, load_state, optimizer_state, restore_rng, rng_state, save_state
+from engines.transport.sync import WeightSender
+
+
+def load_trainable(spec: EngineSpec, pad_token_id: int | None,
+                   ds_config: dict[str, Any] | None = None) -> torch.nn.Module:
+    """The model a training engine wraps (`spec`): the policy or the
+    scalar model, gradient checkpointing when asked, and LoRA adapters over it when `spec.lora`; under
+    ZeRO-3 (`ds_config`, the engine's DeepSpeed config) partitioned as it loads (models.partitioned_loading)."""
+    with models.partitioned_loading(ds_config):
+        if spec.kind == "causal":
+            model = models.load_policy(spec.model_path, spec.dtype, spec.attn_implementation)
+        else:
+            model = models.load_scalar_model(spec.model_path, spec.dtype, pad_token_id, spec.attn_implementation)
+    if spec.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    if spec.lora is not None:
+        model = lora.apply(model, spec.lora, spec.kind)
+    return model
 
 
 class TrainWorker:
@@ -52,10 +70,10 @@ class TrainWorker:
         cluster address otherwise), and a port reserved for a store this rank will serve."""
         node_id = ray.get_runtime_context().get_node_id()
         ip = next(n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id)
-        return reserve_address(ip)  # listening from now on, for rank 0's store (engines/rendezvous.py)
+        return reserve_address(ip)  # listening from now on, for rank 0's store (engines/placement/rendezvous.py)
 
     def setup(self, spec: EngineSpec, master: tuple[str, int]) -> None:
-        # The device rule (engines/devices.py): the GPU Ray placed this rank on, or the CPU.
+        # The device rule (engines/placement/devices.py): the GPU Ray placed this rank on, or the CPU.
         self.device = announce_cpu_accelerator(actor_device())
         import deepspeed
         from deepspeed.accelerator import get_accelerator
@@ -73,7 +91,7 @@ class TrainWorker:
         self.spec = spec = dataclasses.replace(spec, model_path=local_dir(spec.model_path))  # fetched on this node
         self.tokenizer = models.load_tokenizer(spec.model_path)
         ds_config = spec.ds_config(self.world_size)
-        model = models.load_trainable(spec, self.tokenizer.pad_token_id, ds_config)  # ZeRO-3: partitioned as it loads
+        model = load_trainable(spec, self.tokenizer.pad_token_id, ds_config)  # ZeRO-3: partitioned as it loads
         self.loaded_bytes = models.held_bytes(model)
         self.param_metrics = lora.param_metrics(model)  # with LoRA: the optimizer sees the adapters only
         optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad], spec, self.device)
@@ -169,7 +187,7 @@ class TrainWorker:
         names = lora.weight_names(self.engine.module)
         return save({k: v for k, v in state.items() if k in names}) if self.rank == 0 else None
 
-    # The weight transport's sending side (engines/weight_sync.py: WeightSender, driven by WeightSync).
+    # The weight transport's sending side (engines/transport/sync.py: WeightSender, driven by WeightSync).
     def describe_weights(self) -> dict:
         return self.sender.describe()
 

