@@ -8,7 +8,7 @@ Ray actor, started by the flow (tasks/eval_engine.py) while the first stages
 train; each `generate` call builds a fresh engine in it for the model and seed
 it names, samples, and tears the engine down. A fresh engine means the same
 samples as an engine in a process of its own
-(tests/engines/test_engines_engine_host.py). Calls run one at a time, in the
+(tests/engines/rollout/test_rollout_host.py). Calls run one at a time, in the
 order they arrive (a Ray actor's default).
 """
 

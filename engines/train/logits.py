@@ -52,7 +52,7 @@ def most_over_ranks(value: int, module, device) -> int:
     """`value`; under ZeRO-3 on several ranks (`module`'s weights partitioned), the largest of the
     ranks' values, all-reduced on `device` (the computation's: nccl reduces CUDA tensors only). Ranks
     that size their module calls by it call in step: fewer calls of a partitioned module on one rank
-    crash the group or hang it (tests/engines/test_engines_trainer.py)."""
+    crash the group or hang it (tests/engines/train/test_train_trainer.py)."""
     import torch.distributed as dist
 
     param = next(module.parameters(), None)

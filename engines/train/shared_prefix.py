@@ -15,7 +15,7 @@ to the group's rows, and only each row's suffix runs on top of it:
 with q_g = prompt length - 1 and T the longest response. The suffix's hidden state at t predicts
 response token t. Gradients flow through the cache back into the prefix call, so each prompt
 token's gradient is the sum over its group's rows, as in the row-by-row computation; values and
-gradients equal it within fp32 rounding (tests/engines/test_engines_shared_prefix.py).
+gradients equal it within fp32 rounding (tests/engines/train/test_train_shared_prefix.py).
 
 `plan` decides from the batch alone whether sharing applies: rows grouped by `prompt_index`,
 each group's prompt checked token by token (a label that does not mean "same prompt" is never

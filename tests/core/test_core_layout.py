@@ -153,6 +153,17 @@ def test_each_engine_room_holds_at_most_a_dozen_modules():
     assert rooms == set(ENGINE_ROOMS), f"engines/ has rooms {sorted(rooms)}; the rule above knows {sorted(ENGINE_ROOMS)}"
 
 
+def test_test_files_are_named_for_their_folder_and_unique():
+    """pytest imports test files by their names (tests/ has no packages): two of one name would clash.
+    `test_<folder>_<topic>.py` keeps them apart, and tells which folder of the code a file tests."""
+    files = sorted((REPO / "tests").rglob("test_*.py"))
+    assert len(files) > 50
+    wrong = [f.relative_to(REPO).as_posix() for f in files if not f.name.startswith(f"test_{f.parent.name}_")]
+    assert not wrong, f"not named test_<folder>_<topic>.py: {wrong}"
+    names = [f.name for f in files]
+    assert len(names) == len(set(names))
+
+
 def test_only_the_tracking_module_talks_to_mlflow():
     users = [p.relative_to(REPO).as_posix() for p in SOURCES if any(n.split(".")[0] == "mlflow" for n in _imports(p))]
     assert users == ["alignflow/tracking.py"]

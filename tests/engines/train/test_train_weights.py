@@ -5,7 +5,7 @@ different response lengths, for each loss aggregation: the whole batch's gradien
 against the sum of the micro-batches' gradients, each loss times its
 `engines.batches.loss_scales` factor and the ranks averaged as DeepSpeed averages
 them. In process, on the tiny model; the same arithmetic runs in the trainer
-(tests/engines/test_engines_memory.py checks it through DeepSpeed).
+(tests/engines/train/test_train_memory.py checks it through DeepSpeed).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@
 - saved round state restores the actor exactly and the rollout engine
   samples from the restored weights.
 
-The wiring tests (tests/engines/test_engines_rl_wiring.py) check a real
+The wiring tests (tests/engines/rl/test_rl_wiring.py) check a real
 step's experience with a non-zero KL coefficient against the `algos`
 functions applied independently to the same tensors.
 """

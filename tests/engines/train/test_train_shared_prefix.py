@@ -1,7 +1,7 @@
 """Each prompt once per group (engines/train/shared_prefix.py), against the full-vocabulary computation.
 
 The reference values are the model's own full logits over every row's whole sequence
-(`full_reference` in test_engines_logits.py, independent of the shared path); values and
+(`full_reference` in test_train_logits.py, independent of the shared path); values and
 parameter gradients must agree within fp32 rounding, while the model sees fewer tokens.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.engines.test_engines_logits import _grads, full_reference
+from tests.engines.train.test_train_logits import _grads, full_reference
 
 
 @pytest.fixture(scope="module")

@@ -91,7 +91,7 @@ def test_a_gpu_engine_process_lets_vllm_compile(on_gpu, compile_disabled):
     code = ("import os; from engines.rollout.actors import prepare_engine_process\n"
             f"prepare_engine_process(1, None, on_gpu={on_gpu})\n"
             "print(os.environ.get('TORCH_COMPILE_DISABLE'))")
-    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2], capture_output=True,
+    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[3], capture_output=True,
                          text=True, timeout=300, env={**os.environ, "TORCH_COMPILE_DISABLE": PROCESS_ENV["TORCH_COMPILE_DISABLE"]})
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == str(compile_disabled)
