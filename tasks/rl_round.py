@@ -53,10 +53,12 @@ def rl_round(stage: PlannedStage, inputs: RoundInputs, ctx: RunContext) -> Stage
                 if checkpoints.due(step + 1, round_cfg.steps):
                     checkpoints.save(step + 1, lambda ref: rl.save_state(ref, step + 1))
             out.add(rl.save_policy(out.ref))  # uploaded by the actor's rank 0, from its node
+            sleeps = rl.engine_sleeps()
         finally:
             rl.shutdown()
         summary = {"rl/steps": float(round_cfg.steps), "rl/steps_run": float(round_cfg.steps - start),
-                   "rl/resumed_from_step": float(start), "rl/final_reward_mean": metrics["reward/mean"]}
+                   "rl/resumed_from_step": float(start), "rl/final_reward_mean": metrics["reward/mean"],
+                   "rl/engine_sleeps": float(sleeps)}
         run.log_metrics(summary)
         return summary
 

@@ -207,6 +207,11 @@ class RLRound:
     def _reward_state(self) -> dict:
         return {} if self.reward_stats is None else {"reward_stats": self.reward_stats.to_dict()}
 
+    def engine_sleeps(self) -> int:
+        """How often this round put its rollout engines to sleep (colocated: once a step), the fewest of any
+        engine: what the engines counted, not what the round meant to do."""
+        return min(e["counts"].get("sleep", 0) for e in self.models.engines.events())
+
     def save_policy(self, target: Source) -> Entries:
         return self.models.actor.save_hf(target)
 

@@ -119,12 +119,17 @@ class RolloutActor:
     def wake(self, tags: list[str] | None = None) -> None:
         self.engine.wake(tags)
 
+    def events(self) -> dict:
+        return self.engine.events()
+
     def device_report(self) -> dict:
-        """The engine's parameter devices (HF backend) and this actor's placement group."""
+        """The engine's parameter devices (HF backend), this actor's placement group, and what the engine was
+        asked to do in order (`sleep`: SleepState.events)."""
         from engines.placement.devices import cpu_report, placement_group_id
 
         report = getattr(self.engine, "device_report", None)
-        return {"placement_group": placement_group_id(), **cpu_report(), **(report() if report else {})}
+        return {"placement_group": placement_group_id(), **cpu_report(), **(report() if report else {}),
+                "sleep": self.engine.events()}
 
 
 def start_rollout_actor(backend: str, model_path: Source, *, num_cpus: float = 1.0, num_gpus: float = 0.0,
@@ -193,6 +198,10 @@ class RolloutEngines:
 
     def wake(self, tags: list[str] | None = None) -> None:
         ray.get([e.wake.remote(tags) for e in self.actors])
+
+    def events(self) -> list[dict]:
+        """Each engine's SleepState.events: what it was asked to do, in order, and counted."""
+        return ray.get([e.events.remote() for e in self.actors])
 
     def shutdown(self) -> None:
         for a in self.actors:

@@ -14,6 +14,7 @@ and both sleep as `SleepState` says. The RL round and the evaluations see only t
 
 from __future__ import annotations
 
+from collections import Counter, deque
 from dataclasses import dataclass
 
 
@@ -45,9 +46,26 @@ class SleepState:
     would wait forever on a request its paused scheduler never runs."""
 
     TAGS = ("weights", "kv_cache")
+    EVENTS_KEPT = 64
     asleep: frozenset[str] = frozenset()
 
+    def _event(self, event: str) -> None:
+        """What the engine was asked to do, in order: "sleep", "wake <tags>", "generate", "update weights".
+        The last EVENTS_KEPT are kept, and every one is counted by kind (`events`), for callers to observe."""
+        if "_events" not in self.__dict__:
+            self._events, self._counts = deque(maxlen=self.EVENTS_KEPT), Counter()
+        self._events.append(event)
+        self._counts[event] += 1
+
+    def events(self) -> dict:
+        """{"events": the last EVENTS_KEPT events, oldest first; "count": all so far; "counts": by kind;
+        "asleep": the tags asleep now}."""
+        counts = dict(self.__dict__.get("_counts", {}))
+        return {"events": list(self.__dict__.get("_events", ())), "count": sum(counts.values()), "counts": counts,
+                "asleep": sorted(self.asleep)}
+
     def _sleeping(self) -> None:
+        self._event("sleep")
         self.asleep = frozenset(self.TAGS)
 
     def _woken(self, tags: list[str] | None) -> list[str]:
@@ -56,9 +74,11 @@ class SleepState:
         unknown = sorted(set(tags) - set(self.TAGS))
         if unknown:
             raise ValueError(f"unknown sleep tags {unknown}; valid: {list(self.TAGS)}")
+        self._event("wake " + " ".join(tags))
         self.asleep = self.asleep - set(tags)
         return tags
 
     def _awake(self, what: str, *, needs: tuple[str, ...]) -> None:
+        self._event(what)
         if self.asleep & set(needs):
             raise RuntimeError(f"rollout engine asked to {what} while {sorted(self.asleep)} sleep(s); wake it first")

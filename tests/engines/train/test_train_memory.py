@@ -205,6 +205,7 @@ def test_colocated_round_sleeps_engines_and_learns(ray_local, tiny_model, tokeni
     from alignflow.config import ActorConfig, PPOConfig, RewardConfig, RolloutConfig, RoundConfig, SyntheticTaskConfig
     from alignflow.data import synthetic
     from engines.batches import filter_prompts
+    from engines.models import load_policy
     from engines.rl.round import RLRound
     from engines.rl.round_models import RoundSetup
     from engines.train.objectives import response_logprobs
@@ -227,11 +228,21 @@ def test_colocated_round_sleeps_engines_and_learns(ray_local, tiny_model, tokeni
         assert all(r.get("device", "cpu") == "cpu" for r in reports)
         first = rl.step(0)
         probe = first.experience.tensors()
-        before = rl.models.actor.evaluate(probe, response_logprobs)
-        second = rl.step(1)  # generates: only possible if the sync woke the engines in order
+        with torch.no_grad():  # the policy the step started from: the model on disk
+            before = response_logprobs(load_policy(tiny_model).eval(), probe)
         after = rl.models.actor.evaluate(probe, response_logprobs)
-        assert (after - before).abs().max() > 1e-4, "the colocated round did not move the policy"
-        assert second.metrics["time/sync"] >= 0 and len(second.rollouts) == 32
+        second = rl.step(1)  # generates: only possible if the sync woke the engines in order
+        assert len(second.rollouts) == 32
+        # What the round asked of the engine, in order (SleepState.events): each step generates, sleeps while
+        # the models train, wakes its weights, takes the update, wakes its KV cache.
+        [log] = [ray.get(e.device_report.remote())["sleep"] for e in rl.models.engines.actors]
+        cycle = ["generate", "sleep", "wake weights", "update weights", "wake kv_cache"]
+        assert log["events"] == cycle * 2 and log["count"] == 10 and log["asleep"] == [], log
+        # Learns: step 0's rewarded responses gained log-probability against its unrewarded ones.
+        rewards, mask = first.experience.rewards, first.experience.action_mask
+        gained = ((after - before) * mask).sum(-1)
+        assert 0 < rewards.sum() < len(rewards)
+        assert gained[rewards == 1].mean() > gained[rewards == 0].mean(), gained
     finally:
         rl.shutdown()
     assert not any(p["state"] == "CREATED" and p["placement_group_id"] == pg.id.hex()
