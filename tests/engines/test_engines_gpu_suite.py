@@ -5,7 +5,8 @@ micro-batches, the reward model with a margin, PPO and GRPO rounds that must mov
 colocation with sleep and wake, the tied-embedding weight update, the evaluation scorers. Run with
 ALIGNFLOW_GPU_TESTS_DEVICE=cpu, everything but the device is theirs: a GPU test that drifted from
 the engines' API, or whose round had nothing to learn from, fails here on every CI run, not first on
-the rare machine with a GPU.
+the rare machine with a GPU. What only a GPU can show (state leaving it, memory given back) is not
+passed here: those tests stop before it and report as skipped, saying what did run.
 """
 
 from __future__ import annotations
@@ -25,13 +26,22 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_the_gpu_suite_passes_on_the_cpu():
     env = {**os.environ, "ALIGNFLOW_GPU_TESTS_DEVICE": "cpu"}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/gpu"],
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-v", "-rs", "-p", "no:cacheprovider", "tests/gpu"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
-    # Every test ran and passed, none deselected, and none skipped (as they are without the variable) but the
-    # one vLLM test that needs a GPU's sleep mode (on the CPU the gpu-small e2e runs colocated vLLM rounds).
-    summary = re.search(r"^(\d+) passed(, 1 skipped)?(, \d+ warnings?)? in [\d.]+s", out, re.M)
-    assert summary and int(summary.group(1)) >= 15, out[-3000:]
-    skipped = re.findall(r"^SKIPPED \[\d+\] (.*)$", out, re.M)
-    assert all("vLLM sleeps only on GPUs" in s for s in skipped) and len(skipped) == bool(summary.group(2)), skipped
+    results = dict(re.findall(r"^tests/gpu/\S+::(\S+) (PASSED|SKIPPED|FAILED|ERROR)", out, re.M))
+    assert len(results) >= 16 and set(results.values()) <= {"PASSED", "SKIPPED"}, results
+    # Skipped, and reported as such: the vLLM test that needs a GPU's sleep mode (on the CPU the gpu-small e2e
+    # runs colocated vLLM rounds), and the tests whose last checks only a GPU can fail (tests/gpu on_gpu_only),
+    # after what runs on the CPU passed. Every other test passed whole.
+    assert {t for t, r in results.items() if r == "SKIPPED"} == {
+        "test_optimizer_state_leaves_the_gpu_and_comes_back[0]",
+        "test_optimizer_state_leaves_the_gpu_and_comes_back[2]",
+        "test_optimizer_state_leaves_the_gpu_and_comes_back[3]",
+        "test_colocated_ppo_sleeps_and_wakes_on_one_gpu",
+        "test_colocated_ppo_on_vllm_sleeps_wakes_and_serves_each_update",
+        "test_engine_host_builds_and_frees_engines_on_gpu"}, results
+    reasons = re.findall(r"^SKIPPED \[\d+\] \S+: (.*)$", out, re.M)
+    assert reasons and all(r.startswith("checked up to its GPU-only part on the CPU") or "vLLM sleeps only on GPUs" in r
+                           for r in reasons), reasons

@@ -7,8 +7,9 @@ Each test asserts where the parameters live (cuda) as well as what the step comp
 With ALIGNFLOW_GPU_TESTS_DEVICE=cpu the same tests run on the CPU, every GPU share 0 and every
 device assertion expecting the CPU: all but the device itself, so that CI, which has no GPU, runs
 this suite's calls into the engines (tests/engines/test_engines_gpu_suite.py). What only a GPU
-shows holds trivially there: optimizer state that "leaves the GPU" (already on the CPU), the
-memory an engine host gives back.
+shows would hold trivially there (optimizer state that "leaves the GPU", already on the CPU; the
+memory an engine host gives back; weights a sleeping engine moves off the GPU): those tests run up
+to that part and then skip, saying so (`on_gpu_only`), so the CPU run never reports it as passed.
 """
 
 from __future__ import annotations
@@ -27,6 +28,16 @@ DEVICE = os.environ.get("ALIGNFLOW_GPU_TESTS_DEVICE", "cuda")
 def gpus(share: float) -> float:
     """A GPU share of Ray's placement: as given on the GPU, 0 on the CPU."""
     return share if DEVICE == "cuda" else 0
+
+
+def on_gpu_only(what_ran: str) -> None:
+    """Where a test's last checks hold only on a GPU, its CPU run stops there as skipped, saying what did run
+    before: it reports as what it is, not as a GPU pass (tests/engines/test_engines_gpu_suite.py counts it)."""
+    if DEVICE != "cuda":
+        pytest.skip(f"{CPU_ONLY_PART}: {what_ran}")
+
+
+CPU_ONLY_PART = "checked up to its GPU-only part on the CPU"
 
 # bf16 has an 8-bit mantissa: a token logprob recomputed by another kernel (HF generate's
 # incremental decoding vs one full forward) differs by up to about 0.1 nats, 0.02 on average.
@@ -92,15 +103,17 @@ def test_optimizer_state_leaves_the_gpu_and_comes_back(ray_gpu, gpu_model, gpu_t
     try:
         first = group.train_step(batch, objectives.causal_lm_objective, weigh=objectives.response_tokens)["loss"]
         devices = lambda: ray.get(group.workers[0].__ray_call__.remote(_optimizer_state_devices))  # noqa: E731
-        assert devices() == [DEVICE]
+        seen = [devices()]
         group.offload_states()
-        assert devices() == ["cpu"]
+        seen.append(devices())
         group.reload_states()
-        assert devices() == [DEVICE]
+        seen.append(devices())
         later = [group.train_step(batch, objectives.causal_lm_objective, weigh=objectives.response_tokens)["loss"] for _ in range(4)]
         assert later[-1] < first - 0.1, (first, later)
     finally:
         group.shutdown()
+    on_gpu_only("optimizer state on the CPU has no GPU to leave: the calls ran and training went on")
+    assert seen == [[DEVICE], ["cpu"], [DEVICE]], seen
 
 
 def test_offloaded_optimizer_steps_with_deepspeeds_cpu_adam(ray_gpu, gpu_model, gpu_tokenizer, task_data):
@@ -230,12 +243,17 @@ def test_colocated_ppo_sleeps_and_wakes_on_one_gpu(ray_gpu, gpu_model, gpu_rewar
         assert len(rl.models.placement_group.bundle_specs) == 1
         _assert_round_on_device(rl)
         _moves_policy(rl)  # step 2 generates only if step 1's sync woke the engine in order
-        # While training, the engine slept: its weights left the GPU and came back.
+        # What the round asked of the engine (SleepState.events): each step it generated, slept while the
+        # models trained, woke its weights, took the update, woke its KV cache.
         engine = rl.models.engines.actors[0]
+        log = ray.get(engine.device_report.remote())["sleep"]
+        assert log["events"] == ["generate", "sleep", "wake weights", "update weights", "wake kv_cache"] * 2, log
+        on_gpu_only("the round slept and woke its engine in order; on the CPU its weights have no GPU to leave")
+        # And what sleeping does on a GPU: the engine's weights leave it, and come back when woken.
         ray.get(engine.sleep.remote())
-        assert ray.get(engine.device_report.remote())["policy"] == ["cpu"]
+        asleep = ray.get(engine.device_report.remote())["policy"]
         ray.get(engine.wake.remote(["weights"]))
-        assert ray.get(engine.device_report.remote())["policy"] == [DEVICE]
+        assert (asleep, ray.get(engine.device_report.remote())["policy"]) == (["cpu"], [DEVICE])
     finally:
         rl.shutdown()
 
@@ -379,6 +397,8 @@ def test_engine_host_builds_and_frees_engines_on_gpu(ray_gpu, tmp_path_factory):
     from engines.transport.wire import checkpoint_shapes
 
     weights = 2 * sum(prod(shape) for shape in checkpoint_shapes(str(model)).values())  # bf16 bytes
+    on_gpu_only("an engine on the CPU allocates no GPU memory to give back: the engines were built, sampled "
+                "and closed in one process")
     assert kept[0] == kept[1] == kept[2], f"GPU bytes kept after each engine closed: {kept} ({weights} a model)"
     assert residue < weights / 2, f"{residue} bytes on the GPU, cuBLAS workspaces cleared ({weights} a model; {kept})"
 

@@ -366,7 +366,9 @@ def test_offloading_and_reloading_the_optimizer_state_leaves_training_unchanged(
                                                                                 zero_stage):
     """ZeRO-3's own offload moves master weights and Adam moments only for DeepSpeed's FusedAdam (it asserts
     so); the trainer's optimizer is torch's AdamW, so those two move here. Steps after a round trip equal
-    the steps of a group that never offloaded."""
+    the steps of a group that never offloaded. On the CPU both ends of the round trip are the CPU: what
+    this catches here is a round trip that loses or changes the state; that the state leaves the device
+    only a GPU shows (tests/gpu: test_optimizer_state_leaves_the_gpu_and_comes_back)."""
     import ray
 
     schedule = plan(sft_data["input_ids"].shape[0], BATCH, epochs=100, max_steps=20, seed=0)
