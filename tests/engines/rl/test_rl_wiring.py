@@ -184,6 +184,43 @@ def test_clip_higher_reaches_the_loss(tiny_model):
         assert metrics["clip_fraction"] == pytest.approx((tokens if clip_high == 0.2 else 0.0, tokens))
 
 
+def test_icepop_masks_the_tokens_whose_engines_disagree_out_of_the_loss(tiny_model):
+    """IcePop (`tis_mode: mask`) in the policy objective on a real model: a token whose trainer/sampler
+    ratio lies outside [tis_low, tis_cap] leaves the loss, and the masked fraction counts it; the rest
+    keep their ratio as a weight. The expected figures are worked by hand."""
+    from engines.models import load_policy
+    from engines.rl.experience import from_rollouts
+    from engines.rollout.base import Rollout
+    from engines.train import objectives
+
+    model = load_policy(tiny_model).eval()
+    exp = from_rollouts([Rollout(0, [5, 6, 7], [11, 12, 13], "", [0.0] * 3, True),
+                         Rollout(0, [5, 6, 7], [14, 15], "", [0.0] * 2, True)], pad_id=0)
+    with torch.no_grad():
+        logprobs = objectives.response_logprobs(model, exp.tensors())
+    mask = exp.action_mask
+    # Trainer over sampler probability of each sampled token; 3.0 and 0.25 lie outside [0.5, 2.0].
+    ratios = torch.tensor([[3.0, 1.0, 0.25], [1.5, 0.6, 1.0]])  # the last one is padding
+    batch = exp.with_(old_logprobs=logprobs * mask, rollout_logprobs=(logprobs - ratios.log()) * mask,
+                      advantages=mask.clone().float(), ref_logprobs=logprobs).tensors()
+    common = dict(clip_low=0.2, clip_high=0.2, dual_clip=None, agg="token_mean", entropy_coef=0.0, kl_loss_coef=0.0,
+                  kl_estimator="k3", kl_clamp=None, tis_cap=2.0, tis_low=0.5)
+    loss, metrics = objectives.policy_objective(model, batch, tis_mode="mask", **common)
+    # new = old: every PPO ratio is 1, so each token's loss is -advantage x weight: -(1.0 + 1.5 + 0.6) / 5 tokens
+    assert loss.item() == pytest.approx(-(1.0 + 1.5 + 0.6) / 5, rel=1e-5)
+    assert metrics["tis_masked_fraction"] == pytest.approx((2.0, 5.0))  # (masked tokens, tokens)
+    assert metrics["tis_weight_mean"] == pytest.approx((1.0 + 1.5 + 0.6, 5.0), rel=1e-5)
+    # The same tokens truncated (TIS) instead: min(ratio, 2), floored at 0.5: nothing leaves the loss.
+    loss, metrics = objectives.policy_objective(model, batch, tis_mode="truncate", **common)
+    assert loss.item() == pytest.approx(-(2.0 + 1.0 + 0.5 + 1.5 + 0.6) / 5, rel=1e-5)
+    assert metrics["tis_masked_fraction"] == pytest.approx((0.0, 5.0))
+
+
+# vLLM's and the trainer's fp32 log-probabilities of a token differ by up to ~5e-7 on the CPU (0 on about
+# half the tokens): a range this narrow masks some tokens and keeps others, so a real round shows masking.
+TIS_LOW, TIS_HIGH = 1 - 2e-7, 1 + 2e-7
+
+
 def test_gspo_normalised_clipped_rewards_truncation_icepop_mean_range(ray_local, tiny_model, reference_model,
                                                                        prompts, tmp_path):
     import json
@@ -199,7 +236,7 @@ def test_gspo_normalised_clipped_rewards_truncation_icepop_mean_range(ray_local,
         reward=RewardConfig(source="rule", rule=f"{__name__}:even_answers_agree", normalize=True, clip=1.0,
                             truncation_penalty=0.25),
         kl=KLConfig(coef=0.0),
-        ppo=PPOConfig(minibatch_size=8, epochs=1, tis_cap=2.0, tis_low=0.5, tis_mode="mask", dynamic_sampling=True,
+        ppo=PPOConfig(minibatch_size=8, epochs=1, tis_cap=TIS_HIGH, tis_low=TIS_LOW, tis_mode="mask", dynamic_sampling=True,
                       dynamic_sampling_mean_range=(low, high), advantage_std_norm=False),
         actor=ActorConfig(learning_rate=1e-3))
     seen = {}
@@ -252,7 +289,15 @@ def test_gspo_normalised_clipped_rewards_truncation_icepop_mean_range(ray_local,
     # the GSPO objective with its spec's clip range and aggregation, and IcePop masking
     actor = objectives[0]
     assert (actor["clip_low"], actor["clip_high"], actor["agg"]) == (3e-4, 4e-4, "seq_mean_token_mean")
-    assert (actor["tis_mode"], actor["tis_low"], actor["tis_cap"], actor["on_policy"]) == ("mask", 0.5, 2.0, False)
-    assert 0.0 <= m["tis_masked_fraction"] <= 1.0 and "tis_weight_mean" in m
+    assert (actor["tis_mode"], actor["tis_low"], actor["tis_cap"], actor["on_policy"]) == ("mask", TIS_LOW, TIS_HIGH, False)
+    # IcePop in the real round: of the trained rows' tokens, some lie outside [TIS_LOW, TIS_HIGH] and some
+    # inside; the step masked a share of them out (weight 0) and kept the rest (weight ~1). The step's figures
+    # average its minibatches', so they are bounded here (the test above works the mask's arithmetic).
+    sel = exp.action_mask[out.trained_rows].bool()
+    rho = (exp.old_logprobs[out.trained_rows] - exp.rollout_logprobs[out.trained_rows]).exp()[sel]
+    outside = (rho < TIS_LOW) | (rho > TIS_HIGH)
+    assert 0 < outside.sum() < outside.numel(), f"masked {int(outside.sum())} of {outside.numel()}: nothing to tell apart"
+    assert 0 < m["tis_masked_fraction"] < 1 and 0 < m["tis_weight_mean"] < 1, m
+    assert m["tis_weight_mean"] == pytest.approx(1 - m["tis_masked_fraction"], abs=1e-5)
     assert seen["objective"] is objective_fns.gspo_objective
     assert exp.old_logprobs is not None  # several optimizer steps: the old policy's forward ran
