@@ -267,7 +267,7 @@ def _streams_merged_weights(group, tiny_model, probe) -> None:
         ray.kill(engine)
 
 
-@pytest.mark.parametrize("zero_stage", [3])
+@pytest.mark.parametrize("zero_stage", [2, 3])
 def test_lora_under_zero_with_two_workers(ray_local, tiny_model, sft_data, tmp_path, zero_stage):
     """Sharded (ZeRO-2) or partitioned (ZeRO-3) across two ranks: the export is merged, adapters disabled
     give the base, and the adapter with its optimizer state resumes exactly."""
