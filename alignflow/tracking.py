@@ -96,6 +96,18 @@ class Tracker:
                  "total": int(r.data.tags.get("alignflow.total_steps", 0)), "start": r.info.start_time,
                  "end": r.info.end_time, "metrics": dict(r.data.metrics)} for r in children]
 
+    def stop_children(self, parent_run_id: str) -> list[str]:
+        """Mark KILLED the stage runs under `parent_run_id` that are still RUNNING: the pipeline run was
+        stopped, and its stages with it (their processes, Ray workers, end with the CLI's Ray and could
+        not end their runs themselves)."""
+        client = self._mlflow.MlflowClient()
+        running = [r.info.run_id for r in self._search(f"tags.`mlflow.parentRunId` = '{parent_run_id}' and "
+                                                       "attributes.status = 'RUNNING'")]
+        for run_id in running:
+            client.set_tag(run_id, "alignflow.end_reason", "the pipeline run was stopped")
+            client.set_terminated(run_id, status="KILLED")
+        return running
+
     def reap_stale(self) -> list[str]:
         """Mark KILLED every RUNNING run of the experiment owned by a process on this host that is gone."""
         client = self._mlflow.MlflowClient()

@@ -104,11 +104,14 @@ def opened_parent_runs() -> list[str]:
 
 def wait_all(ctx: RunContext, futures: dict[str, Any]) -> tuple[dict[str, StageResult], dict[str, str]]:
     """Every stage's result and final state name; the parent run is closed FAILED if one failed,
-    KILLED if the wait was interrupted (Ctrl-C, SIGTERM)."""
+    KILLED if the wait was interrupted (Ctrl-C, SIGTERM), and then so are its stage runs still running."""
     try:
         results = {name: f.result() for name, f in futures.items()}
     except BaseException as exc:
-        ctx.tracker().finish(ctx.parent_run_id, status=end_status(exc))
+        tracker, status = ctx.tracker(), end_status(exc)
+        if status == "KILLED":
+            tracker.stop_children(ctx.parent_run_id)
+        tracker.finish(ctx.parent_run_id, status=status)
         raise
     return results, {name: f.state.name for name, f in futures.items()}
 

@@ -140,11 +140,12 @@ def alignflow_cli() -> Callable[..., CliResult]:
 
 
 def kill_at_checkpoint(args: list[str], *, env: dict[str, str], cwd: Path, checkpoint_glob: Path,
-                       timeout: float = 600) -> None:
-    """Start `python -m flows.cli ARGS`, SIGKILL its whole session as soon as a
-    file matching `checkpoint_glob` (absolute, with wildcards) exists, and
-    assert that everything it started (CLI, Ray head and workers, the Prefect
-    server) is gone within 60 s, without `ray stop`.
+                       timeout: float = 600, signum: int = signal.SIGKILL) -> int:
+    """Start `python -m flows.cli ARGS`, send `signum` to its whole session as soon as a
+    file matching `checkpoint_glob` (absolute, with wildcards) exists (SIGINT: what Ctrl-C
+    sends a terminal's foreground group), and assert that everything it started (CLI, Ray
+    head and workers, the Prefect server) is gone within 60 s of the CLI's exit, without
+    `ray stop`. Returns the CLI's exit status.
     """
     root, pattern = Path(checkpoint_glob.anchor), str(checkpoint_glob.relative_to(checkpoint_glob.anchor))
     cwd.mkdir(parents=True, exist_ok=True)
@@ -162,8 +163,8 @@ def kill_at_checkpoint(args: list[str], *, env: dict[str, str], cwd: Path, check
         # The run's session (CLI, Ray head, Ray workers) and descendants in other
         # sessions (the CLI's Prefect server).
         tree = process_tree(proc.pid)
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
+        os.killpg(proc.pid, signum)
+        proc.wait(timeout=30 if signum == signal.SIGKILL else 180)  # a stop ends its runs and servers first
         # Ray workers (own process groups) and the Prefect server (own session)
         # must go by themselves: Ray fate-sharing; the server's parent-death signal.
         deadline = time.monotonic() + 60
@@ -177,6 +178,7 @@ def kill_at_checkpoint(args: list[str], *, env: dict[str, str], cwd: Path, check
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         kill_tree(tree)
+    return proc.returncode
 
 
 @pytest.fixture(scope="session")

@@ -287,10 +287,22 @@ def test_wait_all_closes_the_parent_killed_on_an_interrupt_failed_on_an_error(tr
     from tasks.context import RunContext
 
     parent = tracker.start_parent("pipeline", {})
+    with tracker.stage_run(parent, "data", {}) as done:
+        pass
+    # A stage still running when the wait ends (its owner, a Ray worker, ends with the CLI's Ray).
+    running = tracker.stage_run(parent, "sft", {})
+    sft = running.__enter__().run_id
     infra = InfraConfig(mlflow_tracking_uri=tracker.tracking_uri, mlflow_experiment="alignflow-test")
     with pytest.raises(type(exc)):
         wait_all(RunContext(infra=infra, parent_run_id=parent), {"sft": _Stopped(exc)})
-    assert _client(tracker).get_run(parent).info.status == status
+    client = _client(tracker)
+    assert client.get_run(parent).info.status == status
+    # Stopped: the stage is stopped with it. Failed: the other stages go on, and end their runs themselves.
+    assert client.get_run(sft).info.status == ("KILLED" if status == "KILLED" else "RUNNING")
+    assert client.get_run(done.run_id).info.status == "FINISHED"
+    if status == "KILLED":
+        assert client.get_run(sft).data.tags["alignflow.end_reason"] == "the pipeline run was stopped"
+    running.__exit__(None, None, None)
 
 
 def test_resume_skips_a_corrupted_checkpoint_for_the_one_before(tracker, tmp_path):
