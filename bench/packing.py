@@ -77,7 +77,7 @@ def main() -> None:
     width = batch["input_ids"].shape[1]
     max_tokens = width * args.wider
     tokens = int(batch["attention_mask"].sum())
-    packed_rows = pack_batch(batch, max_tokens)["input_ids"]
+    packed_rows = pack_batch(batch, max_tokens)[0]["input_ids"]
     layouts = {
         "unpacked": causal_lm_objective,
         "packed": lambda m, b: packed_causal_lm_objective(m, b, max_tokens=max_tokens),

@@ -23,7 +23,7 @@ from torch import Tensor
 from algos.preference import pairwise_reward_loss
 from algos.sequence import sft_loss
 from engines.train.logits import keep_last_logits, logprobs_from_hidden, unwrap
-from engines.train.packing import model_inputs, pack_batch
+from engines.train.packing import PackStats, model_inputs, pack_batch
 
 
 def packed_hidden(model, packed: dict[str, Tensor]) -> Tensor:
@@ -86,7 +86,7 @@ def packed_last_token_scores(model, packed: dict[str, Tensor], n: int) -> Tensor
 # ---- drop-ins on right-padded batches -------------------------------------------------------
 
 
-def _pack(model, batch: dict[str, Tensor], max_tokens: int | None) -> dict[str, Tensor]:
+def _pack(model, batch: dict[str, Tensor], max_tokens: int | None) -> tuple[dict[str, Tensor], PackStats]:
     pad = unwrap(model).config.pad_token_id
     return pack_batch(batch, max_tokens, pad_id=0 if pad is None else pad)
 
@@ -94,28 +94,43 @@ def _pack(model, batch: dict[str, Tensor], max_tokens: int | None) -> dict[str, 
 def packed_causal_lm_objective(model, batch: dict[str, Tensor], *, max_tokens: int | None = None,
                                ) -> tuple[Tensor, dict[str, float]]:
     """objectives.causal_lm_objective over the batch packed into rows of at most `max_tokens`
-    (None: the batch's padded width): the same loss and metrics."""
-    packed = _pack(model, batch, max_tokens)
+    (None: the batch's padded width): the same loss and metrics, and how it packed (PackStats.as_metrics)."""
+    packed, stats = _pack(model, batch, max_tokens)
     loss, tokens = packed_sft_loss(model, packed)
-    return loss, {"loss": loss.item(), "response_length": (float(tokens), float(batch["input_ids"].shape[0]))}
+    return loss, {"loss": loss.item(), "response_length": (float(tokens), float(batch["input_ids"].shape[0])),
+                  **stats.as_metrics()}
+
+
+def packed_sequence_logps_and_stats(model, batch: dict[str, Tensor], *,
+                                    max_tokens: int | None = None) -> tuple[Tensor, PackStats]:
+    """engines.train.preference.sequence_logps (Σ_t loss_mask_t · log π(token_t | tokens_<t)) packed: (B,);
+    and how it packed."""
+    packed, stats = _pack(model, batch, max_tokens)
+    return packed_sample_logps(model, packed, batch["input_ids"].shape[0]), stats
 
 
 def packed_sequence_logps(model, batch: dict[str, Tensor], *, max_tokens: int | None = None) -> Tensor:
-    """engines.train.preference.sequence_logps (Σ_t loss_mask_t · log π(token_t | tokens_<t)) packed: (B,)."""
-    return packed_sample_logps(model, _pack(model, batch, max_tokens), batch["input_ids"].shape[0])
+    """`packed_sequence_logps_and_stats`' log-likelihoods: (B,)."""
+    return packed_sequence_logps_and_stats(model, batch, max_tokens=max_tokens)[0]
+
+
+def _packed_scores(model, batch: dict[str, Tensor], max_tokens: int | None) -> tuple[Tensor, PackStats]:
+    packed, stats = _pack(model, batch, max_tokens)
+    return packed_last_token_scores(model, packed, batch["input_ids"].shape[0]), stats
 
 
 def packed_scalar_scores(model, batch: dict[str, Tensor], *, max_tokens: int | None = None) -> Tensor:
     """objectives.scalar_scores packed: (B,) float32."""
-    return packed_last_token_scores(model, _pack(model, batch, max_tokens), batch["input_ids"].shape[0])
+    return _packed_scores(model, batch, max_tokens)[0]
 
 
 def packed_pairwise_objective(model, batch: dict[str, Tensor], margin: float = 0.0, *,
                               max_tokens: int | None = None) -> tuple[Tensor, dict[str, float]]:
-    """objectives.pairwise_objective (Bradley-Terry on [chosen..., rejected...]) with packed scores."""
-    scores = packed_scalar_scores(model, batch, max_tokens=max_tokens)
+    """objectives.pairwise_objective (Bradley-Terry on [chosen..., rejected...]) with packed scores; and
+    how it packed."""
+    scores, stats = _packed_scores(model, batch, max_tokens)
     n = scores.shape[0] // 2
     margins = torch.full((n,), margin, device=scores.device) if margin else None
     out = pairwise_reward_loss(scores[:n], scores[n:], margin=margins)
     return out.loss, {"loss": out.loss.item(), "accuracy": float(out.accuracy),
-                      "reward_margin": float(out.reward_margin)}
+                      "reward_margin": float(out.reward_margin), **stats.as_metrics()}

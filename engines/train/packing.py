@@ -46,8 +46,11 @@ class PackStats:
     def fill(self) -> float:
         return self.tokens / max(1, self.rows * self.width)
 
-    def as_metrics(self) -> dict[str, float]:
-        return {"packing/samples": self.samples, "packing/rows": self.rows, "packing/fill": self.fill}
+    def as_metrics(self) -> dict[str, tuple[float, float]]:
+        """As (sum, count) pairs (engines/batches.add_metrics), exact over micro-batches and ranks:
+        `packing/fill` real tokens per slot, `packing/rows_per_sample` (under 1 where samples share rows)."""
+        return {"packing/fill": (float(self.tokens), float(self.rows * self.width)),
+                "packing/rows_per_sample": (float(self.rows), float(self.samples))}
 
 
 def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
@@ -138,13 +141,14 @@ def pack_rows(tensors: dict[str, Tensor], max_tokens: int, *, pad_id: int = 0) -
     return out, PackStats(samples=len(lengths), rows=len(bins), width=width, tokens=sum(lengths))
 
 
-def pack_batch(batch: dict[str, Tensor], max_tokens: int | None = None, *, pad_id: int = 0) -> dict[str, Tensor]:
+def pack_batch(batch: dict[str, Tensor], max_tokens: int | None = None, *,
+               pad_id: int = 0) -> tuple[dict[str, Tensor], PackStats]:
     """A right-padded batch packed on the fly, rows of at most `max_tokens` (None: the batch's padded
-    width, which every row fits), on the batch's device."""
+    width, which every row fits), on the batch's device; and how it packed."""
     device = batch["input_ids"].device
     cpu = {k: batch[k].cpu() for k in ("input_ids", "attention_mask", "loss_mask") if k in batch}
-    packed, _ = pack_rows(cpu, max_tokens or int(batch["input_ids"].shape[1]), pad_id=pad_id)
-    return {k: v.to(device) for k, v in packed.items()}
+    packed, stats = pack_rows(cpu, max_tokens or int(batch["input_ids"].shape[1]), pad_id=pad_id)
+    return {k: v.to(device) for k, v in packed.items()}, stats
 
 
 # ---- attention ----------------------------------------------------------------------------

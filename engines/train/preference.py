@@ -19,7 +19,6 @@ and `ref_kl_logps`.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -101,15 +100,18 @@ def _reward_metrics(out) -> dict[str, float]:
             "chosen_reward": float(out.chosen_rewards), "rejected_reward": float(out.rejected_rewards)}
 
 
-def _logps(rollouts: bool, packing_max_tokens: int | None | bool):
-    """The sequence log-likelihood function: rollout rows, data rows, or data rows packed (engines/train/packing.py)."""
+def _logps(model, batch: dict[str, torch.Tensor], rollouts: bool,
+           packing_max_tokens: int | None | bool) -> tuple[torch.Tensor, dict]:
+    """Sequence log-likelihoods (B,) of rollout rows, data rows, or data rows packed (engines/train/packing.py);
+    and, packed, how they packed (PackStats.as_metrics), else {}."""
     if rollouts:
-        return response_logps
+        return response_logps(model, batch), {}
     if packing_max_tokens is False:
-        return sequence_logps
-    from engines.train.packed_objectives import packed_sequence_logps
+        return sequence_logps(model, batch), {}
+    from engines.train.packed_objectives import packed_sequence_logps_and_stats
 
-    return functools.partial(packed_sequence_logps, max_tokens=packing_max_tokens)
+    logps, stats = packed_sequence_logps_and_stats(model, batch, max_tokens=packing_max_tokens)
+    return logps, stats.as_metrics()
 
 
 def dpo_objective(model, batch: dict[str, torch.Tensor], *, loss_type: str, beta: float, label_smoothing: float,
@@ -121,12 +123,12 @@ def dpo_objective(model, batch: dict[str, torch.Tensor], *, loss_type: str, beta
     Metrics: loss, accuracy (share of pairs whose implicit reward β(log π − log π_ref) ranks chosen
     first), reward_margin, chosen_reward, rejected_reward. `packing_max_tokens`: False, or pack each batch
     into rows of that many tokens (None: its padded width)."""
-    logps = _logps(rollouts, packing_max_tokens)(model, batch)
+    logps, packing = _logps(model, batch, rollouts, packing_max_tokens)
     ref = batch["ref_logps"]
     n = logps.shape[0] // 2
     out = dpo_loss(logps[:n], logps[n:], ref[:n], ref[n:], beta=beta, loss_type=loss_type,
                    label_smoothing=label_smoothing)
-    return out.loss, _reward_metrics(out)
+    return out.loss, _reward_metrics(out) | packing
 
 
 def kto_reference_point(model, micro_batches: list[dict[str, torch.Tensor]], device: torch.device | str, *,
@@ -134,12 +136,11 @@ def kto_reference_point(model, micro_batches: list[dict[str, torch.Tensor]], dev
     """KTO's reference point z0 = mean_b (log π − log π_ref) over the mismatched `kl_*` rows of all
     `micro_batches` and of every rank of a training group (a sum and a count all-reduced), without
     gradient: () float32 on `device`, unclamped (kto_loss clamps it at 0)."""
-    seq = _logps(False, packing_max_tokens)
     total = torch.zeros(2, dtype=torch.float64, device=device)
     with torch.no_grad():
         for micro in micro_batches:
             kl_rows = {k.removeprefix("kl_"): v.to(device) for k, v in micro.items() if k.startswith("kl_")}
-            diff = (seq(model, kl_rows) - micro["ref_kl_logps"].to(device)).double()
+            diff = (_logps(model, kl_rows, False, packing_max_tokens)[0] - micro["ref_kl_logps"].to(device)).double()
             total += torch.stack([diff.sum(), diff.new_tensor(float(diff.numel()))])
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.all_reduce(total)
@@ -153,10 +154,10 @@ def kto_objective(model, batch: dict[str, torch.Tensor], *, beta: float, desirab
     the reference point `z0` (None: `kto_reference_point` of this batch alone)."""
     if z0 is None:
         z0 = kto_reference_point(model, [batch], batch["input_ids"].device, packing_max_tokens=packing_max_tokens)
-    logps = _logps(False, packing_max_tokens)(model, batch)
+    logps, packing = _logps(model, batch, False, packing_max_tokens)
     out = kto_loss(logps, batch["ref_logps"], batch["desirable"], z0, beta=beta,
                    desirable_weight=desirable_weight, undesirable_weight=undesirable_weight)
-    return out.loss, _reward_metrics(out) | {"kl_reference_point": float(out.kl)}
+    return out.loss, _reward_metrics(out) | {"kl_reference_point": float(out.kl)} | packing
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import re
 import textwrap
@@ -351,8 +352,9 @@ def test_rule_reward_rounds_of_mixed_kinds_need_no_reward_model(small_pipeline_a
 
 def test_the_gpu_config_runs_end_to_end_on_the_cpu(gpu_config_on_cpu, cli_env, alignflow_cli, tmp_path):
     """configs/gpu-small.yaml at a small shape and without GPUs: tied embeddings, bf16, gradient
-    checkpointing, PPO rounds with every model colocated (vLLM sleeping while they train), and
-    evaluations whose engine and scorer take turns. Its SFT checkpoint stays tied."""
+    checkpointing, PPO rounds with every model colocated (the engines, as they count it, put to sleep
+    once a step while the models train), and evaluations whose engine is built and closed inside one
+    call (in the run's engine host), before their scorer starts. Its SFT checkpoint stays tied."""
     from safetensors import safe_open
 
     small = ["data.synthetic.num_sft=128", "data.synthetic.num_preference=128", "data.synthetic.num_rl_prompts=64",
@@ -364,6 +366,11 @@ def test_the_gpu_config_runs_end_to_end_on_the_cpu(gpu_config_on_cpu, cli_env, a
     assert set(stages) == {*BASE_STAGES, "round_1", "round_2", "eval_round_1", "eval_round_2"}
     assert all(state == "Completed" for state, _ in stages.values()), stages
     assert set(parse_table(res.stdout)) == {"base", "sft", "round_1", "round_2"}
+    client = mlflow_client(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    runs = {r.data.tags.get("alignflow.stage"): r for r in client.search_runs([experiment_id(client)])}
+    assert [runs[f"round_{i}"].data.metrics["rl/engine_sleeps"] for i in (1, 2)] == [2.0, 2.0]
+    evals = [n for n in runs if n and n.startswith("eval_") and n != "eval_reward_model"]
+    assert len(evals) == 4 and {runs[n].data.tags["alignflow.engine_process"] for n in evals} == {"run host"}
     (sft,) = (tmp_path / "cwd" / "artifacts" / "sft").iterdir()
     with safe_open(str(sft / "model.safetensors"), framework="pt") as st:
         assert "model.embed_tokens.weight" in st.keys() and "lm_head.weight" not in st.keys()
@@ -488,6 +495,38 @@ def test_killed_sft_resumes_from_checkpoint(small_pipeline_args, cli_env, alignf
     print(f"killed after checkpoint step {resumed}; rerun {r.rerun.seconds:.0f} s")
 
 
+def test_ctrl_c_mid_sft_ends_the_runs_killed_and_the_rerun_resumes(small_pipeline_args, cli_env, alignflow_cli,
+                                                                    process_tools, tmp_path):
+    """SIGINT to `alignflow run` mid-SFT, sent to its process group as Ctrl-C sends it: the CLI stops with a
+    nonzero status and nothing it started outlives it, the MLflow parent run ends KILLED and no stage run is
+    left RUNNING; the rerun resumes SFT from its last checkpoint."""
+    import signal
+
+    total = 400
+    args = [*small_pipeline_args(tmp_path, rounds=0), "sft.epochs=25", f"sft.max_steps={total}",
+            "sft.checkpoint_every=20", "sft.log_every=50"]
+    root, cwd, env = tmp_path / "artifacts", tmp_path / "cwd", cli_env()
+    pattern = "sft/*/checkpoints/step-*/manifest.json"
+    status = process_tools.kill_at_checkpoint(["run", *args], env=env, cwd=cwd, checkpoint_glob=root / pattern,
+                                              signum=signal.SIGINT)
+    assert status != 0, (cwd / "killed.err").read_text()[-3000:]
+    step = max(int(p.parent.name.removeprefix("step-")) for p in root.glob(pattern))
+
+    client = mlflow_client(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    runs = client.search_runs([experiment_id(client)])
+    parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    assert [r.info.status for r in parents] == ["KILLED"], [(r.info.run_name, r.info.status) for r in runs]
+    assert not [r for r in runs if r.info.status == "RUNNING"], [(r.info.run_name, r.info.status) for r in runs]
+    [sft] = [r for r in runs if r.data.tags.get("alignflow.stage") == "sft"]
+    assert sft.info.status == "KILLED"
+
+    rerun = alignflow_cli(["stage", "sft", *args], env=env, cwd=cwd)
+    assert rerun.returncode == 0, rerun.describe()
+    metrics = stage_json(rerun.stdout)["metrics"]
+    assert metrics["train/resumed_from_step"] == step and metrics["train/steps_run"] == total - step
+    print(f"Ctrl-C after checkpoint step {step}; the rerun resumed in {rerun.seconds:.0f} s")
+
+
 def test_killed_round_resumes_and_finishes_its_steps(small_pipeline_args, cli_env, alignflow_cli, process_tools,
                                                     tmp_path):
     total = 40
@@ -562,7 +601,8 @@ def test_kto_then_packed_dpo_reuse_the_cached_reference_and_log_per_step_rewards
 
     # Another loss and beta: the same data and reference, so the reference's log-probabilities come from cache.
     # Packed rows this time (per-sample positions, block mask): the same stage code, through DeepSpeed on Ray.
-    dpo_cfg = {**small, "loss": "dpo", "beta": 0.3, "packing": True}
+    # Rows of 64 tokens hold several of these short pairs' rows (of the batch's padded width, each holds one).
+    dpo_cfg = {**small, "loss": "dpo", "beta": 0.3, "packing": True, "packing_max_tokens": 64}
     dpo = alignflow_cli([*base, f"preference={json.dumps(dpo_cfg)}"], env=cli_env(),
                         cwd=tmp_path / "cwd")
     assert dpo.returncode == 0, dpo.describe()
@@ -570,6 +610,21 @@ def test_kto_then_packed_dpo_reuse_the_cached_reference_and_log_per_step_rewards
     assert len(committed("preference")) == 2 and len(runs("preference")) == 2
     metrics = stage_json(dpo.stdout)["metrics"]
     assert metrics["train/steps"] == 4 and 0.0 <= metrics["train/final_accuracy"] <= 1.0
+    kto_run, dpo_run = sorted(runs("preference"), key=lambda r: r.info.start_time)
+
+    def history(run, name: str) -> list[float]:
+        return [m.value for m in sorted(client.get_metric_history(run.info.run_id, f"train/{name}"), key=lambda m: m.step)]
+
+    # Packed: every step's samples shared rows (fewer rows than samples); the KTO run, unpacked, reports none.
+    packing = history(dpo_run, "packing/rows_per_sample")
+    assert len(packing) == 4 and all(0 < v < 1 for v in packing), packing
+    assert all(0 < v <= 1 for v in history(dpo_run, "packing/fill"))
+    assert history(kto_run, "packing/rows_per_sample") == []
+    # DPO through the packed rows: the first step's policy is the reference (the SFT model), so its loss is
+    # -log sigmoid(0) = log 2 and its margin 0; the loss then falls.
+    loss, margin = history(dpo_run, "loss"), history(dpo_run, "reward_margin")
+    assert loss[0] == pytest.approx(math.log(2), abs=1e-3) and margin[0] == pytest.approx(0.0, abs=1e-3), (loss, margin)
+    assert loss[-1] < loss[0], loss
 
 
 def test_killed_dpo_resumes_from_checkpoint(small_pipeline_args, cli_env, alignflow_cli, process_tools, tmp_path):

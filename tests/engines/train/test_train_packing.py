@@ -31,6 +31,8 @@ def test_pack_layout_by_hand():
     assert packed["loss_mask"].tolist() == [[0, 0, 1, 1, 1, 0], [0, 0, 0, 1, 0, 1], [0, 1, 1, 0, 0, 0]]
     assert (stats.samples, stats.rows, stats.width, stats.tokens) == (4, 3, 6, 14)
     assert stats.fill == pytest.approx(14 / 18)
+    # as step metrics: (sum, count) pairs, so micro-batches and ranks add up exactly
+    assert stats.as_metrics() == {"packing/fill": (14.0, 18.0), "packing/rows_per_sample": (3.0, 4.0)}
     # every token kept, each sample whole and in order, in exactly one row
     for i, seq in enumerate(SEQS):
         rows, cols = (packed["sample_index"] == i).nonzero(as_tuple=True)
@@ -116,7 +118,7 @@ def test_packed_sft_loss_and_gradients_equal_unpacked(policy, tokenizer, wider):
 
     batch = _batch(tokenizer)
     width = batch["input_ids"].shape[1]
-    packed = pack_batch(batch, width * wider)
+    packed, _ = pack_batch(batch, width * wider)
     assert packed["input_ids"].shape[0] < batch["input_ids"].shape[0]  # several samples per row
 
     grads = []
@@ -144,7 +146,7 @@ def test_packed_token_and_sequence_logps_equal_unpacked(policy, tokenizer):
     with torch.no_grad():
         per_token = masked_next_token_logprobs(policy, batch, batch["loss_mask"])
         expected = (per_token.double() * batch["loss_mask"][:, 1:]).sum(1)
-        logprobs, sample, position = packed_token_logprobs(policy, pack_batch(batch, 2 * width))
+        logprobs, sample, position = packed_token_logprobs(policy, pack_batch(batch, 2 * width)[0])
         got = packed_sequence_logps(policy, batch, max_tokens=2 * width)
     # token by token, placed back in the unpacked (B, L - 1) layout
     assert logprobs.numel() == int(batch["loss_mask"][:, 1:].sum())
@@ -177,7 +179,7 @@ def test_the_mask_blocks_attention_across_samples(policy, tokenizer):
     from engines.train.packed_objectives import packed_hidden
 
     batch = _batch(tokenizer, n=6, seed=4)
-    packed = pack_batch(batch, 2 * batch["input_ids"].shape[1])
+    packed, _ = pack_batch(batch, 2 * batch["input_ids"].shape[1])
     rows = packed["sample_index"].tolist()
     row = next(r for r, samples in enumerate(rows) if len(set(samples) - {-1}) > 1)  # a row of several samples
     sample = packed["sample_index"][row]
