@@ -120,16 +120,15 @@ class RolloutActor:
         self.engine.wake(tags)
 
     def events(self) -> dict:
+        """What the engine was asked to do, in order and counted (SleepState.events)."""
         return self.engine.events()
 
     def device_report(self) -> dict:
-        """The engine's parameter devices (HF backend), this actor's placement group, and what the engine was
-        asked to do in order (`sleep`: SleepState.events)."""
+        """The engine's parameter devices (HF backend) and this actor's placement group."""
         from engines.placement.devices import cpu_report, placement_group_id
 
         report = getattr(self.engine, "device_report", None)
-        return {"placement_group": placement_group_id(), **cpu_report(), **(report() if report else {}),
-                "sleep": self.engine.events()}
+        return {"placement_group": placement_group_id(), **cpu_report(), **(report() if report else {})}
 
 
 def start_rollout_actor(backend: str, model_path: Source, *, num_cpus: float = 1.0, num_gpus: float = 0.0,

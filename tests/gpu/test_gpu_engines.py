@@ -246,7 +246,7 @@ def test_colocated_ppo_sleeps_and_wakes_on_one_gpu(ray_gpu, gpu_model, gpu_rewar
         # What the round asked of the engine (SleepState.events): each step it generated, slept while the
         # models trained, woke its weights, took the update, woke its KV cache.
         engine = rl.models.engines.actors[0]
-        log = ray.get(engine.device_report.remote())["sleep"]
+        [log] = rl.models.engines.events()
         assert log["events"] == ["generate", "sleep", "wake weights", "update weights", "wake kv_cache"] * 2, log
         on_gpu_only("the round slept and woke its engine in order; on the CPU its weights have no GPU to leave")
         # And what sleeping does on a GPU: the engine's weights leave it, and come back when woken.

