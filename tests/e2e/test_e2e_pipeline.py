@@ -450,9 +450,9 @@ class Resumed:
     run: object  # the one FINISHED MLflow run of the stage
 
 
-# SFT steps killed at their first checkpoint (step 20) and resumed: the rerun trains the rest. A tiny SFT
-# step takes tens of milliseconds and a checkpoint much longer, so the kill (polled every 0.2 s) always
-# lands before step 100; every step past the kill is paid again in the rerun, so no more than that.
+# SFT killed once a checkpoint exists (step 20, or 40 where the kill came after the next one) and resumed:
+# the rerun trains the rest, so every step past the kill is paid twice. A tiny SFT step takes about 0.05 s
+# here and the kill is polled every 0.2 s, so 100 steps leave it a wide margin.
 SFT_TOTAL = 100
 
 
@@ -535,7 +535,7 @@ def test_ctrl_c_mid_sft_ends_the_runs_killed_and_the_rerun_resumes(small_pipelin
 
 def test_killed_round_resumes_and_finishes_its_steps(small_pipeline_args, cli_env, alignflow_cli, process_tools,
                                                     tmp_path):
-    total = 12  # killed at step 4 or 8: a tiny round's step takes a second or more, so 4+ steps of margin
+    total = 12  # killed at step 4 or 8: a tiny round's step takes about 1.5 s here, so 4+ steps of margin
     round_cfg = {"steps": total, "checkpoint_every": 4, "prompts_per_step": 8,
                  "generation": {"num_samples": 2, "max_new_tokens": 8}, "ppo": {"epochs": 1, "minibatch_size": 16}}
     args = ["stage", "rl", *small_pipeline_args(tmp_path, rounds=0), f"rounds={json.dumps([round_cfg])}"]
