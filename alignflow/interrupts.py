@@ -1,4 +1,5 @@
-"""Interrupts: SIGTERM as an exception, and telling a stop from a failure.
+"""Interrupts: SIGTERM as an exception, telling a stop from a failure, and whether a process that
+owned a run is still alive (or died without ending it).
 
 By default SIGTERM ends a Python process on the spot: no `finally` runs, so
 MLflow runs stay RUNNING and scratch directories stay behind. The CLI turns
@@ -9,8 +10,10 @@ TerminationSignal) means the work was stopped, not that it failed.
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
+from pathlib import Path
 
 
 def _raise_system_exit(signum: int, frame) -> None:
@@ -35,3 +38,27 @@ def end_status(exc: BaseException | None) -> str:
     if exc is None:
         return "FINISHED"
     return "KILLED" if is_interrupt(exc) else "FAILED"
+
+
+def pid_alive(pid: int, since: float | None = None) -> bool:
+    """Whether process `pid` on this host is alive (one of another user counts; a zombie does not).
+
+    With `since` (epoch seconds the run started), a process that started
+    later is a reused pid, not the run's owner (Linux; elsewhere not checked).
+    """
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime "))
+    except (OSError, StopIteration):
+        return True
+    fields = stat[stat.rindex(")") + 2:].split()
+    started = boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    # btime is whole seconds: 2 s of slack before calling the pid reused.
+    return fields[0] != "Z" and (since is None or started <= since + 2)

@@ -1,6 +1,6 @@
 """Preflight: what a run needs outside its config, checked in seconds before Prefect or Ray start
-(`alignflow validate`, and the start of `run` / `stage`): data files exist and their first rows
-parse; model.base loads; explicit lengths fit its positions; rule rewards and the checker import;
+(`alignflow validate`, and the start of `run` / `stage`): data files exist and every row of a
+local one parses (of a remote one, the first `data.preflight_rows`); model.base loads; explicit lengths fit its positions; rule rewards and the checker import;
 remote reward services answer; the storage root takes a probe; a local Ray can place each stage.
 
 Every problem is collected, naming its field and where its value came from (the file, or a
@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import sys
 import urllib.error
 import urllib.request
 import uuid
@@ -27,7 +28,7 @@ from alignflow.errors import ConfigError, DataError
 from alignflow.slots import check_slots
 from alignflow.storage import is_local_uri, local_path
 
-FIRST_ROWS = 5
+MAX_BAD_ROWS = 10  # listed per file; the rest are counted
 REMOTE_TIMEOUT_CAP_S = 10.0
 
 
@@ -36,6 +37,7 @@ class Findings:
 
     def __init__(self, sources: ConfigSources):
         self.sources, self.checks, self.problems = sources, 0, []
+        self.notes: list[str] = []  # what was not checked, and why (e.g. a remote file's rows past a budget)
 
     def ok(self) -> None:
         self.checks += 1
@@ -60,12 +62,15 @@ def preflight(cfg: PipelineConfig, overrides: list[str] | None = None,
     return found
 
 
-def check(cfg: PipelineConfig, overrides: list[str] | None = None, config_path: str | Path | None = None) -> int:
-    """preflight, raising one ConfigError that lists every problem; else the number of checks."""
+def check(cfg: PipelineConfig, overrides: list[str] | None = None,
+          config_path: str | Path | None = None) -> Findings:
+    """preflight, raising one ConfigError that lists every problem; else what it found (checks, notes)."""
     found = preflight(cfg, overrides, config_path)
     if n := len(found.problems):
         raise ConfigError(f"preflight found {n} problem{'s' * (n > 1)}:\n  " + "\n  ".join(found.problems))
-    return found.checks
+    for note in found.notes:
+        print(f"preflight: {note}", file=sys.stderr)
+    return found
 
 
 def _data(cfg: PipelineConfig, found: Findings) -> None:
@@ -84,16 +89,36 @@ def _data(cfg: PipelineConfig, found: Findings) -> None:
         if not exists:
             found.fail(field, f"{path} does not exist")
             continue
+        limit = None if is_local_uri(path) else cfg.data.preflight_rows
         try:
-            rows = list(islice(read_rows(src), FIRST_ROWS))
-            for i, row in enumerate(rows, start=1):
-                normalize_row(row, kind, src, where=f"{path}, row {i}")
-        except DataError as err:
-            found.fail(f"data.{name}", str(err))
+            n, bad = _rows(src, kind, limit)
         except Exception as err:  # noqa: BLE001  (a corrupt Parquet file, a bad encoding, ...)
             found.fail(field, f"{path} cannot be read: {type(err).__name__}: {err}")
-        else:
-            found.ok() if rows else found.fail(field, f"{path} holds no rows")
+            continue
+        for text in bad[:MAX_BAD_ROWS]:
+            found.fail(f"data.{name}", text)
+        if len(bad) > MAX_BAD_ROWS:
+            found.fail(f"data.{name}", f"{path}: {len(bad) - MAX_BAD_ROWS} more bad rows (of {n} read)")
+        if not bad:
+            found.ok() if n else found.fail(field, f"{path} holds no rows")
+        if limit is not None and n == limit:
+            found.notes.append(f"data.{name}: {path} is remote, so its first {limit} rows were checked "
+                               "(data.preflight_rows); the data stage checks the rest")
+
+
+def _rows(src: DatasetSource, kind: str, limit: int | None) -> tuple[int, list[str]]:
+    """(rows read, one message per bad row): every row, or the first `limit`. A row that is not JSON ends
+    the file's reading (the next rows cannot be told apart)."""
+    rows, bad, n = read_rows(src), [], 0
+    try:
+        for n, row in enumerate(islice(rows, limit) if limit else rows, start=1):
+            try:
+                normalize_row(row, kind, src, where=f"{src.path}, row {n}")
+            except DataError as err:
+                bad.append(str(err))
+    except DataError as err:  # from read_rows: not JSON, not a list
+        bad.append(str(err))
+    return n, bad
 
 
 def _model(cfg: PipelineConfig, found: Findings) -> int | None:

@@ -2,20 +2,21 @@
 
 Stages run in Ray workers, so a child run is opened by id (`parent_run_id`)
 rather than through MLflow's thread-local active-run stack. Stage configs
-become params, flattened with dotted names; anything that looks like a
-credential is dropped first, and URIs lose their userinfo.
+become params, flattened with dotted names (alignflow/mlflow_inputs.py: anything
+that looks like a credential is dropped first, and URIs lose their userinfo).
 
 Every run records the process that owns it (`alignflow.pid`,
 `alignflow.host`) and is ended by that process: FINISHED, FAILED on an
 error, KILLED on an interrupt. A process killed outright (SIGKILL, OOM) ends
 nothing, so the next pipeline start marks KILLED every RUNNING run whose
 owner on this host is gone; runs owned on other hosts are left alone.
+A retried Prefect flow run continues its parent run, and a retried stage
+its stage run (`alignflow.attempt` counts them).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import re
@@ -23,60 +24,61 @@ import socket
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
-from alignflow.interrupts import end_status
+from alignflow.interrupts import end_status, pid_alive
+from alignflow.mlflow_inputs import artifact_location, flatten_params
 
 log = logging.getLogger("alignflow")
-
-# `token` but not `tokens`/`tokenizer`: max_new_tokens etc. are settings, not credentials.
-_SECRET = re.compile(r"(secret|password|passwd|token(?!s|izer)|credential|access_key|api_key|private)", re.I)
-
-
-def _scrub_value(value: Any) -> Any:
-    """Strip `user:pass@` from URI-like strings."""
-    if isinstance(value, str) and "://" in value and "@" in value:
-        parts = urlsplit(value)
-        if parts.username or parts.password:
-            host = parts.hostname or ""
-            if parts.port:
-                host = f"{host}:{parts.port}"
-            return urlunsplit((parts.scheme, host, parts.path, parts.query, parts.fragment))
-    return value
-
-
-def flatten_params(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """Nested config -> {"a.b": value}, without credential-like keys."""
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        name = f"{prefix}{key}"
-        if _SECRET.search(str(key)):
-            continue
-        if isinstance(value, Mapping):
-            out.update(flatten_params(value, prefix=f"{name}."))
-        elif isinstance(value, (list, tuple)):
-            out[name] = json.dumps(value)[:500]
-        else:
-            out[name] = _scrub_value(value)
-    return out
-
 
 class Tracker:
     """Thin handle on one MLflow tracking server / SQLite file and experiment."""
 
-    def __init__(self, tracking_uri: str, experiment: str):
+    def __init__(self, tracking_uri: str, experiment: str, artifact_root: str | None = None):
+        """`artifact_root`: where a new experiment's artifacts go when the tracking store is a database
+        other than a SQLite file (`artifact_location`); see `create_experiment`."""
         import mlflow
 
-        self._mlflow = mlflow
-        mlflow.set_tracking_uri(tracking_uri)
+        mlflow.set_tracking_uri(tracking_uri)  # for MLflow's own helpers; this tracker's calls name the store
+        self._client = mlflow.MlflowClient(tracking_uri)
         self.tracking_uri = tracking_uri
-        self.experiment_id = mlflow.set_experiment(experiment).experiment_id
+        self.experiment_id = self.create_experiment(experiment, artifact_root)
 
-    def start_parent(self, run_name: str, params: Mapping[str, Any], tags: Mapping[str, str] | None = None) -> str:
-        """The pipeline's parent run; runs left RUNNING by dead processes on this host are closed first."""
+    def create_experiment(self, name: str, artifact_root: str | None) -> str:
+        """The experiment's id; created if new. It is a model-training experiment (MLflow's
+        `mlflow.experimentKind` tag), so the UI opens on its runs, not on the GenAI views. Its artifacts
+        go beside a SQLite file, or under `artifact_root` for another database; never into the working
+        directory, MLflow's default for a database store. A server (http) places them itself."""
+        from mlflow.exceptions import MlflowException
+
+        client = self._client
+        exp = client.get_experiment_by_name(name)
+        if exp is None:
+            try:
+                return client.create_experiment(name, artifact_location=artifact_location(self.tracking_uri, artifact_root),
+                                                tags={EXPERIMENT_KIND_TAG: TRAINING_KIND})
+            except MlflowException:  # created meanwhile by another process of the run
+                exp = client.get_experiment_by_name(name)
+                if exp is None:
+                    raise
+        if EXPERIMENT_KIND_TAG not in exp.tags:
+            client.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND_TAG, TRAINING_KIND)
+        return exp.experiment_id
+
+    def start_parent(self, run_name: str, params: Mapping[str, Any], tags: Mapping[str, str] | None = None,
+                     reopen_tag: str | None = None) -> str:
+        """The pipeline's parent run; runs left RUNNING by dead processes on this host are closed first.
+
+        With `reopen_tag` (a key of `tags`, e.g. the Prefect flow run id), the
+        newest parent run carrying the same value is reopened instead of a new
+        one made: a retried flow run keeps its one parent, with every stage
+        under it."""
         self.reap_stale()
-        client = self._mlflow.MlflowClient()
-        run = client.create_run(self.experiment_id, run_name=run_name, tags={**_owner_tags(), **(tags or {})})
+        client = self._client
+        all_tags = {**_owner_tags(), **(tags or {})}
+        previous = self._reopenable(reopen_tag, all_tags.get(reopen_tag or "", ""), parent=None)
+        if previous is not None:
+            return self._reopen(previous, all_tags, params)
+        run = client.create_run(self.experiment_id, run_name=run_name, tags=all_tags)
         try:
             self._log_params(run.info.run_id, params)
         except BaseException as exc:
@@ -84,8 +86,39 @@ class Tracker:
             raise
         return run.info.run_id
 
+    def _reopenable(self, tag: str | None, value: str, parent: str | None, stage: str | None = None) -> Any:
+        """The newest run with `tag` = `value` (under `parent`, of `stage`) to continue, or None."""
+        if not tag or not value or not re.fullmatch(r"[\w.-]+", value):
+            return None
+        query = f"tags.`{tag}` = '{value}'"
+        if parent:
+            query += f" and tags.`mlflow.parentRunId` = '{parent}'"
+        if stage and re.fullmatch(r"[\w.-]+", stage):
+            query += f" and tags.`alignflow.stage` = '{stage}'"
+        found = [r for r in self._search(query, limit=10) if (parent is not None) == ("mlflow.parentRunId" in r.data.tags)]
+        return found[0] if found else None
+
+    def _reopen(self, run: Any, tags: Mapping[str, str], params: Mapping[str, Any]) -> str:
+        """Continue `run`: RUNNING again, owned by this process, its attempt counted. Params it already
+        has keep their first value (MLflow refuses a change); new ones are added, changed ones named in
+        a tag."""
+        client, run_id = self._client, run.info.run_id
+        attempt = int(run.data.tags.get(ATTEMPT_TAG, "1")) + 1
+        client.update_run(run_id, status="RUNNING")
+        for key, value in {**tags, ATTEMPT_TAG: str(attempt)}.items():
+            client.set_tag(run_id, key, value)
+        had = run.data.params
+        flat = {k: str(v)[:6000] for k, v in flatten_params(params).items()}
+        if changed := sorted(k for k, v in flat.items() if k in had and had[k] != v):
+            client.set_tag(run_id, f"alignflow.params_changed_at_attempt_{attempt}", ", ".join(changed)[:5000])
+            log.warning("MLflow run %s continued with %d param(s) changed since its first attempt (%s); it keeps "
+                        "the first values", run_id, len(changed), ", ".join(changed[:5]))
+        self._log_params(run_id, {k: v for k, v in flat.items() if k not in had})
+        log.info("MLflow run %s (%s) continued: attempt %d", run_id, run.info.run_name, attempt)
+        return run_id
+
     def finish(self, run_id: str, status: str = "FINISHED") -> None:
-        self._mlflow.MlflowClient().set_terminated(run_id, status=status)
+        self._client.set_terminated(run_id, status=status)
 
     def stage_runs(self, parent_run_id: str) -> list[dict[str, Any]]:
         """The stage runs under a parent run, for a progress display: stage, status, step, total steps,
@@ -100,7 +133,7 @@ class Tracker:
         """Mark KILLED the stage runs under `parent_run_id` that are still RUNNING: the pipeline run was
         stopped, and its stages with it (their processes, Ray workers, end with the CLI's Ray and could
         not end their runs themselves)."""
-        client = self._mlflow.MlflowClient()
+        client = self._client
         running = [r.info.run_id for r in self._search(f"tags.`mlflow.parentRunId` = '{parent_run_id}' and "
                                                        "attributes.status = 'RUNNING'")]
         for run_id in running:
@@ -110,7 +143,7 @@ class Tracker:
 
     def reap_stale(self) -> list[str]:
         """Mark KILLED every RUNNING run of the experiment owned by a process on this host that is gone."""
-        client = self._mlflow.MlflowClient()
+        client = self._client
         host = socket.gethostname()
         query = f"attributes.status = 'RUNNING' and tags.`{HOST_TAG}` = '{host}'"
         stale = []
@@ -141,7 +174,7 @@ class Tracker:
         attempt's steps follow the ones its predecessor logged. `keep` picks
         the metric keys to read (default all).
         """
-        client = self._mlflow.MlflowClient()
+        client = self._client
         if stage_keys is None:
             tags = client.get_run(parent_run_id).data.tags
             stage_keys = {k.removeprefix("alignflow.key."): v for k, v in tags.items()
@@ -172,7 +205,7 @@ class Tracker:
 
     def _search(self, query: str, limit: int | None = None) -> list[Any]:
         """Runs of the experiment matching `query`, newest first (every page, or the first `limit`)."""
-        client = self._mlflow.MlflowClient()
+        client = self._client
         found, token = [], None
         while True:
             page = client.search_runs([self.experiment_id], filter_string=query,
@@ -185,21 +218,31 @@ class Tracker:
 
     def run(self, run_id: str) -> StageRun:
         """Logging into an existing run (e.g. the pipeline's parent run)."""
-        return StageRun(self._mlflow.MlflowClient(), run_id)
+        return StageRun(self._client, run_id)
 
     @contextlib.contextmanager
     def stage_run(
         self, parent_run_id: str | None, stage: str, params: Mapping[str, Any], tags: Mapping[str, str] | None = None
     ) -> Iterator[StageRun]:
-        """A child run of the pipeline's parent run (or a top-level run)."""
-        client = self._mlflow.MlflowClient()
+        """A child run of the pipeline's parent run (or a top-level run).
+
+        A stage that ran before under the same parent with the same key
+        (`tags["alignflow.key"]`) and did not finish (a retry: Prefect's, or
+        of the whole flow run) continues that run, so its metrics are one
+        history across attempts."""
+        client = self._client
         all_tags = {"alignflow.stage": stage, **_owner_tags(), **(tags or {})}
         if parent_run_id:
             all_tags["mlflow.parentRunId"] = parent_run_id
-        run = client.create_run(self.experiment_id, run_name=stage, tags=all_tags)
-        run_id = run.info.run_id
+        previous = self._reopenable("alignflow.key", all_tags.get("alignflow.key", ""), parent_run_id, stage) \
+            if parent_run_id else None
+        if previous is not None and previous.info.status != "FINISHED":
+            run_id = self._reopen(previous, all_tags, params)  # a retry of this stage in the same pipeline run
+        else:
+            run_id = client.create_run(self.experiment_id, run_name=stage, tags=all_tags).info.run_id
         try:
-            self._log_params(run_id, params)
+            if previous is None:
+                self._log_params(run_id, params)
             yield StageRun(client, run_id)
         except BaseException as exc:
             # Best effort: an error here must not replace the one that ends the stage.
@@ -215,40 +258,17 @@ class Tracker:
 
         flat = flatten_params(params)
         batch = [Param(k, str(v)[:6000]) for k, v in flat.items()]
-        client = self._mlflow.MlflowClient()
+        client = self._client
         for i in range(0, len(batch), 100):
             client.log_batch(run_id, params=batch[i : i + 100])
 
 
-PID_TAG, HOST_TAG = "alignflow.pid", "alignflow.host"
+EXPERIMENT_KIND_TAG, TRAINING_KIND = "mlflow.experimentKind", "custom_model_development"
+PID_TAG, HOST_TAG, ATTEMPT_TAG = "alignflow.pid", "alignflow.host", "alignflow.attempt"
 
 
 def _owner_tags() -> dict[str, str]:
     return {PID_TAG: str(os.getpid()), HOST_TAG: socket.gethostname()}
-
-
-def pid_alive(pid: int, since: float | None = None) -> bool:
-    """Whether process `pid` on this host is alive (one of another user counts; a zombie does not).
-
-    With `since` (epoch seconds the run started), a process that started
-    later is a reused pid, not the run's owner (Linux; elsewhere not checked).
-    """
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
-                    if line.startswith("btime "))
-    except (OSError, StopIteration):
-        return True
-    fields = stat[stat.rindex(")") + 2:].split()
-    started = boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
-    # btime is whole seconds: 2 s of slack before calling the pid reused.
-    return fields[0] != "Z" and (since is None or started <= since + 2)
 
 
 class StageRun:

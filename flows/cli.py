@@ -52,10 +52,10 @@ def _load(items: list[str]) -> PipelineConfig:
 def cmd_validate(cfg: PipelineConfig, path: str | None = None, overrides: list[str] | None = None) -> int:
     from alignflow.preflight import check  # data, model, lengths, rewards, storage, Ray slots: seconds
 
-    checks = check(cfg, overrides, path)
+    found = check(cfg, overrides, path)
     print(cfg.model_dump_json(indent=2))
     print("config is valid", file=sys.stderr)
-    print(f"preflight: {checks} checks passed", file=sys.stderr)
+    print(f"preflight: {found.checks} checks passed", file=sys.stderr)
     return 0
 
 
@@ -95,7 +95,7 @@ def _run(cfg: PipelineConfig, target: str | None, verbose: bool = False, all_cac
         return 0
     import ray
 
-    from flows.runtime import prefect_api, ray_task_runner
+    from flows.runtime import prefect_api
 
     apply_process_env()
     root = cfg.infra.storage.root
@@ -107,13 +107,12 @@ def _run(cfg: PipelineConfig, target: str | None, verbose: bool = False, all_cac
         from flows.pipeline import partial_pipeline, pipeline
         from flows.progress import ProgressWatcher
 
-        runner = ray_task_runner(cfg.infra)
         try:
             with ProgressWatcher(cfg.infra.mlflow_tracking_uri, cfg.infra.mlflow_experiment):
                 if target:
-                    result = partial_pipeline.with_options(task_runner=runner)(cfg, target)
+                    result = partial_pipeline(cfg, target)
                 else:
-                    result = pipeline.with_options(task_runner=runner)(cfg)
+                    result = pipeline(cfg)
         finally:
             # Ship buffered run logs while the API is still up.
             from prefect.logging.handlers import APILogWorker

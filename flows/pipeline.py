@@ -3,7 +3,9 @@
 Every stage is a task cached by its content key, persisted under the storage
 root and retried with backoff; tasks run on Ray. `pipeline` runs the whole
 graph; `partial_pipeline` runs one target and what it needs (earlier stages
-come from cache), for `alignflow stage TARGET` and the per-stage deployments.
+come from cache), for `alignflow stage TARGET`. The deployed flows
+(flows/deployed.py) call `run_all` and `run_target` in their own flow run,
+so the stages are their task runs, with no subflow in between.
 """
 
 from __future__ import annotations
@@ -13,13 +15,14 @@ from prefect import flow
 from alignflow.config import PipelineConfig
 from alignflow.records import StageResult
 from flows.report import PipelineReport, build_report, close_run, open_run, wait_all
-from flows.stage_tasks import StageTasks
+from flows.stage_tasks import PipelineTaskRunner, StageTasks, join_ray
 from tasks.eval_engine import engine_host
 from tasks.plan import plan_pipeline
 
 
-@flow(name="alignflow-pipeline", log_prints=True)
-def pipeline(config: PipelineConfig) -> PipelineReport:
+def run_all(config: PipelineConfig) -> PipelineReport:
+    """Every stage, as task runs of the calling flow run; the report."""
+    join_ray(config.infra)
     plan = plan_pipeline(config)
     ctx = open_run(config, plan)
     with engine_host(plan, ctx) as ctx:
@@ -29,9 +32,9 @@ def pipeline(config: PipelineConfig) -> PipelineReport:
     return report
 
 
-@flow(name="alignflow-partial-pipeline", log_prints=True)
-def partial_pipeline(config: PipelineConfig, target: str) -> StageResult:
+def run_target(config: PipelineConfig, target: str) -> StageResult:
     """The stages of `target` (a stage name, or a target such as `rl`) and all they need; the last one's result."""
+    join_ray(config.infra)
     full = plan_pipeline(config)
     plan = full.upto(target)
     ctx = open_run(config, plan)
@@ -39,3 +42,14 @@ def partial_pipeline(config: PipelineConfig, target: str) -> StageResult:
         results, _ = wait_all(ctx, StageTasks(config.infra).submit_plan(plan, ctx))
     close_run(ctx)
     return results[full.resolve(target)[-1]]
+
+
+@flow(name="alignflow-pipeline", task_runner=PipelineTaskRunner(), log_prints=True)
+def pipeline(config: PipelineConfig) -> PipelineReport:
+    return run_all(config)
+
+
+@flow(name="alignflow-partial-pipeline", task_runner=PipelineTaskRunner(), log_prints=True)
+def partial_pipeline(config: PipelineConfig, target: str) -> StageResult:
+    """The stages of `target` and all they need; the last one's result."""
+    return run_target(config, target)

@@ -16,6 +16,7 @@ from tasks.eval_metrics import (MAJORITY_ACCURACY, PASS_AT_PREFIX, RM_ACCURACY_P
 from tasks.plan import Plan
 
 POLICY_METRICS = ("eval/accuracy", "eval/reward", "eval/kl_to_reference", "eval/response_length")
+FLOW_RUN_TAG = "alignflow.prefect_flow_run_id"
 MAX_PASS_AT_COLUMNS = 4  # more k than this: the table shows pass@1 and pass@n (MLflow has every k)
 
 
@@ -78,7 +79,8 @@ class PipelineReport(BaseModel):
 
 
 def open_run(config: PipelineConfig, plan: Plan, in_flow: bool = True) -> RunContext:
-    """The MLflow parent run of this flow run (config as params, every stage key as a tag)."""
+    """The MLflow parent run of this flow run (config as params, every stage key as a tag): a retry of
+    the same Prefect flow run (its Retry button) continues the parent its first attempt opened."""
     name, flow_run_id = "cached", ""
     if in_flow:
         from prefect.runtime import flow_run
@@ -87,8 +89,9 @@ def open_run(config: PipelineConfig, plan: Plan, in_flow: bool = True) -> RunCon
     tracker = RunContext(infra=config.infra).tracker()
     run_id = tracker.start_parent(
         run_name=f"{config.name}-{name}", params=config.model_dump(mode="json"),
-        tags={"alignflow.prefect_flow_run_id": flow_run_id,
+        tags={FLOW_RUN_TAG: flow_run_id,
               **{f"alignflow.key.{s.name}": s.key for s in plan.stages.values()}},
+        reopen_tag=FLOW_RUN_TAG if flow_run_id else None,
     )
     _opened.append(run_id)
     return RunContext(infra=config.infra, parent_run_id=run_id)
@@ -104,8 +107,13 @@ def opened_parent_runs() -> list[str]:
 
 def wait_all(ctx: RunContext, futures: dict[str, Any]) -> tuple[dict[str, StageResult], dict[str, str]]:
     """Every stage's result and final state name; the parent run is closed FAILED if one failed,
-    KILLED if the wait was interrupted (Ctrl-C, SIGTERM), and then so are its stage runs still running."""
+    KILLED if the wait was interrupted (Ctrl-C, SIGTERM), and then so are its stage runs still running.
+
+    A failed stage fails the run only once every other stage has ended: those that do not need it
+    finish and are committed (a retry takes them from cache), those that do end NotReady."""
     try:
+        for f in futures.values():
+            f.wait()
         results = {name: f.result() for name, f in futures.items()}
     except BaseException as exc:
         tracker, status = ctx.tracker(), end_status(exc)

@@ -138,17 +138,12 @@ def check_api_reachable(infra: InfraConfig) -> None:
         raise ConfigError(why)
 
 
-def ray_task_runner(infra: InfraConfig):
-    from prefect_ray import RayTaskRunner
-
+def warn_local_root_on_cluster(infra: InfraConfig) -> None:
     if infra.ray_address and is_local_uri(infra.storage.root):
         logging.getLogger("alignflow").warning(
             "infra.storage.root %s is a local path and the pipeline joins the Ray cluster at %s: actors on "
             "other nodes read and write it at the same path, so it must be a filesystem every node mounts; "
             "otherwise use an object store (s3://...)", infra.storage.root, infra.ray_address)
-    kwargs = ray_init_kwargs(infra)
-    address = kwargs.pop("address", None)
-    return RayTaskRunner(address=address, init_kwargs=kwargs)
 
 
 def result_storage(infra: InfraConfig):

@@ -1,13 +1,19 @@
-"""Every stage kind's Prefect task, bound to one pipeline's result storage and retry policy."""
+"""How a flow runs its stages: every stage kind's Prefect task, bound to one pipeline's result storage
+and retry policy, submitted to Ray through the flow's own task runner."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import ray
+from prefect.context import FlowRunContext
+from prefect.task_runners import TaskRunner
 from prefect.tasks import exponential_backoff
+from prefect_ray import RayTaskRunner
 
+from alignflow.cluster import ray_init_kwargs
 from alignflow.config import InfraConfig
-from flows.runtime import result_storage
+from flows.runtime import result_storage, warn_local_root_on_cluster
 from tasks.context import RunContext
 from tasks.plan import Plan
 from tasks.registry import STAGE_KINDS
@@ -31,3 +37,44 @@ class StageTasks:
             upstream = {name: futures[source] for name, source in stage.inputs.items()}
             futures[stage.name] = self.tasks[stage.kind].submit(stage=stage, inputs=upstream, ctx=ctx)
         return futures
+
+
+class PipelineTaskRunner(RayTaskRunner):
+    """A Ray task runner that joins Ray once the flow knows its config (`join`), not when the flow starts.
+
+    A flow's task runner is fixed when it is decorated, before its
+    parameters (the config, and with it the Ray address) exist. A runner
+    configured per call (`with_options`) makes the pipeline a subflow of
+    whatever calls it, and a Prefect retry of the caller then starts a new
+    subflow beside the failed one. With this runner a deployed flow runs the
+    stages as its own task runs: it reads its config, then joins Ray (or
+    uses the one the CLI started, which it leaves running).
+    """
+
+    def __enter__(self):
+        TaskRunner.__enter__(self)  # Ray is joined in `join`
+        return self
+
+    def join(self, infra: InfraConfig) -> None:
+        if self._owns_ray:
+            return
+        warn_local_root_on_cluster(infra)
+        kwargs = ray_init_kwargs(infra)
+        self.address = kwargs.pop("address", None)
+        self.init_kwargs = {"namespace": "prefect", **kwargs}
+        if not ray.is_initialized():
+            self._owns_ray = True
+            self._ray_context = ray.init(self.address, **self.init_kwargs)
+
+    def submit(self, task, parameters, wait_for=None, dependencies=None):
+        if not ray.is_initialized():
+            raise RuntimeError("PipelineTaskRunner: the flow submits stages before join_ray(infra)")
+        return super().submit(task, parameters, wait_for, dependencies)
+
+
+def join_ray(infra: InfraConfig) -> None:
+    """Join (or start) the Ray this flow run's stages run on, from the run's config. A flow called with
+    another task runner (a test's thread pool) keeps it."""
+    ctx = FlowRunContext.get()
+    if isinstance(ctx.task_runner if ctx else None, PipelineTaskRunner):
+        ctx.task_runner.join(infra)

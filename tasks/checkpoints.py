@@ -17,6 +17,7 @@ from collections.abc import Callable
 from alignflow.artifacts import WEIGHT_FILES, ArtifactRef, Entries
 from alignflow.storage import Storage
 from alignflow.tracking import StageRun
+from tasks.runner import note_resumed
 
 log = logging.getLogger("alignflow")
 
@@ -25,8 +26,10 @@ class StageCheckpoints:
     def __init__(self, storage: Storage, stage_uri: str, stage: str, every: int):
         self.storage, self.stage_uri, self.stage, self.every = storage, stage_uri, stage, every
 
-    def resume(self, load: Callable[[ArtifactRef], int], run: StageRun) -> int:
+    def resume(self, load: Callable[[ArtifactRef], int], run: StageRun, total: int) -> int:
         """Load the newest committed checkpoint that verifies (`load(ref) -> its step`); 0 if there is none.
+        A resume is said in MLflow (`alignflow.resumed_from_step`) and on the Prefect task run (its tags and
+        its final state's message: `resumed from step S of total`).
 
         A corrupted newest checkpoint is skipped for the one before it (storage warns). Its small files
         are verified here, on the task's node, its weights and optimizer state by their stored sizes;
@@ -37,7 +40,8 @@ class StageCheckpoints:
         _, uri, _ = latest
         step = load(ArtifactRef(uri, self.storage))
         run.set_tag("alignflow.resumed_from_step", str(step))
-        log.info("%s: resuming at step %d (%s)", self.stage, step, uri)
+        log.info("%s: resuming at step %d of %d (%s)", self.stage, step, total, uri)
+        note_resumed(step, total)
         return step
 
     def due(self, step: int, total: int) -> bool:

@@ -74,7 +74,8 @@ class RunContext(BaseModel):
         return local_dir(self.ref(result), skip=WEIGHT_FILES)
 
     def tracker(self) -> Tracker:
-        return Tracker(self.infra.mlflow_tracking_uri, self.infra.mlflow_experiment)
+        return Tracker(self.infra.mlflow_tracking_uri, self.infra.mlflow_experiment,
+                       artifact_root=f"{self.infra.storage.root.rstrip('/')}/mlflow-artifacts")
 
 
 def compute_stage(

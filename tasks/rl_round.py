@@ -45,7 +45,7 @@ def rl_round(stage: PlannedStage, inputs: RoundInputs, ctx: RunContext) -> Stage
         rl = RLRound(round_cfg, setup)
         checkpoints = StageCheckpoints(storage, out.uri, stage.name, round_cfg.checkpoint_every)
         try:
-            start = checkpoints.resume(rl.load_state, run)
+            start = checkpoints.resume(rl.load_state, run, round_cfg.steps)
             run.set_tag("alignflow.total_steps", str(round_cfg.steps))  # the CLI's progress display
             for step in range(start, round_cfg.steps):
                 metrics = rl.step(step).metrics

@@ -18,8 +18,42 @@ from tasks.registry import STAGE_KINDS, StageKind
 
 
 def run_stage(stage: PlannedStage, inputs: dict[str, StageResult], ctx: RunContext) -> StageResult:
+    """The stage's result; in a Prefect task run that resumed from a checkpoint, a Completed state whose
+    message says from where (the result is its data)."""
     kind = STAGE_KINDS[stage.kind]
-    return kind.runner()(stage, kind.inputs.model_validate(inputs), ctx)
+    result = kind.runner()(stage, kind.inputs.model_validate(inputs), ctx)
+    message = _resumed.pop(_task_run_id(), None)
+    if message is None:
+        return result
+    from prefect.states import Completed
+
+    return Completed(message=message, data=result)
+
+
+_resumed: dict[str, str] = {}  # task run id -> "resumed from step S of T", until its task returns
+
+
+def _task_run_id() -> str | None:
+    from prefect.context import TaskRunContext
+
+    ctx = TaskRunContext.get()
+    return str(ctx.task_run.id) if ctx else None
+
+
+def note_resumed(step: int, total: int) -> None:
+    """Say on this Prefect task run (if in one) that its stage resumed at `step` of `total`: tags
+    `resumed` and `resumed-from-step-S`, a line in its log, and the message of the state it ends in."""
+    from prefect.context import TaskRunContext
+    from prefect.logging import get_run_logger
+
+    ctx = TaskRunContext.get()
+    if ctx is None:
+        return
+    message = f"resumed from step {step} of {total}"
+    # The task run is sent to the API with each state change, tags included: its final state carries these.
+    ctx.task_run.tags = sorted({*ctx.task_run.tags, "resumed", f"resumed-from-step-{step}"})
+    _resumed[str(ctx.task_run.id)] = message
+    get_run_logger().info("%s: %s", ctx.task_run.name, message)
 
 
 def stage_cache_key(context: Any, parameters: dict[str, Any]) -> str:

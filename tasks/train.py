@@ -54,7 +54,7 @@ def train_stage(stage: PlannedStage, inputs: TrainInputs | PreferenceInputs, ctx
         group = TrainerGroup(spec, train.num_workers)
         checkpoints = StageCheckpoints(storage, out.uri, stage.name, train.checkpoint_every)
         try:
-            start = checkpoints.resume(lambda ref: int(group.load_state(ref)["step"]), run)
+            start = checkpoints.resume(lambda ref: int(group.load_state(ref)["step"]), run, schedule.total_steps)
             run.set_tag("alignflow.total_steps", str(schedule.total_steps))  # the CLI's progress display
             history: list[dict[str, float]] = []
 

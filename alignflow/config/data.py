@@ -76,6 +76,9 @@ class DataConfig(Section):
     max_response_tokens: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
         "auto", description="longer responses are cut (counted); auto: the longest, up to the model's positions")
     max_cut_fraction: CutFractions = CutFractions()
+    preflight_rows: int = Field(
+        10000, ge=1, description="rows of a remote data file that preflight parses before anything starts "
+        "(every row of a local file is parsed); the data stage checks the rest")
 
     @model_validator(mode="after")
     def _labels_only_on_preference(self) -> DataConfig:

@@ -21,10 +21,12 @@ from alignflow.storage import is_local_uri, local_path
 DEFAULT_CONFIG = "tiny"
 
 # Fields that place work on the cluster, or trade memory for time, without
-# changing what it computes: left out of cache keys, so moving a stage to other
+# changing what it computes, or that only say how much is checked up front
+# (preflight_rows): left out of cache keys, so moving a stage to other
 # hardware reuses its result.
 RESOURCE_FIELDS = frozenset({"placement", "scorer_placement", "reference_placement", "reference_micro_batch_size",
-                             "colocate_all", "offload", "gradient_checkpointing", "engine_lifetime"})
+                             "colocate_all", "offload", "gradient_checkpointing", "engine_lifetime",
+                             "preflight_rows"})
 
 
 def cache_relevant(cfg: BaseModel) -> dict[str, Any]:

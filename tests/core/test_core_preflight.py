@@ -89,6 +89,49 @@ def test_a_malformed_first_row_names_file_and_row(files, tmp_path):
         f"this row has keys: ['output', 'prompt'] (from {files} and the command line: data.sft.path={keyless})"]
 
 
+def test_bad_rows_deep_in_local_files_are_all_found_before_anything_starts(files, tmp_path):
+    """Every row of a local file is parsed: a preference row 9 without `chosen` and an SFT row 17 without
+    `prompt` are both named, with file, row and key."""
+    pairs = [{"prompt": f"{i} 2", "chosen": "2", "rejected": "1"} for i in range(20)]
+    del pairs[8]["chosen"]
+    sft = [{"prompt": f"{i} 2", "response": "2"} for i in range(30)]
+    del sft[16]["prompt"]
+    pref_path, sft_path = _jsonl(tmp_path / "pairs.jsonl", pairs), _jsonl(tmp_path / "demos.jsonl", sft)
+    found = problems(files, f"data.preference.path={pref_path}", f"data.sft.path={sft_path}")
+    assert len(found) == 2, found
+    assert found[0].startswith(f"data.sft: {sft_path}, row 17: missing key 'prompt'"), found
+    assert found[1].startswith(f"data.preference: {pref_path}, row 9: missing key 'chosen'"), found
+
+
+def test_many_bad_rows_are_listed_up_to_ten_and_the_rest_counted(files, tmp_path):
+    from alignflow.preflight import MAX_BAD_ROWS
+
+    rows = [{"prompt": f"{i} 2"} for i in range(MAX_BAD_ROWS + 7)] + [{"prompt": "x", "response": "y"}]
+    bad = _jsonl(tmp_path / "bad.jsonl", rows)
+    found = problems(files, f"data.sft.path={bad}")
+    assert [f.split(":")[1].strip() for f in found[:MAX_BAD_ROWS]] == [f"{bad}, row {i}" for i in range(1, 11)]
+    assert found[MAX_BAD_ROWS].startswith(f"data.sft: {bad}: 7 more bad rows (of {len(rows)} read)"), found
+    assert len(found) == MAX_BAD_ROWS + 1
+
+
+def test_a_remote_file_is_checked_up_to_the_budget_and_says_so(files, tmp_path, moto_s3, monkeypatch):
+    """Rows past `data.preflight_rows` of a remote file are left to the data stage, and the notes say so."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_s3.endpoint_url)  # data files are read as fsspec reads URLs
+    rows = [{"prompt": f"{i} 2", "response": "2"} for i in range(12)]
+    del rows[10]["response"]  # row 11
+    uri = f"s3://{moto_s3.bucket}/preflight-data/sft.jsonl"
+    with moto_s3.fs().open(uri, "w") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in rows))
+    args = [f"data.sft.path={uri}"]
+    within = preflight(load_config(files, [*args, "data.preflight_rows=10"]), args, files)
+    assert within.problems == []
+    assert within.notes == [f"data.sft: {uri} is remote, so its first 10 rows were checked (data.preflight_rows); "
+                            "the data stage checks the rest"]
+    whole = preflight(load_config(files, [*args, "data.preflight_rows=100"]), args, files)
+    assert [p.split(": missing")[0] for p in whole.problems] == [f"data.sft: {uri}, row 11"]
+    assert whole.notes == []
+
+
 # ---- the base model and lengths -------------------------------------------------------------------
 
 

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from alignflow.config import load_config
-from alignflow.tracking import Tracker, flatten_params
+from alignflow.mlflow_inputs import flatten_params
+from alignflow.tracking import Tracker
 
 
 # ---- flatten_params ------------------------------------------------------------------------
@@ -148,6 +149,48 @@ def test_failing_stage_is_marked_failed(tracker):
     assert client.get_run(parent).info.status == "FAILED"
 
 
+def test_a_retried_flow_run_continues_its_parent_and_its_unfinished_stage_runs(tracker, caplog):
+    """The same Prefect flow run id: the parent is reopened, a stage that failed continues its own run
+    (one metric history across attempts), a finished one is not reused, and changed params are named."""
+    client = _client(tracker)
+    tags = {"alignflow.prefect_flow_run_id": "0b6f-flow-run", "alignflow.key.sft": "k1"}
+    parent = tracker.start_parent("pipeline", {"lr": 1}, tags=tags, reopen_tag="alignflow.prefect_flow_run_id")
+    with tracker.stage_run(parent, "data", {}, tags={"alignflow.key": "d1"}) as run:
+        data_id = run.run_id
+    with pytest.raises(RuntimeError):
+        with tracker.stage_run(parent, "round_1", {"steps": 4}, tags={"alignflow.key": "r1"}) as run:
+            run.log_metrics({"rl/loss": 2.0}, step=1)
+            run.log_metrics({"rl/loss": 1.5}, step=2)
+            round_id = run.run_id
+            raise RuntimeError("rule raised at step 3")
+    tracker.finish(parent, status="FAILED")
+    other = tracker.start_parent("pipeline", {"lr": 1}, tags={**tags, "alignflow.prefect_flow_run_id": "another"},
+                                 reopen_tag="alignflow.prefect_flow_run_id")
+    assert other != parent
+
+    with caplog.at_level(logging.WARNING, logger="alignflow"):
+        again = tracker.start_parent("pipeline", {"lr": 2, "new": 3}, tags=tags,
+                                     reopen_tag="alignflow.prefect_flow_run_id")
+    assert again == parent
+    p = client.get_run(parent)
+    assert p.info.status == "RUNNING" and p.data.tags["alignflow.attempt"] == "2"
+    assert p.data.params == {"lr": "1", "new": "3"}  # MLflow keeps a param's first value
+    assert p.data.tags["alignflow.params_changed_at_attempt_2"] == "lr"
+    assert "1 param(s) changed" in caplog.text
+    with tracker.stage_run(parent, "data", {}, tags={"alignflow.key": "d1"}) as run:
+        assert run.run_id != data_id  # FINISHED runs are records, not continued
+    with tracker.stage_run(parent, "round_1", {"steps": 4}, tags={"alignflow.key": "r1"}) as run:
+        assert run.run_id == round_id
+        run.log_metrics({"rl/loss": 1.0}, step=3)
+    with tracker.stage_run(parent, "round_1", {"steps": 4}, tags={"alignflow.key": "r2"}) as run:
+        assert run.run_id != round_id  # another key is another stage run
+    r = client.get_run(round_id)
+    assert r.info.status == "FINISHED" and r.data.tags["alignflow.attempt"] == "2"
+    assert sorted((m.step, m.value) for m in client.get_metric_history(round_id, "rl/loss")) == \
+        [(1, 2.0), (2, 1.5), (3, 1.0)]
+    assert tracker.metric_histories(parent)["round_1"]["rl/loss"] == [(1, 2.0), (2, 1.5), (3, 1.0)]
+
+
 def test_stage_run_without_parent_is_top_level(tracker):
     with tracker.stage_run(None, "evaluate", {}) as run:
         run_id = run.run_id
@@ -171,6 +214,43 @@ def test_log_text_and_dict_artifacts(tracker, tmp_path):
     assert names == {"samples", "report.json"}
     local = client.download_artifacts(run_id, "report.json", str(tmp_path))
     assert json.loads(open(local).read()) == {"a": 1}
+
+
+def test_an_experiment_opens_on_its_runs_and_keeps_artifacts_beside_its_sqlite_file(tmp_path, monkeypatch):
+    """MLflow's `mlflow.experimentKind` tag makes the UI open a model-training experiment on its runs table;
+    artifacts go beside the SQLite file, and nothing lands in the working directory (MLflow's default is
+    ./mlruns there)."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    store = tmp_path / "store"
+    store.mkdir()
+    tracker = Tracker(f"sqlite:///{store / 'mlflow.db'}", "alignflow-kind", artifact_root="s3://unused/root")
+    with tracker.stage_run(None, "evaluate", {}) as run:
+        run.log_text("hello", "samples/sample.txt")
+    client = _client(tracker)
+    exp = client.get_experiment(tracker.experiment_id)
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
+    assert exp.artifact_location == (store / "mlflow-artifacts").as_uri()
+    assert [p.name for p in (store / "mlflow-artifacts").rglob("sample.txt")] == ["sample.txt"]
+    assert list(cwd.iterdir()) == []
+    # An experiment made elsewhere (e.g. by `mlflow ui`) gets the tag when alignflow first uses it.
+    other = client.create_experiment("made-by-someone-else")
+    assert "mlflow.experimentKind" not in client.get_experiment(other).tags
+    assert Tracker(tracker.tracking_uri, "made-by-someone-else").experiment_id == other
+    assert client.get_experiment(other).tags["mlflow.experimentKind"] == "custom_model_development"
+
+
+@pytest.mark.parametrize("uri, expected", [
+    ("postgresql://db.host/mlflow", "s3://bucket/root/mlflow-artifacts"),
+    ("mysql+pymysql://db.host/mlflow", "s3://bucket/root/mlflow-artifacts"),
+    ("http://127.0.0.1:5000", None),  # a tracking server places artifacts itself
+    ("file:///srv/mlruns", None),
+])
+def test_artifact_location_of_other_stores(uri, expected):
+    from alignflow.mlflow_inputs import artifact_location
+
+    assert artifact_location(uri, "s3://bucket/root/mlflow-artifacts") == expected
 
 
 # ---- how runs end: interrupts, signals, processes that died -------------------------------------
@@ -275,8 +355,41 @@ class _Stopped:
     def __init__(self, exc: BaseException):
         self.exc = exc
 
+    def wait(self):
+        if not isinstance(self.exc, Exception):  # an interrupt ends the wait itself
+            raise self.exc
+
     def result(self):
         raise self.exc
+
+
+class _Finishing:
+    """A stage future that ends (Completed) only when waited for."""
+
+    def __init__(self):
+        self.ended = False
+
+    def wait(self):
+        self.ended = True
+
+    def result(self):
+        assert self.ended, "result() before the stage ended"
+        return "done"
+
+
+def test_a_failed_stage_fails_the_run_once_the_other_stages_have_ended(tracker):
+    from alignflow.config import InfraConfig
+    from flows.report import wait_all
+    from tasks.context import RunContext
+
+    parent = tracker.start_parent("pipeline", {})
+    infra = InfraConfig(mlflow_tracking_uri=tracker.tracking_uri, mlflow_experiment="alignflow-test")
+    later = _Finishing()  # planned after the failing stage, and independent of it (e.g. eval_base)
+    with pytest.raises(RuntimeError, match="rule raised"):
+        wait_all(RunContext(infra=infra, parent_run_id=parent),
+                 {"round_1": _Stopped(RuntimeError("rule raised")), "eval_base": later})
+    assert later.ended
+    assert _client(tracker).get_run(parent).info.status == "FAILED"
 
 
 @pytest.mark.parametrize("exc, status", [(KeyboardInterrupt(), "KILLED"), (SystemExit(143), "KILLED"),
@@ -319,6 +432,6 @@ def test_resume_skips_a_corrupted_checkpoint_for_the_one_before(tracker, tmp_pat
     (tmp_path / "root" / "sft" / "k" / "checkpoints" / "step-00000020" / "step.txt").write_text("2O")  # same size
     with tracker.stage_run(None, "sft", {}) as run:
         step = StageCheckpoints(storage, stage, "sft", every=10).resume(
-            lambda ref: int((Path(local_dir(ref)) / "step.txt").read_text()), run)
+            lambda ref: int((Path(local_dir(ref)) / "step.txt").read_text()), run, total=30)
     assert step == 10
     assert _client(tracker).get_run(run.run_id).data.tags["alignflow.resumed_from_step"] == "10"

@@ -1,10 +1,12 @@
-"""prefect.yaml deploys against a real Prefect server, and the nightly
-deployment is scheduled.
+"""prefect.yaml deploys against a real Prefect server, the nightly
+deployment is scheduled, and a deployment run whose round fails is retried
+in place.
 
 A `prefect server start --host 127.0.0.1` of its own (own PREFECT_HOME), the
 work pool from deployments/work-pool.md, then `prefect deploy --all` from the
-repository, as the header of prefect.yaml says. Offline: nothing is pulled or
-pushed (build/push are null; pull only sets the working directory).
+repository, as the header of prefect.yaml says; a `prefect worker` runs the
+flow runs. Offline: nothing is pulled or pushed (build/push are null; pull
+only sets the working directory).
 """
 
 from __future__ import annotations
@@ -29,18 +31,25 @@ EXPECTED = {
 }
 
 
-@pytest.fixture
-def prefect_server(tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def prefect_server(tmp_path_factory):
     """(api url, env) of a Prefect server of its own (own PREFECT_HOME), started
-    the way the CLI starts one (flows.runtime.prefect_api)."""
+    the way the CLI starts one (flows.runtime.prefect_api), with prefect.yaml deployed to it."""
     from alignflow.config import InfraConfig
     from flows.runtime import prefect_api
 
-    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect_home"))
-    monkeypatch.delenv("PREFECT_API_URL", raising=False)  # prefect_api sets it; undone after the test
-    with prefect_api(InfraConfig(), tmp_path) as url:
-        env = {**os.environ, "COLUMNS": "250", "ALIGNFLOW_HOME": str(REPO)}
-        yield url, env
+    tmp_path = tmp_path_factory.mktemp("prefect_server")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("PREFECT_HOME", str(tmp_path / "prefect_home"))
+    mp.delenv("PREFECT_API_URL", raising=False)  # prefect_api sets it; undone after the module
+    try:
+        with prefect_api(InfraConfig(), tmp_path) as url:
+            env = {**os.environ, "COLUMNS": "250", "ALIGNFLOW_HOME": str(REPO)}
+            _run([PREFECT, "work-pool", "create", "alignflow-process", "--type", "process"], env)
+            _run([PREFECT, "deploy", "--all"], env, timeout=600)
+            yield url, env
+    finally:
+        mp.undo()
 
 
 def _run(args: list[str], env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:
@@ -52,9 +61,6 @@ def _run(args: list[str], env: dict[str, str], timeout: float = 300) -> subproce
 
 def test_prefect_yaml_deploys_and_nightly_is_scheduled(prefect_server):
     url, env = prefect_server
-    _run([PREFECT, "work-pool", "create", "alignflow-process", "--type", "process"], env)
-    _run([PREFECT, "deploy", "--all"], env, timeout=600)
-
     listed = _run([PREFECT, "deployment", "ls"], env).stdout
     missing = [name for name in EXPECTED if name not in listed]
     assert not missing, f"not listed: {missing}\n{listed}"
@@ -99,3 +105,152 @@ asyncio.run(main())
         time.sleep(5)
     assert scheduled, f"no scheduled runs of the nightly deployment: {runs}"
     assert all("T03:00:00" in r[2] for r in scheduled), scheduled
+
+
+# ---- a deployment run whose round fails, fixed, and retried from its own page ------------
+
+FLAKY_RULE = '''
+from pathlib import Path
+
+from alignflow.data.synthetic import rule_reward
+
+BROKEN = Path({marker!r})
+calls = 0
+
+
+def reward(prompt, response, answer):
+    """Raises once 2 steps (8 prompts x 2 samples each) are scored, while the marker file exists."""
+    global calls
+    calls += 1
+    if calls > 32 and BROKEN.exists():
+        raise RuntimeError("E2E_RULE_BROKEN: this rule fails on purpose from step 3")
+    return rule_reward(prompt, response, answer)
+'''
+
+STATE_PROBE = """
+import asyncio, json, sys
+from uuid import UUID
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+async def main():
+    async with get_client() as c:
+        run = await c.read_flow_run(UUID(sys.argv[1]))
+        tasks = await c.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [run.id]}))
+        flows = await c.read_flow_runs()
+        print(json.dumps({"state": run.state_name, "message": run.state.message, "run_count": run.run_count,
+                          "flow_runs": [[str(f.id), f.state_name, str(f.parent_task_run_id or "")] for f in flows],
+                          "tasks": [[t.name, t.state_name, t.state.message or "", sorted(t.tags)]
+                                    for t in sorted(tasks, key=lambda t: t.expected_start_time)]}))
+asyncio.run(main())
+"""
+
+
+def _probe(env: dict[str, str], run_id: str) -> dict:
+    return json.loads(_run([sys.executable, "-c", STATE_PROBE, run_id], env).stdout.strip().splitlines()[-1])
+
+
+def _wait_final(env: dict[str, str], run_id: str, timeout: float = 900) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        seen = _probe(env, run_id)
+        if seen["state"] in ("Completed", "Failed", "Crashed", "Cancelled") or time.monotonic() > deadline:
+            return seen
+        time.sleep(3)
+
+
+def test_a_failed_deployment_run_retried_from_its_page_is_one_run_and_one_mlflow_parent(prefect_server,
+                                                                                      small_pipeline_args, tmp_path):
+    """The Retry button (the same API call the UI makes) reruns the failed flow run in place: finished stages
+    come from cache, the round resumes from its checkpoint and says so, and MLflow keeps one parent."""
+    url, env = prefect_server
+    src = tmp_path / "rule_src"
+    src.mkdir()
+    marker = tmp_path / "rule-is-broken"
+    marker.touch()
+    (src / "e2e_flaky_rule.py").write_text(FLAKY_RULE.format(marker=str(marker)))
+    round_cfg = {"algorithm": "grpo", "steps": 4, "checkpoint_every": 2, "prompts_per_step": 8,
+                 "generation": {"num_samples": 2, "max_new_tokens": 8}, "ppo": {"epochs": 1, "minibatch_size": 16},
+                 "reward": {"source": "rule", "rule": "e2e_flaky_rule:reward"}}
+    overrides = [*small_pipeline_args(tmp_path, rounds=0), f"rounds={json.dumps([round_cfg])}", "infra.task_retries=0"]
+    worker_env = {**env, "PYTHONPATH": os.pathsep.join(p for p in (str(src), env.get("PYTHONPATH")) if p),
+                  "PYTHONDONTWRITEBYTECODE": "1"}
+    # The nightly schedule is paused first: its runs share the pool, and this worker must run ours alone.
+    start = f"""
+import json, sys
+from prefect import get_client
+from prefect.deployments import run_deployment
+with get_client(sync_client=True) as c:
+    nightly = c.read_deployment_by_name("alignflow-scheduled-pipeline/nightly")
+    for s in nightly.schedules:
+        c.update_deployment_schedule(nightly.id, s.id, active=False)
+run = run_deployment("alignflow-scheduled-pipeline/pipeline", timeout=0,
+                     parameters={{"config_path": "configs/tiny.yaml", "overrides": json.loads(sys.argv[1])}})
+print(run.id)
+"""
+    run_id = _run([sys.executable, "-c", start, json.dumps(overrides)], env).stdout.strip().splitlines()[-1]
+    log = open(tmp_path / "worker.log", "w")
+    worker = subprocess.Popen([PREFECT, "worker", "start", "--pool", "alignflow-process"], env=worker_env, cwd=REPO,
+                              stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        failed = _wait_final(env, run_id)
+        worker_log = lambda: (tmp_path / "worker.log").read_text()[-8000:]  # noqa: E731
+        assert failed["state"] == "Failed", f"{failed}\n{worker_log()}"
+        assert "E2E_RULE_BROKEN" in worker_log()
+        states = {t[0]: t[1] for t in failed["tasks"]}
+        assert states["round_1"] == "Failed" and states["sft"] == "Completed", states
+
+        # The failed run's process exits a few seconds after its Failed state; a Retry pressed before that
+        # would have the worker report the exit as a crash of the rescheduled run.
+        deadline = time.monotonic() + 120
+        while "exited with status code" not in worker_log() and time.monotonic() < deadline:
+            time.sleep(1)
+        marker.unlink()  # the fix; then Retry, as the flow run page's button does it
+        retry = f"""
+import asyncio
+from uuid import UUID
+from prefect.client.orchestration import get_client
+from prefect.states import State, StateType
+async def main():
+    async with get_client() as c:
+        state = State(type=StateType.SCHEDULED, name="AwaitingRetry", message="Retry from the UI")
+        print((await c.set_flow_run_state(UUID("{run_id}"), state, force=False)).status)
+asyncio.run(main())
+"""
+        assert "ACCEPT" in _run([sys.executable, "-c", retry], env).stdout
+        done = _wait_final(env, run_id)
+        assert done["state"] == "Completed", f"{done}\n{worker_log()}"
+    finally:
+        os.killpg(worker.pid, 15)
+        worker.wait(timeout=60)
+        log.close()
+
+    # One flow run, no subflows: the stages are its own task runs.
+    ran = [r for r in done["flow_runs"] if r[1] != "Scheduled"]
+    assert ran == [[run_id, "Completed", ""]], done["flow_runs"]
+    assert done["run_count"] == 2, done
+    latest: dict[str, list] = {}
+    for name, state, message, tags in done["tasks"]:
+        if state != "Failed":
+            latest[name] = [state, message, tags]
+    assert latest["round_1"][0] == "Completed" and latest["round_1"][1] == "resumed from step 2 of 4", done["tasks"]
+    assert {"resumed", "resumed-from-step-2"} <= set(latest["round_1"][2]), latest
+    for name in ("data", "base_model", "sft", "eval_base", "eval_sft"):
+        assert latest[name][0] == "Cached", (name, latest)
+    print("flow runs:", done["flow_runs"])
+    print("task runs:", [t[:3] for t in done["tasks"]])
+
+    from mlflow import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("alignflow").experiment_id
+    parents = client.search_runs([exp], filter_string=f"tags.`alignflow.prefect_flow_run_id` = '{run_id}'")
+    assert len(parents) == 1, [(r.info.run_id, r.info.status) for r in parents]
+    parent = parents[0]
+    assert parent.info.status == "FINISHED" and parent.data.tags["alignflow.attempt"] == "2"
+    children = client.search_runs([exp], filter_string=f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
+    rounds = [r for r in children if r.data.tags["alignflow.stage"] == "round_1"]
+    assert [(r.info.status, r.data.tags.get("alignflow.resumed_from_step")) for r in rounds] == [("FINISHED", "2")]
+    steps = sorted(m.step for m in client.get_metric_history(rounds[0].info.run_id, "rl/reward/mean"))
+    assert steps == [1, 2, 3, 4], steps  # the whole learning curve in one stage run
+    assert {r.data.tags["alignflow.stage"] for r in children} >= {"data", "base_model", "sft", "round_1",
+                                                                    "eval_base", "eval_sft", "eval_round_1"}

@@ -15,6 +15,8 @@ import json
 import math
 import os
 import re
+import shutil
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -153,6 +155,25 @@ def test_bad_config_value_fails_fast_naming_the_field(cli_env, alignflow_cli, tm
     assert "Prefect API" not in res.output, "a Prefect API was started for an invalid config"
     assert res.seconds < 30, f"validation took {res.seconds:.1f} s"
     assert not (tmp_path / "artifacts").exists()
+
+
+def test_a_prefect_server_that_does_not_start_is_one_error_line(small_pipeline_args, cli_env, alignflow_cli,
+                                                                 tmp_path):
+    """The server the CLI starts exits at once (its database cannot be opened): one `error:` line naming
+    its log, exit status 1, no traceback, and no scratch directory left."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = cli_env(PREFECT_API_DATABASE_CONNECTION_URL=f"sqlite+aiosqlite:///{tmp_path}/no/such/dir/prefect.db",
+                  TMPDIR=str(tmp))
+    res = alignflow_cli(["run", *small_pipeline_args(tmp_path)], env=env, cwd=tmp_path / "cwd", timeout=300,
+                        verbose=False)
+    assert res.returncode == 1, res.describe()
+    last = res.stderr.strip().splitlines()[-1]
+    log = tmp_path / "artifacts" / "logs" / "prefect-server.log"
+    assert last.startswith("error: the Prefect server did not start (exited with status ") and \
+        last.endswith(f"its log: {log}"), res.describe()
+    assert log.is_file() and "Traceback" not in res.stderr, res.describe()
+    assert not list(tmp.glob("alignflow-*")), list(tmp.iterdir())
 
 
 # ---- 1, 2: the pipeline on S3, then from cache -------------------------------------
@@ -513,10 +534,21 @@ def test_ctrl_c_mid_sft_ends_the_runs_killed_and_the_rerun_resumes(small_pipelin
             "sft.checkpoint_every=20", "sft.log_every=50"]
     root, cwd, env = tmp_path / "artifacts", tmp_path / "cwd", cli_env()
     pattern = "sft/*/checkpoints/step-*/manifest.json"
-    status = process_tools.kill_at_checkpoint(["run", *args], env=env, cwd=cwd, checkpoint_glob=root / pattern,
-                                              signum=signal.SIGINT)
-    assert status != 0, (cwd / "killed.err").read_text()[-3000:]
+    tmp = Path(tempfile.mkdtemp(prefix="af-", dir="/tmp"))  # short: Ray's socket paths live under it too
+    try:
+        status = process_tools.kill_at_checkpoint(["run", *args], env={**env, "TMPDIR": str(tmp)}, cwd=cwd,
+                                                  checkpoint_glob=root / pattern, signum=signal.SIGINT)
+        left = sorted(p.name for p in tmp.glob("alignflow-*"))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    err = (cwd / "killed.err").read_text()
     step = max(int(p.parent.name.removeprefix("step-")) for p in root.glob(pattern))
+    # One line says what stopped and how to go on; no traceback; the scratch directory is gone.
+    assert status == 130, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert re.fullmatch(rf"interrupted: sft stopped at step \d+ of {total}; alignflow run resumes it", last), err[-3000:]
+    assert "Traceback" not in err, err[-6000:]
+    assert left == [], left
 
     client = mlflow_client(f"sqlite:///{tmp_path / 'mlflow.db'}")
     runs = client.search_runs([experiment_id(client)])
@@ -555,21 +587,24 @@ def test_killed_round_resumes_and_finishes_its_steps(small_pipeline_args, cli_en
 # ---- 7b: bad user data --------------------------------------------------------------
 
 
-def test_bad_data_row_fails_naming_file_row_and_key(small_pipeline_args, cli_env, alignflow_cli, tmp_path):
-    # Row 8: past the rows preflight reads (its first 5), so the data stage itself finds it.
+def test_bad_data_row_fails_naming_file_row_and_key(small_pipeline_args, cli_env, alignflow_cli, moto_s3, tmp_path):
+    # Row 8 of a remote file, past the rows preflight reads of it (data.preflight_rows=5): the data stage
+    # itself finds it (preflight reads every row of a local file).
     rows = [{"prompt": f"Which digit is largest? {i} 2 3", "response": "3"} for i in range(10)]
     del rows[7]["response"]
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    bad = f"s3://{moto_s3.bucket}/bad-data/bad.jsonl"
+    with moto_s3.fs().open(bad, "w") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in rows))
     prefs = tmp_path / "prefs.jsonl"
     prefs.write_text("".join(json.dumps({"prompt": f"p{i}", "chosen": "a", "rejected": "b"}) + "\n" for i in range(20)))
     evals = tmp_path / "eval.jsonl"
     evals.write_text("".join(json.dumps({"prompt": f"p{i}", "answer": "1"}) + "\n" for i in range(4)))
     args = ["run", *small_pipeline_args(tmp_path), "data.source=files", f"data.sft.path={bad}",
-            f"data.preference.path={prefs}", f"data.eval.path={evals}"]
+            f"data.preference.path={prefs}", f"data.eval.path={evals}", "data.preflight_rows=5"]
 
-    res = alignflow_cli(args, env=cli_env(), cwd=tmp_path / "cwd")
+    res = alignflow_cli(args, env=cli_env(AWS_ENDPOINT_URL=moto_s3.endpoint_url), cwd=tmp_path / "cwd")
     assert res.returncode == 2, res.describe()
+    assert f"preflight: data.sft: {bad} is remote, so its first 5 rows were checked" in res.stderr, res.describe()
     last = res.stderr.strip().splitlines()[-1]
     assert last.startswith("error: ") and f"{bad}, row 8: missing key 'response'" in last, res.describe()
     # A user error is not retried (the default infra.task_retries=2 would retry anything else).

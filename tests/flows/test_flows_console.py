@@ -6,6 +6,8 @@ import logging
 import os
 import sys
 
+import pytest
+
 from alignflow.errors import DataError
 from flows import console
 from flows.progress import finished_line
@@ -16,11 +18,12 @@ def _record(name: str, level: int, msg: str, exc: BaseException | None = None) -
     return logging.LogRecord(name, level, __file__, 1, msg, None, exc_info)
 
 
-def test_console_shows_alignflow_info_and_other_warnings_once():
+def test_console_shows_warnings_once_and_no_info_line():
     console.setup(verbose=True)  # fills the user-error names
     f = console.ConsoleFilter()
-    assert f.filter(_record("alignflow", logging.INFO, "sft: committed"))
-    assert f.filter(_record("alignflow", logging.INFO, "sft: committed"))  # own lines are never deduplicated
+    assert not f.filter(_record("alignflow", logging.INFO, "learning curves (loss.png) at /a/curves"))
+    assert f.filter(_record("alignflow", logging.WARNING, "marked 1 MLflow run(s) KILLED"))
+    assert not f.filter(_record("alignflow", logging.WARNING, "marked 1 MLflow run(s) KILLED"))
     assert not f.filter(_record("httpx", logging.INFO, "HTTP Request: POST /api/logs"))
     assert not f.filter(_record("mlflow.store.db.utils", logging.INFO, "Creating initial MLflow database tables"))
     assert f.filter(_record("ray", logging.WARNING, "a warning"))
@@ -36,6 +39,8 @@ def test_console_drops_what_a_user_error_logs_elsewhere():
     assert not f.filter(_record("prefect.task_runs", logging.ERROR,
                                 "Finished in state Failed('Task run encountered an exception DataError: f.jsonl')"))
     assert f.filter(_record("prefect.flow_runs", logging.ERROR, "Encountered exception", RuntimeError("worker died")))
+    # An interrupt: the CLI says what it stopped, in one line.
+    assert not f.filter(_record("prefect.flow_runs", logging.ERROR, "Crashed", KeyboardInterrupt()))
 
 
 def test_quiet_setup_sets_the_worker_environment(monkeypatch):
@@ -124,3 +129,54 @@ def test_stage_runs_lists_a_parents_children_oldest_first_with_their_progress(tr
         ("sft", "FINISHED", 10, 40), ("round_1", "FINISHED", 0, 0)]
     assert runs[0]["metrics"] == {"progress/step": 10.0, "train/loss": 0.5}
     assert tracker.stage_runs(tracker.start_parent("other-parent", {})) == []
+
+
+@pytest.mark.parametrize("width", [60, 80, 100, 160])
+def test_progress_bars_fit_the_terminal_with_whole_numbers(width):
+    """At any width a stage's bar line fits, and what does not fit is dropped whole (the time left, the
+    bar, then metrics), never cut to `0:0…`."""
+    import io
+
+    from rich.console import Console
+
+    from flows.progress import _Bars
+
+    out = Console(file=io.StringIO(), width=width, force_terminal=True, record=True)
+    bars = _Bars(console=out)
+    run = {"stage": "eval_reward_model", "status": "RUNNING", "step": 123, "total": 200, "start": 0, "end": None,
+           "metrics": {"rl/reward/mean": -0.51234, "rl/kl": 0.01234, "train/loss": 1.25}}
+    bars.update(run)
+    bars.update({**run, "stage": "round_1", "status": "FAILED", "step": 7, "total": 20})
+    bars.progress.refresh()
+    bars.close()
+    lines = [line for line in out.export_text().splitlines() if line.strip()]
+    shown = {line.split()[0]: line for line in lines}
+    assert set(shown) == {"eval_reward_model", "round_1"}, lines
+    for line in lines:
+        assert len(line) <= width and "…" not in line, (width, line)
+    assert "123/200" in shown["eval_reward_model"] and "0:00:0" in shown["eval_reward_model"]
+    assert shown["round_1"].rstrip().endswith("FAILED"), shown["round_1"]
+    if width >= 100:
+        assert "reward -0.512" in shown["eval_reward_model"]
+
+
+def test_the_interrupted_line_names_each_stopped_stage_and_its_step(tracker, monkeypatch):
+    from alignflow.config import load_config
+    from flows import report
+    from flows.cli import interrupted_line
+
+    cfg = load_config(None, [f"infra.mlflow_tracking_uri={tracker.tracking_uri}", "infra.mlflow_experiment=alignflow-test"])
+    assert interrupted_line(cfg, "run", None) == "interrupted before a stage was under way; alignflow run starts again"
+    parent = tracker.start_parent("pipeline", {})
+    monkeypatch.setattr(report, "_opened", [parent])
+    with tracker.stage_run(parent, "data", {}):
+        pass
+    for stage, step in (("sft", 40), ("eval_base", 0)):
+        running = tracker.stage_run(parent, stage, {})
+        run = running.__enter__()
+        if step:
+            run.log_metrics({"progress/step": step}, step=step)
+            run.set_tag("alignflow.total_steps", "100")
+    tracker.stop_children(parent)  # what wait_all does on an interrupt
+    assert interrupted_line(cfg, "stage", "sft") == \
+        "interrupted: sft stopped at step 40 of 100, eval_base stopped; alignflow stage sft resumes them"
