@@ -33,7 +33,7 @@ FORWARDED_ENV = ("PREFECT_API_URL", "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION", "M
                  # the console's quiet mode (flows/console.py), where the CLI set it
                  "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL",
                  "HF_HUB_DISABLE_PROGRESS_BARS", "TRANSFORMERS_VERBOSITY", "TQDM_DISABLE", "MLFLOW_LOGGING_LEVEL", "PYTHONWARNINGS",
-                 "ALIGNFLOW_QUIET")
+                 "ALIGNFLOW_QUIET", "ALIGNFLOW_SCRATCH")
 
 
 # `infra.allocator`: the environment that chooses the CPU allocator of a new process. Measured
@@ -134,3 +134,16 @@ def ensure_ray(infra: InfraConfig) -> None:
 
     if not ray.is_initialized():
         ray.init(**ray_init_kwargs(infra))
+
+
+SCRATCH_ENV = "ALIGNFLOW_SCRATCH"
+
+
+def scratch_dir() -> str | None:
+    """Where a stage writes its files before committing them: the run's scratch directory where the CLI made
+    one (ALIGNFLOW_SCRATCH; it removes it when it ends, interrupted or not, and with it what a killed stage
+    left), else the system's temporary directory (None). Made on this node if missing."""
+    path = os.environ.get(SCRATCH_ENV)
+    if path:
+        os.makedirs(path, exist_ok=True)
+    return path or None

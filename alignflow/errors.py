@@ -28,3 +28,8 @@ class PromptTooLongError(DataError):
 
 class InsufficientResourcesError(ConfigError):
     """A stage's actors need more Ray resources than the cluster has."""
+
+
+class StartError(Exception):
+    """A service the run starts (the Prefect API, a local Ray) did not come up; the message names its log.
+    Not the user's input, but nothing a traceback explains better: the CLI prints one `error:` line."""

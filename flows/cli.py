@@ -14,15 +14,18 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import shutil
 import sys
+import tempfile
 import time
 import traceback
 from collections import Counter
 from pathlib import Path
 
-from alignflow.cluster import apply_process_env
+from alignflow.cluster import SCRATCH_ENV, apply_process_env
 from alignflow.config import PipelineConfig, load_config, resolve_paths
-from alignflow.errors import ConfigError, UserError
+from alignflow.errors import ConfigError, StartError, UserError
 from alignflow.interrupts import install_sigterm_handler
 from alignflow.storage import is_local_uri, local_path
 from flows import console
@@ -75,7 +78,15 @@ def _warm_up(cfg: PipelineConfig, verbose: bool) -> None:
 
     from flows.runtime import check_api_reachable
 
-    ray.init(**ray_init_kwargs(cfg.infra), logging_level=logging.INFO if verbose else logging.WARNING)
+    kwargs = ray_init_kwargs(cfg.infra)
+    if not verbose:
+        console.quiet_ray_notices()
+    try:
+        ray.init(**kwargs, logging_level=logging.INFO if verbose else logging.WARNING)
+    except Exception as err:
+        where = f"the Ray cluster at {cfg.infra.ray_address}" if cfg.infra.ray_address else "a local Ray"
+        logs = Path(tempfile.gettempdir()) / "ray" / "session_latest" / "logs"
+        raise StartError(f"{where} did not start: {type(err).__name__}: {err} (Ray's logs: {logs})") from err
     try:
         check_api_reachable(cfg.infra)
     except BaseException:
@@ -93,15 +104,33 @@ def _run(cfg: PipelineConfig, target: str | None, verbose: bool = False, all_cac
               file=sys.stderr)
         _print_report(report_from_storage(cfg, plan_pipeline(cfg)), time.perf_counter() - t0, verbose)
         return 0
+    apply_process_env()
+    root = cfg.infra.storage.root
+    # Beside the artifacts; for a remote root in the local cache (never the working directory).
+    log_dir = (local_path(root) if is_local_uri(root) else Path(cfg.infra.storage.cache_dir).expanduser()) / "logs"
+    log_file = console.log_to_file(log_dir)
+    print(f"log: {log_file}", file=sys.stderr)
+    # The stages' scratch files, under one directory this process removes however the run ends.
+    scratch = tempfile.mkdtemp(prefix="alignflow-run-")
+    os.environ[SCRATCH_ENV] = scratch
+    try:
+        result = _flow_run(cfg, target, log_dir, verbose)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    elapsed = time.perf_counter() - t0
+    if target:
+        print(result.model_dump_json(indent=2))
+    else:
+        _print_report(result, elapsed, verbose)
+    return 0
+
+
+def _flow_run(cfg: PipelineConfig, target: str | None, log_dir: Path, verbose: bool):
+    """The pipeline's (or the target's) flow run, with a Prefect API and Ray up for it; its result."""
     import ray
 
     from flows.runtime import prefect_api
 
-    apply_process_env()
-    root = cfg.infra.storage.root
-    log_dir = (local_path(root) if is_local_uri(root) else Path.cwd()) / "logs"
-    log_file = console.log_to_file(log_dir)
-    print(f"log: {log_file}", file=sys.stderr)
     with prefect_api(cfg.infra, log_dir, while_starting=lambda: _warm_up(cfg, verbose)) as url:
         logging.getLogger("alignflow").info("Prefect API: %s", url)
         from flows.pipeline import partial_pipeline, pipeline
@@ -109,22 +138,13 @@ def _run(cfg: PipelineConfig, target: str | None, verbose: bool = False, all_cac
 
         try:
             with ProgressWatcher(cfg.infra.mlflow_tracking_uri, cfg.infra.mlflow_experiment):
-                if target:
-                    result = partial_pipeline(cfg, target)
-                else:
-                    result = pipeline(cfg)
+                return partial_pipeline(cfg, target) if target else pipeline(cfg)
         finally:
             # Ship buffered run logs while the API is still up.
             from prefect.logging.handlers import APILogWorker
 
             APILogWorker.drain_all()
             ray.shutdown()
-    elapsed = time.perf_counter() - t0
-    if target:
-        print(result.model_dump_json(indent=2))
-    else:
-        _print_report(result, elapsed, verbose)
-    return 0
 
 
 def _print_report(report, elapsed: float, verbose: bool = False) -> None:
@@ -163,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     install_sigterm_handler()  # SIGTERM raises SystemExit: `finally` blocks end MLflow runs KILLED, drop scratch
     console.setup(ns.verbose)
     target = ns.name if ns.command == "stage" else None
+    cfg: PipelineConfig | None = None
     try:
         path, overrides = _split_args(ns.args)
         cfg = _load(ns.args)
@@ -183,6 +204,38 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except StartError as err:
+        if ns.verbose:
+            traceback.print_exc()
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        if ns.verbose:
+            traceback.print_exc()
+        print(interrupted_line(cfg, ns.command, target), file=sys.stderr)
+        return 130
+
+
+def interrupted_line(cfg: PipelineConfig | None, command: str, target: str | None) -> str:
+    """What a Ctrl-C stopped, in one line: each stage it stopped at its step, and how to go on. The stages'
+    MLflow runs are KILLED by then (flows/report.py wait_all)."""
+    again = f"alignflow {command}" + (f" {target}" if target else "")
+    stopped = []
+    try:
+        from flows.report import opened_parent_runs
+
+        parents = opened_parent_runs()
+        if cfg is not None and parents:
+            from alignflow.tracking import Tracker
+
+            runs = Tracker(cfg.infra.mlflow_tracking_uri, cfg.infra.mlflow_experiment).stage_runs(parents[-1])
+            stopped = [r for r in runs if r["status"] == "KILLED"]
+    except Exception as err:  # noqa: BLE001  (the line must come, whatever MLflow says)
+        logging.getLogger("alignflow").warning("could not read what the interrupt stopped: %s", err)
+    if not stopped:
+        return f"interrupted before a stage was under way; {again} starts again"
+    parts = [f"{r['stage']} stopped" + (f" at step {r['step']} of {r['total']}" if r["total"] else "") for r in stopped]
+    return f"interrupted: {', '.join(parts)}; {again} resumes {'it' if len(parts) == 1 else 'them'}"
 
 
 if __name__ == "__main__":

@@ -1,11 +1,12 @@
 """What a run prints: alignflow's own lines and warnings once; the rest goes to a log file.
 
-Without `-v`, the CLI process's console shows INFO and above from
-alignflow's loggers and WARNING and above from everything else, each
-distinct message once; a
+Without `-v`, the CLI process's console shows what the CLI prints (the
+plan, a line or a bar per stage, the report) and WARNING and above from
+every logger, each distinct message once; INFO lines go to the log file
+only. A
 user error (config, data) is reported by the CLI as one `error:` line, so
 the tracebacks other libraries log for it are dropped from the console. The
-log file (`{storage root}/logs/run-<time>.log`, or ./logs for a remote
+log file (`{storage root}/logs/run-<time>.log`, or `{cache_dir}/logs` for a remote
 root) gets this process's records at INFO and above (Ray workers' own
 logs stay in Ray's session directory; Prefect's task-run logs in the
 Prefect API). Ray workers are started with
@@ -29,6 +30,7 @@ import time
 from pathlib import Path
 
 from alignflow.errors import UserError
+from alignflow.interrupts import is_interrupt
 
 # For Ray workers (forwarded through alignflow.cluster.FORWARDED_ENV) and this process.
 QUIET_ENV = {
@@ -49,24 +51,25 @@ CPU_ADVICE = "|".join((
 # Read by Ray in this process when it is imported (Ray's log deduplicator drops matching lines).
 QUIET_DRIVER_ENV = {"RAY_DEDUP_LOGS_SKIP_REGEX": CPU_ADVICE}
 FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
+INTERRUPTED = "aborted by an interrupt signal"  # Prefect's line for a flow run stopped by Ctrl-C
 
 
 class ConsoleFilter(logging.Filter):
-    """alignflow INFO+, others WARNING+, each message once, no tracebacks of user errors."""
+    """WARNING+, each message once, no tracebacks of user errors (INFO goes to the log file)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.seen: set[tuple[str, str]] = set()
 
     def filter(self, record: logging.LogRecord) -> bool:
-        own = record.name == "alignflow" or record.name.startswith("alignflow.")
-        if record.levelno < (logging.INFO if own else logging.WARNING):
+        if record.levelno < logging.WARNING:
             return False
         exc = record.exc_info[1] if record.exc_info else None
         if isinstance(exc, UserError) or _names_user_error(record):
             return False  # the CLI prints it as one `error:` line
-        if own and record.levelno < logging.WARNING:
-            return True
+        if (exc is not None and is_interrupt(exc)) or (record.name.startswith("prefect") and
+                                                      INTERRUPTED in record.getMessage()):
+            return False  # the CLI prints what the interrupt stopped, in one line
         key = (record.name, record.getMessage())
         if key in self.seen:
             return False
@@ -118,3 +121,25 @@ def log_to_file(log_dir: Path) -> Path:
     handler.setLevel(logging.INFO)
     logging.getLogger().addHandler(handler)
     return path
+
+
+# What Ray's driver logs at every start, through a handler of its own: to the log file, not the console.
+RAY_NOTICES = ("Token authentication is enabled for this Ray cluster",)
+
+
+class _NoticeToLogFile(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if any(n in message for n in RAY_NOTICES):
+            logging.getLogger("alignflow.ray").info("%s", message)  # INFO: the log file only
+            return False
+        return True
+
+
+def quiet_ray_notices() -> None:
+    """Ray's start-up notices (RAY_NOTICES) go to the log file instead of the console (quiet mode)."""
+    import ray  # noqa: F401  (configures the `ray` logger and its console handler)
+
+    for handler in logging.getLogger("ray").handlers:
+        if not any(isinstance(f, _NoticeToLogFile) for f in handler.filters):
+            handler.addFilter(_NoticeToLogFile())

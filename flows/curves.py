@@ -22,6 +22,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from alignflow.cluster import scratch_dir
+
 if TYPE_CHECKING:
     from alignflow.storage import Storage
     from alignflow.tracking import Tracker
@@ -172,7 +174,7 @@ def publish_curves(tracker: Tracker, storage: Storage, parent_run_id: str,
     started = time.perf_counter()
     try:
         histories = tracker.metric_histories(parent_run_id, stage_keys=stage_keys, keep=wanted)
-        with tempfile.TemporaryDirectory(prefix="alignflow-curves-") as tmp:
+        with tempfile.TemporaryDirectory(prefix="alignflow-curves-", dir=scratch_dir()) as tmp:
             paths = draw_curves(histories, tmp)
             if not paths:
                 log.info("learning curves: no training, round or evaluation metrics to draw")

@@ -2,11 +2,12 @@
 
 A deployment's parameters name a config file (relative to the repository)
 and `key.sub=value` overrides; the file, the target and what the run needs
-from outside (alignflow/preflight.py) are checked before anything runs, then the pipeline (or one target of it) runs
-in this flow run: every stage is one of its task runs, on Ray, so Retry on a
-failed run's page reruns that same run (finished stages come from cache, a
-half-done round resumes). The flow run's own API (the worker's) serves the
-Ray workers too.
+from outside (alignflow/preflight.py) are checked before anything runs.
+Then the pipeline (or one target of it) runs in this flow run: every stage
+is one of its task runs, on Ray (flows/stage_tasks.py PipelineTaskRunner),
+so Retry on a failed run's page reruns that same run (finished stages come
+from cache, a half-done round resumes). The flow run's own API (the
+worker's) serves the Ray workers too.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from prefect import flow
 
 from alignflow.config import PipelineConfig
 from alignflow.records import StageResult
+from flows.planview import publish_plan
 from flows.report import PipelineReport, build_report, close_run, open_run, wait_all
 from flows.stage_tasks import PipelineTaskRunner, StageTasks, join_ray
 from tasks.eval_engine import engine_host
@@ -25,6 +26,7 @@ def run_all(config: PipelineConfig) -> PipelineReport:
     join_ray(config.infra)
     plan = plan_pipeline(config)
     ctx = open_run(config, plan)
+    publish_plan(plan, ctx)
     with engine_host(plan, ctx) as ctx:
         results, states = wait_all(ctx, StageTasks(config.infra).submit_plan(plan, ctx))
     report = build_report(ctx, plan, results, states)
@@ -38,6 +40,7 @@ def run_target(config: PipelineConfig, target: str) -> StageResult:
     full = plan_pipeline(config)
     plan = full.upto(target)
     ctx = open_run(config, plan)
+    publish_plan(plan, ctx)
     with engine_host(plan, ctx) as ctx:
         results, _ = wait_all(ctx, StageTasks(config.infra).submit_plan(plan, ctx))
     close_run(ctx)

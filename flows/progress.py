@@ -21,13 +21,17 @@ KEY_METRICS = (("train/loss", "loss"), ("rl/reward/mean", "reward"), ("rl/kl", "
 TOKEN_LIMITS = (("data/max_prompt_tokens", "prompt tokens <="), ("data/max_response_tokens", "response tokens <="))
 
 
-def key_metrics(metrics: dict[str, float]) -> str:
+def key_metrics(metrics: dict[str, float], width: int | None = None) -> str:
+    """The stage's key metrics, as many whole ones as fit in `width` characters (all without one)."""
     shown = [f"{label} {metrics[k]:.3f}" for k, label in KEY_METRICS if k in metrics]
     shown += [f"{label} {metrics[k]:.0f}" for k, label in TOKEN_LIMITS if k in metrics]
     for suffix, what in (("_prompts_left_out", "prompts left out"), ("_responses_cut", "responses cut")):
         n = sum(v for k, v in metrics.items() if k.startswith("data/") and k.endswith(suffix))
         if n:
             shown.append(f"{n:.0f} {what}")
+    if width is not None:
+        while shown and len("  ".join(shown)) > width:
+            shown.pop()
     return "  ".join(shown)
 
 
@@ -90,14 +94,34 @@ def _is_terminal() -> bool:
     return sys.stdout.isatty() and os.environ.get("TERM") != "dumb"
 
 
+NAME_WIDTH = 18
+
+
 class _Bars:
-    def __init__(self) -> None:
+    """A rich progress bar per stage that fits the terminal: on a narrow one it drops the time left, then
+    shortens the bar, then drops it, and shows as many whole key metrics as the rest of the line holds
+    (never a number cut to `0:0…`)."""
+
+    def __init__(self, console: Any = None) -> None:
+        from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
             TimeRemainingColumn
 
-        self.progress = Progress(TextColumn("{task.description:<18}"), BarColumn(), MofNCompleteColumn(),
-                                 TimeElapsedColumn(),
-                                 TimeRemainingColumn(), TextColumn("{task.fields[shown]}"))
+        console = console or Console()
+        width = console.width
+        columns: list[Any] = [TextColumn(f"{{task.description:<{NAME_WIDTH}}}")]
+        used = NAME_WIDTH + 9 + 7  # name, "188/188" (up to 9), elapsed "0:00:42"
+        bar = 40 if width >= 120 else 20 if width >= 90 else 10 if width >= 70 else 0
+        if bar:
+            columns.append(BarColumn(bar_width=bar))
+            used += bar
+        columns += [MofNCompleteColumn(), TimeElapsedColumn()]
+        if width >= 120:
+            columns.append(TimeRemainingColumn())
+            used += 7
+        columns.append(TextColumn("{task.fields[shown]}"))
+        self.room = max(width - used - len(columns), 0)  # a space between columns
+        self.progress = Progress(*columns, console=console)
         self.tasks: dict[str, Any] = {}
         self.progress.start()
 
@@ -108,8 +132,12 @@ class _Bars:
         done = run["status"] != "RUNNING"
         total = run["total"] or (1 if done else None)
         self.progress.update(self.tasks[name], total=total, completed=total if done and total else run["step"],
-                             shown=key_metrics(run["metrics"]) + ("" if run["status"] in ("RUNNING", "FINISHED")
-                                                                  else f"  {run['status']}"))
+                             shown=self.shown(run))
+
+    def shown(self, run: dict[str, Any]) -> str:
+        status = "" if run["status"] in ("RUNNING", "FINISHED") else run["status"]
+        metrics = key_metrics(run["metrics"], self.room - (len(status) + 2 if status else 0))
+        return "  ".join(x for x in (metrics, status) if x)
 
     def close(self) -> None:
         self.progress.stop()

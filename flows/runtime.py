@@ -21,6 +21,7 @@ from pathlib import Path
 
 from alignflow.cluster import ray_init_kwargs
 from alignflow.config import InfraConfig
+from alignflow.errors import StartError
 from alignflow.net import free_port
 from alignflow.storage import is_local_uri, local_path
 
@@ -90,7 +91,9 @@ def prefect_api(infra: InfraConfig, log_dir: Path, while_starting: Callable[[], 
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while not _healthy(url):
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"Prefect server did not start; see {log_path}")
+                why = f"exited with status {proc.returncode}" if proc.poll() is not None else \
+                    f"not answering after {STARTUP_TIMEOUT_S} s"
+                raise StartError(f"the Prefect server did not start ({why}); its log: {log_path}")
             time.sleep(0.3)
         yield url
     finally:

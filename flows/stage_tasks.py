@@ -35,7 +35,10 @@ class StageTasks:
         futures: dict[str, Any] = {}
         for stage in plan.stages.values():
             upstream = {name: futures[source] for name, source in stage.inputs.items()}
-            futures[stage.name] = self.tasks[stage.kind].submit(stage=stage, inputs=upstream, ctx=ctx)
+            # Named by the stage as given, not by a template rendered when it runs: a task run that never
+            # starts (its upstream failed) is `eval_round_1`, not `evaluate_policy-97b`.
+            task = self.tasks[stage.kind].with_options(task_run_name=stage.name)
+            futures[stage.name] = task.submit(stage=stage, inputs=upstream, ctx=ctx)
         return futures
 
 

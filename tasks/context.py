@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 from pydantic import BaseModel, ConfigDict
 
 from alignflow.artifacts import WEIGHT_FILES, ArtifactRef, Entries, local_dir, merge_entries
+from alignflow.cluster import scratch_dir
 from alignflow.config import InfraConfig, cache_relevant
 from alignflow.records import StageResult
 from alignflow.storage import Storage
@@ -96,7 +97,7 @@ def compute_stage(
     torch_threads(ctx.infra.torch_threads)
     config = cache_relevant(stage.config)
     with ctx.tracker().stage_run(ctx.parent_run_id, stage.name, config, tags={"alignflow.key": stage.key}) as run:
-        with tempfile.TemporaryDirectory(prefix=f"alignflow-{stage.name}-") as out:
+        with tempfile.TemporaryDirectory(prefix=f"alignflow-{stage.name}-", dir=scratch_dir()) as out:
             output = StageOutput(Path(out), ArtifactRef(uri, storage))
             metrics = compute(output, run)
             storage.commit(out, uri, uploaded=output.uploaded, meta={

@@ -64,6 +64,7 @@ def train_stage(stage: PlannedStage, inputs: TrainInputs | PreferenceInputs, ctx
                     run.log_metrics({f"train/{k}": v for k, v in m.items()} | {"progress/step": step}, step=step)
                 if checkpoints.due(step, schedule.total_steps):
                     checkpoints.save(step, lambda ref: group.save_state(ref, {"step": step}))
+                    run.log_metrics({"progress/step": step}, step=step)  # where an interrupt's line says it stopped
 
             steps_run = supervised.fit(group, tensors, schedule, objective, weigh, paired=paired, start_step=start,
                                        after_step=after_step)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -137,8 +138,10 @@ async def main():
         run = await c.read_flow_run(UUID(sys.argv[1]))
         tasks = await c.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [run.id]}))
         flows = await c.read_flow_runs()
+        artifacts = await c.read_artifacts(flow_run_filter=FlowRunFilter(id={"any_": [run.id]}))
         print(json.dumps({"state": run.state_name, "message": run.state.message, "run_count": run.run_count,
                           "flow_runs": [[str(f.id), f.state_name, str(f.parent_task_run_id or "")] for f in flows],
+                          "artifacts": {a.key: a.data for a in sorted(artifacts, key=lambda a: a.created) if a.key},
                           "tasks": [[t.name, t.state_name, t.state.message or "", sorted(t.tags)]
                                     for t in sorted(tasks, key=lambda t: t.expected_start_time)]}))
 asyncio.run(main())
@@ -236,6 +239,12 @@ asyncio.run(main())
     assert {"resumed", "resumed-from-step-2"} <= set(latest["round_1"][2]), latest
     for name in ("data", "base_model", "sft", "eval_base", "eval_sft"):
         assert latest[name][0] == "Cached", (name, latest)
+    # Every task run is named by its stage, the one that never started (eval_round_1 of the first attempt) too.
+    assert {t[0] for t in done["tasks"]} == {"data", "base_model", "sft", "round_1", "eval_base", "eval_sft",
+                                            "eval_round_1"}, done["tasks"]
+    # The plan, as the retry found it, is on the flow run: the round runs again, the rest is committed.
+    plan = done["artifacts"]["plan"]
+    assert re.search(r"round_1 .* will run: ", plan) and re.search(r"\n  sft .* Cached", plan), plan
     print("flow runs:", done["flow_runs"])
     print("task runs:", [t[:3] for t in done["tasks"]])
 

@@ -157,23 +157,41 @@ def test_bad_config_value_fails_fast_naming_the_field(cli_env, alignflow_cli, tm
     assert not (tmp_path / "artifacts").exists()
 
 
-def test_a_prefect_server_that_does_not_start_is_one_error_line(small_pipeline_args, cli_env, alignflow_cli,
-                                                                 tmp_path):
-    """The server the CLI starts exits at once (its database cannot be opened): one `error:` line naming
-    its log, exit status 1, no traceback, and no scratch directory left."""
-    tmp = tmp_path / "tmp"
-    tmp.mkdir()
-    env = cli_env(PREFECT_API_DATABASE_CONNECTION_URL=f"sqlite+aiosqlite:///{tmp_path}/no/such/dir/prefect.db",
-                  TMPDIR=str(tmp))
-    res = alignflow_cli(["run", *small_pipeline_args(tmp_path)], env=env, cwd=tmp_path / "cwd", timeout=300,
-                        verbose=False)
+@pytest.mark.parametrize("broken", ["prefect", "ray"])
+def test_a_service_that_does_not_start_is_one_error_line(broken, small_pipeline_args, cli_env, alignflow_cli,
+                                                         tmp_path):
+    """The Prefect server the CLI starts exits at once (its database cannot be opened), or the local Ray
+    cannot (its socket paths, under a long TMPDIR, pass the 107 bytes AF_UNIX allows): one `error:` line
+    naming what failed and its log, exit status 1, no traceback, and no scratch directory left."""
+    if broken == "prefect":
+        tmp = Path(tempfile.mkdtemp(prefix="af-", dir="/tmp"))
+        env = cli_env(PREFECT_API_DATABASE_CONNECTION_URL=f"sqlite+aiosqlite:///{tmp_path}/no/such/dir/prefect.db",
+                      TMPDIR=str(tmp))
+    else:
+        tmp = tmp_path / ("t" * 60)
+        tmp.mkdir()
+        env = cli_env(TMPDIR=str(tmp))
+    try:
+        res = alignflow_cli(["run", *small_pipeline_args(tmp_path)], env=env, cwd=tmp_path / "cwd", timeout=300,
+                            verbose=False)
+        left = sorted(p.name for p in tmp.glob("alignflow-*"))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     assert res.returncode == 1, res.describe()
     last = res.stderr.strip().splitlines()[-1]
-    log = tmp_path / "artifacts" / "logs" / "prefect-server.log"
-    assert last.startswith("error: the Prefect server did not start (exited with status ") and \
-        last.endswith(f"its log: {log}"), res.describe()
-    assert log.is_file() and "Traceback" not in res.stderr, res.describe()
-    assert not list(tmp.glob("alignflow-*")), list(tmp.iterdir())
+    if broken == "prefect":
+        log = tmp_path / "artifacts" / "logs" / "prefect-server.log"
+        assert last.startswith("error: the Prefect server did not start (exited with status ") and \
+            last.endswith(f"its log: {log}"), res.describe()
+        assert log.is_file()
+        # Ray started (quiet console): its token notice went to the log file, not the console.
+        assert "Token authentication" not in res.stderr, res.describe()
+        assert "Token authentication is enabled" in Path(res.stderr.split("log: ")[1].split()[0]).read_text()
+    else:
+        assert last.startswith("error: a local Ray did not start: OSError: ") and "(Ray's logs: " in last, \
+            res.describe()
+    assert "Traceback" not in res.stderr, res.describe()
+    assert left == [], left
 
 
 # ---- 1, 2: the pipeline on S3, then from cache -------------------------------------
@@ -317,6 +335,12 @@ def test_mlflow_parent_and_child_runs(s3_run, moto_s3):
     assert params["infra.storage.root"] == s3_run.root
     table = parse_table(s3_run.result.stdout)
     assert parent.data.metrics["sft/accuracy"] == pytest.approx(table["sft"]["accuracy"], abs=5e-4)
+    # The experiment opens on its runs, its artifacts (curves, report.txt) sit beside the SQLite file, and
+    # the run wrote nothing into its working directory (this harness's own cli-* output files aside).
+    exp = client.get_experiment(parent.info.experiment_id)
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
+    assert list((s3_run.base / "mlflow-artifacts").rglob("report.txt")), exp.artifact_location
+    assert sorted(p.name for p in (s3_run.base / "cwd").iterdir() if not p.name.startswith("cli-")) == []
 
     children = {r.data.tags["alignflow.stage"]: r for r in child_runs(client, pid)}
     assert BASE_STAGES <= set(children), sorted(children)
@@ -547,7 +571,7 @@ def test_ctrl_c_mid_sft_ends_the_runs_killed_and_the_rerun_resumes(small_pipelin
     assert status == 130, err[-3000:]
     last = err.strip().splitlines()[-1]
     assert re.fullmatch(rf"interrupted: sft stopped at step \d+ of {total}; alignflow run resumes it", last), err[-3000:]
-    assert "Traceback" not in err, err[-6000:]
+    assert [line for line in err.strip().splitlines() if not line.startswith("log: ")] == [last], err[-6000:]
     assert left == [], left
 
     client = mlflow_client(f"sqlite:///{tmp_path / 'mlflow.db'}")

@@ -41,6 +41,8 @@ def test_console_drops_what_a_user_error_logs_elsewhere():
     assert f.filter(_record("prefect.flow_runs", logging.ERROR, "Encountered exception", RuntimeError("worker died")))
     # An interrupt: the CLI says what it stopped, in one line.
     assert not f.filter(_record("prefect.flow_runs", logging.ERROR, "Crashed", KeyboardInterrupt()))
+    assert not f.filter(_record("prefect.flow_runs", logging.ERROR,
+                                "Crash detected! Execution was aborted by an interrupt signal."))
 
 
 def test_quiet_setup_sets_the_worker_environment(monkeypatch):
@@ -141,15 +143,16 @@ def test_progress_bars_fit_the_terminal_with_whole_numbers(width):
 
     from flows.progress import _Bars
 
-    out = Console(file=io.StringIO(), width=width, force_terminal=True, record=True)
-    bars = _Bars(console=out)
+    bars = _Bars(console=Console(file=io.StringIO(), width=width, force_terminal=True))
     run = {"stage": "eval_reward_model", "status": "RUNNING", "step": 123, "total": 200, "start": 0, "end": None,
            "metrics": {"rl/reward/mean": -0.51234, "rl/kl": 0.01234, "train/loss": 1.25}}
     bars.update(run)
     bars.update({**run, "stage": "round_1", "status": "FAILED", "step": 7, "total": 20})
-    bars.progress.refresh()
+    table = bars.progress.make_tasks_table(bars.progress.tasks)  # what each refresh draws
     bars.close()
-    lines = [line for line in out.export_text().splitlines() if line.strip()]
+    check = Console(file=io.StringIO(), width=width, record=True)
+    check.print(table)
+    lines = [line for line in check.export_text().splitlines() if line.strip()]
     shown = {line.split()[0]: line for line in lines}
     assert set(shown) == {"eval_reward_model", "round_1"}, lines
     for line in lines:
