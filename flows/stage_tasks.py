@@ -35,9 +35,10 @@ class StageTasks:
         futures: dict[str, Any] = {}
         for stage in plan.stages.values():
             upstream = {name: futures[source] for name, source in stage.inputs.items()}
-            # Named by the stage as given, not by a template rendered when it runs: a task run that never
-            # starts (its upstream failed) is `eval_round_1`, not `evaluate_policy-97b`.
-            task = self.tasks[stage.kind].with_options(task_run_name=stage.name)
+            # The task is named by the stage (its kind is a tag): a task run that never starts (its upstream
+            # failed; Prefect names it before it could render a run name) is then `eval_round_1-97b`, not
+            # `evaluate_policy-97b`, and one that runs is `eval_round_1`.
+            task = self.tasks[stage.kind].with_options(name=stage.name, task_run_name=stage.name, tags={stage.kind})
             futures[stage.name] = task.submit(stage=stage, inputs=upstream, ctx=ctx)
         return futures
 
