@@ -106,8 +106,9 @@ def _run(cfg: PipelineConfig, target: str | None, verbose: bool = False, all_cac
         return 0
     apply_process_env()
     root = cfg.infra.storage.root
-    # Beside the artifacts; for a remote root in the local cache (never the working directory).
-    log_dir = (local_path(root) if is_local_uri(root) else Path(cfg.infra.storage.cache_dir).expanduser()) / "logs"
+    # Beside the artifacts; for a remote root in this user's state directory (never the working directory).
+    log_dir = local_path(root) / "logs" if is_local_uri(root) else \
+        Path(os.environ.get("XDG_STATE_HOME") or "~/.local/state").expanduser() / "alignflow" / "logs"
     log_file = console.log_to_file(log_dir)
     print(f"log: {log_file}", file=sys.stderr)
     # The stages' scratch files, under one directory this process removes however the run ends.

@@ -6,7 +6,7 @@ every logger, each distinct message once; INFO lines go to the log file
 only. A
 user error (config, data) is reported by the CLI as one `error:` line, so
 the tracebacks other libraries log for it are dropped from the console. The
-log file (`{storage root}/logs/run-<time>.log`, or `{cache_dir}/logs` for a remote
+log file (`{storage root}/logs/run-<time>.log`, or `~/.local/state/alignflow/logs` for a remote
 root) gets this process's records at INFO and above (Ray workers' own
 logs stay in Ray's session directory; Prefect's task-run logs in the
 Prefect API). Ray workers are started with

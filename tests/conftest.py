@@ -119,8 +119,11 @@ def run_cli(args: list[str], *, env: dict[str, str], cwd: Path, timeout: float =
     out_path, err_path = cwd / f"cli-{tag}.out", cwd / f"cli-{tag}.err"
     t0 = time.monotonic()
     with open(out_path, "w") as out, open(err_path, "w") as err:
+        # SIGINT as a terminal's foreground job has it: a shell without job control (`cmd &`, some CI
+        # runners) starts its background jobs with SIGINT ignored, and children inherit that.
         proc = subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=cwd, env=env,
-                                stdout=out, stderr=err, start_new_session=True)
+                                stdout=out, stderr=err, start_new_session=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -150,8 +153,11 @@ def kill_at_checkpoint(args: list[str], *, env: dict[str, str], cwd: Path, check
     root, pattern = Path(checkpoint_glob.anchor), str(checkpoint_glob.relative_to(checkpoint_glob.anchor))
     cwd.mkdir(parents=True, exist_ok=True)
     with open(cwd / "killed.out", "w") as out, open(cwd / "killed.err", "w") as err:
+        # SIGINT as a terminal's foreground job has it: a shell without job control (`cmd &`, some CI
+        # runners) starts its background jobs with SIGINT ignored, and children inherit that.
         proc = subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=cwd, env=env,
-                                stdout=out, stderr=err, start_new_session=True)
+                                stdout=out, stderr=err, start_new_session=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     tree: dict[int, int] = {}
     try:
         deadline = time.monotonic() + timeout

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -139,8 +140,11 @@ async def main():
         tasks = await c.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [run.id]}))
         flows = await c.read_flow_runs()
         artifacts = await c.read_artifacts(flow_run_filter=FlowRunFilter(id={"any_": [run.id]}))
+        of_deployment = await c.read_flow_runs(flow_run_filter=FlowRunFilter(
+            deployment_id={"any_": [run.deployment_id]}))
         print(json.dumps({"state": run.state_name, "message": run.state.message, "run_count": run.run_count,
                           "flow_runs": [[str(f.id), f.state_name, str(f.parent_task_run_id or "")] for f in flows],
+                          "deployment_runs": [str(f.id) for f in of_deployment],
                           "artifacts": {a.key: a.data for a in sorted(artifacts, key=lambda a: a.created) if a.key},
                           "tasks": [[t.name, t.state_name, t.state.message or "", sorted(t.tags)]
                                     for t in sorted(tasks, key=lambda t: t.expected_start_time)]}))
@@ -192,8 +196,11 @@ print(run.id)
 """
     run_id = _run([sys.executable, "-c", start, json.dumps(overrides)], env).stdout.strip().splitlines()[-1]
     log = open(tmp_path / "worker.log", "w")
+    # SIGINT at its default: the worker stops on SIGTERM by sending itself SIGINT, which a shell without job
+    # control (`cmd &`, some CI runners) would have left ignored in every process it starts.
     worker = subprocess.Popen([PREFECT, "worker", "start", "--pool", "alignflow-process"], env=worker_env, cwd=REPO,
-                              stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                              stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         failed = _wait_final(env, run_id)
         worker_log = lambda: (tmp_path / "worker.log").read_text()[-8000:]  # noqa: E731
@@ -223,13 +230,18 @@ asyncio.run(main())
         done = _wait_final(env, run_id)
         assert done["state"] == "Completed", f"{done}\n{worker_log()}"
     finally:
-        os.killpg(worker.pid, 15)
-        worker.wait(timeout=60)
+        os.killpg(worker.pid, signal.SIGTERM)
+        try:
+            worker.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(worker.pid, signal.SIGKILL)
+            worker.wait()
         log.close()
 
     # One flow run, no subflows: the stages are its own task runs.
-    ran = [r for r in done["flow_runs"] if r[1] != "Scheduled"]
-    assert ran == [[run_id, "Completed", ""]], done["flow_runs"]
+    assert [r for r in done["flow_runs"] if r[0] == run_id] == [[run_id, "Completed", ""]], done["flow_runs"]
+    assert not [r for r in done["flow_runs"] if r[2]], done["flow_runs"]  # no flow run inside a task run
+    assert done["deployment_runs"] == [run_id], done  # the pipeline deployment ran once, retried in place
     assert done["run_count"] == 2, done
     latest: dict[str, list] = {}
     for name, state, message, tags in done["tasks"]:
