@@ -42,6 +42,11 @@ def flatten_params(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def param_values(params: Mapping[str, Any]) -> dict[str, str]:
+    """A config as MLflow param values: flattened without credentials, each cut to MLflow's 6000 characters."""
+    return {k: str(v)[:6000] for k, v in flatten_params(params).items()}
+
+
 DATABASE_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql")
 
 

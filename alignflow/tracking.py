@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from alignflow.interrupts import end_status, pid_alive
-from alignflow.mlflow_inputs import artifact_location, flatten_params
+from alignflow.mlflow_inputs import artifact_location, param_values
 
 log = logging.getLogger("alignflow")
 
@@ -80,7 +80,7 @@ class Tracker:
             return self._reopen(previous, all_tags, params)
         run = client.create_run(self.experiment_id, run_name=run_name, tags=all_tags)
         try:
-            self._log_params(run.info.run_id, params)
+            self._log_params(run.info.run_id, param_values(params))
         except BaseException as exc:
             client.set_terminated(run.info.run_id, status=end_status(exc))
             raise
@@ -108,7 +108,7 @@ class Tracker:
         for key, value in {**tags, ATTEMPT_TAG: str(attempt)}.items():
             client.set_tag(run_id, key, value)
         had = run.data.params
-        flat = {k: str(v)[:6000] for k, v in flatten_params(params).items()}
+        flat = param_values(params)
         if changed := sorted(k for k, v in flat.items() if k in had and had[k] != v):
             client.set_tag(run_id, f"alignflow.params_changed_at_attempt_{attempt}", ", ".join(changed)[:5000])
             log.warning("MLflow run %s continued with %d param(s) changed since its first attempt (%s); it keeps "
@@ -236,13 +236,14 @@ class Tracker:
             all_tags["mlflow.parentRunId"] = parent_run_id
         previous = self._reopenable("alignflow.key", all_tags.get("alignflow.key", ""), parent_run_id, stage) \
             if parent_run_id else None
-        if previous is not None and previous.info.status != "FINISHED":
+        reopened = previous is not None and previous.info.status != "FINISHED"
+        if reopened:
             run_id = self._reopen(previous, all_tags, params)  # a retry of this stage in the same pipeline run
         else:
             run_id = client.create_run(self.experiment_id, run_name=stage, tags=all_tags).info.run_id
         try:
-            if previous is None:
-                self._log_params(run_id, params)
+            if not reopened:
+                self._log_params(run_id, param_values(params))
             yield StageRun(client, run_id)
         except BaseException as exc:
             # Best effort: an error here must not replace the one that ends the stage.
@@ -253,11 +254,10 @@ class Tracker:
             raise
         client.set_terminated(run_id, status="FINISHED")
 
-    def _log_params(self, run_id: str, params: Mapping[str, Any]) -> None:
+    def _log_params(self, run_id: str, strings: Mapping[str, str]) -> None:
         from mlflow.entities import Param
 
-        flat = flatten_params(params)
-        batch = [Param(k, str(v)[:6000]) for k, v in flat.items()]
+        batch = [Param(k, v) for k, v in strings.items()]
         client = self._client
         for i in range(0, len(batch), 100):
             client.log_batch(run_id, params=batch[i : i + 100])

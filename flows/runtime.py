@@ -19,7 +19,6 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from alignflow.cluster import ray_init_kwargs
 from alignflow.config import InfraConfig
 from alignflow.errors import StartError
 from alignflow.net import free_port

@@ -63,12 +63,13 @@ class PipelineTaskRunner(RayTaskRunner):
         if self._owns_ray:
             return
         warn_local_root_on_cluster(infra)
+        if ray.is_initialized():  # the CLI's, started while the Prefect API came up
+            return
         kwargs = ray_init_kwargs(infra)
         self.address = kwargs.pop("address", None)
         self.init_kwargs = {"namespace": "prefect", **kwargs}
-        if not ray.is_initialized():
-            self._owns_ray = True
-            self._ray_context = ray.init(self.address, **self.init_kwargs)
+        self._owns_ray = True
+        self._ray_context = ray.init(self.address, **self.init_kwargs)
 
     def submit(self, task, parameters, wait_for=None, dependencies=None):
         if not ray.is_initialized():

@@ -21,8 +21,10 @@ def run_stage(stage: PlannedStage, inputs: dict[str, StageResult], ctx: RunConte
     """The stage's result; in a Prefect task run that resumed from a checkpoint, a Completed state whose
     message says from where (the result is its data)."""
     kind = STAGE_KINDS[stage.kind]
-    result = kind.runner()(stage, kind.inputs.model_validate(inputs), ctx)
-    message = _resumed.pop(_task_run_id(), None)
+    try:
+        result = kind.runner()(stage, kind.inputs.model_validate(inputs), ctx)
+    finally:
+        message = _resumed.pop(_task_run_id(), None)  # a stage that failed after resuming leaves nothing behind
     if message is None:
         return result
     from prefect.states import Completed

@@ -155,7 +155,7 @@ def test_a_retried_flow_run_continues_its_parent_and_its_unfinished_stage_runs(t
     client = _client(tracker)
     tags = {"alignflow.prefect_flow_run_id": "0b6f-flow-run", "alignflow.key.sft": "k1"}
     parent = tracker.start_parent("pipeline", {"lr": 1}, tags=tags, reopen_tag="alignflow.prefect_flow_run_id")
-    with tracker.stage_run(parent, "data", {}, tags={"alignflow.key": "d1"}) as run:
+    with tracker.stage_run(parent, "data", {"rows": 3}, tags={"alignflow.key": "d1"}) as run:
         data_id = run.run_id
     with pytest.raises(RuntimeError):
         with tracker.stage_run(parent, "round_1", {"steps": 4}, tags={"alignflow.key": "r1"}) as run:
@@ -177,8 +177,9 @@ def test_a_retried_flow_run_continues_its_parent_and_its_unfinished_stage_runs(t
     assert p.data.params == {"lr": "1", "new": "3"}  # MLflow keeps a param's first value
     assert p.data.tags["alignflow.params_changed_at_attempt_2"] == "lr"
     assert "1 param(s) changed" in caplog.text
-    with tracker.stage_run(parent, "data", {}, tags={"alignflow.key": "d1"}) as run:
+    with tracker.stage_run(parent, "data", {"rows": 3}, tags={"alignflow.key": "d1"}) as run:
         assert run.run_id != data_id  # FINISHED runs are records, not continued
+    assert client.get_run(run.run_id).data.params == {"rows": "3"}  # a new run, with its params
     with tracker.stage_run(parent, "round_1", {"steps": 4}, tags={"alignflow.key": "r1"}) as run:
         assert run.run_id == round_id
         run.log_metrics({"rl/loss": 1.0}, step=3)
