@@ -30,3 +30,14 @@ os.environ["TORCH_EXTENSIONS_DIR"] = torch_extensions_dir()
 from deepspeed.comm.torch import build_shm_op; build_shm_op()' >/dev/null
   touch "$stamp"
 fi
+# The browser tests (the Prefect and MLflow UIs) drive Debian's Chromium through playwright, whose own
+# browser download is not reachable from our machines; without it they skip, saying so.
+if [[ "$extras" == *test* && ! -x /usr/bin/chromium ]]; then
+  if [[ "$(id -u)" == 0 ]] && command -v apt-get >/dev/null; then
+    { apt-get install -y -qq --no-install-recommends chromium >/dev/null 2>&1 \
+      || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq --no-install-recommends chromium >/dev/null 2>&1; }; } \
+      || echo "install.sh: Debian's chromium did not install; the browser tests will skip" >&2
+  else
+    echo "install.sh: no /usr/bin/chromium (as root: apt-get install chromium); the browser tests will skip" >&2
+  fi
+fi

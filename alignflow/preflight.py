@@ -48,10 +48,11 @@ class Findings:
         self.problems.append(f"{field}: {text} ({where})")
 
 
-def preflight(cfg: PipelineConfig, overrides: list[str] | None = None,
-              config_path: str | Path | None = None) -> Findings:
-    """Run every check on a loaded config (`config_path` and `overrides` as given to load_config)."""
-    found = Findings(config_sources(config_path, overrides))
+def preflight(cfg: PipelineConfig, overrides: list[str] | None = None, config_path: str | Path | None = None,
+              sources: ConfigSources | None = None) -> Findings:
+    """Run every check on a loaded config (`config_path` and `overrides` as given to load_config, or
+    `sources` as config_from_parameter returned them)."""
+    found = Findings(sources or config_sources(config_path, overrides))
     positions = _model(cfg, found)
     _data(cfg, found)
     if positions is not None:
@@ -62,10 +63,10 @@ def preflight(cfg: PipelineConfig, overrides: list[str] | None = None,
     return found
 
 
-def check(cfg: PipelineConfig, overrides: list[str] | None = None,
-          config_path: str | Path | None = None) -> Findings:
+def check(cfg: PipelineConfig, overrides: list[str] | None = None, config_path: str | Path | None = None,
+          sources: ConfigSources | None = None) -> Findings:
     """preflight, raising one ConfigError that lists every problem; else what it found (checks, notes)."""
-    found = preflight(cfg, overrides, config_path)
+    found = preflight(cfg, overrides, config_path, sources)
     if n := len(found.problems):
         raise ConfigError(f"preflight found {n} problem{'s' * (n > 1)}:\n  " + "\n  ".join(found.problems))
     for note in found.notes:

@@ -1,7 +1,7 @@
 """The alignment pipeline as Prefect flows that walk the planned graph (tasks/plan.py).
 
 Every stage is a task cached by its content key, persisted under the storage
-root and retried with backoff; tasks run on Ray. `pipeline` runs the whole
+root and retried after infra.retry_delay_seconds; tasks run on Ray. `pipeline` runs the whole
 graph; `partial_pipeline` runs one target and what it needs (earlier stages
 come from cache), for `alignflow stage TARGET`. The deployed flows
 (flows/deployed.py) call `run_all` and `run_target` in their own flow run,
@@ -10,15 +10,29 @@ so the stages are their task runs, with no subflow in between.
 
 from __future__ import annotations
 
+from typing import Any
+
 from prefect import flow
 
-from alignflow.config import PipelineConfig
+from alignflow.cluster import apply_process_env
+from alignflow.config import PipelineConfig, config_from_parameter, resolve_paths
+from alignflow.config.loading import ConfigSources
 from alignflow.records import StageResult
 from flows.planview import publish_plan
 from flows.report import PipelineReport, build_report, close_run, open_run, wait_all
 from flows.stage_tasks import PipelineTaskRunner, StageTasks, join_ray
 from tasks.eval_engine import engine_host
 from tasks.plan import plan_pipeline
+
+
+def deployment_config(config: PipelineConfig | dict[str, Any], overrides: list[str] | None = None
+                      ) -> tuple[PipelineConfig, ConfigSources]:
+    """A deployed flow's `config` parameter (as the API sends it, a mapping; or a model, from Python) and its
+    `overrides`, validated, paths resolved, the process environment set; and where each value came from."""
+    apply_process_env()
+    tree = config.model_dump(mode="json") if isinstance(config, PipelineConfig) else config
+    cfg, sources = config_from_parameter(tree, overrides)
+    return resolve_paths(cfg), sources
 
 
 def run_all(config: PipelineConfig) -> PipelineReport:

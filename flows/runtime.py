@@ -78,10 +78,13 @@ def prefect_api(infra: InfraConfig, log_dir: Path, while_starting: Callable[[], 
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / "prefect-server.log"
     prefect_bin = Path(sys.executable).with_name("prefect")
+    # Its UI asks the API at PREFECT_UI_API_URL, 127.0.0.1:4200 unless told: on any other port every page
+    # would say "Can't connect to Server API".
+    env = {**os.environ, "PREFECT_UI_API_URL": url, "PREFECT_UI_URL": url.removesuffix("/api")}
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
             [str(prefect_bin), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent(),
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent(), env=env,
         )
     try:
         os.environ["PREFECT_API_URL"] = url

@@ -8,7 +8,6 @@ from typing import Any
 import ray
 from prefect.context import FlowRunContext
 from prefect.task_runners import TaskRunner
-from prefect.tasks import exponential_backoff
 from prefect_ray import RayTaskRunner
 
 from alignflow.cluster import ray_init_kwargs
@@ -23,10 +22,10 @@ from tasks.runner import prefect_task
 class StageTasks:
     def __init__(self, infra: InfraConfig):
         storage = result_storage(infra)
-        delay = exponential_backoff(backoff_factor=infra.retry_delay_seconds) if infra.retry_delay_seconds else 0
+        # One delay, not a backoff list: the UI shows a task run's delay as a number ("Retry Delay: NaNs" for a list).
         self.tasks = {
             name: prefect_task(kind).with_options(result_storage=storage, retries=infra.task_retries,
-                                                  retry_delay_seconds=delay)
+                                                  retry_delay_seconds=infra.retry_delay_seconds)
             for name, kind in STAGE_KINDS.items()
         }
 

@@ -59,9 +59,16 @@ def note_resumed(step: int, total: int) -> None:
 
 
 def stage_cache_key(context: Any, parameters: dict[str, Any]) -> str:
-    """Prefect's cache key: the stage's content key (config + input keys + code version)."""
+    """Prefect's cache key: the stage's content key (config + input keys + code version).
+
+    Prefect 3 keeps the key on the run's states, while its UI shows the task run's own `cache_key`
+    ("Cache Key: None"): the key is also set there, and goes to the API with the run's next state
+    (Running, or Cached on a hit)."""
     stage = parameters["stage"]
-    return f"{stage.name}-{stage.key}"
+    key = f"{stage.name}-{stage.key}"
+    if getattr(context, "task_run", None) is not None:
+        context.task_run.cache_key = key
+    return key
 
 
 def retry_unless_user_error(task: Any, task_run: Any, state: Any) -> bool:
@@ -77,12 +84,11 @@ def retry_unless_user_error(task: Any, task_run: Any, state: Any) -> bool:
 def prefect_task(kind: StageKind):
     """The Prefect task of one stage kind (defaults; the flow binds storage and retries)."""
     from prefect import task
-    from prefect.tasks import exponential_backoff
 
     # JSON results, not pickles: the results directory may be a shared bucket,
     # and a pickle read back on a cache hit could run anyone's code.
     return task(
         run_stage, name=kind.name, task_run_name="{stage.name}", cache_key_fn=stage_cache_key, persist_result=True,
-        result_serializer="json", retries=2, retry_delay_seconds=exponential_backoff(backoff_factor=2),
+        result_serializer="json", retries=2, retry_delay_seconds=2.0,
         retry_jitter_factor=0.5, retry_condition_fn=retry_unless_user_error,
     )

@@ -381,3 +381,27 @@ def cli_env(tmp_path_factory) -> Callable[..., dict[str, str]]:
         return env
 
     return make
+
+
+# ---- a real browser ----------------------------------------------------------------
+
+CHROMIUM = Path("/usr/bin/chromium")  # Debian's (install.sh --test); playwright's own download is unreachable
+# Headless, and nothing reaching out: on our closed network Chromium's background connections are refused.
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync"]
+
+
+@pytest.fixture
+def browser_page():
+    """A page of a headless Debian Chromium driven by playwright, 1400x900; skips, saying why, without either."""
+    if not CHROMIUM.exists():
+        pytest.skip(f"no browser: {CHROMIUM} is not installed (as root: apt-get install chromium)")
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (./install.sh --test)")
+    with sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 900})
+            page.set_default_timeout(60_000)
+            yield page
+        finally:
+            browser.close()

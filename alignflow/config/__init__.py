@@ -17,6 +17,7 @@ from alignflow.config.loading import (
     RESOURCE_FIELDS,
     apply_overrides,
     cache_relevant,
+    config_from_parameter,
     default_config_path,
     load_config,
     parse_override,
@@ -51,6 +52,6 @@ __all__ = [
     "DatasetSource", "EngineConfig", "EvalConfig", "GenerationConfig", "InfraConfig", "KLConfig", "LoraConfig", "ModelConfig",
     "OnlineDPOConfig", "PPOConfig", "PipelineConfig", "PreferenceConfig", "Placement", "RejectionSamplingConfig", "RewardConfig", "RewardModelConfig",
     "RolloutConfig", "RoundConfig", "SFTConfig", "Section", "StorageConfig", "SyntheticTaskConfig",
-    "TinyModelConfig", "TrainConfig", "VLLMConfig", "apply_overrides", "cache_relevant", "default_config_path", "load_config",
+    "TinyModelConfig", "TrainConfig", "VLLMConfig", "apply_overrides", "cache_relevant", "config_from_parameter", "default_config_path", "load_config",
     "parse_override", "resolve_paths", "validate_config",
 ]

@@ -16,8 +16,8 @@ class Section(BaseModel):
 class Placement(Section):
     """Ray resources of one actor (a training worker, a rollout engine, a scorer)."""
 
-    num_cpus: float = Field(1.0, ge=0)
-    num_gpus: float = Field(0.0, ge=0)
+    num_cpus: float = Field(1.0, ge=0, description="Ray CPU slots each actor reserves (logical slots, not cores)")
+    num_gpus: float = Field(0.0, ge=0, description="GPU per actor: 0 none, 1 a whole one, a fraction a share of one")
     resources: dict[str, float] = Field(
         default_factory=dict, description="custom Ray resources each actor needs, {name: amount}: a resource "
         "that only some nodes advertise (`ray start --resources`) pins the actors to those nodes")
@@ -87,13 +87,15 @@ class EngineConfig(Section):
     Its random seed derives from the pipeline seed (alignflow/seeds.py).
     """
 
-    learning_rate: float = Field(1e-3, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    warmup_steps: int = Field(10, ge=0)
-    zero_stage: Literal[0, 1, 2, 3] = 0
-    num_workers: int = Field(1, ge=1)
+    learning_rate: float = Field(1e-3, gt=0, description="peak AdamW learning rate")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW (decoupled) weight decay; 0: none")
+    warmup_steps: int = Field(10, ge=0, description="optimizer steps of linear learning-rate warmup, then cosine "
+                              "decay to 10% of the peak; 0: no warmup")
+    zero_stage: Literal[0, 1, 2, 3] = Field(0, description="DeepSpeed ZeRO stage: 0 off; 1 partitions optimizer "
+                                            "state across workers, 2 gradients too, 3 parameters too")
+    num_workers: int = Field(1, ge=1, description="data-parallel ranks, one Ray actor each (with placement)")
     placement: Placement = Field(default_factory=Placement, description="per worker")
-    grad_clip: float = Field(1.0, gt=0)
+    grad_clip: float = Field(1.0, gt=0, description="max global gradient norm (DeepSpeed gradient_clipping)")
     micro_batch_size: int | None = Field(
         None, ge=1, description="at most this many rows per forward/backward on each worker, gradients "
         "accumulated over the worker's share of a batch; None: no cap on rows")
@@ -129,10 +131,10 @@ class TrainConfig(EngineConfig):
     """A supervised training stage (SFT, reward model): the engine plus its data loop."""
 
     batch_size: int = Field(32, ge=1, description="global batch, split across workers")
-    epochs: float = Field(1.0, gt=0)
+    epochs: float = Field(1.0, gt=0, description="passes over the training rows (fractions allowed; >= 1 step)")
     max_steps: int | None = Field(None, ge=1, description="caps epochs when set")
     checkpoint_every: int = Field(50, ge=1, description="mid-stage checkpoint period (steps)")
-    log_every: int = Field(10, ge=1)
+    log_every: int = Field(10, ge=1, description="steps between logged training metrics (the last step always)")
     packing: bool = Field(
         False, description="pack each micro-batch's samples into shared rows (per-sample positions; attention "
         "never crosses samples: a block mask on sdpa/eager, varlen flash attention on flash_attention_2)")
@@ -163,13 +165,13 @@ class VLLMConfig(Section):
 class GenerationConfig(Section):
     """Sampling settings for rollouts and evaluation (the engine seed derives from the pipeline seed)."""
 
-    backend: Literal["vllm", "hf"] = "vllm"
-    temperature: float = Field(1.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    max_new_tokens: int = Field(16, ge=1)
-    num_samples: int = Field(4, ge=1)
+    backend: Literal["vllm", "hf"] = Field("vllm", description="vllm: vLLM engines; hf: transformers generate")
+    temperature: float = Field(1.0, ge=0, description="sampling temperature; 0: greedy")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling probability mass; 1: off")
+    max_new_tokens: int = Field(16, ge=1, description="at most this many tokens per response (longer ones are cut)")
+    num_samples: int = Field(4, ge=1, description="responses per prompt (a round's group; evaluation's pass@k n)")
     placement: Placement = Field(default_factory=Placement, description="per rollout engine")
-    vllm: VLLMConfig = Field(default_factory=VLLMConfig)
+    vllm: VLLMConfig = Field(default_factory=VLLMConfig, description="vLLM engine options (backend: vllm)")
     weight_bucket_mb: float = Field(64.0, gt=0, description="the weight transport's bucket: a round's weight "
                                     "update streams in buckets of this size (extra memory on each side)")
 

@@ -18,12 +18,13 @@ class SyntheticTaskConfig(Section):
     rounds should remove). Its seed derives from the pipeline seed.
     """
 
-    num_digits: int = Field(5, ge=2, le=12)
-    num_sft: int = Field(2000, ge=1)
-    num_preference: int = Field(2000, ge=1)
-    num_rl_prompts: int = Field(512, ge=1)
-    num_eval: int = Field(200, ge=1)
-    sft_correct_fraction: float = Field(0.35, ge=0.0, le=1.0)
+    num_digits: int = Field(5, ge=2, le=12, description="distinct digits in each prompt")
+    num_sft: int = Field(2000, ge=1, description="SFT demonstrations")
+    num_preference: int = Field(2000, ge=1, description="preference pairs (correct answer chosen)")
+    num_rl_prompts: int = Field(512, ge=1, description="RL prompts, with answers")
+    num_eval: int = Field(200, ge=1, description="held-out eval prompts (and as many held-out pairs)")
+    sft_correct_fraction: float = Field(
+        0.35, ge=0.0, le=1.0, description="share of SFT demonstrations answering correctly (the rest: the bad habit)")
 
 
 class DatasetSource(Section):
@@ -38,15 +39,19 @@ class DatasetSource(Section):
     before their last message (see alignflow/data/formats.py).
     """
 
-    path: str
-    name: str | None = None
-    split: str = "train"
-    prompt_key: str = "prompt"
-    response_key: str = "response"
-    chosen_key: str = "chosen"
-    rejected_key: str = "rejected"
-    messages_key: str | None = None
-    answer_key: str | None = "answer"
+    path: str = Field(description="local path or fsspec URI of a .jsonl/.json/.parquet file, or a `datasets` name")
+    name: str | None = Field(None, description="`datasets` configuration name; None: the default one")
+    split: str = Field("train", description="`datasets` split to load (ignored for files)")
+    prompt_key: str = Field("prompt", description="column of the prompt: a string or a list of chat messages")
+    response_key: str = Field("response", description="column of the response (SFT rows, unpaired KTO rows)")
+    chosen_key: str = Field("chosen", description="column of the preferred response (preference rows)")
+    rejected_key: str = Field("rejected", description="column of the dispreferred response (preference rows)")
+    messages_key: str | None = Field(
+        None, description="column of a chat message list instead of prompt/response columns: sft: its last "
+        "(assistant) message is the response; prompts/eval: the whole list is the prompt; None: not used")
+    answer_key: str | None = Field(
+        "answer", description="column of the reference answer of prompts/eval rows (rule reward, checker); "
+        "None, or a row without it: no answer")
     label_key: str | None = Field(
         None, description="preference rows with this key (true: desirable) and a response_key column instead of "
         "chosen/rejected are unpaired examples: preference.loss=kto trains on them too; other stages leave them out")
@@ -58,24 +63,30 @@ class DatasetSource(Section):
 class CutFractions(Section):
     """The share of a split's rows whose responses may be cut to `max_response_tokens` before the data stage fails."""
 
-    sft: float = Field(0.0, ge=0.0, le=1.0)
+    sft: float = Field(0.0, ge=0.0, le=1.0, description="SFT demonstrations")
     preference: float = Field(0.0, ge=0.0, le=1.0, description="a cut pair may lose what tells chosen from rejected")
 
 
 class DataConfig(Section):
     """Where prompts, demonstrations, preference pairs and eval prompts come from."""
 
-    source: Literal["synthetic", "files"] = "synthetic"
-    synthetic: SyntheticTaskConfig = SyntheticTaskConfig()
-    sft: DatasetSource | None = None
-    preference: DatasetSource | None = None
-    prompts: DatasetSource | None = None
-    eval: DatasetSource | None = None
+    source: Literal["synthetic", "files"] = Field(
+        "synthetic", description="synthetic: the bundled task; files: the sft, preference, eval (and prompts) "
+        "sources below")
+    synthetic: SyntheticTaskConfig = Field(SyntheticTaskConfig(), description="the bundled task (source: synthetic)")
+    sft: DatasetSource | None = Field(None, description="SFT demonstrations (source: files; required there)")
+    preference: DatasetSource | None = Field(
+        None, description="preference pairs (and unpaired KTO rows), the last 10% of the pairs held out "
+        "(source: files; required there)")
+    prompts: DatasetSource | None = Field(
+        None, description="RL prompts (source: files); None: the SFT prompts, without answers")
+    eval: DatasetSource | None = Field(None, description="held-out eval prompts (source: files; required there)")
     max_prompt_tokens: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
         "auto", description="longer prompts are left out (counted); auto: the longest prompt of any split")
     max_response_tokens: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
         "auto", description="longer responses are cut (counted); auto: the longest, up to the model's positions")
-    max_cut_fraction: CutFractions = CutFractions()
+    max_cut_fraction: CutFractions = Field(
+        CutFractions(), description="share of each split's responses that may be cut before the data stage fails")
     preflight_rows: int = Field(
         10000, ge=1, description="rows of a remote data file that preflight parses before anything starts "
         "(every row of a local file is parsed); the data stage checks the rest")

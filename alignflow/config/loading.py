@@ -113,11 +113,16 @@ def _display(path: str | Path) -> str:
 
 @dataclass(frozen=True)
 class ConfigSources:
-    """Where a config's values came from: its file (`tree` its raw mapping) and the overrides."""
+    """Where a config's values came from: its file (`tree` its raw mapping) and the overrides.
+
+    `name` calls the base something other than its path (a deployment's `config` parameter), and
+    `overrides_from` says where the overrides were given (the command line, or a parameter)."""
 
     path: str | Path | None = None
     overrides: tuple[str, ...] = ()
     tree: dict[str, Any] | None = None
+    name: str | None = None
+    overrides_from: str = "the command line"
 
     def of(self, field: str) -> str:
         """`from the command line: k=v`, `from PATH`, `from PATH and the command line: ...`,
@@ -125,11 +130,11 @@ class ConfigSources:
         fields = override_fields(self.overrides)
         setting = [t for k, t in fields.items() if field == k or field.startswith(k + ".")]
         if setting:
-            return f"from the command line: {_short(setting[-1])}"
-        path = _display(self.path) if self.path is not None else "the config"
+            return f"from {self.overrides_from}: {_short(setting[-1])}"
+        path = self.name or (_display(self.path) if self.path is not None else "the config")
         inside = [t for k, t in fields.items() if k.startswith(field + ".")]
         if inside:
-            return f"from {path} and the command line: {' '.join(_short(t) for t in inside)}"
+            return f"from {path} and {self.overrides_from}: {' '.join(_short(t) for t in inside)}"
         if self.tree is not None and field != "<root>" and not _present(self.tree, field.split(".")):
             return f"the default, not set in {path}"
         return f"from {path}"
@@ -199,6 +204,20 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     source = f"{path} with overrides {' '.join(overrides)}" if overrides else str(path)
     sources = ConfigSources(path, tuple(overrides or ()), copy.deepcopy(tree))
     return validate_config(apply_overrides(tree, overrides or []), source=source, sources=sources)
+
+
+def config_from_parameter(tree: Any, overrides: list[str] | None = None, *, name: str = "config",
+                          overrides_name: str = "overrides") -> tuple[PipelineConfig, ConfigSources]:
+    """A config passed as a mapping (a deployment's typed `config` parameter, the whole tree) with its
+    `key.sub=value` overrides, validated; errors name the parameters as the values' origin."""
+    sources = ConfigSources(overrides=tuple(overrides or ()), tree=copy.deepcopy(tree),
+                            name=f"the deployment parameter `{name}`",
+                            overrides_from=f"the deployment parameter `{overrides_name}`")
+    if not isinstance(tree, dict):
+        raise ConfigError(f"the deployment parameter `{name}` must be a mapping of config sections, "
+                          f"got {type(tree).__name__}")
+    source = sources.name + (f" with `{overrides_name}` {' '.join(overrides)}" if overrides else "")
+    return validate_config(apply_overrides(copy.deepcopy(tree), overrides or []), source, sources), sources
 
 
 def resolve_paths(cfg: PipelineConfig, base: Path | None = None) -> PipelineConfig:

@@ -13,12 +13,12 @@ class TinyModelConfig(Section):
     """Shape of the locally built Qwen2-family model and its tokenizer."""
 
     vocab_size: int = Field(320, ge=264, description="byte-level BPE: 256 bytes + specials + merges")
-    hidden_size: int = Field(128, ge=16)
-    num_layers: int = Field(2, ge=1)
-    num_heads: int = Field(4, ge=1)
-    num_kv_heads: int = Field(2, ge=1)
-    intermediate_size: int = Field(256, ge=16)
-    max_position_embeddings: int = Field(128, ge=16)
+    hidden_size: int = Field(128, ge=16, description="model width (divisible by num_heads)")
+    num_layers: int = Field(2, ge=1, description="transformer layers")
+    num_heads: int = Field(4, ge=1, description="attention (query) heads")
+    num_kv_heads: int = Field(2, ge=1, description="key/value heads (grouped-query attention; divides num_heads)")
+    intermediate_size: int = Field(256, ge=16, description="MLP inner width")
+    max_position_embeddings: int = Field(128, ge=16, description="token positions: prompt plus response must fit")
     tie_word_embeddings: bool = Field(False, description="output layer shares the input embedding (as Qwen2 "
                                       "0.5B/1.5B, Llama 3.2 1B/3B and Gemma do)")
 
@@ -32,8 +32,8 @@ class TinyModelConfig(Section):
 class ModelConfig(Section):
     """The base policy; its initialisation seed derives from the pipeline seed."""
 
-    base: str = "tiny"
-    tiny: TinyModelConfig = TinyModelConfig()
+    base: str = Field("tiny", description="tiny: build the tiny model below; else an HF model directory or hub id")
+    tiny: TinyModelConfig = Field(TinyModelConfig(), description="shape of the tiny model (base: tiny)")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="weights of every model; DeepSpeed keeps fp32 master weights and optimizer "
         "state under bfloat16/float16, and logprobs, KL and losses are computed in float32")

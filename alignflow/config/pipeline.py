@@ -39,12 +39,12 @@ class RewardModelConfig(TrainConfig):
 class EvalConfig(Section):
     """Held-out evaluation of every policy checkpoint and of the reward model."""
 
-    generation: GenerationConfig = GenerationConfig()
+    generation: GenerationConfig = Field(GenerationConfig(), description="sampling of the held-out prompts")
     scorer_placement: Placement = Field(default_factory=Placement,
                                         description="the reference and reward models that score samples")
     micro_batch_size: int | None = Field(64, ge=1, description="sequences per scoring forward; None: all at once")
     num_prompts: int | None = Field(None, ge=1, description="cap on held-out prompts")
-    num_logged_samples: int = Field(20, ge=0)
+    num_logged_samples: int = Field(20, ge=0, description="samples saved per evaluation (samples/<name>.json); 0: none")
     checker: str = Field(
         "alignflow.data.synthetic:check_answer",
         description="import path of f(response, answer) -> bool",
@@ -85,7 +85,7 @@ class EvalConfig(Section):
 class StorageConfig(Section):
     """One root URI for every artifact; credentials come from the environment."""
 
-    root: str = "./artifacts"
+    root: str = Field("./artifacts", description="local path or fsspec URI (s3://...) every artifact goes under")
     endpoint_url: str | None = Field(None, description="S3-compatible endpoint (MinIO, moto)")
     cache_dir: str = Field("~/.cache/alignflow", description="local copies of remote checkpoints")
 
@@ -93,16 +93,19 @@ class StorageConfig(Section):
 class InfraConfig(Section):
     """Where the pipeline runs and reports."""
 
-    storage: StorageConfig = StorageConfig()
-    mlflow_tracking_uri: str = "sqlite:///mlflow.db"
-    mlflow_experiment: str = "alignflow"
+    storage: StorageConfig = Field(StorageConfig(), description="where artifacts are stored")
+    mlflow_tracking_uri: str = Field(
+        "sqlite:///mlflow.db", description="MLflow tracking URI (a relative sqlite path: from the working directory)")
+    mlflow_experiment: str = Field("alignflow", description="MLflow experiment the runs are logged to")
     ray_address: str | None = Field(None, description="existing cluster; None starts a local Ray")
     ray_num_cpus: int = Field(
         16, ge=1, description="logical CPU slots of the local Ray (actors and tasks each take slots; not cores)")
     prefect_api_url: str | None = Field(None, description="None: the CLI starts a local API")
-    task_retries: int = Field(2, ge=0)
-    retry_delay_seconds: float = Field(2.0, ge=0)
-    torch_threads: int = Field(2, ge=1)
+    task_retries: int = Field(2, ge=0, description="retries of a failed stage (not for config/data errors); 0: none")
+    retry_delay_seconds: float = Field(
+        2.0, ge=0, description="seconds between a failed stage and its retry, the same for every retry")
+    torch_threads: int = Field(
+        2, ge=1, description="torch/OpenMP threads per process, where a placement sets no cpu_cores")
     allocator: Literal["glibc_retain", "jemalloc", "system"] = Field(
         "glibc_retain", description="CPU memory allocator of every process Ray starts: glibc keeping freed "
         "memory for reuse instead of returning it to the kernel at every free (no extra library); jemalloc "
@@ -112,19 +115,24 @@ class InfraConfig(Section):
 class PipelineConfig(Section):
     """The whole pipeline. `seed` is the one seed every stage derives its own from."""
 
-    name: str = "tiny"
-    seed: int = 0
-    data: DataConfig = DataConfig()
-    model: ModelConfig = ModelConfig()
-    sft: SFTConfig | None = SFTConfig()
-    reward_model: RewardModelConfig | None = RewardModelConfig()
-    preference: PreferenceConfig | None = None
+    name: str = Field("tiny", description="run name: MLflow's parent run is <name>-<flow run name>")
+    seed: int = Field(0, description="the one seed every stage derives its own from")
+    data: DataConfig = Field(DataConfig(), description="where the data comes from")
+    model: ModelConfig = Field(ModelConfig(), description="the base policy")
+    sft: SFTConfig | None = Field(
+        SFTConfig(), description="supervised fine-tuning; null: no SFT stage, rounds start from the base model")
+    reward_model: RewardModelConfig | None = Field(
+        RewardModelConfig(), description="reward model, trained where used (see above); null: none, rounds score "
+        "with reward.source rule or remote")
+    preference: PreferenceConfig | None = Field(
+        None, description="offline DPO/IPO/cDPO/KTO after SFT; rounds start from it; null: no preference stage")
     # The second round's critic, fresh from the reward model, learns values for 3 steps before the actor
     # (a low-entropy policy by then) moves: without, 4 of 5 asynchronous second rounds went wrong (README).
     rounds: list[RoundConfig] = Field(
-        default_factory=lambda: [RoundConfig(), RoundConfig(actor=ActorConfig(freeze_steps=3))])
-    evaluation: EvalConfig | None = EvalConfig()
-    infra: InfraConfig = InfraConfig()
+        default_factory=lambda: [RoundConfig(), RoundConfig(actor=ActorConfig(freeze_steps=3))],
+        description="RL rounds in order, each from the previous policy; []: no RL")
+    evaluation: EvalConfig | None = Field(EvalConfig(), description="held-out evaluation; null: none")
+    infra: InfraConfig = Field(InfraConfig(), description="where the pipeline runs and reports")
 
     @property
     def trains_reward_model(self) -> bool:

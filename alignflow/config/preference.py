@@ -24,14 +24,14 @@ class PreferenceConfig(TrainConfig):
     (the `preference_reference` stage) and cached.
     """
 
-    loss: PreferenceLoss = "dpo"
+    loss: PreferenceLoss = Field("dpo", description="dpo, ipo, cdpo (label-smoothed dpo) or kto")
     beta: float = Field(0.1, gt=0, description="strength of the pull toward the reference")
     label_smoothing: float = Field(
         0.0, ge=0, lt=0.5, description="cdpo: the assumed share of flipped labels (> 0); 0 for the other losses")
     desirable_weight: float = Field(1.0, gt=0, description="kto: weight of desirable (chosen) examples")
     undesirable_weight: float = Field(1.0, gt=0, description="kto: weight of undesirable (rejected) examples")
-    learning_rate: float = Field(5e-4, gt=0)
-    warmup_steps: int = Field(0, ge=0)
+    learning_rate: float = Field(5e-4, gt=0, description="peak AdamW learning rate")
+    warmup_steps: int = Field(0, ge=0, description="optimizer steps of linear learning-rate warmup; 0: none")
     reference_placement: Placement = Field(
         default_factory=Placement, description="the reference model while it scores the data once")
     reference_micro_batch_size: int | None = Field(64, ge=1, description="sequences per reference forward")
@@ -43,7 +43,9 @@ class PreferenceConfig(TrainConfig):
         if self.loss != "cdpo" and self.label_smoothing:
             raise ValueError(f"preference.label_smoothing is cdpo's; with preference.loss={self.loss} set it to 0 "
                              f"(or use loss: cdpo)")
-        weights = {"desirable_weight", "undesirable_weight"} & self.model_fields_set
+        # Set to another value than the default (a run form sends every field, defaults included).
+        weights = {n for n in ("desirable_weight", "undesirable_weight")
+                   if getattr(self, n) != type(self).model_fields[n].default}
         if weights and self.loss != "kto":
             raise ValueError(f"preference.{' and preference.'.join(sorted(weights))} are kto's; "
                              f"preference.loss is {self.loss}")

@@ -15,16 +15,17 @@ AlgorithmName = Literal[tuple(ALGORITHMS)]  # type: ignore[valid-type]  (the reg
 class RewardConfig(Section):
     """Where an RL round's rewards come from."""
 
-    source: Literal["model", "rule", "remote"] = "model"
+    source: Literal["model", "rule", "remote"] = Field(
+        "model", description="model: the trained reward model; rule: reward.rule; remote: the service at reward.url")
     rule: str = Field(
         "alignflow.data.synthetic:rule_reward",
         description="import path of f(prompt, response, answer) -> float (source=rule)",
     )
     url: str | None = Field(None, description="reward service endpoint (source=remote)")
-    timeout_s: float = Field(10.0, gt=0)
-    max_retries: int = Field(3, ge=0)
+    timeout_s: float = Field(10.0, gt=0, description="seconds per reward-service request (source=remote)")
+    max_retries: int = Field(3, ge=0, description="retries of a failed service request, with exponential backoff")
     overlong_buffer: int = Field(0, ge=0, description="DAPO soft overlong penalty buffer (0: off)")
-    overlong_penalty: float = Field(1.0, ge=0)
+    overlong_penalty: float = Field(1.0, ge=0, description="DAPO overlong penalty reached at max_new_tokens")
     normalize: bool = Field(
         False, description="standardise each reward with the running mean and std of every reward of the round so "
         "far, this step's included (Welford); the statistics are kept in the round's checkpoints")
@@ -47,27 +48,27 @@ class KLConfig(Section):
     estimator: KLEstimator | None = Field(None, description="k1 | k2 | k3; None: the algorithm's default")
     apply_as: KLPlacement | None = Field(
         None, description="reward (PPO-style penalty) | loss (GRPO-style); None: the algorithm's default")
-    coef: float = Field(0.05, ge=0)
-    adaptive: bool = False
+    coef: float = Field(0.05, ge=0, description="KL coefficient (adaptive: its start); 0: no KL term")
+    adaptive: bool = Field(False, description="adapt coef to keep the KL near target")
     target: float = Field(1.0, gt=0, description="adaptive controller target KL (Ziegler et al. 2019)")
-    horizon: int = Field(10000, ge=1)
-    clamp: float | None = Field(10.0, gt=0)
+    horizon: int = Field(10000, ge=1, description="adaptive controller's horizon, in rollouts")
+    clamp: float | None = Field(10.0, gt=0, description="log-ratio clamp [-clamp, clamp] in KL estimates; None: off")
     budget: float = Field(3.0, gt=0, description="max acceptable held-out KL to the reference")
 
 
 class PPOConfig(Section):
     """Update settings: PPO epochs over minibatches, clipping, value loss."""
 
-    epochs: int = Field(2, ge=1)
+    epochs: int = Field(2, ge=1, description="passes over a step's rollouts")
     minibatch_size: int = Field(64, ge=1, description="rollouts per optimizer step")
     clip_low: float | None = Field(None, gt=0, description="None: the algorithm's default (0.2; gspo 3e-4)")
     clip_high: float | None = Field(
         None, gt=0, description="> clip_low: DAPO clip-higher; None: the algorithm's default (0.2; gspo 4e-4)")
-    dual_clip: float | None = Field(None, gt=1)
-    value_clip: float | None = Field(0.2, gt=0)
-    gamma: float = Field(1.0, ge=0, le=1)
-    lam: float = Field(0.95, ge=0, le=1)
-    entropy_coef: float = Field(0.0, ge=0)
+    dual_clip: float | None = Field(None, gt=1, description="dual-clip c: A < 0 loss capped at -c·A; None: off")
+    value_clip: float | None = Field(0.2, gt=0, description="clip of critic values around their old values; None: off")
+    gamma: float = Field(1.0, ge=0, le=1, description="discount (GAE, REINFORCE++ returns)")
+    lam: float = Field(0.95, ge=0, le=1, description="GAE lambda (algorithms with a critic)")
+    entropy_coef: float = Field(0.0, ge=0, description="entropy bonus weight; 0: off")
     loss_agg: LossAggregation | None = Field(None, description="None: the algorithm's default")
     tis_cap: float | None = Field(
         2.0, gt=0, description="importance sampling between the rollout engine's and the trainer's logprobs: the "
@@ -103,8 +104,8 @@ class OnlineDPOConfig(Section):
     """algorithm: online_dpo. Each step pairs, per prompt, the best sample with the worst (groups whose
     rewards are all equal give no pair, counted) and takes DPO steps against the round's reference."""
 
-    loss: Literal["dpo", "ipo", "cdpo"] = "dpo"
-    beta: float = Field(0.1, gt=0)
+    loss: Literal["dpo", "ipo", "cdpo"] = Field("dpo", description="dpo, ipo or cdpo (label-smoothed dpo)")
+    beta: float = Field(0.1, gt=0, description="strength of the pull toward the round's reference")
     label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="cdpo's share of flipped labels (> 0)")
     epochs: int = Field(1, ge=1, description="passes over a step's pairs")
     pairs_per_update: int | None = Field(None, ge=1, description="pairs per optimizer step; None: all of a step's")
@@ -120,7 +121,7 @@ class RejectionSamplingConfig(Section):
     """Keep the best of n per prompt (above a threshold) and fine-tune on them."""
 
     threshold: float | None = Field(None, description="minimum reward of a winner")
-    epochs: int = Field(1, ge=1)
+    epochs: int = Field(1, ge=1, description="passes over a step's winners")
 
 
 # Round-specific defaults live on classes of their own: a default given as an
@@ -131,8 +132,8 @@ class RejectionSamplingConfig(Section):
 class ActorConfig(EngineConfig):
     """The policy's training engine in an RL round."""
 
-    learning_rate: float = Field(2e-4, gt=0)
-    warmup_steps: int = Field(0, ge=0)
+    learning_rate: float = Field(2e-4, gt=0, description="peak AdamW learning rate")
+    warmup_steps: int = Field(0, ge=0, description="optimizer steps of linear learning-rate warmup; 0: none")
     freeze_steps: int = Field(
         0, ge=0, description="round steps at the start in which only the critic trains: the actor and the "
         "rollout engines keep the round's starting policy while a critic started from the reward model learns "
@@ -143,8 +144,8 @@ class ActorConfig(EngineConfig):
 class CriticConfig(EngineConfig):
     """The critic's training engine (algorithms with a critic)."""
 
-    learning_rate: float = Field(1e-3, gt=0)
-    warmup_steps: int = Field(0, ge=0)
+    learning_rate: float = Field(1e-3, gt=0, description="peak AdamW learning rate")
+    warmup_steps: int = Field(0, ge=0, description="optimizer steps of linear learning-rate warmup; 0: none")
     init: Literal["reward_model", "policy"] = Field(
         "reward_model", description="start from the reward model, or the policy with a fresh (zero) value head")
 
@@ -152,25 +153,25 @@ class CriticConfig(EngineConfig):
 class RolloutConfig(GenerationConfig):
     """Sampling during an RL round: n samples per prompt form its group."""
 
-    max_new_tokens: int = Field(8, ge=1)
+    max_new_tokens: int = Field(8, ge=1, description="at most this many tokens per response (longer ones are cut)")
 
 
 class RoundConfig(Section):
     """One RL round; it starts from the previous round's policy (or SFT, or the base model)."""
 
-    algorithm: AlgorithmName = "ppo"
-    steps: int = Field(20, ge=1)
-    prompts_per_step: int = Field(32, ge=1)
-    generation: RolloutConfig = Field(default_factory=RolloutConfig)
-    reward: RewardConfig = RewardConfig()
-    kl: KLConfig = KLConfig()
-    ppo: PPOConfig = PPOConfig()
-    rejection: RejectionSamplingConfig = RejectionSamplingConfig()
-    dpo: OnlineDPOConfig = OnlineDPOConfig()
-    actor: ActorConfig = Field(default_factory=ActorConfig)
-    critic: CriticConfig = Field(default_factory=CriticConfig)
-    num_rollout_engines: int = Field(1, ge=1)
-    colocate_reference_and_reward: bool = True
+    algorithm: AlgorithmName = Field("ppo", description="a name in alignflow/algorithms.py's registry")
+    steps: int = Field(20, ge=1, description="round steps: generate, score, update")
+    prompts_per_step: int = Field(32, ge=1, description="prompts per step, each sampled generation.num_samples times")
+    generation: RolloutConfig = Field(default_factory=RolloutConfig, description="rollout sampling")
+    reward: RewardConfig = Field(RewardConfig(), description="rewards and their shaping")
+    kl: KLConfig = Field(KLConfig(), description="KL regularisation toward the reference")
+    ppo: PPOConfig = Field(PPOConfig(), description="update settings (every algorithm but online_dpo)")
+    rejection: RejectionSamplingConfig = Field(RejectionSamplingConfig(), description="rejection_sampling's settings")
+    dpo: OnlineDPOConfig = Field(OnlineDPOConfig(), description="online_dpo's settings")
+    actor: ActorConfig = Field(default_factory=ActorConfig, description="the policy's training engine")
+    critic: CriticConfig = Field(default_factory=CriticConfig, description="the critic's training engine")
+    num_rollout_engines: int = Field(1, ge=1, description="rollout engines; a step's prompts are split across them")
+    colocate_reference_and_reward: bool = Field(True, description="reference and reward model in one scorer actor")
     colocate_all: bool = Field(
         False, description="actor, critic, reference, reward model and rollout engines share the same "
         "devices (one Ray placement group, fractional shares); rollout engines sleep while the models "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
+import os
 import re
 from pathlib import Path
 
@@ -359,8 +360,21 @@ def test_every_shipped_config_validates(path):
 
 
 def _deployments() -> list[dict]:
+    """prefect.yaml's deployments with their parameters as `prefect deploy` makes them: the build steps run
+    (in the repository, where deploy runs) and their outputs templated in, by Prefect's own functions."""
+    import asyncio
+
+    from prefect.deployments.steps.core import run_steps
+    from prefect.utilities.templating import apply_values
+
     spec = yaml.safe_load((REPO / "prefect.yaml").read_text())
-    return spec["deployments"]
+    cwd = Path.cwd()
+    os.chdir(REPO)
+    try:
+        outputs = asyncio.run(run_steps(spec.get("build") or [], {}))
+    finally:
+        os.chdir(cwd)
+    return [apply_values(d, outputs) for d in spec["deployments"]]
 
 
 def test_prefect_yaml_parses():
@@ -392,11 +406,12 @@ def test_deployment_entrypoint_is_a_flow_accepting_its_parameters(deployment):
 def test_deployment_parameters_name_a_valid_config_and_stage(deployment):
     from tasks.plan import plan_pipeline
 
+    from alignflow.config import config_from_parameter
+
     params = deployment.get("parameters") or {}
-    if "config_path" in params:
-        cfg = load_config(REPO / params["config_path"], params.get("overrides") or [])
-        if "stage" in params:
-            assert plan_pipeline(cfg).resolve(params["stage"])
+    cfg, _ = config_from_parameter(params["config"], params.get("overrides"))
+    if "stage" in params:
+        assert plan_pipeline(cfg).resolve(params["stage"])
 
 
 def test_every_stage_target_has_a_deployment():

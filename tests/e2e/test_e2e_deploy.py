@@ -67,20 +67,29 @@ def test_prefect_yaml_deploys_and_nightly_is_scheduled(prefect_server):
     missing = [name for name in EXPECTED if name not in listed]
     assert not missing, f"not listed: {missing}\n{listed}"
 
-    from alignflow.config import load_config
+    from alignflow.config import PipelineConfig, config_from_parameter, load_config
     from tasks.plan import plan_pipeline
 
     deployments = {}
     for name in EXPECTED:
         out = _run([PREFECT, "deployment", "inspect", name, "--output", "json"], env).stdout
         deployments[name] = json.loads(out[out.index("{"):])
+    files = {"alignflow-scheduled-pipeline/nightly": "deployments/configs/nightly.yaml",
+             "alignflow-stage/preference": "configs/dpo.yaml"}
     for name, d in deployments.items():
         assert d["work_pool_name"] == "alignflow-process", name
         assert d["pull_steps"] == [{"prefect.deployments.steps.set_working_directory": {"directory": str(REPO)}}]
+        # The typed run form: `config` is the pipeline model, every section of it, filled from its file.
+        schema = d["parameter_openapi_schema"]
+        assert schema["properties"]["config"]["$ref"] == "#/definitions/PipelineConfig", name
+        top = list(schema["definitions"]["PipelineConfig"]["properties"])
+        assert top == list(PipelineConfig.model_fields), top
         params = d["parameters"]
-        cfg = load_config(REPO / params["config_path"], params.get("overrides") or [])  # the config is valid
+        assert PipelineConfig.model_validate(params["config"]) == load_config(REPO / files.get(name, "configs/tiny.yaml"))
+        cfg, _ = config_from_parameter(params["config"], params.get("overrides"))  # the config is valid
         if d["entrypoint"].endswith(":run_stage"):
             assert plan_pipeline(cfg).resolve(params["stage"]), f"{name}: no stages for {params['stage']!r}"
+    print("the run form's config sections:", top)
 
     nightly = deployments["alignflow-scheduled-pipeline/nightly"]
     assert [(s["schedule"].get("cron"), s["schedule"].get("timezone"), s["active"]) for s in nightly["schedules"]] \
@@ -107,6 +116,68 @@ asyncio.run(main())
         time.sleep(5)
     assert scheduled, f"no scheduled runs of the nightly deployment: {runs}"
     assert all("T03:00:00" in r[2] for r in scheduled), scheduled
+
+
+# ---- the Custom run form, in a browser -----------------------------------------------------
+
+NEWEST_RUN = """
+import asyncio, json, sys
+from uuid import UUID
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
+from prefect.client.schemas.sorting import FlowRunSort
+async def main():
+    async with get_client() as c:
+        runs = await c.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[UUID(sys.argv[1])])),
+                                      sort=FlowRunSort.EXPECTED_START_TIME_DESC)
+        print(json.dumps([{"id": str(r.id), "parameters": r.parameters} for r in runs]))
+        if sys.argv[2:] == ["delete"]:
+            for r in runs:
+                await c.delete_flow_run(r.id)
+asyncio.run(main())
+"""
+
+
+def test_the_custom_run_form_shows_the_config_and_runs_what_it_shows(prefect_server, browser_page):
+    """A user's path in the Prefect UI: the `pipeline` deployment's page, Run, Custom run. The form shows the
+    config's sections typed (a round's algorithm is a choice among the registry's names, prefilled from
+    configs/tiny.yaml); the user picks grpo and submits; the run created carries that config, and it validates."""
+    from alignflow.algorithms import ALGORITHMS
+    from alignflow.config import config_from_parameter
+
+    url, env = prefect_server
+    out = _run([PREFECT, "deployment", "inspect", "alignflow-scheduled-pipeline/pipeline", "--output", "json"],
+               env).stdout
+    deployment_id = json.loads(out[out.index("{"):])["id"]
+    page = browser_page
+    page.goto(f"{url.removesuffix('/api')}/deployments/deployment/{deployment_id}")
+    page.get_by_role("button", name="Run", exact=True).click()
+    page.get_by_text("Custom run").click()
+    page.get_by_text("Rounds (Optional)", exact=True).wait_for()
+    labels = page.get_by_text("Algorithm (Optional)", exact=True)
+    assert labels.count() == 2, "one algorithm field per round of configs/tiny.yaml"
+    # The field: the label's own .p-label box (its header's parent), holding the select.
+    choice = labels.first.locator("xpath=ancestor::div[contains(@class, 'p-label__header')]/..") \
+        .locator(".p-select-button__control")
+    assert choice.inner_text() == "ppo"
+    for label in ("Learning Rate (Optional)", "Ray Address (Optional)", "Mlflow Tracking Uri (Optional)"):
+        assert page.get_by_text(label, exact=True).count() >= 1, label
+    choice.focus()
+    page.keyboard.press("ArrowDown")  # the select opens from the keyboard (a click only focuses it)
+    options = page.get_by_role("option")
+    options.first.wait_for()
+    assert [options.nth(i).inner_text() for i in range(options.count())] == list(ALGORITHMS)
+    page.get_by_role("option", name="grpo", exact=True).click()
+    assert choice.inner_text() == "grpo"
+    try:
+        page.get_by_role("button", name="Submit").click()
+        page.get_by_text("scheduled to start").first.wait_for()
+    finally:  # the run it created, deleted: the retry test's worker must find only its own run in the pool
+        runs = json.loads(_run([sys.executable, "-c", NEWEST_RUN, deployment_id, "delete"], env).stdout.splitlines()[-1])
+    [run] = runs
+    cfg, _ = config_from_parameter(run["parameters"]["config"], run["parameters"]["overrides"])
+    assert [r.algorithm for r in cfg.rounds] == ["grpo", "ppo"]
+    assert cfg.sft.learning_rate == 2.0e-3  # the file's value, not the model's default
 
 
 # ---- a deployment run whose round fails, fixed, and retried from its own page ------------
@@ -146,7 +217,8 @@ async def main():
                           "flow_runs": [[str(f.id), f.state_name, str(f.parent_task_run_id or "")] for f in flows],
                           "deployment_runs": [str(f.id) for f in of_deployment],
                           "artifacts": {a.key: a.data for a in sorted(artifacts, key=lambda a: a.created) if a.key},
-                          "tasks": [[t.name, t.state_name, t.state.message or "", sorted(t.tags)]
+                          "tasks": [[t.name, t.state_name, t.state.message or "", sorted(t.tags), t.cache_key,
+                                     t.empirical_policy.retry_delay]
                                     for t in sorted(tasks, key=lambda t: t.expected_start_time)]}))
 asyncio.run(main())
 """
@@ -191,7 +263,7 @@ with get_client(sync_client=True) as c:
     for s in nightly.schedules:
         c.update_deployment_schedule(nightly.id, s.id, active=False)
 run = run_deployment("alignflow-scheduled-pipeline/pipeline", timeout=0,
-                     parameters={{"config_path": "configs/tiny.yaml", "overrides": json.loads(sys.argv[1])}})
+                     parameters={{"overrides": json.loads(sys.argv[1])}})
 print(run.id)
 """
     run_id = _run([sys.executable, "-c", start, json.dumps(overrides)], env).stdout.strip().splitlines()[-1]
@@ -244,9 +316,14 @@ asyncio.run(main())
     assert done["deployment_runs"] == [run_id], done  # the pipeline deployment ran once, retried in place
     assert done["run_count"] == 2, done
     latest: dict[str, list] = {}
-    for name, state, message, tags in done["tasks"]:
+    for name, state, message, tags, cache_key, retry_delay in done["tasks"]:
         if state != "Failed":
-            latest[name] = [state, message, tags]
+            latest[name] = [state, message, tags, cache_key, retry_delay]
+    # Task details: the stage's key is the cache key, and the retry delay a number of seconds.
+    for name, (state, _, _, cache_key, retry_delay) in latest.items():
+        if state != "NotReady":
+            assert re.fullmatch(rf"{name}-[0-9a-f]{{20}}", cache_key or ""), (name, cache_key)
+            assert retry_delay == 2.0, (name, retry_delay)
     assert latest["round_1"][0] == "Completed" and latest["round_1"][1] == "resumed from step 2 of 4", done["tasks"]
     assert {"resumed", "resumed-from-step-2"} <= set(latest["round_1"][2]), latest
     for name in ("data", "base_model", "sft", "eval_base", "eval_sft"):
@@ -262,6 +339,7 @@ asyncio.run(main())
     assert re.search(r"round_1 .* will run: ", plan) and re.search(r"\n  sft .* Cached", plan), plan
     print("flow runs:", done["flow_runs"])
     print("task runs:", [t[:3] for t in done["tasks"]])
+    print("cache keys:", {name: row[3] for name, row in latest.items()})
 
     from mlflow import MlflowClient
 
