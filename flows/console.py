@@ -136,6 +136,45 @@ class _NoticeToLogFile(logging.Filter):
         return True
 
 
+def quiet_deployed_run() -> None:
+    """A deployed flow run's console, which its worker prints: the libraries in it and in its Ray workers
+    as quiet as under the CLI (QUIET_ENV), Prefect's INFO lines kept (a line per task run's end is the
+    worker's only account of the stages). `ALIGNFLOW_VERBOSE=1` in the work pool's environment keeps
+    everything. Called before the flow run joins Ray, whose workers inherit the environment."""
+    if os.environ.get("ALIGNFLOW_VERBOSE") == "1":
+        return
+    for key, value in QUIET_ENV.items():
+        if key != "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL":
+            os.environ.setdefault(key, value)
+    quiet_ray_notices()
+    # A failed stage's traceback reaches the console once, from the task run (Ray forwards its process's
+    # lines); the flow run and engine lines that re-raise it keep their message without it (the Prefect
+    # API, and the UI, still get every traceback).
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    loggers = [logging.getLogger(), *(v for v in logging.Logger.manager.loggerDict.values()
+                                      if isinstance(v, logging.Logger))]
+    for handler in {h for lg in loggers for h in lg.handlers if isinstance(h, PrefectConsoleHandler)}:
+        if not isinstance(handler.formatter, WithoutTraceback):
+            handler.setFormatter(WithoutTraceback(handler.formatter or logging.Formatter()))
+
+
+class WithoutTraceback(logging.Formatter):
+    """A handler's formatter, records' tracebacks left out (the record is not changed for other handlers)."""
+
+    def __init__(self, inner: logging.Formatter) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def format(self, record: logging.LogRecord) -> str:
+        saved = record.exc_info, record.exc_text, record.stack_info
+        record.exc_info = record.exc_text = record.stack_info = None
+        try:
+            return self.inner.format(record)
+        finally:
+            record.exc_info, record.exc_text, record.stack_info = saved
+
+
 def quiet_ray_notices() -> None:
     """Ray's start-up notices (RAY_NOTICES) go to the log file instead of the console (quiet mode)."""
     import ray  # noqa: F401  (configures the `ray` logger and its console handler)

@@ -18,6 +18,7 @@ from alignflow.cluster import apply_process_env
 from alignflow.config import PipelineConfig, config_from_parameter, resolve_paths
 from alignflow.config.loading import ConfigSources
 from alignflow.records import StageResult
+from flows.console import quiet_deployed_run
 from flows.planview import publish_plan
 from flows.report import PipelineReport, build_report, close_run, open_run, wait_all
 from flows.stage_tasks import PipelineTaskRunner, StageTasks, join_ray
@@ -28,8 +29,10 @@ from tasks.plan import plan_pipeline
 def deployment_config(config: PipelineConfig | dict[str, Any], overrides: list[str] | None = None
                       ) -> tuple[PipelineConfig, ConfigSources]:
     """A deployed flow's `config` parameter (as the API sends it, a mapping; or a model, from Python) and its
-    `overrides`, validated, paths resolved, the process environment set; and where each value came from."""
+    `overrides`, validated, paths resolved, the process environment set (the console quiet, as the CLI's);
+    and where each value came from."""
     apply_process_env()
+    quiet_deployed_run()
     tree = config.model_dump(mode="json") if isinstance(config, PipelineConfig) else config
     cfg, sources = config_from_parameter(tree, overrides)
     return resolve_paths(cfg), sources

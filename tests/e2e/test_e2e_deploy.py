@@ -340,6 +340,13 @@ asyncio.run(main())
     print("flow runs:", done["flow_runs"])
     print("task runs:", [t[:3] for t in done["tasks"]])
     print("cache keys:", {name: row[3] for name, row in latest.items()})
+    # The worker's console: a line per stage's end, none of the libraries' chatter (as the CLI's quiet console).
+    console = (tmp_path / "worker.log").read_text()
+    assert "Task run 'sft' - Finished in state Completed()" in console and "E2E_RULE_BROKEN" in console
+    for noise in ("set_num_threads", "Loading weights", "FutureWarning", "Token authentication"):
+        assert noise not in console, f"{noise!r} on the worker's console"
+    assert console.count("Traceback (most recent call last)") == 1, console[-6000:]  # the task run's, once
+    print(f"worker console: {len(console.splitlines())} lines")
 
     from mlflow import MlflowClient
 

@@ -495,8 +495,8 @@ class Resumed:
     run: object  # the one FINISHED MLflow run of the stage
 
 
-# SFT killed once a checkpoint exists (step 20, or 40 where the kill came after the next one) and resumed:
-# the rerun trains the rest, so every step past the kill is paid twice. A tiny SFT step takes about 0.05 s
+# SFT stopped once a checkpoint exists (step 20, or 40 where the signal came after the next one) and resumed:
+# the rerun trains the rest, so every step past the stop is paid twice. A tiny SFT step takes about 0.05 s
 # here and the kill is polled every 0.2 s, so 100 steps leave it a wide margin.
 SFT_TOTAL = 100
 
@@ -530,27 +530,12 @@ def kill_and_resume(stage: str, args: list[str], tmp_path: Path, *, alignflow_cl
     return Resumed(stage_dir=stage_dir, checkpoint_step=step, rerun=rerun, run=run)
 
 
-def test_killed_sft_resumes_from_checkpoint(small_pipeline_args, cli_env, alignflow_cli, process_tools, tmp_path):
-    total = SFT_TOTAL
-    args = ["stage", "sft", *small_pipeline_args(tmp_path, rounds=0), "sft.epochs=25", f"sft.max_steps={total}",
-            "sft.checkpoint_every=20", "sft.log_every=50"]
-    r = kill_and_resume("sft", args, tmp_path, alignflow_cli=alignflow_cli, cli_env=cli_env,
-                        process_tools=process_tools)
-    resumed = r.checkpoint_step
-    assert 20 <= resumed < total
-    metrics = r.run.data.metrics
-    assert metrics["train/resumed_from_step"] == resumed
-    assert metrics["train/steps"] == total
-    assert metrics["train/steps_run"] == total - resumed
-    assert stage_json(r.rerun.stdout)["metrics"]["train/steps_run"] == total - resumed
-    print(f"killed after checkpoint step {resumed}; rerun {r.rerun.seconds:.0f} s")
-
-
 def test_ctrl_c_mid_sft_ends_the_runs_killed_and_the_rerun_resumes(small_pipeline_args, cli_env, alignflow_cli,
                                                                     process_tools, tmp_path):
     """SIGINT to `alignflow run` mid-SFT, sent to its process group as Ctrl-C sends it: the CLI stops with a
     nonzero status and nothing it started outlives it, the MLflow parent run ends KILLED and no stage run is
-    left RUNNING; the rerun resumes SFT from its last checkpoint."""
+    left RUNNING. Then `alignflow stage sft` resumes it and is killed outright (SIGKILL, no clean-up) at its
+    next checkpoint; the last rerun resumes from that one and trains exactly the rest."""
     import signal
 
     total = SFT_TOTAL
@@ -582,11 +567,26 @@ def test_ctrl_c_mid_sft_ends_the_runs_killed_and_the_rerun_resumes(small_pipelin
     [sft] = [r for r in runs if r.data.tags.get("alignflow.stage") == "sft"]
     assert sft.info.status == "KILLED"
 
+    # Resumed, and killed at its next checkpoint: nothing looks committed.
+    later = f"sft/*/checkpoints/step-{step + 20:08d}/manifest.json"
+    process_tools.kill_at_checkpoint(["stage", "sft", *args], env=env, cwd=cwd, checkpoint_glob=root / later)
+    [stage_dir] = {p.parent.parent.parent for p in root.glob(later)}
+    assert not (stage_dir / "manifest.json").exists(), "the killed sft looks committed"
+    killed_at = max(int(p.parent.name.removeprefix("step-")) for p in stage_dir.glob("checkpoints/step-*/manifest.json"))
+    assert step < killed_at < total
+
     rerun = alignflow_cli(["stage", "sft", *args], env=env, cwd=cwd)
     assert rerun.returncode == 0, rerun.describe()
-    metrics = stage_json(rerun.stdout)["metrics"]
-    assert metrics["train/resumed_from_step"] == step and metrics["train/steps_run"] == total - step
-    print(f"Ctrl-C after checkpoint step {step}; the rerun resumed in {rerun.seconds:.0f} s")
+    result = stage_json(rerun.stdout)
+    assert result["uri"] == str(stage_dir) and (stage_dir / "manifest.json").exists()
+    assert not list(stage_dir.glob("checkpoints/step-*")), "checkpoints left after sft committed"
+    metrics = result["metrics"]
+    assert metrics["train/resumed_from_step"] == killed_at and metrics["train/steps_run"] == total - killed_at
+    assert metrics["train/steps"] == total
+    runs = client.search_runs([experiment_id(client)], filter_string="tags.`alignflow.stage` = 'sft'")
+    [finished] = [r for r in runs if r.info.status == "FINISHED"]
+    assert int(finished.data.tags["alignflow.resumed_from_step"]) == killed_at
+    print(f"Ctrl-C after checkpoint step {step}, SIGKILL after {killed_at}; the rerun resumed in {rerun.seconds:.0f} s")
 
 
 def test_killed_round_resumes_and_finishes_its_steps(small_pipeline_args, cli_env, alignflow_cli, process_tools,

@@ -183,3 +183,52 @@ def test_the_interrupted_line_names_each_stopped_stage_and_its_step(tracker, mon
     tracker.stop_children(parent)  # what wait_all does on an interrupt
     assert interrupted_line(cfg, "stage", "sft") == \
         "interrupted: sft stopped at step 40 of 100, eval_base stopped; alignflow stage sft resumes them"
+
+
+def test_a_deployed_runs_console_shows_a_traceback_nowhere_else_changed():
+    """WithoutTraceback on the console handler: the line without its traceback; the same record, formatted
+    by another handler after it (the Prefect API's), keeps it."""
+    import io
+    import logging
+
+    from flows.console import WithoutTraceback
+
+    try:
+        raise RuntimeError("stage broke")
+    except RuntimeError:
+        record = logging.LogRecord("prefect.flow_runs", logging.ERROR, __file__, 1, "flow failed: %s", ("x",),
+                                   sys.exc_info())
+    quiet, full = io.StringIO(), io.StringIO()
+    console = logging.StreamHandler(quiet)
+    console.setFormatter(WithoutTraceback(logging.Formatter("%(levelname)s %(message)s")))
+    api = logging.StreamHandler(full)
+    api.setFormatter(logging.Formatter("%(message)s"))
+    console.handle(record)
+    api.handle(record)
+    assert quiet.getvalue() == "ERROR flow failed: x\n"
+    assert "Traceback (most recent call last)" in full.getvalue() and "RuntimeError: stage broke" in full.getvalue()
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_a_deployed_run_quiets_its_libraries_unless_asked(verbose, monkeypatch):
+    import logging
+    import os
+
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    from flows.console import QUIET_ENV, WithoutTraceback, quiet_deployed_run
+
+    for key in QUIET_ENV:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("ALIGNFLOW_VERBOSE", "1" if verbose else "0")
+    handler = PrefectConsoleHandler()
+    logger = logging.getLogger("prefect.test_quiet_deployed")
+    monkeypatch.setattr(logger, "handlers", [handler])
+    for lg in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]:
+        for h in getattr(lg, "handlers", []):
+            monkeypatch.setattr(h, "formatter", h.formatter)  # this process's own, put back after
+    quiet_deployed_run()
+    assert (os.environ.get("TRANSFORMERS_VERBOSITY"), os.environ.get("ALIGNFLOW_QUIET")) == \
+        ((None, None) if verbose else ("error", "1"))
+    assert "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL" not in os.environ  # a line per stage stays on the console
+    assert isinstance(handler.formatter, WithoutTraceback) is not verbose
