@@ -162,7 +162,10 @@ def _print_report(report, elapsed: float, verbose: bool = False) -> None:
               f"<artifacts>/<stage>/<key> (keys in the plan above; -v lists them)")
     print(f"artifacts:  {report.storage_root}")
     print(f"MLflow:     {report.mlflow_tracking_uri}  (parent run {report.mlflow_run_id})")
-    print(f"            view with: mlflow ui --backend-store-uri {report.mlflow_tracking_uri}")
+    if report.mlflow_tracking_uri.startswith(("http://", "https://")):
+        print(f"            {report.mlflow_link()}")
+    else:
+        print(f"            mlflow ui --backend-store-uri {report.mlflow_tracking_uri}, then {report.mlflow_link()}")
     if report.curves_uri:
         print(f"curves:     {report.curves_uri}  (loss, rounds, eval .png)")
     print(f"wall time:  {elapsed:.1f} s")

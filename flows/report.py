@@ -17,6 +17,7 @@ from tasks.plan import Plan
 
 POLICY_METRICS = ("eval/accuracy", "eval/reward", "eval/kl_to_reference", "eval/response_length")
 FLOW_RUN_TAG = "alignflow.prefect_flow_run_id"
+LOCAL_MLFLOW_UI = "http://127.0.0.1:5000"  # where `mlflow ui` serves by default
 MAX_PASS_AT_COLUMNS = 4  # more k than this: the table shows pass@1 and pass@n (MLflow has every k)
 
 
@@ -30,6 +31,7 @@ class PipelineReport(BaseModel):
 
     mlflow_run_id: str
     mlflow_tracking_uri: str
+    mlflow_experiment_id: str = ""
     storage_root: str
     stage_uris: dict[str, str]
     stage_states: dict[str, str]
@@ -37,6 +39,14 @@ class PipelineReport(BaseModel):
     reward_model: dict[str, float] = {}
     kl_budgets: dict[str, float] = {}
     curves_uri: str | None = None  # the learning-curve PNGs under the storage root (flows/curves.py)
+
+    def mlflow_link(self, ui: str = LOCAL_MLFLOW_UI) -> str:
+        """The experiment's runs table in MLflow's UI, in its model-training view: MLflow 3.17 opens an
+        experiment on its GenAI overview unless the link (or the user's own toggle) asks for
+        `workflowType=machine_learning`. A tracking server is its own UI; a database is shown by
+        `mlflow ui` at `ui`."""
+        base = self.mlflow_tracking_uri if self.mlflow_tracking_uri.startswith(("http://", "https://")) else ui
+        return f"{base.rstrip('/')}/#/experiments/{self.mlflow_experiment_id}/runs?workflowType=machine_learning"
 
     def columns(self) -> list[tuple[str, str]]:
         """(metric, header) of the table: POLICY_METRICS, then pass@k (every k up to
@@ -131,6 +141,7 @@ def build_report(ctx: RunContext, plan: Plan, results: dict[str, StageResult],
     return PipelineReport(
         mlflow_run_id=ctx.parent_run_id,
         mlflow_tracking_uri=ctx.infra.mlflow_tracking_uri,
+        mlflow_experiment_id=ctx.tracker().experiment_id,
         storage_root=ctx.storage().uri(),
         stage_uris={name: r.uri for name, r in results.items()},
         stage_states=states,
