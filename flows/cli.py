@@ -162,7 +162,7 @@ def _print_report(report, elapsed: float, verbose: bool = False) -> None:
               f"<artifacts>/<stage>/<key> (keys in the plan above; -v lists them)")
     print(f"artifacts:  {report.storage_root}")
     print(f"MLflow:     {report.mlflow_tracking_uri}  (parent run {report.mlflow_run_id})")
-    if report.mlflow_tracking_uri.startswith(("http://", "https://")):
+    if report.mlflow_served:
         print(f"            {report.mlflow_link()}")
     else:
         print(f"            mlflow ui --backend-store-uri {report.mlflow_tracking_uri}, then {report.mlflow_link()}")

@@ -40,12 +40,17 @@ class PipelineReport(BaseModel):
     kl_budgets: dict[str, float] = {}
     curves_uri: str | None = None  # the learning-curve PNGs under the storage root (flows/curves.py)
 
+    @property
+    def mlflow_served(self) -> bool:
+        """Whether the tracking URI is a server (its own UI), not a database `mlflow ui` shows."""
+        return self.mlflow_tracking_uri.startswith(("http://", "https://"))
+
     def mlflow_link(self, ui: str = LOCAL_MLFLOW_UI) -> str:
         """The experiment's runs table in MLflow's UI, in its model-training view: MLflow 3.17 opens an
         experiment on its GenAI overview unless the link (or the user's own toggle) asks for
         `workflowType=machine_learning`. A tracking server is its own UI; a database is shown by
         `mlflow ui` at `ui`."""
-        base = self.mlflow_tracking_uri if self.mlflow_tracking_uri.startswith(("http://", "https://")) else ui
+        base = self.mlflow_tracking_uri if self.mlflow_served else ui
         return f"{base.rstrip('/')}/#/experiments/{self.mlflow_experiment_id}/runs?workflowType=machine_learning"
 
     def columns(self) -> list[tuple[str, str]]:

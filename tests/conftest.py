@@ -8,6 +8,7 @@ Nothing here is mocked: `moto_s3` is `moto_server` listening on
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import secrets
@@ -192,7 +193,8 @@ def process_tools():
     """process_tree / alive / kill_tree, for tests that kill a run on purpose."""
     import types
 
-    return types.SimpleNamespace(tree=process_tree, alive=alive, kill=kill_tree, kill_at_checkpoint=kill_at_checkpoint)
+    return types.SimpleNamespace(tree=process_tree, alive=alive, kill=kill_tree, kill_at_checkpoint=kill_at_checkpoint,
+                                 stop_session=stop_session)
 
 
 # ---- MLflow ------------------------------------------------------------------------
@@ -217,6 +219,20 @@ def tracker(tmp_path_factory):
         yield Tracker(f"sqlite:///{tmp_path / 'mlflow.db'}", "alignflow-test")
 
 
+@pytest.fixture
+def mlflow_ui(tmp_path):
+    """(the SQLite URI, the UI's base URL) of `mlflow ui` on a store of its own, started as the CLI's report
+    tells a user to start it."""
+    from alignflow.tracking import Tracker
+
+    uri, port = f"sqlite:///{tmp_path / 'mlflow.db'}", free_port()
+    Tracker(uri, "alignflow")  # the store's tables, before the server reads it
+    base = f"http://127.0.0.1:{port}"
+    with http_server([str(VENV_BIN / "mlflow"), "ui", "--backend-store-uri", uri, "--port", str(port)],
+                     f"{base}/health", tmp_path / "mlflow-ui.log", timeout=180, cwd=tmp_path):
+        yield uri, base
+
+
 # ---- S3 --------------------------------------------------------------------------
 
 
@@ -231,6 +247,36 @@ class S3Server:
         import s3fs
 
         return s3fs.S3FileSystem(client_kwargs={"endpoint_url": self.endpoint_url}, skip_instance_cache=True)
+
+
+def stop_session(proc: subprocess.Popen, timeout: float = 30) -> None:
+    """SIGTERM to a process started with start_new_session=True and all its session (the workers a
+    server forked); SIGKILL to what is left after `timeout` s."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+@contextlib.contextmanager
+def http_server(args: list[str], url: str, log_path: Path, timeout: float, cwd: Path | None = None
+                ) -> Iterator[subprocess.Popen]:
+    """A server process (its output in `log_path`), once `url` answers HTTP; stopped, session and all, after."""
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(args, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout
+        while not _answers_http(url):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"{Path(args[0]).name} did not start in {timeout:.0f} s; see {log_path}")
+            time.sleep(0.2)
+        yield proc
+    finally:
+        stop_session(proc, timeout=15)
 
 
 def _answers_http(url: str) -> bool:
@@ -256,16 +302,8 @@ def moto_s3(tmp_path_factory) -> Iterator[S3Server]:
     server = S3Server(endpoint_url=endpoint, bucket="alignflow-e2e",
                       access_key_id="e2e-dummy-key-id-" + secrets.token_hex(4),
                       secret_access_key="e2e-dummy-secret-" + secrets.token_hex(8))
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([str(VENV_BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    mp = pytest.MonkeyPatch()
-    try:
-        deadline = time.monotonic() + 60
-        while not _answers_http(endpoint):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"moto_server did not start; see {log_path}")
-            time.sleep(0.2)
+    with http_server([str(VENV_BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(port)], endpoint, log_path,
+                     timeout=60), pytest.MonkeyPatch.context() as mp:
         mp.setenv("AWS_ACCESS_KEY_ID", server.access_key_id)
         mp.setenv("AWS_SECRET_ACCESS_KEY", server.secret_access_key)
         mp.setenv("AWS_DEFAULT_REGION", "us-east-1")
@@ -275,14 +313,6 @@ def moto_s3(tmp_path_factory) -> Iterator[S3Server]:
 
         boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=server.bucket)
         yield server
-    finally:
-        mp.undo()
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 # ---- pipeline runs -------------------------------------------------------------

@@ -210,13 +210,13 @@ def config_from_parameter(tree: Any, overrides: list[str] | None = None, *, name
                           overrides_name: str = "overrides") -> tuple[PipelineConfig, ConfigSources]:
     """A config passed as a mapping (a deployment's typed `config` parameter, the whole tree) with its
     `key.sub=value` overrides, validated; errors name the parameters as the values' origin."""
-    sources = ConfigSources(overrides=tuple(overrides or ()), tree=copy.deepcopy(tree),
-                            name=f"the deployment parameter `{name}`",
-                            overrides_from=f"the deployment parameter `{overrides_name}`")
     if not isinstance(tree, dict):
         raise ConfigError(f"the deployment parameter `{name}` must be a mapping of config sections, "
                           f"got {type(tree).__name__}")
+    sources = ConfigSources(overrides=tuple(overrides or ()), tree=tree, name=f"the deployment parameter `{name}`",
+                            overrides_from=f"the deployment parameter `{overrides_name}`")
     source = sources.name + (f" with `{overrides_name}` {' '.join(overrides)}" if overrides else "")
+    # The overrides go into a copy: `tree` (the parameter's value, and the sources' record of it) stays as given.
     return validate_config(apply_overrides(copy.deepcopy(tree), overrides or []), source, sources), sources
 
 

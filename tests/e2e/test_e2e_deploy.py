@@ -238,7 +238,8 @@ def _wait_final(env: dict[str, str], run_id: str, timeout: float = 900) -> dict:
 
 
 def test_a_failed_deployment_run_retried_from_its_page_is_one_run_and_one_mlflow_parent(prefect_server,
-                                                                                      small_pipeline_args, tmp_path):
+                                                                                      small_pipeline_args, tmp_path,
+                                                                                      process_tools):
     """The Retry button (the same API call the UI makes) reruns the failed flow run in place: finished stages
     come from cache, the round resumes from its checkpoint and says so, and MLflow keeps one parent."""
     url, env = prefect_server
@@ -302,12 +303,7 @@ asyncio.run(main())
         done = _wait_final(env, run_id)
         assert done["state"] == "Completed", f"{done}\n{worker_log()}"
     finally:
-        os.killpg(worker.pid, signal.SIGTERM)
-        try:
-            worker.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(worker.pid, signal.SIGKILL)
-            worker.wait()
+        process_tools.stop_session(worker, timeout=60)
         log.close()
 
     # One flow run, no subflows: the stages are its own task runs.

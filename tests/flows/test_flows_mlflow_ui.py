@@ -2,58 +2,16 @@
 experiment on its runs table, in the model-training view, with the parent run the pipeline made.
 
 `mlflow ui` on a SQLite file, as the CLI's report tells the user to start it; headless Debian chromium
-through playwright (tests/conftest.py browser_page)."""
+through playwright (tests/conftest.py mlflow_ui, browser_page)."""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import time
-import urllib.error
-import urllib.request
-from pathlib import Path
-
 import pytest
 
-from alignflow.net import free_port
 from alignflow.tracking import Tracker
 from flows.report import PipelineReport
 
 pytestmark = pytest.mark.e2e
-
-
-@pytest.fixture
-def mlflow_ui(tmp_path):
-    """(the SQLite URI, the UI's base URL) of `mlflow ui` on a store of its own."""
-    uri, port = f"sqlite:///{tmp_path / 'mlflow.db'}", free_port()
-    Tracker(uri, "alignflow")  # the store's tables, before the server reads it
-    mlflow = str(Path(sys.executable).with_name("mlflow"))
-    with open(tmp_path / "mlflow-ui.log", "w") as log:
-        proc = subprocess.Popen([mlflow, "ui", "--backend-store-uri", uri, "--port", str(port)], cwd=tmp_path,
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                with urllib.request.urlopen(f"{base}/health", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            assert proc.poll() is None, (tmp_path / "mlflow-ui.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "mlflow ui did not answer in 180 s"
-            time.sleep(1)
-        yield uri, base
-    finally:  # the server and the workers it started, its whole session
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 def test_the_printed_link_opens_the_experiment_on_its_runs(mlflow_ui, browser_page):
