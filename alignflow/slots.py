@@ -1,7 +1,7 @@
 """Preflight's Ray check: can a local Ray place each stage's actors at once?
 
 Counted without importing the engines (torch and Ray take ~10 s): a round's
-actors as engines/rl/round_models.py round_resources counts them, a training
+actors as engines/rl/round_placement.py round_resources counts them, a training
 stage's workers, an evaluation's engine and scorers; and, where the
 evaluations keep their engine for the run (`evaluation.keeps_engine`), the
 run's engine host beside every stage (tasks/eval_engine.py). An evaluation
@@ -19,7 +19,7 @@ from alignflow.config import PipelineConfig
 
 
 def _round_needs(r) -> tuple[float, float, str]:
-    """(CPUs, GPUs, what asks) of a round's actors: as engines/rl/round_models.py round_resources, which
+    """(CPUs, GPUs, what asks) of a round's actors: as engines/rl/round_placement.py round_resources, which
     imports torch and Ray (~10 s); tests/core/test_core_preflight.py holds the two equal."""
     g = r.generation
     scorers = int(r.spec.reference and (r.spec.reference_in_update or r.kl.coef > 0 or r.kl.adaptive))

@@ -176,6 +176,9 @@ class RoundConfig(Section):
         False, description="actor, critic, reference, reward model and rollout engines share the same "
         "devices (one Ray placement group, fractional shares); rollout engines sleep while the models "
         "train, and the actor's optimizer state leaves the GPU while they generate")
+    colocate_offload: Literal["auto", "always", "never"] = Field(
+        "auto", description="colocate_all on GPUs: always: engines sleep and training state leaves the GPU "
+        "every step; never: everything stays; auto: stays from the first update on where it all fits at once")
     async_rollouts: bool = Field(
         False, description="generate the next step's rollouts while this step scores and trains: the "
         "engines then sample from the policy one update behind the one that trains on them (corrected by "

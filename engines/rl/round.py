@@ -167,8 +167,9 @@ class RLRound:
         self.models.sync(push=trained.actor_trained)
         clock.lap("sync")
         rewards, n_tokens = trained.experience.rewards, sum(len(r.token_ids) for r in rollouts)
+        moves, self.models.timings = self.models.timings, {}  # colocation's, the weight update's (in their phases)
         metrics = {
-            **trained.metrics, **reward_metrics, **clock.times,
+            **trained.metrics, **reward_metrics, **clock.times, **moves,
             "reward/mean": rewards.mean().item(), "reward/std": rewards.std().item() if len(rewards) > 1 else 0.0,
             "response_length": exp.action_mask.sum(-1).mean().item(),
             # Asynchronous, generation runs beside the step: its rate is over the whole step.

@@ -13,13 +13,17 @@ is CPU tensors; the round never sees a model.
 With `colocate_all`, every actor of the round lives in one Ray placement
 group, a bundle per actor worker: worker i of the actor and of the critic
 and rollout engine i share bundle i, the scorers bundle 0, each with a
-fractional share of the bundle's GPU. The engines then sleep while the
-models train and wake to generate: weights first, then the weight update,
-then the KV cache; the trainers' optimizer state leaves the GPU meanwhile.
+fractional share of the bundle's GPU (engines/rl/round_placement.py). The
+engines then sleep while the models train and wake to generate: weights
+first, then the weight update, then the KV cache; the trainers' optimizer
+state leaves the GPU meanwhile. Where every model fits its GPU at once
+(`colocate_offload`: auto, decided at the first update; never), nothing
+moves between steps: the engines stay awake and the optimizer state stays.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import ray
@@ -27,9 +31,10 @@ import torch
 
 from alignflow.artifacts import Source
 from alignflow.config import RoundConfig
-from alignflow.errors import InsufficientResourcesError
 from alignflow.seeds import derive_seed
 from engines.placement.groups import wait_placement_group
+from engines.rl.round_placement import (check_resources, colocated_bundles, engines_share_a_gpu, gpu_share,
+                                       reference_is_actor, uses_reference)
 from engines.rl.scoring import start_scorer
 from engines.rollout.actors import PendingRollouts, RolloutEngines, start_engines
 from engines.rollout.base import Rollout, Sampling
@@ -37,6 +42,8 @@ from engines.train import objectives
 from engines.train.group import TrainerGroup
 from engines.train.spec import EngineSpec
 from engines.transport.sync import WeightSync, default_bucket_bytes
+
+RESIDENT_HEADROOM = 0.1  # colocate_offload auto: the share of a GPU left free with every model on it
 
 
 @dataclass(frozen=True)
@@ -55,94 +62,6 @@ class RoundSetup:
     attn_implementation: str = "sdpa"  # model.attn_implementation
 
 
-def uses_reference(cfg: RoundConfig) -> bool:
-    """The spec has a reference and its update reads it (online DPO), or a KL term needs it (a coefficient
-    > 0, or the adaptive controller, which may raise one from 0). Otherwise no reference model is started
-    or run."""
-    return cfg.spec.reference and (cfg.spec.reference_in_update or cfg.kl.coef > 0 or cfg.kl.adaptive)
-
-
-def reference_is_actor(cfg: RoundConfig, setup: RoundSetup | None) -> bool:
-    """With LoRA on the actor and a round that starts from its reference (the first round after SFT or the
-    preference stage), the reference is the actor's frozen base with its adapters disabled, not a second
-    copy in a scorer. Later rounds start elsewhere and keep a reference scorer. Without a setup (sizing a
-    round before its inputs exist) a scorer is counted."""
-    return (setup is not None and uses_reference(cfg) and cfg.actor.lora is not None
-            and setup.reference_path == setup.policy_path)
-
-
-def _scorers(cfg: RoundConfig, setup: RoundSetup | None = None) -> int:
-    """How many scorer actors the round starts: reference and/or reward model, shared when colocated."""
-    wanted = int(uses_reference(cfg) and not reference_is_actor(cfg, setup)) + int(cfg.reward.source == "model")
-    return min(wanted, 1) if cfg.colocate_reference_and_reward else wanted
-
-
-def round_resources(cfg: RoundConfig) -> dict[str, float]:
-    """Total CPU/GPU slots (and custom resources) of a round's actors (trainers, scorers, rollout
-    engines). Colocated, the GPUs are the bundles' (one per actor worker), whatever the shares."""
-    g = cfg.generation
-    if cfg.colocate_all:
-        parts = [({"GPU": 0.0, **b}, 1) for b in colocated_bundles(cfg)]
-    else:
-        parts = [(_slots(cfg.actor.placement), cfg.actor.num_workers),
-                 (_slots(cfg.scorer_placement), _scorers(cfg)),
-                 ({**_slots(g.placement), "GPU": g.gpus_per_engine}, cfg.num_rollout_engines)]
-        if cfg.spec.critic:
-            parts.append((_slots(cfg.critic.placement), cfg.critic.num_workers))
-    total: dict[str, float] = {"CPU": 0.0, "GPU": 0.0}
-    for slots, n in parts:
-        for k, v in slots.items():
-            total[k] = total.get(k, 0.0) + v * n
-    return total
-
-
-def _slots(p) -> dict[str, float]:
-    return {"CPU": p.num_cpus, "GPU": p.num_gpus, **p.resources}
-
-
-def _kinds_on_bundle(cfg: RoundConfig, index: int) -> list[tuple[str, float]]:
-    """(kind, CPUs) of the actors that colocation puts on bundle `index`."""
-    kinds = [("actor", cfg.actor.placement.num_cpus), ("engine", cfg.generation.placement.num_cpus)]
-    if cfg.spec.critic:
-        kinds.append(("critic", cfg.critic.placement.num_cpus))
-    if index == 0:
-        kinds += [("scorer", cfg.scorer_placement.num_cpus)] * _scorers(cfg)
-    return kinds
-
-
-def colocated_bundles(cfg: RoundConfig) -> list[dict[str, float]]:
-    """One bundle per actor worker: the CPUs of everything placed on it, and one GPU when the
-    actor's placement asks for GPUs (on a CPU-only cluster the bundles hold CPUs alone)."""
-    gpu = {"GPU": 1.0} if cfg.actor.placement.num_gpus > 0 else {}
-    return [{"CPU": sum(c for _, c in _kinds_on_bundle(cfg, i)), **gpu, **cfg.actor.placement.resources}
-            for i in range(cfg.actor.num_workers)]
-
-
-def gpu_share(cfg: RoundConfig) -> float:
-    """The GPU fraction of each colocated actor: the bundle's GPU split evenly among the most
-    crowded bundle's actors (bundle 0, which also holds the scorers); 0 without GPUs."""
-    return 1.0 / len(_kinds_on_bundle(cfg, 0)) if cfg.actor.placement.num_gpus > 0 else 0.0
-
-
-def engines_share_a_gpu(cfg: RoundConfig) -> bool:
-    """Whether a rollout engine may share a GPU with another of the round's actors (colocate_all, or a
-    fractional GPU anywhere): then its start waits for the trainers. Otherwise every actor starts at once."""
-    places = [cfg.actor.placement, cfg.critic.placement, cfg.scorer_placement, cfg.generation.placement]
-    return cfg.colocate_all or any(0 < p.num_gpus < 1 for p in places)
-
-
-def check_resources(cfg: RoundConfig) -> None:
-    """Fail before starting anything: an actor Ray cannot place would wait forever."""
-    total = ray.cluster_resources()
-    need = round_resources(cfg)
-    short = {k: (v, total.get(k, 0.0)) for k, v in need.items() if v > total.get(k, 0.0)}
-    if short:
-        detail = ", ".join(f"{k}: needs {v:g}, cluster has {have:g}" for k, (v, have) in short.items())
-        raise InsufficientResourcesError(
-            f"round ({cfg.algorithm}) cannot be placed on this Ray cluster ({detail}); lower the placements "
-            f"(actor/critic/generation/scorer_placement), the worker or engine counts, or infra.ray_num_cpus")
-
-
 @dataclass
 class RoundModels:
     actor: TrainerGroup | None = None
@@ -155,6 +74,8 @@ class RoundModels:
     placement_group: object = None  # colocate_all: the round's one placement group
     bucket_bytes: int = field(default_factory=default_bucket_bytes)  # the weight transport's (generation.weight_bucket_mb)
     weight_sync: WeightSync | None = None  # made at the first sync
+    offload: str = "always"  # colocate_offload; "auto" until decided (`_stay_resident`)
+    timings: dict[str, float] = field(default_factory=dict)  # the last step's colocation moves, by what moved
 
     def _trainers(self) -> list[TrainerGroup]:
         return [g for g in (self.actor, self.critic) if g is not None]
@@ -182,26 +103,52 @@ class RoundModels:
         """Prompts spread across the engines; rollouts come back grouped per prompt, in prompt order.
         Colocated, the engines then sleep and the trainers take their optimizer state back."""
         rollouts = self.engines.generate(prompt_ids, sampling)
-        if self.colocated:
+        if self.colocated and self.offload != "never":
+            start = time.perf_counter()
             self.engines.sleep()
             for group in self._trainers():
                 group.reload_states()
+            self.timings["time/colocation/sleep_and_reload"] = time.perf_counter() - start
         return rollouts
 
     def sync(self, push: bool = True) -> None:
         """Stream the actor's weights into every rollout engine, no restart (`push=False`: unchanged, none sent).
         Colocated: trainers' optimizer state, scorers' cached memory leave the GPU; engines wake weights, update, KV."""
-        if not self.colocated:
-            if push:
-                self._push()
+        if not self.colocated or self.offload == "never":
+            self._timed_push(push)
+            if self.colocated:
+                self.timings["rl/resident"] = 1.0
             return
-        for group in self._trainers():
-            group.offload_states()
-        ray.get([s.release_memory.remote() for s in {self.reference, self.rewarder} - {None}])
+        start = time.perf_counter()
+        if push and self.offload == "auto":
+            self.offload = "never" if self._stay_resident() else "always"
+        if self.offload != "never":  # "auto" still undecided (no update yet) moves as "always"
+            for group in self._trainers():
+                group.offload_states()
+            ray.get([s.release_memory.remote() for s in {self.reference, self.rewarder} - {None}])
         self.engines.wake(["weights"])
+        self.timings["time/colocation/offload_and_wake"] = time.perf_counter() - start
+        self._timed_push(push)
+        self.engines.wake(["kv_cache"])
+        self.timings["rl/resident"] = float(self.offload == "never")
+
+    def _stay_resident(self) -> bool:
+        """colocate_offload: auto, at the first update (the optimizer state exists by then): whether every
+        model of the round fits its GPU at once, engines awake, with RESIDENT_HEADROOM of the GPU to spare.
+        Asked of each engine while it sleeps: the GPU's free bytes now against what its sleep gave back.
+        Then nothing moves between steps: no sleep, no optimizer state off the GPU and back."""
+        reports = self.engines.memory()
+        fits = bool(reports) and all(r is not None and r["free"] - r["slept"] >= RESIDENT_HEADROOM * r["total"]
+                                     for r in reports)
+        if fits:
+            self.timings["rl/resident_spare_gib"] = min(r["free"] - r["slept"] for r in reports) / 2**30
+        return fits
+
+    def _timed_push(self, push: bool) -> None:
+        start = time.perf_counter()
         if push:
             self._push()
-        self.engines.wake(["kv_cache"])
+        self.timings["time/colocation/weights" if self.colocated else "time/sync/weights"] = time.perf_counter() - start
 
     def _push(self) -> None:
         """One update through the weight transport; the first also makes its group (names and shapes
@@ -231,7 +178,7 @@ def start_round_models(cfg: RoundConfig, setup: RoundSetup, updates_per_step: in
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     check_resources(cfg)
-    spec, models = cfg.spec, RoundModels(colocated=cfg.colocate_all)
+    spec, models = cfg.spec, RoundModels(colocated=cfg.colocate_all, offload=cfg.colocate_offload)
     models.bucket_bytes = int(cfg.generation.weight_bucket_mb * 2**20)
 
     def engine(c, path: Source, kind: str, purpose: str, steps: int) -> EngineSpec:

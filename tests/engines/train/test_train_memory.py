@@ -172,7 +172,7 @@ def test_tied_embeddings_take_a_weight_update_in_the_hf_backend(tmp_path, sft_ba
 
     def push() -> None:  # the engine receives in this thread, the "trainer" sends from a second one
         sending = threading.Thread(target=send_buckets, args=(sender, plan_buckets(specs, 2**16),
-                                                              lambda b: pack(b, state, "cpu")))
+                                                              lambda b, out: pack(b, state, "cpu", out)))
         sending.start()
         try:
             engine.receive_weights()

@@ -68,7 +68,7 @@ def test_a_gloo_group_streams_every_bucket_to_every_receiver():
     for t in threads:
         t.start()
     sender = TransportGroup(address, 0, world, "gloo", timeout_s=60)
-    sent = send_buckets(sender, buckets, lambda b: pack(b, STATE, "cpu"))
+    sent = send_buckets(sender, buckets, lambda b, out: pack(b, STATE, "cpu", out))
     for t in threads:
         t.join(60)
     assert not errors, errors
@@ -117,7 +117,7 @@ def test_a_sender_that_stops_mid_update_fails_the_receiver_after_the_timeout():
     thread = threading.Thread(target=receiver)
     thread.start()
     sender = TransportGroup(address, 0, 2, "gloo", timeout_s=2)
-    send_buckets(sender, buckets[:1], lambda b: pack(b, STATE, "cpu"))  # one bucket of three, then nothing
+    send_buckets(sender, buckets[:1], lambda b, out: pack(b, STATE, "cpu", out))  # one bucket of three, then nothing
     thread.join(60)
     assert not thread.is_alive() and got == ["embed"], got
     (error, waited), = errors

@@ -1,0 +1,103 @@
+"""Where a round's actors go: which of them start, the Ray slots they take, and how colocation shares
+its bundles (engines/rl/round_models.py starts them there; alignflow/slots.py counts the same slots without
+importing this)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import ray
+
+from alignflow.config import RoundConfig
+from alignflow.errors import InsufficientResourcesError
+
+if TYPE_CHECKING:
+    from engines.rl.round_models import RoundSetup
+
+
+def uses_reference(cfg: RoundConfig) -> bool:
+    """The spec has a reference and its update reads it (online DPO), or a KL term needs it (a coefficient
+    > 0, or the adaptive controller, which may raise one from 0). Otherwise no reference model is started
+    or run."""
+    return cfg.spec.reference and (cfg.spec.reference_in_update or cfg.kl.coef > 0 or cfg.kl.adaptive)
+
+
+def reference_is_actor(cfg: RoundConfig, setup: RoundSetup | None) -> bool:
+    """With LoRA on the actor and a round that starts from its reference (the first round after SFT or the
+    preference stage), the reference is the actor's frozen base with its adapters disabled, not a second
+    copy in a scorer. Later rounds start elsewhere and keep a reference scorer. Without a setup (sizing a
+    round before its inputs exist) a scorer is counted."""
+    return (setup is not None and uses_reference(cfg) and cfg.actor.lora is not None
+            and setup.reference_path == setup.policy_path)
+
+
+def _scorers(cfg: RoundConfig, setup: RoundSetup | None = None) -> int:
+    """How many scorer actors the round starts: reference and/or reward model, shared when colocated."""
+    wanted = int(uses_reference(cfg) and not reference_is_actor(cfg, setup)) + int(cfg.reward.source == "model")
+    return min(wanted, 1) if cfg.colocate_reference_and_reward else wanted
+
+
+def round_resources(cfg: RoundConfig) -> dict[str, float]:
+    """Total CPU/GPU slots (and custom resources) of a round's actors (trainers, scorers, rollout
+    engines). Colocated, the GPUs are the bundles' (one per actor worker), whatever the shares."""
+    g = cfg.generation
+    if cfg.colocate_all:
+        parts = [({"GPU": 0.0, **b}, 1) for b in colocated_bundles(cfg)]
+    else:
+        parts = [(_slots(cfg.actor.placement), cfg.actor.num_workers),
+                 (_slots(cfg.scorer_placement), _scorers(cfg)),
+                 ({**_slots(g.placement), "GPU": g.gpus_per_engine}, cfg.num_rollout_engines)]
+        if cfg.spec.critic:
+            parts.append((_slots(cfg.critic.placement), cfg.critic.num_workers))
+    total: dict[str, float] = {"CPU": 0.0, "GPU": 0.0}
+    for slots, n in parts:
+        for k, v in slots.items():
+            total[k] = total.get(k, 0.0) + v * n
+    return total
+
+
+def _slots(p) -> dict[str, float]:
+    return {"CPU": p.num_cpus, "GPU": p.num_gpus, **p.resources}
+
+
+def _kinds_on_bundle(cfg: RoundConfig, index: int) -> list[tuple[str, float]]:
+    """(kind, CPUs) of the actors that colocation puts on bundle `index`."""
+    kinds = [("actor", cfg.actor.placement.num_cpus), ("engine", cfg.generation.placement.num_cpus)]
+    if cfg.spec.critic:
+        kinds.append(("critic", cfg.critic.placement.num_cpus))
+    if index == 0:
+        kinds += [("scorer", cfg.scorer_placement.num_cpus)] * _scorers(cfg)
+    return kinds
+
+
+def colocated_bundles(cfg: RoundConfig) -> list[dict[str, float]]:
+    """One bundle per actor worker: the CPUs of everything placed on it, and one GPU when the
+    actor's placement asks for GPUs (on a CPU-only cluster the bundles hold CPUs alone)."""
+    gpu = {"GPU": 1.0} if cfg.actor.placement.num_gpus > 0 else {}
+    return [{"CPU": sum(c for _, c in _kinds_on_bundle(cfg, i)), **gpu, **cfg.actor.placement.resources}
+            for i in range(cfg.actor.num_workers)]
+
+
+def gpu_share(cfg: RoundConfig) -> float:
+    """The GPU fraction of each colocated actor: the bundle's GPU split evenly among the most
+    crowded bundle's actors (bundle 0, which also holds the scorers); 0 without GPUs."""
+    return 1.0 / len(_kinds_on_bundle(cfg, 0)) if cfg.actor.placement.num_gpus > 0 else 0.0
+
+
+def engines_share_a_gpu(cfg: RoundConfig) -> bool:
+    """Whether a rollout engine may share a GPU with another of the round's actors (colocate_all, or a
+    fractional GPU anywhere): then its start waits for the trainers. Otherwise every actor starts at once."""
+    places = [cfg.actor.placement, cfg.critic.placement, cfg.scorer_placement, cfg.generation.placement]
+    return cfg.colocate_all or any(0 < p.num_gpus < 1 for p in places)
+
+
+def check_resources(cfg: RoundConfig) -> None:
+    """Fail before starting anything: an actor Ray cannot place would wait forever."""
+    total = ray.cluster_resources()
+    need = round_resources(cfg)
+    short = {k: (v, total.get(k, 0.0)) for k, v in need.items() if v > total.get(k, 0.0)}
+    if short:
+        detail = ", ".join(f"{k}: needs {v:g}, cluster has {have:g}" for k, (v, have) in short.items())
+        raise InsufficientResourcesError(
+            f"round ({cfg.algorithm}) cannot be placed on this Ray cluster ({detail}); lower the placements "
+            f"(actor/critic/generation/scorer_placement), the worker or engine counts, or infra.ray_num_cpus")
