@@ -15,11 +15,10 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader | t
 MODEL=$(python3 -c "import sys; sys.path.insert(0, 'bench'); from rl_step import build_model; print(build_model('configs/gpu-small.yaml'))" 2>"$OUT/build.err" | tail -1)
 echo "model: $MODEL"
 quiet() { grep -v -E "Loading weights|Writing model|it/s\]|^\s*$"; }
-timeout 230 python3 bench/vs_trl.py --device cuda --model "$MODEL" --runs 2 --steps 3 2>"$OUT/small.err" | tee "$OUT/small.log"
+timeout 230 python3 bench/vs_trl.py --device cuda --model "$MODEL" --runs 2 --steps 3 2>&1 | quiet | tee "$OUT/small.log"
 timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu -rs \
   -k "colocated_grpo_stays or colocated_ppo_sleeps" 2>&1 | tail -25 | tee "$OUT/tests.log"
 timeout 150 python3 bench/vs_trl.py --device cuda --model "$MODEL" --prompts 64 --new-tokens 128 --runs 1 --steps 2 \
   --set '{"actor.micro_batch_tokens": null}' \
-  2>"$OUT/large.err" | tee "$OUT/large.log"
+  2>&1 | quiet | tee "$OUT/large.log"
 (cd bench && timeout 60 python3 shared_prefix.py --device cuda --model "$MODEL" --repeats 8 2>&1 | quiet | tee "$OUT/prefix.log")
-tail -c 3000 "$OUT/small.err" > "$OUT/small.err.tail" 2>/dev/null
