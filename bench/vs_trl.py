@@ -213,7 +213,7 @@ def peak_tflops(device: str) -> float:
 
 
 def train_flops(model: str, args) -> tuple[float, float]:
-    """(FLOPs of one training pass, forward and backward, over every row in full; parameters in billions)."""
+    """(FLOPs of one training pass, forward and backward, over every row in full; parameters, billions)."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model)
@@ -281,7 +281,7 @@ def report(args, shape: str, results: dict[str, list[dict]], peak: float, flops:
                "generated": statistics.median(r["generated"] for r in results[s])} for s in sides}
     precision = "bf16" if args.device == "cuda" else "fp32"
     print(f"\nGRPO, {args.prompts} prompts x {args.samples} samples x {args.new_tokens} new tokens, micro-batches of "
-          f"{args.micro_rows} rows; model {shape} ({params_b:.2f}B parameters), {precision} on {args.device}; "
+          f"{args.micro_rows} rows; model {shape} ({params_b * 1e3:.1f}M parameters), {precision} on {args.device}; "
           f"alignflow's rollout backend {args.backend}; medians of {args.runs} runs x {args.steps} steps, alternating")
     print(f"{'':<16}" + "".join(f"{s:>12}" for s in sides) + ("       ratio" if len(sides) == 2 else ""))
     for row in ROWS:
@@ -294,7 +294,7 @@ def report(args, shape: str, results: dict[str, list[dict]], peak: float, flops:
     print(f"{'ms per token':<16}" + "".join(f"{t:12.3f}" for t in per_token)
           + (f"{per_token[0] / per_token[1]:11.2f}x" if len(sides) == 2 else ""))
     print(f"{'train MFU':<16}" + "".join(f"{100 * flops / max(med[s]['train'], 1e-9) / 1e12 / peak:11.1f}%"
-                                         for s in sides) + f"   of {peak:.1f} TFLOP/s measured")
+                                         for s in sides) + f"   of {peak:.3g} TFLOP/s measured")
     for s in sides:
         moves = {k: statistics.median(r["moves"].get(k, 0.0) for r in results[s]) for k in results[s][0]["moves"]}
         if moves:
