@@ -200,6 +200,21 @@ def _moves_policy(rl) -> None:
     assert (after - before).abs().max() > 1e-3
 
 
+def _engine_samples_at_trainer_logprobs(rl, tokenizer, task_data) -> None:
+    """The round's engine samples with the weights the trainer has: its token log-probs are the trainer's, within
+    bf16 rounding (an update that did not arrive whole would show)."""
+    from engines.rl import experience
+    from engines.rollout.base import Sampling
+    from engines.train import objectives
+
+    prompts = [ids for ids, _ in _prompts(tokenizer, task_data)[:8]]
+    exp = experience.from_rollouts(rl.models.engines.generate(prompts, Sampling(n=2, max_new_tokens=6)),
+                                   tokenizer.pad_token_id)
+    trainer = rl.models.actor.evaluate(exp.tensors(), objectives.response_logprobs)
+    diff = (trainer - exp.rollout_logprobs).abs()[exp.action_mask.bool()]
+    assert diff.max() < BF16_MAX_ABS and diff.mean() < BF16_MEAN_ABS, (diff.max(), diff.mean())
+
+
 def _gpu_round_cfg(algorithm: str, share: float, backend: str = "hf", **kw):
     from alignflow.config import ActorConfig, CriticConfig, Placement, PPOConfig, RolloutConfig, RoundConfig, VLLMConfig
 
@@ -268,10 +283,6 @@ def test_colocated_grpo_stays_on_the_gpu_where_it_fits_and_takes_each_update(ray
     `always` does, every step."""
     import ray
 
-    from engines.rl import experience
-    from engines.rollout.base import Sampling
-    from engines.train import objectives
-
     rule = {"source": "rule", "rule": f"{__name__}:parity_reward"}
     rl = _round(_gpu_round_cfg("grpo", 1.0, colocate_all=True, steps=3, reward=rule), gpu_model,
                 _prompts(gpu_tokenizer, task_data))
@@ -280,12 +291,7 @@ def test_colocated_grpo_stays_on_the_gpu_where_it_fits_and_takes_each_update(ray
         [log] = rl.models.engines.events()
         worker = rl.models.actor.workers[0]
         optimizer_devices = ray.get(worker.__ray_call__.remote(_optimizer_state_devices))
-        prompts = [ids for ids, _ in _prompts(gpu_tokenizer, task_data)[:8]]
-        exp = experience.from_rollouts(rl.models.engines.generate(prompts, Sampling(n=2, max_new_tokens=6)),
-                                       gpu_tokenizer.pad_token_id)
-        trainer = rl.models.actor.evaluate(exp.tensors(), objectives.response_logprobs)
-        diff = (trainer - exp.rollout_logprobs).abs()[exp.action_mask.bool()]
-        assert diff.max() < BF16_MAX_ABS and diff.mean() < BF16_MEAN_ABS, (diff.max(), diff.mean())
+        _engine_samples_at_trainer_logprobs(rl, gpu_tokenizer, task_data)
         moved = ["generate", "sleep", "wake weights", "update weights", "wake kv_cache"]
         if DEVICE != "cuda":
             assert (resident, log["events"][:15]) == ([0.0] * 3, moved * 3), (resident, log)
@@ -308,10 +314,6 @@ def test_colocated_ppo_on_vllm_sleeps_wakes_and_serves_each_update(ray_gpu, gpu_
     IPC into memory its graphs still point at, so its sampled-token logprobs are the trainer's."""
     import ray
 
-    from engines.rl import experience
-    from engines.rollout.base import Sampling
-    from engines.train import objectives
-
     rl = _round(_gpu_round_cfg("ppo", 1.0, backend="vllm", colocate_all=True), gpu_model,
                 _prompts(gpu_tokenizer, task_data), reward_path=str(gpu_reward_model))
     engine = rl.models.engines.actors[0]
@@ -326,12 +328,7 @@ def test_colocated_ppo_on_vllm_sleeps_wakes_and_serves_each_update(ray_gpu, gpu_
         assert free() - awake > 2**30, (awake, free())  # the KV cache (a quarter of the GPU) and weights left
         rl.models.sync(push=True)  # weights woken, the update by IPC, then the KV cache
         assert awake - free() < 2**28, (awake, free())
-        prompts = [ids for ids, _ in _prompts(gpu_tokenizer, task_data)[:8]]
-        exp = experience.from_rollouts(rl.models.engines.generate(prompts, Sampling(n=2, max_new_tokens=6)),
-                                       gpu_tokenizer.pad_token_id)
-        trainer = rl.models.actor.evaluate(exp.tensors(), objectives.response_logprobs)
-        diff = (trainer - exp.rollout_logprobs).abs()[exp.action_mask.bool()]
-        assert diff.max() < BF16_MAX_ABS and diff.mean() < BF16_MEAN_ABS, (diff.max(), diff.mean())
+        _engine_samples_at_trainer_logprobs(rl, gpu_tokenizer, task_data)
     finally:
         rl.shutdown()
 
