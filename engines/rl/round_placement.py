@@ -4,15 +4,15 @@ importing this)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 import ray
 
 from alignflow.config import RoundConfig
 from alignflow.errors import InsufficientResourcesError
 
-if TYPE_CHECKING:
-    from engines.rl.round_models import RoundSetup
+RoundSetupLike = Any  # engines/rl/round_models.py RoundSetup (its policy_path and reference_path): not imported,
+# as round_models imports this module
 
 
 def uses_reference(cfg: RoundConfig) -> bool:
@@ -22,7 +22,7 @@ def uses_reference(cfg: RoundConfig) -> bool:
     return cfg.spec.reference and (cfg.spec.reference_in_update or cfg.kl.coef > 0 or cfg.kl.adaptive)
 
 
-def reference_is_actor(cfg: RoundConfig, setup: RoundSetup | None) -> bool:
+def reference_is_actor(cfg: RoundConfig, setup: RoundSetupLike | None) -> bool:
     """With LoRA on the actor and a round that starts from its reference (the first round after SFT or the
     preference stage), the reference is the actor's frozen base with its adapters disabled, not a second
     copy in a scorer. Later rounds start elsewhere and keep a reference scorer. Without a setup (sizing a
@@ -31,7 +31,7 @@ def reference_is_actor(cfg: RoundConfig, setup: RoundSetup | None) -> bool:
             and setup.reference_path == setup.policy_path)
 
 
-def _scorers(cfg: RoundConfig, setup: RoundSetup | None = None) -> int:
+def _scorers(cfg: RoundConfig, setup: RoundSetupLike | None = None) -> int:
     """How many scorer actors the round starts: reference and/or reward model, shared when colocated."""
     wanted = int(uses_reference(cfg) and not reference_is_actor(cfg, setup)) + int(cfg.reward.source == "model")
     return min(wanted, 1) if cfg.colocate_reference_and_reward else wanted
