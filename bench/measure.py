@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections import defaultdict
 
 
 def matmul_peak_gflops(threads: int, n: int = 1024, repeats: int = 20) -> float:
@@ -64,3 +65,42 @@ def scored_work(batch: dict) -> tuple[float, float]:
     q_rows = q[plan.row_group]
     return (float(lengths.sum() - q_rows.sum() + q.sum()),
             float(pairs.sum() - (q_rows * (q_rows + 1) / 2).sum() + (q * (q + 1) / 2).sum()))
+
+
+def synchronized(cuda: bool) -> float:
+    """time.perf_counter() once the GPU (where `cuda`) has finished what was queued."""
+    if cuda:
+        import torch
+
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def peak_tflops(device: str) -> float:
+    """The best matmul rate this device reached in this run, TFLOP/s: bf16 on a GPU, fp32 on 2 CPU threads."""
+    if device != "cuda":
+        return matmul_peak_gflops(2) / 1e3
+    import torch
+
+    a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    best = float("inf")
+    for _ in range(20):
+        start = synchronized(True)
+        a @ b
+        best = min(best, synchronized(True) - start)
+    return 2 * 8192**3 / best / 1e12
+
+
+def count_ray_calls() -> dict[str, int]:
+    """Every actor call this process makes from now on, counted by method name (the round's driver: what
+    crosses a process boundary each step)."""
+    import ray.actor
+
+    calls: dict[str, int] = defaultdict(int)
+    remote = ray.actor.ActorMethod._remote
+
+    def counted(self, *a, **k):
+        calls[self._method_name] += 1
+        return remote(self, *a, **k)
+    ray.actor.ActorMethod._remote = counted
+    return calls

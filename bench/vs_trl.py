@@ -33,11 +33,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections import defaultdict
 from pathlib import Path
 
-from measure import forward_flops, matmul_peak_gflops  # bench/measure.py, beside this script
+from measure import count_ray_calls, forward_flops, peak_tflops, synchronized  # bench/measure.py, beside this script
 from rl_step import build_model, word_corpus  # bench/rl_step.py
 
 KL_COEF, LR = 0.04, 1e-5
@@ -59,14 +58,6 @@ def prompt_texts(model: str, n: int, tokens: int) -> list[str]:
 
     tok = AutoTokenizer.from_pretrained(model)
     return [tok.decode(tok(line)["input_ids"][:tokens]) for line in word_corpus(words=12 * n)[:n]]
-
-
-def _sync(cuda: bool) -> float:
-    if cuda:
-        import torch
-
-        torch.cuda.synchronize()
-    return time.perf_counter()
 
 
 def alignflow_worker(args, texts: list[str]) -> dict:
@@ -102,8 +93,10 @@ def alignflow_worker(args, texts: list[str]) -> dict:
         policy_path=args.model, reference_path=args.model, reward_path=None,
         prompts=[(i, {"answer": None}) for i in ids], dtype="bfloat16" if cuda else "float32", torch_threads=2,
         max_model_len=max(map(len, ids)) + args.new_tokens + 8, seed=0))
+    calls = count_ray_calls()
     try:
         rl.step(0)
+        calls.clear()
         steps = [rl.step(s).metrics for s in range(1, args.steps + 1)]
     finally:
         rl.shutdown()
@@ -115,7 +108,8 @@ def alignflow_worker(args, texts: list[str]) -> dict:
     moves = {k: med(k) for k in steps[-1] if k.startswith(("time/colocation/", "rl/resident"))}
     return {"step": statistics.median(sum(v for k, v in m.items() if k.count("/") == 1 and k.startswith("time/"))
                                       for m in steps),
-            "phases": phases, "moves": moves, "generated": med("response_length") * args.prompts * args.samples}
+            "phases": phases, "moves": moves, "generated": med("response_length") * args.prompts * args.samples,
+            "ray_calls": {k: v / args.steps for k, v in sorted(calls.items())}}
 
 
 def trl_worker(args, texts: list[str]) -> dict:
@@ -144,11 +138,11 @@ def trl_worker(args, texts: list[str]) -> dict:
         def wrapper(*a, **k):
             if not when(*a, **k):
                 return fn(*a, **k)
-            start = _sync(cuda)
+            start = synchronized(cuda)
             try:
                 return fn(*a, **k)
             finally:
-                times[phase] += _sync(cuda) - start
+                times[phase] += synchronized(cuda) - start
         setattr(trainer, name, wrapper)
 
     timed("_generate", "generate")
@@ -159,10 +153,10 @@ def trl_worker(args, texts: list[str]) -> dict:
     class Clock(TrainerCallback):
         def on_step_begin(self, *_, **__):
             times.clear()
-            times["start"] = _sync(cuda)
+            times["start"] = synchronized(cuda)
 
         def on_step_end(self, *_, **__):
-            step = _sync(cuda) - times["start"]
+            step = synchronized(cuda) - times["start"]
             gas = times["generate_and_score"]
             steps.append({"step": step, "generate": times["generate"], "reference": times["reference"],
                           "score": gas - times["generate"] - times["reference"], "train": step - gas})
@@ -195,21 +189,6 @@ def run_side(side: str, args, texts_file: str) -> dict:
     if out.returncode or not lines:
         raise SystemExit(f"{side}: the run failed (exit {out.returncode}):\n{out.stdout[-2000:]}\n{out.stderr[-6000:]}")
     return json.loads(lines[-1][len("RESULT "):])
-
-
-def peak_tflops(device: str) -> float:
-    """The best matmul rate this device reached in this run: bf16 on a GPU, fp32 on 2 CPU threads."""
-    if device != "cuda":
-        return matmul_peak_gflops(2) / 1e3
-    import torch
-
-    a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    best = float("inf")
-    for _ in range(20):
-        start = _sync(True)
-        a @ b
-        best = min(best, _sync(True) - start)
-    return 2 * 8192**3 / best / 1e12
 
 
 def train_flops(model: str, args) -> tuple[float, float]:
@@ -296,6 +275,9 @@ def report(args, shape: str, results: dict[str, list[dict]], peak: float, flops:
     print(f"{'train MFU':<16}" + "".join(f"{100 * flops / max(med[s]['train'], 1e-9) / 1e12 / peak:11.1f}%"
                                          for s in sides) + f"   of {peak:.3g} TFLOP/s measured")
     for s in sides:
+        if calls := results[s][0].get("ray_calls"):
+            print(f"{s} Ray calls per step: {sum(calls.values()):.0f} (" + ", ".join(
+                f"{k} {v:g}" for k, v in calls.items()) + ")")
         moves = {k: statistics.median(r["moves"].get(k, 0.0) for r in results[s]) for k in results[s][0]["moves"]}
         if moves:
             print(f"{s} colocation: " + ", ".join(f"{k.split('/')[-1]} {v:.3f}" for k, v in sorted(moves.items())))

@@ -156,6 +156,7 @@ class RLRound:
         prompt_ids, records = self._prompts(step)
         rollouts, scores = self._rollouts(step, prompt_ids)
         clock.lap("generate")
+        staleness = self._staleness(rollouts)
         exp = experience.from_rollouts(rollouts, self.tokenizer.pad_token_id)
         ahead = {k: _rows_of(v, exp) for k, v in collect_scores(scores).items()}  # waiting counts as scoring
         if "ref_logprobs" in ahead:
@@ -169,7 +170,7 @@ class RLRound:
         rewards, n_tokens = trained.experience.rewards, sum(len(r.token_ids) for r in rollouts)
         moves, self.models.timings = self.models.timings, {}  # colocation's, the weight update's (in their phases)
         metrics = {
-            **trained.metrics, **reward_metrics, **clock.times, **moves,
+            **trained.metrics, **reward_metrics, **clock.times, **moves, **staleness,
             "reward/mean": rewards.mean().item(), "reward/std": rewards.std().item() if len(rewards) > 1 else 0.0,
             "response_length": exp.action_mask.sum(-1).mean().item(),
             # Asynchronous, generation runs beside the step: its rate is over the whole step.
@@ -177,6 +178,17 @@ class RLRound:
                                            else clock.times["time/generate"], 1e-9),
         }
         return StepOutcome(metrics, trained.experience, trained.rows, rollouts)
+
+    def _staleness(self, rollouts: list[Rollout]) -> dict[str, float]:
+        """How many policy versions (weight updates pushed) each sample is behind the policy that trains on
+        it: 0 in a synchronous round; with async_rollouts 1 once the actor trains (one update behind). An
+        older sample is refused before anything trains on it."""
+        ages = [self.models.updates_pushed - r.policy_version for r in rollouts]
+        allowed = 1 if self.cfg.async_rollouts else 0
+        if max(ages) > allowed:
+            raise RuntimeError(f"rollouts {max(ages)} policy versions old reached the update; this round allows "
+                               f"{allowed} (async_rollouts: {self.cfg.async_rollouts})")
+        return {"rollout/staleness_max": float(max(ages)), "rollout/staleness_mean": sum(ages) / len(ages)}
 
     # ---- state ----------------------------------------------------------------------
 

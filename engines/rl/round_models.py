@@ -75,6 +75,8 @@ class RoundModels:
     bucket_bytes: int = field(default_factory=default_bucket_bytes)  # the weight transport's (generation.weight_bucket_mb)
     weight_sync: WeightSync | None = None  # made at the first sync
     offload: str = "always"  # colocate_offload; "auto" until decided (`_stay_resident`)
+    generates_ahead: bool = False  # async_rollouts: a generation may be under way when the weights go out
+    updates_pushed: int = 0  # weight updates the engines have taken: the policy version they sample from next
     timings: dict[str, float] = field(default_factory=dict)  # the last step's colocation moves, by what moved
 
     def _trainers(self) -> list[TrainerGroup]:
@@ -156,7 +158,8 @@ class RoundModels:
         if self.weight_sync is None:  # the backend follows where the actors are (weight_sync.choose_backend)
             self.weight_sync = WeightSync(self.actor, self.engines, bucket_bytes=self.bucket_bytes)
         try:
-            self.weight_sync.push()
+            self.weight_sync.push(generating=self.generates_ahead)
+            self.updates_pushed += 1
         except BaseException:
             self.weight_sync = None  # a group with a failed transfer in it is not used again
             raise
@@ -178,7 +181,8 @@ def start_round_models(cfg: RoundConfig, setup: RoundSetup, updates_per_step: in
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     check_resources(cfg)
-    spec, models = cfg.spec, RoundModels(colocated=cfg.colocate_all, offload=cfg.colocate_offload)
+    spec, models = cfg.spec, RoundModels(colocated=cfg.colocate_all, offload=cfg.colocate_offload,
+                                         generates_ahead=cfg.async_rollouts)
     models.bucket_bytes = int(cfg.generation.weight_bucket_mb * 2**20)
 
     def engine(c, path: Source, kind: str, purpose: str, steps: int) -> EngineSpec:

@@ -9,6 +9,7 @@ them; weights reach them through engines/transport/sync.py.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -103,7 +104,10 @@ class RolloutActor:
                                    sleep_mode=sleep_mode)
 
     def generate(self, prompt_ids: list[list[int]], sampling: Sampling) -> list[Rollout]:
-        return self.engine.generate(prompt_ids, sampling)
+        """The engine's rollouts, each stamped with the policy version it was sampled from: the number of
+        weight updates this engine has taken."""
+        version = getattr(self, "updates_taken", 0)
+        return [dataclasses.replace(r, policy_version=version) for r in self.engine.generate(prompt_ids, sampling)]
 
     def prepare_weights(self, specs: list, bucket_bytes: int) -> list[str | None]:
         return self.engine.prepare_weights(specs, bucket_bytes)
@@ -113,6 +117,7 @@ class RolloutActor:
 
     def receive_weights(self) -> None:
         self.engine.receive_weights()
+        self.updates_taken = getattr(self, "updates_taken", 0) + 1
 
     def ready(self) -> bool:
         """Returns once the calls queued before it (a generation) are done."""

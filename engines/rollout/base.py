@@ -37,6 +37,7 @@ class Rollout:
     text: str
     logprobs: list[float]
     finished: bool  # ended with EOS/stop rather than the length limit
+    policy_version: int = 0  # weight updates its engine had taken when it sampled this (RolloutActor)
 
 
 class SleepState:

@@ -128,12 +128,14 @@ class WeightSync:
                       for i, e in enumerate(engines.actors)]
         ray.get(joins)
 
-    def push(self) -> None:
+    def push(self, generating: bool = True) -> None:
+        """One update. `generating`: a generation may be under way (asynchronous rollouts); engines run
+        calls in order, so it is waited out before the trainers start sending, and no sender waits on the
+        wire for a whole generation. Without one, that wait would be a Ray round trip for nothing."""
         import ray
 
-        # Engines run calls in order: wait out a generation under way (asynchronous rollouts) before
-        # the trainers start sending, so no sender waits on the wire for a whole generation.
-        ray.get([e.ready.remote() for e in self.engines.actors])
+        if generating:
+            ray.get([e.ready.remote() for e in self.engines.actors])
         ray.get([w.send_weights.remote() for w in self.trainers.workers]
                 + [e.receive_weights.remote() for e in self.engines.actors])
 

@@ -272,6 +272,25 @@ def test_round_state_restores_actor_and_engine(ray_local, tiny_model, prompts, t
         second.shutdown()
 
 
+def test_a_sample_older_than_the_round_allows_is_refused_before_training():
+    """RLRound._staleness on its own: ages are the updates pushed since each sample's version; one update old
+    is what async_rollouts allows, none a synchronous round."""
+    from types import SimpleNamespace
+
+    from engines.rl.round import RLRound
+    from engines.rollout.base import Rollout
+
+    rollouts = [Rollout(0, [1], [2], "", [0.0], True, policy_version=v) for v in (3, 2, 3)]
+    round_at = lambda pushed, async_: SimpleNamespace(models=SimpleNamespace(updates_pushed=pushed),  # noqa: E731
+                                                      cfg=SimpleNamespace(async_rollouts=async_))
+    assert RLRound._staleness(round_at(3, True), rollouts) == {"rollout/staleness_max": 1.0,
+                                                              "rollout/staleness_mean": 1 / 3}
+    with pytest.raises(RuntimeError, match="1 policy versions old reached the update; this round allows 0"):
+        RLRound._staleness(round_at(3, False), rollouts)
+    with pytest.raises(RuntimeError, match="2 policy versions old"):
+        RLRound._staleness(round_at(4, True), rollouts)
+
+
 def test_async_rollouts_run_one_update_behind(ray_local, tiny_model, prompts):
     """With async_rollouts, step s+1's rollouts are sampled while step s trains, from the policy
     before step s's update; after each step's sync the engines hold the trained policy."""
@@ -286,6 +305,10 @@ def test_async_rollouts_run_one_update_behind(ray_local, tiny_model, prompts):
         first = rl.step(0)
         assert rl._pending is not None and rl._pending[0] == 1  # step 1's generation started during step 0
         second = rl.step(1)
+        # Each sample carries the policy version its engine sampled with: step 1's are one update old.
+        assert [[r.policy_version for r in out.rollouts][:2] for out in (first, second)] == [[0, 0], [0, 0]]
+        assert [out.metrics["rollout/staleness_max"] for out in (first, second)] == [0.0, 1.0]
+        assert rl.models.updates_pushed == 2
         start = load_policy(tiny_model).eval()
         for out in (first, second):  # both sampled from the starting policy: step 1's one update behind
             exp = out.experience
@@ -433,8 +456,10 @@ def test_a_colocated_vllm_round_sleeps_and_wakes_in_order_and_serves_each_update
 
     rl = _start(_round("grpo", steps=2, colocate_all=True), tiny_model, prompts)
     try:
-        rl.step(0)
-        rl.step(1)
+        steps = [rl.step(0), rl.step(1)]
+        # Synchronous: each step samples from the policy it trains, the version after every update so far.
+        assert [{r.policy_version for r in s.rollouts} for s in steps] == [{0}, {1}]
+        assert [s.metrics["rollout/staleness_max"] for s in steps] == [0.0, 0.0]
         [log] = rl.models.engines.events()
         assert log["events"] == ["generate", "sleep", "wake weights", "update weights", "wake kv_cache"] * 2, log
         picked = [prompts[i][0] for i in range(8)]
