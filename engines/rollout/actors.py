@@ -184,8 +184,7 @@ def merge_rollouts(n_prompts: int, chunks: list[list[int]], results: list[list[R
     for chunk, rollouts in zip(chunks, results):
         for r in rollouts:
             orig = chunk[r.prompt_index]
-            by_prompt.setdefault(orig, []).append(
-                Rollout(orig, r.prompt_ids, r.token_ids, r.text, r.logprobs, r.finished))
+            by_prompt.setdefault(orig, []).append(dataclasses.replace(r, prompt_index=orig))
     return [r for i in range(n_prompts) for r in by_prompt[i]]
 
 
