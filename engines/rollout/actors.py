@@ -85,9 +85,9 @@ def build_engine(backend: str, model_path: str, *, dtype: str = "float32", seed:
     raise ValueError(f"unknown rollout backend {backend!r}; valid: {sorted(BACKENDS)}")
 
 
-def _gpu_free() -> int | None:
-    """Bytes free on this process's GPU (every process's use counted), None without one."""
-    return torch.cuda.mem_get_info()[0] if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+def _gpu_memory() -> tuple[int, int] | None:
+    """(bytes free, bytes in all) of this process's GPU, every process's use counted; None without one."""
+    return torch.cuda.mem_get_info() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
 
 
 class RolloutActor:
@@ -102,12 +102,14 @@ class RolloutActor:
                                    dtype=dtype, seed=seed, max_model_len=max_model_len,
                                    attn_implementation=attn_implementation, vllm=vllm, on_gpu=on_gpu,
                                    sleep_mode=sleep_mode)
+        self.updates_taken = 0  # weight updates received: the policy version the next generation samples
+        self.slept_bytes = 0  # GPU bytes the last sleep gave back
 
     def generate(self, prompt_ids: list[list[int]], sampling: Sampling) -> list[Rollout]:
         """The engine's rollouts, each stamped with the policy version it was sampled from: the number of
         weight updates this engine has taken."""
-        version = getattr(self, "updates_taken", 0)
-        return [dataclasses.replace(r, policy_version=version) for r in self.engine.generate(prompt_ids, sampling)]
+        return [dataclasses.replace(r, policy_version=self.updates_taken)
+                for r in self.engine.generate(prompt_ids, sampling)]
 
     def prepare_weights(self, specs: list, bucket_bytes: int) -> list[str | None]:
         return self.engine.prepare_weights(specs, bucket_bytes)
@@ -117,16 +119,17 @@ class RolloutActor:
 
     def receive_weights(self) -> None:
         self.engine.receive_weights()
-        self.updates_taken = getattr(self, "updates_taken", 0) + 1
+        self.updates_taken += 1
 
     def ready(self) -> bool:
         """Returns once the calls queued before it (a generation) are done."""
         return True
 
     def sleep(self) -> None:
-        before = _gpu_free()
+        before = _gpu_memory()
         self.engine.sleep()
-        self.slept_bytes = _gpu_free() - before if before is not None else 0
+        if before is not None:
+            self.slept_bytes = _gpu_memory()[0] - before[0]
 
     def wake(self, tags: list[str] | None = None) -> None:
         self.engine.wake(tags)
@@ -134,10 +137,10 @@ class RolloutActor:
     def memory(self) -> dict[str, int] | None:
         """On a GPU: bytes free on it now, its total, and what this engine's last sleep gave back (what
         waking takes again); None on the CPU."""
-        if _gpu_free() is None:
+        memory = _gpu_memory()
+        if memory is None:
             return None
-        free, total = torch.cuda.mem_get_info()
-        return {"free": free, "total": total, "slept": getattr(self, "slept_bytes", 0)}
+        return {"free": memory[0], "total": memory[1], "slept": self.slept_bytes}
 
     def events(self) -> dict:
         """What the engine was asked to do, in order and counted (SleepState.events)."""
