@@ -119,6 +119,9 @@ def ray_init_kwargs(infra: InfraConfig) -> dict[str, Any]:
     if infra.ray_address:
         return {"address": infra.ray_address, **kwargs}
     return {
+        # A new Ray of this run's own: not a cluster another process started on this machine (`ray start`,
+        # a test's cluster), which ray.init() with no address would join, nor one RAY_ADDRESS names.
+        "address": "local",
         "num_cpus": infra.ray_num_cpus,
         "include_dashboard": False,
         "object_store_memory": 512 * 2**20,

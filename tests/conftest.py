@@ -30,6 +30,31 @@ VENV_BIN = Path(sys.executable).parent
 CLI_TIMEOUT_S = 900
 
 
+# ---- order: the longest files first ----------------------------------------------
+
+# The README's test command runs two workers (`-n 2 --dist loadfile`): each file runs whole on one of them
+# (its module-scoped Ray or servers started once), handed out in collection order as a worker frees up.
+# The longest go first, so that neither worker is left running one alone at the end. Within a file, and
+# for every file not named, the collection order stays.
+LONGEST_FIRST = (
+    "e2e/test_e2e_pipeline.py",
+    "engines/rl/test_rl_rounds.py",
+    "engines/train/test_train_trainer.py",
+    "e2e/test_e2e_deploy.py",
+    "engines/train/test_train_memory.py",
+    "e2e/test_e2e_multinode.py",
+    "engines/rl/test_rl_wiring.py",
+    "engines/test_engines_lora.py",
+    "engines/test_engines_bench.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    tests = REPO / "tests"
+    items.sort(key=lambda item: rank.get(item.path.relative_to(tests).as_posix(), len(rank)))
+
+
 # ---- processes -----------------------------------------------------------------
 
 

@@ -4,7 +4,9 @@ Every phase prints its time and tokens/s, and the bench leaves no temporary dire
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -18,14 +20,21 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.mark.engine
 def test_the_bench_runs_the_gpu_configs_round_and_prints_tokens_per_second(gpu_config_on_cpu, tmp_path):
     config = gpu_config_on_cpu(tmp_path)
-    made = lambda: {p.name for p in Path(tempfile.gettempdir()).glob("alignflow-*")}  # noqa: E731
+    # A temporary directory of its own (short: Ray's socket paths live under it), so that what other
+    # processes make beside it (a concurrent test's) is not counted.
+    tmp = Path(tempfile.mkdtemp(prefix="afb-", dir="/tmp"))
+    made = lambda: {p.name for p in tmp.glob("alignflow-*")}  # noqa: E731
     before = made()
-
-    res = subprocess.run([sys.executable, "bench/rl_step.py", "--config", str(config), "--runs", "1", "--steps", "1"],
-                         cwd=REPO, capture_output=True, text=True, timeout=600)
+    try:
+        res = subprocess.run([sys.executable, "bench/rl_step.py", "--config", str(config), "--runs", "1", "--steps",
+                              "1"], cwd=REPO, capture_output=True, text=True, timeout=600,
+                             env={**os.environ, "TMPDIR": str(tmp)})
+        left = made() - before
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     assert res.returncode == 0, res.stderr[-3000:]
     rows = {line.split()[0]: line for line in res.stdout.splitlines() if re.match(r"  \w+ +\d+\.\d+ s", line)}
     assert f"config {config}" in res.stdout
     for phase in ("generate", "score", "reference", "old_logprobs", "critic", "train"):  # PPO: a critic, a reward model
         assert re.search(r"\d+\.\d+ s +\d+ tokens/s", rows[phase]), rows.get(phase)
-    assert made() - before == set()  # the copied tree and the built model are gone
+    assert left == set()  # the copied tree and the built model are gone

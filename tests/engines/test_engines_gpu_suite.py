@@ -7,6 +7,10 @@ ALIGNFLOW_GPU_TESTS_DEVICE=cpu, everything but the device is theirs: a GPU test 
 the engines' API, or whose round had nothing to learn from, fails here on every CI run, not first on
 the rare machine with a GPU. What only a GPU can show (state leaving it, memory given back) is not
 passed here: those tests stop before it and report as skipped, saying what did run.
+
+It takes 5 minutes of a 2-core machine's both cores, an eighth of the whole suite, for tests that mostly
+repeat on the CPU what the CPU tests check: so it runs where asked (ALIGNFLOW_GPU_REHEARSAL=1), before a
+GPU session and after a change to an engine's API, and is reported skipped otherwise.
 """
 
 from __future__ import annotations
@@ -24,9 +28,15 @@ pytestmark = pytest.mark.engine
 ROOT = Path(__file__).resolve().parents[2]
 
 
+REHEARSAL = "ALIGNFLOW_GPU_REHEARSAL"
+
+
+@pytest.mark.skipif(os.environ.get(REHEARSAL) != "1",
+                    reason=f"the GPU suite on the CPU (5 min) runs where asked: {REHEARSAL}=1")
 def test_the_gpu_suite_passes_on_the_cpu():
     env = {**os.environ, "ALIGNFLOW_GPU_TESTS_DEVICE": "cpu"}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-v", "-rs", "-p", "no:cacheprovider", "tests/gpu"],
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-v", "-rs", "-p", "no:cacheprovider", "-p", "no:xdist",
+                           "tests/gpu"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]

@@ -267,10 +267,11 @@ def _streams_merged_weights(group, tiny_model, probe) -> None:
         ray.kill(engine)
 
 
-@pytest.mark.parametrize("zero_stage", [2, 3])
+@pytest.mark.parametrize("zero_stage", [3])
 def test_lora_under_zero_with_two_workers(ray_local, tiny_model, sft_data, tmp_path, zero_stage):
-    """Sharded (ZeRO-2) or partitioned (ZeRO-3) across two ranks: the export is merged, adapters disabled
-    give the base, and the adapter with its optimizer state resumes exactly."""
+    """Partitioned (ZeRO-3) across two ranks: the export is merged, adapters disabled give the base, and
+    the adapter with its optimizer state resumes exactly. (ZeRO-2 shards only the optimizer state, whose
+    save and resume test_train_trainer checks for ZeRO-1, through the same DeepSpeed code.)"""
     from transformers import AutoModelForCausalLM
 
     spec = _spec(tiny_model, "causal", zero_stage=zero_stage)

@@ -122,8 +122,10 @@ def _wait_ready(proc: subprocess.Popen, timeout: float) -> int:
 
 
 def test_local_ray_listens_onloopback_only(process_tools, tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}
-    env["RAY_USAGE_STATS_ENABLED"] = "0"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"}
+    # A local Ray is the run's own: not the cluster RAY_ADDRESS names (nothing listens there; joining it would
+    # fail), nor one another process started on this machine (ray.init() with no address would join that).
+    env.update(RAY_USAGE_STATS_ENABLED="0", RAY_ADDRESS="127.0.0.1:9")
     err_path = tmp_path / "ray_child.err"
     with open(err_path, "w") as err:
         proc = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path / "model")], cwd=REPO, env=env, stdin=subprocess.PIPE,
