@@ -49,6 +49,12 @@ LONGEST_FIRST = (
 )
 
 
+def pytest_configure(config):
+    # xdist hands files out by their number of tests unless told not to: by this order instead.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     tests = REPO / "tests"
