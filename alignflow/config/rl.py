@@ -8,38 +8,9 @@ from pydantic import Field, ValidationError, model_validator
 
 from alignflow.algorithms import ALGORITHMS, AlgorithmSpec, KLEstimator, KLPlacement, LossAggregation, get_algorithm
 from alignflow.config.base import EngineConfig, GenerationConfig, Placement, Section
+from alignflow.config.reward import RewardConfig
 
 AlgorithmName = Literal[tuple(ALGORITHMS)]  # type: ignore[valid-type]  (the registry's names)
-
-
-class RewardConfig(Section):
-    """Where an RL round's rewards come from."""
-
-    source: Literal["model", "rule", "remote"] = Field(
-        "model", description="model: the trained reward model; rule: reward.rule; remote: the service at reward.url")
-    rule: str = Field(
-        "alignflow.data.synthetic:rule_reward",
-        description="import path of f(prompt, response, answer) -> float (source=rule)",
-    )
-    url: str | None = Field(None, description="reward service endpoint (source=remote)")
-    timeout_s: float = Field(10.0, gt=0, description="seconds per reward-service request (source=remote)")
-    max_retries: int = Field(3, ge=0, description="retries of a failed service request, with exponential backoff")
-    overlong_buffer: int = Field(0, ge=0, description="DAPO soft overlong penalty buffer (0: off)")
-    overlong_penalty: float = Field(1.0, ge=0, description="DAPO overlong penalty reached at max_new_tokens")
-    normalize: bool = Field(
-        False, description="standardise each reward with the running mean and std of every reward of the round so "
-        "far, this step's included (Welford); the statistics are kept in the round's checkpoints")
-    clip: float | None = Field(
-        None, gt=0, description="clip each sequence reward to [-clip, clip], after reward.normalize; None: off")
-    truncation_penalty: float = Field(
-        0.0, ge=0, description="subtracted from the reward of each response cut by generation.max_new_tokens "
-        "(no EOS or stop string), after normalisation and clipping; 0: off")
-
-    @model_validator(mode="after")
-    def _remote_has_url(self) -> RewardConfig:
-        if self.source == "remote" and not self.url:
-            raise ValueError("reward.source='remote' needs reward.url")
-        return self
 
 
 class KLConfig(Section):
@@ -180,10 +151,19 @@ class RoundConfig(Section):
         "auto", description="colocate_all on GPUs: always: engines sleep and training state leaves the GPU "
         "every step; never: everything stays; auto: stays from the first update on where it all fits at once")
     async_rollouts: bool = Field(
-        False, description="generate the next step's rollouts while this step scores and trains: the "
-        "engines then sample from the policy one update behind the one that trains on them (corrected by "
-        "ppo.tis_cap's truncated importance sampling); the reference and reward model score each "
-        "generation as soon as it ends, beside the step that trains")
+        False, description="generate the next steps' rollouts while this step scores and trains: the "
+        "engines then sample from a policy up to max_staleness updates behind the one that trains on them "
+        "(corrected by ppo.tis_cap's truncated importance sampling); the reference and reward model score "
+        "each generation as soon as it ends, beside the step that trains")
+    max_staleness: int = Field(
+        1, ge=1, description="async_rollouts: generation runs up to this many policy versions ahead of the "
+        "update, and the update publishes its weights without waiting for the engines, which take them "
+        "between generations; every sample records its version, and one older than this is refused")
+    partial_rollouts: bool = Field(
+        False, description="async_rollouts: generate in pieces of partial_tokens new tokens, and take an update "
+        "published meanwhile between two pieces, so that it reaches responses still being written; each token "
+        "keeps the log-prob of the weights that sampled it, which ppo.tis_cap's correction uses")
+    partial_tokens: int = Field(16, ge=1, description="partial_rollouts: new tokens per piece")
     scorer_placement: Placement = Field(default_factory=Placement, description="reference / reward actors")
     checkpoint_every: int = Field(10, ge=1, description="steps between resumable checkpoints")
 
@@ -263,6 +243,8 @@ class RoundConfig(Section):
             raise ValueError(f"online_dpo splits each update's pairs across actor.num_workers="
                              f"{self.actor.num_workers}: dpo.pairs_per_update (or prompts_per_step, without it) "
                              f"must be a multiple of it, got {per_update}")
+        if not self.async_rollouts and (self.max_staleness > 1 or self.partial_rollouts):
+            raise ValueError("max_staleness and partial_rollouts shape asynchronous rollouts: set async_rollouts")
         if self.colocate_all:
             n = self.actor.num_workers
             if self.num_rollout_engines != n:

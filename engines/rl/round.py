@@ -8,9 +8,12 @@ A step:
      pure functions in engines/rl/experience.py) and trains on it;
   4. the new weights are pushed into the running rollout engines.
 
-With `async_rollouts`, the next step's generation runs beside steps 2-3, and
-the scorer actors score it (reference log-probs, reward-model scores) as soon
-as it ends (engines/rl/scoring.py `scorers_ahead`).
+With `async_rollouts`, generation runs up to `max_staleness` steps ahead of the
+update, beside steps 2-3: step 4 publishes the weights without waiting (the
+engines take them between generations), so a sample is at most `max_staleness`
+updates old, which the round checks before training on it. The scorer actors
+score each generation (reference log-probs, reward-model scores) as soon as it
+ends (engines/rl/scoring.py `scorers_ahead`).
 
 The round reads its algorithm's spec and never branches on its name; it
 only moves batches between actors. Resumable state: the actor's (and
@@ -94,11 +97,11 @@ class RLRound:
         # reward.normalize: statistics of every reward of the round so far (checkpointed)
         self.reward_stats = algos.RunningMeanStd() if cfg.reward.normalize else None
         # async_rollouts: the scorers that score each generation as it ends, beside the step training,
-        # and (step, its generation under way, the scores submitted for it)
+        # and by step, the generations queued ahead with the scores submitted for each
         self._ahead = scorers_ahead(self.models.reference, self.models.rewarder,
                                     reference_on_batch=update_cls.reference_on_batch,
                                     model_rewards=self.reward_fn is None) if cfg.async_rollouts else {}
-        self._pending: tuple[int, object, list] | None = None
+        self._pending: dict[int, tuple[object, list]] = {}
 
     def generate(self, prompt_ids: list[list[int]]) -> list[Rollout]:
         return self.models.generate(prompt_ids, self._sampling())
@@ -134,21 +137,24 @@ class RLRound:
 
     def _rollouts(self, step: int, prompt_ids: list[list[int]]) -> tuple[list[Rollout], list]:
         """This step's rollouts, and the refs of their scores made ahead. With `async_rollouts`, the
-        ones started during the previous step (or now, on a round's first step or after a resume),
-        and the next step's are started at once, to run beside this step's scoring and training; the
-        weight sync at the end of the step waits for them (the engines run calls in order). The
-        scorers of `_ahead` score each generation as soon as it ends."""
+        generations of the next `max_staleness` steps are queued on the engines, to run beside this step's
+        scoring and training. They are queued in step order with the published updates between them
+        (engines run calls in order): step j's, queued during step j - max_staleness, samples that step's
+        policy. On a round's first step (or after a resume) this step's and those ahead are queued at
+        once. The scorers of `_ahead` score each generation as soon as it ends."""
         if not self.cfg.async_rollouts:
             return self.generate(prompt_ids), []
-        pending, self._pending = self._pending, None
-        if pending is None or pending[0] != step:
-            pending = (step, *self._submit(prompt_ids))
-        if step + 1 < self.cfg.steps:
-            self._pending = (step + 1, *self._submit(self._prompts(step + 1)[0]))
-        return self.models.collect(pending[1]), pending[2]
+        if step not in self._pending:
+            self._pending = {step: self._submit(prompt_ids)}
+        for ahead in range(step + 1, min(step + self.cfg.max_staleness, self.cfg.steps - 1) + 1):
+            if ahead not in self._pending:
+                self._pending[ahead] = self._submit(self._prompts(ahead)[0])
+        generation, scores = self._pending.pop(step)
+        return self.models.collect(generation), scores
 
     def _submit(self, prompt_ids: list[list[int]]) -> tuple[object, list]:
-        generation = self.models.submit(prompt_ids, self._sampling())
+        piece = self.cfg.partial_tokens if self.cfg.partial_rollouts else None
+        generation = self.models.submit(prompt_ids, self._sampling(), piece)
         return generation, submit_scores(self._ahead, generation, self.tokenizer.pad_token_id)
 
     def step(self, step: int) -> StepOutcome:
@@ -181,13 +187,14 @@ class RLRound:
 
     def _staleness(self, rollouts: list[Rollout]) -> dict[str, float]:
         """How many policy versions (weight updates pushed) each sample is behind the policy that trains on
-        it: 0 in a synchronous round; with async_rollouts 1 once the actor trains (one update behind). An
+        it: 0 in a synchronous round; with async_rollouts up to max_staleness once the actor trains. An
         older sample is refused before anything trains on it."""
         ages = [self.models.updates_pushed - r.policy_version for r in rollouts]
-        allowed = 1 if self.cfg.async_rollouts else 0
+        allowed = self.cfg.max_staleness if self.cfg.async_rollouts else 0
         if max(ages) > allowed:
             raise RuntimeError(f"rollouts {max(ages)} policy versions old reached the update; this round allows "
-                               f"{allowed} (async_rollouts: {self.cfg.async_rollouts})")
+                               f"{allowed} (async_rollouts: {self.cfg.async_rollouts}, max_staleness: "
+                               f"{self.cfg.max_staleness})")
         return {"rollout/staleness_max": float(max(ages)), "rollout/staleness_mean": sum(ages) / len(ages)}
 
     # ---- state ----------------------------------------------------------------------
@@ -226,6 +233,7 @@ class RLRound:
         return min(e["counts"].get("sleep", 0) for e in self.models.engines.events())
 
     def save_policy(self, target: Source) -> Entries:
+        self.models.settle()  # the round's last published update taken, or its failure raised
         return self.models.actor.save_hf(target)
 
     def shutdown(self) -> None:

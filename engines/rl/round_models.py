@@ -36,8 +36,8 @@ from engines.placement.groups import wait_placement_group
 from engines.rl.round_placement import (check_resources, colocated_bundles, engines_share_a_gpu, gpu_share,
                                        reference_is_actor, uses_reference)
 from engines.rl.scoring import start_scorer
-from engines.rollout.actors import PendingRollouts, RolloutEngines, start_engines
-from engines.rollout.base import Rollout, Sampling
+from engines.rollout.actors import RolloutEngines, start_engines
+from engines.rollout.base import PendingRollouts, Rollout, Sampling
 from engines.train import objectives
 from engines.train.group import TrainerGroup
 from engines.train.spec import EngineSpec
@@ -75,8 +75,8 @@ class RoundModels:
     bucket_bytes: int = field(default_factory=default_bucket_bytes)  # the weight transport's (generation.weight_bucket_mb)
     weight_sync: WeightSync | None = None  # made at the first sync
     offload: str = "always"  # colocate_offload; "auto" until decided (`_stay_resident`)
-    generates_ahead: bool = False  # async_rollouts: a generation may be under way when the weights go out
-    updates_pushed: int = 0  # weight updates the engines have taken: the policy version they sample from next
+    publishes: bool = False  # async_rollouts: an update is published, not waited for (WeightSync.push)
+    updates_pushed: int = 0  # weight updates pushed (or published): the version the engines hold once they take them
     timings: dict[str, float] = field(default_factory=dict)  # the last step's colocation moves, by what moved
 
     def _trainers(self) -> list[TrainerGroup]:
@@ -94,9 +94,11 @@ class RoundModels:
     def model_rewards(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return ray.get(self.rewarder.rewards.remote(batch))
 
-    def submit(self, prompt_ids: list[list[int]], sampling: Sampling) -> PendingRollouts:
-        """Start a generation without waiting (asynchronous rollouts; never colocated)."""
-        return self.engines.submit(prompt_ids, sampling)
+    def submit(self, prompt_ids: list[list[int]], sampling: Sampling, piece_tokens: int | None = None
+               ) -> PendingRollouts:
+        """Start a generation without waiting (asynchronous rollouts; never colocated), in pieces of
+        `piece_tokens` where given (partial rollouts)."""
+        return self.engines.submit(prompt_ids, sampling, piece_tokens)
 
     def collect(self, pending: PendingRollouts) -> list[Rollout]:
         return self.engines.collect(pending)
@@ -158,11 +160,16 @@ class RoundModels:
         if self.weight_sync is None:  # the backend follows where the actors are (weight_sync.choose_backend)
             self.weight_sync = WeightSync(self.actor, self.engines, bucket_bytes=self.bucket_bytes)
         try:
-            self.weight_sync.push(generating=self.generates_ahead)
+            self.weight_sync.push(self.updates_pushed + 1, publish=self.publishes)
             self.updates_pushed += 1
         except BaseException:
             self.weight_sync = None  # a group with a failed transfer in it is not used again
             raise
+
+    def settle(self) -> None:
+        """Every update published so far taken by the engines (a failure raised here, not lost)."""
+        if self.weight_sync is not None:
+            self.weight_sync.settle()
 
     def shutdown(self) -> None:
         for group in self._trainers():
@@ -182,7 +189,7 @@ def start_round_models(cfg: RoundConfig, setup: RoundSetup, updates_per_step: in
 
     check_resources(cfg)
     spec, models = cfg.spec, RoundModels(colocated=cfg.colocate_all, offload=cfg.colocate_offload,
-                                         generates_ahead=cfg.async_rollouts)
+                                         publishes=cfg.async_rollouts)
     models.bucket_bytes = int(cfg.generation.weight_bucket_mb * 2**20)
 
     def engine(c, path: Source, kind: str, purpose: str, steps: int) -> EngineSpec:
@@ -245,6 +252,8 @@ def start_round_models(cfg: RoundConfig, setup: RoundSetup, updates_per_step: in
             attn_implementation=setup.attn_implementation, sleep_mode=cfg.colocate_all, strategies=placements)
         for group in models._trainers():
             group.wait_ready()
+        if models.publishes:  # the transport at once: its set-up would queue behind the generations ahead
+            models.weight_sync = WeightSync(models.actor, models.engines, bucket_bytes=models.bucket_bytes)
     except BaseException:
         models.shutdown()
         raise

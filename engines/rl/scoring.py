@@ -60,7 +60,7 @@ class ScorerActor:
         the engines' `results` once they are generated (`submit_scores`). The batch is the one the
         round builds from the same rollouts (engines/rl/experience.py from_rollouts), row for row."""
         from engines.rl.experience import from_rollouts
-        from engines.rollout.actors import merge_rollouts
+        from engines.rollout.base import merge_rollouts
 
         unknown = set(kinds) - set(SCORES_AHEAD)
         if unknown:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass
 
 import ray
 import torch
@@ -23,9 +22,12 @@ from alignflow.errors import ConfigError
 from engines.lean_imports import skip_sklearn_in_transformers
 from engines.placement.devices import actor_options, pin_cpu_cores
 from engines.placement.groups import wait_placement_group
-from engines.rollout.base import Rollout, Sampling
+from engines.rollout.base import PendingRollouts, Rollout, Sampling, merge_rollouts
+from engines.rollout.pieces import generate_in_pieces
+from engines.rollout.texts import response_texts
 from engines.rollout.hf_engine import HFEngine
 from engines.rollout.vllm_engine import VLLMEngine, vllm_engine_args
+from engines.transport.sync import announced, announcements, taking
 
 BACKENDS = ("vllm", "hf")
 
@@ -104,26 +106,51 @@ class RolloutActor:
                                    sleep_mode=sleep_mode)
         self.updates_taken = 0  # weight updates received: the policy version the next generation samples
         self.slept_bytes = 0  # GPU bytes the last sleep gave back
+        self.announcements = None  # the weight transport's store, where a published update is announced
+        self.ranks = 1
 
-    def generate(self, prompt_ids: list[list[int]], sampling: Sampling) -> list[Rollout]:
+    def generate(self, prompt_ids: list[list[int]], sampling: Sampling, piece_tokens: int | None = None
+                 ) -> list[Rollout]:
         """The engine's rollouts, each stamped with the policy version it was sampled from: the number of
-        weight updates this engine has taken."""
-        return [dataclasses.replace(r, policy_version=self.updates_taken)
-                for r in self.engine.generate(prompt_ids, sampling)]
+        weight updates this engine has taken. `piece_tokens` (partial rollouts): written in pieces, an update
+        published meanwhile taken between them (engines/rollout/pieces.py)."""
+        if piece_tokens is None:
+            return [dataclasses.replace(r, policy_version=self.updates_taken)
+                    for r in self.engine.generate(prompt_ids, sampling)]
+        return generate_in_pieces(self.engine.generate, prompt_ids, sampling, piece_tokens,
+                                  version=lambda: self.updates_taken, take_published=self._take_published,
+                                  decode=lambda rs: response_texts(self.engine.tokenizer, [r.prompt_ids for r in rs],
+                                                                   [r.token_ids for r in rs]))
 
     def prepare_weights(self, specs: list, bucket_bytes: int) -> list[str | None]:
-        return self.engine.prepare_weights(specs, bucket_bytes)
+        gpus = self.engine.prepare_weights(specs, bucket_bytes)
+        self.ranks = len(gpus)  # this engine's ranks in the transport group (a tensor-parallel one has several)
+        return gpus
 
     def join_transport(self, address: tuple[str, int], first_rank: int, world_size: int, backend: str) -> None:
         self.engine.join_transport(address, first_rank, world_size, backend)
+        if backend != "ipc":  # an update published while a generation runs is announced there (pieces.py)
+            self.announcements = announcements(address)
 
-    def receive_weights(self) -> None:
+    def receive_weights(self, version: int | None = None) -> None:
+        """The update that makes this engine's weights `version` (the next where None); nothing where it took
+        that one already, between the pieces of a partial rollout. A published update's sender waits for its
+        engines to count themselves in (engines/transport/sync.py `publish`)."""
+        target = self.updates_taken + 1 if version is None else version
+        if target <= self.updates_taken:
+            return
+        if target != self.updates_taken + 1:
+            raise RuntimeError(f"asked for weights version {target}; this engine holds {self.updates_taken}, and "
+                               "updates arrive one at a time")
+        if self.announcements is not None:
+            self.announcements.add(taking(target), self.ranks)
         self.engine.receive_weights()
-        self.updates_taken += 1
+        self.updates_taken = target
 
-    def ready(self) -> bool:
-        """Returns once the calls queued before it (a generation) are done."""
-        return True
+    def _take_published(self) -> None:
+        """Between two pieces of a partial rollout: an update announced and not yet taken."""
+        if self.announcements is not None and announced(self.announcements) > self.updates_taken:
+            self.receive_weights(self.updates_taken + 1)
 
     def sleep(self) -> None:
         before = _gpu_memory()
@@ -171,26 +198,6 @@ def engine_bundles(g: GenerationConfig) -> list[dict[str, float]]:
             for i in range(tp)]
 
 
-@dataclass(frozen=True)
-class PendingRollouts:
-    """A generation under way on the engines: which prompts each engine got, and its result refs."""
-
-    n_prompts: int
-    chunks: list[list[int]]
-    refs: list
-
-
-def merge_rollouts(n_prompts: int, chunks: list[list[int]], results: list[list[Rollout]]) -> list[Rollout]:
-    """One generation's rollouts from the engines' results (`RolloutEngines.submit` gave engine i the
-    prompts `chunks[i]`): grouped per prompt, in prompt order, each carrying its prompt's index."""
-    by_prompt: dict[int, list[Rollout]] = {}
-    for chunk, rollouts in zip(chunks, results):
-        for r in rollouts:
-            orig = chunk[r.prompt_index]
-            by_prompt.setdefault(orig, []).append(dataclasses.replace(r, prompt_index=orig))
-    return [r for i in range(n_prompts) for r in by_prompt[i]]
-
-
 class RolloutEngines:
     """The rollout engines of a round or an evaluation, as one: prompts spread across them,
     sleep and wake together (weights reach them through engines/transport/sync.py)."""
@@ -202,12 +209,15 @@ class RolloutEngines:
         """Rollouts grouped per prompt, in prompt order (prompt i goes to engine i mod k)."""
         return self.collect(self.submit(prompt_ids, sampling))
 
-    def submit(self, prompt_ids: list[list[int]], sampling: Sampling) -> PendingRollouts:
+    def submit(self, prompt_ids: list[list[int]], sampling: Sampling, piece_tokens: int | None = None
+               ) -> PendingRollouts:
         """Start generating and return at once; `collect` waits for the rollouts. The engines run
-        calls in order, so a weight update submitted later waits for this generation."""
+        calls in order, so a weight update submitted later waits for this generation (in pieces of
+        `piece_tokens`, an update published meanwhile is taken between them: RolloutActor.generate)."""
         k = len(self.actors)
         chunks = [c for c in (list(range(i, len(prompt_ids), k)) for i in range(k)) if c]
-        refs = [e.generate.remote([prompt_ids[j] for j in c], sampling) for e, c in zip(self.actors, chunks)]
+        refs = [e.generate.remote([prompt_ids[j] for j in c], sampling, piece_tokens)
+                for e, c in zip(self.actors, chunks)]
         return PendingRollouts(len(prompt_ids), chunks, refs)
 
     @staticmethod

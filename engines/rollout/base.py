@@ -14,6 +14,7 @@ and both sleep as `SleepState` says. The RL round and the evaluations see only t
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter, deque
 from dataclasses import dataclass
 
@@ -38,6 +39,7 @@ class Rollout:
     logprobs: list[float]
     finished: bool  # ended with EOS/stop rather than the length limit
     policy_version: int = 0  # weight updates its engine had taken when it sampled this (RolloutActor)
+    token_versions: list[int] | None = None  # partial rollouts: each token's (engines/rollout/pieces.py)
 
 
 class SleepState:
@@ -83,3 +85,23 @@ class SleepState:
         self._event(what)
         if self.asleep & set(needs):
             raise RuntimeError(f"rollout engine asked to {what} while {sorted(self.asleep)} sleep(s); wake it first")
+
+
+@dataclass(frozen=True)
+class PendingRollouts:
+    """A generation under way on the engines: which prompts each engine got, and its result refs."""
+
+    n_prompts: int
+    chunks: list[list[int]]
+    refs: list
+
+
+def merge_rollouts(n_prompts: int, chunks: list[list[int]], results: list[list[Rollout]]) -> list[Rollout]:
+    """One generation's rollouts from the engines' results (`RolloutEngines.submit` gave engine i the
+    prompts `chunks[i]`): grouped per prompt, in prompt order, each carrying its prompt's index."""
+    by_prompt: dict[int, list[Rollout]] = {}
+    for chunk, rollouts in zip(chunks, results):
+        for r in rollouts:
+            orig = chunk[r.prompt_index]
+            by_prompt.setdefault(orig, []).append(dataclasses.replace(r, prompt_index=orig))
+    return [r for i in range(n_prompts) for r in by_prompt[i]]

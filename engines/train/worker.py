@@ -194,8 +194,11 @@ class TrainWorker:
     def join_transport(self, address: tuple[str, int], world_size: int, backend: str, bucket_bytes: int) -> None:
         self.sender.join(address, world_size, backend, bucket_bytes)
 
-    def send_weights(self) -> int:
-        return self.sender.send()
+    def send_weights(self, background: bool = False, version: int = 0) -> int:
+        return self.sender.send(background, version)
+
+    def weights_sent(self) -> None:
+        self.sender.sent()
 
     def save_state(self, target: Source, extra: dict[str, Any]) -> Entries:
         """Model (rank 0, HF; LoRA: the adapter alone) + this rank's optimizer/scheduler/RNG state."""

@@ -11,6 +11,7 @@ engines/rollout/vllm_engine.py (`prepare_weights`, `join_transport`, `receive_we
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -51,6 +52,57 @@ def choose_backend(trainer_gpus: Sequence[str | None], engine_gpus: Sequence[Seq
                           "(colocate_all); otherwise give the engines whole GPUs of their own")
 
 
+PUBLISHED = "alignflow/published"  # the transport store's key: the version of the last update published
+
+
+def taking(version: int) -> str:
+    """The store key the engines count themselves into (by their ranks in the group) as they take `version`."""
+    return f"alignflow/taking/{version}"
+
+
+def announcements(address: tuple[str, int]):
+    """A client of the transport group's store at `address` (its rank 0 serves it), to read announcements."""
+    import datetime
+
+    import torch.distributed as dist
+
+    return dist.TCPStore(address[0], int(address[1]), is_master=False, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=60))
+
+
+def announced(store) -> int:
+    """The version of the last update published on `store` (0: none yet)."""
+    return int(store.get(PUBLISHED)) if store.check([PUBLISHED]) else 0
+
+
+def publish(group: TransportGroup, version: int, buckets: Sequence[Bucket], packed: dict[int, torch.Tensor]
+            ) -> tuple[threading.Thread, list[BaseException]]:
+    """Rank 0: announce `version` on the group's store, then send `packed` (bucket id -> its packed buffer)
+    from a thread, once every receiving rank has counted itself in as taking it (RolloutActor.receive_weights),
+    so that no collective waits on the wire, under the transport's timeout, for a generation to end: an
+    engine takes an update after the generations queued before it, or between two pieces of one
+    (engines/rollout/pieces.py). The thread, and the list its failure goes into."""
+    import time
+
+    group.store.set(PUBLISHED, str(version))
+    errors: list[BaseException] = []
+    device = group.device
+
+    def on_the_wire() -> None:
+        try:
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            while group.store.add(taking(version), 0) < group.world_size - 1:
+                time.sleep(0.005)
+            send_buckets(group, buckets, lambda b, out: packed.pop(id(b)))
+        except BaseException as err:  # raised by the sender's next `sent`
+            errors.append(err)
+
+    thread = threading.Thread(target=on_the_wire, name=f"weight-update-{version}", daemon=True)
+    thread.start()
+    return thread, errors
+
+
 class WeightSender:
     """The trainer's side, on every rank. Under ZeRO-3 every rank gathers each bucket's parameters.
     Over gloo or nccl, rank 0 (the transport's rank 0) packs and sends every bucket to every engine;
@@ -63,6 +115,7 @@ class WeightSender:
         self.zero_stage, self.rank, self.device = zero_stage, rank, device
         self.group: TransportGroup | None = None
         self.buckets: list[Bucket] = []
+        self._sending: tuple[threading.Thread, list[BaseException]] | None = None  # a published update on the wire
 
     def specs(self) -> list[TensorSpec]:
         return [(e.name, e.shape, str(e.dtype).removeprefix("torch.")) for e in self.entries.values()]
@@ -74,12 +127,21 @@ class WeightSender:
     def join(self, address: tuple[str, int], world_size: int, backend: str, bucket_bytes: int) -> None:
         """Every rank plans the buckets; the senders join their group (blocks until all have)."""
         self.buckets = plan_buckets(self.specs(), bucket_bytes)
+        self._sending = None  # a new group: what an old one had on the wire is not waited for
         if self.rank == 0 or backend == "ipc":
             self.group = TransportGroup(address, 0, world_size, backend, self.device)
 
-    def send(self) -> int:
-        """One update: every bucket, in order. Bytes sent (0 on a rank that only gathers)."""
+    def send(self, background: bool = False, version: int = 0) -> int:
+        """One update: every bucket, in order. Bytes sent (0 on a rank that only gathers).
+
+        `background` (asynchronous rounds, over gloo or nccl): every bucket is packed now, a snapshot of
+        the weights as they are (one copy of them on the sending device), and published as `version` (the
+        engines' count of updates once they take it): a thread of this process sends it once the engines
+        take it (`publish`), while the caller goes on training. An update waits for the one before it
+        (`sent`); the driver has waited for the engines to take that one already (WeightSync.push)."""
         from engines.lora import gathered
+
+        self.sent()
 
         device = "cpu" if self.group is None or self.group.backend == "gloo" else self.device
 
@@ -95,10 +157,28 @@ class WeightSender:
                 with gathered(params_of(bucket), self.zero_stage):
                     pass
             return 0
+        if background:
+            if self.group.backend == "ipc":
+                raise WeightSyncError("a published update needs engines apart from the trainers: over CUDA IPC "
+                                      "the engine reads the trainer's staging buffer, update by update")
+            packed = {id(b): pack_bucket(b, None) for b in self.buckets}
+            if self.group.device.type == "cuda":
+                torch.cuda.current_stream(self.group.device).synchronize()  # packed before the thread sends it
+            self._sending = publish(self.group, version, self.buckets, packed)
+            return sum(s.nbytes for b in self.buckets for s in b.slots)
         sent = send_buckets(self.group, self.buckets, pack_bucket)
         if self.group.backend == "ipc":
             torch.cuda.empty_cache()  # colocated: the engine's KV cache may wake next, on this GPU
         return sent
+
+    def sent(self) -> None:
+        """Wait until a published update is sent (every engine has it, or is reading it); raise what it raised."""
+        if self._sending is None:
+            return
+        (thread, errors), self._sending = self._sending, None
+        thread.join()
+        if errors:
+            raise WeightSyncError(f"a published weight update failed: {errors[0]!r}") from errors[0]
 
 
 class WeightSync:
@@ -127,17 +207,42 @@ class WeightSync:
             joins += [e.join_transport.remote(address, 1 + sum(counts[:i]), world, backend)
                       for i, e in enumerate(engines.actors)]
         ray.get(joins)
+        self._receiving: list = []  # engines' refs of published updates not yet seen taken
+        self._published = False  # an update was published and not yet settled
 
-    def push(self, generating: bool = True) -> None:
-        """One update. `generating`: a generation may be under way (asynchronous rollouts); engines run
-        calls in order, so it is waited out before the trainers start sending, and no sender waits on the
-        wire for a whole generation. Without one, that wait would be a Ray round trip for nothing."""
+    def push(self, version: int | None = None, publish: bool = False) -> None:
+        """One update, taken by every engine before it returns. `publish` (asynchronous rounds): returns once
+        the engines took the update before it and the trainers have packed this one; they send it from a
+        thread of their own, and each engine takes it after the generations already queued on it (engines run
+        calls in order), so the samples of those carry the version before it, or between two pieces of one
+        (partial rollouts). A failure is raised by the next push or by `settle`. `version`: the engines' count of updates once they hold this one (None: one
+        more than they hold; a published update needs it, to be announced)."""
         import ray
 
-        if generating:
-            ray.get([e.ready.remote() for e in self.engines.actors])
-        ray.get([w.send_weights.remote() for w in self.trainers.workers]
-                + [e.receive_weights.remote() for e in self.engines.actors])
+        if not publish:
+            self.settle()
+            ray.get([w.send_weights.remote(False, version or 0) for w in self.trainers.workers]
+                    + [e.receive_weights.remote(version) for e in self.engines.actors])
+            return
+        if version is None:
+            raise ValueError("a published update needs its version")
+        # The one before taken by every engine (after the generations queued before it): one update at a time
+        # on the wire, and an engine that failed or died raises here, not in a sender waiting for it.
+        receiving, self._receiving = self._receiving, []
+        ray.get(receiving)
+        ray.get([w.send_weights.remote(True, version) for w in self.trainers.workers])
+        self._published = True
+        self._receiving = [e.receive_weights.remote(version) for e in self.engines.actors]
+
+    def settle(self) -> None:
+        """Every published update taken by the engines, and off the trainers' threads (no call where none was
+        published since the last)."""
+        import ray
+
+        if not self._published:
+            return
+        receiving, self._receiving, self._published = self._receiving, [], False
+        ray.get(receiving + [w.weights_sent.remote() for w in self.trainers.workers])
 
 
 def push_state(state: dict[str, torch.Tensor], receivers: Sequence, *, bucket_bytes: int | None = None) -> int:

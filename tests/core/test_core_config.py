@@ -220,6 +220,17 @@ def test_override_a_list_item_by_index():
         load_config(overrides=["rounds.x=3"])
 
 
+def test_a_staleness_bound_belongs_to_an_asynchronous_round():
+    cfg = load_config(overrides=["rounds.1.async_rollouts=true", "rounds.1.max_staleness=2"])
+    assert [(r.async_rollouts, r.max_staleness) for r in cfg.rounds] == [(False, 1), (True, 2)]
+    for wrong in ("rounds.0.max_staleness=2", "rounds.0.partial_rollouts=true"):
+        with pytest.raises(ConfigError, match=r"rounds\.0.*max_staleness and partial_rollouts shape asynchronous "
+                                              "rollouts: set async_rollouts"):
+            load_config(overrides=[wrong])
+    with pytest.raises(ConfigError, match="max_staleness"):
+        load_config(overrides=["rounds.1.async_rollouts=true", "rounds.1.max_staleness=0"])
+
+
 # ---- files -------------------------------------------------------------------------
 
 

@@ -275,54 +275,62 @@ def test_round_state_restores_actor_and_engine(ray_local, tiny_model, prompts, t
 
 
 def test_a_sample_older_than_the_round_allows_is_refused_before_training():
-    """RLRound._staleness on its own: ages are the updates pushed since each sample's version; one update old
-    is what async_rollouts allows, none a synchronous round."""
+    """RLRound._staleness on its own: ages are the updates pushed since each sample's version; max_staleness
+    updates old is what async_rollouts allows (1 by default), none a synchronous round."""
     from types import SimpleNamespace
 
     from engines.rl.round import RLRound
     from engines.rollout.base import Rollout
 
     rollouts = [Rollout(0, [1], [2], "", [0.0], True, policy_version=v) for v in (3, 2, 3)]
-    round_at = lambda pushed, async_: SimpleNamespace(models=SimpleNamespace(updates_pushed=pushed),  # noqa: E731
-                                                      cfg=SimpleNamespace(async_rollouts=async_))
+    round_at = lambda pushed, async_, k=1: SimpleNamespace(  # noqa: E731
+        models=SimpleNamespace(updates_pushed=pushed), cfg=SimpleNamespace(async_rollouts=async_, max_staleness=k))
     assert RLRound._staleness(round_at(3, True), rollouts) == {"rollout/staleness_max": 1.0,
                                                               "rollout/staleness_mean": 1 / 3}
     with pytest.raises(RuntimeError, match="1 policy versions old reached the update; this round allows 0"):
         RLRound._staleness(round_at(3, False), rollouts)
-    with pytest.raises(RuntimeError, match="2 policy versions old"):
+    with pytest.raises(RuntimeError, match="2 policy versions old reached the update; this round allows 1"):
         RLRound._staleness(round_at(4, True), rollouts)
+    assert RLRound._staleness(round_at(4, True, k=2), rollouts)["rollout/staleness_max"] == 2.0
+    with pytest.raises(RuntimeError, match="3 policy versions old reached the update; this round allows 2"):
+        RLRound._staleness(round_at(5, True, k=2), rollouts)
 
 
-def test_async_rollouts_run_one_update_behind(ray_local, tiny_model, prompts):
-    """With async_rollouts, step s+1's rollouts are sampled while step s trains, from the policy
-    before step s's update; after each step's sync the engines hold the trained policy."""
+def test_async_rollouts_run_up_to_max_staleness_updates_behind(ray_local, tiny_model, prompts):
+    """With async_rollouts and max_staleness 2, the generations of the next two steps are queued on the engine
+    while a step trains, and each step's update is published between them without the round waiting for the
+    engine: step j's samples come from the policy of step j - 2 (the first three steps' from the starting
+    one), never older. Once the round's last update is taken (`save_policy` settles it), the engine samples
+    the trained policy."""
     from alignflow.config import PPOConfig
     from engines.models import load_policy
     from engines.rl.experience import from_rollouts
     from engines.train.objectives import response_logprobs
 
-    rl = _start(_round("grpo", async_rollouts=True, ppo=PPOConfig(minibatch_size=32, epochs=1, tis_cap=2.0)),
-                tiny_model, prompts)
+    rl = _start(_round("grpo", steps=4, async_rollouts=True, max_staleness=2,
+                       ppo=PPOConfig(minibatch_size=32, epochs=1, tis_cap=2.0)), tiny_model, prompts)
     try:
-        first = rl.step(0)
-        assert rl._pending is not None and rl._pending[0] == 1  # step 1's generation started during step 0
-        second = rl.step(1)
-        # Each sample carries the policy version its engine sampled with: step 1's are one update old.
-        assert [[r.policy_version for r in out.rollouts][:2] for out in (first, second)] == [[0, 0], [0, 0]]
-        assert [out.metrics["rollout/staleness_max"] for out in (first, second)] == [0.0, 1.0]
-        assert rl.models.updates_pushed == 2
+        outs = [rl.step(0)]
+        assert sorted(rl._pending) == [1, 2]  # the next two steps' generations queued during step 0
+        outs += [rl.step(s) for s in (1, 2, 3)]
+        # Each sample carries the policy version its engine sampled with: at most two updates old.
+        assert [sorted({r.policy_version for r in out.rollouts}) for out in outs] == [[0], [0], [0], [1]]
+        assert [out.metrics["rollout/staleness_max"] for out in outs] == [0.0, 1.0, 2.0, 2.0]
+        assert rl.models.updates_pushed == 4 and rl._pending == {}
         start = load_policy(tiny_model).eval()
-        for out in (first, second):  # both sampled from the starting policy: step 1's one update behind
+        for out in outs[:3]:  # sampled from the starting policy: steps 1 and 2 one and two updates behind
             exp = out.experience
             with torch.no_grad():
                 theta0 = response_logprobs(start, exp.tensors())
             assert ((exp.rollout_logprobs - theta0) * exp.action_mask).abs().max().item() <= 1e-4
-        trained = rl.models.actor.evaluate(second.experience.tensors(), response_logprobs)
-        moved = ((trained - second.experience.rollout_logprobs) * second.experience.action_mask).abs().max()
+        last = outs[-1].experience
+        trained = rl.models.actor.evaluate(last.tensors(), response_logprobs)
+        moved = ((trained - last.rollout_logprobs) * last.action_mask).abs().max()
         assert moved > 1e-3, "the actor did not move away from the sampling policy"
-        # The sync after step 1 waited for step 2's generation, then loaded the trained weights.
-        picked = [prompts[i][0] for i in rl.schedule.indices(2).tolist()]
+        rl.models.settle()  # what save_policy does first: the last published update taken
+        picked = [prompts[i][0] for i in rl.schedule.indices(3).tolist()]
         fresh = from_rollouts(rl.generate(picked), rl.tokenizer.pad_token_id)
+        assert {r.policy_version for r in rl.generate(picked[:1])} == {4}
         now = rl.models.actor.evaluate(fresh.tensors(), response_logprobs)
         assert ((fresh.rollout_logprobs - now) * fresh.action_mask).abs().max().item() <= 1e-4
     finally:
@@ -333,7 +341,11 @@ def test_async_rollouts_score_the_next_step_ahead(ray_local, tiny_model, tokeniz
     """With async_rollouts, the reference and the reward model score step s+1's rollouts as soon as
     they are generated, beside step s's training: step 1's reference log-probs and reward-model
     scores were submitted during step 0 and equal the scores of the same batch computed directly.
-    Two engines and two scorer actors: rows come back in the order the round pads them."""
+    Two engines and two scorer actors: rows come back in the order the round pads them. The engines
+    write in pieces of 2 tokens (partial rollouts): an update published during step 1's generation may
+    land between two of its pieces, and the scores made ahead are still those of the rollouts as
+    finished; each response's tokens carry the versions that wrote them, in order, none older than
+    the bound."""
     from alignflow.config import KLConfig, PPOConfig
     from engines import models
     from engines.rl.round import RLRound
@@ -344,7 +356,8 @@ def test_async_rollouts_score_the_next_step_ahead(ray_local, tiny_model, tokeniz
     with torch.no_grad():
         reward_model.score.weight.normal_()  # a fresh head scores 0 everywhere
     models.save_pretrained(reward_model, tokenizer, tmp_path / "rm")
-    cfg = _round("grpo", async_rollouts=True, num_rollout_engines=2, colocate_reference_and_reward=False,
+    cfg = _round("grpo", async_rollouts=True, partial_rollouts=True, partial_tokens=2, num_rollout_engines=2,
+                 colocate_reference_and_reward=False,
                  kl=KLConfig(coef=0.05), reward=RewardConfig(source="model"),
                  ppo=PPOConfig(minibatch_size=32, epochs=1, tis_cap=2.0))
     path = str(tiny_model)
@@ -352,10 +365,16 @@ def test_async_rollouts_score_the_next_step_ahead(ray_local, tiny_model, tokeniz
                                  prompts=prompts, dtype="float32", torch_threads=1, max_model_len=80, seed=0))
     try:
         assert set(rl._ahead) == {"ref_logprobs", "rewards"}
-        rl.step(0)
-        step, _, scores = rl._pending
+        first = rl.step(0)
+        [(step, (_, scores))] = rl._pending.items()
         assert step == 1 and len(scores) == 2  # one call per scorer actor, submitted during step 0
-        exp = rl.step(1).experience
+        out = rl.step(1)
+        exp = out.experience
+        # max_staleness 1 (the default): step 1's samples one update old.
+        assert [o.metrics["rollout/staleness_max"] for o in (first, out)] == [0.0, 1.0]
+        for r in first.rollouts + out.rollouts:
+            assert len(r.token_versions) == len(r.token_ids) and r.token_versions[0] == r.policy_version
+            assert r.token_versions == sorted(r.token_versions) and set(r.token_versions) <= {0, 1}
         batch = {k: getattr(exp, k) for k in ("input_ids", "attention_mask", "response_index", "action_mask",
                                               "prompt_index")}
         direct_ref = rl.models.ref_logprobs(batch)

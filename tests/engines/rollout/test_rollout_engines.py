@@ -231,3 +231,47 @@ def test_unknown_backend(ray_local, policy):
     actor = start_rollout_actor("tgi", str(policy), num_cpus=0)
     with pytest.raises(Exception, match="unknown rollout backend 'tgi'"):
         ray.get(actor.generate.remote([[1]], SAMPLING))
+
+
+def test_a_partial_rollout_takes_an_update_published_mid_response_between_its_pieces(ray_local, policy, other_model,
+                                                                                   prompts, tokenizer):
+    """An update is published as an asynchronous round's trainer publishes it (`publish`, as
+    WeightSender.send(background=True) calls it): announced on the transport's store, then sent from a thread
+    once the engine counts itself in, with no receive call from the driver. A generation in pieces of 3 tokens
+    takes it after its first piece, unasked: each response's first 3 tokens carry the first model's log-probs
+    (version 0), the other 5 the other model's (version 1). The driver's receive call that follows finds the
+    update taken; the text is the whole response's."""
+    from engines.placement.rendezvous import reserve_address
+    from engines.rollout.texts import response_texts
+    from engines.transport.sync import publish
+    from engines.transport.wire import TransportGroup, pack, plan_buckets
+
+    actor = start_rollout_actor("vllm", str(policy), num_cpus=1, torch_threads=1, dtype="float32", seed=0,
+                                max_model_len=MAX_MODEL_LEN)
+    sampling = Sampling(n=2, temperature=1.0, max_new_tokens=8, ignore_eos=True)
+    try:
+        state = models.load_policy(other_model).state_dict()
+        specs = [(k, tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in state.items()]
+        ray.get(actor.prepare_weights.remote(specs, 64 * 2**10))
+        address = reserve_address("127.0.0.1")
+        joined = actor.join_transport.remote(address, 1, 2, "gloo")
+        group = TransportGroup(address, 0, 2, "gloo")
+        ray.get(joined)
+        buckets = plan_buckets(specs, 64 * 2**10)
+        sender, errors = publish(group, 1, buckets, {id(b): pack(b, state, "cpu", None) for b in buckets})
+        out = ray.get(actor.generate.remote(prompts[:3], sampling, 3))
+        sender.join(timeout=60)
+        assert not sender.is_alive() and not errors, f"the published update was not taken: {errors}"
+        ray.get(actor.receive_weights.remote(1))  # taken already: returns at once, nothing on the wire
+        later = ray.get(actor.generate.remote(prompts[:1], sampling))
+    finally:
+        ray.kill(actor)
+    _check_shapes(out, prompts[:3], sampling, tokenizer.eos_token_id)
+    assert [r.token_versions for r in out] == [[0] * 3 + [1] * 5] * 6
+    assert {r.policy_version for r in out} == {0} and {r.policy_version for r in later} == {1}
+    first, second = _hf_logprobs(policy, out), _hf_logprobs(other_model, out)
+    for r, a, b in zip(out, first, second):
+        assert max(abs(x - y) for x, y in zip(r.logprobs[:3], a[:3])) <= 1e-4, (r.logprobs, a)
+        assert max(abs(x - y) for x, y in zip(r.logprobs[3:], b[3:])) <= 1e-4, (r.logprobs, b)
+    assert _max_diff(out, second) > 0.1  # the first piece's are not the second model's
+    assert [r.text for r in out] == response_texts(tokenizer, [r.prompt_ids for r in out], [r.token_ids for r in out])
