@@ -38,6 +38,7 @@ CLI_TIMEOUT_S = 900
 # for every file not named, the collection order stays.
 LONGEST_FIRST = (
     "e2e/test_e2e_pipeline.py",
+    "e2e/test_e2e_resume.py",
     "engines/rl/test_rl_rounds.py",
     "engines/train/test_train_trainer.py",
     "e2e/test_e2e_deploy.py",
@@ -59,6 +60,19 @@ def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     tests = REPO / "tests"
     items.sort(key=lambda item: rank.get(item.path.relative_to(tests).as_posix(), len(rank)))
+
+
+@pytest.fixture(autouse=True)
+def _environment_restored():
+    """Whatever a test sets in os.environ (console.setup's quiet settings, a cluster helper's) ends with it:
+    a later test, in whichever order the workers run them, starts from the environment its fixtures made.
+    (A deployed run whose worker inherited PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL=WARNING from a console test
+    printed no stage lines.)"""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 # ---- processes -----------------------------------------------------------------

@@ -217,7 +217,7 @@ async def main():
                           "flow_runs": [[str(f.id), f.state_name, str(f.parent_task_run_id or "")] for f in flows],
                           "deployment_runs": [str(f.id) for f in of_deployment],
                           "artifacts": {a.key: a.data for a in sorted(artifacts, key=lambda a: a.created) if a.key},
-                          "tasks": [[t.name, t.state_name, t.state.message or "", sorted(t.tags), t.cache_key,
+                          "tasks": [[t.name, t.state_name, (t.state.message if t.state else "") or "", sorted(t.tags), t.cache_key,
                                      t.empirical_policy.retry_delay]
                                     for t in sorted(tasks, key=lambda t: t.expected_start_time)]}))
 asyncio.run(main())
