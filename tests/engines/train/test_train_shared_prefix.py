@@ -7,6 +7,7 @@ parameter gradients must agree within fp32 rounding, while the model sees fewer 
 
 from __future__ import annotations
 
+import os
 import pytest
 import torch
 
@@ -81,6 +82,10 @@ def test_shared_prompts_give_the_full_computation_with_fewer_tokens(model):
         torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
 
 
+# Minutes of both cores under the suite's two workers, for what the rest of the suite mostly covers: runs where
+# asked (ALIGNFLOW_LONG_TESTS=1: before a release, or after a change to what it checks); skipped, saying so, in CI.
+@pytest.mark.skipif(os.environ.get("ALIGNFLOW_LONG_TESTS") != "1",
+                    reason="a long test: runs where asked (ALIGNFLOW_LONG_TESTS=1)")
 def test_gradients_repeat_bit_for_bit_while_another_process_takes_the_cores(tmp_path):
     """The prefix's rows reach the group's rows by index_select, whose backward sums in row order.
     Advanced indexing (the cache's batch_select_indices) summed with atomic adds across threads:
