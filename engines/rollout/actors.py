@@ -143,7 +143,7 @@ class RolloutActor:
             raise RuntimeError(f"asked for weights version {target}; this engine holds {self.updates_taken}, and "
                                "updates arrive one at a time")
         if self.announcements is not None:
-            self.engine._awake("update weights", needs=("weights",))  # refused before it counts itself in
+            self.engine.refuse_asleep("update weights", needs=("weights",))  # before it counts itself in
             self.announcements.add(taking(target), self.ranks)
         self.engine.receive_weights()
         self.updates_taken = target

@@ -83,6 +83,10 @@ class SleepState:
 
     def _awake(self, what: str, *, needs: tuple[str, ...]) -> None:
         self._event(what)
+        self.refuse_asleep(what, needs=needs)
+
+    def refuse_asleep(self, what: str, *, needs: tuple[str, ...]) -> None:
+        """Raises if any of `needs` sleeps; logs no event (a check made ahead of the act itself)."""
         if self.asleep & set(needs):
             raise RuntimeError(f"rollout engine asked to {what} while {sorted(self.asleep)} sleep(s); wake it first")
 
