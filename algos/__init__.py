@@ -16,6 +16,7 @@ from .advantages import (
 )
 from .aggregate import LOSS_AGGREGATIONS, aggregate_loss, aggregate_weight
 from .dapo import dynamic_sampling_filter, group_mean_filter, overlong_penalty
+from .distill import distillation_token_rewards, reverse_kl_per_token
 from .entropy import entropy_bonus_loss, entropy_from_logits
 from .evaluation import (
     MarginBin,
@@ -95,6 +96,7 @@ __all__ = [
     "compute_gae",
     "constant_groups",
     "discounted_returns",
+    "distillation_token_rewards",
     "dpo_loss",
     "dynamic_sampling_filter",
     "entropy_bonus_loss",
@@ -123,6 +125,7 @@ __all__ = [
     "place_at_last_token",
     "ppo_policy_loss",
     "register_advantage_estimator",
+    "reverse_kl_per_token",
     "rollout_importance_weights",
     "sequence_k1",
     "sequence_logprobs",

@@ -253,3 +253,24 @@ def reinforce_pp_baseline_estimator(*, token_rewards: Tensor, action_mask: Tenso
     g = discounted_returns(shifted, action_mask, gamma=gamma)
     adv = masked_whiten(g, action_mask, shift_mean=True, eps=eps)
     return AdvantageOutput(advantages=adv, returns=g)
+
+
+@register_advantage_estimator("per_token")
+def per_token_estimator(*, token_rewards: Tensor, action_mask: Tensor, values: Optional[Tensor],
+                        group_size: int, gamma: float, lam: float, eps: float,
+                        std_norm: Optional[bool] = None) -> AdvantageOutput:
+    """Each token's own reward as its advantage: no return-to-go, no baseline (discount 0).
+
+    Formula: ``A_{b,t} = m_{b,t} * r_{b,t}``; ``returns == advantages``. For signals that are already
+    per-token credit, such as on-policy distillation's negative reverse KL
+    (:func:`algos.distill.distillation_token_rewards`).
+
+    Shapes: ``token_rewards``, ``action_mask`` ``(B, T)``.
+
+    Reference: on-policy distillation with per-token reverse-KL credit, Agarwal et al. 2024, arXiv 2306.13649.
+    """
+    _no_std_norm("per_token", std_norm)
+    _check_same_shape(token_rewards=token_rewards, action_mask=action_mask)
+    mask = _bool_mask(action_mask)
+    adv = torch.where(mask, token_rewards, torch.zeros_like(token_rewards)).detach()
+    return AdvantageOutput(advantages=adv, returns=adv)

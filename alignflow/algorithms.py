@@ -17,6 +17,9 @@ An RL round reads its algorithm's spec and never branches on the name:
   aggregation, the clip range of the surrogate, and whether group
   advantages are divided by the group std (`group_std_norm`; None: the
   estimator has no group std to switch); a round's config may override each.
+- `teacher`: the round's frozen log-prob model is a teacher (`rounds[i].teacher`) instead of the
+  reference, and each sampled token's advantage is its negative reverse KL to it (on-policy
+  distillation, `algos/distill.py`); there is no KL term besides.
 - `policy_loss`: the surrogate (engines/train/objectives.py `POLICY_LOSSES`):
   "ppo_clip" (token ratios) or "gspo_clip" (sequence ratios).
 
@@ -57,6 +60,7 @@ class AlgorithmSpec:
     clip_low: float = 0.2
     clip_high: float = 0.2
     group_std_norm: bool | None = None  # default of `ppo.advantage_std_norm`; None: nothing to switch
+    teacher: bool = False  # distillation: the frozen log-prob model is `rounds[i].teacher`, its pull the advantage
 
 
 _REGISTRY: dict[str, AlgorithmSpec] = {}
@@ -73,6 +77,8 @@ def register_algorithm(spec: AlgorithmSpec) -> AlgorithmSpec:
     if not 0 < spec.clip_low <= spec.clip_high:
         raise ValueError(f"algorithm {spec.name!r}: need 0 < clip_low <= clip_high, got {spec.clip_low}, "
                          f"{spec.clip_high}")
+    if spec.teacher and (spec.update != "policy_gradient" or spec.reference):
+        raise ValueError(f"algorithm {spec.name!r}: a teacher takes the reference's place in a policy-gradient update")
     _REGISTRY[spec.name] = spec
     return spec
 
@@ -116,3 +122,7 @@ register_algorithm(AlgorithmSpec(
     "online_dpo", "iterative DPO: best vs worst of n fresh samples per prompt, DPO against the round's reference "
     "(Xu et al. 2023, arXiv 2312.16682; Dong et al. 2024, arXiv 2405.07863)",
     update="online_dpo", min_samples=2, reference_in_update=True))
+register_algorithm(AlgorithmSpec(
+    "distill", "on-policy distillation: the student samples, a teacher scores the sampled tokens, and each "
+    "token's negative reverse KL to the teacher is its advantage (Agarwal et al. 2024, arXiv 2306.13649)",
+    update="policy_gradient", advantage="per_token", reference=False, teacher=True, kl_apply_as="loss"))

@@ -1,6 +1,6 @@
 """Preflight: what a run needs outside its config, checked in seconds before Prefect or Ray start
 (`alignflow validate`, and the start of `run` / `stage`): data files exist and every row of a
-local one parses (of a remote one, the first `data.preflight_rows`); model.base loads; explicit lengths fit its positions; rule rewards and the checker import;
+local one parses (of a remote one, the first `data.preflight_rows`); model.base and a distillation round's teacher load; explicit lengths fit its positions; rule rewards and the checker import;
 remote reward services answer; the storage root takes a probe; a local Ray can place each stage.
 
 Every problem is collected, naming its field and where its value came from (the file, or a
@@ -54,6 +54,7 @@ def preflight(cfg: PipelineConfig, overrides: list[str] | None = None, config_pa
     `sources` as config_from_parameter returned them)."""
     found = Findings(sources or config_sources(config_path, overrides))
     positions = _model(cfg, found)
+    _teachers(cfg, found)
     _data(cfg, found)
     if positions is not None:
         _lengths(cfg, positions, found)
@@ -124,9 +125,20 @@ def _rows(src: DatasetSource, kind: str, limit: int | None) -> tuple[int, list[s
 
 def _model(cfg: PipelineConfig, found: Findings) -> int | None:
     """The base model's positions (None when it cannot be loaded)."""
-    base = cfg.model.base
-    if base == "tiny":
+    if cfg.model.base == "tiny":
         return cfg.model.tiny.max_position_embeddings
+    return _model_at("model.base", cfg.model.base, found)
+
+
+def _teachers(cfg: PipelineConfig, found: Findings) -> None:
+    """A distillation round's teacher that is no policy of the pipeline: a model that loads."""
+    for i, r in enumerate(cfg.rounds):
+        if r.teacher and r.teacher not in cfg.policies_before(i):
+            _model_at(f"rounds.{i}.teacher", r.teacher, found)
+
+
+def _model_at(field: str, base: str, found: Findings) -> int | None:
+    """The positions of the model a field names (a directory, or a hub id); None when it cannot be loaded."""
     path = local_path(base) if is_local_uri(base) else None  # as tasks/base_model.py: a directory, or a hub id
     local = path is not None and (path.exists() or base.startswith(("/", ".", "~", "file://")))
     try:
@@ -136,18 +148,18 @@ def _model(cfg: PipelineConfig, found: Findings) -> int | None:
                        else None if (path / "config.json").is_file()
                        else f"{base} holds no config.json (not a transformers model directory)")
             if problem:
-                return found.fail("model.base", problem)
+                return found.fail(field, problem)
             from transformers import AutoConfig, AutoTokenizer
 
             config = AutoConfig.from_pretrained(str(path))
             AutoTokenizer.from_pretrained(str(path))
         else:
             config = _hub_config(base)
-    except Exception as err:  # noqa: BLE001  (whatever transformers raises, the user fixes model.base)
+    except Exception as err:  # noqa: BLE001  (whatever transformers raises, the user fixes the field)
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
         what = ("its config or tokenizer does not load" if local else
                 f"is no local directory{f' (none at {path})' if path else ''} and does not load as a hub id")
-        return found.fail("model.base", f"{base} {what}: {first}")
+        return found.fail(field, f"{base} {what}: {first}")
     found.ok()
     names = ("max_position_embeddings", "n_positions", "max_sequence_length")  # as engines/models.py
     return next((int(getattr(config, n)) for n in names if getattr(config, n, None)), None)

@@ -15,7 +15,9 @@ tokens and settles the prompt and response limits every later stage uses.
 Which stages exist follows from the config (alignflow/config/pipeline.py):
 no `sft` section, and rounds start from the base model, which is then the
 reference; the reward model only where a round uses it (or the pipeline
-has no rounds); a round takes only the inputs its algorithm's spec needs.
+has no rounds); a round takes only the inputs its algorithm's spec needs. A
+distillation round's teacher is an earlier policy of the pipeline, or a
+model of the user's committed by a `teacher_<i>` stage (kind base_model).
 
 A stage's key digests its config, the keys of its inputs, the content
 fingerprints of the files, models and rule code its config names
@@ -167,15 +169,26 @@ def plan_pipeline(cfg: PipelineConfig) -> Plan:
         start = reference
     # Rounds start from the preference policy where there is one, and keep it as their KL reference;
     # evaluation measures every policy's KL to SFT (or the base model).
+    # A round may instead start from any earlier policy (`start_from`), and a distillation round takes a
+    # teacher: an earlier policy, wired as an input, or a model of the user's, committed as a stage of its own.
     policy = start
     for i, round_cfg in enumerate(cfg.rounds, start=1):
         spec = round_cfg.spec
+        if round_cfg.start_from:
+            policy = policies[round_cfg.start_from]
+        teacher = round_cfg.teacher
+        if teacher and teacher not in policies:
+            teacher = b.add(f"teacher_{i}", "base_model", r.BaseModelStage(
+                model=cfg.model.model_copy(update={"base": teacher}), seed=seed(f"teacher_{i}")),
+                external={f"rounds.{i - 1}.teacher": prints.of(teacher)})
+        elif teacher:
+            teacher = policies[teacher]
+        external = (_code(f"rounds.{i - 1}.reward.rule", round_cfg.reward.rule, prints)
+                    if round_cfg.reward.source == "rule" else {})
         policy = b.add(f"round_{i}", "rl_round",
                        r.RoundStage(round=round_cfg.resolved(), io=io, seed=seed(f"round_{i}")),
-                       external=_code(f"rounds.{i - 1}.reward.rule", round_cfg.reward.rule, prints)
-                       if round_cfg.reward.source == "rule" else {},
-                       data=data, policy=policy,
-                       reference=start if spec.reference else None,
+                       external=external, data=data, policy=policy,
+                       reference=start if spec.reference else None, teacher=teacher,
                        reward=reward if round_cfg.needs_reward_model else None)
         policies[policy] = policy
 

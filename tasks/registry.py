@@ -119,6 +119,7 @@ class RoundInputs(Section):
     policy: StageResult = Field(description="where the round starts: the previous round, SFT or the base model")
     reference: StageResult | None = Field(None, description="the KL reference (algorithms that use one)")
     reward: StageResult | None = Field(None, description="the reward model (scoring, or a critic's start)")
+    teacher: StageResult | None = Field(None, description="the teacher (algorithm distill)")
 
 
 class PolicyEvalInputs(Section):

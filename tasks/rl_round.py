@@ -9,6 +9,7 @@ checkpoint (tasks/checkpoints.py); a retried round resumes there.
 from __future__ import annotations
 
 from alignflow.cluster import ensure_ray
+from alignflow.errors import ConfigError
 from alignflow.records import StageResult
 from engines import batches, models
 from engines.rl.round import RLRound
@@ -28,6 +29,13 @@ def rl_round(stage: PlannedStage, inputs: RoundInputs, ctx: RunContext) -> Stage
     def compute(out: StageOutput, run) -> dict[str, float]:
         policy_dir = ctx.tokenizer_dir(inputs.policy)  # the actors fetch the weights on their nodes
         tokenizer = models.load_tokenizer(policy_dir)
+        if round_cfg.spec.teacher:  # it scores the student's token ids: one vocabulary, before anything starts
+            teacher = models.load_tokenizer(ctx.tokenizer_dir(inputs.teacher))
+            if teacher.get_vocab() != tokenizer.get_vocab():
+                raise ConfigError(f"rounds.{int(stage.name.split('_')[1]) - 1}.teacher ({round_cfg.teacher}): its "
+                                  f"tokenizer is not the student's ({len(teacher)} against {len(tokenizer)} tokens, "
+                                  f"or the same count differently numbered); distillation scores the student's "
+                                  f"token ids with it")
         limits = token_limits(inputs.data)
         prompt_limit, model_len = limits.for_generation(round_cfg.generation.max_new_tokens, policy_dir,
                                                         f"{stage.name}: ")
@@ -35,7 +43,9 @@ def rl_round(stage: PlannedStage, inputs: RoundInputs, ctx: RunContext) -> Stage
                                                  prompt_limit, "prompts")
         run.log_metrics(report.as_metrics("prompts"))
         setup = RoundSetup(
-            policy_path=ctx.ref(inputs.policy), reference_path=ctx.ref(inputs.reference),
+            # A distillation round's frozen log-prob model is its teacher (alignflow/algorithms.py).
+            policy_path=ctx.ref(inputs.policy),
+            reference_path=ctx.ref(inputs.teacher if round_cfg.spec.teacher else inputs.reference),
             reward_path=ctx.ref(inputs.reward),
             prompts=prompts, dtype=io.dtype, torch_threads=ctx.infra.torch_threads,
             attn_implementation=io.attn_implementation,

@@ -15,15 +15,20 @@ preference, evaluation.
 from __future__ import annotations
 
 import math
-from typing import Literal
+import re
+from typing import Literal, get_args
 
 from pydantic import Field, field_validator, model_validator
 
 from alignflow.config.base import GenerationConfig, Placement, Section, TrainConfig
 from alignflow.config.data import DataConfig
 from alignflow.config.model import ModelConfig
-from alignflow.config.preference import PreferenceConfig
+from alignflow.config.preference import PreferenceConfig, PreferenceLoss
 from alignflow.config.rl import ActorConfig, RoundConfig
+
+
+# Names a policy of a pipeline can have (`rounds[i].teacher` / `start_from`); any other teacher is a model path.
+POLICY_NAME = re.compile(rf"base|sft|round_\d+|{'|'.join(get_args(PreferenceLoss))}")
 
 
 class SFTConfig(TrainConfig):
@@ -138,6 +143,34 @@ class PipelineConfig(Section):
     def trains_reward_model(self) -> bool:
         return self.reward_model is not None and (
             (not self.rounds and self.preference is None) or any(r.needs_reward_model for r in self.rounds))
+
+    def policies_before(self, index: int) -> list[str]:
+        """The policies round `index` (0-based) may start from or take as its teacher: base, sft, the
+        preference policy (named by its loss) and the rounds before it."""
+        return ["base", *(["sft"] * (self.sft is not None)), *([self.preference.loss] if self.preference else []),
+                *(f"round_{k}" for k in range(1, index + 1))]
+
+    def start_of(self, index: int) -> str:
+        """The policy round `index` (0-based) starts from."""
+        given = self.rounds[index].start_from
+        return given or (f"round_{index}" if index else self.policies_before(0)[-1])
+
+    @model_validator(mode="after")
+    def _policy_names(self) -> PipelineConfig:
+        for i, r in enumerate(self.rounds):
+            known = self.policies_before(i)
+            if r.start_from is not None and r.start_from not in known:
+                raise ValueError(f"rounds.{i}.start_from: {r.start_from!r} is no policy before round_{i + 1}; "
+                                 f"valid: {', '.join(known)}")
+            if r.teacher is None:
+                continue
+            if r.teacher not in known and POLICY_NAME.fullmatch(r.teacher):
+                raise ValueError(f"rounds.{i}.teacher: {r.teacher!r} names no policy before round_{i + 1} (those "
+                                 f"are {', '.join(known)}); anything else is taken as a model directory or hub id")
+            if r.teacher == self.start_of(i):
+                raise ValueError(f"rounds.{i}.teacher: {r.teacher!r} is the policy round_{i + 1} starts from: "
+                                 f"distilling a model into itself changes nothing (set rounds.{i}.start_from)")
+        return self
 
     @model_validator(mode="after")
     def _reward_model_where_needed(self) -> PipelineConfig:

@@ -164,7 +164,15 @@ class RoundConfig(Section):
         "published meanwhile between two pieces, so that it reaches responses still being written; each token "
         "keeps the log-prob of the weights that sampled it, which ppo.tis_cap's correction uses")
     partial_tokens: int = Field(16, ge=1, description="partial_rollouts: new tokens per piece")
-    scorer_placement: Placement = Field(default_factory=Placement, description="reference / reward actors")
+    teacher: str | None = Field(
+        None, description="algorithm distill: the teacher whose log-probs of the student's samples pull it, a "
+        "policy of this pipeline before the round (sft, a preference loss's name, round_k) or a model directory "
+        "or hub id (its tokenizer must be the student's)")
+    start_from: str | None = Field(
+        None, description="the policy the round starts from, a policy of this pipeline before it (base, sft, a "
+        "preference loss's name, round_k); None: the previous round's (or the preference policy, SFT, or the "
+        "base model)")
+    scorer_placement: Placement = Field(default_factory=Placement, description="reference / reward / teacher actors")
     checkpoint_every: int = Field(10, ge=1, description="steps between resumable checkpoints")
 
     @property
@@ -187,6 +195,8 @@ class RoundConfig(Section):
             "clip_low": s.clip_low if p.clip_low is None else p.clip_low,
             "clip_high": s.clip_high if p.clip_high is None else p.clip_high,
             "advantage_std_norm": s.group_std_norm if p.advantage_std_norm is None else p.advantage_std_norm})
+        if s.teacher:  # the teacher's pull is the signal; no KL term to a reference besides it
+            kl = kl.model_copy(update={"coef": 0.0, "adaptive": False})
         return self.model_copy(update={"kl": kl, "ppo": ppo})
 
     @model_validator(mode="before")
@@ -210,6 +220,11 @@ class RoundConfig(Section):
                 return False
             return given != section().model_dump(exclude=set(allowed))
 
+        distill = algorithm in ALGORITHMS and ALGORITHMS[algorithm].teacher
+        if distill and changed("kl", KLConfig, ("budget",)):
+            raise ValueError(f"{algorithm}'s pull is its teacher's (each token's reverse KL to it): there is no "
+                             f"separate KL term; leave out kl (kl.budget, the held-out KL to SFT it must stay "
+                             f"within, is the one field it reads)")
         ignored = [k for k, s, ok in (("kl", KLConfig, ("budget",)), ("ppo", PPOConfig, ()))
                    if dpo_update and changed(k, s, ok)]
         if ignored:
@@ -243,6 +258,11 @@ class RoundConfig(Section):
             raise ValueError(f"online_dpo splits each update's pairs across actor.num_workers="
                              f"{self.actor.num_workers}: dpo.pairs_per_update (or prompts_per_step, without it) "
                              f"must be a multiple of it, got {per_update}")
+        if self.spec.teacher and not self.teacher:
+            raise ValueError(f"{self.algorithm} needs a teacher: a policy of this pipeline (e.g. round_2) or a "
+                             f"model path")
+        if self.teacher and not self.spec.teacher:
+            raise ValueError(f"teacher is read by algorithm distill; this round's algorithm is {self.algorithm}")
         if not self.async_rollouts and (self.max_staleness > 1 or self.partial_rollouts):
             raise ValueError("max_staleness and partial_rollouts shape asynchronous rollouts: set async_rollouts")
         if self.colocate_all:

@@ -32,7 +32,8 @@ class Experience:
         finished                   (B,)    ended with EOS/stop rather than the length limit
         rewards                    (B,)    sequence reward (task reward + overlong shaping)
         task_rewards               (B,)    the reward model's / rule's / service's reward, before any shaping
-        ref_logprobs               (B, T)  reference policy (algorithms with a KL term)
+        ref_logprobs               (B, T)  reference policy (algorithms with a KL term); a distillation
+                                           round's teacher
         old_logprobs               (B, T)  the trained policy before this step's updates (None when the
                                            step is one optimizer step: the training forward's own)
         values                     (B, T)  critic (algorithms with a critic)
@@ -146,11 +147,15 @@ def shape_rewards(task_rewards: Tensor, action_mask: Tensor, finished: Tensor, *
 
 def with_advantages(exp: Experience, *, estimator: str, whiten: bool, group_size: int, gamma: float, lam: float,
                     kl_coef: float, kl_estimator: str, kl_clamp: float | None,
-                    std_norm: bool | None = None) -> Experience:
+                    std_norm: bool | None = None, teacher: bool = False) -> Experience:
     """Token rewards, then advantages and returns, through the `algos` registry.
 
         token_rewards = kl_penalized_rewards(rewards, old_logprobs, ref_logprobs, kl_coef)  (kl_coef = 0: none)
+        token_rewards = distillation_token_rewards(student, ref_logprobs)     (`teacher`: ref_logprobs are its)
         advantages, returns = estimator(token_rewards, values, ...);  advantages whitened when `whiten`
+
+    A teacher's pull is taken at the student's log-probs of its samples: the old ones where the step
+    measured them, else the sampler's (`rollout_logprobs`).
 
     `std_norm` (group estimators: divide by the group std or not) reaches the estimator only when
     set; None leaves the estimator's own default. Needs `rewards` (`old_logprobs` and `ref_logprobs`
@@ -159,7 +164,12 @@ def with_advantages(exp: Experience, *, estimator: str, whiten: bool, group_size
     mask = exp.action_mask
     if kl_coef and (exp.ref_logprobs is None or exp.old_logprobs is None):
         raise ValueError("a KL penalty in the reward needs ref_logprobs and old_logprobs")
-    if kl_coef:
+    if teacher:
+        if exp.ref_logprobs is None:
+            raise ValueError("a distillation step needs the teacher's log-probs (ref_logprobs)")
+        student = exp.rollout_logprobs if exp.old_logprobs is None else exp.old_logprobs
+        token_rewards = algos.distillation_token_rewards(student, exp.ref_logprobs, mask)
+    elif kl_coef:
         token_rewards = algos.kl_penalized_rewards(exp.rewards, exp.old_logprobs, exp.ref_logprobs, mask,
                                                    kl_coef=kl_coef, kind=kl_estimator, clamp=kl_clamp)
     else:  # the sequence reward at the last token alone

@@ -19,6 +19,8 @@ def uses_reference(cfg: RoundConfig) -> bool:
     """The spec has a reference and its update reads it (online DPO), or a KL term needs it (a coefficient
     > 0, or the adaptive controller, which may raise one from 0). Otherwise no reference model is started
     or run."""
+    if cfg.spec.teacher:  # the teacher sits where the reference would
+        return True
     return cfg.spec.reference and (cfg.spec.reference_in_update or cfg.kl.coef > 0 or cfg.kl.adaptive)
 
 

@@ -131,7 +131,8 @@ class PolicyGradientUpdate:
         exp = experience.with_advantages(
             exp, estimator=spec.advantage, whiten=spec.whiten, group_size=cfg.generation.num_samples,
             gamma=cfg.ppo.gamma, lam=cfg.ppo.lam, kl_coef=self.kl_ctl.value if kl_in_reward else 0.0,
-            kl_estimator=cfg.kl.estimator, kl_clamp=cfg.kl.clamp, std_norm=cfg.ppo.advantage_std_norm)
+            kl_estimator=cfg.kl.estimator, kl_clamp=cfg.kl.clamp, std_norm=cfg.ppo.advantage_std_norm,
+            teacher=spec.teacher)
         rows, filtered = kept_rows(exp.rewards, cfg, task_rewards=exp.task_rewards)
         metrics = self._train(exp.select(rows), step, frozen) if len(rows) else {}
         lap("train")
@@ -141,6 +142,8 @@ class PolicyGradientUpdate:
         self.kl_ctl.update(seq_kl, n_steps=len(exp))
         metrics.update({"kl": seq_kl, "kl_coef": self.kl_ctl.value, **filtered, "actor_frozen": float(frozen),
                         "advantage/mean": algos.masked_mean(exp.advantages, exp.action_mask).item()})
+        if spec.teacher:  # per token, as the signal is taken: the sampled reverse KL to the teacher
+            metrics["distill/reverse_kl_per_token"] = -metrics["advantage/mean"]
         return Trained(exp, rows, metrics, actor_trained=bool(len(rows)) and not frozen)
 
     def objectives(self, frozen: bool = False) -> list[tuple[TrainerGroup, Callable, Callable]]:

@@ -142,6 +142,14 @@ def test_a_missing_model_directory_says_so_not_a_hub_error(tmp_path):
         f"(from the command line: model.base={missing})"]
 
 
+def test_a_missing_teacher_is_named_with_its_round(tmp_path):
+    missing = tmp_path / "teacher"
+    rounds = f'rounds=[{{}}, {{"algorithm": "distill", "teacher": "{missing}", "reward": {{"source": "rule"}}}}]'
+    [problem] = problems(None, rounds, f"infra.storage.root={tmp_path}")
+    assert problem.startswith(f"rounds.1.teacher: {missing} does not exist (a local model directory, or a hub id "
+                              f"where a hub is reachable) (from the command line: rounds=[")
+
+
 def test_a_model_directory_without_config_json(tmp_path):
     (tmp_path / "m").mkdir()
     assert problems(None, f"model.base={tmp_path / 'm'}", f"infra.storage.root={tmp_path}") == [
@@ -316,7 +324,10 @@ def test_round_slots_equal_the_engines_count(tmp_path):
               {"algorithm": "rloo", "generation": {"vllm": {"tensor_parallel_size": 2}, "placement": {"num_gpus": 1}}},
               # online DPO reads its reference whatever the KL settings; GRPO without a KL term starts none
               {"algorithm": "online_dpo", "generation": {"num_samples": 2}},
-              {"algorithm": "grpo", "kl": {"coef": 0.0}, "reward": {"source": "rule"}}]
+              {"algorithm": "grpo", "kl": {"coef": 0.0}, "reward": {"source": "rule"}},
+              # a distillation round's teacher takes the reference's scorer, with no KL term
+              {"algorithm": "distill", "teacher": "round_1", "start_from": "sft", "reward": {"source": "rule"},
+               "colocate_reference_and_reward": False}]
     cfg = load_config(None, [f"rounds={json.dumps(rounds)}"])
     for r in cfg.rounds:
         cpu, gpu, _ = _round_needs(r)

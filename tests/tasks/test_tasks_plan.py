@@ -226,3 +226,57 @@ def test_plan_states_say_cached_or_why(tmp_path):
     assert states["data"].cached and states["base_model"].cached
     assert states["sft"].why == "config changed: train.learning_rate 0.002 -> 0.01"
     assert states["reward_model"].why == "input changed: init"
+
+
+DISTILL = '{"algorithm": "distill", "teacher": "round_2", "start_from": "sft", "reward": {"source": "rule"}}'
+
+
+def test_a_distillation_round_takes_an_earlier_round_as_its_teacher_and_starts_where_it_is_told():
+    plan = _plan(f"rounds=[{PPO}, {PPO}, {DISTILL}]")
+    s = plan.stages
+    assert s["round_3"].inputs == {"data": "data", "policy": "sft", "teacher": "round_2"}  # no reference, no RM
+    assert s["eval_round_3"].inputs["policy"] == "round_3"
+    assert s["round_3"].config.round.kl.coef == 0.0  # the teacher's pull is the only one
+    order = list(s)
+    assert order.index("round_2") < order.index("round_3")
+
+
+def test_the_students_key_follows_its_teachers():
+    base = _keys(_plan(f"rounds=[{PPO}, {PPO}, {DISTILL}]"))
+    teacher_changed = _keys(_plan(f'rounds=[{PPO}, {{"algorithm": "ppo", "steps": 21}}, {DISTILL}]'))
+    assert {n for n in base if base[n] != teacher_changed[n]} == {"round_2", "eval_round_2", "round_3",
+                                                                   "eval_round_3"}
+
+
+def test_a_teacher_from_outside_the_pipeline_is_committed_by_a_stage_of_its_own(tmp_path):
+    from engines.models import build_tiny_model
+    from alignflow.config import TinyModelConfig
+
+    teacher = build_tiny_model(TinyModelConfig(), seed=3, out_dir=tmp_path / "teacher")
+    rounds = f'rounds=[{{"algorithm": "distill", "teacher": "{teacher}", "reward": {{"source": "rule"}}}}]'
+    plan = _plan(rounds, f"infra.storage.cache_dir={tmp_path / 'cache'}")
+    s = plan.stages
+    assert s["teacher_1"].kind == "base_model" and s["teacher_1"].config.model.base == str(teacher)
+    assert s["round_1"].inputs == {"data": "data", "policy": "sft", "teacher": "teacher_1"}
+    assert "rounds.0.teacher" in s["teacher_1"].input_keys
+    before = s["round_1"].key
+    (teacher / "config.json").write_text((teacher / "config.json").read_text() + "\n")  # the teacher's files change
+    again = _plan(rounds, f"infra.storage.cache_dir={tmp_path / 'cache'}").stages
+    assert again["teacher_1"].key != s["teacher_1"].key and again["round_1"].key != before
+
+
+@pytest.mark.parametrize("rounds, message", [
+    ('[{"algorithm": "distill", "reward": {"source": "rule"}}]', "distill needs a teacher"),
+    ('[{"algorithm": "grpo", "teacher": "sft", "reward": {"source": "rule"}}]', "teacher is read by algorithm distill"),
+    ('[{"algorithm": "distill", "teacher": "round_2", "reward": {"source": "rule"}}, {}]',
+     "rounds.0.teacher: 'round_2' names no policy before round_1"),
+    ('[{"algorithm": "distill", "teacher": "sft", "reward": {"source": "rule"}}]',
+     "rounds.0.teacher: 'sft' is the policy round_1 starts from"),
+    ('[{}, {"start_from": "round_2"}]', "rounds.1.start_from: 'round_2' is no policy before round_2; valid: base, "
+     "sft, round_1"),
+    ('[{"algorithm": "distill", "teacher": "base", "kl": {"coef": 0.1}, "reward": {"source": "rule"}}]',
+     "there is no separate KL term; leave out kl"),
+])
+def test_a_wrong_teacher_or_start_is_named_with_its_field(rounds, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        _plan(f"rounds={rounds}")

@@ -301,3 +301,123 @@ def test_gspo_normalised_clipped_rewards_truncation_icepop_mean_range(ray_local,
     assert m["tis_weight_mean"] == pytest.approx(1 - m["tis_masked_fraction"], abs=1e-5)
     assert seen["objective"] is objective_fns.gspo_objective
     assert exp.old_logprobs is not None  # several optimizer steps: the old policy's forward ran
+
+
+def _next_token_logprobs(model, exp) -> torch.Tensor:
+    """log π(· | y_<t) at every position: (B, L-1, V), from a plain forward of `model` (no engine code)."""
+    logits = model(input_ids=exp["input_ids"], attention_mask=exp["attention_mask"]).logits.float()
+    return torch.log_softmax(logits[:, :-1], dim=-1)
+
+
+def _at_responses(logp: torch.Tensor, exp) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-prob of each sampled response token (B, T), the exact reverse-KL operand: the (B, T, V)
+    next-token distributions at the response positions)."""
+    index = exp.response_index
+    dists = logp.gather(1, index[..., None].expand(-1, -1, logp.shape[-1]))
+    sampled = dists.gather(-1, exp.input_ids[:, 1:].gather(1, index)[..., None])[..., 0]
+    return sampled * exp.action_mask, dists
+
+
+def _exact_reverse_kl(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor) -> float:
+    """Mean over response positions of KL(student(·) || teacher(·)), summed over the whole vocabulary."""
+    kl = (student.exp() * (student - teacher)).sum(-1)
+    return algos.masked_mean(kl, mask).item()
+
+
+def test_distillation_scores_the_samples_with_the_teacher_and_moves_the_student_toward_it(
+        ray_local, tiny_model, reference_model, prompts):
+    """algorithm: distill. The teacher (a second model) scores exactly the tokens the student sampled;
+    each token's advantage is its negative reverse KL to the teacher (`algos.distillation_token_rewards`
+    of the old log-probs); no KL term besides; and the step lowers the student's exact reverse KL to
+    the teacher (over the whole vocabulary) at the positions it trained on."""
+    from transformers import AutoModelForCausalLM
+
+    from alignflow.config import ActorConfig, PPOConfig, RewardConfig, RolloutConfig, RoundConfig
+
+    cfg = RoundConfig(
+        algorithm="distill", teacher=str(reference_model), steps=2, prompts_per_step=8,
+        generation=RolloutConfig(num_samples=4, max_new_tokens=MAX_NEW),
+        reward=RewardConfig(source="rule", rule=f"{__name__}:parity_reward"),
+        ppo=PPOConfig(minibatch_size=32, epochs=4), actor=ActorConfig(learning_rate=1e-3)).resolved()
+    after = {}
+
+    def full_logprobs(model, batch):  # defined here, so that Ray ships it to the actor by value
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
+        return torch.log_softmax(logits[:, :-1], dim=-1)
+
+    def measure(rl, out):
+        after["logp"] = rl.models.actor.evaluate_rows(out.experience.tensors(), full_logprobs)
+
+    out, objectives = _run_step(cfg, tiny_model, reference_model, prompts, then=measure)
+    exp, m, mask = out.experience, out.metrics, out.experience.action_mask
+
+    def plain(path):
+        model = AutoModelForCausalLM.from_pretrained(str(path), torch_dtype=torch.float32).eval()
+        with torch.no_grad():
+            return _at_responses(_next_token_logprobs(model, exp.tensors()), exp)
+
+    teacher, teacher_dists = plain(reference_model)
+    torch.testing.assert_close(exp.ref_logprobs, teacher, atol=1e-5, rtol=1e-5)
+    student, student_dists = plain(tiny_model)  # the policy before the step: the old log-probs
+    torch.testing.assert_close(exp.old_logprobs, student, atol=1e-5, rtol=1e-5)
+    expected = algos.distillation_token_rewards(student, teacher, mask)
+    assert expected.abs().max() > 0.1, "student and teacher agree; the signal is untested"
+    torch.testing.assert_close(exp.token_rewards, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(exp.advantages, expected, atol=1e-5, rtol=1e-5)  # per token, no return-to-go
+    assert objectives[0]["kl_loss_coef"] == 0.0 and m["kl_coef"] == 0.0
+    sampled = algos.masked_mean(algos.reverse_kl_per_token(student, teacher, mask), mask).item()
+    assert m["distill/reverse_kl_per_token"] == pytest.approx(sampled, rel=1e-4)
+
+    before = _exact_reverse_kl(student_dists, teacher_dists, mask)
+    later = _exact_reverse_kl(_at_responses(after["logp"], exp)[1], teacher_dists, mask)
+    assert later < 0.9 * before, (before, later)
+
+
+def test_a_lora_student_colocated_with_its_teacher_learns_from_it(ray_local, tiny_model, reference_model, prompts):
+    """algorithm: distill with LoRA on the student and colocate_all: the teacher gets a scorer of its own in
+    the round's one placement group (not the actor with its adapters off, which is the student's base),
+    under 5 % of the parameters train, and the step lowers the exact reverse KL to the teacher."""
+    import ray
+    from transformers import AutoModelForCausalLM
+
+    from alignflow.config import ActorConfig, PPOConfig, RewardConfig, RolloutConfig, RoundConfig
+    from engines.rl.round import RLRound
+    from engines.rl.round_models import RoundSetup
+
+    lora = {"rank": 8, "alpha": 16.0, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+    cfg = RoundConfig(
+        algorithm="distill", teacher=str(reference_model), steps=2, prompts_per_step=8, colocate_all=True,
+        generation=RolloutConfig(num_samples=4, max_new_tokens=MAX_NEW),
+        reward=RewardConfig(source="rule", rule=f"{__name__}:parity_reward"),
+        ppo=PPOConfig(minibatch_size=32, epochs=4), actor=ActorConfig(learning_rate=5e-3, lora=lora))
+    path = str(tiny_model)
+    rl = RLRound(cfg, RoundSetup(policy_path=path, reference_path=str(reference_model), reward_path=None,
+                                 prompts=prompts, dtype="float32", torch_threads=1, max_model_len=80, seed=0))
+
+    def full_logprobs(model, batch):  # defined here, so that Ray ships it to the actor by value
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
+        return torch.log_softmax(logits[:, :-1], dim=-1)
+
+    try:
+        assert rl.models.reference is not None and not rl.models.reference_from_actor
+        pg = rl.models.placement_group
+        reports = [*rl.models.actor.device_reports(), ray.get(rl.models.reference.device_report.remote())]
+        assert {r["placement_group"] for r in reports} == {pg.id.hex()}, reports
+        out = rl.step(0)
+        exp = out.experience
+        assert out.metrics["lora/trainable_fraction"] < 0.05
+        after = rl.models.actor.evaluate(exp.tensors(), full_logprobs)
+    finally:
+        rl.shutdown()
+
+    def plain(model_dir):
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), torch_dtype=torch.float32).eval()
+        with torch.no_grad():
+            return _at_responses(_next_token_logprobs(model, exp.tensors()), exp)
+
+    teacher, teacher_dists = plain(reference_model)
+    torch.testing.assert_close(exp.ref_logprobs, teacher, atol=1e-5, rtol=1e-5)  # the teacher, not the base
+    _, student_dists = plain(tiny_model)
+    before = _exact_reverse_kl(student_dists, teacher_dists, exp.action_mask)
+    later = _exact_reverse_kl(_at_responses(after, exp)[1], teacher_dists, exp.action_mask)
+    assert later < 0.9 * before, (before, later)
