@@ -29,13 +29,9 @@ def rl_round(stage: PlannedStage, inputs: RoundInputs, ctx: RunContext) -> Stage
     def compute(out: StageOutput, run) -> dict[str, float]:
         policy_dir = ctx.tokenizer_dir(inputs.policy)  # the actors fetch the weights on their nodes
         tokenizer = models.load_tokenizer(policy_dir)
-        if round_cfg.spec.teacher:  # it scores the student's token ids: one vocabulary, before anything starts
-            teacher = models.load_tokenizer(ctx.tokenizer_dir(inputs.teacher))
-            if teacher.get_vocab() != tokenizer.get_vocab():
-                raise ConfigError(f"rounds.{int(stage.name.split('_')[1]) - 1}.teacher ({round_cfg.teacher}): its "
-                                  f"tokenizer is not the student's ({len(teacher)} against {len(tokenizer)} tokens, "
-                                  f"or the same count differently numbered); distillation scores the student's "
-                                  f"token ids with it")
+        if round_cfg.spec.teacher:  # before anything starts
+            same_vocabulary(tokenizer, models.load_tokenizer(ctx.tokenizer_dir(inputs.teacher)),
+                            f"rounds.{int(stage.name.split('_')[1]) - 1}.teacher ({round_cfg.teacher})")
         limits = token_limits(inputs.data)
         prompt_limit, model_len = limits.for_generation(round_cfg.generation.max_new_tokens, policy_dir,
                                                         f"{stage.name}: ")
@@ -73,3 +69,11 @@ def rl_round(stage: PlannedStage, inputs: RoundInputs, ctx: RunContext) -> Stage
         return summary
 
     return compute_stage(ctx, stage, compute)
+
+
+def same_vocabulary(student, teacher, field: str) -> None:
+    """A teacher scores the student's token ids: both tokenizers must number the same tokens alike."""
+    if teacher.get_vocab() != student.get_vocab():
+        raise ConfigError(f"{field}: its tokenizer is not the student's ({len(teacher)} against {len(student)} "
+                          f"tokens, or the same count numbered differently); distillation scores the student's "
+                          f"token ids with it")

@@ -280,3 +280,17 @@ def test_a_teacher_from_outside_the_pipeline_is_committed_by_a_stage_of_its_own(
 def test_a_wrong_teacher_or_start_is_named_with_its_field(rounds, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         _plan(f"rounds={rounds}")
+
+
+def test_a_teacher_with_another_vocabulary_is_refused_naming_its_field(tmp_path):
+    from alignflow.config import TinyModelConfig
+    from engines.models import build_tiny_model, load_tokenizer
+    from tasks.rl_round import same_vocabulary
+
+    student = load_tokenizer(build_tiny_model(TinyModelConfig(), seed=0, out_dir=tmp_path / "s"))
+    same_vocabulary(student, load_tokenizer(build_tiny_model(TinyModelConfig(), seed=5, out_dir=tmp_path / "t")),
+                    "rounds.2.teacher")  # another initialisation, the same tokenizer: accepted
+    other = load_tokenizer(tmp_path / "s")
+    other.add_tokens(["<tool>"])
+    with pytest.raises(ConfigError, match=r"rounds.2.teacher: its tokenizer is not the student's \(\d+ against \d+"):
+        same_vocabulary(student, other, "rounds.2.teacher")
