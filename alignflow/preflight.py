@@ -245,10 +245,11 @@ def _remote(field: str, url: str, timeout_s: float, found: Findings) -> None:
 
 def _rewards(cfg: PipelineConfig, found: Findings) -> None:
     for i, r in enumerate(cfg.rounds):
-        if r.reward.source == "rule":
-            _callable(f"rounds.{i}.reward.rule", r.reward.rule, found)
-        elif r.reward.source == "remote":
-            _remote(f"rounds.{i}.reward.url", r.reward.url, min(r.reward.timeout_s, REMOTE_TIMEOUT_CAP_S), found)
+        for field, c in r.reward.source_fields(f"rounds.{i}.reward"):
+            if c.source == "rule":
+                _callable(f"{field}.rule", c.rule, found)
+            elif c.source == "remote":
+                _remote(f"{field}.url", c.url, min(c.timeout_s, REMOTE_TIMEOUT_CAP_S), found)
     if cfg.evaluation is not None:
         _callable("evaluation.checker", cfg.evaluation.checker, found)
 

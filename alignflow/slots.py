@@ -23,7 +23,7 @@ def _round_needs(r) -> tuple[float, float, str]:
     imports torch and Ray (~10 s); tests/core/test_core_preflight.py holds the two equal."""
     g = r.generation
     scorers = int(r.spec.teacher or (r.spec.reference and (r.spec.reference_in_update or r.kl.coef > 0 or r.kl.adaptive)))
-    scorers += int(r.reward.source == "model")
+    scorers += int(r.reward.uses_model)
     scorers = min(scorers, 1) if r.colocate_reference_and_reward else scorers
     parts = [("actor", r.actor.placement.num_cpus, r.actor.placement.num_gpus, r.actor.num_workers),
              ("scorer_placement", r.scorer_placement.num_cpus, r.scorer_placement.num_gpus, scorers),

@@ -183,8 +183,8 @@ def plan_pipeline(cfg: PipelineConfig) -> Plan:
                 external={f"rounds.{i - 1}.teacher": prints.of(teacher)})
         elif teacher:
             teacher = policies[teacher]
-        external = (_code(f"rounds.{i - 1}.reward.rule", round_cfg.reward.rule, prints)
-                    if round_cfg.reward.source == "rule" else {})
+        external = {k: v for field, c in round_cfg.reward.source_fields(f"rounds.{i - 1}.reward") if c.source == "rule"
+                    for k, v in _code(f"{field}.rule", c.rule, prints).items()}
         policy = b.add(f"round_{i}", "rl_round",
                        r.RoundStage(round=round_cfg.resolved(), io=io, seed=seed(f"round_{i}")),
                        external=external, data=data, policy=policy,

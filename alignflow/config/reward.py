@@ -1,4 +1,8 @@
-"""Where an RL round's rewards come from, and how they are shaped before the update."""
+"""Where an RL round's rewards come from, and how they are shaped before the update.
+
+A round's task reward is one source (`reward.source` with its settings: the short form) or a weighted
+sum of several (`reward.sources`), each component logged on its own (`reward/<name>`).
+"""
 
 from __future__ import annotations
 
@@ -8,11 +12,42 @@ from pydantic import Field, model_validator
 
 from alignflow.config.base import Section
 
+Source = Literal["model", "rule", "remote"]
+# Metric names the reward shaping already logs under reward/ (engines/rl/experience.py, engines/rl/round.py).
+RESERVED_NAMES = ("mean", "std", "task_mean", "truncated", "clipped", "running_mean", "running_std")
+SOURCE_SETTINGS = ("source", "rule", "url", "timeout_s", "max_retries")
+
+
+class RewardSourceConfig(Section):
+    """One source of reward: the reward model, a rule or a service, weighted in a mix."""
+
+    source: Source = Field(
+        "model", description="model: the trained reward model; rule: `rule`; remote: the service at `url`")
+    weight: float = Field(1.0, description="its weight in the task reward, sum_k weight_k * reward_k")
+    name: str | None = Field(None, description="its metric, reward/<name>; None: the source's name")
+    rule: str = Field(
+        "alignflow.data.synthetic:rule_reward",
+        description="import path of f(prompt, response, answer) -> float (source=rule)",
+    )
+    url: str | None = Field(None, description="reward service endpoint (source=remote)")
+    timeout_s: float = Field(10.0, gt=0, description="seconds per reward-service request (source=remote)")
+    max_retries: int = Field(3, ge=0, description="retries of a failed service request, with exponential backoff")
+
+    @property
+    def label(self) -> str:
+        return self.name or self.source
+
+    @model_validator(mode="after")
+    def _remote_has_url(self) -> RewardSourceConfig:
+        if self.source == "remote" and not self.url:
+            raise ValueError("source 'remote' needs url")
+        return self
+
 
 class RewardConfig(Section):
-    """Where an RL round's rewards come from."""
+    """Where an RL round's rewards come from (one source, or `sources`), and how they are shaped."""
 
-    source: Literal["model", "rule", "remote"] = Field(
+    source: Source = Field(
         "model", description="model: the trained reward model; rule: reward.rule; remote: the service at reward.url")
     rule: str = Field(
         "alignflow.data.synthetic:rule_reward",
@@ -21,6 +56,10 @@ class RewardConfig(Section):
     url: str | None = Field(None, description="reward service endpoint (source=remote)")
     timeout_s: float = Field(10.0, gt=0, description="seconds per reward-service request (source=remote)")
     max_retries: int = Field(3, ge=0, description="retries of a failed service request, with exponential backoff")
+    sources: list[RewardSourceConfig] | None = Field(
+        None, description="a weighted mix instead of one source: [{source: rule, weight: 1.0}, {source: model, "
+        "weight: 0.5}, ...], each component logged as reward/<name> (the source's name unless given); the task "
+        "reward is sum_k weight_k * reward_k; None: the one source above")
     overlong_buffer: int = Field(0, ge=0, description="DAPO soft overlong penalty buffer (0: off)")
     overlong_penalty: float = Field(1.0, ge=0, description="DAPO overlong penalty reached at max_new_tokens")
     normalize: bool = Field(
@@ -33,7 +72,44 @@ class RewardConfig(Section):
         "(no EOS or stop string), after normalisation and clipping; 0: off")
 
     @model_validator(mode="after")
-    def _remote_has_url(self) -> RewardConfig:
-        if self.source == "remote" and not self.url:
-            raise ValueError("reward.source='remote' needs reward.url")
+    def _sources(self) -> RewardConfig:
+        if self.sources is None:
+            if self.source == "remote" and not self.url:
+                raise ValueError("reward.source='remote' needs reward.url")
+            return self
+        both = sorted(set(SOURCE_SETTINGS) & self.model_fields_set)
+        if both:
+            raise ValueError(f"reward.sources lists each source with its settings; leave out reward.{both[0]} "
+                             f"(the one-source form)")
+        if not self.sources:
+            raise ValueError("reward.sources is empty; list at least one source, or leave it out")
+        labels = [c.label for c in self.sources]
+        repeated = sorted({n for n in labels if labels.count(n) > 1})
+        if repeated:
+            raise ValueError(f"reward.sources: two components are named {repeated[0]!r}; give each a `name`")
+        reserved = [n for n in labels if n in RESERVED_NAMES]
+        if reserved:
+            raise ValueError(f"reward.sources: name {reserved[0]!r} is a reward metric of its own; choose another")
+        if sum(c.source == "model" for c in self.sources) > 1:
+            raise ValueError("reward.sources: one reward model per round (the pipeline trains one)")
         return self
+
+    @property
+    def components(self) -> list[RewardSourceConfig]:
+        """The sources of the task reward, the one-source form as a mix of one."""
+        if self.sources is not None:
+            return list(self.sources)
+        return [RewardSourceConfig(source=self.source, rule=self.rule, url=self.url, timeout_s=self.timeout_s,
+                                   max_retries=self.max_retries)]
+
+    @property
+    def uses_model(self) -> bool:
+        """Some component scores with the trained reward model."""
+        return any(c.source == "model" for c in self.components)
+
+    def source_fields(self, prefix: str) -> list[tuple[str, RewardSourceConfig]]:
+        """(config field, component) of each source, `prefix` (e.g. rounds.0.reward) naming this section: the
+        section itself for the one-source form, `prefix.sources.k` in a mix."""
+        if self.sources is None:
+            return [(prefix, self.components[0])]
+        return [(f"{prefix}.sources.{k}", c) for k, c in enumerate(self.sources)]

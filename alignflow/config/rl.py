@@ -182,7 +182,7 @@ class RoundConfig(Section):
     @property
     def needs_reward_model(self) -> bool:
         """Scores with the reward model, or starts its critic from it."""
-        return self.reward.source == "model" or (self.spec.critic and self.critic.init == "reward_model")
+        return self.reward.uses_model or (self.spec.critic and self.critic.init == "reward_model")
 
     def resolved(self) -> RoundConfig:
         """This round with the algorithm's defaults filled in (what a round runs and is keyed by)."""

@@ -64,11 +64,11 @@ class _Clock:
         self._last = now
 
 
-def text_reward(cfg: RoundConfig) -> Callable[[list[ScoredText]], list[float]] | None:
-    """The rule or remote service a round scores text with; None when the reward model scores tokens."""
-    r = cfg.reward
-    sources = {"rule": lambda: RuleReward(r.rule), "remote": lambda: RemoteReward(r.url, r.timeout_s, r.max_retries)}
-    return sources[r.source]() if r.source in sources else None
+def text_rewards(cfg: RoundConfig) -> dict[str, Callable[[list[ScoredText]], list[float]]]:
+    """The rules and remote services a round scores text with, by component name (reward/<name>); the
+    reward model, which scores tokens, is not among them."""
+    made = {"rule": lambda c: RuleReward(c.rule), "remote": lambda c: RemoteReward(c.url, c.timeout_s, c.max_retries)}
+    return {c.label: made[c.source](c) for c in cfg.reward.components if c.source in made}
 
 
 def _rows_of(scores: torch.Tensor, exp: Experience) -> torch.Tensor:
@@ -86,7 +86,7 @@ class RLRound:
         self.cfg, self.setup = cfg.resolved(), setup
         cfg = self.cfg
         # Cheap checks first: nothing is started if the round cannot run.
-        self.reward_fn = text_reward(cfg)
+        self.text_rewards = text_rewards(cfg)
         self.tokenizer = load_tokenizer(local_dir(setup.policy_path, skip=WEIGHT_FILES))
         n = len(setup.prompts)
         self.schedule = Schedule(rows=n, batch_size=min(cfg.prompts_per_step, n), total_steps=cfg.steps,
@@ -100,7 +100,7 @@ class RLRound:
         # and by step, the generations queued ahead with the scores submitted for each
         self._ahead = scorers_ahead(self.models.reference, self.models.rewarder,
                                     reference_on_batch=update_cls.reference_on_batch,
-                                    model_rewards=self.reward_fn is None) if cfg.async_rollouts else {}
+                                    model_rewards=cfg.reward.uses_model) if cfg.async_rollouts else {}
         self._pending: dict[int, tuple[object, list]] = {}
 
     def generate(self, prompt_ids: list[list[int]]) -> list[Rollout]:
@@ -108,24 +108,26 @@ class RLRound:
 
     def rewards(self, exp: Experience, rollouts: list[Rollout], records: list[dict],
                 model_scores: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
-        """Sequence rewards (B,) and the task rewards they were shaped from: the reward model on tokens
-        (`model_scores` where it scored them ahead), or the rule / service on text; then normalisation,
+        """Sequence rewards (B,) and the task rewards they were shaped from: the weighted sum of the
+        components' rewards (the reward model on tokens, `model_scores` where it scored them ahead; rules
+        and services on text), each component's mean logged as reward/<name>; then normalisation,
         clipping and shaping (`experience.shape_rewards`), with their metrics."""
-        if model_scores is not None:
-            task = model_scores
-        elif self.reward_fn is None:
-            task = self.models.model_rewards(exp.tensors())
-        else:
+        parts: dict[str, torch.Tensor] = {}
+        if self.text_rewards:
             items = [ScoredText(self.tokenizer.decode(r.prompt_ids, skip_special_tokens=True), r.text,
                                 records[r.prompt_index].get("answer")) for r in rollouts]
-            task = torch.tensor(self.reward_fn(items), dtype=torch.float32)
+            parts = {name: torch.tensor(fn(items), dtype=torch.float32) for name, fn in self.text_rewards.items()}
         r = self.cfg.reward
+        for c in r.components:
+            if c.source == "model":
+                parts[c.label] = model_scores if model_scores is not None else self.models.model_rewards(exp.tensors())
+        task = sum(c.weight * parts[c.label].float() for c in r.components)
         shaped = experience.shape_rewards(
             task, exp.action_mask, exp.finished, max_new_tokens=self.cfg.generation.max_new_tokens,
             overlong_buffer=r.overlong_buffer, overlong_penalty=r.overlong_penalty,
             truncation_penalty=r.truncation_penalty, clip=r.clip, stats=self.reward_stats)
         self.reward_stats = shaped.stats
-        return shaped.rewards, task, shaped.metrics
+        return shaped.rewards, task, {**shaped.metrics, **{f"reward/{k}": v.mean().item() for k, v in parts.items()}}
 
     def _sampling(self) -> Sampling:
         g = self.cfg.generation

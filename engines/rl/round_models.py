@@ -4,7 +4,7 @@
     critic     TrainerGroup, from the reward model or policy   spec.critic
     reference  ScorerActor (frozen policy)                     spec.reference and a KL term (or online DPO);
                with LoRA on the actor in a round that starts from the reference: the actor, adapters off
-    rewarder   ScorerActor (reward model)                      reward.source = model
+    rewarder   ScorerActor (reward model)                      a reward source is the model
     engines    RolloutEngines (vLLM, or HF generate)           num_rollout_engines
 
 Reference and reward model share one scorer actor when colocated. What crosses an actor boundary
@@ -229,7 +229,7 @@ def start_round_models(cfg: RoundConfig, setup: RoundSetup, updates_per_step: in
                       attn_implementation=setup.attn_implementation, **place)
         models.reference_from_actor = reference_is_actor(cfg, setup)
         reference = setup.reference_path if uses_reference(cfg) and not models.reference_from_actor else None
-        reward = setup.reward_path if cfg.reward.source == "model" else None
+        reward = setup.reward_path if cfg.reward.uses_model else None
         if cfg.colocate_reference_and_reward and reference and reward:
             models.reference = models.rewarder = start_scorer(reference, reward, **common)
         else:

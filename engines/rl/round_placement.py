@@ -35,7 +35,7 @@ def reference_is_actor(cfg: RoundConfig, setup: RoundSetupLike | None) -> bool:
 
 def _scorers(cfg: RoundConfig, setup: RoundSetupLike | None = None) -> int:
     """How many scorer actors the round starts: reference and/or reward model, shared when colocated."""
-    wanted = int(uses_reference(cfg) and not reference_is_actor(cfg, setup)) + int(cfg.reward.source == "model")
+    wanted = int(uses_reference(cfg) and not reference_is_actor(cfg, setup)) + int(cfg.reward.uses_model)
     return min(wanted, 1) if cfg.colocate_reference_and_reward else wanted
 
 

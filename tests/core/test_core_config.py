@@ -637,3 +637,41 @@ def test_colocated_vllm_on_gpus_needs_its_memory_share_set(tmp_path):
     load_config(unset, ["rounds.0.actor.placement.num_gpus=0", "rounds.0.generation.placement.num_gpus=0",
                         "rounds.1.actor.placement.num_gpus=0", "rounds.1.generation.placement.num_gpus=0"])
     load_config(unset, ["rounds.0.generation.backend=hf", "rounds.1.generation.backend=hf"])
+
+
+# ---- mixed reward sources ---------------------------------------------------------------------------
+
+RULE = {"source": "rule", "rule": "alignflow.rewards:math_equal"}
+
+
+def test_a_mix_of_reward_sources_and_its_one_source_short_form():
+    mix = [RULE, {"source": "model", "weight": 0.5}, {**RULE, "name": "format", "weight": -1.0}]
+    r = load_config(None, [f'rounds=[{{"reward": {{"sources": {json.dumps(mix)}}}}}]']).rounds[0].reward
+    assert [(c.label, c.weight) for c in r.components] == [("rule", 1.0), ("model", 0.5), ("format", -1.0)]
+    assert r.uses_model and [f for f, _ in r.source_fields("rounds.0.reward")] == [
+        "rounds.0.reward.sources.0", "rounds.0.reward.sources.1", "rounds.0.reward.sources.2"]
+    short = load_config(None, ['rounds=[{"reward": {"source": "rule"}}]']).rounds[0].reward
+    assert [(c.source, c.weight, c.rule) for c in short.components] == [("rule", 1.0, short.rule)]
+    assert not short.uses_model and [f for f, _ in short.source_fields("rounds.0.reward")] == ["rounds.0.reward"]
+
+
+@pytest.mark.parametrize("reward, message", [
+    ({"source": "rule", "sources": [RULE]}, "leave out reward.source (the one-source form)"),
+    ({"sources": [RULE, RULE]}, "two components are named 'rule'; give each a `name`"),
+    ({"sources": [{**RULE, "name": "mean"}]}, "name 'mean' is a reward metric of its own"),
+    ({"sources": [{"source": "model"}, {"source": "model", "name": "again"}]}, "one reward model per round"),
+    ({"sources": []}, "reward.sources is empty"),
+    ({"sources": [{"source": "remote"}]}, "source 'remote' needs url"),
+])
+def test_a_wrong_mix_is_named(reward, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_config(None, [f'rounds=[{{"reward": {json.dumps(reward)}}}]'])
+
+
+def test_a_mix_with_the_reward_model_needs_its_section():
+    def rounds(mix):
+        return f'rounds=[{{"algorithm": "grpo", "reward": {{"sources": {json.dumps(mix)}}}}}]'
+
+    with pytest.raises(ConfigError, match=r"rounds.0 \(grpo\) use the reward model"):
+        load_config(None, ["reward_model=null", rounds([RULE, {"source": "model"}])])
+    assert not load_config(None, ["reward_model=null", rounds([RULE])]).rounds[0].needs_reward_model

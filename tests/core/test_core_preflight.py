@@ -195,6 +195,14 @@ def test_a_rule_that_does_not_import_names_the_round(tmp_path):
         "evaluation.checker: 'json:decoder' is not callable (from the command line: evaluation.checker=json:decoder)"]
 
 
+def test_a_rule_of_a_mix_that_does_not_import_names_its_component(tmp_path):
+    cfg = _write_config(tmp_path, "rounds:\n  - {algorithm: grpo, reward: {sources: [{source: rule}, "
+                                  "{source: rule, name: extra, rule: 'no_such_mod_xq:score'}]}}")
+    assert problems(cfg) == [
+        f"rounds.0.reward.sources.1.rule: 'no_such_mod_xq:score' cannot be imported: ModuleNotFoundError: No module "
+        f"named 'no_such_mod_xq' (from {cfg})"]
+
+
 class RewardService:
     """A real HTTP reward service on 127.0.0.1 answering {"rewards": [...]}, or hanging."""
 

@@ -93,6 +93,23 @@ def test_a_rule_reward_is_keyed_by_its_module_source(tmp_path, files, monkeypatc
     assert {n for n in before if before[n] != after[n]} == {"round_1", "eval_round_1"}
 
 
+def test_each_rule_of_a_mixed_reward_is_keyed_by_its_own_source(tmp_path, files, monkeypatch):
+    pkg = tmp_path / "rules"
+    pkg.mkdir()
+    for name in ("rule_a", "rule_b"):
+        (pkg / f"{name}.py").write_text("def score(prompt, response, answer):\n    return 1.0\n")
+    monkeypatch.syspath_prepend(str(pkg))
+    mix = ('[{"source": "rule", "rule": "rule_a:score", "name": "a"}, '
+           '{"source": "rule", "rule": "rule_b:score", "name": "b", "weight": 0.5}]')
+    rounds = f'rounds=[{{"algorithm": "grpo", "reward": {{"sources": {mix}}}}}]'
+    plan = _plan(files, tmp_path, rounds)
+    assert {"rounds.0.reward.sources.0.rule", "rounds.0.reward.sources.1.rule"} <= set(plan.stages["round_1"].input_keys)
+    before = _keys(plan)
+    (pkg / "rule_b.py").write_text("def score(prompt, response, answer):\n    return 2.0\n")  # the second rule only
+    after = _keys(_plan(files, tmp_path, rounds))
+    assert {n for n in before if before[n] != after[n]} == {"round_1", "eval_round_1"}
+
+
 def test_unchanged_files_are_not_read_again(tmp_path):
     f = tmp_path / "a.jsonl"
     f.write_text("abc")

@@ -438,12 +438,13 @@ def test_frozen_actor_steps_train_the_critic_alone(ray_local, tiny_model, prompt
 def test_two_engines_and_separate_reference_and_reward(ray_local, tiny_model, prompts, scoring_reward_model):
     """Prompts spread across two vLLM engines come back grouped per prompt, in
     order; the reference and the reward model run as separate actors, and the reward
-    model's actor scores the step's responses as the model does here."""
+    model's actor scores the step's responses as the model does here. The reward is a
+    mix (reward.sources): half the reward model's score plus a rule's, each logged."""
     from engines.models import load_scalar_model, load_tokenizer
     from engines.train.objectives import scalar_scores
 
-    cfg = _round("ppo", num_rollout_engines=2, colocate_reference_and_reward=False,
-                 reward=RewardConfig(source="model"))
+    mix = [{"source": "model", "weight": 0.5}, {"source": "rule", "rule": f"{__name__}:parity_reward", "name": "parity"}]
+    cfg = _round("ppo", num_rollout_engines=2, colocate_reference_and_reward=False, reward=RewardConfig(sources=mix))
     rl = _start(cfg, tiny_model, prompts, reward=scoring_reward_model)
     try:
         assert rl.models.reference is not rl.models.rewarder
@@ -460,7 +461,12 @@ def test_two_engines_and_separate_reference_and_reward(ray_local, tiny_model, pr
         with torch.no_grad():
             local = scalar_scores(load_scalar_model(scoring_reward_model, pad_token_id=pad).eval(), exp.tensors())
         assert local.std() > 0.01, "the reward model scores every response alike: nothing to check"
-        torch.testing.assert_close(exp.task_rewards, local, rtol=0, atol=1e-5)
+        rule = torch.tensor([parity_reward("", r.text, None) for r in out.rollouts])
+        assert 0 < rule.mean() < 1, "every response has one parity: the mix is untested"
+        torch.testing.assert_close(exp.task_rewards, 0.5 * local + rule, rtol=0, atol=1e-5)
+        assert metrics["reward/model"] == pytest.approx(local.mean().item(), abs=1e-5)
+        assert metrics["reward/parity"] == pytest.approx(rule.mean().item())
+        assert metrics["reward/task_mean"] == pytest.approx((0.5 * local + rule).mean().item(), abs=1e-5)
         assert metrics["reward/std"] == pytest.approx(exp.rewards.std().item(), rel=1e-6) and "value_loss" in metrics
     finally:
         rl.shutdown()
