@@ -1,6 +1,6 @@
 """Preflight: what a run needs outside its config, checked in seconds before Prefect or Ray start
 (`alignflow validate`, and the start of `run` / `stage`): data files exist and every row of a
-local one parses (of a remote one, the first `data.preflight_rows`); model.base and a distillation round's teacher load; explicit lengths fit its positions; rule rewards and the checker import;
+local one parses (of a remote one, the first `data.preflight_rows`); model.base, a distillation round's teacher and a judge load; explicit lengths fit its positions; rule rewards and the checker import;
 remote reward services answer; the storage root takes a probe; a local Ray can place each stage.
 
 Every problem is collected, naming its field and where its value came from (the file, or a
@@ -54,7 +54,7 @@ def preflight(cfg: PipelineConfig, overrides: list[str] | None = None, config_pa
     `sources` as config_from_parameter returned them)."""
     found = Findings(sources or config_sources(config_path, overrides))
     positions = _model(cfg, found)
-    _teachers(cfg, found)
+    _named_models(cfg, found)
     _data(cfg, found)
     if positions is not None:
         _lengths(cfg, positions, found)
@@ -130,11 +130,13 @@ def _model(cfg: PipelineConfig, found: Findings) -> int | None:
     return _model_at("model.base", cfg.model.base, found)
 
 
-def _teachers(cfg: PipelineConfig, found: Findings) -> None:
-    """A distillation round's teacher that is no policy of the pipeline: a model that loads."""
+def _named_models(cfg: PipelineConfig, found: Findings) -> None:
+    """Models a round names by path: a distillation teacher that is no policy of the pipeline, a judge."""
     for i, r in enumerate(cfg.rounds):
         if r.teacher and r.teacher not in cfg.policies_before(i):
             _model_at(f"rounds.{i}.teacher", r.teacher, found)
+        if r.reward.uses_judge and r.reward.judge.model is not None:
+            _model_at(f"rounds.{i}.reward.judge.model", r.reward.judge.model, found)
 
 
 def _model_at(field: str, base: str, found: Findings) -> int | None:

@@ -27,7 +27,9 @@ def _round_needs(r) -> tuple[float, float, str]:
     scorers = min(scorers, 1) if r.colocate_reference_and_reward else scorers
     parts = [("actor", r.actor.placement.num_cpus, r.actor.placement.num_gpus, r.actor.num_workers),
              ("scorer_placement", r.scorer_placement.num_cpus, r.scorer_placement.num_gpus, scorers),
-             ("generation", g.placement.num_cpus, g.gpus_per_engine, r.num_rollout_engines)]
+             ("generation", g.placement.num_cpus, g.gpus_per_engine, r.num_rollout_engines),
+             ("reward.judge.generation", r.reward.judge.generation.placement.num_cpus,
+              r.reward.judge.generation.gpus_per_engine, int(r.reward.uses_judge))]
     if r.spec.critic:
         parts.append(("critic", r.critic.placement.num_cpus, r.critic.placement.num_gpus, r.critic.num_workers))
     cpus, what = sum(c * n for _, c, _, n in parts), ", ".join(f"{k} {n}x{c:g}" for k, c, _, n in parts if n)
@@ -52,9 +54,9 @@ def check_slots(cfg: PipelineConfig, found) -> None:
     if cfg.infra.ray_address:
         return
     stages = [(f"rounds.{i}", *_round_needs(r)) for i, r in enumerate(cfg.rounds)]
-    for name in ("sft", "reward_model"):
+    for name in ("sft", "reward_model", "judge"):
         t = getattr(cfg, name)
-        if t is not None and (name == "sft" or cfg.trains_reward_model):
+        if t is not None and (name != "reward_model" or cfg.trains_reward_model):
             p = t.placement
             stages.append((name, p.num_cpus * t.num_workers, p.num_gpus * t.num_workers,
                            f"{name}.num_workers={t.num_workers} x {name}.placement.num_cpus={p.num_cpus:g}"))

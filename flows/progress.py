@@ -17,7 +17,8 @@ from alignflow.tracking import Tracker
 from flows.report import opened_parent_runs
 
 KEY_METRICS = (("train/loss", "loss"), ("rl/reward/mean", "reward"), ("rl/kl", "kl"),
-               ("eval/accuracy", "accuracy"), ("eval/rm_pairwise_accuracy", "accuracy"))
+               ("eval/accuracy", "accuracy"), ("eval/rm_pairwise_accuracy", "accuracy"),
+               ("eval/judge_verdict_accuracy", "verdict accuracy"))
 TOKEN_LIMITS = (("data/max_prompt_tokens", "prompt tokens <="), ("data/max_response_tokens", "response tokens <="))
 
 

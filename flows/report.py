@@ -37,6 +37,7 @@ class PipelineReport(BaseModel):
     stage_states: dict[str, str]
     policies: dict[str, dict[str, float]]
     reward_model: dict[str, float] = {}
+    judge: dict[str, float] = {}
     kl_budgets: dict[str, float] = {}
     curves_uri: str | None = None  # the learning-curve PNGs under the storage root (flows/curves.py)
 
@@ -75,6 +76,10 @@ class PipelineReport(BaseModel):
             lines.append(f"reward model held-out pairwise accuracy: {self.reward_model['eval/rm_pairwise_accuracy']:.3f}")
         if bins := self.margin_bins():
             lines.append("reward model accuracy by |chosen - rejected| score gap: " + "  ".join(bins))
+        if "eval/judge_verdict_accuracy" in self.judge:
+            j = self.judge
+            lines.append(f"judge held-out verdict accuracy: {j['eval/judge_verdict_accuracy']:.3f} "
+                         f"({j['eval/judge_unparsed']:.0f} of {j['eval/judge_verdicts']:.0f} verdicts unparsed)")
         for name, budget in self.kl_budgets.items():
             kl = self.policies.get(name, {}).get("eval/kl_to_reference", float("nan"))
             verdict = "within" if kl <= budget else "OVER"
@@ -142,7 +147,7 @@ def wait_all(ctx: RunContext, futures: dict[str, Any]) -> tuple[dict[str, StageR
 def build_report(ctx: RunContext, plan: Plan, results: dict[str, StageResult],
                  states: dict[str, str]) -> PipelineReport:
     policies = {s.name.removeprefix("eval_"): results[s.name].metrics for s in plan.of_kind("evaluate_policy")}
-    rm_eval = plan.of_kind("evaluate_reward_model")
+    rm_eval, judge_eval = plan.of_kind("evaluate_reward_model"), plan.of_kind("evaluate_judge")
     return PipelineReport(
         mlflow_run_id=ctx.parent_run_id,
         mlflow_tracking_uri=ctx.infra.mlflow_tracking_uri,
@@ -152,6 +157,7 @@ def build_report(ctx: RunContext, plan: Plan, results: dict[str, StageResult],
         stage_states=states,
         policies=policies,
         reward_model=results[rm_eval[0].name].metrics if rm_eval else {},
+        judge=results[judge_eval[0].name].metrics if judge_eval else {},
         kl_budgets={s.name: s.config.round.kl.budget for s in plan.of_kind("rl_round") if s.name in policies},
     )
 

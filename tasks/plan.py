@@ -18,6 +18,9 @@ reference; the reward model only where a round uses it (or the pipeline
 has no rounds); a round takes only the inputs its algorithm's spec needs. A
 distillation round's teacher is an earlier policy of the pipeline, or a
 model of the user's committed by a `teacher_<i>` stage (kind base_model).
+A `judge` section trains a generative judge from SFT (opt-in); a round
+whose reward asks a judge takes it, or the model its reward.judge.model
+names (a `judge_model_<i>` stage).
 
 A stage's key digests its config, the keys of its inputs, the content
 fingerprints of the files, models and rule code its config names
@@ -35,6 +38,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, SerializeAsAny
 
 from alignflow.config import DataConfig, PipelineConfig, Section, cache_relevant
+from alignflow.config.judge import JudgeGeneration, JudgeRewardConfig
 from alignflow.errors import ConfigError
 from alignflow.fingerprint import Fingerprints, module_source
 from alignflow.seeds import derive_seed
@@ -156,6 +160,16 @@ def plan_pipeline(cfg: PipelineConfig) -> Plan:
         b.skipped["reward_model"] = ("the config has no reward_model section" if cfg.reward_model is None else
                                      "no round scores with it or starts a critic from it")
 
+    judge = None
+    if cfg.judge is not None:
+        judge = b.add("judge", "judge", r.JudgeStage(train=cfg.judge, io=io, seed=seed("judge")), data=data,
+                      init=reference)  # opt-in, like the preference stage: not "skipped" without it
+
+    def user_model(name: str, field: str, path: str) -> str:
+        """A model the config names by path (a teacher, a judge), committed by a base_model stage of its own."""
+        return b.add(name, "base_model", r.BaseModelStage(model=cfg.model.model_copy(update={"base": path}),
+                                                          seed=seed(name)), external={field: prints.of(path)})
+
     policies = {"base": base, **({"sft": reference} if reference != base else {})}  # label -> stage
     if cfg.preference is not None:
         pref = cfg.preference
@@ -178,17 +192,18 @@ def plan_pipeline(cfg: PipelineConfig) -> Plan:
             policy = policies[round_cfg.start_from]
         teacher = round_cfg.teacher
         if teacher and teacher not in policies:
-            teacher = b.add(f"teacher_{i}", "base_model", r.BaseModelStage(
-                model=cfg.model.model_copy(update={"base": teacher}), seed=seed(f"teacher_{i}")),
-                external={f"rounds.{i - 1}.teacher": prints.of(teacher)})
+            teacher = user_model(f"teacher_{i}", f"rounds.{i - 1}.teacher", teacher)
         elif teacher:
             teacher = policies[teacher]
+        judged = round_cfg.reward.judge.model
+        round_judge = None if not round_cfg.reward.uses_judge else judge if judged is None else user_model(
+            f"judge_model_{i}", f"rounds.{i - 1}.reward.judge.model", judged)
         external = {k: v for field, c in round_cfg.reward.source_fields(f"rounds.{i - 1}.reward") if c.source == "rule"
                     for k, v in _code(f"{field}.rule", c.rule, prints).items()}
         policy = b.add(f"round_{i}", "rl_round",
                        r.RoundStage(round=round_cfg.resolved(), io=io, seed=seed(f"round_{i}")),
                        external=external, data=data, policy=policy,
-                       reference=start if spec.reference else None, teacher=teacher,
+                       reference=start if spec.reference else None, teacher=teacher, judge=round_judge,
                        reward=reward if round_cfg.needs_reward_model else None)
         policies[policy] = policy
 
@@ -200,6 +215,12 @@ def plan_pipeline(cfg: PipelineConfig) -> Plan:
         for label, name in policies.items():
             b.add(f"eval_{label}", "evaluate_policy", eval_cfg, external=checker, data=data, policy=name,
                   reference=reference, reward=reward)
+        if judge:
+            e = cfg.evaluation.generation
+            b.add("eval_judge", "evaluate_judge", r.JudgeEvalStage(
+                judge=JudgeRewardConfig(template=cfg.judge.template, generation=JudgeGeneration(
+                    backend=e.backend, placement=e.placement, vllm=e.vllm)), io=io, seed=seed("eval_judge")),
+                  data=data, judge=judge)
         if reward:
             b.add("eval_reward_model", "evaluate_reward_model", r.RewardModelEvalStage(
                 io=io, scorer_placement=cfg.evaluation.scorer_placement,

@@ -20,8 +20,8 @@ from typing import Literal
 
 from pydantic import Field
 
-from alignflow.config import (DataConfig, EvalConfig, ModelConfig, Placement, PreferenceConfig, RewardModelConfig,
-                              RoundConfig, Section, SFTConfig)
+from alignflow.config import (DataConfig, EvalConfig, JudgeConfig, JudgeRewardConfig, ModelConfig, Placement,
+                              PreferenceConfig, RewardModelConfig, RoundConfig, Section, SFTConfig)
 from alignflow.records import StageResult
 
 # ---- what stages are given --------------------------------------------------------
@@ -64,6 +64,18 @@ class PreferenceReferenceStage(Section):
 
 class PreferenceStage(Section):
     train: PreferenceConfig
+    io: ModelIO
+    seed: int
+
+
+class JudgeStage(Section):
+    train: JudgeConfig
+    io: ModelIO
+    seed: int
+
+
+class JudgeEvalStage(Section):
+    judge: JudgeRewardConfig = Field(description="the template, parsing and engine a round's judge would use")
     io: ModelIO
     seed: int
 
@@ -120,6 +132,7 @@ class RoundInputs(Section):
     reference: StageResult | None = Field(None, description="the KL reference (algorithms that use one)")
     reward: StageResult | None = Field(None, description="the reward model (scoring, or a critic's start)")
     teacher: StageResult | None = Field(None, description="the teacher (algorithm distill)")
+    judge: StageResult | None = Field(None, description="the generative judge (a judge reward source)")
 
 
 class PolicyEvalInputs(Section):
@@ -127,6 +140,11 @@ class PolicyEvalInputs(Section):
     policy: StageResult
     reference: StageResult
     reward: StageResult | None = None
+
+
+class JudgeEvalInputs(Section):
+    data: StageResult
+    judge: StageResult
 
 
 class RewardModelEvalInputs(Section):
@@ -176,6 +194,9 @@ register_stage(StageKind(
     "reward_model", "reward_model", RewardModelStage, TrainInputs, "2", "tasks.train:reward_model",
     "Bradley-Terry reward model on preference pairs (DeepSpeed)"))
 register_stage(StageKind(
+    "judge", "judge", JudgeStage, TrainInputs, "1", "tasks.judge:judge",
+    "a generative judge: SFT on yes/no verdicts of the preference pairs (DeepSpeed)"))
+register_stage(StageKind(
     "preference_reference", "preference", PreferenceReferenceStage, PreferenceReferenceInputs, "1",
     "tasks.preference:preference_reference", "the reference's log-probabilities of every preference row, once"))
 register_stage(StageKind(
@@ -190,6 +211,9 @@ register_stage(StageKind(
 register_stage(StageKind(
     "evaluate_reward_model", "evaluation", RewardModelEvalStage, RewardModelEvalInputs, "2",
     "tasks.evaluate:evaluate_reward_model", "held-out pairwise accuracy of the reward model"))
+register_stage(StageKind(
+    "evaluate_judge", "evaluation", JudgeEvalStage, JudgeEvalInputs, "1", "tasks.judge:evaluate_judge",
+    "held-out verdict accuracy of the judge (both responses of each pair, greedy)"))
 
 
 def targets() -> list[str]:

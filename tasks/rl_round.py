@@ -46,6 +46,8 @@ def rl_round(stage: PlannedStage, inputs: RoundInputs, ctx: RunContext) -> Stage
             prompts=prompts, dtype=io.dtype, torch_threads=ctx.infra.torch_threads,
             attn_implementation=io.attn_implementation,
             max_model_len=model_len, seed=cfg.seed,
+            judge_path=ctx.ref(inputs.judge),
+            judge_max_model_len=models.max_positions(ctx.tokenizer_dir(inputs.judge)) if inputs.judge else None,
         )
         ensure_ray(ctx.infra)
         rl = RLRound(round_cfg, setup)

@@ -22,6 +22,7 @@ from pydantic import Field, field_validator, model_validator
 
 from alignflow.config.base import GenerationConfig, Placement, Section, TrainConfig
 from alignflow.config.data import DataConfig
+from alignflow.config.judge import JudgeConfig
 from alignflow.config.model import ModelConfig
 from alignflow.config.preference import PreferenceConfig, PreferenceLoss
 from alignflow.config.rl import ActorConfig, RoundConfig
@@ -131,6 +132,9 @@ class PipelineConfig(Section):
         "with reward.source rule or remote")
     preference: PreferenceConfig | None = Field(
         None, description="offline DPO/IPO/cDPO/KTO after SFT; rounds start from it; null: no preference stage")
+    judge: JudgeConfig | None = Field(
+        None, description="a generative judge trained on verdicts of the preference pairs (from SFT), for rounds "
+        "whose reward asks a judge; null: none")
     # The second round's critic, fresh from the reward model, learns values for 3 steps before the actor
     # (a low-entropy policy by then) moves: without, 4 of 5 asynchronous second rounds went wrong (README).
     rounds: list[RoundConfig] = Field(
@@ -170,6 +174,20 @@ class PipelineConfig(Section):
             if r.teacher == self.start_of(i):
                 raise ValueError(f"rounds.{i}.teacher: {r.teacher!r} is the policy round_{i + 1} starts from: "
                                  f"distilling a model into itself changes nothing (set rounds.{i}.start_from)")
+        return self
+
+    @model_validator(mode="after")
+    def _judge_where_needed(self) -> PipelineConfig:
+        for i, r in enumerate(self.rounds):
+            j = r.reward.judge
+            if not r.reward.uses_judge or j.model is not None:
+                continue
+            if self.judge is None:
+                raise ValueError(f"rounds.{i} asks the pipeline's judge (reward.judge.model is null) but the config "
+                                 f"has no judge section; add one (it trains a judge) or set rounds.{i}.reward.judge.model")
+            if j.template != self.judge.template:
+                raise ValueError(f"rounds.{i}.reward.judge.template differs from judge.template, which the "
+                                 f"pipeline's judge was trained with: {j.template!r} against {self.judge.template!r}")
         return self
 
     @model_validator(mode="after")

@@ -11,8 +11,9 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from alignflow.config.base import Section
+from alignflow.config.judge import JudgeRewardConfig
 
-Source = Literal["model", "rule", "remote"]
+Source = Literal["model", "rule", "remote", "judge"]
 # Metric names the reward shaping already logs under reward/ (engines/rl/experience.py, engines/rl/round.py).
 RESERVED_NAMES = ("mean", "std", "task_mean", "truncated", "clipped", "running_mean", "running_std")
 SOURCE_SETTINGS = ("source", "rule", "url", "timeout_s", "max_retries")
@@ -22,7 +23,8 @@ class RewardSourceConfig(Section):
     """One source of reward: the reward model, a rule or a service, weighted in a mix."""
 
     source: Source = Field(
-        "model", description="model: the trained reward model; rule: `rule`; remote: the service at `url`")
+        "model", description="model: the trained reward model; rule: `rule`; remote: the service at `url`; judge: "
+        "the round's generative judge (reward.judge)")
     weight: float = Field(1.0, description="its weight in the task reward, sum_k weight_k * reward_k")
     name: str | None = Field(None, description="its metric, reward/<name>; None: the source's name")
     rule: str = Field(
@@ -48,7 +50,8 @@ class RewardConfig(Section):
     """Where an RL round's rewards come from (one source, or `sources`), and how they are shaped."""
 
     source: Source = Field(
-        "model", description="model: the trained reward model; rule: reward.rule; remote: the service at reward.url")
+        "model", description="model: the trained reward model; rule: reward.rule; remote: the service at reward.url; "
+        "judge: a generative judge (reward.judge)")
     rule: str = Field(
         "alignflow.data.synthetic:rule_reward",
         description="import path of f(prompt, response, answer) -> float (source=rule)",
@@ -60,6 +63,8 @@ class RewardConfig(Section):
         None, description="a weighted mix instead of one source: [{source: rule, weight: 1.0}, {source: model, "
         "weight: 0.5}, ...], each component logged as reward/<name> (the source's name unless given); the task "
         "reward is sum_k weight_k * reward_k; None: the one source above")
+    judge: JudgeRewardConfig = Field(default_factory=JudgeRewardConfig,
+                                     description="the generative judge of a judge source (one per round)")
     overlong_buffer: int = Field(0, ge=0, description="DAPO soft overlong penalty buffer (0: off)")
     overlong_penalty: float = Field(1.0, ge=0, description="DAPO overlong penalty reached at max_new_tokens")
     normalize: bool = Field(
@@ -92,6 +97,8 @@ class RewardConfig(Section):
             raise ValueError(f"reward.sources: name {reserved[0]!r} is a reward metric of its own; choose another")
         if sum(c.source == "model" for c in self.sources) > 1:
             raise ValueError("reward.sources: one reward model per round (the pipeline trains one)")
+        if sum(c.source == "judge" for c in self.sources) > 1:
+            raise ValueError("reward.sources: one judge per round (its settings are reward.judge)")
         return self
 
     @property
@@ -101,6 +108,11 @@ class RewardConfig(Section):
             return list(self.sources)
         return [RewardSourceConfig(source=self.source, rule=self.rule, url=self.url, timeout_s=self.timeout_s,
                                    max_retries=self.max_retries)]
+
+    @property
+    def uses_judge(self) -> bool:
+        """Some component asks the generative judge."""
+        return any(c.source == "judge" for c in self.components)
 
     @property
     def uses_model(self) -> bool:

@@ -175,9 +175,7 @@ class RoundConfig(Section):
     scorer_placement: Placement = Field(default_factory=Placement, description="reference / reward / teacher actors")
     checkpoint_every: int = Field(10, ge=1, description="steps between resumable checkpoints")
 
-    @property
-    def spec(self) -> AlgorithmSpec:
-        return get_algorithm(self.algorithm)
+    spec = property(lambda self: get_algorithm(self.algorithm), doc="the algorithm's AlgorithmSpec")
 
     @property
     def needs_reward_model(self) -> bool:
@@ -287,6 +285,11 @@ class RoundConfig(Section):
                     "hold their memory, and refuses to start unless generation.vllm.gpu_memory_utilization (a "
                     f"share of the whole GPU, {self.generation.vllm.gpu_memory_utilization} by default) is free: "
                     "set it to the share vLLM may take for its weights and KV cache (configs/gpu-small.yaml: 0.3)")
+            j = self.reward.judge.generation
+            if (on_gpu and self.reward.uses_judge and j.backend == "vllm"
+                    and "gpu_memory_utilization" not in j.vllm.model_fields_set):
+                raise ValueError("colocate_all: the judge's vLLM engine shares the GPU too: set "
+                                 "reward.judge.generation.vllm.gpu_memory_utilization to its share")
             pinned = [name for name, p in (("generation.placement", self.generation.placement),
                                            ("critic.placement", self.critic.placement),
                                            ("scorer_placement", self.scorer_placement)) if p.resources]

@@ -37,6 +37,7 @@ from alignflow.config import RoundConfig
 from alignflow.seeds import derive_seed
 from engines.rl import experience
 from engines.rl.experience import Experience
+from engines.rl.judge import Judge
 from engines.rl.rewards import RemoteReward, RuleReward, ScoredText
 from engines.rl.round_models import RoundSetup, start_round_models
 from engines.rl.scoring import collect_scores, scorers_ahead, submit_scores
@@ -88,12 +89,16 @@ class RLRound:
         # Cheap checks first: nothing is started if the round cannot run.
         self.text_rewards = text_rewards(cfg)
         self.tokenizer = load_tokenizer(local_dir(setup.policy_path, skip=WEIGHT_FILES))
+        judge_tokenizer = (load_tokenizer(local_dir(setup.judge_path, skip=WEIGHT_FILES))
+                           if cfg.reward.uses_judge else None)
         n = len(setup.prompts)
         self.schedule = Schedule(rows=n, batch_size=min(cfg.prompts_per_step, n), total_steps=cfg.steps,
                                  seed=derive_seed(setup.seed, "prompts"))
         update_cls = UPDATES[cfg.spec.update]
         self.models = start_round_models(cfg, setup, update_cls.updates_per_step(cfg), update_cls.rows_per_update(cfg))
         self.update = update_cls(cfg, self.models, setup.seed)
+        self.judge = (Judge(self.models.judge, judge_tokenizer, cfg.reward.judge, setup.judge_max_model_len
+                            - cfg.reward.judge.generation.max_new_tokens) if judge_tokenizer is not None else None)
         # reward.normalize: statistics of every reward of the round so far (checkpointed)
         self.reward_stats = algos.RunningMeanStd() if cfg.reward.normalize else None
         # async_rollouts: the scorers that score each generation as it ends, beside the step training,
@@ -113,7 +118,8 @@ class RLRound:
         and services on text), each component's mean logged as reward/<name>; then normalisation,
         clipping and shaping (`experience.shape_rewards`), with their metrics."""
         parts: dict[str, torch.Tensor] = {}
-        if self.text_rewards:
+        judged: dict[str, float] = {}
+        if self.text_rewards or self.judge is not None:
             items = [ScoredText(self.tokenizer.decode(r.prompt_ids, skip_special_tokens=True), r.text,
                                 records[r.prompt_index].get("answer")) for r in rollouts]
             parts = {name: torch.tensor(fn(items), dtype=torch.float32) for name, fn in self.text_rewards.items()}
@@ -121,13 +127,16 @@ class RLRound:
         for c in r.components:
             if c.source == "model":
                 parts[c.label] = model_scores if model_scores is not None else self.models.model_rewards(exp.tensors())
+            elif c.source == "judge":
+                parts[c.label], judged = self.judge.score(items)
         task = sum(c.weight * parts[c.label].float() for c in r.components)
         shaped = experience.shape_rewards(
             task, exp.action_mask, exp.finished, max_new_tokens=self.cfg.generation.max_new_tokens,
             overlong_buffer=r.overlong_buffer, overlong_penalty=r.overlong_penalty,
             truncation_penalty=r.truncation_penalty, clip=r.clip, stats=self.reward_stats)
         self.reward_stats = shaped.stats
-        return shaped.rewards, task, {**shaped.metrics, **{f"reward/{k}": v.mean().item() for k, v in parts.items()}}
+        return shaped.rewards, task, {**shaped.metrics, **judged,
+                                      **{f"reward/{k}": v.mean().item() for k, v in parts.items()}}
 
     def _sampling(self) -> Sampling:
         g = self.cfg.generation

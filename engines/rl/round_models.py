@@ -6,6 +6,7 @@
                with LoRA on the actor in a round that starts from the reference: the actor, adapters off
     rewarder   ScorerActor (reward model)                      a reward source is the model
     engines    RolloutEngines (vLLM, or HF generate)           num_rollout_engines
+    judge      RolloutEngines of the judge model (one engine)  a reward source is the judge
 
 Reference and reward model share one scorer actor when colocated. What crosses an actor boundary
 is CPU tensors; the round never sees a model.
@@ -60,6 +61,8 @@ class RoundSetup:
     max_model_len: int
     seed: int  # the round's stage seed
     attn_implementation: str = "sdpa"  # model.attn_implementation
+    judge_path: Source | None = None  # the generative judge (a judge reward source)
+    judge_max_model_len: int | None = None  # the judge's positions
 
 
 @dataclass
@@ -70,6 +73,7 @@ class RoundModels:
     reference_from_actor: bool = False  # LoRA: the actor with its adapters disabled is the reference
     rewarder: object = None  # ScorerActor handle
     engines: RolloutEngines = field(default_factory=lambda: RolloutEngines([]))
+    judge: RolloutEngines = field(default_factory=lambda: RolloutEngines([]))  # its weights never change
     colocated: bool = False
     placement_group: object = None  # colocate_all: the round's one placement group
     bucket_bytes: int = field(default_factory=default_bucket_bytes)  # the weight transport's (generation.weight_bucket_mb)
@@ -177,6 +181,7 @@ class RoundModels:
         for a in {id(x): x for x in (self.reference, self.rewarder) if x is not None}.values():
             ray.kill(a)
         self.engines.shutdown()
+        self.judge.shutdown()
         if self.placement_group is not None:
             ray.util.remove_placement_group(self.placement_group)
             self.placement_group = None
@@ -241,6 +246,15 @@ def start_round_models(cfg: RoundConfig, setup: RoundSetup, updates_per_step: in
             for group in models._trainers():
                 group.wait_ready()
             ray.get([s.device_report.remote() for s in {models.reference, models.rewarder} - {None}])
+        if cfg.reward.uses_judge:
+            j, strategies = cfg.reward.judge.generation, None
+            if cfg.colocate_all:  # beside the scorers on bundle 0, awake throughout (its weights never change)
+                j = j.model_copy(update={"placement": j.placement.model_copy(update={"num_gpus": gpu_share(cfg)})})
+                strategies = [on_bundle(0, j.placement.num_cpus)["scheduling_strategy"]]
+            models.judge = start_engines(
+                j, setup.judge_path, count=1, seeds=[derive_seed(setup.seed, "judge")], dtype=setup.dtype,
+                torch_threads=setup.torch_threads, max_model_len=setup.judge_max_model_len,
+                attn_implementation=setup.attn_implementation, strategies=strategies)
         g, count = cfg.generation, cfg.num_rollout_engines
         placements = None
         if cfg.colocate_all:

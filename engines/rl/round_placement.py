@@ -46,9 +46,11 @@ def round_resources(cfg: RoundConfig) -> dict[str, float]:
     if cfg.colocate_all:
         parts = [({"GPU": 0.0, **b}, 1) for b in colocated_bundles(cfg)]
     else:
+        j = cfg.reward.judge.generation
         parts = [(_slots(cfg.actor.placement), cfg.actor.num_workers),
                  (_slots(cfg.scorer_placement), _scorers(cfg)),
-                 ({**_slots(g.placement), "GPU": g.gpus_per_engine}, cfg.num_rollout_engines)]
+                 ({**_slots(g.placement), "GPU": g.gpus_per_engine}, cfg.num_rollout_engines),
+                 ({**_slots(j.placement), "GPU": j.gpus_per_engine}, int(cfg.reward.uses_judge))]
         if cfg.spec.critic:
             parts.append((_slots(cfg.critic.placement), cfg.critic.num_workers))
     total: dict[str, float] = {"CPU": 0.0, "GPU": 0.0}
@@ -63,12 +65,13 @@ def _slots(p) -> dict[str, float]:
 
 
 def _kinds_on_bundle(cfg: RoundConfig, index: int) -> list[tuple[str, float]]:
-    """(kind, CPUs) of the actors that colocation puts on bundle `index`."""
+    """(kind, CPUs) of the actors that colocation puts on bundle `index` (the scorers and the judge's engine on 0)."""
     kinds = [("actor", cfg.actor.placement.num_cpus), ("engine", cfg.generation.placement.num_cpus)]
     if cfg.spec.critic:
         kinds.append(("critic", cfg.critic.placement.num_cpus))
     if index == 0:
         kinds += [("scorer", cfg.scorer_placement.num_cpus)] * _scorers(cfg)
+        kinds += [("judge", cfg.reward.judge.generation.placement.num_cpus)] * int(cfg.reward.uses_judge)
     return kinds
 
 

@@ -150,6 +150,13 @@ def test_a_missing_teacher_is_named_with_its_round(tmp_path):
                               f"where a hub is reachable) (from the command line: rounds=[")
 
 
+def test_a_missing_judge_is_named_with_its_round(tmp_path):
+    missing = tmp_path / "judge"
+    rounds = f'rounds=[{{"algorithm": "grpo", "reward": {{"source": "judge", "judge": {{"model": "{missing}"}}}}}}]'
+    [problem] = problems(None, rounds, f"infra.storage.root={tmp_path}")
+    assert problem.startswith(f"rounds.0.reward.judge.model: {missing} does not exist (a local model directory")
+
+
 def test_a_model_directory_without_config_json(tmp_path):
     (tmp_path / "m").mkdir()
     assert problems(None, f"model.base={tmp_path / 'm'}", f"infra.storage.root={tmp_path}") == [
@@ -335,7 +342,12 @@ def test_round_slots_equal_the_engines_count(tmp_path):
               {"algorithm": "grpo", "kl": {"coef": 0.0}, "reward": {"source": "rule"}},
               # a distillation round's teacher takes the reference's scorer, with no KL term
               {"algorithm": "distill", "teacher": "round_1", "start_from": "sft", "reward": {"source": "rule"},
-               "colocate_reference_and_reward": False}]
+               "colocate_reference_and_reward": False},
+              # a judge's engine, on a placement of its own and colocated
+              {"algorithm": "grpo", "reward": {"source": "judge", "judge": {"model": "/j", "generation": {
+                  "placement": {"num_cpus": 3}}}}},
+              {"algorithm": "grpo", "colocate_all": True, "reward": {"sources": [
+                  {"source": "rule"}, {"source": "judge"}], "judge": {"model": "/j"}}}]
     cfg = load_config(None, [f"rounds={json.dumps(rounds)}"])
     for r in cfg.rounds:
         cpu, gpu, _ = _round_needs(r)

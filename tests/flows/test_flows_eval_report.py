@@ -53,6 +53,14 @@ def test_table_shows_reward_model_accuracy_per_score_gap_bin():
                          "[0,0.5) 0.500 (n=2)  [0.5,1) - (n=0)  [1,2) 1.000 (n=2)  [2,inf) - (n=0)")
 
 
+def test_table_shows_the_judges_verdict_accuracy_and_its_unparsed_verdicts():
+    judge = {"eval/judge_verdict_accuracy": 0.955, "eval/judge_unparsed": 3.0, "eval/judge_verdicts": 400.0,
+             "eval/judge_overlong": 0.0}
+    lines = _report({"sft": {"eval/accuracy": 0.25}}, judge=judge).table().splitlines()
+    assert lines[-1] == "judge held-out verdict accuracy: 0.955 (3 of 400 verdicts unparsed)"
+    assert not any("judge" in line for line in _report({"sft": {"eval/accuracy": 0.25}}).table().splitlines())
+
+
 def test_the_metrics_reach_mlflow_under_the_stage_and_the_parent_run(tracker, tmp_path):
     from mlflow import MlflowClient
 

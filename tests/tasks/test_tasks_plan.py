@@ -294,3 +294,29 @@ def test_a_teacher_with_another_vocabulary_is_refused_naming_its_field(tmp_path)
     other.add_tokens(["<tool>"])
     with pytest.raises(ConfigError, match=r"rounds.2.teacher: its tokenizer is not the student's \(\d+ against \d+"):
         same_vocabulary(student, other, "rounds.2.teacher")
+
+
+JUDGED = '{"algorithm": "grpo", "reward": {"source": "judge"}}'
+
+
+def test_a_judge_section_plans_the_judge_from_sft_its_evaluation_and_the_rounds_that_ask_it():
+    plan = _plan("judge={}", f"rounds=[{JUDGED}, {GRPO_RULE}]")
+    s = plan.stages
+    assert s["judge"].inputs == {"data": "data", "init": "sft"}
+    assert s["round_1"].inputs["judge"] == "judge" and "judge" not in s["round_2"].inputs
+    assert s["eval_judge"].inputs == {"data": "data", "judge": "judge"}
+    assert "reward_model" not in s  # the judge is the round's only scorer of answers
+    changed = _keys(_plan('judge={"epochs": 2}', f"rounds=[{JUDGED}, {GRPO_RULE}]"))
+    assert {n for n, k in _keys(plan).items() if changed[n] != k} == {"judge", "eval_judge", "round_1",
+                                                                      "eval_round_1", "round_2", "eval_round_2"}
+
+
+def test_a_judge_of_the_users_is_committed_by_a_stage_of_its_own(tmp_path):
+    from alignflow.config import TinyModelConfig
+    from engines.models import build_tiny_model
+
+    judge = build_tiny_model(TinyModelConfig(), seed=4, out_dir=tmp_path / "judge")
+    rounds = f'rounds=[{{"algorithm": "grpo", "reward": {{"source": "judge", "judge": {{"model": "{judge}"}}}}}}]'
+    s = _plan(rounds, f"infra.storage.cache_dir={tmp_path / 'cache'}").stages
+    assert "judge" not in s and s["round_1"].inputs["judge"] == "judge_model_1"
+    assert s["judge_model_1"].kind == "base_model" and "rounds.0.reward.judge.model" in s["judge_model_1"].input_keys

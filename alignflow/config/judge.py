@@ -1,0 +1,92 @@
+"""Generative judges: the judge stage (a policy trained by SFT to give verdicts) and a round's judge reward.
+
+A judge reads `template` filled with the round's prompt, a response and the reference answer, and
+answers with a verdict. The judge stage trains on the preference pairs: the chosen response's
+verdict is `yes`, the rejected one's `no`. A round parses each verdict into a score (a regex whose
+first group is looked up in `scores` or read as a number, or a JSON object's `json_key`), averaging
+over `generation.num_samples` votes; a verdict that does not parse is counted and scores
+`unparsed_reward`.
+"""
+
+from __future__ import annotations
+
+import re
+import string
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from alignflow.config.base import GenerationConfig, Section, TrainConfig
+
+JUDGE_TEMPLATE = "{prompt} Answer: {response}. Right?"
+VERDICTS = {True: "yes", False: "no"}  # what the judge stage trains a right / wrong response's verdict to be
+PLACEHOLDERS = ("prompt", "response", "answer")
+
+
+def check_template(template: str) -> str:
+    """Only {prompt}, {response} and {answer}, each at most once, and {response} present."""
+    try:
+        names = [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
+    except ValueError as err:
+        raise ValueError(f"template {template!r} does not parse: {err}") from None
+    unknown = sorted(set(names) - set(PLACEHOLDERS))
+    if unknown:
+        raise ValueError(f"template {template!r} names {unknown}; it may use {{prompt}}, {{response}} and {{answer}}")
+    if "response" not in names:
+        raise ValueError(f"template {template!r} has no {{response}}: the judge would not see what it judges")
+    return template
+
+
+class JudgeConfig(TrainConfig):
+    """The judge stage: SFT of the SFT policy (or the base model) on verdicts of the preference pairs."""
+
+    template: str = Field(JUDGE_TEMPLATE, description="the judge's prompt: {prompt}, {response}, {answer}")
+
+    _template = field_validator("template")(classmethod(lambda cls, v: check_template(v)))
+
+
+class JudgeGeneration(GenerationConfig):
+    """How the judge's verdicts are sampled: greedy, one vote, a few tokens, by default."""
+
+    temperature: float = Field(0.0, ge=0, description="0: greedy; > 0 to sample several votes")
+    max_new_tokens: int = Field(4, ge=1, description="tokens of each verdict")
+    num_samples: int = Field(1, ge=1, description="votes per response, averaged (temperature > 0 for more than 1)")
+
+
+class JudgeRewardConfig(Section):
+    """A round's generative judge (reward.source: judge, or a `judge` component of reward.sources)."""
+
+    model: str | None = Field(
+        None, description="a judge checkpoint (directory or hub id); None: the pipeline's judge stage")
+    template: str = Field(JUDGE_TEMPLATE, description="the judge's prompt: {prompt}, {response}, {answer} (the "
+                          "pipeline's judge: its judge.template)")
+    parse: Literal["regex", "json"] = Field("regex", description="how a verdict becomes a score")
+    pattern: str = Field(r"^\s*(yes|no)\b", description="parse=regex: its first group is looked up in `scores`, "
+                         "else read as a number")
+    scores: dict[str, float] = Field(default_factory=lambda: {"yes": 1.0, "no": 0.0},
+                                     description="parse=regex: the score of each verdict word (case-insensitive)")
+    json_key: str = Field("score", description="parse=json: the key of the score in the verdict's JSON object")
+    unparsed_reward: float = Field(
+        0.0, description="the reward of a response none of whose verdicts parse (each counted: judge/unparsed)")
+    generation: JudgeGeneration = Field(default_factory=JudgeGeneration,
+                                        description="the judge's engines: backend, sampling, votes, placement")
+
+    _template = field_validator("template")(classmethod(lambda cls, v: check_template(v)))
+
+    @field_validator("pattern")
+    @classmethod
+    def _pattern(cls, pattern: str) -> str:
+        try:
+            groups = re.compile(pattern).groups
+        except re.error as err:
+            raise ValueError(f"pattern {pattern!r} is no regular expression: {err}") from None
+        if groups < 1:
+            raise ValueError(f"pattern {pattern!r} has no group: its first group is the verdict")
+        return pattern
+
+    @model_validator(mode="after")
+    def _votes(self) -> JudgeRewardConfig:
+        if self.generation.num_samples > 1 and self.generation.temperature == 0:
+            raise ValueError(f"{self.generation.num_samples} greedy votes are one vote repeated: set "
+                             f"generation.temperature > 0, or num_samples 1")
+        return self

@@ -1,0 +1,101 @@
+"""A generative judge as a reward source: a language model reads the round's prompt, a response and
+the reference answer through `reward.judge.template`, and its verdict becomes a score.
+
+The judge runs in rollout engines of its own (vLLM or HF, engines/rollout/actors.py) whose weights
+never change. `parse_verdict` is pure: a regex's first group looked up in the verdict words' scores
+(or read as a number), or a JSON object's key. A response none of whose verdicts parse scores
+`unparsed_reward`, and is counted: never a silent zero.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+from collections.abc import Sequence
+
+import torch
+
+from alignflow.config.judge import JudgeRewardConfig
+from engines.batches import render_prompt
+from engines.rl.rewards import ScoredText
+from engines.rollout.base import Sampling
+
+_JSON_OBJECT = re.compile(r"\{[^{}]*\}")
+
+
+def prompt_text(prompt: str | Sequence[dict]) -> str:
+    """A record's prompt as text: a string as it is, chat messages' contents one per line."""
+    if isinstance(prompt, str):
+        return prompt
+    return "\n".join(str(m.get("content", "")) for m in prompt)
+
+
+def judge_messages(template: str, item: ScoredText) -> list[dict]:
+    """The judge's prompt for one response, as one user message (rendered by the judge's chat template)."""
+    content = template.format(prompt=item.prompt, response=item.response, answer=item.answer or "")
+    return [{"role": "user", "content": content}]
+
+
+def parse_verdict(text: str, cfg: JudgeRewardConfig) -> float | None:
+    """A verdict's score, or None where it does not parse (no match, an unknown word, no finite number)."""
+    if cfg.parse == "json":
+        match = _JSON_OBJECT.search(text)
+        try:
+            value = float(json.loads(match.group())[cfg.json_key]) if match else None
+        except (ValueError, KeyError, TypeError):
+            return None
+    else:
+        match = re.search(cfg.pattern, text, flags=re.IGNORECASE)
+        if not match or match.group(1) is None:
+            return None
+        word = match.group(1).strip()
+        scores = {k.lower(): v for k, v in cfg.scores.items()}
+        try:
+            value = scores[word.lower()] if word.lower() in scores else float(word)
+        except ValueError:
+            return None
+    return value if value is not None and math.isfinite(value) else None
+
+
+class Judge:
+    """Scores (prompt, response, answer) items with a judge model in `engines` (a RolloutEngines)."""
+
+    def __init__(self, engines, tokenizer, cfg: JudgeRewardConfig, max_prompt_tokens: int):
+        self.engines, self.tokenizer, self.cfg, self.max_prompt_tokens = engines, tokenizer, cfg, max_prompt_tokens
+
+    def verdicts(self, items: list[ScoredText]) -> tuple[list[list[str]], int]:
+        """Each item's verdict texts (`generation.num_samples` of them; none for a judge prompt over the
+        judge's positions), and how many prompts were too long."""
+        g = self.cfg.generation
+        ids = [render_prompt(self.tokenizer, judge_messages(self.cfg.template, item)) for item in items]
+        fits = [i for i, x in enumerate(ids) if len(x) <= self.max_prompt_tokens]
+        texts: list[list[str]] = [[] for _ in items]
+        if fits:
+            sampling = Sampling(n=g.num_samples, temperature=g.temperature, top_p=g.top_p,
+                                max_new_tokens=g.max_new_tokens)
+            for r in self.engines.generate([ids[i] for i in fits], sampling):
+                texts[fits[r.prompt_index]].append(r.text)
+        return texts, len(items) - len(fits)
+
+    def score(self, items: list[ScoredText]) -> tuple[torch.Tensor, dict[str, float]]:
+        """(B,) scores: each item's parsed votes averaged, `unparsed_reward` where none parses; with metrics
+        judge/unparsed (verdicts that did not parse), judge/unscored (items given unparsed_reward),
+        judge/overlong (judge prompts over its positions, unscored too), judge/verdicts_per_s."""
+        start = time.perf_counter()
+        texts, overlong = self.verdicts(items)
+        scores, unparsed, unscored = [], 0, 0
+        for votes in texts:
+            parsed = [v for v in (parse_verdict(t, self.cfg) for t in votes) if v is not None]
+            unparsed += len(votes) - len(parsed)
+            if parsed:
+                scores.append(sum(parsed) / len(parsed))
+            else:
+                scores.append(self.cfg.unparsed_reward)
+                unscored += 1
+        seconds = time.perf_counter() - start
+        n_verdicts = sum(len(v) for v in texts)
+        metrics = {"judge/unparsed": float(unparsed), "judge/unscored": float(unscored),
+                   "judge/overlong": float(overlong), "judge/verdicts_per_s": n_verdicts / max(seconds, 1e-9)}
+        return torch.tensor(scores, dtype=torch.float32), metrics

@@ -1,0 +1,72 @@
+"""A generative judge's pure parts: its prompt, the verdict records the judge stage trains on, verdicts
+parsed into scores (malformed ones counted, never a silent zero), and its config's checks."""
+
+from __future__ import annotations
+
+import pytest
+
+from alignflow.config import ConfigError, load_config
+from alignflow.config.judge import JUDGE_TEMPLATE, JudgeRewardConfig
+from engines.rl.judge import judge_messages, parse_verdict, prompt_text
+from engines.rl.rewards import ScoredText
+from tasks.judge import judged_pairs, verdict_records
+
+
+@pytest.mark.parametrize("text, score", [
+    ("yes", 1.0), (" Yes.", 1.0), ("no", 0.0), ("NO!", 0.0), ("0.25", None), ("maybe", None), ("", None),
+    ("yesterday", None), ("the answer: yes", None),  # the default pattern reads the verdict's first word
+])
+def test_regex_verdicts_with_the_default_words(text, score):
+    assert parse_verdict(text, JudgeRewardConfig()) == score
+
+
+def test_regex_verdicts_read_as_numbers_where_no_word_matches():
+    cfg = JudgeRewardConfig(pattern=r"score:\s*([-\w.]+)", scores={"high": 1.0})
+    assert [parse_verdict(t, cfg) for t in ("score: 7", "Score: -0.5 of 10", "score: HIGH", "score: nan",
+                                            "score: inf", "score: x1", "no score")] == [7.0, -0.5, 1.0, None, None,
+                                                                                       None, None]
+
+
+def test_json_verdicts():
+    cfg = JudgeRewardConfig(parse="json", json_key="grade")
+    assert [parse_verdict(t, cfg) for t in ('{"grade": 3}', 'I think {"grade": "0.5", "why": "ok"} here',
+                                            '{"score": 1}', '{"grade": [1]}', '{"grade": 1', "")] == [
+        3.0, 0.5, None, None, None, None]
+
+
+def test_the_judge_prompt_and_the_verdicts_the_stage_trains_on():
+    record = {"prompt": [{"role": "user", "content": "Which digit is largest? 1 9 2"}], "chosen": "9", "rejected": "2",
+              "answer": "9"}
+    assert prompt_text(record["prompt"]) == "Which digit is largest? 1 9 2" and prompt_text("plain") == "plain"
+    [(chosen, right), (rejected, wrong)] = judged_pairs([record])
+    assert (chosen.response, right, rejected.response, wrong) == ("9", True, "2", False)
+    assert judge_messages(JUDGE_TEMPLATE, chosen) == [
+        {"role": "user", "content": "Which digit is largest? 1 9 2 Answer: 9. Right?"}]
+    assert judge_messages("{prompt}|{response}|{answer}", ScoredText("q", "r", None)) == [
+        {"role": "user", "content": "q|r|"}]
+    records = verdict_records([record], JUDGE_TEMPLATE)
+    assert [r["response"] for r in records] == ["yes", "no"]
+    assert records[1]["prompt"][0]["content"] == "Which digit is largest? 1 9 2 Answer: 2. Right?"
+
+
+@pytest.mark.parametrize("judge, message", [
+    ({"template": "{prompt} {verdict}"}, "names \\['verdict'\\]"),
+    ({"template": "{prompt} only"}, "has no \\{response\\}"),
+    ({"pattern": "yes|no"}, "has no group"),
+    ({"pattern": "(yes"}, "is no regular expression"),
+    ({"generation": {"num_samples": 3}}, "3 greedy votes are one vote repeated"),
+])
+def test_a_wrong_judge_config_is_named(judge, message):
+    rounds = f'rounds=[{{"algorithm": "grpo", "reward": {{"source": "judge", "judge": {judge!r}}}}}]'.replace("'", '"')
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, ["judge={}", rounds])
+
+
+def test_a_round_asking_the_pipelines_judge_needs_one_trained_with_its_template():
+    rounds = 'rounds=[{"algorithm": "grpo", "reward": {"source": "judge"}}]'
+    with pytest.raises(ConfigError, match="rounds.0 asks the pipeline's judge .* has no judge section"):
+        load_config(None, [rounds])
+    with pytest.raises(ConfigError, match="rounds.0.reward.judge.template differs from judge.template"):
+        load_config(None, ['judge={"template": "{prompt} = {response}?"}', rounds])
+    own = 'rounds=[{"algorithm": "grpo", "reward": {"source": "judge", "judge": {"model": "/some/judge"}}}]'
+    assert load_config(None, [own]).judge is None  # a judge of the user's needs no judge stage
