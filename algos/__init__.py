@@ -16,7 +16,7 @@ from .advantages import (
 )
 from .aggregate import LOSS_AGGREGATIONS, aggregate_loss, aggregate_weight
 from .dapo import dynamic_sampling_filter, group_mean_filter, overlong_penalty
-from .distill import distillation_token_rewards, reverse_kl_per_token
+from .distill import distillation_token_rewards, reverse_kl_per_token, topk_forward_kl
 from .entropy import entropy_bonus_loss, entropy_from_logits
 from .evaluation import (
     MarginBin,
@@ -130,6 +130,7 @@ __all__ = [
     "sequence_k1",
     "sequence_logprobs",
     "sequence_scores",
+    "topk_forward_kl",
     "truncation_penalty",
     "value_loss",
 ]

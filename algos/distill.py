@@ -48,3 +48,23 @@ def distillation_token_rewards(student_logprobs: Tensor, teacher_logprobs: Tenso
     Reference: Agarwal et al. 2024, GKD, arXiv 2306.13649 (on-policy, reverse KL on student samples).
     """
     return -reverse_kl_per_token(student_logprobs, teacher_logprobs, action_mask).detach()
+
+
+def topk_forward_kl(student_logprobs: Tensor, teacher_topk_logprobs: Tensor) -> Tensor:
+    """Offline distillation's loss at each position: the forward KL from the teacher's top-k, renormalised,
+    to the student.
+
+    Formula, with ``t_k`` the teacher's log-probs of its k most likely tokens and ``s_k`` the student's
+    (full-vocabulary) log-probs of the same tokens: ``q_k = softmax(t)_k`` (the top-k renormalised) and
+    ``KL(q || p_S) = sum_k q_k (log q_k - s_k)``. q is 0 outside the top-k, so this is the KL of q to the
+    student's whole distribution: it is 0 exactly when the student puts the teacher's renormalised
+    top-k probabilities on those tokens (and so nothing elsewhere).
+
+    Shapes: ``student_logprobs``, ``teacher_topk_logprobs`` ``(..., K)``; returns ``(...)`` float32.
+
+    Reference: Hinton et al. 2015, arXiv 1503.02531 (distillation on the teacher's distribution);
+    sparse top-k targets as in Agarwal et al. 2024, arXiv 2306.13649 (GKD, the supervised case).
+    """
+    _check_same_shape(student_logprobs=student_logprobs, teacher_topk_logprobs=teacher_topk_logprobs)
+    log_q = torch.log_softmax(teacher_topk_logprobs.float(), dim=-1)
+    return (log_q.exp() * (log_q - student_logprobs.float())).sum(-1)

@@ -15,12 +15,10 @@ tokens and settles the prompt and response limits every later stage uses.
 Which stages exist follows from the config (alignflow/config/pipeline.py):
 no `sft` section, and rounds start from the base model, which is then the
 reference; the reward model only where a round uses it (or the pipeline
-has no rounds); a round takes only the inputs its algorithm's spec needs. A
-distillation round's teacher is an earlier policy of the pipeline, or a
-model of the user's committed by a `teacher_<i>` stage (kind base_model).
-A `judge` section trains a generative judge from SFT (opt-in); a round
-whose reward asks a judge takes it, or the model its reward.judge.model
-names (a `judge_model_<i>` stage).
+has no rounds); a round takes only the inputs its algorithm's spec needs.
+Opt-in: a `judge` (from SFT) for rounds whose reward asks it; offline
+`distill` (from SFT) after a cached `distill_teacher`. A teacher or judge
+the config names by path is committed by a base_model stage of its own.
 
 A stage's key digests its config, the keys of its inputs, the content
 fingerprints of the files, models and rule code its config names
@@ -181,20 +179,15 @@ def plan_pipeline(cfg: PipelineConfig) -> Plan:
         policies[pref.loss] = start
     else:  # opt-in, like the rounds: not "skipped"
         start = reference
-    # Rounds start from the preference policy where there is one, and keep it as their KL reference;
-    # evaluation measures every policy's KL to SFT (or the base model).
-    # A round may instead start from any earlier policy (`start_from`), and a distillation round takes a
-    # teacher: an earlier policy, wired as an input, or a model of the user's, committed as a stage of its own.
+    # Rounds start from the preference policy where there is one (or `start_from`), and keep it as their KL
+    # reference; evaluation measures every policy's KL to SFT (or the base model).
     policy = start
     for i, round_cfg in enumerate(cfg.rounds, start=1):
         spec = round_cfg.spec
         if round_cfg.start_from:
             policy = policies[round_cfg.start_from]
-        teacher = round_cfg.teacher
-        if teacher and teacher not in policies:
-            teacher = user_model(f"teacher_{i}", f"rounds.{i - 1}.teacher", teacher)
-        elif teacher:
-            teacher = policies[teacher]
+        teacher = round_cfg.teacher and (policies.get(round_cfg.teacher)
+                                         or user_model(f"teacher_{i}", f"rounds.{i - 1}.teacher", round_cfg.teacher))
         judged = round_cfg.reward.judge.model
         round_judge = None if not round_cfg.reward.uses_judge else judge if judged is None else user_model(
             f"judge_model_{i}", f"rounds.{i - 1}.reward.judge.model", judged)
@@ -206,6 +199,15 @@ def plan_pipeline(cfg: PipelineConfig) -> Plan:
                        reference=start if spec.reference else None, teacher=teacher, judge=round_judge,
                        reward=reward if round_cfg.needs_reward_model else None)
         policies[policy] = policy
+
+    if cfg.distill is not None:  # after the rounds: its teacher may be one
+        d = cfg.distill
+        teacher = policies.get(d.teacher) or user_model("distill_teacher_model", "distill.teacher", d.teacher)
+        cached = b.add("distill_teacher", "distill_teacher", r.DistillTeacherStage(
+            io=io, top_k=d.top_k, placement=d.placement, micro_batch_size=d.micro_batch_size),
+            data=data, student=reference, teacher=teacher)
+        policies["distill"] = b.add("distill", "offline_distill", r.OfflineDistillStage(
+            train=d, io=io, seed=seed("distill")), data=data, init=reference, teacher=cached)
 
     if cfg.evaluation is None:
         b.skipped["evaluation"] = "the config has no evaluation section"

@@ -20,8 +20,8 @@ from typing import Literal
 
 from pydantic import Field
 
-from alignflow.config import (DataConfig, EvalConfig, JudgeConfig, JudgeRewardConfig, ModelConfig, Placement,
-                              PreferenceConfig, RewardModelConfig, RoundConfig, Section, SFTConfig)
+from alignflow.config import (DataConfig, EvalConfig, JudgeConfig, JudgeRewardConfig, ModelConfig,
+                              OfflineDistillConfig, Placement, PreferenceConfig, RewardModelConfig, RoundConfig, Section, SFTConfig)
 from alignflow.records import StageResult
 
 # ---- what stages are given --------------------------------------------------------
@@ -76,6 +76,19 @@ class JudgeStage(Section):
 
 class JudgeEvalStage(Section):
     judge: JudgeRewardConfig = Field(description="the template, parsing and engine a round's judge would use")
+    io: ModelIO
+    seed: int
+
+
+class DistillTeacherStage(Section):
+    io: ModelIO
+    top_k: int
+    placement: Placement
+    micro_batch_size: int | None
+
+
+class OfflineDistillStage(Section):
+    train: OfflineDistillConfig
     io: ModelIO
     seed: int
 
@@ -142,6 +155,18 @@ class PolicyEvalInputs(Section):
     reward: StageResult | None = None
 
 
+class DistillTeacherInputs(Section):
+    data: StageResult
+    student: StageResult = Field(description="the policy distillation starts from: its tokenizer renders the rows")
+    teacher: StageResult
+
+
+class OfflineDistillInputs(Section):
+    data: StageResult
+    init: StageResult = Field(description="the model training starts from (SFT)")
+    teacher: StageResult = Field(description="the teacher's cached top-k log-probs of the SFT rows (distill_teacher)")
+
+
 class JudgeEvalInputs(Section):
     data: StageResult
     judge: StageResult
@@ -196,6 +221,12 @@ register_stage(StageKind(
 register_stage(StageKind(
     "judge", "judge", JudgeStage, TrainInputs, "1", "tasks.judge:judge",
     "a generative judge: SFT on yes/no verdicts of the preference pairs (DeepSpeed)"))
+register_stage(StageKind(
+    "distill_teacher", "distill", DistillTeacherStage, DistillTeacherInputs, "1", "tasks.distill:distill_teacher",
+    "the teacher's top-k next-token log-probs at every response position of the SFT rows, once"))
+register_stage(StageKind(
+    "offline_distill", "distill", OfflineDistillStage, OfflineDistillInputs, "1", "tasks.distill:distill",
+    "SFT trained toward the teacher's cached distributions: KL from its renormalised top-k (DeepSpeed)"))
 register_stage(StageKind(
     "preference_reference", "preference", PreferenceReferenceStage, PreferenceReferenceInputs, "1",
     "tasks.preference:preference_reference", "the reference's log-probabilities of every preference row, once"))

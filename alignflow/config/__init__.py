@@ -33,6 +33,7 @@ from alignflow.config.pipeline import (
     SFTConfig,
     StorageConfig,
 )
+from alignflow.config.distill import OfflineDistillConfig
 from alignflow.config.judge import JudgeConfig, JudgeRewardConfig
 from alignflow.config.preference import PreferenceConfig
 from alignflow.config.rl import (
@@ -51,7 +52,7 @@ from alignflow.errors import ConfigError
 __all__ = [
     "DEFAULT_CONFIG", "RESOURCE_FIELDS", "ActorConfig", "ConfigError", "CriticConfig", "DataConfig",
     "DatasetSource", "EngineConfig", "EvalConfig", "GenerationConfig", "InfraConfig", "JudgeConfig", "JudgeRewardConfig", "KLConfig", "LoraConfig", "ModelConfig",
-    "OnlineDPOConfig", "PPOConfig", "PipelineConfig", "PreferenceConfig", "Placement", "RejectionSamplingConfig", "RewardConfig", "RewardModelConfig",
+    "OfflineDistillConfig", "OnlineDPOConfig", "PPOConfig", "PipelineConfig", "PreferenceConfig", "Placement", "RejectionSamplingConfig", "RewardConfig", "RewardModelConfig",
     "RolloutConfig", "RoundConfig", "SFTConfig", "Section", "StorageConfig", "SyntheticTaskConfig",
     "TinyModelConfig", "TrainConfig", "VLLMConfig", "apply_overrides", "cache_relevant", "config_from_parameter", "default_config_path", "load_config",
     "parse_override", "resolve_paths", "validate_config",

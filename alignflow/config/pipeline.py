@@ -22,6 +22,7 @@ from pydantic import Field, field_validator, model_validator
 
 from alignflow.config.base import GenerationConfig, Placement, Section, TrainConfig
 from alignflow.config.data import DataConfig
+from alignflow.config.distill import OfflineDistillConfig
 from alignflow.config.judge import JudgeConfig
 from alignflow.config.model import ModelConfig
 from alignflow.config.preference import PreferenceConfig, PreferenceLoss
@@ -132,6 +133,9 @@ class PipelineConfig(Section):
         "with reward.source rule or remote")
     preference: PreferenceConfig | None = Field(
         None, description="offline DPO/IPO/cDPO/KTO after SFT; rounds start from it; null: no preference stage")
+    distill: OfflineDistillConfig | None = Field(
+        None, description="offline distillation of a teacher into SFT on the SFT data (its own policy, `distill`); "
+        "null: none")
     judge: JudgeConfig | None = Field(
         None, description="a generative judge trained on verdicts of the preference pairs (from SFT), for rounds "
         "whose reward asks a judge; null: none")
@@ -174,6 +178,21 @@ class PipelineConfig(Section):
             if r.teacher == self.start_of(i):
                 raise ValueError(f"rounds.{i}.teacher: {r.teacher!r} is the policy round_{i + 1} starts from: "
                                  f"distilling a model into itself changes nothing (set rounds.{i}.start_from)")
+        return self
+
+    @model_validator(mode="after")
+    def _distill_teacher(self) -> PipelineConfig:
+        if self.distill is None:
+            return self
+        if self.sft is None:
+            raise ValueError("distill trains SFT's policy toward the teacher on the SFT data: it needs the sft section")
+        known, teacher = self.policies_before(len(self.rounds)), self.distill.teacher
+        if teacher not in known and POLICY_NAME.fullmatch(teacher):
+            raise ValueError(f"distill.teacher: {teacher!r} names no policy of this pipeline (those are "
+                             f"{', '.join(known)}); anything else is taken as a model directory or hub id")
+        if teacher == "sft":
+            raise ValueError("distill.teacher: 'sft' is the policy the distill stage starts from: distilling a "
+                             "model into itself changes nothing")
         return self
 
     @model_validator(mode="after")

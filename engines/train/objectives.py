@@ -11,11 +11,12 @@ from collections.abc import Callable
 
 import torch
 
+from algos.distill import topk_forward_kl
 from algos.gspo import gspo_policy_loss
 from algos.policy_loss import ppo_policy_loss
 from algos.preference import pairwise_reward_loss
 from algos.sequence import sft_loss
-from engines.train.logits import masked_next_token_logprobs, response_logprobs_and_entropy, unwrap
+from engines.train.logits import final_hidden, masked_next_token_logprobs, response_logprobs_and_entropy, unwrap
 
 
 def causal_lm_objective(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
@@ -24,6 +25,21 @@ def causal_lm_objective(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Te
     logprobs = masked_next_token_logprobs(model, batch, batch["loss_mask"])
     mask = batch["loss_mask"][:, 1:]
     loss = sft_loss(logprobs, mask)
+    return loss, {"loss": loss.item(), "response_length": (float(mask.sum()), float(mask.shape[0]))}
+
+
+def topk_distill_objective(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+    """Offline distillation: at each response position (loss_mask over input_ids), `algos.topk_forward_kl`
+    from the teacher's top-k (batch["teacher_ids"], batch["teacher_logprobs"]: (B, L-1, K), the next-token
+    layout) to the student's log-softmax over its whole vocabulary, averaged over the response tokens.
+    The output layer runs on the response positions alone. Metrics: loss, response_length."""
+    mask = batch["loss_mask"][:, 1:] > 0
+    rows, positions = mask.nonzero(as_tuple=True)
+    hidden = final_hidden(model, batch)[rows, positions]
+    logits = unwrap(model).get_output_embeddings()(hidden).float()
+    student = torch.log_softmax(logits, dim=-1).gather(-1, batch["teacher_ids"][rows, positions].long())
+    kl = topk_forward_kl(student, batch["teacher_logprobs"][rows, positions])
+    loss = kl.sum() / max(len(kl), 1)
     return loss, {"loss": loss.item(), "response_length": (float(mask.sum()), float(mask.shape[0]))}
 
 

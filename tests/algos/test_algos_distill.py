@@ -49,3 +49,29 @@ def test_padding_gets_no_signal_and_a_teacher_that_prefers_the_token_rewards_it(
 def test_shapes_must_agree():
     with pytest.raises(ValueError):
         algos.reverse_kl_per_token(torch.zeros(2, 3), torch.zeros(2, 4), torch.ones(2, 3))
+
+
+def test_the_top_k_loss_is_the_kl_from_the_renormalised_teacher_worked_by_hand():
+    # Teacher: top-2 tokens of probability 0.6 and 0.2 (renormalised: 0.75, 0.25). Student: 0.5 and 0.25.
+    teacher = torch.tensor([[math.log(0.6), math.log(0.2)]])
+    student = torch.tensor([[math.log(0.5), math.log(0.25)]])
+    expected = 0.75 * math.log(0.75 / 0.5) + 0.25 * math.log(0.25 / 0.25)
+    assert algos.topk_forward_kl(student, teacher).tolist() == pytest.approx([expected])
+    # A student that matches the renormalised top-k exactly has none left to learn, whatever the scale.
+    assert algos.topk_forward_kl(torch.log(torch.tensor([[0.75, 0.25]])), teacher).item() == pytest.approx(0.0, abs=1e-7)
+    # A student putting mass elsewhere pays for it even where its top-k ratio is right.
+    assert algos.topk_forward_kl(torch.log(torch.tensor([[0.3, 0.1]])), teacher).item() == pytest.approx(math.log(2.5))
+
+
+def test_the_top_k_loss_pulls_a_student_toward_the_teacher():
+    teacher = torch.log(torch.tensor([[0.7, 0.2, 0.1]]))
+    logits = torch.zeros(1, 5, requires_grad=True)  # a uniform student over a vocabulary of 5
+    top = torch.tensor([[0, 1, 2]])
+    for _ in range(300):
+        loss = algos.topk_forward_kl(torch.log_softmax(logits, -1).gather(-1, top), teacher).sum()
+        loss.backward()
+        with torch.no_grad():
+            logits -= 0.5 * logits.grad
+            logits.grad = None
+    probs = torch.softmax(logits, -1)[0]
+    assert probs[:3].tolist() == pytest.approx([0.7, 0.2, 0.1], abs=0.02) and probs[3:].sum() < 0.02

@@ -29,7 +29,8 @@ PREFECT = str(Path(sys.executable).with_name("prefect"))
 EXPECTED = {
     "alignflow-scheduled-pipeline/nightly", "alignflow-scheduled-pipeline/pipeline",
     "alignflow-stage/data", "alignflow-stage/base-model", "alignflow-stage/sft", "alignflow-stage/reward-model",
-    "alignflow-stage/preference", "alignflow-stage/judge", "alignflow-stage/rl-rounds", "alignflow-stage/evaluation",
+    "alignflow-stage/preference", "alignflow-stage/judge", "alignflow-stage/distill",
+    "alignflow-stage/rl-rounds", "alignflow-stage/evaluation",
 }
 
 
@@ -75,7 +76,8 @@ def test_prefect_yaml_deploys_and_nightly_is_scheduled(prefect_server):
         out = _run([PREFECT, "deployment", "inspect", name, "--output", "json"], env).stdout
         deployments[name] = json.loads(out[out.index("{"):])
     files = {"alignflow-scheduled-pipeline/nightly": "deployments/configs/nightly.yaml",
-             "alignflow-stage/preference": "configs/dpo.yaml", "alignflow-stage/judge": "configs/judge.yaml"}
+             "alignflow-stage/preference": "configs/dpo.yaml", "alignflow-stage/judge": "configs/judge.yaml",
+             "alignflow-stage/distill": "configs/distill.yaml"}
     for name, d in deployments.items():
         assert d["work_pool_name"] == "alignflow-process", name
         assert d["pull_steps"] == [{"prefect.deployments.steps.set_working_directory": {"directory": str(REPO)}}]

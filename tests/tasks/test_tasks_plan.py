@@ -320,3 +320,30 @@ def test_a_judge_of_the_users_is_committed_by_a_stage_of_its_own(tmp_path):
     s = _plan(rounds, f"infra.storage.cache_dir={tmp_path / 'cache'}").stages
     assert "judge" not in s and s["round_1"].inputs["judge"] == "judge_model_1"
     assert s["judge_model_1"].kind == "base_model" and "rounds.0.reward.judge.model" in s["judge_model_1"].input_keys
+
+
+def test_offline_distillation_caches_its_teacher_apart_from_its_training():
+    rounds = f"rounds=[{PPO}, {PPO}]"
+    plan = _plan(rounds, 'distill={"teacher": "round_2"}')
+    s = plan.stages
+    assert s["distill_teacher"].inputs == {"data": "data", "student": "sft", "teacher": "round_2"}
+    assert s["distill"].inputs == {"data": "data", "init": "sft", "teacher": "distill_teacher"}
+    assert s["eval_distill"].inputs["policy"] == "distill"
+    assert {"round_2", "distill_teacher", "distill"} <= set(plan.upto("distill").stages)
+    base = _keys(plan)
+    lr = _keys(_plan(rounds, 'distill={"teacher": "round_2", "learning_rate": 0.01}'))
+    assert {n for n in base if base[n] != lr[n]} == {"distill", "eval_distill"}  # the teacher is not run again
+    k = _keys(_plan(rounds, 'distill={"teacher": "round_2", "top_k": 5}'))
+    assert {n for n in base if base[n] != k[n]} == {"distill_teacher", "distill", "eval_distill"}
+    other = _keys(_plan(rounds, 'distill={"teacher": "round_1"}'))
+    assert other["distill_teacher"] != base["distill_teacher"]
+
+
+@pytest.mark.parametrize("distill, message", [
+    ('{"teacher": "round_3"}', "distill.teacher: 'round_3' names no policy of this pipeline"),
+    ('{"teacher": "sft"}', "'sft' is the policy the distill stage starts from"),
+    ('{"teacher": "round_1", "packing": true}', "leave packing off"),
+])
+def test_a_wrong_offline_distillation_is_named(distill, message):
+    with pytest.raises(ConfigError, match=message):
+        _plan(f"rounds=[{PPO}]", f"distill={distill}")

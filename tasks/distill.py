@@ -1,0 +1,94 @@
+"""distill_teacher, distill: offline distillation of a teacher into the SFT policy on the SFT data.
+
+distill_teacher runs the teacher once over the SFT split (as the student's tokenizer renders it) and
+keeps its top-k next-token log-probs at every response position; it is cached per data, teacher and k,
+so that a change of the student's training settings does not run the teacher again. distill then
+fine-tunes SFT on the same rows toward them (engines/train/objectives.py topk_distill_objective).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from alignflow.cluster import ensure_ray
+from alignflow.errors import ConfigError
+from alignflow.records import StageResult
+from engines import batches, models
+from engines.rl.scoring import scoring
+from engines.train import objectives
+from engines.train.logits import final_hidden, unwrap
+from tasks.context import RunContext, StageOutput, compute_stage
+from tasks.data import load_split, token_limits
+from tasks.plan import PlannedStage
+from tasks.registry import DistillTeacherInputs, DistillTeacherStage, OfflineDistillInputs
+from tasks.rl_round import same_vocabulary
+from tasks.train import train_stage
+
+TEACHER_FILE = "teacher_topk.safetensors"
+POSITIONS_PER_HEAD_CALL = 1024  # the output layer's rows at once: (rows, vocabulary) float32 logits
+
+
+@torch.no_grad()
+def teacher_topk(model, batch: dict[str, torch.Tensor], *, k: int) -> torch.Tensor:
+    """The teacher's k most likely next tokens at each response position: (B, L-1, k, 2), [..., 0] their
+    log-probs and [..., 1] their ids (as floats: exact below 2^24), zeros elsewhere."""
+    mask = batch["loss_mask"][:, 1:] > 0
+    rows, positions = mask.nonzero(as_tuple=True)
+    hidden = final_hidden(model, batch)[rows, positions]
+    head = unwrap(model).get_output_embeddings()
+    out = torch.zeros(*mask.shape, k, 2, device=hidden.device)
+    for i in range(0, len(rows), POSITIONS_PER_HEAD_CALL):
+        part = slice(i, i + POSITIONS_PER_HEAD_CALL)
+        top = torch.log_softmax(head(hidden[part]).float(), dim=-1).topk(k, dim=-1)
+        out[rows[part], positions[part]] = torch.stack([top.values, top.indices.float()], dim=-1)
+    return out
+
+
+def _sft_rows(tokenizer, data: StageResult, ctx: RunContext):
+    limits = token_limits(data)
+    return batches.sft_tensors(tokenizer, load_split(data, ctx, "sft"), limits.prompt, limits.response)
+
+
+def distill_teacher(stage: PlannedStage, inputs: DistillTeacherInputs, ctx: RunContext) -> StageResult:
+    cfg: DistillTeacherStage = stage.config
+
+    def compute(output: StageOutput, run) -> dict[str, float]:
+        from safetensors.torch import save_file
+
+        student = models.load_tokenizer(ctx.tokenizer_dir(inputs.student))
+        same_vocabulary(student, models.load_tokenizer(ctx.tokenizer_dir(inputs.teacher)), "distill.teacher")
+        tensors, report = _sft_rows(student, inputs.data, ctx)
+        run.log_metrics(report.as_metrics("sft"))
+        p = cfg.placement
+        if p.num_gpus:
+            ensure_ray(ctx.infra)
+        with scoring(ctx.ref(inputs.teacher), None, num_cpus=p.num_cpus, num_gpus=p.num_gpus, resources=p.resources,
+                     dtype=cfg.io.dtype, torch_threads=ctx.infra.torch_threads,
+                     attn_implementation=cfg.io.attn_implementation, micro_batch_size=cfg.micro_batch_size) as call:
+            top = call("reference_map", tensors, functools.partial(teacher_topk, k=cfg.top_k))
+        save_file({"logprobs": top[..., 0].float().contiguous(), "ids": top[..., 1].to(torch.int32).contiguous()},
+                  str(output.dir / TEACHER_FILE))
+        mask = tensors["loss_mask"][:, 1:] > 0
+        kept = top[..., 0].exp().sum(-1)[mask]  # the teacher's probability mass in its top-k, per position
+        return {"distill/rows": float(mask.shape[0]), "distill/positions": float(mask.sum()),
+                "distill/teacher_topk_mass": kept.mean().item() if len(kept) else 0.0}
+
+    return compute_stage(ctx, stage, compute)
+
+
+def distill(stage: PlannedStage, inputs: OfflineDistillInputs, ctx: RunContext) -> StageResult:
+    """SFT's policy trained toward the cached teacher distributions, row for row."""
+    from safetensors.torch import load_file
+
+    def to_tensors(tokenizer, records, limits):
+        tensors, report = batches.sft_tensors(tokenizer, records, limits.prompt, limits.response)
+        cached = load_file(str(ctx.storage().fetch(inputs.teacher.uri) / TEACHER_FILE))
+        if cached["ids"].shape[:2] != tensors["loss_mask"][:, 1:].shape:
+            raise ConfigError(f"{stage.name}: the teacher's cached rows {tuple(cached['ids'].shape[:2])} are not the "
+                              f"SFT rows {tuple(tensors['loss_mask'][:, 1:].shape)}; rerun distill_teacher")
+        return {**tensors, "teacher_ids": cached["ids"].long(), "teacher_logprobs": cached["logprobs"]}, report
+
+    return train_stage(stage, inputs, ctx, kind="causal", split="sft", objective=objectives.topk_distill_objective,
+                       weigh=objectives.response_tokens, paired=False, to_tensors=to_tensors)

@@ -1,0 +1,78 @@
+"""Offline distillation's two halves on real tiny models, without Ray: the teacher's cached top-k at the
+response positions, and the student's objective on them, each against a plain recomputation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.engine
+
+
+@pytest.fixture(scope="module")
+def rows(tokenizer):
+    from alignflow.config import SyntheticTaskConfig
+    from alignflow.data import synthetic
+    from engines.batches import sft_tensors
+
+    data = synthetic.generate(SyntheticTaskConfig(num_sft=6, num_preference=1, num_eval=1, num_rl_prompts=1), seed=0)
+    tensors, _ = sft_tensors(tokenizer, data["sft"], 64, 4)
+    return tensors
+
+
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory):
+    from alignflow.config import TinyModelConfig
+    from engines.models import build_tiny_model, load_policy
+
+    return load_policy(build_tiny_model(TinyModelConfig(), seed=1, out_dir=tmp_path_factory.mktemp("teacher"))).eval()
+
+
+def _plain_logprobs(model, batch) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.log_softmax(model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+                                 .logits[:, :-1].float(), dim=-1)
+
+
+def test_the_teacher_keeps_its_top_k_at_the_response_positions_alone(teacher, rows):
+    from tasks.distill import teacher_topk
+
+    top = teacher_topk(teacher, rows, k=5)
+    full = _plain_logprobs(teacher, rows)
+    mask = rows["loss_mask"][:, 1:] > 0
+    assert top.shape == (*mask.shape, 5, 2) and 0 < mask.sum() < mask.numel()
+    values, ids = full.topk(5, dim=-1)
+    torch.testing.assert_close(top[..., 0][mask], values[mask], atol=1e-5, rtol=0)
+    assert torch.equal(top[..., 1][mask].long(), ids[mask])
+    assert not top[~mask].any()
+
+
+def test_the_students_loss_is_the_kl_from_the_renormalised_top_k_and_falls_as_it_trains(tiny_model, teacher, rows):
+    from engines.models import load_policy
+    from engines.train.objectives import topk_distill_objective
+    from tasks.distill import teacher_topk
+
+    top = teacher_topk(teacher, rows, k=5)
+    batch = {**rows, "teacher_ids": top[..., 1].long(), "teacher_logprobs": top[..., 0]}
+    student = load_policy(tiny_model)
+    mask = rows["loss_mask"][:, 1:] > 0
+    loss, metrics = topk_distill_objective(student, batch)
+    s = _plain_logprobs(student, rows)
+    expected = []
+    for b, t in mask.nonzero().tolist():  # each response position, worked out in plain Python
+        t_lp, ids = top[b, t, :, 0].tolist(), top[b, t, :, 1].long().tolist()
+        z = math.log(sum(math.exp(v) for v in t_lp))
+        expected.append(sum(math.exp(v - z) * ((v - z) - s[b, t, i].item()) for v, i in zip(t_lp, ids)))
+    assert loss.item() == pytest.approx(sum(expected) / len(expected), rel=1e-5)
+    assert metrics["response_length"] == (float(mask.sum()), float(mask.shape[0]))
+
+    optimizer = torch.optim.Adam(student.parameters(), lr=1e-2)
+    first = loss.item()
+    for _ in range(10):
+        optimizer.zero_grad()
+        loss, _ = topk_distill_objective(student, batch)
+        loss.backward()
+        optimizer.step()
+    assert topk_distill_objective(student, batch)[0].item() < 0.8 * first
