@@ -19,14 +19,12 @@ RESERVED_NAMES = ("mean", "std", "task_mean", "truncated", "clipped", "running_m
 SOURCE_SETTINGS = ("source", "rule", "url", "timeout_s", "max_retries")
 
 
-class RewardSourceConfig(Section):
-    """One source of reward: the reward model, a rule or a service, weighted in a mix."""
+class SourceSettings(Section):
+    """What a source is and its own settings: shared by a mix's components and the one-source form."""
 
     source: Source = Field(
         "model", description="model: the trained reward model; rule: `rule`; remote: the service at `url`; judge: "
         "the round's generative judge (reward.judge)")
-    weight: float = Field(1.0, description="its weight in the task reward, sum_k weight_k * reward_k")
-    name: str | None = Field(None, description="its metric, reward/<name>; None: the source's name")
     rule: str = Field(
         "alignflow.data.synthetic:rule_reward",
         description="import path of f(prompt, response, answer) -> float (source=rule)",
@@ -34,6 +32,13 @@ class RewardSourceConfig(Section):
     url: str | None = Field(None, description="reward service endpoint (source=remote)")
     timeout_s: float = Field(10.0, gt=0, description="seconds per reward-service request (source=remote)")
     max_retries: int = Field(3, ge=0, description="retries of a failed service request, with exponential backoff")
+
+
+class RewardSourceConfig(SourceSettings):
+    """One source of reward: the reward model, a rule, a service or the judge, weighted in a mix."""
+
+    weight: float = Field(1.0, description="its weight in the task reward, sum_k weight_k * reward_k")
+    name: str | None = Field(None, description="its metric, reward/<name>; None: the source's name")
 
     @property
     def label(self) -> str:
@@ -46,19 +51,9 @@ class RewardSourceConfig(Section):
         return self
 
 
-class RewardConfig(Section):
+class RewardConfig(SourceSettings):
     """Where an RL round's rewards come from (one source, or `sources`), and how they are shaped."""
 
-    source: Source = Field(
-        "model", description="model: the trained reward model; rule: reward.rule; remote: the service at reward.url; "
-        "judge: a generative judge (reward.judge)")
-    rule: str = Field(
-        "alignflow.data.synthetic:rule_reward",
-        description="import path of f(prompt, response, answer) -> float (source=rule)",
-    )
-    url: str | None = Field(None, description="reward service endpoint (source=remote)")
-    timeout_s: float = Field(10.0, gt=0, description="seconds per reward-service request (source=remote)")
-    max_retries: int = Field(3, ge=0, description="retries of a failed service request, with exponential backoff")
     sources: list[RewardSourceConfig] | None = Field(
         None, description="a weighted mix instead of one source: [{source: rule, weight: 1.0}, {source: model, "
         "weight: 0.5}, ...], each component logged as reward/<name> (the source's name unless given); the task "
