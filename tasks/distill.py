@@ -72,8 +72,10 @@ def distill_teacher(stage: PlannedStage, inputs: DistillTeacherInputs, ctx: RunC
                   str(output.dir / TEACHER_FILE))
         mask = tensors["loss_mask"][:, 1:] > 0
         kept = top[..., 0].exp().sum(-1)[mask]  # the teacher's probability mass in its top-k, per position
-        return {"distill/rows": float(mask.shape[0]), "distill/positions": float(mask.sum()),
-                "distill/teacher_topk_mass": kept.mean().item() if len(kept) else 0.0}
+        metrics = {"distill/rows": float(mask.shape[0]), "distill/positions": float(mask.sum()),
+                   "distill/teacher_topk_mass": kept.mean().item() if len(kept) else 0.0}
+        run.log_metrics(metrics)
+        return metrics
 
     return compute_stage(ctx, stage, compute)
 

@@ -303,24 +303,46 @@ def test_mlflow_parent_and_child_runs(s3_run, moto_s3):
 
 def test_rule_reward_rounds_of_mixed_kinds_need_no_reward_model(small_pipeline_args, cli_env, alignflow_cli,
                                                                tmp_path):
-    """The rounds alone (`alignflow stage rl`: their evaluations are the S3 run's business)."""
+    """The rounds alone (`alignflow stage rl`: their evaluations are the S3 run's business): GRPO on a mix
+    of two rules, PPO whose critic starts from the policy, then on-policy distillation of round 1 into SFT;
+    then, from the same config, offline distillation of round 1 (`alignflow stage distill`), the rounds
+    taken from cache."""
     small = {"steps": 2, "prompts_per_step": 8, "generation": {"num_samples": 2, "max_new_tokens": 8},
              "ppo": {"epochs": 1, "minibatch_size": 16}, "reward": {"source": "rule"}}
+    mix = {"sources": [{"source": "rule"}, {"source": "rule", "name": "again", "weight": 0.5}]}
     # (Rejection sampling's round is in tests/engines/rl; here what matters is a critic-free round, then
     # one whose critic starts from the policy since there is no reward model to start it from.)
-    rounds = [{**small, "algorithm": "grpo"}, {**small, "algorithm": "ppo", "critic": {"init": "policy"}}]
-    args = ["stage", "rl", *small_pipeline_args(tmp_path, rounds=0), f"rounds={json.dumps(rounds)}"]
-    res = alignflow_cli(args, env=cli_env(), cwd=tmp_path / "cwd")
+    rounds = [{**small, "algorithm": "grpo", "reward": mix}, {**small, "algorithm": "ppo", "critic": {"init": "policy"}},
+              {**small, "algorithm": "distill", "teacher": "round_1", "start_from": "sft"}]
+    distill = {"teacher": "round_1", "top_k": 5, "epochs": 1, "batch_size": 32, "max_steps": 6}
+    config = [*small_pipeline_args(tmp_path, rounds=0), f"rounds={json.dumps(rounds)}", f"distill={json.dumps(distill)}"]
+    res = alignflow_cli(["stage", "rl", *config], env=cli_env(), cwd=tmp_path / "cwd")
     assert res.returncode == 0, res.describe()
     assert "skipped: reward_model (no round scores with it or starts a critic from it)" in res.stdout
     runs = stage_runs(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    assert set(runs) == {"data", "base_model", "sft", "round_1", "round_2"}, sorted(runs)
+    assert set(runs) == {"data", "base_model", "sft", "round_1", "round_2", "round_3"}, sorted(runs)
     assert all(r.info.status == "FINISHED" for r in runs.values()), {n: r.info.status for n, r in runs.items()}
     assert not (tmp_path / "artifacts" / "reward_model").exists()
     critic = {n: [k for k in runs[n].data.metrics if "critic/" in k] for n in ("round_1", "round_2")}
     assert runs["round_2"].data.metrics["rl/steps"] == 2 and critic["round_2"] and not critic["round_1"], critic
-    assert stage_json(res.stdout)["uri"].startswith(str(tmp_path / "artifacts" / "round_2"))
-    print(f"grpo -> ppo without a reward model: {res.seconds:.0f} s")
+    m = runs["round_1"].data.metrics  # each component of the mix, and their weighted sum
+    assert m["rl/reward/task_mean"] == pytest.approx(m["rl/reward/rule"] + 0.5 * m["rl/reward/again"], abs=1e-6)
+    assert "rl/distill/reverse_kl_per_token" in runs["round_3"].data.metrics
+    assert stage_json(res.stdout)["uri"].startswith(str(tmp_path / "artifacts" / "round_3"))
+
+    offline = alignflow_cli(["stage", "distill", *config], env=cli_env(), cwd=tmp_path / "cwd")
+    assert offline.returncode == 0, offline.describe()
+    planned = {line.split()[0]: line for line in offline.stdout.splitlines()  # the plan's rows
+               if line.startswith("  ") and ("Cached" in line or "will run" in line)}
+    assert all(planned[n].endswith("Cached") for n in ("sft", "round_1")), offline.stdout  # from the rl stage
+    assert all("will run" in planned[n] for n in ("distill_teacher", "distill")), offline.stdout
+    assert stage_json(offline.stdout)["stage"] == "distill"
+    runs = stage_runs(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert runs["distill_teacher"].data.metrics["distill/positions"] > 0
+    assert 0 < runs["distill_teacher"].data.metrics["distill/teacher_topk_mass"] <= 1
+    assert runs["distill"].data.metrics["train/steps"] == 6
+    print(f"grpo (mixed rules) -> ppo without a reward model -> distill: {res.seconds:.0f} s; "
+          f"offline distillation: {offline.seconds:.0f} s")
 
 
 def test_the_gpu_config_runs_end_to_end_on_the_cpu(gpu_config_on_cpu, cli_env, alignflow_cli, tmp_path):
