@@ -18,7 +18,6 @@ from alignflow.records import StageResult
 from engines import batches, models
 from engines.rl.scoring import scoring
 from engines.train import objectives
-from engines.train.logits import final_hidden, unwrap
 from tasks.context import RunContext, StageOutput, compute_stage
 from tasks.data import load_split, token_limits
 from tasks.plan import PlannedStage
@@ -27,23 +26,6 @@ from tasks.rl_round import same_vocabulary
 from tasks.train import train_stage
 
 TEACHER_FILE = "teacher_topk.safetensors"
-POSITIONS_PER_HEAD_CALL = 1024  # the output layer's rows at once: (rows, vocabulary) float32 logits
-
-
-@torch.no_grad()
-def teacher_topk(model, batch: dict[str, torch.Tensor], *, k: int) -> torch.Tensor:
-    """The teacher's k most likely next tokens at each response position: (B, L-1, k, 2), [..., 0] their
-    log-probs and [..., 1] their ids (as floats: exact below 2^24), zeros elsewhere."""
-    mask = batch["loss_mask"][:, 1:] > 0
-    rows, positions = mask.nonzero(as_tuple=True)
-    hidden = final_hidden(model, batch)[rows, positions]
-    head = unwrap(model).get_output_embeddings()
-    out = torch.zeros(*mask.shape, k, 2, device=hidden.device)
-    for i in range(0, len(rows), POSITIONS_PER_HEAD_CALL):
-        part = slice(i, i + POSITIONS_PER_HEAD_CALL)
-        top = torch.log_softmax(head(hidden[part]).float(), dim=-1).topk(k, dim=-1)
-        out[rows[part], positions[part]] = torch.stack([top.values, top.indices.float()], dim=-1)
-    return out
 
 
 def _sft_rows(tokenizer, data: StageResult, ctx: RunContext):
@@ -67,7 +49,7 @@ def distill_teacher(stage: PlannedStage, inputs: DistillTeacherInputs, ctx: RunC
         with scoring(ctx.ref(inputs.teacher), None, num_cpus=p.num_cpus, num_gpus=p.num_gpus, resources=p.resources,
                      dtype=cfg.io.dtype, torch_threads=ctx.infra.torch_threads,
                      attn_implementation=cfg.io.attn_implementation, micro_batch_size=cfg.micro_batch_size) as call:
-            top = call("reference_map", tensors, functools.partial(teacher_topk, k=cfg.top_k))
+            top = call("reference_map", tensors, functools.partial(objectives.topk_next_tokens, k=cfg.top_k))
         save_file({"logprobs": top[..., 0].float().contiguous(), "ids": top[..., 1].to(torch.int32).contiguous()},
                   str(output.dir / TEACHER_FILE))
         mask = tensors["loss_mask"][:, 1:] > 0

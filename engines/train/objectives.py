@@ -28,16 +28,39 @@ def causal_lm_objective(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Te
     return loss, {"loss": loss.item(), "response_length": (float(mask.sum()), float(mask.shape[0]))}
 
 
+TOPK_POSITIONS_PER_HEAD_CALL = 1024  # the teacher's output layer's rows at once: (rows, vocabulary) float32 logits
+
+
+def _response_hidden(model, batch: dict[str, torch.Tensor]):
+    """(mask (B, L-1), rows, positions, hidden (N, H)): the last hidden state at each response position
+    (loss_mask over input_ids, in the next-token layout), and the output layer to apply to it."""
+    mask = batch["loss_mask"][:, 1:] > 0
+    rows, positions = mask.nonzero(as_tuple=True)
+    return mask, rows, positions, final_hidden(model, batch)[rows, positions], unwrap(model).get_output_embeddings()
+
+
+@torch.no_grad()
+def topk_next_tokens(model, batch: dict[str, torch.Tensor], *, k: int) -> torch.Tensor:
+    """A teacher's k most likely next tokens at each response position: (B, L-1, k, 2), [..., 0] their
+    log-probs and [..., 1] their ids (as floats: exact below 2^24), zeros elsewhere; what
+    topk_distill_objective's batch carries as teacher_logprobs / teacher_ids."""
+    mask, rows, positions, hidden, head = _response_hidden(model, batch)
+    out = torch.zeros(*mask.shape, k, 2, device=hidden.device)
+    for i in range(0, len(rows), TOPK_POSITIONS_PER_HEAD_CALL):
+        part = slice(i, i + TOPK_POSITIONS_PER_HEAD_CALL)
+        top = torch.log_softmax(head(hidden[part]).float(), dim=-1).topk(k, dim=-1)
+        out[rows[part], positions[part]] = torch.stack([top.values, top.indices.float()], dim=-1)
+    return out
+
+
 def topk_distill_objective(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
     """Offline distillation: at each response position (loss_mask over input_ids), `algos.topk_forward_kl`
     from the teacher's top-k (batch["teacher_ids"], batch["teacher_logprobs"]: (B, L-1, K), the next-token
-    layout) to the student's log-softmax over its whole vocabulary, averaged over the response tokens.
-    The output layer runs on the response positions alone. Metrics: loss, response_length."""
-    mask = batch["loss_mask"][:, 1:] > 0
-    rows, positions = mask.nonzero(as_tuple=True)
-    hidden = final_hidden(model, batch)[rows, positions]
-    logits = unwrap(model).get_output_embeddings()(hidden).float()
-    student = torch.log_softmax(logits, dim=-1).gather(-1, batch["teacher_ids"][rows, positions].long())
+    layout, as topk_next_tokens gives them) to the student's log-softmax over its whole vocabulary, averaged
+    over the response tokens. The output layer runs on the response positions alone. Metrics: loss,
+    response_length."""
+    mask, rows, positions, hidden, head = _response_hidden(model, batch)
+    student = torch.log_softmax(head(hidden).float(), dim=-1).gather(-1, batch["teacher_ids"][rows, positions].long())
     kl = topk_forward_kl(student, batch["teacher_logprobs"][rows, positions])
     loss = kl.sum() / max(len(kl), 1)
     return loss, {"loss": loss.item(), "response_length": (float(mask.sum()), float(mask.shape[0]))}

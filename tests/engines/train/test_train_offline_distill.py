@@ -37,9 +37,9 @@ def _plain_logprobs(model, batch) -> torch.Tensor:
 
 
 def test_the_teacher_keeps_its_top_k_at_the_response_positions_alone(teacher, rows):
-    from tasks.distill import teacher_topk
+    from engines.train.objectives import topk_next_tokens
 
-    top = teacher_topk(teacher, rows, k=5)
+    top = topk_next_tokens(teacher, rows, k=5)
     full = _plain_logprobs(teacher, rows)
     mask = rows["loss_mask"][:, 1:] > 0
     assert top.shape == (*mask.shape, 5, 2) and 0 < mask.sum() < mask.numel()
@@ -51,10 +51,9 @@ def test_the_teacher_keeps_its_top_k_at_the_response_positions_alone(teacher, ro
 
 def test_the_students_loss_is_the_kl_from_the_renormalised_top_k_and_falls_as_it_trains(tiny_model, teacher, rows):
     from engines.models import load_policy
-    from engines.train.objectives import topk_distill_objective
-    from tasks.distill import teacher_topk
+    from engines.train.objectives import topk_distill_objective, topk_next_tokens
 
-    top = teacher_topk(teacher, rows, k=5)
+    top = topk_next_tokens(teacher, rows, k=5)
     batch = {**rows, "teacher_ids": top[..., 1].long(), "teacher_logprobs": top[..., 0]}
     student = load_policy(tiny_model)
     mask = rows["loss_mask"][:, 1:] > 0
