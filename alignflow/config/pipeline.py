@@ -33,6 +33,14 @@ from alignflow.config.rl import ActorConfig, RoundConfig
 POLICY_NAME = re.compile(rf"base|sft|round_\d+|{'|'.join(get_args(PreferenceLoss))}")
 
 
+def _policy_or_model(field: str, name: str, known: list[str], where: str) -> None:
+    """A teacher is a policy of `known`, or a model directory or hub id; a policy's name (POLICY_NAME) that is
+    not among `known` is an error, not a path."""
+    if name not in known and POLICY_NAME.fullmatch(name):
+        raise ValueError(f"{field}: {name!r} names no policy {where} (those are {', '.join(known)}); anything else "
+                         f"is taken as a model directory or hub id")
+
+
 class SFTConfig(TrainConfig):
     """Supervised fine-tuning: next-token loss on response tokens only."""
 
@@ -172,9 +180,7 @@ class PipelineConfig(Section):
                                  f"valid: {', '.join(known)}")
             if r.teacher is None:
                 continue
-            if r.teacher not in known and POLICY_NAME.fullmatch(r.teacher):
-                raise ValueError(f"rounds.{i}.teacher: {r.teacher!r} names no policy before round_{i + 1} (those "
-                                 f"are {', '.join(known)}); anything else is taken as a model directory or hub id")
+            _policy_or_model(f"rounds.{i}.teacher", r.teacher, known, f"before round_{i + 1}")
             if r.teacher == self.start_of(i):
                 raise ValueError(f"rounds.{i}.teacher: {r.teacher!r} is the policy round_{i + 1} starts from: "
                                  f"distilling a model into itself changes nothing (set rounds.{i}.start_from)")
@@ -186,10 +192,8 @@ class PipelineConfig(Section):
             return self
         if self.sft is None:
             raise ValueError("distill trains SFT's policy toward the teacher on the SFT data: it needs the sft section")
-        known, teacher = self.policies_before(len(self.rounds)), self.distill.teacher
-        if teacher not in known and POLICY_NAME.fullmatch(teacher):
-            raise ValueError(f"distill.teacher: {teacher!r} names no policy of this pipeline (those are "
-                             f"{', '.join(known)}); anything else is taken as a model directory or hub id")
+        teacher = self.distill.teacher
+        _policy_or_model("distill.teacher", teacher, self.policies_before(len(self.rounds)), "of this pipeline")
         if teacher == "sft":
             raise ValueError("distill.teacher: 'sft' is the policy the distill stage starts from: distilling a "
                              "model into itself changes nothing")
