@@ -131,12 +131,15 @@ def _model(cfg: PipelineConfig, found: Findings) -> int | None:
 
 
 def _named_models(cfg: PipelineConfig, found: Findings) -> None:
-    """Models a round names by path: a distillation teacher that is no policy of the pipeline, a judge."""
+    """Models the config names by path: a distillation teacher that is no policy of the pipeline (a round's or
+    the distill stage's), a judge."""
     for i, r in enumerate(cfg.rounds):
         if r.teacher and r.teacher not in cfg.policies_before(i):
             _model_at(f"rounds.{i}.teacher", r.teacher, found)
         if r.reward.uses_judge and r.reward.judge.model is not None:
             _model_at(f"rounds.{i}.reward.judge.model", r.reward.judge.model, found)
+    if cfg.distill is not None and cfg.distill.teacher not in cfg.policies_before(len(cfg.rounds)):
+        _model_at("distill.teacher", cfg.distill.teacher, found)
 
 
 def _model_at(field: str, base: str, found: Findings) -> int | None:

@@ -150,6 +150,12 @@ def test_a_missing_teacher_is_named_with_its_round(tmp_path):
                               f"where a hub is reachable) (from the command line: rounds=[")
 
 
+def test_a_missing_offline_distillation_teacher_is_named(tmp_path):
+    missing = tmp_path / "teacher"
+    [problem] = problems(None, f'distill={{"teacher": "{missing}"}}', f"infra.storage.root={tmp_path}")
+    assert problem.startswith(f"distill.teacher: {missing} does not exist (a local model directory")
+
+
 def test_a_missing_judge_is_named_with_its_round(tmp_path):
     missing = tmp_path / "judge"
     rounds = f'rounds=[{{"algorithm": "grpo", "reward": {{"source": "judge", "judge": {{"model": "{missing}"}}}}}}]'
