@@ -137,8 +137,13 @@ def response_hidden(model, batch: dict[str, Tensor], p: PrefixPlan, **keep) -> T
     steps = action.shape[1]
     start = prefix_len[row_group].unsqueeze(1)  # (R, 1)
     positions = start + torch.arange(steps, device=device)  # (R, T)
-    suffix_ids = ids[p.rows].gather(1, positions.clamp(max=ids.shape[1] - 1)) * action
-    out = model(input_ids=suffix_ids, attention_mask=torch.cat([prefix_mask[row_group], action.long()], 1),
-                position_ids=torch.where(action, positions, start), past_key_values=cache, use_cache=True,
+    # Real suffix steps: those whose next token (response token t) is in the sequence, whether the policy
+    # sampled it or not (an episode's observations sit inside its response, action 0 but in context).
+    length = ids.shape[1]
+    real = (positions + 1 < length) & batch["attention_mask"][p.rows].gather(
+        1, (positions + 1).clamp(max=length - 1)).bool()
+    suffix_ids = ids[p.rows].gather(1, positions.clamp(max=length - 1)) * real
+    out = model(input_ids=suffix_ids, attention_mask=torch.cat([prefix_mask[row_group], real.long()], 1),
+                position_ids=torch.where(real, positions, start), past_key_values=cache, use_cache=True,
                 output_hidden_states=True, **keep)
     return out.hidden_states[-1]

@@ -82,6 +82,32 @@ def test_shared_prompts_give_the_full_computation_with_fewer_tokens(model):
         torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_episodes_observations_stay_in_the_shared_suffix_context_though_not_trained(model):
+    """Multi-turn episodes: tokens the environment wrote sit inside the response with action 0. They are
+    context all the same: the shared forward must give the full computation's log-probs on the sampled
+    tokens around them (it once zeroed them out of the suffix)."""
+    from engines.rl.experience import from_rollouts
+    from engines.rollout.base import Rollout
+    from engines.train.logits import response_logprobs_and_entropy
+
+    def episode(i, prompt, tokens, sampled):
+        return Rollout(i, prompt, tokens, "", [0.0] * len(tokens), True, sampled=sampled)
+
+    rollouts = [episode(0, [5, 6, 7], [11, 12, 30, 31, 32, 13], [1, 1, 0, 0, 0, 1]),
+                episode(0, [5, 6, 7], [14, 15, 16, 33, 17], [1, 1, 1, 0, 1]),
+                episode(1, [8, 9], [18, 34, 35, 19, 20], [1, 0, 0, 1, 1]),
+                episode(1, [8, 9], [21], [1])]
+    batch = from_rollouts(rollouts, pad_id=0).tensors()
+    from engines.train import shared_prefix
+
+    assert shared_prefix.plan(batch) is not None
+    expected, _ = full_reference(model, batch)
+    with torch.no_grad():
+        lp, _ = response_logprobs_and_entropy(model, batch)
+    torch.testing.assert_close(lp, expected, rtol=1e-5, atol=1e-5)
+    assert (lp[batch["action_mask"] == 0] == 0).all() and (lp[batch["action_mask"] > 0] != 0).all()
+
+
 # Minutes of both cores under the suite's two workers, for what the rest of the suite mostly covers: runs where
 # asked (ALIGNFLOW_LONG_TESTS=1: before a release, or after a change to what it checks); skipped, saying so, in CI.
 @pytest.mark.skipif(os.environ.get("ALIGNFLOW_LONG_TESTS") != "1",
