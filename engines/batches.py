@@ -19,10 +19,12 @@ from alignflow.errors import PromptTooLongError
 log = logging.getLogger(__name__)
 
 
-def render_prompt(tokenizer, prompt: str | list[dict]) -> list[int]:
+def render_prompt(tokenizer, prompt: str | list[dict], tools: list[dict] | None = None) -> list[int]:
+    """A prompt's token ids: a string as it is, messages through the chat template, with `tools` (JSON
+    schemas, a record's "tools": agent traces) where given."""
     if isinstance(prompt, str):
         return tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+    ids = tokenizer.apply_chat_template(prompt, tools=tools, add_generation_prompt=True, tokenize=True)
     if isinstance(ids, dict) or hasattr(ids, "keys"):
         ids = ids["input_ids"]
     return list(ids)
@@ -50,7 +52,7 @@ def filter_prompts(
     """(prompt ids, record) for every record whose prompt fits; counts the rest."""
     kept = []
     for r in records:
-        ids = render_prompt(tokenizer, r["prompt"])
+        ids = render_prompt(tokenizer, r["prompt"], r.get("tools"))
         if len(ids) <= max_prompt_tokens:
             kept.append((ids, r))
     report = LengthReport(total=len(records), overlong=len(records) - len(kept), max_prompt_tokens=max_prompt_tokens)

@@ -58,7 +58,7 @@ def measure(tokenizer, splits: dict[str, list[dict]]) -> dict[str, SplitLengths]
     for name, records in splits.items():
         if not records:
             continue
-        prompts = [len(render_prompt(tokenizer, r["prompt"])) for r in records]
+        prompts = [len(render_prompt(tokenizer, r["prompt"], r.get("tools"))) for r in records]
         keys = RESPONSE_KEYS.get(name, ())
         responses = [0] * len(records)
         for key in keys:

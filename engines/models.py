@@ -42,9 +42,13 @@ from alignflow.data.synthetic import tokenizer_corpus  # noqa: E402
 # model's tokenizer as Qwen2Tokenizer, which adds its unk token if it is absent.
 SPECIAL_TOKENS = {"pad": "<|pad|>", "eos": "<|end|>", "bos": "<|begin|>", "unk": "<|endoftext|>"}
 ROLE_TOKENS = ["<|system|>", "<|user|>", "<|assistant|>"]
-# Roles as tokens; an assistant turn ends with the EOS token.
+# Roles as tokens; an assistant turn ends with the EOS token. Tools (apply_chat_template(tools=...)) are
+# listed by name and parameters in a system turn first; a tool's result is a system turn; calls are
+# Hermes-style <tool_call>{json}</tool_call> in the assistant's text (alignflow/agents/tools.py).
 CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
+    "{% if tools %}<|system|>tools:{% for t in tools %} {{ t['function']['name'] }}"
+    "({{ t['function']['parameters']['properties'] | join(', ') }}){% endfor %}{% endif %}"
+    "{% for m in messages %}<|{{ 'system' if m['role'] == 'tool' else m['role'] }}|>{{ m['content'] }}"
     "{% if m['role'] == 'assistant' %}<|end|>{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from alignflow.data import agent_task
 from alignflow.records import StageResult
 from engines import models
 from tasks.context import RunContext, StageOutput, compute_stage
@@ -19,7 +20,8 @@ def base_model(stage: PlannedStage, inputs: NoInputs, ctx: RunContext) -> StageR
     def compute(output: StageOutput, run) -> dict[str, float]:
         out = output.dir
         if model.base == "tiny":
-            models.build_tiny_model(model.tiny, cfg.seed, out)
+            corpus = agent_task.tokenizer_corpus() if model.tiny.corpus == "boxes" else None  # None: the default's
+            models.build_tiny_model(model.tiny, cfg.seed, out, corpus)
         elif Path(model.base).is_dir():
             shutil.copytree(model.base, out, dirs_exist_ok=True)
         else:  # a hub id, where a hub is reachable

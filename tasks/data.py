@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from alignflow.config import DataConfig
 from alignflow.errors import ConfigError
-from alignflow.data import formats, synthetic
+from alignflow.data import agent_task, formats, synthetic
 from alignflow.records import StageResult
 from tasks.context import RunContext, StageOutput, compute_stage
 from tasks.plan import PlannedStage
@@ -21,7 +21,8 @@ SPLITS = ("sft", "preference", "preference_unpaired", "prompts", "eval", "eval_p
 def build_splits(cfg: DataConfig, seed: int) -> dict[str, list[dict]]:
     """All splits; user data is validated row by row before anything trains."""
     if cfg.source == "synthetic":
-        return {**synthetic.generate(cfg.synthetic, seed), "preference_unpaired": []}
+        task = agent_task if cfg.synthetic.task == "boxes" else synthetic
+        return {**task.generate(cfg.synthetic, seed), "preference_unpaired": []}
     preference = formats.load_records(cfg.preference, "preference")
     splits = {
         "sft": formats.load_records(cfg.sft, "sft"),

@@ -210,7 +210,7 @@ register_stage(StageKind(
     "data", "data", DataStage, DataInputs, "5", "tasks.data:prepare_data",
     "the bundled task or user data as canonical JSONL splits, measured in tokens"))
 register_stage(StageKind(
-    "base_model", "base_model", BaseModelStage, NoInputs, "2", "tasks.base_model:base_model",
+    "base_model", "base_model", BaseModelStage, NoInputs, "3", "tasks.base_model:base_model",
     "the tiny local model, or the user's HF model, committed to storage"))
 register_stage(StageKind(
     "sft", "sft", SFTStage, TrainInputs, "2", "tasks.train:sft",

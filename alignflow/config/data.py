@@ -18,6 +18,9 @@ class SyntheticTaskConfig(Section):
     rounds should remove). Its seed derives from the pipeline seed.
     """
 
+    task: Literal["largest_digit", "boxes"] = Field(
+        "largest_digit", description="largest_digit: the default; boxes: the agent task, answerable only through a "
+        "tool (alignflow/data/agent_task.py, environment boxes)")
     num_digits: int = Field(5, ge=2, le=12, description="distinct digits in each prompt")
     num_sft: int = Field(2000, ge=1, description="SFT demonstrations")
     num_preference: int = Field(2000, ge=1, description="preference pairs (correct answer chosen)")

@@ -19,6 +19,8 @@ class TinyModelConfig(Section):
     num_kv_heads: int = Field(2, ge=1, description="key/value heads (grouped-query attention; divides num_heads)")
     intermediate_size: int = Field(256, ge=16, description="MLP inner width")
     max_position_embeddings: int = Field(128, ge=16, description="token positions: prompt plus response must fit")
+    corpus: Literal["largest_digit", "boxes"] = Field(
+        "largest_digit", description="the bundled task whose text the tokenizer is trained on (data.synthetic.task)")
     tie_word_embeddings: bool = Field(False, description="output layer shares the input embedding (as Qwen2 "
                                       "0.5B/1.5B, Llama 3.2 1B/3B and Gemma do)")
 
