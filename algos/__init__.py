@@ -69,7 +69,7 @@ from .preference import (
     sequence_logprobs,
 )
 from .returns import compute_gae, discounted_returns
-from .rewards import RunningMeanStd, clip_rewards, truncation_penalty
+from .rewards import RunningMeanStd, clip_rewards, rewards_at_turns, truncation_penalty
 
 __all__ = [
     "best_worst_pairs",
@@ -132,5 +132,6 @@ __all__ = [
     "sequence_scores",
     "topk_forward_kl",
     "truncation_penalty",
+    "rewards_at_turns",
     "value_loss",
 ]

@@ -1,6 +1,8 @@
 """Sequence-reward transforms: clipping, running normalisation, truncation penalty.
 
-All act on ``(B,)`` sequence rewards, before any advantage estimator.
+All act on ``(B,)`` sequence rewards, before any advantage estimator, except
+:func:`rewards_at_turns`, which places multi-turn episodes' rewards on their
+``(B, T)`` token rewards.
 :class:`RunningMeanStd` is an immutable value (``update`` returns a new
 one) holding plain floats, so a round can store it in its checkpoint
 (``to_dict`` / ``from_dict``).
@@ -14,6 +16,8 @@ from typing import Dict, Tuple
 
 import torch
 from torch import Tensor
+
+from .masked import place_at_last_token
 
 
 def _check_1d(name: str, x: Tensor) -> None:
@@ -117,3 +121,25 @@ class RunningMeanStd:
         if unknown:
             raise ValueError(f"unknown RunningMeanStd state keys: {sorted(unknown)}")
         return cls(**{k: float(v) for k, v in state.items()})
+
+
+def rewards_at_turns(token_rewards: Tensor, turn_rewards: Tensor, action_mask: Tensor) -> Tensor:
+    """Token rewards of multi-turn episodes: each environment reward moved from the end to its turn.
+
+    Formula: ``r'[b, t] = r[b, t] + turn[b, t] - [t == last_b] * sum_t' turn[b, t']``, with ``last_b``
+    the last valid (sampled) token of row ``b``. The sequence reward (placed at ``last_b``) already holds
+    the episode's return, so each row's sum is unchanged: outcome estimators (GRPO, RLOO) see the same
+    score, and GAE sees each reward where its turn ended. Rows without a valid token are unchanged.
+
+    Shapes: ``token_rewards``, ``turn_rewards``, ``action_mask`` ``(B, T)``; returns ``(B, T)``.
+
+    Reference: turn-level rewards of multi-turn language agents, Zhou et al. 2024, "ArCHer: Training
+    Language Model Agents via Hierarchical Multi-Turn RL", arXiv 2402.19446.
+    """
+    if not token_rewards.shape == turn_rewards.shape == action_mask.shape:
+        raise ValueError(f"shapes differ: token_rewards {tuple(token_rewards.shape)}, turn_rewards "
+                         f"{tuple(turn_rewards.shape)}, action_mask {tuple(action_mask.shape)}")
+    turns = turn_rewards.to(token_rewards.dtype)
+    moved = turns - place_at_last_token(turns.sum(-1), action_mask)
+    has_token = action_mask.bool().any(-1, keepdim=True)
+    return token_rewards + torch.where(has_token, moved, torch.zeros_like(moved))

@@ -1,6 +1,6 @@
 """Preflight: what a run needs outside its config, checked in seconds before Prefect or Ray start
 (`alignflow validate`, and the start of `run` / `stage`): data files exist and every row of a
-local one parses (of a remote one, the first `data.preflight_rows`); model.base, a distillation round's teacher and a judge load; explicit lengths fit its positions; rule rewards and the checker import;
+local one parses (of a remote one, the first `data.preflight_rows`); model.base, a distillation round's teacher and a judge load; explicit lengths fit its positions; rule rewards, the checker and environments (with their tools' schemas) import;
 remote reward services answer; the storage root takes a probe; a local Ray can place each stage.
 
 Every problem is collected, naming its field and where its value came from (the file, or a
@@ -257,6 +257,16 @@ def _rewards(cfg: PipelineConfig, found: Findings) -> None:
                 _remote(f"{field}.url", c.url, min(c.timeout_s, REMOTE_TIMEOUT_CAP_S), found)
     if cfg.evaluation is not None:
         _callable("evaluation.checker", cfg.evaluation.checker, found)
+    envs = [(f"rounds.{i}.environment", r.environment) for i, r in enumerate(cfg.rounds)]
+    for field, env in envs + [("evaluation.environment", cfg.evaluation and cfg.evaluation.environment)]:
+        if env is not None:  # imports, is an environment, constructs, and its tools carry schemas
+            from alignflow.agents.environment import make_environment
+
+            try:
+                make_environment(env.name, env.kwargs, field)
+                found.ok()
+            except ValueError as err:
+                found.fail(*str(err).split(": ", 1))
 
 
 def _storage(cfg: PipelineConfig, found: Findings) -> None:

@@ -66,8 +66,10 @@ def _find_host(name: str, stage: str):
 
 
 def generate(stage: str, g: GenerationConfig, ctx: RunContext, policy: ArtifactRef, prompt_ids: list[list[int]],
-             sampling, *, seed: int, dtype: str, max_model_len: int, attn_implementation: str) -> tuple[list, str]:
-    """`policy`'s rollouts of `prompt_ids` from a fresh engine seeded with `seed`, and where it ran
+             sampling, *, seed: int, dtype: str, max_model_len: int, attn_implementation: str,
+             episodes: tuple | None = None) -> tuple[list, str]:
+    """`policy`'s rollouts of `prompt_ids` (`episodes` = (records, EnvironmentConfig): episodes of those records
+    instead) from a fresh engine seeded with `seed`, and where it ran
     (ENGINE_PROCESSES): built in the run's engine host where there is one, else in a Ray actor of its
     own (gone once they are back)."""
     import ray
@@ -76,12 +78,17 @@ def generate(stage: str, g: GenerationConfig, ctx: RunContext, policy: ArtifactR
 
     host = _find_host(ctx.engine_host, stage) if ctx.engine_host else None
     if host is not None:
-        return ray.get(host.generate.remote(
-            g.backend, policy, prompt_ids, sampling, dtype=dtype, seed=seed, max_model_len=max_model_len,
-            attn_implementation=attn_implementation, vllm=g.vllm, on_gpu=g.placement.num_gpus > 0)), RUN_HOST
+        kwargs = dict(dtype=dtype, seed=seed, max_model_len=max_model_len, attn_implementation=attn_implementation,
+                      vllm=g.vllm, on_gpu=g.placement.num_gpus > 0)
+        if episodes is not None:
+            return ray.get(host.run_episodes.remote(g.backend, policy, *episodes[:1], sampling, episodes[1],
+                                                    **kwargs)), RUN_HOST
+        return ray.get(host.generate.remote(g.backend, policy, prompt_ids, sampling, **kwargs)), RUN_HOST
     engines = start_engines(g, policy, count=1, seeds=[seed], dtype=dtype, torch_threads=ctx.infra.torch_threads,
                             max_model_len=max_model_len, attn_implementation=attn_implementation)
     try:
+        if episodes is not None:
+            return engines.collect(engines.submit_episodes(episodes[0], sampling, episodes[1])), OWN_ACTOR
         return engines.generate(prompt_ids, sampling), OWN_ACTOR
     finally:
         engines.shutdown()  # the scorers may need the same GPU

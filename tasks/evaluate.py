@@ -24,6 +24,7 @@ from alignflow.cluster import ensure_ray
 from alignflow.config import EvalConfig, Placement
 from alignflow.records import StageResult
 from engines import batches, models
+from engines.rollout.episodes import episode_metrics
 from engines.rl import experience
 from engines.rl.rewards import load_callable
 from engines.rl.scoring import scoring
@@ -74,23 +75,27 @@ def evaluate_policy(stage: PlannedStage, inputs: PolicyEvalInputs, ctx: RunConte
         prompt_ids = [ids for ids, _ in kept]
 
         ensure_ray(ctx.infra)
+        episodes = None if cfg.environment is None else ([r for _, r in kept], cfg.environment)
         rollouts, where = eval_engine.generate(stage.name, cfg.generation, ctx, ctx.ref(inputs.policy), prompt_ids,
                                                _sampling(cfg), seed=stage_cfg.seed, dtype=io.dtype,
-                                               max_model_len=model_len, attn_implementation=io.attn_implementation)
+                                               max_model_len=model_len, attn_implementation=io.attn_implementation,
+                                               episodes=episodes)
         run.set_tag("alignflow.engine_process", where)
 
-        correct = [bool(checker(r.text, kept[r.prompt_index][1].get("answer") or "")) for r in rollouts]
+        correct = [bool(r.episode["success"]) if episodes else
+                   bool(checker(r.text, kept[r.prompt_index][1].get("answer") or "")) for r in rollouts]
         batch = experience.from_rollouts(rollouts, tokenizer.pad_token_id).tensors()
         ref, rewards = _score(cfg.scorer_placement, cfg.micro_batch_size, io, ctx, batch,
                               reference=ctx.ref(inputs.reference), reward=ctx.ref(inputs.reward))
         scores: list[float | None] = rewards.tolist() if rewards is not None else [None] * len(rollouts)
-        ref_lp = [ref[b, : len(r.token_ids)].tolist() for b, r in enumerate(rollouts)]
-        kls = [sum(r.logprobs) - sum(ref) for r, ref in zip(rollouts, ref_lp)]
+        sampled = batch["action_mask"]  # an episode's observations are not the policy's: not in its KL
+        kls = ((batch["rollout_logprobs"] - ref) * sampled).sum(-1).tolist()
         n = len(rollouts)
         metrics = {
             "eval/accuracy": sum(correct) / n,
             **({"eval/reward": sum(scores) / n} if inputs.reward is not None else {}),
-            "eval/response_length": sum(len(r.token_ids) for r in rollouts) / n,
+            "eval/response_length": sampled.sum().item() / n,
+            **episode_metrics(rollouts, "eval"),
             "eval/kl_to_reference": sum(kls) / n,
             "eval/finished_fraction": sum(r.finished for r in rollouts) / n,
             **sample_metrics([r.prompt_index for r in rollouts], [r.text for r in rollouts], correct,
@@ -100,7 +105,8 @@ def evaluate_policy(stage: PlannedStage, inputs: PolicyEvalInputs, ctx: RunConte
         run.log_metrics(metrics)
         samples = [
             {"prompt": tokenizer.decode(r.prompt_ids), "response": r.text, "answer": kept[r.prompt_index][1].get("answer"),
-             "correct": c, "reward": s}
+             "correct": c, "reward": s,
+             **({"transcript": tokenizer.decode(r.prompt_ids + r.token_ids), "episode": r.episode} if r.episode else {})}
             for r, c, s in list(zip(rollouts, correct, scores))[: cfg.num_logged_samples]
         ]
         run.log_dict(samples, f"samples/{name}.json")

@@ -33,6 +33,7 @@ from alignflow.config.pipeline import (
     SFTConfig,
     StorageConfig,
 )
+from alignflow.config.agent import EnvironmentConfig
 from alignflow.config.distill import OfflineDistillConfig
 from alignflow.config.judge import JudgeConfig, JudgeRewardConfig
 from alignflow.config.preference import PreferenceConfig
@@ -50,6 +51,7 @@ from alignflow.config.rl import (
 from alignflow.errors import ConfigError
 
 __all__ = [
+    "EnvironmentConfig",
     "DEFAULT_CONFIG", "RESOURCE_FIELDS", "ActorConfig", "ConfigError", "CriticConfig", "DataConfig",
     "DatasetSource", "EngineConfig", "EvalConfig", "GenerationConfig", "InfraConfig", "JudgeConfig", "JudgeRewardConfig", "KLConfig", "LoraConfig", "ModelConfig",
     "OfflineDistillConfig", "OnlineDPOConfig", "PPOConfig", "PipelineConfig", "PreferenceConfig", "Placement", "RejectionSamplingConfig", "RewardConfig", "RewardModelConfig",

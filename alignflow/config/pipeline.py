@@ -26,6 +26,7 @@ from alignflow.config.distill import OfflineDistillConfig
 from alignflow.config.judge import JudgeConfig
 from alignflow.config.model import ModelConfig
 from alignflow.config.preference import PreferenceConfig, PreferenceLoss
+from alignflow.config.agent import EnvironmentConfig
 from alignflow.config.rl import ActorConfig, RoundConfig
 
 
@@ -64,6 +65,9 @@ class EvalConfig(Section):
         "alignflow.data.synthetic:check_answer",
         description="import path of f(response, answer) -> bool",
     )
+    environment: EnvironmentConfig | None = Field(
+        None, description="evaluate policies as agents: episodes in this environment, eval/accuracy their success "
+        "rate (the checker unused), with turns, tool calls, invalid calls, truncated and failed episodes")
     engine_lifetime: Literal["auto", "stage", "run"] = Field(
         "auto", description="run: one process hosts the rollout engine of every evaluation in a pipeline run (an "
         "engine built fresh for each, the libraries loaded once: ~8 s less per evaluation on 2 CPU cores), and holds "

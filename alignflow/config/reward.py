@@ -13,7 +13,7 @@ from pydantic import Field, model_validator
 from alignflow.config.base import Section
 from alignflow.config.judge import JudgeRewardConfig
 
-Source = Literal["model", "rule", "remote", "judge"]
+Source = Literal["model", "rule", "remote", "judge", "environment"]
 # Metric names the reward shaping already logs under reward/ (engines/rl/experience.py, engines/rl/round.py).
 RESERVED_NAMES = ("mean", "std", "task_mean", "truncated", "clipped", "running_mean", "running_std")
 SOURCE_SETTINGS = ("source", "rule", "url", "timeout_s", "max_retries")
@@ -24,7 +24,7 @@ class SourceSettings(Section):
 
     source: Source = Field(
         "model", description="model: the trained reward model; rule: `rule`; remote: the service at `url`; judge: "
-        "the round's generative judge (reward.judge)")
+        "the round's generative judge (reward.judge); environment: each episode's return in the round's environment")
     rule: str = Field(
         "alignflow.data.synthetic:rule_reward",
         description="import path of f(prompt, response, answer) -> float (source=rule)",

@@ -30,6 +30,8 @@ class Experience:
         rollout_logprobs           (B, T)  the sampler's logprobs (truncated IS, sync checks)
         prompt_index               (B,)    the step's prompt; a prompt's n samples are contiguous
         finished                   (B,)    ended with EOS/stop rather than the length limit
+        turn_rewards               (B, T)  episodes: each environment reward at the last token of its turn
+                                           (their sum is in the sequence reward too); None: single turns
         rewards                    (B,)    sequence reward (task reward + overlong shaping)
         task_rewards               (B,)    the reward model's / rule's / service's reward, before any shaping
         ref_logprobs               (B, T)  reference policy (algorithms with a KL term); a distillation
@@ -48,6 +50,7 @@ class Experience:
     rollout_logprobs: Tensor
     prompt_index: Tensor
     finished: Tensor
+    turn_rewards: Tensor | None = None
     rewards: Tensor | None = None
     task_rewards: Tensor | None = None
     ref_logprobs: Tensor | None = None
@@ -72,24 +75,29 @@ class Experience:
 
 
 def from_rollouts(rollouts: list[Rollout], pad_id: int) -> Experience:
-    """Pad rollouts (grouped per prompt, in order) into an Experience."""
+    """Pad rollouts (grouped per prompt, in order) into an Experience. An episode's action mask is 1 only on
+    the tokens the policy sampled (`Rollout.sampled`), and its environment rewards sit at their turns' ends
+    (`turn_rewards`)."""
     if not rollouts:
         raise ValueError("no rollouts to batch")
     B, T = len(rollouts), max(1, max(len(r.token_ids) for r in rollouts))
     index = torch.zeros(B, T, dtype=torch.long)
     mask = torch.zeros(B, T)
     logprobs = torch.zeros(B, T)
+    turns = torch.zeros(B, T) if any(r.turn_rewards is not None for r in rollouts) else None
     for b, r in enumerate(rollouts):
         n, p = len(r.token_ids), len(r.prompt_ids)
         index[b, :n] = torch.arange(p - 1, p - 1 + n)
-        mask[b, :n] = 1.0
+        mask[b, :n] = 1.0 if r.sampled is None else torch.tensor(r.sampled, dtype=torch.float32)
         logprobs[b, :n] = torch.tensor(r.logprobs, dtype=torch.float32)
+        for t, reward in r.turn_rewards or ():
+            turns[b, t] += reward
     padded = right_padded([r.prompt_ids + r.token_ids for r in rollouts], pad_id)
     return Experience(
         input_ids=padded["input_ids"], attention_mask=padded["attention_mask"], response_index=index,
         action_mask=mask, rollout_logprobs=logprobs,
         prompt_index=torch.tensor([r.prompt_index for r in rollouts]),
-        finished=torch.tensor([r.finished for r in rollouts]),
+        finished=torch.tensor([r.finished for r in rollouts]), turn_rewards=turns,
     )
 
 
@@ -152,6 +160,7 @@ def with_advantages(exp: Experience, *, estimator: str, whiten: bool, group_size
 
         token_rewards = kl_penalized_rewards(rewards, old_logprobs, ref_logprobs, kl_coef)  (kl_coef = 0: none)
         token_rewards = distillation_token_rewards(student, ref_logprobs)     (`teacher`: ref_logprobs are its)
+        token_rewards = rewards_at_turns(token_rewards, turn_rewards)        (episodes: each turn's reward at its end)
         advantages, returns = estimator(token_rewards, values, ...);  advantages whitened when `whiten`
 
     A teacher's pull is taken at the student's log-probs of its samples: the old ones where the step
@@ -175,6 +184,8 @@ def with_advantages(exp: Experience, *, estimator: str, whiten: bool, group_size
     else:  # the sequence reward at the last token alone
         zeros = torch.zeros_like(mask, dtype=torch.float32)
         token_rewards = algos.kl_penalized_rewards(exp.rewards, zeros, zeros, mask, kl_coef=0.0)
+    if exp.turn_rewards is not None:
+        token_rewards = algos.rewards_at_turns(token_rewards, exp.turn_rewards, mask)
     options = {} if std_norm is None else {"std_norm": std_norm}
     out = algos.get_advantage_estimator(estimator)(
         token_rewards=token_rewards, action_mask=mask, values=exp.values, group_size=group_size, gamma=gamma,

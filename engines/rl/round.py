@@ -36,6 +36,7 @@ from alignflow.artifacts import WEIGHT_FILES, Entries, Source, child, local_dir,
 from alignflow.config import RoundConfig
 from alignflow.seeds import derive_seed
 from engines.rl import experience
+from engines.rollout.episodes import episode_metrics
 from engines.rl.experience import Experience
 from engines.rl.judge import Judge
 from engines.rl.rewards import RemoteReward, RuleReward, ScoredText
@@ -108,8 +109,12 @@ class RLRound:
                                     model_rewards=cfg.reward.uses_model) if cfg.async_rollouts else {}
         self._pending: dict[int, tuple[object, list]] = {}
 
-    def generate(self, prompt_ids: list[list[int]]) -> list[Rollout]:
-        return self.models.generate(prompt_ids, self._sampling())
+    def generate(self, prompt_ids: list[list[int]], records: list[dict] | None = None) -> list[Rollout]:
+        """One response per prompt, or with an environment, episodes of the prompts' `records`."""
+        return self.models.generate(prompt_ids, self._sampling(), self._episodes(records))
+
+    def _episodes(self, records: list[dict] | None) -> tuple | None:
+        return None if self.cfg.environment is None else (records, self.cfg.environment)
 
     def rewards(self, exp: Experience, rollouts: list[Rollout], records: list[dict],
                 model_scores: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
@@ -129,6 +134,8 @@ class RLRound:
                 parts[c.label] = model_scores if model_scores is not None else self.models.model_rewards(exp.tensors())
             elif c.source == "judge":
                 parts[c.label], judged = self.judge.score(items)
+            elif c.source == "environment":
+                parts[c.label] = torch.tensor([r.episode["return"] for r in rollouts], dtype=torch.float32)
         task = sum(c.weight * parts[c.label].float() for c in r.components)
         shaped = experience.shape_rewards(
             task, exp.action_mask, exp.finished, max_new_tokens=self.cfg.generation.max_new_tokens,
@@ -146,7 +153,7 @@ class RLRound:
         picked = [self.setup.prompts[i] for i in self.schedule.indices(step).tolist()]
         return [p for p, _ in picked], [r for _, r in picked]
 
-    def _rollouts(self, step: int, prompt_ids: list[list[int]]) -> tuple[list[Rollout], list]:
+    def _rollouts(self, step: int, prompt_ids: list[list[int]], records: list[dict]) -> tuple[list[Rollout], list]:
         """This step's rollouts, and the refs of their scores made ahead. With `async_rollouts`, the
         generations of the next `max_staleness` steps are queued on the engines, to run beside this step's
         scoring and training. They are queued in step order with the published updates between them
@@ -154,24 +161,24 @@ class RLRound:
         policy. On a round's first step (or after a resume) this step's and those ahead are queued at
         once. The scorers of `_ahead` score each generation as soon as it ends."""
         if not self.cfg.async_rollouts:
-            return self.generate(prompt_ids), []
+            return self.generate(prompt_ids, records), []
         if step not in self._pending:
-            self._pending = {step: self._submit(prompt_ids)}
+            self._pending = {step: self._submit(prompt_ids, records)}
         for ahead in range(step + 1, min(step + self.cfg.max_staleness, self.cfg.steps - 1) + 1):
             if ahead not in self._pending:
-                self._pending[ahead] = self._submit(self._prompts(ahead)[0])
+                self._pending[ahead] = self._submit(*self._prompts(ahead))
         generation, scores = self._pending.pop(step)
         return self.models.collect(generation), scores
 
-    def _submit(self, prompt_ids: list[list[int]]) -> tuple[object, list]:
+    def _submit(self, prompt_ids: list[list[int]], records: list[dict]) -> tuple[object, list]:
         piece = self.cfg.partial_tokens if self.cfg.partial_rollouts else None
-        generation = self.models.submit(prompt_ids, self._sampling(), piece)
+        generation = self.models.submit(prompt_ids, self._sampling(), piece, self._episodes(records))
         return generation, submit_scores(self._ahead, generation, self.tokenizer.pad_token_id)
 
     def step(self, step: int) -> StepOutcome:
         clock = _Clock()
         prompt_ids, records = self._prompts(step)
-        rollouts, scores = self._rollouts(step, prompt_ids)
+        rollouts, scores = self._rollouts(step, prompt_ids, records)
         clock.lap("generate")
         staleness = self._staleness(rollouts)
         exp = experience.from_rollouts(rollouts, self.tokenizer.pad_token_id)
@@ -184,10 +191,11 @@ class RLRound:
         trained = self.update(exp, step, clock.lap)
         self.models.sync(push=trained.actor_trained)
         clock.lap("sync")
-        rewards, n_tokens = trained.experience.rewards, sum(len(r.token_ids) for r in rollouts)
+        rewards = trained.experience.rewards
+        n_tokens = sum(len(r.token_ids) if r.sampled is None else sum(r.sampled) for r in rollouts)  # sampled ones
         moves, self.models.timings = self.models.timings, {}  # colocation's, the weight update's (in their phases)
         metrics = {
-            **trained.metrics, **reward_metrics, **clock.times, **moves, **staleness,
+            **trained.metrics, **reward_metrics, **clock.times, **moves, **staleness, **episode_metrics(rollouts),
             "reward/mean": rewards.mean().item(), "reward/std": rewards.std().item() if len(rewards) > 1 else 0.0,
             "response_length": exp.action_mask.sum(-1).mean().item(),
             # Asynchronous, generation runs beside the step: its rate is over the whole step.

@@ -98,19 +98,23 @@ class RoundModels:
     def model_rewards(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return ray.get(self.rewarder.rewards.remote(batch))
 
-    def submit(self, prompt_ids: list[list[int]], sampling: Sampling, piece_tokens: int | None = None
-               ) -> PendingRollouts:
+    def submit(self, prompt_ids: list[list[int]], sampling: Sampling, piece_tokens: int | None = None,
+               episodes: tuple | None = None) -> PendingRollouts:
         """Start a generation without waiting (asynchronous rollouts; never colocated), in pieces of
-        `piece_tokens` where given (partial rollouts)."""
+        `piece_tokens` where given (partial rollouts); `episodes` = (records, EnvironmentConfig): episodes
+        of those records instead of one response per prompt."""
+        if episodes is not None:
+            return self.engines.submit_episodes(episodes[0], sampling, episodes[1])
         return self.engines.submit(prompt_ids, sampling, piece_tokens)
 
     def collect(self, pending: PendingRollouts) -> list[Rollout]:
         return self.engines.collect(pending)
 
-    def generate(self, prompt_ids: list[list[int]], sampling: Sampling) -> list[Rollout]:
-        """Prompts spread across the engines; rollouts come back grouped per prompt, in prompt order.
-        Colocated, the engines then sleep and the trainers take their optimizer state back."""
-        rollouts = self.engines.generate(prompt_ids, sampling)
+    def generate(self, prompt_ids: list[list[int]], sampling: Sampling, episodes: tuple | None = None
+                 ) -> list[Rollout]:
+        """Prompts spread across the engines; rollouts come back grouped per prompt, in prompt order (episodes
+        as `submit` says). Colocated, the engines then sleep and the trainers take their optimizer state back."""
+        rollouts = self.collect(self.submit(prompt_ids, sampling, episodes=episodes))
         if self.colocated and self.offload != "never":
             start = time.perf_counter()
             self.engines.sleep()

@@ -104,6 +104,7 @@ class RolloutActor:
                                    dtype=dtype, seed=seed, max_model_len=max_model_len,
                                    attn_implementation=attn_implementation, vllm=vllm, on_gpu=on_gpu,
                                    sleep_mode=sleep_mode)
+        self.max_model_len = max_model_len
         self.updates_taken = 0  # weight updates received: the policy version the next generation samples
         self.slept_bytes = 0  # GPU bytes the last sleep gave back
         self.announcements = None  # the weight transport's store, where a published update is announced
@@ -121,6 +122,14 @@ class RolloutActor:
                                   version=lambda: self.updates_taken, take_published=self._take_published,
                                   decode=lambda rs: response_texts(self.engine.tokenizer, [r.prompt_ids for r in rs],
                                                                    [r.token_ids for r in rs]))
+
+    def run_episodes(self, records: list[dict], sampling: Sampling, env) -> list[Rollout]:
+        """`sampling.n` episodes of each record in the environment `env` (EnvironmentConfig), each stamped with
+        the policy version that sampled it (engines/rollout/episodes.py)."""
+        from engines.rollout.episodes import episodes_on
+
+        return [dataclasses.replace(r, policy_version=self.updates_taken)
+                for r in episodes_on(self.engine, records, sampling, env, self.max_model_len)]
 
     def prepare_weights(self, specs: list, bucket_bytes: int) -> list[str | None]:
         gpus = self.engine.prepare_weights(specs, bucket_bytes)
@@ -220,6 +229,13 @@ class RolloutEngines:
         refs = [e.generate.remote([prompt_ids[j] for j in c], sampling, piece_tokens)
                 for e, c in zip(self.actors, chunks)]
         return PendingRollouts(len(prompt_ids), chunks, refs)
+
+    def submit_episodes(self, records: list[dict], sampling: Sampling, env) -> PendingRollouts:
+        """As `submit`, for episodes in the environment `env` (EnvironmentConfig): record i's on engine i mod k."""
+        k = len(self.actors)
+        chunks = [c for c in (list(range(i, len(records), k)) for i in range(k)) if c]
+        refs = [e.run_episodes.remote([records[j] for j in c], sampling, env) for e, c in zip(self.actors, chunks)]
+        return PendingRollouts(len(records), chunks, refs)
 
     @staticmethod
     def collect(pending: PendingRollouts) -> list[Rollout]:

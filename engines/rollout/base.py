@@ -40,6 +40,10 @@ class Rollout:
     finished: bool  # ended with EOS/stop rather than the length limit
     policy_version: int = 0  # weight updates its engine had taken when it sampled this (RolloutActor)
     token_versions: list[int] | None = None  # partial rollouts: each token's (engines/rollout/pieces.py)
+    # Episodes (engines/rollout/episodes.py): token_ids holds every turn and observation after the prompt;
+    sampled: list[int] | None = None  # 1 where the policy sampled the token, 0 on observations (None: all 1)
+    turn_rewards: list[tuple[int, float]] | None = None  # (index in token_ids of a turn's last token, reward)
+    episode: dict | None = None  # turns, tool calls, outcome: engines/rollout/episodes.py EPISODE_STATS
 
 
 class SleepState:

@@ -61,6 +61,25 @@ class HFEngine(SleepState):
         return [Rollout(prompt_index=i, prompt_ids=list(prompt_ids[i]), token_ids=toks, text=text, logprobs=lps,
                         finished=stop) for (i, toks, lps, stop), text in zip(rows, texts)]
 
+    # ---- turn by turn (episodes): what is queued generates together at the next step ----
+
+    def add(self, key, prompt_ids: list[int], sampling: Sampling) -> None:
+        self.refuse_asleep("generate", needs=self.TAGS)
+        self.__dict__.setdefault("_queued", []).append((key, list(prompt_ids), sampling))
+
+    def busy(self) -> bool:
+        return bool(self.__dict__.get("_queued"))
+
+    def step(self) -> list[tuple[object, list[int], list[float], bool]]:
+        """Every queued sample, generated in one batch per sampling setting: (key, token ids, logprobs, EOS)."""
+        queued, self._queued = self._queued, []
+        done = []
+        for sampling in dict.fromkeys(s for _, _, s in queued):
+            group = [(k, p) for k, p, s in queued if s == sampling]
+            for (key, _), r in zip(group, self.generate([p for _, p in group], sampling)):
+                done.append((key, r.token_ids, r.logprobs, r.finished))
+        return done
+
     def prepare_weights(self, specs: list, bucket_bytes: int) -> list[str | None]:
         """Check the names and shapes updates will carry (once): those of this model's own weight set
         (`models.weight_shapes`), where a tied output layer travels once, as the embedding it shares.

@@ -40,6 +40,19 @@ class EngineHost:
         finally:
             engine.close()
 
+    def run_episodes(self, backend: str, model_path: Source, records: list[dict], sampling: Sampling, env,
+                     **engine_kwargs) -> list[Rollout]:
+        """As `generate`, for episodes in the environment `env` (engines/rollout/episodes.py)."""
+        from engines.rollout.episodes import episodes_on
+
+        torch.set_num_threads(self.torch_threads)
+        engine = build_engine(backend, local_dir(model_path), **engine_kwargs)
+        self.engines_built += 1
+        try:
+            return episodes_on(engine, records, sampling, env, engine_kwargs.get("max_model_len", 256))
+        finally:
+            engine.close()
+
     def stats(self) -> dict[str, int]:
         """How many engines this process has built (the tests' proof that it was reused)."""
         return {"engines_built": self.engines_built}

@@ -124,6 +124,38 @@ class VLLMEngine(SleepState):
                         logprobs=[lp[t].logprob for lp, t in zip(c.logprobs, ids)],
                         finished=c.finish_reason != "length") for (i, ids, c), text in zip(done, texts)]
 
+    # ---- turn by turn (episodes, engines/rollout/episodes.py): requests added while others run ----
+
+    def add(self, key, prompt_ids: list[int], sampling: Sampling) -> None:
+        """Queue one sample of `prompt_ids` (sampling.n is 1) into the running batch; `step` returns it by `key`."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        self.refuse_asleep("generate", needs=self.TAGS)
+        params = SamplingParams(n=1, temperature=sampling.temperature, top_p=sampling.top_p,
+                                max_tokens=sampling.max_new_tokens, logprobs=0, detokenize=False,
+                                output_kind=RequestOutputKind.FINAL_ONLY)
+        keys = self.__dict__.setdefault("_keys", {})
+        self._added = self.__dict__.get("_added", 0) + 1
+        request = f"alignflow-turn-{self._added}"  # outputs come back under this id
+        self.llm.llm_engine.add_request(request, self.llm._preprocess_cmpl_one({"prompt_token_ids": list(prompt_ids)}),
+                                        params)
+        keys[request] = key
+
+    def busy(self) -> bool:
+        return bool(self.__dict__.get("_keys"))
+
+    def step(self) -> list[tuple[object, list[int], list[float], bool]]:
+        """One engine iteration; the samples it finished: (key, token ids, logprobs, ended with EOS)."""
+        done = []
+        for out in self.llm.llm_engine.step():
+            if out.finished:
+                c = out.outputs[0]
+                ids = list(c.token_ids)
+                done.append((self._keys.pop(out.request_id), ids, [lp[t].logprob for lp, t in zip(c.logprobs, ids)],
+                             c.finish_reason != "length"))
+        return done
+
     def prepare_weights(self, specs: list, bucket_bytes: int) -> list[str | None]:
         """Check the names and shapes updates will carry (once); the GPU of each worker that will receive
         them (one per tensor-parallel rank; None on the CPU). A tied output layer is expected as the

@@ -47,3 +47,20 @@ def test_running_mean_std_round_trips_through_json():
     assert back == s
     with pytest.raises(ValueError, match="unknown RunningMeanStd state keys"):
         RunningMeanStd.from_dict({"count": 1.0, "mean": 0.0, "m2": 0.0, "var": 1.0})
+
+
+def test_rewards_at_turns_moves_each_turns_reward_to_its_end_and_keeps_the_row_sum():
+    import algos
+
+    # Row 0: two turns (tokens 0-1 sampled, 2-3 an observation, 4-5 sampled); the first turn earned 0.3 and
+    # the episode's return 1.3 (0.3 + 1.0) sits at the last sampled token, as the sequence reward does.
+    # Row 1: one turn, its reward already at its end: nothing moves. Row 2: nothing sampled: unchanged.
+    mask = torch.tensor([[1, 1, 0, 0, 1, 1], [1, 1, 1, 0, 0, 0], [0, 0, 0, 0, 0, 0]], dtype=torch.float32)
+    token = torch.tensor([[-0.1, -0.1, 0.0, 0.0, -0.1, 1.2], [0.0, 0.0, 2.0, 0.0, 0.0, 0.0], [0.0] * 6])
+    turns = torch.tensor([[0.0, 0.3, 0.0, 0.0, 0.0, 1.0], [0.0, 0.0, 2.0, 0.0, 0.0, 0.0], [0.0] * 6])
+    out = algos.rewards_at_turns(token, turns, mask)
+    expected = torch.tensor([[-0.1, -0.1 + 0.3, 0.0, 0.0, -0.1, 1.2 - 0.3], [0.0, 0.0, 2.0, 0.0, 0.0, 0.0], [0.0] * 6])
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(out.sum(-1), token.sum(-1))
+    with pytest.raises(ValueError, match="shapes differ"):
+        algos.rewards_at_turns(token, turns[:, :3], mask)

@@ -1,0 +1,68 @@
+"""How a round's policy update is shaped: KL toward the reference and the PPO-style update settings."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from alignflow.algorithms import KLEstimator, KLPlacement, LossAggregation
+from alignflow.config.base import Section
+
+
+class KLConfig(Section):
+    """KL regularisation toward the reference policy (SFT, or the base model without SFT)."""
+
+    estimator: KLEstimator | None = Field(None, description="k1 | k2 | k3; None: the algorithm's default")
+    apply_as: KLPlacement | None = Field(
+        None, description="reward (PPO-style penalty) | loss (GRPO-style); None: the algorithm's default")
+    coef: float = Field(0.05, ge=0, description="KL coefficient (adaptive: its start); 0: no KL term")
+    adaptive: bool = Field(False, description="adapt coef to keep the KL near target")
+    target: float = Field(1.0, gt=0, description="adaptive controller target KL (Ziegler et al. 2019)")
+    horizon: int = Field(10000, ge=1, description="adaptive controller's horizon, in rollouts")
+    clamp: float | None = Field(10.0, gt=0, description="log-ratio clamp [-clamp, clamp] in KL estimates; None: off")
+    budget: float = Field(3.0, gt=0, description="max acceptable held-out KL to the reference")
+
+
+class PPOConfig(Section):
+    """Update settings: PPO epochs over minibatches, clipping, value loss."""
+
+    epochs: int = Field(2, ge=1, description="passes over a step's rollouts")
+    minibatch_size: int = Field(64, ge=1, description="rollouts per optimizer step")
+    clip_low: float | None = Field(None, gt=0, description="None: the algorithm's default (0.2; gspo 3e-4)")
+    clip_high: float | None = Field(
+        None, gt=0, description="> clip_low: DAPO clip-higher; None: the algorithm's default (0.2; gspo 4e-4)")
+    dual_clip: float | None = Field(None, gt=1, description="dual-clip c: A < 0 loss capped at -c·A; None: off")
+    value_clip: float | None = Field(0.2, gt=0, description="clip of critic values around their old values; None: off")
+    gamma: float = Field(1.0, ge=0, le=1, description="discount (GAE, REINFORCE++ returns)")
+    lam: float = Field(0.95, ge=0, le=1, description="GAE lambda (algorithms with a critic)")
+    entropy_coef: float = Field(0.0, ge=0, description="entropy bonus weight; 0: off")
+    loss_agg: LossAggregation | None = Field(None, description="None: the algorithm's default")
+    tis_cap: float | None = Field(
+        2.0, gt=0, description="importance sampling between the rollout engine's and the trainer's logprobs: the "
+        "upper bound of the ratio exp(old - rollout); None: off")
+    tis_mode: Literal["truncate", "mask"] = Field(
+        "truncate", description="truncate: weight min(ratio, tis_cap) (TIS, floored at tis_low when set); mask: "
+        "IcePop, tokens whose ratio lies outside [tis_low, tis_cap] are masked out of the loss (counted in "
+        "tis_masked_fraction)")
+    tis_low: float | None = Field(
+        None, gt=0, description="lower bound of the ratio (IcePop uses 0.5 with tis_cap 5); None: none")
+    advantage_std_norm: bool | None = Field(
+        None, description="divide group advantages by the group std (grpo: true, dr_grpo: false); None: the "
+        "algorithm's default; only for algorithms with group-normalised advantages")
+    dynamic_sampling: bool = Field(False, description="DAPO: drop groups whose rewards are all equal")
+    dynamic_sampling_mean_range: tuple[float, float] | None = Field(
+        None, description="[low, high]: train only on groups whose mean task reward (before reward.normalize, "
+        "clip and penalties) lies in it (e.g. pass rate [0.1, 0.9]), beside dynamic_sampling; dropped groups "
+        "are counted; None: off")
+
+    @model_validator(mode="after")
+    def _importance_sampling(self) -> PPOConfig:
+        if self.tis_cap is None and (self.tis_mode != "truncate" or self.tis_low is not None):
+            raise ValueError("ppo.tis_mode / ppo.tis_low need ppo.tis_cap (importance sampling is off without it)")
+        if self.tis_low is not None and self.tis_cap is not None and self.tis_low >= self.tis_cap:
+            raise ValueError(f"ppo.tis_low ({self.tis_low}) must be < ppo.tis_cap ({self.tis_cap})")
+        r = self.dynamic_sampling_mean_range
+        if r is not None and r[0] > r[1]:
+            raise ValueError(f"ppo.dynamic_sampling_mean_range must be [low, high] with low <= high, got {list(r)}")
+        return self

@@ -1,0 +1,197 @@
+"""Episodes run to their end on one rollout engine, each at its own pace.
+
+Every episode is one token sequence after its prompt: the turns the policy sampled (their log-probs
+kept, `Rollout.sampled` 1) and the observations between them (`sampled` 0: prompt, environment and tool
+tokens carry no loss). When a turn ends, that episode's environment step runs in a thread of its own
+while the engine goes on generating the other episodes' turns; its next turn joins the engine's running
+batch as soon as the step returns. No episode waits for another.
+
+A turn cut by its token limit (`max_tokens_per_turn`) still goes to the environment, as an API's
+`finish_reason: length` message goes to an agent; it is counted (`cut_turns`). An episode ends
+  - done: the environment said so. If its last turn was cut, the episode counts as truncated
+    (`Rollout.finished` False, so reward.truncation_penalty applies, as to a single-turn response cut by
+    its length limit);
+  - truncated: `max_turns` turns without done, or no tokens left of `max_episode_tokens` (or of the
+    engine's context) for another turn;
+  - failed: its environment raised, returned something that is not (observation, reward, done, info),
+    or took longer than `step_timeout_s` (the thread is left behind). Its return is `failure_reward`.
+A single-turn round is the case of an environment that is done after the first turn.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from dataclasses import dataclass, field
+
+from engines.rollout.episode_tokens import EpisodeTokens
+from engines.rollout.base import Rollout, Sampling
+
+# What every episode reports (Rollout.episode), summed or averaged into agent/* and eval/* metrics.
+EPISODE_STATS = ("turns", "cut_turns", "tool_calls", "invalid_calls", "tool_errors", "truncated", "failed", "success",
+                 "return")
+
+
+@dataclass(frozen=True)
+class EpisodeLimits:
+    max_turns: int
+    max_tokens_per_turn: int
+    max_episode_tokens: int
+    max_model_len: int
+    step_timeout_s: float
+    failure_reward: float
+
+
+@dataclass
+class _Episode:
+    row: int
+    prompt_index: int
+    env: object
+    prompt_ids: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    sampled: list[int] = field(default_factory=list)
+    turn_rewards: list[tuple[int, float]] = field(default_factory=list)
+    last_text: str = ""
+    stats: dict = field(default_factory=lambda: {k: 0 for k in EPISODE_STATS})
+    error: str | None = None
+    ended: bool = False
+    finished: bool = True
+    last_cut: bool = False
+
+
+def _in_thread(fn: Callable, *args) -> Future:
+    """`fn(*args)` in a daemon thread of its own: one that hangs is abandoned, never joined."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as e:  # the episode's failure, reported to the loop
+            future.set_exception(e)
+
+    threading.Thread(target=run, daemon=True, name="alignflow-env-step").start()
+    return future
+
+
+def _checked_step(result) -> tuple[list[dict], float, bool, dict]:
+    if not (isinstance(result, tuple) and len(result) == 4):
+        raise TypeError(f"step returned {type(result).__name__}, not (observation, reward, done, info)")
+    obs, reward, done, info = result
+    if not isinstance(obs, list) or not all(isinstance(m, dict) and "role" in m for m in obs):
+        raise TypeError(f"step's observation must be a list of chat messages, got {obs!r:.80}")
+    return obs, float(reward), bool(done), dict(info or {})
+
+
+def run_episodes(engine, tokenizer, records: list[dict], n: int, sampling: Sampling,
+                 make_env: Callable[[], object], limits: EpisodeLimits, decode: Callable[[list[int]], str]
+                 ) -> list[Rollout]:
+    """`n` episodes of each record on `engine` (its add / step / busy), grouped per record in order.
+    `sampling.max_new_tokens` is ignored: each turn gets what `limits` leave it."""
+    episodes = [_Episode(row=i * n + j, prompt_index=i, env=make_env()) for i in range(len(records))
+                for j in range(n)]
+    tokens = EpisodeTokens(tokenizer, [t.schema for t in getattr(episodes[0].env, "tools", []) or []]
+                           if episodes else None)
+    pending: dict[Future, tuple[_Episode, str, float]] = {}  # env call -> (episode, "reset"/"step", deadline)
+
+    def call(ep: _Episode, what: str, fn: Callable, *args) -> None:
+        pending[_in_thread(fn, *args)] = (ep, what, time.monotonic() + limits.step_timeout_s)
+
+    def fail(ep: _Episode, why: str) -> None:
+        ep.error, ep.ended = why, True
+        ep.stats["failed"], ep.stats["return"] = 1, limits.failure_reward
+        ep.turn_rewards = [(max(len(ep.tokens) - 1, 0), limits.failure_reward)]
+
+    def truncate(ep: _Episode) -> None:
+        ep.ended, ep.finished, ep.stats["truncated"] = True, False, 1
+
+    def next_turn(ep: _Episode) -> None:
+        if ep.stats["turns"] >= limits.max_turns:
+            return truncate(ep)
+        budget = min(limits.max_tokens_per_turn, limits.max_episode_tokens - len(ep.tokens),
+                     limits.max_model_len - len(ep.prompt_ids) - len(ep.tokens))
+        if budget < 1:
+            return truncate(ep)
+        engine.add(ep.row, ep.prompt_ids + ep.tokens, Sampling(
+            n=1, temperature=sampling.temperature, top_p=sampling.top_p, max_new_tokens=budget))
+
+    def observed(ep: _Episode, what: str, result) -> None:
+        if what == "reset":
+            ep.prompt_ids = tokens.start(result)
+            return next_turn(ep)
+        obs, reward, done, info = _checked_step(result)
+        for k in ("tool_calls", "invalid_calls", "tool_errors"):
+            ep.stats[k] += int(info.get(k, 0))
+        if reward:
+            ep.turn_rewards.append((len(ep.tokens) - 1, reward))
+            ep.stats["return"] += reward
+        if done:
+            ep.ended = True
+            ep.stats["success"] = int(info.get("success", ep.stats["return"] > 0))
+            if ep.last_cut:
+                ep.finished, ep.stats["truncated"] = False, 1
+            return
+        ep.tokens += (more := tokens.observation(obs, ended=not ep.last_cut))
+        ep.logprobs += [0.0] * len(more)
+        ep.sampled += [0] * len(more)
+        next_turn(ep)
+
+    by_row = {ep.row: ep for ep in episodes}
+    for ep, record in zip(episodes, (r for r in records for _ in range(n))):
+        call(ep, "reset", ep.env.reset, record)
+    while pending or engine.busy():
+        for future in [f for f in pending if f.done()]:
+            ep, what, _ = pending.pop(future)
+            try:
+                observed(ep, what, future.result())
+            except Exception as e:
+                fail(ep, f"environment {what}: {type(e).__name__}: {e}")
+        now = time.monotonic()
+        for future in [f for f, (_, _, deadline) in pending.items() if deadline < now]:
+            ep, what, _ = pending.pop(future)
+            fail(ep, f"environment {what} took longer than step_timeout_s={limits.step_timeout_s:g}")
+        if engine.busy():
+            for row, ids, logprobs, eos in engine.step():
+                ep = by_row[row]
+                ep.tokens += ids
+                ep.logprobs += logprobs
+                ep.sampled += [1] * len(ids)
+                ep.stats["turns"] += 1
+                ep.stats["cut_turns"] += int(not eos)
+                ep.last_cut, ep.last_text = not eos, decode(ids)
+                call(ep, "step", ep.env.step, {"role": "assistant", "content": ep.last_text})
+        elif pending:
+            wait(list(pending), timeout=max(0.0, min(d for _, _, d in pending.values()) - time.monotonic()),
+                 return_when=FIRST_COMPLETED)
+    for ep in episodes:
+        if not ep.prompt_ids:  # its reset failed: an empty user turn for a prompt, nothing sampled after it
+            ep.prompt_ids = tokens.start([{"role": "user", "content": ""}])
+    return [Rollout(prompt_index=ep.prompt_index, prompt_ids=ep.prompt_ids, token_ids=ep.tokens, text=ep.last_text,
+                    logprobs=ep.logprobs, finished=ep.finished, sampled=ep.sampled, turn_rewards=ep.turn_rewards,
+                    episode={**ep.stats, "error": ep.error}) for ep in episodes]
+
+
+def episodes_on(engine, records: list[dict], sampling: Sampling, env, max_model_len: int) -> list[Rollout]:
+    """`sampling.n` episodes of each record on `engine`, in the environment `env` (EnvironmentConfig) names."""
+    from alignflow.agents.environment import make_environment
+
+    engine._awake("generate", needs=engine.TAGS)
+    limits = EpisodeLimits(max_turns=env.max_turns, max_tokens_per_turn=env.max_tokens_per_turn or sampling.max_new_tokens,
+                           max_episode_tokens=env.max_episode_tokens, max_model_len=max_model_len,
+                           step_timeout_s=env.step_timeout_s, failure_reward=env.failure_reward)
+    tok = engine.tokenizer
+    return run_episodes(engine, tok, records, sampling.n, sampling, lambda: make_environment(env.name, env.kwargs), limits,
+                        lambda ids: tok.decode(ids, skip_special_tokens=True))
+
+
+def episode_metrics(rollouts: list[Rollout], prefix: str = "agent") -> dict[str, float]:
+    """Per episode: success rate, return, turns, tool calls, invalid calls, tool errors, and the shares truncated
+    and failed, as `prefix`/<name> means; nothing for single responses."""
+    stats = [r.episode for r in rollouts if r.episode is not None]
+    if not stats:
+        return {}
+    names = {"success": "success_rate", "truncated": "truncated_fraction", "failed": "failed_fraction"}
+    return {f"{prefix}/{names.get(k, k if k == 'return' else k + '_per_episode')}": sum(s[k] for s in stats) / len(stats)
+            for k in EPISODE_STATS}

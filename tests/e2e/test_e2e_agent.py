@@ -1,0 +1,66 @@
+"""End to end: configs/agent.yaml, small, with a user's `module:Class` environment in its round and the
+bundled one in its evaluations: SFT on tool-use traces, a GRPO round of episodes, episodes evaluated."""
+
+from __future__ import annotations
+
+import json
+import os
+import textwrap
+from pathlib import Path
+
+import pytest
+from e2e_cli import parse_table, stage_runs
+
+pytestmark = pytest.mark.e2e
+REPO = Path(__file__).resolve().parents[2]
+
+USER_ENV = '''
+from alignflow.agents.boxes import BoxesEnvironment
+
+
+class Paid(BoxesEnvironment):
+    """The bundled task, with 0.1 of reward for each tool call, at the end of the turn that made it."""
+
+    def step(self, message):
+        obs, reward, done, info = super().step(message)
+        return obs, reward + 0.1 * info.get("tool_calls", 0), done, info
+'''
+
+
+def test_an_agent_pipeline_with_a_user_environment_learns_from_episodes(cli_env, alignflow_cli, tmp_path):
+    src = tmp_path / "env_src"
+    src.mkdir()
+    (src / "e2e_user_env.py").write_text(textwrap.dedent(USER_ENV))
+    env = cli_env(PYTHONPATH=os.pathsep.join(p for p in (str(src), os.environ.get("PYTHONPATH")) if p))
+    round_ = {"algorithm": "grpo", "steps": 2, "prompts_per_step": 8, "reward": {"source": "environment"},
+              "generation": {"num_samples": 4, "max_new_tokens": 40}, "ppo": {"epochs": 1, "minibatch_size": 32},
+              "environment": {"name": "e2e_user_env:Paid", "max_turns": 3, "max_episode_tokens": 96}}
+    args = ["run", str(REPO / "configs" / "agent.yaml"), "data.synthetic.num_sft=600", "data.synthetic.num_eval=24",
+            "data.synthetic.num_rl_prompts=32", "sft.max_steps=60", "evaluation.generation.num_samples=2",
+            f"rounds={json.dumps([round_])}", f"infra.storage.root={tmp_path / 'artifacts'}",
+            f"infra.mlflow_tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}"]
+    res = alignflow_cli(args, env=env, cwd=tmp_path)
+    assert res.returncode == 0, res.describe()
+    table = parse_table(res.stdout)
+    assert set(table) == {"base", "sft", "round_1"}, res.stdout
+
+    runs = stage_runs(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    m = runs["round_1"].data.metrics
+    assert m["rl/steps"] == 2
+    assert m["rl/agent/tool_calls_per_episode"] > 0, m  # SFT's traces taught the call; the round made some
+    # The user's environment ran: its per-call bonus is in every return (the last step's episodes).
+    assert m["rl/agent/return"] == pytest.approx(m["rl/agent/success_rate"] + 0.1 * m["rl/agent/tool_calls_per_episode"],
+                                                 abs=1e-5)
+    assert m["rl/reward/environment"] == pytest.approx(m["rl/agent/return"], abs=1e-5)
+    # The trainer scores the very tokens vLLM sampled, in their context: its log-probs agree with vLLM's.
+    assert abs(m["rl/tis_weight_mean"] - 1.0) < 0.02, m["rl/tis_weight_mean"]
+    for name in ("sft", "round_1"):  # evaluated as agents in the bundled environment
+        e = runs[f"eval_{name}"].data.metrics
+        assert e["eval/accuracy"] == e["eval/success_rate"]
+        assert {"eval/turns_per_episode", "eval/tool_calls_per_episode", "eval/invalid_calls_per_episode",
+                "eval/truncated_fraction", "eval/failed_fraction"} <= set(e), sorted(e)
+        assert e["eval/failed_fraction"] == 0
+    samples = json.loads(next((tmp_path / "artifacts" / "eval_round_1").glob("*/samples.json")).read_text())
+    assert samples and all(s["transcript"].startswith("<|system|>tools: open_box(box)<|user|>What is the code in box")
+                           for s in samples)
+    assert all(set(s["episode"]) >= {"turns", "tool_calls", "success"} for s in samples)

@@ -1,0 +1,206 @@
+"""Episodes (engines/rollout/episodes.py): one token sequence per episode, loss only where the policy
+sampled, every environment failure a counted outcome, and the trained tokens the sampled ones."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from alignflow.agents import ToolEnvironment
+from alignflow.agents.boxes import BoxesEnvironment
+from alignflow.config import EnvironmentConfig, SyntheticTaskConfig, TinyModelConfig
+from alignflow.data import agent_task
+from engines.rl.experience import from_rollouts
+from engines.rollout.base import Sampling
+from engines.rollout.episodes import EpisodeLimits, episode_metrics, run_episodes
+
+SAMPLING = Sampling(n=1, temperature=1.0, max_new_tokens=32)
+
+
+@pytest.fixture(scope="module")
+def box_model(tmp_path_factory):
+    from engines.models import build_tiny_model
+
+    return build_tiny_model(TinyModelConfig(corpus="boxes", vocab_size=400), seed=0,
+                            out_dir=tmp_path_factory.mktemp("tiny-boxes"), corpus=agent_task.tokenizer_corpus())
+
+
+@pytest.fixture(scope="module")
+def tok(box_model):
+    from engines.models import load_tokenizer
+
+    return load_tokenizer(box_model)
+
+
+class Scripted:
+    """An engine whose turns are written out: episode `row`'s k-th turn is `turns[row][k]` (ended with EOS
+    unless listed in `cut`). It keeps every prompt it was given."""
+
+    def __init__(self, turns: dict[int, list[list[int]]], cut: set[tuple[int, int]] = frozenset()):
+        self.turns, self.cut, self.queue, self.prompts = turns, cut, [], {}
+
+    def add(self, key, prompt_ids, sampling):
+        self.prompts.setdefault(key, []).append(list(prompt_ids))
+        self.queue.append(key)
+
+    def busy(self):
+        return bool(self.queue)
+
+    def step(self):
+        key = self.queue.pop(0)
+        k = len(self.prompts[key]) - 1
+        ids = self.turns[key][k]
+        return [(key, ids, [-0.25] * len(ids), (key, k) not in self.cut)]
+
+
+def limits(**kw) -> EpisodeLimits:
+    return EpisodeLimits(**{"max_turns": 4, "max_tokens_per_turn": 40, "max_episode_tokens": 200, "max_model_len": 256,
+                            "step_timeout_s": 5.0, "failure_reward": -1.0, **kw})
+
+
+def ids(tok, text: str, eos: bool = True) -> list[int]:
+    return tok(text, add_special_tokens=False)["input_ids"] + ([tok.eos_token_id] if eos else [])
+
+
+def test_a_two_turn_episode_with_a_tool_call_trains_exactly_the_sampled_tokens(tok):
+    record = {"prompt": [{"role": "user", "content": agent_task.question(42)}], "answer": "17",
+              "boxes": {"42": 17, "11": 90}}
+    call, answer = ids(tok, agent_task.call_text(42)), ids(tok, "17")
+    engine = Scripted({0: [call, answer]})
+    [r] = run_episodes(engine, tok, [record], 1, SAMPLING, BoxesEnvironment, limits(),
+                       lambda t: tok.decode(t, skip_special_tokens=True))
+    # What the tiny template writes, spelled out by hand: the tools, the question, then the tool's result.
+    prompt = ids(tok, "<|system|>tools: open_box(box)<|user|>What is the code in box 42?<|assistant|>", eos=False)
+    observation = ids(tok, "<|system|>17<|assistant|>", eos=False)
+    assert r.prompt_ids == prompt
+    assert r.token_ids == call + observation + answer
+    assert r.sampled == [1] * len(call) + [0] * len(observation) + [1] * len(answer)
+    assert engine.prompts[0] == [prompt, prompt + call + observation]  # the sampled turn is never re-tokenised
+    assert r.turn_rewards == [(len(r.token_ids) - 1, 1.0)] and r.finished and r.text == "17"
+    assert {k: r.episode[k] for k in ("turns", "tool_calls", "success", "return", "truncated")} == \
+        {"turns": 2, "tool_calls": 1, "success": 1, "return": 1.0, "truncated": 0}
+
+    exp = from_rollouts([r], tok.pad_token_id)
+    positions = exp.response_index[0][exp.action_mask[0].bool()] + 1  # next-token layout -> input position
+    assert exp.input_ids[0, positions].tolist() == call + answer
+    assert exp.action_mask[0].sum().item() == len(call) + len(answer)
+    assert exp.rollout_logprobs[0][exp.action_mask[0].bool()].eq(-0.25).all()
+    assert exp.rollout_logprobs[0][~exp.action_mask[0].bool()].eq(0).all()
+    assert exp.turn_rewards[0].nonzero().flatten().tolist() == [len(r.token_ids) - 1]
+
+
+RELEASE = threading.Event()
+
+
+class Modes(ToolEnvironment):
+    """Each record says how its environment behaves."""
+
+    def __init__(self):
+        self.tools = BoxesEnvironment().tools
+        self._boxes = self.tools[0].fn.__self__
+
+    def reset(self, sample):
+        self.mode = sample["mode"]
+        self._boxes.sample = sample
+        if self.mode == "crash_reset":
+            raise RuntimeError("no sandbox")
+        return super().reset(sample)
+
+    def step(self, message):
+        if self.mode == "hang":
+            RELEASE.wait(60)
+        if self.mode == "crash":
+            raise OSError("environment died")
+        if self.mode == "malformed_return":
+            return [], 1.0
+        return super().step(message)
+
+
+def test_malformed_calls_raising_tools_hanging_and_crashing_environments_each_get_a_counted_outcome(tok):
+    modes = ["malformed_call", "raising_tool", "hang", "crash", "crash_reset", "malformed_return", "turns", "cut",
+             "cut_answer"]
+    records = [{"prompt": [{"role": "user", "content": agent_task.question(42)}], "answer": "17",
+                "boxes": {"42": 17}, "mode": m} for m in modes]
+    call, answer = ids(tok, agent_task.call_text(42)), ids(tok, "17")
+    bad_json, wrong_box = ids(tok, "<tool_call>{oops</tool_call>"), ids(tok, agent_task.call_text(99))
+    engine = Scripted({0: [bad_json, answer], 1: [wrong_box, answer], 2: [answer], 3: [answer], 5: [answer],
+                       6: [call, call, call], 7: [call[:5], answer], 8: [answer[:1]]}, cut={(7, 0), (8, 0)})
+    try:
+        rollouts = run_episodes(engine, tok, records, 1, SAMPLING, Modes, limits(max_turns=3, step_timeout_s=0.5),
+                                lambda t: tok.decode(t, skip_special_tokens=True))
+    finally:
+        RELEASE.set()  # the abandoned step's thread may end
+    got = {m: r.episode for m, r in zip(modes, rollouts)}
+    assert got["malformed_call"]["invalid_calls"] == 1 and got["malformed_call"]["success"] == 1
+    assert got["raising_tool"]["tool_errors"] == 1 and got["raising_tool"]["success"] == 1
+    assert "step_timeout_s=0.5" in got["hang"]["error"]
+    assert "OSError: environment died" in got["crash"]["error"]
+    assert "environment reset: RuntimeError: no sandbox" in got["crash_reset"]["error"]
+    assert "not (observation, reward, done, info)" in got["malformed_return"]["error"]
+    for m in ("hang", "crash", "crash_reset", "malformed_return"):
+        assert got[m]["failed"] == 1 and got[m]["return"] == -1.0, m
+    assert got["turns"]["truncated"] == 1 and got["turns"]["turns"] == 3 and got["turns"]["tool_calls"] == 3
+    # A cut turn goes to the environment all the same (here an unclosed call, invalid), and is counted;
+    # an episode whose last turn was cut counts as truncated.
+    assert got["cut"]["cut_turns"] == 1 and got["cut"]["invalid_calls"] == 1 and got["cut"]["success"] == 1
+    assert got["cut"]["truncated"] == 0 and got["cut_answer"]["truncated"] == 1 and got["cut_answer"]["turns"] == 1
+    assert [r.finished for r in rollouts] == [True] * 6 + [False, True, False]
+    cut = rollouts[modes.index("cut")]  # the template's end of the cut turn is the environment's, masked
+    end = ids(tok, "<|end|><|system|>error: a <tool_call> was opened and never closed<|assistant|>", eos=False)
+    assert cut.token_ids == call[:5] + end + answer and cut.sampled == [1] * 5 + [0] * len(end) + [1] * len(answer)
+    crashed_at_reset = rollouts[modes.index("crash_reset")]
+    assert crashed_at_reset.prompt_ids and crashed_at_reset.token_ids == []  # a prompt, nothing to train on
+    metrics = episode_metrics(rollouts)
+    assert metrics["agent/failed_fraction"] == 4 / 9 and metrics["agent/truncated_fraction"] == 2 / 9
+    assert metrics["agent/invalid_calls_per_episode"] == 2 / 9 and metrics["agent/success_rate"] == 3 / 9
+    exp = from_rollouts(rollouts, tok.pad_token_id)  # the whole batch still makes one Experience
+    assert exp.action_mask[modes.index("crash_reset")].sum() == 0
+
+
+class Twice(ToolEnvironment):
+    """Answers every turn with a note; done after the second."""
+
+    def reset(self, sample):
+        self.turn = 0
+        return super().reset(sample)
+
+    def step(self, message):
+        self.turn += 1
+        return [{"role": "tool", "content": "noted"}], 0.5, self.turn == 2, {}
+
+
+def test_a_real_engines_episodes_are_scored_by_the_trainer_on_exactly_the_tokens_it_sampled(box_model, tok):
+    """transformers generate, its EOS made likely so turns end: the trainer's forward over the episode's
+    sequence gives back the engine's log-probs on every sampled token, so the context it trains on is the
+    one the engine sampled in, observations included."""
+    from engines.models import load_policy
+    from engines.rollout.hf_engine import HFEngine
+
+    engine = HFEngine(str(box_model), seed=0)
+    head = engine.model.lm_head
+    engine.model.lm_head = torch.nn.Linear(head.in_features, head.out_features, bias=True)
+    with torch.no_grad():
+        engine.model.lm_head.weight.copy_(head.weight)
+        engine.model.lm_head.bias.zero_()
+        engine.model.lm_head.bias[tok.eos_token_id] = 3.0
+    records = agent_task.generate(SyntheticTaskConfig(task="boxes", num_sft=1, num_preference=1, num_rl_prompts=4,
+                                                      num_eval=1), 0)["prompts"]
+    rollouts = run_episodes(engine, tok, records, 2, Sampling(n=2, temperature=1.0), Twice,
+                            limits(max_tokens_per_turn=24), lambda t: tok.decode(t, skip_special_tokens=True))
+    two_turns = [r for r in rollouts if r.episode["turns"] == 2 and r.finished]
+    assert len(two_turns) >= 2, [r.episode for r in rollouts]
+    assert [r.prompt_index for r in rollouts] == [0, 0, 1, 1, 2, 2, 3, 3]
+    exp = from_rollouts(two_turns, tok.pad_token_id)
+    model = load_policy(str(box_model))
+    model.lm_head = engine.model.lm_head
+    with torch.no_grad():
+        logits = model(input_ids=exp.input_ids, attention_mask=exp.attention_mask).logits.float()
+    logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, exp.input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    trained = logp.gather(1, exp.response_index)
+    mask = exp.action_mask.bool()
+    assert torch.allclose(trained[mask], exp.rollout_logprobs[mask], atol=1e-4)
+    for b, r in enumerate(two_turns):  # the observation tokens sit between the turns, masked
+        assert 0 < exp.action_mask[b, : len(r.token_ids)].sum() < len(r.token_ids)
+        assert r.episode["return"] == 1.0 and r.episode["success"] == 1
