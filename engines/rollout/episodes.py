@@ -114,8 +114,9 @@ def run_episodes(engine, tokenizer, records: list[dict], n: int, sampling: Sampl
                      limits.max_model_len - len(ep.prompt_ids) - len(ep.tokens))
         if budget < 1:
             return truncate(ep)
-        engine.add(ep.row, ep.prompt_ids + ep.tokens, Sampling(
-            n=1, temperature=sampling.temperature, top_p=sampling.top_p, max_new_tokens=budget))
+        engine.add(ep.row, ep.prompt_ids + ep.tokens, Sampling(n=1, temperature=sampling.temperature,
+                                                               top_p=sampling.top_p, max_new_tokens=budget,
+                                                               ignore_eos=sampling.ignore_eos))
 
     def observed(ep: _Episode, what: str, result) -> None:
         if what == "reset":

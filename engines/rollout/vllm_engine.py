@@ -134,7 +134,7 @@ class VLLMEngine(SleepState):
         self.refuse_asleep("generate", needs=self.TAGS)
         params = SamplingParams(n=1, temperature=sampling.temperature, top_p=sampling.top_p,
                                 max_tokens=sampling.max_new_tokens, logprobs=0, detokenize=False,
-                                output_kind=RequestOutputKind.FINAL_ONLY)
+                                ignore_eos=sampling.ignore_eos, output_kind=RequestOutputKind.FINAL_ONLY)
         keys = self.__dict__.setdefault("_keys", {})
         self._added = self.__dict__.get("_added", 0) + 1
         request = f"alignflow-turn-{self._added}"  # outputs come back under this id
