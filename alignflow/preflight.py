@@ -260,10 +260,10 @@ def _rewards(cfg: PipelineConfig, found: Findings) -> None:
     envs = [(f"rounds.{i}.environment", r.environment) for i, r in enumerate(cfg.rounds)]
     for field, env in envs + [("evaluation.environment", cfg.evaluation and cfg.evaluation.environment)]:
         if env is not None:  # imports, is an environment, constructs, and its tools carry schemas
-            from alignflow.agents.environment import make_environment
+            from alignflow.agents.environment import load_agent, make_environment
 
             try:
-                make_environment(env.name, env.kwargs, field)
+                load_agent(env.agent, f"{field}.agent") if env.agent else make_environment(env.name, env.kwargs, field)
                 found.ok()
             except ValueError as err:
                 found.fail(*str(err).split(": ", 1))

@@ -18,12 +18,17 @@ from tasks.plan import Plan
 POLICY_METRICS = ("eval/accuracy", "eval/reward", "eval/kl_to_reference", "eval/response_length")
 FLOW_RUN_TAG = "alignflow.prefect_flow_run_id"
 LOCAL_MLFLOW_UI = "http://127.0.0.1:5000"  # where `mlflow ui` serves by default
+# Policies evaluated as agents (evaluation.environment): per episode, as engines/rollout/episodes.py counts them.
+AGENT_METRICS = (("eval/turns_per_episode", "turns"), ("eval/tool_calls_per_episode", "tool_calls"),
+                 ("eval/invalid_calls_per_episode", "invalid_calls"), ("eval/truncated_fraction", "truncated"),
+                 ("eval/failed_fraction", "failed"))
 MAX_PASS_AT_COLUMNS = 4  # more k than this: the table shows pass@1 and pass@n (MLflow has every k)
 
 
 def compared(key: str) -> bool:
     """A policy metric of the comparison (table and parent run)."""
-    return key in POLICY_METRICS or key.startswith(PASS_AT_PREFIX) or key == MAJORITY_ACCURACY
+    return (key in POLICY_METRICS or key.startswith(PASS_AT_PREFIX) or key == MAJORITY_ACCURACY
+            or key in dict(AGENT_METRICS))
 
 
 class PipelineReport(BaseModel):
@@ -56,13 +61,14 @@ class PipelineReport(BaseModel):
 
     def columns(self) -> list[tuple[str, str]]:
         """(metric, header) of the table: POLICY_METRICS, then pass@k (every k up to
-        MAX_PASS_AT_COLUMNS, else pass@1 and pass@n) and majority-vote accuracy where measured."""
+        MAX_PASS_AT_COLUMNS, else pass@1 and pass@n), majority-vote accuracy and AGENT_METRICS where measured."""
         ks = sorted({k for m in self.policies.values() for k in pass_at_ks(m)})
         ks = ks if len(ks) <= MAX_PASS_AT_COLUMNS else [ks[0], ks[-1]]
         measured = any(MAJORITY_ACCURACY in m for m in self.policies.values())
         majority = [(MAJORITY_ACCURACY, "majority")] if measured else []
+        agent = [(k, h) for k, h in AGENT_METRICS if any(k in m for m in self.policies.values())]
         return [(m, m.removeprefix("eval/")) for m in POLICY_METRICS] + [(pass_at_key(k), f"pass@{k}") for k in ks] \
-            + majority
+            + majority + agent
 
     def table(self) -> str:
         keys, headers = zip(*self.columns())

@@ -24,7 +24,7 @@ from alignflow.cluster import ensure_ray
 from alignflow.config import EvalConfig, Placement
 from alignflow.records import StageResult
 from engines import batches, models
-from engines.rollout.episodes import episode_metrics
+from engines.rollout.episodes import episode_metrics, report_failures
 from engines.rl import experience
 from engines.rl.rewards import load_callable
 from engines.rl.scoring import scoring
@@ -70,7 +70,9 @@ def evaluate_policy(stage: PlannedStage, inputs: PolicyEvalInputs, ctx: RunConte
         tokenizer = models.load_tokenizer(policy_dir)
         records = load_split(inputs.data, ctx, "eval")[: cfg.num_prompts]
         limits = token_limits(inputs.data)
-        prompt_limit, model_len = limits.for_generation(cfg.generation.max_new_tokens, policy_dir, "evaluation.")
+        env = cfg.environment  # an episode's tokens after its prompt: its turns and observations
+        prompt_limit, model_len = limits.for_generation(env.max_episode_tokens if env else cfg.generation.max_new_tokens,
+                                                        policy_dir, "evaluation.")
         kept, report = batches.filter_prompts(tokenizer, records, prompt_limit, "eval")
         prompt_ids = [ids for ids, _ in kept]
 
@@ -81,6 +83,7 @@ def evaluate_policy(stage: PlannedStage, inputs: PolicyEvalInputs, ctx: RunConte
                                                max_model_len=model_len, attn_implementation=io.attn_implementation,
                                                episodes=episodes)
         run.set_tag("alignflow.engine_process", where)
+        report_failures(rollouts, stage.name)
 
         correct = [bool(r.episode["success"]) if episodes else
                    bool(checker(r.text, kept[r.prompt_index][1].get("answer") or "")) for r in rollouts]

@@ -33,8 +33,9 @@ def rl_round(stage: PlannedStage, inputs: RoundInputs, ctx: RunContext) -> Stage
             same_vocabulary(tokenizer, models.load_tokenizer(ctx.tokenizer_dir(inputs.teacher)),
                             f"rounds.{int(stage.name.split('_')[1]) - 1}.teacher ({round_cfg.teacher})")
         limits = token_limits(inputs.data)
-        prompt_limit, model_len = limits.for_generation(round_cfg.generation.max_new_tokens, policy_dir,
-                                                        f"{stage.name}: ")
+        env = round_cfg.environment  # an episode's tokens after its prompt: its turns and observations
+        prompt_limit, model_len = limits.for_generation(
+            env.max_episode_tokens if env else round_cfg.generation.max_new_tokens, policy_dir, f"{stage.name}: ")
         prompts, report = batches.filter_prompts(tokenizer, load_split(inputs.data, ctx, "prompts"),
                                                  prompt_limit, "prompts")
         run.log_metrics(report.as_metrics("prompts"))

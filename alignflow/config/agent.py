@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from alignflow.config.base import Section
 
@@ -12,8 +12,11 @@ from alignflow.config.base import Section
 class EnvironmentConfig(Section):
     """A multi-turn environment: one per episode, `name(**kwargs)`; each model turn is one `step`."""
 
-    name: str = Field(description="a bundled environment (boxes) or module:Class of the user's code, whose "
-                      "reset(sample) -> messages and step(message) -> (observation, reward, done, info)")
+    name: str | None = Field(None, description="a bundled environment (boxes) or module:Class of the user's code, "
+                             "whose reset(sample) -> messages and step(message) -> (observation, reward, done, info)")
+    agent: str | None = Field(None, description="instead of name: module:function(client, sample) -> reward, the "
+                              "user's agent driving each episode through an OpenAI client of the engine's endpoint "
+                              "(engines/rollout/endpoint.py); step_timeout_s bounds a whole episode")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of the class")
     max_turns: int = Field(4, description="model turns per episode; an episode not done by then is truncated")
     max_tokens_per_turn: int | None = Field(
@@ -24,6 +27,13 @@ class EnvironmentConfig(Section):
                                   "its episode (counted), the round goes on")
     failure_reward: float = Field(0.0, description="the return of an episode whose environment raised, hung or "
                                   "answered malformed")
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> EnvironmentConfig:
+        if (self.name is None) == (self.agent is None):
+            raise ValueError("give name (an environment class) or agent (a module:function driving the endpoint), "
+                             "one of them")
+        return self
 
     @field_validator("max_turns")
     @classmethod

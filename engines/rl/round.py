@@ -36,7 +36,7 @@ from alignflow.artifacts import WEIGHT_FILES, Entries, Source, child, local_dir,
 from alignflow.config import RoundConfig
 from alignflow.seeds import derive_seed
 from engines.rl import experience
-from engines.rollout.episodes import episode_metrics
+from engines.rollout.episodes import episode_metrics, report_failures
 from engines.rl.experience import Experience
 from engines.rl.judge import Judge
 from engines.rl.rewards import RemoteReward, RuleReward, ScoredText
@@ -181,6 +181,7 @@ class RLRound:
         rollouts, scores = self._rollouts(step, prompt_ids, records)
         clock.lap("generate")
         staleness = self._staleness(rollouts)
+        report_failures(rollouts, f"round step {step}")
         exp = experience.from_rollouts(rollouts, self.tokenizer.pad_token_id)
         ahead = {k: _rows_of(v, exp) for k, v in collect_scores(scores).items()}  # waiting counts as scoring
         if "ref_logprobs" in ahead:

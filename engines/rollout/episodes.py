@@ -20,6 +20,7 @@ A single-turn round is the case of an environment that is done after the first t
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -29,9 +30,11 @@ from dataclasses import dataclass, field
 from engines.rollout.episode_tokens import EpisodeTokens
 from engines.rollout.base import Rollout, Sampling
 
+log = logging.getLogger("alignflow")
+
 # What every episode reports (Rollout.episode), summed or averaged into agent/* and eval/* metrics.
 EPISODE_STATS = ("turns", "cut_turns", "tool_calls", "invalid_calls", "tool_errors", "truncated", "failed", "success",
-                 "return")
+                 "return", "restarts")
 
 
 @dataclass(frozen=True)
@@ -176,15 +179,29 @@ def run_episodes(engine, tokenizer, records: list[dict], n: int, sampling: Sampl
 
 def episodes_on(engine, records: list[dict], sampling: Sampling, env, max_model_len: int) -> list[Rollout]:
     """`sampling.n` episodes of each record on `engine`, in the environment `env` (EnvironmentConfig) names."""
-    from alignflow.agents.environment import make_environment
+    from alignflow.agents.environment import load_agent, make_environment
 
     engine._awake("generate", needs=engine.TAGS)
+    tok = engine.tokenizer
+    if env.agent is not None:  # the user's agent drives each episode through the endpoint
+        from engines.rollout.endpoint import agent_episodes
+
+        return agent_episodes(engine, tok, records, sampling.n, sampling, load_agent(env.agent),
+                              timeout_s=env.step_timeout_s, failure_reward=env.failure_reward,
+                              max_tokens=env.max_tokens_per_turn or sampling.max_new_tokens, max_model_len=max_model_len)
     limits = EpisodeLimits(max_turns=env.max_turns, max_tokens_per_turn=env.max_tokens_per_turn or sampling.max_new_tokens,
                            max_episode_tokens=env.max_episode_tokens, max_model_len=max_model_len,
                            step_timeout_s=env.step_timeout_s, failure_reward=env.failure_reward)
-    tok = engine.tokenizer
     return run_episodes(engine, tok, records, sampling.n, sampling, lambda: make_environment(env.name, env.kwargs), limits,
                         lambda ids: tok.decode(ids, skip_special_tokens=True))
+
+
+def report_failures(rollouts: list[Rollout], where: str) -> None:
+    """A warning naming how many episodes failed and the first few distinct reasons (each one's `error`)."""
+    errors = [r.episode["error"] for r in rollouts if r.episode is not None and r.episode.get("error")]
+    if errors:
+        reasons = list(dict.fromkeys(errors))[:3]
+        log.warning("%s: %d of %d episodes failed: %s", where, len(errors), len(rollouts), "; ".join(reasons))
 
 
 def episode_metrics(rollouts: list[Rollout], prefix: str = "agent") -> dict[str, float]:

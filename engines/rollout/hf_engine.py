@@ -70,6 +70,9 @@ class HFEngine(SleepState):
     def busy(self) -> bool:
         return bool(self.__dict__.get("_queued"))
 
+    def abort(self, keys: list) -> None:
+        self._queued = [q for q in self.__dict__.get("_queued", []) if q[0] not in set(keys)]
+
     def step(self) -> list[tuple[object, list[int], list[float], bool]]:
         """Every queued sample, generated in one batch per sampling setting: (key, token ids, logprobs, EOS)."""
         queued, self._queued = self._queued, []

@@ -145,6 +145,15 @@ class VLLMEngine(SleepState):
     def busy(self) -> bool:
         return bool(self.__dict__.get("_keys"))
 
+    def abort(self, keys: list) -> None:
+        """Drop added samples that are still generating (`add`'s keys)."""
+        ours = {k: r for r, k in self.__dict__.get("_keys", {}).items()}
+        requests = [ours[k] for k in keys if k in ours]
+        if requests:
+            self.llm.llm_engine.abort_request(requests)
+        for r in requests:
+            del self._keys[r]
+
     def step(self) -> list[tuple[object, list[int], list[float], bool]]:
         """One engine iteration; the samples it finished: (key, token ids, logprobs, ended with EOS)."""
         done = []

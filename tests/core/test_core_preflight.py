@@ -164,8 +164,8 @@ def test_a_missing_judge_is_named_with_its_round(tmp_path):
 
 
 def test_agent_config_problems_are_each_named_with_their_field_before_anything_starts(tmp_path):
-    """A wrong environment path (a round's and the evaluation's), an environment whose tool has no schema,
-    and max_turns < 1 (refused when the config loads)."""
+    """A wrong environment path (a round's and the evaluation's), an environment whose tool has no schema, a
+    wrong agent path, and max_turns < 1 (refused when the config loads)."""
     env_file = tmp_path / "user_envs.py"
     env_file.write_text("from alignflow.agents import ToolEnvironment\n\n\ndef f(x):\n    return x\n\n\n"
                         "class NoSchema(ToolEnvironment):\n    tools = [f]\n")
@@ -173,16 +173,20 @@ def test_agent_config_problems_are_each_named_with_their_field_before_anything_s
     try:
         rounds = ('rounds=[{"algorithm": "grpo", "reward": {"source": "environment"}, "environment": {"name": '
                   '"no_such_module:Env"}}, {"algorithm": "grpo", "reward": {"source": "environment"}, '
-                  '"environment": {"name": "user_envs:NoSchema"}}]')
+                  '"environment": {"name": "user_envs:NoSchema"}}, {"algorithm": "grpo", "reward": {"source": '
+                  '"environment"}, "environment": {"agent": "user_envs:no_agent"}}]')
         found = problems(_write_config(tmp_path, "name: agent"), rounds, "evaluation.environment.name=boxes_typo")
     finally:
         sys.path.remove(str(tmp_path))
     assert found[0].startswith("rounds.0.environment.name: cannot import 'no_such_module:Env'")
     assert found[1].startswith("rounds.1.environment.name: user_envs:NoSchema's tools hold <function f")
     assert "not a Tool with a schema" in found[1]
-    assert found[2].startswith("evaluation.environment.name: 'boxes_typo' is neither a bundled environment (boxes) "
+    assert found[2].startswith("rounds.2.environment.agent: cannot import 'user_envs:no_agent'")
+    assert found[3].startswith("evaluation.environment.name: 'boxes_typo' is neither a bundled environment (boxes) "
                                "nor module:Class (from the command line: evaluation.environment.name=boxes_typo)")
-    assert len(found) == 3, found
+    assert len(found) == 4, found
+    with pytest.raises(ConfigError, match="give name .* or agent .*, one of them"):
+        load_config(None, ['rounds=[{"environment": {"name": "boxes", "agent": "m:f"}}]'])
     with pytest.raises(ConfigError, match=r"rounds\.0\.environment\.max_turns[\s\S]*must be at least 1"):
         load_config(None, ['rounds=[{"environment": {"name": "boxes", "max_turns": 0}}]'])
     with pytest.raises(ConfigError, match="reward.source environment rewards episodes' returns: give the round"):

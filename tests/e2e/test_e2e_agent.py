@@ -1,5 +1,6 @@
-"""End to end: configs/agent.yaml, small, with a user's `module:Class` environment in its round and the
-bundled one in its evaluations: SFT on tool-use traces, a GRPO round of episodes, episodes evaluated."""
+"""End to end: configs/agent.yaml, small: SFT on tool-use traces, a GRPO round of episodes in a user's
+`module:Class` environment, a second driven by a user's `module:function` agent through the engines'
+OpenAI-compatible endpoint, and every policy evaluated in episodes of the bundled environment."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
 
 USER_ENV = '''
-from alignflow.agents.boxes import BoxesEnvironment
+import json
+
+from alignflow.agents.boxes import OPEN_BOX, BoxesEnvironment
 
 
 class Paid(BoxesEnvironment):
@@ -24,6 +27,20 @@ class Paid(BoxesEnvironment):
     def step(self, message):
         obs, reward, done, info = super().step(message)
         return obs, reward + 0.1 * info.get("tool_calls", 0), done, info
+
+
+def agent(client, sample):
+    """The same task as an agent's own loop against the OpenAI-compatible endpoint."""
+    messages = list(sample["prompt"])
+    for _ in range(3):
+        choice = client.chat.completions.create(model="policy", messages=messages, tools=[OPEN_BOX],
+                                                max_tokens=40).choices[0]
+        messages.append({"role": "assistant", "content": choice.message.content})
+        if not choice.message.tool_calls:
+            break
+        box = json.loads(choice.message.tool_calls[0].function.arguments).get("box")
+        messages.append({"role": "tool", "content": str(sample["boxes"].get(str(box), "no such box"))})
+    return float(messages[-1]["role"] == "assistant" and messages[-1]["content"].strip() == sample["answer"])
 '''
 
 
@@ -35,14 +52,15 @@ def test_an_agent_pipeline_with_a_user_environment_learns_from_episodes(cli_env,
     round_ = {"algorithm": "grpo", "steps": 2, "prompts_per_step": 8, "reward": {"source": "environment"},
               "generation": {"num_samples": 4, "max_new_tokens": 40}, "ppo": {"epochs": 1, "minibatch_size": 32},
               "environment": {"name": "e2e_user_env:Paid", "max_turns": 3, "max_episode_tokens": 96}}
+    agent_round = {**round_, "environment": {"agent": "e2e_user_env:agent", "max_episode_tokens": 96}}
     args = ["run", str(REPO / "configs" / "agent.yaml"), "data.synthetic.num_sft=600", "data.synthetic.num_eval=24",
             "data.synthetic.num_rl_prompts=32", "sft.max_steps=60", "evaluation.generation.num_samples=2",
-            f"rounds={json.dumps([round_])}", f"infra.storage.root={tmp_path / 'artifacts'}",
+            f"rounds={json.dumps([round_, agent_round])}", f"infra.storage.root={tmp_path / 'artifacts'}",
             f"infra.mlflow_tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}"]
     res = alignflow_cli(args, env=env, cwd=tmp_path)
     assert res.returncode == 0, res.describe()
     table = parse_table(res.stdout)
-    assert set(table) == {"base", "sft", "round_1"}, res.stdout
+    assert set(table) == {"base", "sft", "round_1", "round_2"}, res.stdout
 
     runs = stage_runs(f"sqlite:///{tmp_path / 'mlflow.db'}")
     m = runs["round_1"].data.metrics
@@ -54,7 +72,12 @@ def test_an_agent_pipeline_with_a_user_environment_learns_from_episodes(cli_env,
     assert m["rl/reward/environment"] == pytest.approx(m["rl/agent/return"], abs=1e-5)
     # The trainer scores the very tokens vLLM sampled, in their context: its log-probs agree with vLLM's.
     assert abs(m["rl/tis_weight_mean"] - 1.0) < 0.02, m["rl/tis_weight_mean"]
-    for name in ("sft", "round_1"):  # evaluated as agents in the bundled environment
+    a = runs["round_2"].data.metrics  # the user's agent, through the endpoint
+    assert a["rl/steps"] == 2 and a["rl/agent/failed_fraction"] == 0 and a["rl/agent/restarts_per_episode"] == 0
+    assert a["rl/agent/turns_per_episode"] > 1 and a["rl/agent/tool_calls_per_episode"] > 0  # call, result, answer
+    assert a["rl/reward/environment"] == pytest.approx(a["rl/agent/success_rate"], abs=1e-5)  # its 0/1 rewards
+    assert abs(a["rl/tis_weight_mean"] - 1.0) < 0.02, a["rl/tis_weight_mean"]
+    for name in ("sft", "round_1", "round_2"):  # evaluated as agents in the bundled environment
         e = runs[f"eval_{name}"].data.metrics
         assert e["eval/accuracy"] == e["eval/success_rate"]
         assert {"eval/turns_per_episode", "eval/tool_calls_per_episode", "eval/invalid_calls_per_episode",

@@ -4,7 +4,7 @@ metrics through a real MLflow SQLite store (stage run and parent run): names MLf
 from __future__ import annotations
 
 from alignflow.config.pipeline import InfraConfig, StorageConfig
-from flows.report import PipelineReport, close_run
+from flows.report import PipelineReport, close_run, compared
 from tasks.context import RunContext
 from tasks.eval_metrics import margin_metrics, sample_metrics
 
@@ -86,3 +86,14 @@ def test_the_metrics_reach_mlflow_under_the_stage_and_the_parent_run(tracker, tm
     assert {k: v for k, v in logged.items() if "margin_" in k} == {
         "rm_count_margin_0_0.5": 0.0, "rm_count_margin_0.5_1": 0.0, "rm_count_margin_1_2": 1.0,
         "rm_accuracy_margin_1_2": 1.0, "rm_count_margin_2_inf": 1.0, "rm_accuracy_margin_2_inf": 1.0}
+
+
+def test_policies_evaluated_as_agents_get_their_episode_columns_and_others_a_dash():
+    agent = {"eval/accuracy": 0.75, "eval/turns_per_episode": 1.9375, "eval/tool_calls_per_episode": 1.0325,
+             "eval/invalid_calls_per_episode": 0.055, "eval/truncated_fraction": 0.04375, "eval/failed_fraction": 0.0}
+    rows = _rows(_report({"sft": {"eval/accuracy": 0.17}, "round_1": agent}).table())
+    assert {k: rows["round_1"][k] for k in ("turns", "tool_calls", "invalid_calls", "truncated", "failed")} == {
+        "turns": "1.938", "tool_calls": "1.032", "invalid_calls": "0.055", "truncated": "0.044", "failed": "0.000"}
+    assert rows["sft"]["turns"] == "-"
+    assert "turns" not in _report({"sft": {"eval/accuracy": 0.17}}).table()
+    assert compared("eval/tool_calls_per_episode") and not compared("eval/cut_turns_per_episode")

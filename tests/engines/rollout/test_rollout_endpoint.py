@@ -1,0 +1,160 @@
+"""The agent endpoint (engines/rollout/endpoint.py): an OpenAI client's episodes train on the tokens the
+engine sampled; the endpoint listens on 127.0.0.1 only and refuses requests without its key."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+
+from alignflow.agents.boxes import OPEN_BOX
+from alignflow.config import SyntheticTaskConfig, TinyModelConfig
+from alignflow.data import agent_task
+from engines.rl.experience import from_rollouts
+from engines.rollout.base import Sampling
+from engines.rollout.endpoint import ChatEndpoint, EngineLoop, agent_episodes
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    """transformers generate on the tiny boxes model, its EOS made likely so completions end."""
+    from engines.models import build_tiny_model
+    from engines.rollout.hf_engine import HFEngine
+
+    path = build_tiny_model(TinyModelConfig(corpus="boxes", vocab_size=400), seed=0,
+                            out_dir=tmp_path_factory.mktemp("tiny-boxes"), corpus=agent_task.tokenizer_corpus())
+    engine = HFEngine(str(path), seed=0)
+    head = engine.model.lm_head
+    engine.model.lm_head = torch.nn.Linear(head.in_features, head.out_features, bias=True)
+    with torch.no_grad():
+        engine.model.lm_head.weight.copy_(head.weight)
+        engine.model.lm_head.bias.zero_()
+        engine.model.lm_head.bias[engine.tokenizer.eos_token_id] = 3.0
+    engine.path = path
+    return engine
+
+
+def two_questions(client, sample):
+    """Asks, shows a tool's result, asks again: a ReAct loop of two completions."""
+    messages = list(sample["prompt"])
+    first = client.chat.completions.create(model="policy", messages=messages, tools=[OPEN_BOX], max_tokens=12)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "tool", "content": sample["answer"]}]
+    client.chat.completions.create(model="policy", messages=messages, tools=[OPEN_BOX], max_tokens=12)
+    return 1.0
+
+
+def rewriting(client, sample):
+    """Asks twice, the second time with the question changed: the conversation restarts."""
+    client.chat.completions.create(model="p", messages=sample["prompt"], max_tokens=4)
+    client.chat.completions.create(model="p", messages=[{"role": "user", "content": "another question"}], max_tokens=4)
+    return 0.5
+
+
+def raising(client, sample):
+    client.chat.completions.create(model="p", messages=sample["prompt"], max_tokens=4)
+    raise RuntimeError("agent bug")
+
+
+STUCK = threading.Event()
+
+
+def hanging(client, sample):
+    STUCK.wait(30)
+    return 1.0
+
+
+def records(n: int) -> list[dict]:
+    return agent_task.generate(SyntheticTaskConfig(task="boxes", num_sft=1, num_preference=1, num_rl_prompts=n,
+                                                   num_eval=1), 0)["prompts"]
+
+
+def run(engine, agent, recs, n=2, timeout_s=30.0):
+    return agent_episodes(engine, engine.tokenizer, recs, n, Sampling(n=n, temperature=1.0), agent,
+                          timeout_s=timeout_s, failure_reward=-1.0, max_tokens=12, max_model_len=128)
+
+
+def test_an_openai_clients_episodes_train_on_exactly_the_tokens_the_engine_sampled(engine):
+    from engines.models import load_policy
+
+    rollouts = run(engine, two_questions, records(3))
+    assert [r.prompt_index for r in rollouts] == [0, 0, 1, 1, 2, 2]
+    for r in rollouts:
+        assert r.episode["turns"] == 2 and r.episode["restarts"] == 0 and r.episode["return"] == 1.0
+        assert 0 < sum(r.sampled) < len(r.token_ids)  # the tool's result between the completions, masked
+    tok = engine.tokenizer
+    first = rollouts[0]
+    assert tok.decode(first.prompt_ids) == ("<|system|>tools: open_box(box)<|user|>What is the code in box "
+                                            f"{records(3)[0]['prompt'][0]['content'].split()[-1]}<|assistant|>")
+    exp = from_rollouts(rollouts, tok.pad_token_id)
+    model = load_policy(str(engine.path))
+    model.lm_head = engine.model.lm_head
+    with torch.no_grad():
+        logits = model(input_ids=exp.input_ids, attention_mask=exp.attention_mask).logits.float()
+    logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, exp.input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    mask = exp.action_mask.bool()
+    torch.testing.assert_close(logp.gather(1, exp.response_index)[mask], exp.rollout_logprobs[mask], atol=1e-4,
+                               rtol=0)
+
+
+def test_a_rewritten_conversation_restarts_and_failing_agents_are_counted(engine):
+    restarted = run(engine, rewriting, records(1), n=1)[0]
+    assert restarted.episode["restarts"] == 1 and restarted.episode["turns"] == 2
+    assert engine.tokenizer.decode(restarted.prompt_ids) == "<|user|>another question<|assistant|>"
+    [broke] = run(engine, raising, records(1), n=1)
+    assert broke.episode["failed"] == 1 and broke.episode["return"] == -1.0
+    assert broke.episode["error"] == "agent raised RuntimeError: agent bug" and broke.episode["turns"] == 1
+    try:
+        [stuck] = run(engine, hanging, records(1), n=1, timeout_s=0.5)
+    finally:
+        STUCK.set()
+    assert stuck.episode["failed"] == 1 and "step_timeout_s=0.5" in stuck.episode["error"]
+    assert stuck.token_ids == [] and stuck.prompt_ids  # nothing to train on, a prompt to batch with
+
+
+def send(url: str, key: str | None, body: dict) -> tuple[int, dict]:
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=10) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_the_endpoint_listens_on_loopback_only_and_refuses_requests_without_its_key(engine):
+    import psutil
+
+    loop = EngineLoop(engine)
+    endpoint = ChatEndpoint(loop, engine.tokenizer, engine.tokenizer.decode, temperature=1.0, top_p=1.0,
+                            max_tokens=4, max_model_len=128)
+
+    def post(url, key, body):  # the engine is served here, on the test's thread, as in an actor's
+        from engines.rollout.episodes import _in_thread
+
+        asked = _in_thread(send, url, key, body)
+        loop.run(asked.done, time.monotonic() + 30)
+        return asked.result()
+
+    try:
+        listening = [c.laddr for c in psutil.Process().net_connections("tcp")
+                     if c.status == psutil.CONN_LISTEN and c.laddr.port == endpoint.port]
+        assert listening and all(a.ip == "127.0.0.1" for a in listening), listening
+        body = {"model": "policy", "messages": [{"role": "user", "content": "hi"}]}
+        url = endpoint.url("ep") + "/chat/completions"
+        assert post(url, None, body)[0] == 401
+        assert post(url, "wrong", body)[0] == 401
+        status, reply = post(url, endpoint.key, body)
+        assert status == 200 and reply["choices"][0]["message"]["role"] == "assistant"
+        assert reply["usage"]["completion_tokens"] == len(endpoint.sequences["ep"].tokens) > 0
+        assert post(url.replace("/e/ep/", "/x/"), endpoint.key, body)[0] == 404
+        assert post(url, endpoint.key, {"messages": "not a list"})[0] == 400
+        assert len(endpoint.key) >= 32 and endpoint.key not in url
+    finally:
+        endpoint.close()
+        loop.close()
