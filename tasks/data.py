@@ -71,8 +71,10 @@ class TokenLimits:
     prompt: int
     response: int
 
-    def for_generation(self, max_new_tokens: int, model_path: str, where: str) -> tuple[int, int]:
-        """(prompt limit, vLLM max_model_len) for generating `max_new_tokens` after each prompt.
+    def for_generation(self, max_new_tokens: int, model_path: str, where: str,
+                       field: str = "generation.max_new_tokens") -> tuple[int, int]:
+        """(prompt limit, vLLM max_model_len) for generating `max_new_tokens` after each prompt (`field` names
+        the setting: an episode's tokens are environment.max_episode_tokens).
 
         Prompts longer than the model's positions leave room for are left out
         (counted by the caller's filter, with a warning here); none fitting is
@@ -84,11 +86,11 @@ class TokenLimits:
         positions = max_positions(model_path)
         prompt = min(self.prompt, positions - max_new_tokens)
         if prompt < 1:
-            raise ConfigError(f"{where}generation.max_new_tokens={max_new_tokens} leaves no room for a prompt: "
+            raise ConfigError(f"{where}{field}={max_new_tokens} leaves no room for a prompt: "
                               f"the model has {positions} positions")
         if prompt < self.prompt:
-            log.warning("%sgeneration.max_new_tokens=%d: prompts over %d tokens (of up to %d) are left out; the "
-                        "model has %d positions", where, max_new_tokens, prompt, self.prompt, positions)
+            log.warning("%s%s=%d: prompts over %d tokens (of up to %d) are left out; the model has %d positions",
+                        where, field, max_new_tokens, prompt, self.prompt, positions)
         return prompt, prompt + max_new_tokens
 
 

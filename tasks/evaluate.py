@@ -71,8 +71,9 @@ def evaluate_policy(stage: PlannedStage, inputs: PolicyEvalInputs, ctx: RunConte
         records = load_split(inputs.data, ctx, "eval")[: cfg.num_prompts]
         limits = token_limits(inputs.data)
         env = cfg.environment  # an episode's tokens after its prompt: its turns and observations
-        prompt_limit, model_len = limits.for_generation(env.max_episode_tokens if env else cfg.generation.max_new_tokens,
-                                                        policy_dir, "evaluation.")
+        prompt_limit, model_len = limits.for_generation(
+            env.max_episode_tokens if env else cfg.generation.max_new_tokens, policy_dir, "evaluation.",
+            "environment.max_episode_tokens" if env else "generation.max_new_tokens")
         kept, report = batches.filter_prompts(tokenizer, records, prompt_limit, "eval")
         prompt_ids = [ids for ids, _ in kept]
 
@@ -109,7 +110,8 @@ def evaluate_policy(stage: PlannedStage, inputs: PolicyEvalInputs, ctx: RunConte
         samples = [
             {"prompt": tokenizer.decode(r.prompt_ids), "response": r.text, "answer": kept[r.prompt_index][1].get("answer"),
              "correct": c, "reward": s,
-             **({"transcript": tokenizer.decode(r.prompt_ids + r.token_ids), "episode": r.episode} if r.episode else {})}
+             **({"transcript": tokenizer.decode(r.prompt_ids + r.token_ids), "episode": r.episode}
+                if r.episode else {})}
             for r, c, s in list(zip(rollouts, correct, scores))[: cfg.num_logged_samples]
         ]
         run.log_dict(samples, f"samples/{name}.json")

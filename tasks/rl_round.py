@@ -35,7 +35,8 @@ def rl_round(stage: PlannedStage, inputs: RoundInputs, ctx: RunContext) -> Stage
         limits = token_limits(inputs.data)
         env = round_cfg.environment  # an episode's tokens after its prompt: its turns and observations
         prompt_limit, model_len = limits.for_generation(
-            env.max_episode_tokens if env else round_cfg.generation.max_new_tokens, policy_dir, f"{stage.name}: ")
+            env.max_episode_tokens if env else round_cfg.generation.max_new_tokens, policy_dir, f"{stage.name}: ",
+            "environment.max_episode_tokens" if env else "generation.max_new_tokens")
         prompts, report = batches.filter_prompts(tokenizer, load_split(inputs.data, ctx, "prompts"),
                                                  prompt_limit, "prompts")
         run.log_metrics(report.as_metrics("prompts"))

@@ -126,7 +126,7 @@ class RolloutActor:
     def run_episodes(self, records: list[dict], sampling: Sampling, env) -> list[Rollout]:
         """`sampling.n` episodes of each record in the environment `env` (EnvironmentConfig), each stamped with
         the policy version that sampled it (engines/rollout/episodes.py)."""
-        from engines.rollout.episodes import episodes_on
+        from engines.rollout.agentic import episodes_on
 
         return [dataclasses.replace(r, policy_version=self.updates_taken)
                 for r in episodes_on(self.engine, records, sampling, env, self.max_model_len)]

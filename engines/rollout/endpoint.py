@@ -36,6 +36,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from alignflow.agents.tools import CALL
 from engines.rollout.base import Rollout, Sampling
 from engines.rollout.episode_tokens import EpisodeTokens
+from engines.rollout.episodes import EPISODE_STATS, in_thread
 
 PATH = re.compile(r"^/e/([A-Za-z0-9_-]+)/v1/chat/completions$")
 
@@ -178,7 +179,8 @@ class ChatEndpoint:
             n=1, temperature=float(asked["temperature"]), top_p=float(asked["top_p"]), max_new_tokens=budget)).result()
         text = self.decode(ids)
         with self._lock:
-            seq.tokens, seq.logprobs, seq.sampled = seq.tokens + ids, seq.logprobs + logprobs, seq.sampled + [1] * len(ids)
+            seq.tokens, seq.logprobs = seq.tokens + ids, seq.logprobs + logprobs
+            seq.sampled = seq.sampled + [1] * len(ids)
             seq.messages, seq.last_cut, seq.last_text = said + [("assistant", text)], not eos, text
             stats["turns"] += 1
             stats["cut_turns"] += int(not eos)
@@ -205,15 +207,13 @@ def agent_episodes(engine, tokenizer, records: list[dict], n: int, sampling: Sam
     record, in order, as `run_episodes` returns them."""
     import openai
 
-    from engines.rollout.episodes import EPISODE_STATS, _in_thread
-
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
     loop = EngineLoop(engine)
     endpoint = ChatEndpoint(loop, tokenizer, decode, temperature=sampling.temperature, top_p=sampling.top_p,
                             max_tokens=max_tokens, max_model_len=max_model_len)
     names = [f"{i}-{j}" for i in range(len(records)) for j in range(n)]
     try:
-        runs = {name: _in_thread(agent, openai.OpenAI(base_url=endpoint.url(name), api_key=endpoint.key,
+        runs = {name: in_thread(agent, openai.OpenAI(base_url=endpoint.url(name), api_key=endpoint.key,
                                                       max_retries=0, timeout=timeout_s), records[i // n])
                 for i, name in enumerate(names)}
         deadline = time.monotonic() + timeout_s

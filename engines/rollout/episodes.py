@@ -65,7 +65,7 @@ class _Episode:
     last_cut: bool = False
 
 
-def _in_thread(fn: Callable, *args) -> Future:
+def in_thread(fn: Callable, *args) -> Future:
     """`fn(*args)` in a daemon thread of its own: one that hangs is abandoned, never joined."""
     future: Future = Future()
 
@@ -100,7 +100,7 @@ def run_episodes(engine, tokenizer, records: list[dict], n: int, sampling: Sampl
     pending: dict[Future, tuple[_Episode, str, float]] = {}  # env call -> (episode, "reset"/"step", deadline)
 
     def call(ep: _Episode, what: str, fn: Callable, *args) -> None:
-        pending[_in_thread(fn, *args)] = (ep, what, time.monotonic() + limits.step_timeout_s)
+        pending[in_thread(fn, *args)] = (ep, what, time.monotonic() + limits.step_timeout_s)
 
     def fail(ep: _Episode, why: str) -> None:
         ep.error, ep.ended = why, True
@@ -177,25 +177,6 @@ def run_episodes(engine, tokenizer, records: list[dict], n: int, sampling: Sampl
                     episode={**ep.stats, "error": ep.error}) for ep in episodes]
 
 
-def episodes_on(engine, records: list[dict], sampling: Sampling, env, max_model_len: int) -> list[Rollout]:
-    """`sampling.n` episodes of each record on `engine`, in the environment `env` (EnvironmentConfig) names."""
-    from alignflow.agents.environment import load_agent, make_environment
-
-    engine._awake("generate", needs=engine.TAGS)
-    tok = engine.tokenizer
-    if env.agent is not None:  # the user's agent drives each episode through the endpoint
-        from engines.rollout.endpoint import agent_episodes
-
-        return agent_episodes(engine, tok, records, sampling.n, sampling, load_agent(env.agent),
-                              timeout_s=env.step_timeout_s, failure_reward=env.failure_reward,
-                              max_tokens=env.max_tokens_per_turn or sampling.max_new_tokens, max_model_len=max_model_len)
-    limits = EpisodeLimits(max_turns=env.max_turns, max_tokens_per_turn=env.max_tokens_per_turn or sampling.max_new_tokens,
-                           max_episode_tokens=env.max_episode_tokens, max_model_len=max_model_len,
-                           step_timeout_s=env.step_timeout_s, failure_reward=env.failure_reward)
-    return run_episodes(engine, tok, records, sampling.n, sampling, lambda: make_environment(env.name, env.kwargs), limits,
-                        lambda ids: tok.decode(ids, skip_special_tokens=True))
-
-
 def report_failures(rollouts: list[Rollout], where: str) -> None:
     """A warning naming how many episodes failed and the first few distinct reasons (each one's `error`)."""
     errors = [r.episode["error"] for r in rollouts if r.episode is not None and r.episode.get("error")]
@@ -211,5 +192,5 @@ def episode_metrics(rollouts: list[Rollout], prefix: str = "agent") -> dict[str,
     if not stats:
         return {}
     names = {"success": "success_rate", "truncated": "truncated_fraction", "failed": "failed_fraction"}
-    return {f"{prefix}/{names.get(k, k if k == 'return' else k + '_per_episode')}": sum(s[k] for s in stats) / len(stats)
-            for k in EPISODE_STATS}
+    name = lambda k: names.get(k, k if k == "return" else k + "_per_episode")  # noqa: E731
+    return {f"{prefix}/{name(k)}": sum(s[k] for s in stats) / len(stats) for k in EPISODE_STATS}

@@ -43,7 +43,7 @@ class EngineHost:
     def run_episodes(self, backend: str, model_path: Source, records: list[dict], sampling: Sampling, env,
                      **engine_kwargs) -> list[Rollout]:
         """As `generate`, for episodes in the environment `env` (engines/rollout/episodes.py)."""
-        from engines.rollout.episodes import episodes_on
+        from engines.rollout.agentic import episodes_on
 
         torch.set_num_threads(self.torch_threads)
         engine = build_engine(backend, local_dir(model_path), **engine_kwargs)

@@ -67,8 +67,8 @@ def test_an_agent_pipeline_with_a_user_environment_learns_from_episodes(cli_env,
     assert m["rl/steps"] == 2
     assert m["rl/agent/tool_calls_per_episode"] > 0, m  # SFT's traces taught the call; the round made some
     # The user's environment ran: its per-call bonus is in every return (the last step's episodes).
-    assert m["rl/agent/return"] == pytest.approx(m["rl/agent/success_rate"] + 0.1 * m["rl/agent/tool_calls_per_episode"],
-                                                 abs=1e-5)
+    paid = m["rl/agent/success_rate"] + 0.1 * m["rl/agent/tool_calls_per_episode"]
+    assert m["rl/agent/return"] == pytest.approx(paid, abs=1e-5)
     assert m["rl/reward/environment"] == pytest.approx(m["rl/agent/return"], abs=1e-5)
     # The trainer scores the very tokens vLLM sampled, in their context: its log-probs agree with vLLM's.
     assert abs(m["rl/tis_weight_mean"] - 1.0) < 0.02, m["rl/tis_weight_mean"]

@@ -13,30 +13,16 @@ import pytest
 import torch
 
 from alignflow.agents.boxes import OPEN_BOX
-from alignflow.config import SyntheticTaskConfig, TinyModelConfig
+from alignflow.config import SyntheticTaskConfig
 from alignflow.data import agent_task
 from engines.rl.experience import from_rollouts
 from engines.rollout.base import Sampling
 from engines.rollout.endpoint import ChatEndpoint, EngineLoop, agent_episodes
 
 
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    """transformers generate on the tiny boxes model, its EOS made likely so completions end."""
-    from engines.models import build_tiny_model
-    from engines.rollout.hf_engine import HFEngine
-
-    path = build_tiny_model(TinyModelConfig(corpus="boxes", vocab_size=400), seed=0,
-                            out_dir=tmp_path_factory.mktemp("tiny-boxes"), corpus=agent_task.tokenizer_corpus())
-    engine = HFEngine(str(path), seed=0)
-    head = engine.model.lm_head
-    engine.model.lm_head = torch.nn.Linear(head.in_features, head.out_features, bias=True)
-    with torch.no_grad():
-        engine.model.lm_head.weight.copy_(head.weight)
-        engine.model.lm_head.bias.zero_()
-        engine.model.lm_head.bias[engine.tokenizer.eos_token_id] = 3.0
-    engine.path = path
-    return engine
+@pytest.fixture
+def engine(eos_prone_engine):
+    return eos_prone_engine
 
 
 def two_questions(client, sample):
@@ -79,9 +65,7 @@ def run(engine, agent, recs, n=2, timeout_s=30.0):
                           timeout_s=timeout_s, failure_reward=-1.0, max_tokens=12, max_model_len=128)
 
 
-def test_an_openai_clients_episodes_train_on_exactly_the_tokens_the_engine_sampled(engine):
-    from engines.models import load_policy
-
+def test_an_openai_clients_episodes_train_on_exactly_the_tokens_the_engine_sampled(engine, trainer_logprobs):
     rollouts = run(engine, two_questions, records(3))
     assert [r.prompt_index for r in rollouts] == [0, 0, 1, 1, 2, 2]
     for r in rollouts:
@@ -92,14 +76,8 @@ def test_an_openai_clients_episodes_train_on_exactly_the_tokens_the_engine_sampl
     assert tok.decode(first.prompt_ids) == ("<|system|>tools: open_box(box)<|user|>What is the code in box "
                                             f"{records(3)[0]['prompt'][0]['content'].split()[-1]}<|assistant|>")
     exp = from_rollouts(rollouts, tok.pad_token_id)
-    model = load_policy(str(engine.path))
-    model.lm_head = engine.model.lm_head
-    with torch.no_grad():
-        logits = model(input_ids=exp.input_ids, attention_mask=exp.attention_mask).logits.float()
-    logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, exp.input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
     mask = exp.action_mask.bool()
-    torch.testing.assert_close(logp.gather(1, exp.response_index)[mask], exp.rollout_logprobs[mask], atol=1e-4,
-                               rtol=0)
+    torch.testing.assert_close(trainer_logprobs(engine, exp)[mask], exp.rollout_logprobs[mask], atol=1e-4, rtol=0)
 
 
 def test_a_rewritten_conversation_restarts_and_failing_agents_are_counted(engine):
@@ -135,9 +113,9 @@ def test_the_endpoint_listens_on_loopback_only_and_refuses_requests_without_its_
                             max_tokens=4, max_model_len=128)
 
     def post(url, key, body):  # the engine is served here, on the test's thread, as in an actor's
-        from engines.rollout.episodes import _in_thread
+        from engines.rollout.episodes import in_thread
 
-        asked = _in_thread(send, url, key, body)
+        asked = in_thread(send, url, key, body)
         loop.run(asked.done, time.monotonic() + 30)
         return asked.result()
 

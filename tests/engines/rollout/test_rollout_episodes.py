@@ -10,21 +10,13 @@ import torch
 
 from alignflow.agents import ToolEnvironment
 from alignflow.agents.boxes import BoxesEnvironment
-from alignflow.config import EnvironmentConfig, SyntheticTaskConfig, TinyModelConfig
+from alignflow.config import SyntheticTaskConfig
 from alignflow.data import agent_task
 from engines.rl.experience import from_rollouts
 from engines.rollout.base import Sampling
 from engines.rollout.episodes import EpisodeLimits, episode_metrics, run_episodes
 
 SAMPLING = Sampling(n=1, temperature=1.0, max_new_tokens=32)
-
-
-@pytest.fixture(scope="module")
-def box_model(tmp_path_factory):
-    from engines.models import build_tiny_model
-
-    return build_tiny_model(TinyModelConfig(corpus="boxes", vocab_size=400), seed=0,
-                            out_dir=tmp_path_factory.mktemp("tiny-boxes"), corpus=agent_task.tokenizer_corpus())
 
 
 @pytest.fixture(scope="module")
@@ -171,36 +163,21 @@ class Twice(ToolEnvironment):
         return [{"role": "tool", "content": "noted"}], 0.5, self.turn == 2, {}
 
 
-def test_a_real_engines_episodes_are_scored_by_the_trainer_on_exactly_the_tokens_it_sampled(box_model, tok):
-    """transformers generate, its EOS made likely so turns end: the trainer's forward over the episode's
-    sequence gives back the engine's log-probs on every sampled token, so the context it trains on is the
-    one the engine sampled in, observations included."""
-    from engines.models import load_policy
-    from engines.rollout.hf_engine import HFEngine
-
-    engine = HFEngine(str(box_model), seed=0)
-    head = engine.model.lm_head
-    engine.model.lm_head = torch.nn.Linear(head.in_features, head.out_features, bias=True)
-    with torch.no_grad():
-        engine.model.lm_head.weight.copy_(head.weight)
-        engine.model.lm_head.bias.zero_()
-        engine.model.lm_head.bias[tok.eos_token_id] = 3.0
+def test_a_real_engines_episodes_are_scored_by_the_trainer_on_exactly_the_tokens_it_sampled(eos_prone_engine, tok,
+                                                                                           trainer_logprobs):
+    """A real engine's episodes: the trainer's forward over each episode's sequence gives back the engine's
+    log-probs on every sampled token, so the context it trains on is the one the engine sampled in,
+    observations included."""
     records = agent_task.generate(SyntheticTaskConfig(task="boxes", num_sft=1, num_preference=1, num_rl_prompts=4,
                                                       num_eval=1), 0)["prompts"]
-    rollouts = run_episodes(engine, tok, records, 2, Sampling(n=2, temperature=1.0), Twice,
+    rollouts = run_episodes(eos_prone_engine, tok, records, 2, Sampling(n=2, temperature=1.0), Twice,
                             limits(max_tokens_per_turn=24), lambda t: tok.decode(t, skip_special_tokens=True))
     two_turns = [r for r in rollouts if r.episode["turns"] == 2 and r.finished]
     assert len(two_turns) >= 2, [r.episode for r in rollouts]
     assert [r.prompt_index for r in rollouts] == [0, 0, 1, 1, 2, 2, 3, 3]
     exp = from_rollouts(two_turns, tok.pad_token_id)
-    model = load_policy(str(box_model))
-    model.lm_head = engine.model.lm_head
-    with torch.no_grad():
-        logits = model(input_ids=exp.input_ids, attention_mask=exp.attention_mask).logits.float()
-    logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, exp.input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-    trained = logp.gather(1, exp.response_index)
     mask = exp.action_mask.bool()
-    assert torch.allclose(trained[mask], exp.rollout_logprobs[mask], atol=1e-4)
+    assert torch.allclose(trainer_logprobs(eos_prone_engine, exp)[mask], exp.rollout_logprobs[mask], atol=1e-4)
     for b, r in enumerate(two_turns):  # the observation tokens sit between the turns, masked
         assert 0 < exp.action_mask[b, : len(r.token_ids)].sum() < len(r.token_ids)
         assert r.episode["return"] == 1.0 and r.episode["success"] == 1
