@@ -129,7 +129,9 @@ def rewards_at_turns(token_rewards: Tensor, turn_rewards: Tensor, action_mask: T
     Formula: ``r'[b, t] = r[b, t] + turn[b, t] - [t == last_b] * sum_t' turn[b, t']``, with ``last_b``
     the last valid (sampled) token of row ``b``. The sequence reward (placed at ``last_b``) already holds
     the episode's return, so each row's sum is unchanged: outcome estimators (GRPO, RLOO) see the same
-    score, and GAE sees each reward where its turn ended. Rows without a valid token are unchanged.
+    score, and GAE sees each reward where its turn ended. Rows without a valid token are unchanged. (The
+    moved rewards are the environment's own: with reward.normalize, clip or other components the row's
+    end holds the shaped sequence reward minus their raw sum.)
 
     Shapes: ``token_rewards``, ``turn_rewards``, ``action_mask`` ``(B, T)``; returns ``(B, T)``.
 

@@ -144,7 +144,10 @@ exec(compile(code, "<tool>", "exec"), {"__name__": "__tool__"})
 def python(code: str, *, timeout_s: float = 5.0, memory_mb: int = 512, max_output: int = 2000) -> str:
     """Run `code` in a fresh Python subprocess, in a temporary working directory that is removed after,
     under a wall-clock limit and an address-space limit: its stdout (and stderr), cut to `max_output`
-    characters with the cut said. A timeout or a crash is returned as text, never raised."""
+    characters with the cut said. A timeout or a crash is returned as text, never raised.
+
+    Limits, not a sandbox: the code runs as this user, with its files and network. Where the model's code is
+    not trusted, run the environment's tools in a container or a VM of their own."""
     with tempfile.TemporaryDirectory(prefix="alignflow-tool-") as cwd:
         try:
             done = subprocess.run([sys.executable, "-I", "-c", _PYTHON_RUNNER, str(memory_mb << 20)], input=code,

@@ -8,7 +8,10 @@
 Each episode runs `agent(client, sample)` in a thread of its own, beside the others. Its client talks to
 `/v1/chat/completions`, served by this rollout engine's process on 127.0.0.1 (port chosen by the system)
 under a key made for this generation: a request without it gets 401. Completions are sampled by the
-engine (`EngineLoop`: one thread steps the engine, requests from any thread join its running batch).
+engine (`EngineLoop`: the engine's own thread steps it, requests from any thread join its running batch)
+at the round's temperature and top_p, whatever the agent asks (the samples stay on-policy); an agent's
+`max_tokens` may only shorten a turn below max_tokens_per_turn. Requests of one episode are answered one
+at a time.
 
 What trains is what was sampled. The endpoint keeps each episode's token sequence: when a request's
 messages extend the conversation it served before (role and content alike), only the new messages are
@@ -36,7 +39,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from alignflow.agents.tools import CALL
 from engines.rollout.base import Rollout, Sampling
 from engines.rollout.episode_tokens import EpisodeTokens
-from engines.rollout.episodes import EPISODE_STATS, in_thread
+from engines.rollout.episodes import EPISODE_STATS, in_thread, last_sampled
 
 PATH = re.compile(r"^/e/([A-Za-z0-9_-]+)/v1/chat/completions$")
 
@@ -48,10 +51,15 @@ class EngineLoop:
 
     def __init__(self, engine):
         self.engine, self._inbox, self._waiting = engine, queue.Queue(), {}
+        self._closed, self._lock = False, threading.Lock()
 
     def submit(self, prompt_ids: list[int], sampling: Sampling) -> Future:
         future: Future = Future()
-        self._inbox.put((prompt_ids, sampling, future))
+        with self._lock:
+            if self._closed:
+                future.set_exception(RuntimeError("the generation these episodes belonged to has ended"))
+            else:
+                self._inbox.put((prompt_ids, sampling, future))
         return future
 
     def run(self, done, deadline: float) -> None:
@@ -73,7 +81,10 @@ class EngineLoop:
                     self._waiting.pop(key).set_result((ids, logprobs, eos))
 
     def close(self) -> None:
-        """Requests still queued or generating are dropped from the engine, their callers told."""
+        """Requests still queued or generating are dropped from the engine, their callers told; later ones are
+        refused at once."""
+        with self._lock:
+            self._closed = True
         self.engine.abort(list(self._waiting))
         while not self._inbox.empty():
             self._waiting[uuid.uuid4().hex] = self._inbox.get_nowait()[2]
@@ -113,13 +124,15 @@ def _tool_calls(text: str) -> list[dict]:
 
 class ChatEndpoint:
     def __init__(self, loop: EngineLoop, tokenizer, decode, *, temperature: float, top_p: float, max_tokens: int,
-                 max_model_len: int):
+                 max_model_len: int, request_timeout_s: float = 600.0):
         self.loop, self.tokenizer, self.decode = loop, tokenizer, decode
         self.defaults = {"temperature": temperature, "top_p": top_p, "max_tokens": max_tokens}
         self.max_model_len, self.key = max_model_len, secrets.token_urlsafe(24)
+        self.request_timeout_s = request_timeout_s
         self.sequences: dict[str, _Sequence] = {}
         self.stats: dict[str, dict[str, int]] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the dicts above
+        self._episode_locks: dict[str, threading.Lock] = {}  # one request of an episode at a time
         endpoint = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -128,7 +141,7 @@ class ChatEndpoint:
 
             def do_POST(self) -> None:
                 match = PATH.match(self.path)
-                if self.headers.get("Authorization") != f"Bearer {endpoint.key}":
+                if not secrets.compare_digest(self.headers.get("Authorization", ""), f"Bearer {endpoint.key}"):
                     return self._send(401, {"error": {"message": "missing or wrong API key", "type": "auth"}})
                 if not match:
                     return self._send(404, {"error": {"message": f"no route {self.path}", "type": "not_found"}})
@@ -155,39 +168,46 @@ class ChatEndpoint:
         return f"http://127.0.0.1:{self.port}/e/{episode}/v1"
 
     def complete(self, episode: str, body: dict) -> dict:
-        messages, tools = list(body["messages"]), body.get("tools") or None
-        tokens = EpisodeTokens(self.tokenizer, tools)
-        stats = self.stats.setdefault(episode, {"turns": 0, "cut_turns": 0, "restarts": 0, "tool_calls": 0,
-                                                "invalid_calls": 0})
+        """One completion of `episode`'s conversation. Requests of one episode are answered one at a time, and
+        its sequence changes only once the completion is in: a refused request leaves it as it was. Sampling is
+        the round's (temperature, top_p: on-policy, whatever the agent asks); `max_tokens` may only shorten a
+        turn."""
         with self._lock:
+            lock = self._episode_locks.setdefault(episode, threading.Lock())
+            stats = self.stats.setdefault(episode, {"turns": 0, "cut_turns": 0, "restarts": 0, "tool_calls": 0,
+                                                    "invalid_calls": 0})
+        with lock:
+            messages, tools = list(body["messages"]), body.get("tools") or None
+            tokens, said = EpisodeTokens(self.tokenizer, tools), _said(messages)
             seq = self.sequences.get(episode)
-            said = _said(messages)
-            if seq is not None and said[: len(seq.messages)] == seq.messages and len(said) > len(seq.messages):
+            extends = seq is not None and said[: len(seq.messages)] == seq.messages and len(said) > len(seq.messages)
+            if extends:
                 more = tokens.observation(messages[len(seq.messages):], ended=not seq.last_cut)
-                seq.tokens, seq.logprobs, seq.sampled = seq.tokens + more, seq.logprobs + [0.0] * len(more), \
-                    seq.sampled + [0] * len(more)
+                base = _Sequence(said, seq.prompt_ids, seq.tokens + more, seq.logprobs + [0.0] * len(more),
+                                 seq.sampled + [0] * len(more))
             else:
-                stats["restarts"] += seq is not None
-                seq = self.sequences[episode] = _Sequence(said, tokens.start(messages))
-        context = seq.prompt_ids + seq.tokens
-        asked = {k: body.get(k) if body.get(k) is not None else v for k, v in self.defaults.items()}
-        budget = min(int(asked["max_tokens"]), self.max_model_len - len(context))
-        if budget < 1:
-            raise ValueError(f"the conversation fills the model's context ({len(context)} of {self.max_model_len} "
-                             f"tokens)")
-        ids, logprobs, eos = self.loop.submit(context, Sampling(
-            n=1, temperature=float(asked["temperature"]), top_p=float(asked["top_p"]), max_new_tokens=budget)).result()
-        text = self.decode(ids)
-        with self._lock:
-            seq.tokens, seq.logprobs = seq.tokens + ids, seq.logprobs + logprobs
-            seq.sampled = seq.sampled + [1] * len(ids)
-            seq.messages, seq.last_cut, seq.last_text = said + [("assistant", text)], not eos, text
-            stats["turns"] += 1
-            stats["cut_turns"] += int(not eos)
-        calls = _tool_calls(text)
-        with self._lock:  # the model's calls, as the template writes them (running them is the agent's part)
-            stats["tool_calls"] += len(calls)
-            stats["invalid_calls"] += text.count("<tool_call>") - len(calls)
+                base = _Sequence(said, tokens.start(messages))
+            context = base.prompt_ids + base.tokens
+            asked = body.get("max_tokens") or body.get("max_completion_tokens")
+            budget = min(int(asked or self.defaults["max_tokens"]), self.defaults["max_tokens"],
+                         self.max_model_len - len(context))
+            if budget < 1:
+                raise ValueError(f"the conversation fills the model's context ({len(context)} of "
+                                 f"{self.max_model_len} tokens)")
+            ids, logprobs, eos = self.loop.submit(context, Sampling(
+                n=1, temperature=self.defaults["temperature"], top_p=self.defaults["top_p"], max_new_tokens=budget)
+            ).result(timeout=self.request_timeout_s)
+            text = self.decode(ids)
+            calls = _tool_calls(text)
+            with self._lock:
+                stats["restarts"] += int(seq is not None and not extends)
+                self.sequences[episode] = _Sequence(said + [("assistant", text)], base.prompt_ids, base.tokens + ids,
+                                                    base.logprobs + logprobs, base.sampled + [1] * len(ids),
+                                                    last_cut=not eos, last_text=text)
+                stats["turns"] += 1
+                stats["cut_turns"] += int(not eos)
+                stats["tool_calls"] += len(calls)  # the model's calls as the template writes them (running them
+                stats["invalid_calls"] += text.count("<tool_call>") - len(calls)  # is the agent's part)
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
                 "model": body.get("model", "policy"),
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": text,
@@ -195,6 +215,11 @@ class ChatEndpoint:
                              "finish_reason": ("tool_calls" if calls else "stop") if eos else "length"}],
                 "usage": {"prompt_tokens": len(context), "completion_tokens": len(ids),
                           "total_tokens": len(context) + len(ids)}}
+
+    def snapshot(self) -> tuple[dict, dict]:
+        """(sequences, stats) as they stand, copied under the lock: late requests cannot tear them."""
+        with self._lock:
+            return dict(self.sequences), {k: dict(v) for k, v in self.stats.items()}
 
     def close(self) -> None:
         self.server.shutdown()
@@ -210,12 +235,13 @@ def agent_episodes(engine, tokenizer, records: list[dict], n: int, sampling: Sam
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
     loop = EngineLoop(engine)
     endpoint = ChatEndpoint(loop, tokenizer, decode, temperature=sampling.temperature, top_p=sampling.top_p,
-                            max_tokens=max_tokens, max_model_len=max_model_len)
+                            max_tokens=max_tokens, max_model_len=max_model_len, request_timeout_s=timeout_s)
+    clients: dict = {}
     names = [f"{i}-{j}" for i in range(len(records)) for j in range(n)]
     try:
-        runs = {name: in_thread(agent, openai.OpenAI(base_url=endpoint.url(name), api_key=endpoint.key,
-                                                      max_retries=0, timeout=timeout_s), records[i // n])
-                for i, name in enumerate(names)}
+        clients.update({name: openai.OpenAI(base_url=endpoint.url(name), api_key=endpoint.key, max_retries=0,
+                                       timeout=timeout_s) for name in names})
+        runs = {name: in_thread(agent, clients[name], records[i // n]) for i, name in enumerate(names)}
         deadline = time.monotonic() + timeout_s
         loop.run(lambda: all(f.done() for f in runs.values()), deadline)
         outcomes = {}
@@ -227,19 +253,21 @@ def agent_episodes(engine, tokenizer, records: list[dict], n: int, sampling: Sam
                     f"agent raised {type(e).__name__}: {e}"
                 outcomes[name] = (failure_reward, why)
     finally:
+        loop.close()  # late requests are refused from here on
         endpoint.close()
-        loop.close()
+        for client in clients.values():
+            client.close()
+    sequences, all_stats = endpoint.snapshot()
     rollouts = []
     for i, name in enumerate(names):
         reward, error = outcomes[name]
-        seq = endpoint.sequences.get(name) or _Sequence([], EpisodeTokens(tokenizer).start(
-            [{"role": "user", "content": ""}]))
-        stats = {k: 0 for k in EPISODE_STATS} | endpoint.stats.get(name, {})
+        seq = sequences.get(name) or _Sequence([], EpisodeTokens(tokenizer).start([{"role": "user", "content": ""}]))
+        stats = {k: 0 for k in EPISODE_STATS} | all_stats.get(name, {})
         stats |= {"return": reward, "failed": int(error is not None), "success": int(error is None and reward > 0),
                   "truncated": int(seq.last_cut)}
         rollouts.append(Rollout(prompt_index=i // n, prompt_ids=seq.prompt_ids, token_ids=seq.tokens,
                                 text=seq.last_text, logprobs=seq.logprobs,
                                 finished=not seq.last_cut, sampled=seq.sampled,
-                                turn_rewards=[(max(len(seq.tokens) - 1, 0), reward)],
+                                turn_rewards=[(last_sampled(seq.sampled), reward)],
                                 episode={**stats, "error": error}))
     return rollouts

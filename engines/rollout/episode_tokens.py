@@ -4,8 +4,9 @@ environment adds is rendered, through the tokenizer's chat template.
 Re-tokenising a conversation's text can split the model's own tokens differently from how it sampled
 them, and the trainer would then score tokens the policy never chose. So the template renders only the
 observation: the text the template writes after an assistant turn, its rendering of the observation
-messages and the next generation prompt, found as the difference between two renders of a probe
-conversation, and tokenised alone.
+messages and the next generation prompt, found after a probe turn in a render of probe + observation
+(only what follows the probe: templates such as Qwen3's render earlier assistant turns differently
+once another message follows), and tokenised alone.
 """
 
 from __future__ import annotations
@@ -17,11 +18,7 @@ class EpisodeTokens:
     def __init__(self, tokenizer, tools: list[dict] | None = None):
         self.tokenizer, self.tools = tokenizer, tools or None
         self._probe = [{"role": "user", "content": "?"}, {"role": "assistant", "content": PROBE}]
-        self._base = self._render(self._probe, generation_prompt=False)
-        self._tail = self._base[self._base.rindex(PROBE) + len(PROBE):]  # what the template writes after a turn
-        eos = tokenizer.eos_token or ""
-        # A turn the model ended itself ends in EOS; where the template writes EOS first, it is not repeated.
-        self._after_eos = self._tail[len(eos):] if eos and self._tail.startswith(eos) else self._tail
+        self._eos = tokenizer.eos_token or ""
 
     def _render(self, messages: list[dict], generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(messages, tools=self.tools, tokenize=False,
@@ -39,7 +36,8 @@ class EpisodeTokens:
         token limit, `ended` False; what follows EOS where the model ended it), `messages` and the next
         generation prompt."""
         full = self._render(self._probe + list(messages), generation_prompt=True)
-        if not full.startswith(self._base):
-            raise ValueError("the chat template renders earlier turns differently once an observation follows; "
-                             "the observation's tokens cannot be told apart")
-        return self._encode((self._after_eos if ended else self._tail) + full[len(self._base):])
+        after = full[full.rindex(PROBE) + len(PROBE):]  # the end of the turn, the observation, the next prompt
+        # A turn the model ended itself ends in EOS; where the template writes EOS first, it is not repeated.
+        if ended and self._eos and after.startswith(self._eos):
+            after = after[len(self._eos):]
+        return self._encode(after)

@@ -65,6 +65,12 @@ class _Episode:
     last_cut: bool = False
 
 
+def last_sampled(sampled: list[int]) -> int:
+    """The index of the last token the policy sampled (0 where none was): where a reward that ends a turn or
+    an episode lands, never on an observation token, which no estimator reads."""
+    return max((i for i, s in enumerate(sampled) if s), default=0)
+
+
 def in_thread(fn: Callable, *args) -> Future:
     """`fn(*args)` in a daemon thread of its own: one that hangs is abandoned, never joined."""
     future: Future = Future()
@@ -93,10 +99,12 @@ def run_episodes(engine, tokenizer, records: list[dict], n: int, sampling: Sampl
                  ) -> list[Rollout]:
     """`n` episodes of each record on `engine` (its add / step / busy), grouped per record in order.
     `sampling.max_new_tokens` is ignored: each turn gets what `limits` leave it."""
-    episodes = [_Episode(row=i * n + j, prompt_index=i, env=make_env()) for i in range(len(records))
-                for j in range(n)]
-    tokens = EpisodeTokens(tokenizer, [t.schema for t in getattr(episodes[0].env, "tools", []) or []]
-                           if episodes else None)
+    made = [in_thread(make_env) for _ in range(len(records) * n)]  # a constructor that raises or hangs fails
+    wait(made, timeout=limits.step_timeout_s)                         # its episode, not the round
+    episodes = [_Episode(row=k, prompt_index=k // n, env=f.result() if f.done() and not f.exception() else None)
+                for k, f in enumerate(made)]
+    tools = next((getattr(ep.env, "tools", None) for ep in episodes if ep.env is not None), None)
+    tokens = EpisodeTokens(tokenizer, [t.schema for t in tools] if tools else None)
     pending: dict[Future, tuple[_Episode, str, float]] = {}  # env call -> (episode, "reset"/"step", deadline)
 
     def call(ep: _Episode, what: str, fn: Callable, *args) -> None:
@@ -105,7 +113,7 @@ def run_episodes(engine, tokenizer, records: list[dict], n: int, sampling: Sampl
     def fail(ep: _Episode, why: str) -> None:
         ep.error, ep.ended = why, True
         ep.stats["failed"], ep.stats["return"] = 1, limits.failure_reward
-        ep.turn_rewards = [(max(len(ep.tokens) - 1, 0), limits.failure_reward)]
+        ep.turn_rewards = [(last_sampled(ep.sampled), limits.failure_reward)]
 
     def truncate(ep: _Episode) -> None:
         ep.ended, ep.finished, ep.stats["truncated"] = True, False, 1
@@ -129,7 +137,7 @@ def run_episodes(engine, tokenizer, records: list[dict], n: int, sampling: Sampl
         for k in ("tool_calls", "invalid_calls", "tool_errors"):
             ep.stats[k] += int(info.get(k, 0))
         if reward:
-            ep.turn_rewards.append((len(ep.tokens) - 1, reward))
+            ep.turn_rewards.append((last_sampled(ep.sampled), reward))
             ep.stats["return"] += reward
         if done:
             ep.ended = True
@@ -144,7 +152,28 @@ def run_episodes(engine, tokenizer, records: list[dict], n: int, sampling: Sampl
 
     by_row = {ep.row: ep for ep in episodes}
     for ep, record in zip(episodes, (r for r in records for _ in range(n))):
-        call(ep, "reset", ep.env.reset, record)
+        if ep.env is None:
+            f = made[ep.row]
+            fail(ep, f"environment construction: {type(f.exception()).__name__}: {f.exception()}" if f.done() else
+                 f"environment construction took longer than step_timeout_s={limits.step_timeout_s:g}")
+        else:
+            call(ep, "reset", ep.env.reset, record)
+    try:
+        _run(engine, pending, by_row, observed, fail, call, decode, limits.step_timeout_s)
+    finally:  # whatever ends the loop, nothing of these episodes stays queued in the engine
+        engine.abort(list(by_row))
+    for ep in episodes:
+        if not ep.prompt_ids:  # its reset failed: an empty user turn for a prompt, nothing sampled after it
+            ep.prompt_ids = tokens.start([{"role": "user", "content": ""}])
+    return [Rollout(prompt_index=ep.prompt_index, prompt_ids=ep.prompt_ids, token_ids=ep.tokens, text=ep.last_text,
+                    logprobs=ep.logprobs, finished=ep.finished, sampled=ep.sampled, turn_rewards=ep.turn_rewards,
+                    episode={**ep.stats, "error": ep.error}) for ep in episodes]
+
+
+def _run(engine, pending: dict, by_row: dict, observed: Callable, fail: Callable, call: Callable, decode: Callable,
+         timeout_s: float) -> None:
+    """Until no environment call is pending and the engine is idle: take what environments answered (failing
+    those past their deadline), step the engine, and give each ended turn to its environment."""
     while pending or engine.busy():
         for future in [f for f in pending if f.done()]:
             ep, what, _ = pending.pop(future)
@@ -155,7 +184,7 @@ def run_episodes(engine, tokenizer, records: list[dict], n: int, sampling: Sampl
         now = time.monotonic()
         for future in [f for f, (_, _, deadline) in pending.items() if deadline < now]:
             ep, what, _ = pending.pop(future)
-            fail(ep, f"environment {what} took longer than step_timeout_s={limits.step_timeout_s:g}")
+            fail(ep, f"environment {what} took longer than step_timeout_s={timeout_s:g}")
         if engine.busy():
             for row, ids, logprobs, eos in engine.step():
                 ep = by_row[row]
@@ -169,12 +198,6 @@ def run_episodes(engine, tokenizer, records: list[dict], n: int, sampling: Sampl
         elif pending:
             wait(list(pending), timeout=max(0.0, min(d for _, _, d in pending.values()) - time.monotonic()),
                  return_when=FIRST_COMPLETED)
-    for ep in episodes:
-        if not ep.prompt_ids:  # its reset failed: an empty user turn for a prompt, nothing sampled after it
-            ep.prompt_ids = tokens.start([{"role": "user", "content": ""}])
-    return [Rollout(prompt_index=ep.prompt_index, prompt_ids=ep.prompt_ids, token_ids=ep.tokens, text=ep.last_text,
-                    logprobs=ep.logprobs, finished=ep.finished, sampled=ep.sampled, turn_rewards=ep.turn_rewards,
-                    episode={**ep.stats, "error": ep.error}) for ep in episodes]
 
 
 def report_failures(rollouts: list[Rollout], where: str) -> None:

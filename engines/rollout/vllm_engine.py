@@ -158,7 +158,7 @@ class VLLMEngine(SleepState):
         """One engine iteration; the samples it finished: (key, token ids, logprobs, ended with EOS)."""
         done = []
         for out in self.llm.llm_engine.step():
-            if out.finished:
+            if out.finished and out.request_id in self._keys:  # (an aborted request's last output: not ours)
                 c = out.outputs[0]
                 ids = list(c.token_ids)
                 done.append((self._keys.pop(out.request_id), ids, [lp[t].logprob for lp, t in zip(c.logprobs, ids)],

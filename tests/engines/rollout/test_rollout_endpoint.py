@@ -130,6 +130,12 @@ def test_the_endpoint_listens_on_loopback_only_and_refuses_requests_without_its_
         status, reply = post(url, endpoint.key, body)
         assert status == 200 and reply["choices"][0]["message"]["role"] == "assistant"
         assert reply["usage"]["completion_tokens"] == len(endpoint.sequences["ep"].tokens) > 0
+        before = endpoint.sequences["ep"]
+        flood = {"model": "policy", "messages": body["messages"] + [reply["choices"][0]["message"],
+                                                                      {"role": "tool", "content": "x " * 200}]}
+        status, refused = post(url, endpoint.key, flood)  # past the context: refused, and nothing of it kept
+        assert status == 400 and "fills the model's context" in refused["error"]["message"]
+        assert endpoint.sequences["ep"] is before and endpoint.stats["ep"]["turns"] == 1
         assert post(url.replace("/e/ep/", "/x/"), endpoint.key, body)[0] == 404
         assert post(url, endpoint.key, {"messages": "not a list"})[0] == 400
         assert len(endpoint.key) >= 32 and endpoint.key not in url

@@ -3,6 +3,7 @@ sampled, every environment failure a counted outcome, and the trained tokens the
 
 from __future__ import annotations
 
+import copy
 import threading
 
 import pytest
@@ -39,6 +40,9 @@ class Scripted:
 
     def busy(self):
         return bool(self.queue)
+
+    def abort(self, keys):
+        self.queue = [k for k in self.queue if k not in set(keys)]
 
     def step(self):
         key = self.queue.pop(0)
@@ -142,6 +146,8 @@ def test_malformed_calls_raising_tools_hanging_and_crashing_environments_each_ge
     cut = rollouts[modes.index("cut")]  # the template's end of the cut turn is the environment's, masked
     end = ids(tok, "<|end|><|system|>error: a <tool_call> was opened and never closed<|assistant|>", eos=False)
     assert cut.token_ids == call[:5] + end + answer and cut.sampled == [1] * 5 + [0] * len(end) + [1] * len(answer)
+    for r in rollouts:  # every reward lands on a sampled token, where an estimator reads it
+        assert not any(r.sampled) or all(r.sampled[t] == 1 for t, _ in r.turn_rewards), r.episode
     crashed_at_reset = rollouts[modes.index("crash_reset")]
     assert crashed_at_reset.prompt_ids and crashed_at_reset.token_ids == []  # a prompt, nothing to train on
     metrics = episode_metrics(rollouts)
@@ -181,3 +187,24 @@ def test_a_real_engines_episodes_are_scored_by_the_trainer_on_exactly_the_tokens
     for b, r in enumerate(two_turns):  # the observation tokens sit between the turns, masked
         assert 0 < exp.action_mask[b, : len(r.token_ids)].sum() < len(r.token_ids)
         assert r.episode["return"] == 1.0 and r.episode["success"] == 1
+
+
+# Qwen3's way: an assistant turn carries an empty think block only while it is the conversation's last message.
+THINKING_TEMPLATE = (
+    "{% for m in messages %}<|{{ 'system' if m['role'] == 'tool' else m['role'] }}|>"
+    "{% if m['role'] == 'assistant' and loop.last %}<think></think>{% endif %}{{ m['content'] }}"
+    "{% if m['role'] == 'assistant' %}<|end|>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def test_observation_tokens_come_from_what_follows_the_turn_whatever_the_template_does_to_earlier_turns(tok):
+    from engines.rollout.episode_tokens import EpisodeTokens
+
+    thinking = copy.deepcopy(tok)
+    thinking.chat_template = THINKING_TEMPLATE
+    for t in (tok, thinking):
+        obs = EpisodeTokens(t).observation([{"role": "tool", "content": "17"}])
+        assert t.decode(obs) == "<|system|>17<|assistant|>"
+        cut = EpisodeTokens(t).observation([{"role": "tool", "content": "17"}], ended=False)
+        assert t.decode(cut) == "<|end|><|system|>17<|assistant|>"  # the template closes a cut turn
