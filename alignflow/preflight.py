@@ -218,7 +218,7 @@ def _lengths(cfg: PipelineConfig, positions: int, found: Findings) -> None:
 
 
 def _callable(field: str, path: str, found: Findings) -> None:
-    """`module:function` imports and is callable (as engines/rl/rewards.py load_callable loads it)."""
+    """`module:function` imports and is callable (as alignflow/config/loading.py load_callable loads it)."""
     module, _, name = path.partition(":")
     if not name:
         return found.fail(field, f"{path!r} must be 'module:function'")
@@ -259,11 +259,13 @@ def _rewards(cfg: PipelineConfig, found: Findings) -> None:
         _callable("evaluation.checker", cfg.evaluation.checker, found)
     envs = [(f"rounds.{i}.environment", r.environment) for i, r in enumerate(cfg.rounds)]
     for field, env in envs + [("evaluation.environment", cfg.evaluation and cfg.evaluation.environment)]:
-        if env is not None:  # imports, is an environment, constructs, and its tools carry schemas
-            from alignflow.agents.environment import load_agent, make_environment
+        if env is not None and env.agent:
+            _callable(f"{field}.agent", env.agent, found)
+        elif env is not None:  # imports, is an environment, constructs, and its tools carry schemas
+            from alignflow.agents.environment import make_environment
 
             try:
-                load_agent(env.agent, f"{field}.agent") if env.agent else make_environment(env.name, env.kwargs, field)
+                make_environment(env.name, env.kwargs, field)
                 found.ok()
             except ValueError as err:
                 found.fail(*str(err).split(": ", 1))

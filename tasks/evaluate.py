@@ -26,7 +26,7 @@ from alignflow.records import StageResult
 from engines import batches, models
 from engines.rollout.episodes import episode_metrics, report_failures
 from engines.rl import experience
-from engines.rl.rewards import load_callable
+from alignflow.config.loading import load_callable
 from engines.rl.scoring import scoring
 from engines.rollout.base import Sampling
 from tasks import eval_engine

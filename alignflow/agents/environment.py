@@ -88,17 +88,3 @@ def make_environment(name: str, kwargs: dict, field: str = "environment"):
                              f"with alignflow.agents.tool (its schema from its signature) or Tool(fn, schema)")
     return env
 
-
-def load_agent(path: str, field: str = "environment.agent"):
-    """The agent function `module:function(client, sample) -> reward` (engines/rollout/endpoint.py); errors name
-    `field`."""
-    module, sep, attr = path.partition(":")
-    if not sep or not module or not attr:
-        raise ValueError(f"{field}: {path!r} must be module:function")
-    try:
-        fn = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"{field}: cannot import {path!r}: {e}") from e
-    if not callable(fn):
-        raise ValueError(f"{field}: {path!r} is not callable")
-    return fn

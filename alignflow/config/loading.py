@@ -7,6 +7,8 @@ names its source (the file, or the command-line override) and its field.
 from __future__ import annotations
 
 import copy
+import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -238,3 +240,18 @@ def resolve_paths(cfg: PipelineConfig, base: Path | None = None) -> PipelineConf
         uri = prefix + str(local_path(uri[len(prefix):], base))
     storage = infra.storage.model_copy(update={"root": root})
     return cfg.model_copy(update={"infra": infra.model_copy(update={"storage": storage, "mlflow_tracking_uri": uri})})
+
+
+def load_callable(path: str, what: str) -> Callable:
+    """`module:function` named by a config field (a reward rule, the checker, an agent) -> the function; a
+    ConfigError naming the field `what`."""
+    module, _, name = path.partition(":")
+    if not name:
+        raise ConfigError(f"{what} {path!r} must be 'module:function'")
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as err:
+        raise ConfigError(f"{what} {path!r} cannot be imported: {err}") from None
+    if not callable(fn):
+        raise ConfigError(f"{what} {path!r} is not callable")
+    return fn

@@ -7,15 +7,13 @@ scores token sequences instead and runs in a ScorerActor (engines/rl/scoring.py)
 
 from __future__ import annotations
 
-import importlib
 import json
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
 from dataclasses import dataclass
 
-from alignflow.errors import ConfigError
+from alignflow.config.loading import load_callable
 
 
 class RewardServiceError(RuntimeError):
@@ -27,20 +25,6 @@ class ScoredText:
     prompt: str
     response: str
     answer: str | None
-
-
-def load_callable(path: str, what: str) -> Callable:
-    """`module:function` -> the function; a ConfigError naming the config field `what`."""
-    module, _, name = path.partition(":")
-    if not name:
-        raise ConfigError(f"{what} {path!r} must be 'module:function'")
-    try:
-        fn = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as err:
-        raise ConfigError(f"{what} {path!r} cannot be imported: {err}") from None
-    if not callable(fn):
-        raise ConfigError(f"{what} {path!r} is not callable")
-    return fn
 
 
 class RuleReward:

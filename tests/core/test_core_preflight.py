@@ -181,7 +181,7 @@ def test_agent_config_problems_are_each_named_with_their_field_before_anything_s
     assert found[0].startswith("rounds.0.environment.name: cannot import 'no_such_module:Env'")
     assert found[1].startswith("rounds.1.environment.name: user_envs:NoSchema's tools hold <function f")
     assert "not a Tool with a schema" in found[1]
-    assert found[2].startswith("rounds.2.environment.agent: cannot import 'user_envs:no_agent'")
+    assert found[2].startswith("rounds.2.environment.agent: 'user_envs:no_agent' cannot be imported: AttributeError")
     assert found[3].startswith("evaluation.environment.name: 'boxes_typo' is neither a bundled environment (boxes) "
                                "nor module:Class (from the command line: evaluation.environment.name=boxes_typo)")
     assert len(found) == 4, found
