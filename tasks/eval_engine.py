@@ -81,7 +81,7 @@ def generate(stage: str, g: GenerationConfig, ctx: RunContext, policy: ArtifactR
         kwargs = dict(dtype=dtype, seed=seed, max_model_len=max_model_len, attn_implementation=attn_implementation,
                       vllm=g.vllm, on_gpu=g.placement.num_gpus > 0)
         if episodes is not None:
-            return ray.get(host.run_episodes.remote(g.backend, policy, *episodes[:1], sampling, episodes[1],
+            return ray.get(host.run_episodes.remote(g.backend, policy, episodes[0], sampling, episodes[1],
                                                     **kwargs)), RUN_HOST
         return ray.get(host.generate.remote(g.backend, policy, prompt_ids, sampling, **kwargs)), RUN_HOST
     engines = start_engines(g, policy, count=1, seeds=[seed], dtype=dtype, torch_threads=ctx.infra.torch_threads,

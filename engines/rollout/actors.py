@@ -224,18 +224,20 @@ class RolloutEngines:
         """Start generating and return at once; `collect` waits for the rollouts. The engines run
         calls in order, so a weight update submitted later waits for this generation (in pieces of
         `piece_tokens`, an update published meanwhile is taken between them: RolloutActor.generate)."""
-        k = len(self.actors)
-        chunks = [c for c in (list(range(i, len(prompt_ids), k)) for i in range(k)) if c]
+        chunks = self._chunks(len(prompt_ids))
         refs = [e.generate.remote([prompt_ids[j] for j in c], sampling, piece_tokens)
                 for e, c in zip(self.actors, chunks)]
         return PendingRollouts(len(prompt_ids), chunks, refs)
 
     def submit_episodes(self, records: list[dict], sampling: Sampling, env) -> PendingRollouts:
         """As `submit`, for episodes in the environment `env` (EnvironmentConfig): record i's on engine i mod k."""
-        k = len(self.actors)
-        chunks = [c for c in (list(range(i, len(records), k)) for i in range(k)) if c]
+        chunks = self._chunks(len(records))
         refs = [e.run_episodes.remote([records[j] for j in c], sampling, env) for e, c in zip(self.actors, chunks)]
         return PendingRollouts(len(records), chunks, refs)
+
+    def _chunks(self, n: int) -> list[list[int]]:
+        """Which of `n` prompts each engine gets: prompt i goes to engine i mod k (engines given none left out)."""
+        return [c for c in (list(range(i, n, len(self.actors))) for i in range(len(self.actors))) if c]
 
     @staticmethod
     def collect(pending: PendingRollouts) -> list[Rollout]:

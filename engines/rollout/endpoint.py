@@ -226,13 +226,12 @@ class ChatEndpoint:
         self.server.server_close()
 
 
-def agent_episodes(engine, tokenizer, records: list[dict], n: int, sampling: Sampling, agent, *, timeout_s: float,
-                   failure_reward: float, max_tokens: int, max_model_len: int) -> list[Rollout]:
+def agent_episodes(engine, tokenizer, records: list[dict], n: int, sampling: Sampling, agent, decode, *,
+                   timeout_s: float, failure_reward: float, max_tokens: int, max_model_len: int) -> list[Rollout]:
     """`n` episodes of each record, each `agent(client, record)` against this engine's endpoint; grouped per
     record, in order, as `run_episodes` returns them."""
     import openai
 
-    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
     loop = EngineLoop(engine)
     endpoint = ChatEndpoint(loop, tokenizer, decode, temperature=sampling.temperature, top_p=sampling.top_p,
                             max_tokens=max_tokens, max_model_len=max_model_len, request_timeout_s=timeout_s)

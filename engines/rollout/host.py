@@ -32,24 +32,23 @@ class EngineHost:
     def generate(self, backend: str, model_path: Source, prompt_ids: list[list[int]], sampling: Sampling,
                  **engine_kwargs) -> list[Rollout]:
         """`build_engine(backend, model_path, **engine_kwargs)`, its samples, then the engine torn down."""
+        return self._on_fresh_engine(backend, model_path, engine_kwargs, lambda e: e.generate(prompt_ids, sampling))
+
+    def run_episodes(self, backend: str, model_path: Source, records: list[dict], sampling: Sampling, env,
+                     **engine_kwargs) -> list[Rollout]:
+        """As `generate`, for episodes in the environment `env` (engines/rollout/agentic.py)."""
+        from engines.rollout.agentic import episodes_on
+
+        return self._on_fresh_engine(backend, model_path, engine_kwargs, lambda e: episodes_on(
+            e, records, sampling, env, engine_kwargs.get("max_model_len", 256)))
+
+    def _on_fresh_engine(self, backend: str, model_path: Source, engine_kwargs: dict, use):
+        """`use(engine)` on an engine built for this call, then the engine torn down."""
         torch.set_num_threads(self.torch_threads)  # as a fresh process has it, whatever the last engine set
         engine = build_engine(backend, local_dir(model_path), **engine_kwargs)
         self.engines_built += 1
         try:
-            return engine.generate(prompt_ids, sampling)
-        finally:
-            engine.close()
-
-    def run_episodes(self, backend: str, model_path: Source, records: list[dict], sampling: Sampling, env,
-                     **engine_kwargs) -> list[Rollout]:
-        """As `generate`, for episodes in the environment `env` (engines/rollout/episodes.py)."""
-        from engines.rollout.agentic import episodes_on
-
-        torch.set_num_threads(self.torch_threads)
-        engine = build_engine(backend, local_dir(model_path), **engine_kwargs)
-        self.engines_built += 1
-        try:
-            return episodes_on(engine, records, sampling, env, engine_kwargs.get("max_model_len", 256))
+            return use(engine)
         finally:
             engine.close()
 

@@ -62,7 +62,8 @@ def records(n: int) -> list[dict]:
 
 def run(engine, agent, recs, n=2, timeout_s=30.0):
     return agent_episodes(engine, engine.tokenizer, recs, n, Sampling(n=n, temperature=1.0), agent,
-                          timeout_s=timeout_s, failure_reward=-1.0, max_tokens=12, max_model_len=128)
+                          lambda ids: engine.tokenizer.decode(ids, skip_special_tokens=True), timeout_s=timeout_s,
+                          failure_reward=-1.0, max_tokens=12, max_model_len=128)
 
 
 def test_an_openai_clients_episodes_train_on_exactly_the_tokens_the_engine_sampled(engine, trainer_logprobs):
