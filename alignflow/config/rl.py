@@ -125,6 +125,18 @@ class RoundConfig(Section):
     spec = property(lambda self: get_algorithm(self.algorithm), doc="the algorithm's AlgorithmSpec")
 
     @property
+    def max_response_tokens(self) -> int:
+        """The most sampled tokens one row can hold: generation.max_new_tokens; in an environment an
+        episode's, min(max_turns * per-turn tokens, max_episode_tokens) (an agent's episode: max_episode_tokens,
+        which its engine's context bounds). DAPO's overlong shaping and Dr. GRPO's constant read it."""
+        env, new = self.environment, self.generation.max_new_tokens
+        if env is None:
+            return new
+        if env.agent is not None:
+            return env.max_episode_tokens
+        return min(env.max_turns * (env.max_tokens_per_turn or new), env.max_episode_tokens)
+
+    @property
     def needs_reward_model(self) -> bool:
         """Scores with the reward model, or starts its critic from it."""
         return self.reward.uses_model or (self.spec.critic and self.critic.init == "reward_model")
@@ -210,6 +222,12 @@ class RoundConfig(Section):
             raise ValueError(f"teacher is read by algorithm distill; this round's algorithm is {self.algorithm}")
         if any(c.source == "environment" for c in self.reward.components) and self.environment is None:
             raise ValueError("reward.source environment rewards episodes' returns: give the round an environment")
+        buffer, longest = self.reward.overlong_buffer, self.max_response_tokens
+        if buffer > longest:
+            where = ("min(environment.max_turns * per-turn tokens, environment.max_episode_tokens)"
+                     if self.environment is not None else "generation.max_new_tokens")
+            raise ValueError(f"reward.overlong_buffer ({buffer}) must be <= the longest response, {where} = "
+                             f"{longest}: the penalty ramps over the last overlong_buffer tokens before it")
         if self.environment is not None and self.partial_rollouts:
             raise ValueError("partial_rollouts writes single responses in pieces; an environment's episodes take "
                              "weights between whole episodes: leave partial_rollouts out")

@@ -101,16 +101,18 @@ def from_rollouts(rollouts: list[Rollout], pad_id: int) -> Experience:
     )
 
 
-def shaped_rewards(task_rewards: Tensor, action_mask: Tensor, *, max_new_tokens: int, overlong_buffer: int,
+def shaped_rewards(task_rewards: Tensor, action_mask: Tensor, *, max_response_tokens: int, overlong_buffer: int,
                    overlong_penalty: float) -> Tensor:
-    """r_b + p(len_b): DAPO's soft overlong punishment when `overlong_buffer` > 0 (`algos.overlong_penalty`).
+    """r_b + p(len_b): DAPO's soft overlong punishment when `overlong_buffer` > 0 (`algos.overlong_penalty`), with
+    len_b the row's sampled tokens (an episode's observations are not the model's length) against
+    `max_response_tokens` (RoundConfig.max_response_tokens).
 
     Shapes: `task_rewards` (B,), `action_mask` (B, T); returns (B,) float32.
     """
     rewards = task_rewards.float()
     if not overlong_buffer:
         return rewards
-    return rewards + algos.overlong_penalty(action_mask.sum(-1), max_len=max_new_tokens, buffer_len=overlong_buffer,
+    return rewards + algos.overlong_penalty(action_mask.sum(-1), max_len=max_response_tokens, buffer_len=overlong_buffer,
                                             penalty_factor=overlong_penalty)
 
 
@@ -121,7 +123,7 @@ class ShapedRewards:
     metrics: dict[str, float]
 
 
-def shape_rewards(task_rewards: Tensor, action_mask: Tensor, finished: Tensor, *, max_new_tokens: int,
+def shape_rewards(task_rewards: Tensor, action_mask: Tensor, finished: Tensor, *, max_response_tokens: int,
                   overlong_buffer: int, overlong_penalty: float, truncation_penalty: float = 0.0,
                   clip: float | None = None, stats: algos.RunningMeanStd | None = None) -> ShapedRewards:
     """A step's sequence rewards from its task rewards, in this order:
@@ -142,7 +144,7 @@ def shape_rewards(task_rewards: Tensor, action_mask: Tensor, finished: Tensor, *
         r = stats.normalize(r)
     if clip is not None:
         r, n_clipped = algos.clip_rewards(r, clip)
-    r = shaped_rewards(r, action_mask, max_new_tokens=max_new_tokens, overlong_buffer=overlong_buffer,
+    r = shaped_rewards(r, action_mask, max_response_tokens=max_response_tokens, overlong_buffer=overlong_buffer,
                        overlong_penalty=overlong_penalty)
     if truncation_penalty:
         r = r + algos.truncation_penalty(finished, truncation_penalty)

@@ -138,7 +138,7 @@ class RLRound:
                 parts[c.label] = torch.tensor([r.episode["return"] for r in rollouts], dtype=torch.float32)
         task = sum(c.weight * parts[c.label].float() for c in r.components)
         shaped = experience.shape_rewards(
-            task, exp.action_mask, exp.finished, max_new_tokens=self.cfg.generation.max_new_tokens,
+            task, exp.action_mask, exp.finished, max_response_tokens=self.cfg.max_response_tokens,
             overlong_buffer=r.overlong_buffer, overlong_penalty=r.overlong_penalty,
             truncation_penalty=r.truncation_penalty, clip=r.clip, stats=self.reward_stats)
         self.reward_stats = shaped.stats

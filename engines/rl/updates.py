@@ -152,7 +152,7 @@ class PolicyGradientUpdate:
         cfg, p, m = self.cfg, self.cfg.ppo, self.models
         policy_loss = objectives.POLICY_LOSSES[cfg.spec.policy_loss]
         weigh = functools.partial(objectives.aggregated, agg=p.loss_agg)
-        constant = float(cfg.generation.max_new_tokens)  # Dr. GRPO's C (seq_mean_token_sum_norm alone uses it)
+        constant = float(cfg.max_response_tokens)  # Dr. GRPO's C (seq_mean_token_sum_norm alone uses it)
         steps = [] if frozen else [(m.actor, functools.partial(
             policy_loss, clip_low=p.clip_low, clip_high=p.clip_high, dual_clip=p.dual_clip, agg=p.loss_agg,
             entropy_coef=p.entropy_coef, kl_loss_coef=self.kl_ctl.value if cfg.kl.apply_as == "loss" else 0.0,

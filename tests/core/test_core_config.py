@@ -675,3 +675,26 @@ def test_a_mix_with_the_reward_model_needs_its_section():
     with pytest.raises(ConfigError, match=r"rounds.0 \(grpo\) use the reward model"):
         load_config(None, ["reward_model=null", rounds([RULE, {"source": "model"}])])
     assert not load_config(None, ["reward_model=null", rounds([RULE])]).rounds[0].needs_reward_model
+
+
+def test_the_longest_response_is_an_episodes_where_a_round_has_an_environment():
+    """DAPO's overlong shaping and Dr. GRPO's constant measure a row's sampled tokens against this: one
+    response's max_new_tokens, or an episode's turns (capped by its token budget)."""
+    def round_(r):
+        return load_config(None, [f"rounds=[{json.dumps(r)}]"]).rounds[0]
+
+    env = {"name": "boxes", "max_turns": 3}
+    assert round_({"generation": {"max_new_tokens": 8}}).max_response_tokens == 8
+    assert round_({"generation": {"max_new_tokens": 8}, "environment": env}).max_response_tokens == 3 * 8
+    per_turn = {**env, "max_tokens_per_turn": 5}
+    assert round_({"environment": per_turn}).max_response_tokens == 3 * 5
+    assert round_({"environment": {**per_turn, "max_episode_tokens": 12}}).max_response_tokens == 12
+    assert round_({"environment": {"agent": "a:b", "max_episode_tokens": 40}}).max_response_tokens == 40
+    # A buffer longer than one turn fits an episode of three; the same buffer on single responses is refused
+    # when the config loads, naming the field, not at the round's first step.
+    assert round_({"reward": {"overlong_buffer": 20}, "environment": env}).reward.overlong_buffer == 20
+    with pytest.raises(ConfigError, match=r"reward.overlong_buffer \(20\) must be <= the longest response, "
+                                          r"generation.max_new_tokens = 8"):
+        round_({"reward": {"overlong_buffer": 20}})
+    with pytest.raises(ConfigError, match=r"environment.max_episode_tokens\) = 12"):
+        round_({"reward": {"overlong_buffer": 13}, "environment": {**per_turn, "max_episode_tokens": 12}})

@@ -88,7 +88,7 @@ def _exp():
 
 def test_default_reward_shaping_is_the_task_reward():
     exp, task = _exp(), torch.tensor([1.0, 0.0, 3.0, -1.0])
-    out = experience.shape_rewards(task, exp.action_mask, exp.finished, max_new_tokens=3, overlong_buffer=0,
+    out = experience.shape_rewards(task, exp.action_mask, exp.finished, max_response_tokens=3, overlong_buffer=0,
                                    overlong_penalty=1.0)
     assert torch.equal(out.rewards, task) and out.stats is None
     assert out.metrics == {"reward/task_mean": 0.75, "reward/truncated": 1.0, "reward/clipped": 0.0}
@@ -98,7 +98,7 @@ def test_normalise_clip_overlong_truncation_in_order():
     import algos
 
     exp, task = _exp(), torch.tensor([1.0, 0.0, 3.0, -1.0])
-    kw = dict(max_new_tokens=3, overlong_buffer=2, overlong_penalty=0.5, truncation_penalty=0.25, clip=1.0)
+    kw = dict(max_response_tokens=3, overlong_buffer=2, overlong_penalty=0.5, truncation_penalty=0.25, clip=1.0)
     out = experience.shape_rewards(task, exp.action_mask, exp.finished, stats=algos.RunningMeanStd(), **kw)
     mean = 0.75
     var = sum((x - mean) ** 2 for x in (1.0, 0.0, 3.0, -1.0)) / 4  # 2.1875

@@ -57,13 +57,23 @@ def test_experience_is_immutable(exp):
 
 def test_shaped_rewards_overlong_penalty(exp):
     task = torch.tensor([1.0, 1.0, 1.0, 1.0])
-    assert torch.equal(experience.shaped_rewards(task, exp.action_mask, max_new_tokens=3, overlong_buffer=0,
+    assert torch.equal(experience.shaped_rewards(task, exp.action_mask, max_response_tokens=3, overlong_buffer=0,
                                                  overlong_penalty=1.0), task)
     # L = 3, C = 2: lengths (2, 1, 3, 1); p = 0 for len <= 1, ((L - C) - len) / C * 0.5 above
-    shaped = experience.shaped_rewards(task, exp.action_mask, max_new_tokens=3, overlong_buffer=2,
+    shaped = experience.shaped_rewards(task, exp.action_mask, max_response_tokens=3, overlong_buffer=2,
                                        overlong_penalty=0.5)
     expected = [1.0 + (1 - 2) / 2 * 0.5, 1.0, 1.0 + (1 - 3) / 2 * 0.5, 1.0]
     assert shaped.tolist() == pytest.approx(expected)
+
+
+def test_overlong_shaping_counts_an_episodes_sampled_tokens_not_its_observations():
+    # One episode: turn (2 tokens), observation (3, action 0), turn (1); and a response of 3 sampled tokens.
+    mask = torch.tensor([[1, 1, 0, 0, 0, 1], [1, 1, 1, 0, 0, 0]])
+    shaped = experience.shaped_rewards(torch.zeros(2), mask, max_response_tokens=4, overlong_buffer=2,
+                                       overlong_penalty=1.0)
+    # L = 4, C = 2: both rows are 3 sampled tokens long, so both get ((4 - 2) - 3) / 2 = -0.5; counting the
+    # observation tokens (6) would have given the episode the full penalty, -1.
+    assert shaped.tolist() == pytest.approx([-0.5, -0.5])
 
 
 def _filled(exp, rewards, old, ref):
