@@ -18,7 +18,8 @@ class EnvironmentConfig(Section):
                               "user's agent driving each episode through an OpenAI client of the engine's endpoint "
                               "(engines/rollout/endpoint.py); step_timeout_s bounds a whole episode")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of the class")
-    max_turns: int = Field(4, description="model turns per episode; an episode not done by then is truncated")
+    max_turns: int = Field(4, description="model turns per episode (an agent's completions); an episode not done "
+                           "by then is truncated")
     max_tokens_per_turn: int | None = Field(
         None, ge=1, description="new tokens per model turn; None: generation.max_new_tokens")
     max_episode_tokens: int = Field(256, ge=1, description="tokens after the prompt (turns and observations); "

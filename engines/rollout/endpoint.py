@@ -11,7 +11,9 @@ under a key made for this generation: a request without it gets 401. Completions
 engine (`EngineLoop`: the engine's own thread steps it, requests from any thread join its running batch)
 at the round's temperature and top_p, whatever the agent asks (the samples stay on-policy); an agent's
 `max_tokens` may only shorten a turn below max_tokens_per_turn. Requests of one episode are answered one
-at a time.
+at a time. A request past the episode's `max_turns` completions, or with no tokens left of
+`max_episode_tokens` or of the engine's context, is refused (400, saying which) and the episode counts as
+truncated, as an environment's does.
 
 What trains is what was sampled. The endpoint keeps each episode's token sequence: when a request's
 messages extend the conversation it served before (role and content alike), only the new messages are
@@ -124,10 +126,12 @@ def _tool_calls(text: str) -> list[dict]:
 
 class ChatEndpoint:
     def __init__(self, loop: EngineLoop, tokenizer, decode, *, temperature: float, top_p: float, max_tokens: int,
-                 max_model_len: int, request_timeout_s: float = 600.0):
+                 max_model_len: int, request_timeout_s: float = 600.0, max_turns: int | None = None,
+                 max_episode_tokens: int | None = None):
         self.loop, self.tokenizer, self.decode = loop, tokenizer, decode
         self.defaults = {"temperature": temperature, "top_p": top_p, "max_tokens": max_tokens}
         self.max_model_len, self.key = max_model_len, secrets.token_urlsafe(24)
+        self.max_turns, self.max_episode_tokens = max_turns, max_episode_tokens
         self.request_timeout_s = request_timeout_s
         self.sequences: dict[str, _Sequence] = {}
         self.stats: dict[str, dict[str, int]] = {}
@@ -189,11 +193,20 @@ class ChatEndpoint:
                 base = _Sequence(said, tokens.start(messages))
             context = base.prompt_ids + base.tokens
             asked = body.get("max_tokens") or body.get("max_completion_tokens")
-            budget = min(int(asked or self.defaults["max_tokens"]), self.defaults["max_tokens"],
-                         self.max_model_len - len(context))
+            room = self.max_model_len - len(context)
+            left = room if self.max_episode_tokens is None else min(room, self.max_episode_tokens - len(base.tokens))
+            over = (f"the episode has had its max_turns={self.max_turns} turns"
+                    if self.max_turns is not None and stats["turns"] >= self.max_turns else
+                    f"the conversation fills the model's context ({len(context)} of {self.max_model_len} tokens)"
+                    if room < 1 else
+                    f"the episode has used its max_episode_tokens={self.max_episode_tokens}" if left < 1 else None)
+            if over:  # the episode is truncated (what the agent returns is still its reward)
+                with self._lock:
+                    stats["truncated"] = 1
+                raise ValueError(over)
+            budget = min(int(asked or self.defaults["max_tokens"]), self.defaults["max_tokens"], left)
             if budget < 1:
-                raise ValueError(f"the conversation fills the model's context ({len(context)} of "
-                                 f"{self.max_model_len} tokens)")
+                raise ValueError(f"max_tokens must be at least 1, got {asked}")
             ids, logprobs, eos = self.loop.submit(context, Sampling(
                 n=1, temperature=self.defaults["temperature"], top_p=self.defaults["top_p"], max_new_tokens=budget)
             ).result(timeout=self.request_timeout_s)
@@ -227,14 +240,18 @@ class ChatEndpoint:
 
 
 def agent_episodes(engine, tokenizer, records: list[dict], n: int, sampling: Sampling, agent, decode, *,
-                   timeout_s: float, failure_reward: float, max_tokens: int, max_model_len: int) -> list[Rollout]:
+                   timeout_s: float, failure_reward: float, max_tokens: int, max_model_len: int,
+                   max_turns: int | None = None, max_episode_tokens: int | None = None) -> list[Rollout]:
     """`n` episodes of each record, each `agent(client, record)` against this engine's endpoint; grouped per
-    record, in order, as `run_episodes` returns them."""
+    record, in order, as `run_episodes` returns them. A request past `max_turns` completions, or with no tokens
+    left of `max_episode_tokens` (after the first prompt) or of the context, is refused and truncates its
+    episode."""
     import openai
 
     loop = EngineLoop(engine)
     endpoint = ChatEndpoint(loop, tokenizer, decode, temperature=sampling.temperature, top_p=sampling.top_p,
-                            max_tokens=max_tokens, max_model_len=max_model_len, request_timeout_s=timeout_s)
+                            max_tokens=max_tokens, max_model_len=max_model_len, request_timeout_s=timeout_s,
+                            max_turns=max_turns, max_episode_tokens=max_episode_tokens)
     clients: dict = {}
     names = [f"{i}-{j}" for i in range(len(records)) for j in range(n)]
     try:
@@ -263,10 +280,10 @@ def agent_episodes(engine, tokenizer, records: list[dict], n: int, sampling: Sam
         seq = sequences.get(name) or _Sequence([], EpisodeTokens(tokenizer).start([{"role": "user", "content": ""}]))
         stats = {k: 0 for k in EPISODE_STATS} | all_stats.get(name, {})
         stats |= {"return": reward, "failed": int(error is not None), "success": int(error is None and reward > 0),
-                  "truncated": int(seq.last_cut)}
+                  "truncated": int(seq.last_cut or stats.get("truncated", 0))}
         rollouts.append(Rollout(prompt_index=i // n, prompt_ids=seq.prompt_ids, token_ids=seq.tokens,
                                 text=seq.last_text, logprobs=seq.logprobs,
-                                finished=not seq.last_cut, sampled=seq.sampled,
+                                finished=not stats["truncated"], sampled=seq.sampled,
                                 turn_rewards=[(last_sampled(seq.sampled), reward)],
                                 episode={**stats, "error": error}))
     return rollouts

@@ -60,10 +60,29 @@ def records(n: int) -> list[dict]:
                                                    num_eval=1), 0)["prompts"]
 
 
-def run(engine, agent, recs, n=2, timeout_s=30.0):
+REFUSALS: list[str] = []
+
+
+def until_refused(client, sample):
+    """Asks again after every answer until the endpoint refuses, then returns a reward all the same."""
+    import openai
+
+    messages = list(sample["prompt"])
+    for _ in range(20):
+        try:
+            reply = client.chat.completions.create(model="p", messages=messages, max_tokens=4)
+        except openai.BadRequestError as e:
+            REFUSALS.append(e.body["message"] if isinstance(e.body, dict) else str(e))
+            return 0.5
+        messages += [{"role": "assistant", "content": reply.choices[0].message.content},
+                     {"role": "tool", "content": "again"}]
+    return 1.0
+
+
+def run(engine, agent, recs, n=2, timeout_s=30.0, **limits):
     return agent_episodes(engine, engine.tokenizer, recs, n, Sampling(n=n, temperature=1.0), agent,
                           lambda ids: engine.tokenizer.decode(ids, skip_special_tokens=True), timeout_s=timeout_s,
-                          failure_reward=-1.0, max_tokens=12, max_model_len=128)
+                          failure_reward=-1.0, max_tokens=12, max_model_len=128, **limits)
 
 
 def test_an_openai_clients_episodes_train_on_exactly_the_tokens_the_engine_sampled(engine, trainer_logprobs):
@@ -94,6 +113,21 @@ def test_a_rewritten_conversation_restarts_and_failing_agents_are_counted(engine
         STUCK.set()
     assert stuck.episode["failed"] == 1 and "step_timeout_s=0.5" in stuck.episode["error"]
     assert stuck.token_ids == [] and stuck.prompt_ids  # nothing to train on, a prompt to batch with
+
+
+def test_an_agents_episode_keeps_to_max_turns_and_max_episode_tokens_and_is_then_truncated(engine):
+    REFUSALS.clear()
+    [turns] = run(engine, until_refused, records(1), n=1, max_turns=2)
+    assert REFUSALS == ["ValueError: the episode has had its max_turns=2 turns"]
+    assert turns.episode["turns"] == 2 and turns.episode["truncated"] == 1 and not turns.finished
+    assert turns.episode["return"] == 0.5 and turns.episode["failed"] == 0  # the agent's reward stands
+    REFUSALS.clear()
+    [tokens] = run(engine, until_refused, records(1), n=1, max_episode_tokens=10)
+    assert REFUSALS == ["ValueError: the episode has used its max_episode_tokens=10"]
+    assert 0 < len(tokens.token_ids) <= 10 and tokens.episode["truncated"] == 1 and not tokens.finished
+    REFUSALS.clear()
+    [free] = run(engine, two_questions, records(1), n=1, max_turns=2, max_episode_tokens=200)
+    assert REFUSALS == [] and free.episode["turns"] == 2 and free.episode["failed"] == 0
 
 
 def send(url: str, key: str | None, body: dict) -> tuple[int, dict]:
