@@ -164,3 +164,17 @@ def test_sft_batch_masks_exactly_the_response_tokens(exp):
     one_token_prompt = experience.from_rollouts([Rollout(0, [5], [6, 7], "x", [-1.0, -1.0], True),
                                                  Rollout(0, [5], [8], "y", [-1.0], True)], PAD)
     assert experience.sft_batch(one_token_prompt)["loss_mask"].tolist() == [[0, 1, 1], [0, 1, 0]]
+
+
+def test_rejection_sampling_of_episodes_fine_tunes_on_the_sampled_turns_alone():
+    """An episode's winner is fine-tuned on its turns, never on the observations between them (the environment's
+    words the model did not write): rejection sampling and online DPO read the action mask, which
+    `from_rollouts` takes from `Rollout.sampled`."""
+    episode = Rollout(0, [5, 6], [11, 12, 30, 31, 13], "c", [-0.5, -1.0, 0.0, 0.0, -0.25], True,
+                      sampled=[1, 1, 0, 0, 1])
+    exp = experience.from_rollouts([episode, Rollout(0, [5, 6], [14], "d", [-0.75], True)], PAD)
+    assert exp.action_mask.tolist() == [[1, 1, 0, 0, 1], [1, 0, 0, 0, 0]]
+    winners = experience.best_of_n(exp.with_(rewards=torch.tensor([1.0, 0.0])), None)
+    assert winners.tolist() == [0]
+    # input_ids [5, 6, 11, 12, 30, 31, 13]: the loss falls on 11, 12 (turn 1) and 13 (turn 2).
+    assert experience.sft_batch(exp.select(winners))["loss_mask"].tolist() == [[0, 0, 1, 1, 0, 0, 1]]
