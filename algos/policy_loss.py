@@ -129,7 +129,8 @@ def clipped_surrogate(
             dual_clip_fraction=masked_mean(dual_active.to(ratio.dtype), fmask),
             approx_kl=masked_mean(torch.expm1(log_ratio) - log_ratio, fmask),
             ratio_mean=masked_mean(ratio, fmask),
-            tis_weight_mean=masked_mean(weight.to(ratio.dtype), fmask) if mask.any() else weight.new_ones(()),
+            # 1 where nothing is valid; a where, not an `if`, so that the host never waits for the device.
+            tis_weight_mean=torch.where(mask.any(), masked_mean(weight.to(ratio.dtype), fmask), 1.0),
             tis_masked_fraction=masked_mean(tis_masked.to(ratio.dtype), fmask),
         )
 

@@ -211,13 +211,34 @@ def add_metrics(sums: dict[str, Any], metrics: dict[str, Any], scale: float) -> 
     """One micro-batch's metrics into a rank's `sums`. A number counts by its loss's scale
     (`loss_scales`): right for the loss and for means over what the loss averages over. A mean over
     something else comes as a `(sum, count)` pair, added as it is, so the mean is exact whatever the
-    micro-batches: a row mean (sequence_kl) weighed by tokens would follow their lengths."""
+    micro-batches: a row mean (sequence_kl) weighed by tokens would follow their lengths.
+
+    A value may be a 0-dim tensor, still on the device: it is added there, detached, and nothing waits
+    for it until `host_metrics` reads the step's sums (one device-to-host sync per step, not one per
+    metric and micro-batch)."""
     for k, v in metrics.items():
         if isinstance(v, tuple):
             total, count = sums.get(k, (0.0, 0.0))
-            sums[k] = (total + float(v[0]), count + float(v[1]))
+            sums[k] = (total + _value(v[0]), count + _value(v[1]))
         else:
-            sums[k] = sums.get(k, 0.0) + float(v) * scale
+            sums[k] = sums.get(k, 0.0) + _value(v) * scale
+
+
+def _value(v: Any) -> float | torch.Tensor:
+    return v.detach().float() if isinstance(v, torch.Tensor) else float(v)
+
+
+def host_metrics(sums: dict[str, Any]) -> dict[str, Any]:
+    """`add_metrics`' sums as Python floats (pairs as pairs), the tensors among them read in one copy."""
+    flat = [(k, i, v) for k, value in sums.items()
+            for i, v in enumerate(value if isinstance(value, tuple) else (value,))]
+    tensors = [v for *_, v in flat if isinstance(v, torch.Tensor)]
+    read = iter(torch.stack([t.to(tensors[0].device) for t in tensors]).tolist() if tensors else [])
+    values = [next(read) if isinstance(v, torch.Tensor) else v for *_, v in flat]
+    out: dict[str, Any] = {}
+    for (k, i, _), v in zip(flat, values):
+        out[k] = (*out[k], v) if i else ((v,) if isinstance(sums[k], tuple) else v)
+    return out
 
 
 def combine_ranks(results: list[dict[str, Any]]) -> dict[str, float]:

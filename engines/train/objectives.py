@@ -25,7 +25,7 @@ def causal_lm_objective(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Te
     logprobs = masked_next_token_logprobs(model, batch, batch["loss_mask"])
     mask = batch["loss_mask"][:, 1:]
     loss = sft_loss(logprobs, mask)
-    return loss, {"loss": loss.item(), "response_length": (float(mask.sum()), float(mask.shape[0]))}
+    return loss, {"loss": loss.detach(), "response_length": (mask.sum().float(), float(mask.shape[0]))}
 
 
 TOPK_POSITIONS_PER_HEAD_CALL = 1024  # the teacher's output layer's rows at once: (rows, vocabulary) float32 logits
@@ -63,7 +63,7 @@ def topk_distill_objective(model, batch: dict[str, torch.Tensor]) -> tuple[torch
     student = torch.log_softmax(head(hidden).float(), dim=-1).gather(-1, batch["teacher_ids"][rows, positions].long())
     kl = topk_forward_kl(student, batch["teacher_logprobs"][rows, positions])
     loss = kl.sum() / max(len(kl), 1)
-    return loss, {"loss": loss.item(), "response_length": (float(mask.sum()), float(mask.shape[0]))}
+    return loss, {"loss": loss.detach(), "response_length": (mask.sum().float(), float(mask.shape[0]))}
 
 
 # ---- What each objective averages over: the `weigh` of TrainerGroup.train_step. A step taken in
@@ -103,9 +103,9 @@ def pairwise_objective(model, batch: dict[str, torch.Tensor], margin: float = 0.
     margins = torch.full((n,), margin, device=scores.device) if margin else None
     out = pairwise_reward_loss(scores[:n], scores[n:], margin=margins)
     return out.loss, {
-        "loss": out.loss.item(),
-        "accuracy": float(out.accuracy),
-        "reward_margin": float(out.reward_margin),
+        "loss": out.loss.detach(),
+        "accuracy": out.accuracy.detach(),
+        "reward_margin": out.reward_margin.detach(),
     }
 
 
@@ -137,9 +137,10 @@ def token_values(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return _response(values, batch)
 
 
-def _token_pair(mean: torch.Tensor, tokens: float) -> tuple[float, float]:
-    """A token mean of algos (over the batch's valid tokens) as the (sum, count) of batches.add_metrics."""
-    return float(mean) * tokens, tokens
+def _token_pair(mean: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A token mean of algos (over the batch's valid tokens) as the (sum, count) of batches.add_metrics, left on
+    the device (read once per step, not here)."""
+    return mean.detach() * tokens, tokens
 
 
 def policy_objective(
@@ -185,10 +186,12 @@ def policy_objective(
     if entropy_coef:
         loss = loss + entropy_bonus_loss(entropy, mask, entropy_coef=entropy_coef, agg=agg,
                                          loss_scale_constant=loss_scale_constant)
-    tokens = float(mask.sum())  # token and row means as (sum, count): exact over micro-batches (batches.add_metrics)
+    # Token and row means as (sum, count): exact over micro-batches (batches.add_metrics). Tensors left on the
+    # device: reading them here would make the host wait for the forward before it could queue the backward.
+    tokens = mask.sum().float()
     metrics = {
-        "policy_loss": out.loss.item(), "clip_fraction": _token_pair(out.clip_fraction, tokens),
-        "approx_kl": _token_pair(out.approx_kl, tokens), "entropy": (float(masked_sum(entropy.detach(), mask)), tokens),
+        "policy_loss": out.loss.detach(), "clip_fraction": _token_pair(out.clip_fraction, tokens),
+        "approx_kl": _token_pair(out.approx_kl, tokens), "entropy": (masked_sum(entropy.detach(), mask), tokens),
     }
     if tis_cap:
         metrics.update(tis_weight_mean=_token_pair(out.tis_weight_mean, tokens),
@@ -199,8 +202,8 @@ def policy_objective(
         if kl_loss_coef:
             loss = loss + kl_loss
         k1 = sequence_k1(logprobs.detach(), batch["ref_logprobs"], mask)
-        metrics.update(kl_to_reference=(float(masked_sum(kl.detach(), mask)), tokens), kl_loss=float(kl_loss.detach()),
-                       sequence_kl=(float(k1.sum()), float(len(k1))))
+        metrics.update(kl_to_reference=(masked_sum(kl.detach(), mask), tokens), kl_loss=kl_loss.detach(),
+                       sequence_kl=(k1.sum(), float(len(k1))))
     elif kl_loss_coef:
         raise ValueError("a KL loss needs ref_logprobs in the batch")
     return loss, metrics
@@ -225,5 +228,5 @@ def value_objective(model, batch: dict[str, torch.Tensor], *, clip_eps: float | 
     values = token_values(model, batch)
     out = value_loss(values, batch["values"], batch["returns"], batch["action_mask"], clip_eps=clip_eps, agg=agg,
                      loss_scale_constant=loss_scale_constant)
-    return out.loss, {"value_loss": out.loss.item(),
-                      "value_clip_fraction": _token_pair(out.clip_fraction, float(batch["action_mask"].sum()))}
+    return out.loss, {"value_loss": out.loss.detach(),
+                      "value_clip_fraction": _token_pair(out.clip_fraction, batch["action_mask"].sum().float())}

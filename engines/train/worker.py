@@ -31,7 +31,7 @@ import torch
 
 from alignflow.artifacts import Entries, Source, local_dir, writing
 from engines import lora, models
-from engines.batches import add_metrics, in_micro_batches
+from engines.batches import add_metrics, host_metrics, in_micro_batches
 from engines.placement.devices import (actor_device, announce_cpu_accelerator, local_rank, pin_cpu_cores,
                                        cpu_report, placement_group_id, quiet_stdout, to_cpu, to_device)
 from engines.placement.rendezvous import init_training_group, reserve_address
@@ -136,7 +136,7 @@ class TrainWorker:
             local_norm = torch.stack(grads).norm().item() if grads else 0.0
         self.engine.step()
         self.step += 1
-        metrics = {**sums, **self.param_metrics}
+        metrics = {**host_metrics(sums), **self.param_metrics}
         metrics["lr"] = self.scheduler.get_last_lr()[0]
         if (grad_norm := self.engine.get_global_grad_norm()) is None:
             grad_norm = local_norm

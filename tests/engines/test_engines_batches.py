@@ -249,6 +249,23 @@ def test_metrics_combine_by_loss_scale_and_pairs_exactly():
     assert combine_ranks([{"kl": (0.0, 0.0)}]) == {"kl": 0.0}
 
 
+def test_metrics_left_on_the_device_are_summed_there_and_read_once_per_step():
+    """An objective may return 0-dim tensors (a GPU's, unread): add_metrics sums them as tensors, detached, and
+    host_metrics gives the same floats as numbers would have, pairs as pairs."""
+    from engines.batches import host_metrics
+
+    loss = torch.tensor(2.0, requires_grad=True) * 1.0
+    as_tensors, as_numbers = {}, {}
+    for scale, values in ((0.5, (2.0, 3.0, 1.0)), (1.0, (4.0, 5.0, 3.0))):
+        add_metrics(as_tensors, {"loss": loss * values[0] / 2, "kl": (torch.tensor(values[1]), torch.tensor(values[2])),
+                                 "rows": (1.0, 2.0)}, scale)
+        add_metrics(as_numbers, {"loss": values[0], "kl": (values[1], values[2]), "rows": (1.0, 2.0)}, scale)
+    assert isinstance(as_tensors["loss"], torch.Tensor) and not as_tensors["loss"].requires_grad
+    read = host_metrics(as_tensors)
+    assert read == as_numbers == {"loss": 0.5 * 2.0 + 1.0 * 4.0, "kl": (8.0, 4.0), "rows": (2.0, 4.0)}
+    assert all(isinstance(x, float) for v in read.values() for x in (v if isinstance(v, tuple) else (v,)))
+
+
 @pytest.mark.parametrize("n, ranks, expected", [(5, 2, [[0, 1, 2], [3, 4, 4]]), (4, 2, [[0, 1], [2, 3]]),
                                                 (1, 2, [[0], [0]]), (7, 3, [[0, 1, 2], [3, 4, 5], [6, 6, 6]])])
 def test_padded_shards_are_consecutive_and_of_one_size(n, ranks, expected):

@@ -161,3 +161,26 @@ def test_a_micro_batch_without_a_wanted_token_gives_a_zero_loss_with_a_gradient(
         head = model.get_output_embeddings().weight.grad
         assert head is not None and not head.any()
     model.zero_grad(set_to_none=True)
+
+
+def test_a_policy_micro_batch_waits_for_the_device_once_beyond_the_model(tiny_model):
+    """What bench/launches.py counts, held: the policy objective's training pass on a GPU's path (no shared
+    prompt) makes the host wait for the device once more than the textbook pass (the response positions'
+    nonzero: logits only there); its metrics stay on the device until the step's end (engines/batches.py
+    host_metrics). Counted by the torch profiler."""
+    import argparse
+    import sys
+    from pathlib import Path
+
+    from engines.models import load_policy
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
+    try:
+        import launches
+    finally:
+        sys.path.pop(0)
+    model = load_policy(tiny_model).train()
+    batch = launches.batch_of(model, argparse.Namespace(groups=2, samples=4, prompt_tokens=6, new_tokens=5), "cpu")
+    (_, ours), (_, plain) = (launches.counts(fn, model, batch, False, 1)
+                             for fn in (launches.alignflow_gpu_path, launches.plain_step))
+    assert plain >= 1 and ours == plain + 1, (ours, plain)

@@ -73,7 +73,7 @@ def test_sft_reduces_the_loss(sft_run):
 
 
 def _loss(model, batch) -> float:
-    return objectives.causal_lm_objective(model, batch)[1]["loss"]
+    return float(objectives.causal_lm_objective(model, batch)[1]["loss"])
 
 
 def test_resume_is_exact(sft_run, tiny_model, sft_data, tmp_path):
