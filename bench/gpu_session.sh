@@ -6,7 +6,8 @@
 #
 # Each part has a time limit of its own and writes its log under $OUT, so a part that hangs costs only
 # its own share. In order of what matters: vs TRL at 32x8x32, the colocated GPU tests (the resident
-# round and the IPC weight update), vs TRL at 64x8x128, the shared-prefix forward against the plain one.
+# round and the IPC weight update), vs TRL at 64x8x128, the shared-prefix forward against the plain one, and
+# what one training micro-batch asks of the GPU (kernels and host syncs, bench/launches.py).
 set -u
 OUT=${OUT:-/tmp/gpu-session}
 mkdir -p "$OUT"
@@ -22,3 +23,4 @@ timeout 150 python3 bench/vs_trl.py --device cuda --model "$MODEL" --prompts 64 
   --set '{"actor.micro_batch_tokens": null}' \
   2>&1 | quiet | tee "$OUT/large.log"
 (cd bench && timeout 60 python3 shared_prefix.py --device cuda --model "$MODEL" --repeats 8 2>&1 | quiet | tee "$OUT/prefix.log")
+(cd bench && timeout 60 python3 launches.py --device cuda --model "$MODEL" 2>&1 | quiet | tee "$OUT/launches.log")
