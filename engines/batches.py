@@ -225,7 +225,7 @@ def add_metrics(sums: dict[str, Any], metrics: dict[str, Any], scale: float) -> 
 
 
 def _value(v: Any) -> float | torch.Tensor:
-    return v.detach().float() if isinstance(v, torch.Tensor) else float(v)
+    return v.detach().double() if isinstance(v, torch.Tensor) else float(v)  # sums as exact as Python floats
 
 
 def host_metrics(sums: dict[str, Any]) -> dict[str, Any]:

@@ -61,7 +61,8 @@ class RewardConfig(SourceSettings):
     judge: JudgeRewardConfig = Field(default_factory=JudgeRewardConfig,
                                      description="the generative judge of a judge source (one per round)")
     overlong_buffer: int = Field(0, ge=0, description="DAPO soft overlong penalty buffer (0: off)")
-    overlong_penalty: float = Field(1.0, ge=0, description="DAPO overlong penalty reached at max_new_tokens")
+    overlong_penalty: float = Field(1.0, ge=0, description="DAPO overlong penalty, reached at the round's longest response "
+                                    "(generation.max_new_tokens; an episode's: RoundConfig.max_response_tokens)")
     normalize: bool = Field(
         False, description="standardise each reward with the running mean and std of every reward of the round so "
         "far, this step's included (Welford); the statistics are kept in the round's checkpoints")

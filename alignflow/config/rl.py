@@ -127,14 +127,12 @@ class RoundConfig(Section):
 
     @property
     def max_response_tokens(self) -> int:
-        """The most sampled tokens one row can hold: generation.max_new_tokens; in an environment an
-        episode's, min(max_turns * per-turn tokens, max_episode_tokens) (an agent's episode: max_episode_tokens,
-        which its engine's context bounds). DAPO's overlong shaping and Dr. GRPO's constant read it."""
+        """The most sampled tokens one row can hold: generation.max_new_tokens; in an environment (or an
+        agent's endpoint, which keeps to the same limits) an episode's, min(max_turns * per-turn tokens,
+        max_episode_tokens). DAPO's overlong shaping and Dr. GRPO's constant read it."""
         env, new = self.environment, self.generation.max_new_tokens
         if env is None:
             return new
-        if env.agent is not None:
-            return env.max_episode_tokens
         return min(env.max_turns * (env.max_tokens_per_turn or new), env.max_episode_tokens)
 
     @property

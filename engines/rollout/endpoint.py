@@ -13,7 +13,8 @@ at the round's temperature and top_p, whatever the agent asks (the samples stay 
 `max_tokens` may only shorten a turn below max_tokens_per_turn. Requests of one episode are answered one
 at a time. A request past the episode's `max_turns` completions, or with no tokens left of
 `max_episode_tokens` or of the engine's context, is refused (400, saying which) and the episode counts as
-truncated, as an environment's does.
+truncated, as an environment's does: an agent that catches the error keeps its reward; one that raises
+gets failure_reward, truncated still, not failed.
 
 What trains is what was sampled. The endpoint keeps each episode's token sequence: when a request's
 messages extend the conversation it served before (role and content alike), only the new messages are
@@ -279,8 +280,11 @@ def agent_episodes(engine, tokenizer, records: list[dict], n: int, sampling: Sam
         reward, error = outcomes[name]
         seq = sequences.get(name) or _Sequence([], EpisodeTokens(tokenizer).start([{"role": "user", "content": ""}]))
         stats = {k: 0 for k in EPISODE_STATS} | all_stats.get(name, {})
-        stats |= {"return": reward, "failed": int(error is not None), "success": int(error is None and reward > 0),
-                  "truncated": int(seq.last_cut or stats.get("truncated", 0))}
+        # A limit refused a request (stats["truncated"]): the episode is truncated, not failed, even where the
+        # agent raised at the refusal (its return is then failure_reward; the error stays in its transcript).
+        limited = bool(stats.get("truncated", 0))
+        stats |= {"return": reward, "failed": int(error is not None and not limited),
+                  "success": int(error is None and reward > 0), "truncated": int(seq.last_cut or limited)}
         rollouts.append(Rollout(prompt_index=i // n, prompt_ids=seq.prompt_ids, token_ids=seq.tokens,
                                 text=seq.last_text, logprobs=seq.logprobs,
                                 finished=not stats["truncated"], sampled=seq.sampled,

@@ -121,7 +121,7 @@ class TrainWorker:
         self.engine.train()
         prepare = getattr(objective, "prepare", None)
         shared = prepare(self.engine, micro_batches, self.device) if prepare is not None else {}
-        sums: dict[str, float] = {}
+        sums: dict[str, Any] = {}  # device tensors until host_metrics
         for i, (micro, scale) in enumerate(zip(micro_batches, scales, strict=True)):
             # DeepSpeed reduces (ZeRO >= 1) and steps only at the boundary: the last micro-batch.
             self.engine.set_gradient_accumulation_boundary(i == len(micro_batches) - 1)

@@ -689,7 +689,9 @@ def test_the_longest_response_is_an_episodes_where_a_round_has_an_environment():
     per_turn = {**env, "max_tokens_per_turn": 5}
     assert round_({"environment": per_turn}).max_response_tokens == 3 * 5
     assert round_({"environment": {**per_turn, "max_episode_tokens": 12}}).max_response_tokens == 12
-    assert round_({"environment": {"agent": "a:b", "max_episode_tokens": 40}}).max_response_tokens == 40
+    agent = {"agent": "a:b", "max_tokens_per_turn": 5}  # the endpoint keeps an agent to the same limits
+    assert round_({"environment": {**agent, "max_episode_tokens": 40}}).max_response_tokens == 4 * 5
+    assert round_({"environment": {**agent, "max_episode_tokens": 12}}).max_response_tokens == 12
     # A buffer longer than one turn fits an episode of three; the same buffer on single responses is refused
     # when the config loads, naming the field, not at the round's first step.
     assert round_({"reward": {"overlong_buffer": 20}, "environment": env}).reward.overlong_buffer == 20

@@ -125,6 +125,10 @@ def test_an_agents_episode_keeps_to_max_turns_and_max_episode_tokens_and_is_then
     [tokens] = run(engine, until_refused, records(1), n=1, max_episode_tokens=10)
     assert REFUSALS == ["ValueError: the episode has used its max_episode_tokens=10"]
     assert 0 < len(tokens.token_ids) <= 10 and tokens.episode["truncated"] == 1 and not tokens.finished
+    # An agent that does not catch the refusal raises: still truncated, not failed; its return is failure_reward.
+    [raised] = run(engine, two_questions, records(1), n=1, max_turns=1)
+    assert raised.episode["truncated"] == 1 and raised.episode["failed"] == 0 and raised.episode["return"] == -1.0
+    assert "max_turns=1" in raised.episode["error"] and raised.episode["turns"] == 1
     REFUSALS.clear()
     [free] = run(engine, two_questions, records(1), n=1, max_turns=2, max_episode_tokens=200)
     assert REFUSALS == [] and free.episode["turns"] == 2 and free.episode["failed"] == 0
