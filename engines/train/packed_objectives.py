@@ -97,7 +97,7 @@ def packed_causal_lm_objective(model, batch: dict[str, Tensor], *, max_tokens: i
     (None: the batch's padded width): the same loss and metrics, and how it packed (PackStats.as_metrics)."""
     packed, stats = _pack(model, batch, max_tokens)
     loss, tokens = packed_sft_loss(model, packed)
-    return loss, {"loss": loss.item(), "response_length": (float(tokens), float(batch["input_ids"].shape[0])),
+    return loss, {"loss": loss.detach(), "response_length": (float(tokens), float(batch["input_ids"].shape[0])),
                   **stats.as_metrics()}
 
 
@@ -132,5 +132,5 @@ def packed_pairwise_objective(model, batch: dict[str, Tensor], margin: float = 0
     n = scores.shape[0] // 2
     margins = torch.full((n,), margin, device=scores.device) if margin else None
     out = pairwise_reward_loss(scores[:n], scores[n:], margin=margins)
-    return out.loss, {"loss": out.loss.item(), "accuracy": float(out.accuracy),
-                      "reward_margin": float(out.reward_margin), **stats.as_metrics()}
+    return out.loss, {"loss": out.loss.detach(), "accuracy": out.accuracy.detach(),
+                      "reward_margin": out.reward_margin.detach(), **stats.as_metrics()}

@@ -95,9 +95,10 @@ def response_logps(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return sequence_logprobs(response_logprobs_and_entropy(model, batch)[0], batch["action_mask"])
 
 
-def _reward_metrics(out) -> dict[str, float]:
-    return {"loss": out.loss.item(), "accuracy": float(out.accuracy), "reward_margin": float(out.reward_margin),
-            "chosen_reward": float(out.chosen_rewards), "rejected_reward": float(out.rejected_rewards)}
+def _reward_metrics(out) -> dict[str, torch.Tensor]:
+    """Left on the device: the worker reads a step's sums once (engines/batches.py host_metrics)."""
+    return {"loss": out.loss.detach(), "accuracy": out.accuracy.detach(), "reward_margin": out.reward_margin.detach(),
+            "chosen_reward": out.chosen_rewards.detach(), "rejected_reward": out.rejected_rewards.detach()}
 
 
 def _logps(model, batch: dict[str, torch.Tensor], rollouts: bool,
@@ -157,7 +158,7 @@ def kto_objective(model, batch: dict[str, torch.Tensor], *, beta: float, desirab
     logps, packing = _logps(model, batch, False, packing_max_tokens)
     out = kto_loss(logps, batch["ref_logps"], batch["desirable"], z0, beta=beta,
                    desirable_weight=desirable_weight, undesirable_weight=undesirable_weight)
-    return out.loss, _reward_metrics(out) | {"kl_reference_point": float(out.kl)} | packing
+    return out.loss, _reward_metrics(out) | {"kl_reference_point": out.kl.detach()} | packing
 
 
 @dataclass(frozen=True)

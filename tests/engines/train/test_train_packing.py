@@ -127,7 +127,7 @@ def test_packed_sft_loss_and_gradients_equal_unpacked(policy, tokenizer, wider):
         loss, metrics = objective(policy, batch)
         loss.backward()
         grads.append({k: p.grad.clone() for k, p in policy.named_parameters() if p.grad is not None})
-        grads[-1]["_loss"], grads[-1]["_tokens"] = loss.detach(), metrics["response_length"]
+        grads[-1]["_loss"], grads[-1]["_tokens"] = loss.detach(), tuple(map(float, metrics["response_length"]))
     plain, packed_grads = grads
     expected_tokens = float(batch["loss_mask"][:, 1:].sum())
     assert plain["_tokens"] == packed_grads["_tokens"] == (expected_tokens, batch["input_ids"].shape[0])
