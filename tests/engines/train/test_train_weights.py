@@ -109,7 +109,7 @@ def test_metrics_over_micro_batches_and_ranks_are_the_whole_batchs(model, batch,
     """The loss terms combine by the loss scales; the row mean (sequence_kl) and the token means the
     objective reports as (sum, count) combine exactly, whatever the aggregation. TIS masks tokens whose
     rollout ratio leaves [0.9, 1.1], so clip_fraction and the TIS metrics differ between micro-batches."""
-    from engines.batches import add_metrics, combine_ranks, loss_scales, micro_batches, shard
+    from engines.batches import add_metrics, combine_ranks, host_metrics, loss_scales, micro_batches, shard
     from engines.train import objectives
 
     objective = functools.partial(_objective(agg), tis_cap=1.1, tis_low=0.9, tis_mode="mask")
@@ -121,13 +121,13 @@ def test_metrics_over_micro_batches_and_ranks_are_the_whole_batchs(model, batch,
             sums = {}
             for m, scale in zip(micro, scales):
                 add_metrics(sums, objective(model, m)[1], scale)
-            ranks.append(sums)
+            ranks.append(host_metrics(sums))  # as a worker's train_step returns them
     combined = combine_ranks(ranks)
     exact = ["policy_loss", "kl_loss", "sequence_kl", "entropy", "kl_to_reference", "clip_fraction", "approx_kl",
              "tis_weight_mean", "tis_masked_fraction"]
     for k in exact:
         value = whole[k][0] / whole[k][1] if isinstance(whole[k], tuple) else whole[k]
-        assert combined[k] == pytest.approx(value, rel=1e-5), k
+        assert combined[k] == pytest.approx(float(value), rel=1e-5), k
     # The row mean by hand: each row's summed k1 (log-prob difference to the reference), over the 8 rows.
     with torch.no_grad():
         from engines.train.objectives import response_logprobs
