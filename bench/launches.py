@@ -39,19 +39,15 @@ METADATA_OPS = frozenset(f"aten::{op}" for op in (
 
 
 def batch_of(model, args, device: str) -> dict:
+    """One GRPO micro-batch of random rollouts (measure.random_rollouts), with advantages and reference
+    log-probs, on `device`."""
     import torch
 
     from engines.rl.experience import from_rollouts
-    from engines.rollout.base import Rollout
+    from measure import random_rollouts  # bench/measure.py, beside this script
 
-    vocab, new = model.config.vocab_size, args.new_tokens
-    gen = torch.Generator().manual_seed(0)
-    rollouts = []
-    for g in range(args.groups):
-        prompt = torch.randint(3, vocab, (args.prompt_tokens,), generator=gen).tolist()
-        rollouts += [Rollout(g, prompt, torch.randint(3, vocab, (new,), generator=gen).tolist(), "",
-                             (-torch.rand(new, generator=gen)).tolist(), True) for _ in range(args.samples)]
-    exp = from_rollouts(rollouts, 0)
+    exp = from_rollouts(random_rollouts(model.config.vocab_size, args, args.new_tokens, seed=0), 0)
+    gen = torch.Generator().manual_seed(1)
     mask = exp.action_mask
     batch = {k: v for k, v in exp.tensors().items() if isinstance(v, torch.Tensor)}
     batch["advantages"] = torch.randn(mask.shape, generator=gen) * mask
@@ -128,29 +124,19 @@ def kernel_ops(event) -> int:
 
 
 def main() -> None:
+    from measure import bench_policy, micro_batch_args  # bench/measure.py, beside this script
+
     p = argparse.ArgumentParser()
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--model", default=None, help="issue14 (CPU default), gpu-small (GPU default) or a directory")
-    p.add_argument("--groups", type=int, default=8)
-    p.add_argument("--samples", type=int, default=8)
-    p.add_argument("--prompt-tokens", type=int, default=26)
+    micro_batch_args(p)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args()
 
-    from pathlib import Path
-
     import torch
 
-    from engines.models import load_policy
-    from rl_step import build_model  # bench/rl_step.py
-
     cuda = args.device == "cuda"
-    shape = args.model or ("gpu-small" if cuda else "issue14")
-    path = shape if Path(shape).is_dir() else build_model("configs/gpu-small.yaml" if shape == "gpu-small" else None,
-                                                          "issue14")
-    dtype = "bfloat16" if cuda else "float32"
-    model = load_policy(path, dtype).to(args.device).train()
+    model, shape, dtype = bench_policy(args)
+    model.train()
     batch = batch_of(model, args, args.device)
     sides = {"alignflow": alignflow_step, "plain": plain_step}
     if not cuda:  # what a GPU would run, counted here

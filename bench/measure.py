@@ -104,3 +104,44 @@ def count_ray_calls() -> dict[str, int]:
         return remote(self, *a, **k)
     ray.actor.ActorMethod._remote = counted
     return calls
+
+
+def micro_batch_args(p) -> None:
+    """The arguments of a bench on one RL micro-batch (bench/shared_prefix.py, bench/launches.py): the device,
+    the model, and `--groups` prompts of `--prompt-tokens` random tokens with `--samples` responses each."""
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--model", default=None, help="issue14 (CPU default), gpu-small (GPU default) or a directory")
+    p.add_argument("--groups", type=int, default=8)
+    p.add_argument("--samples", type=int, default=8)
+    p.add_argument("--prompt-tokens", type=int, default=26)
+
+
+def bench_policy(args):
+    """(model, its name, dtype): `args.model` (a directory, or built: issue 14's shape, or gpu-small's) on
+    `args.device`, bf16 on a GPU and fp32 on the CPU."""
+    from pathlib import Path
+
+    from engines.models import load_policy
+    from rl_step import build_model  # bench/rl_step.py
+
+    shape = args.model or ("gpu-small" if args.device == "cuda" else "issue14")
+    path = shape if Path(shape).is_dir() else build_model("configs/gpu-small.yaml" if shape == "gpu-small" else None,
+                                                          "issue14")
+    dtype = "bfloat16" if args.device == "cuda" else "float32"
+    return load_policy(path, dtype).to(args.device), shape, dtype
+
+
+def random_rollouts(vocab: int, args, new_tokens: int, seed: int) -> list:
+    """`args.groups` prompts of random tokens, each with `args.samples` random responses of `new_tokens`, their
+    log-probs drawn in (-1, 0]: the layout a round's experience has."""
+    import torch
+
+    from engines.rollout.base import Rollout
+
+    gen = torch.Generator().manual_seed(seed)
+    rollouts = []
+    for g in range(args.groups):
+        prompt = torch.randint(3, vocab, (args.prompt_tokens,), generator=gen).tolist()
+        rollouts += [Rollout(g, prompt, torch.randint(3, vocab, (new_tokens,), generator=gen).tolist(), "",
+                             (-torch.rand(new_tokens, generator=gen)).tolist(), False) for _ in range(args.samples)]
+    return rollouts

@@ -20,43 +20,27 @@ import time
 
 
 def main() -> None:
+    from measure import bench_policy, micro_batch_args, random_rollouts  # bench/measure.py, beside this script
+
     p = argparse.ArgumentParser()
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--model", default=None, help="issue14 (CPU default), gpu-small (GPU default) or a directory")
-    p.add_argument("--groups", type=int, default=8)
-    p.add_argument("--samples", type=int, default=8)
-    p.add_argument("--prompt-tokens", type=int, default=26)
+    micro_batch_args(p)
     p.add_argument("--new-tokens", type=int, nargs="+", default=[32, 128])
     p.add_argument("--repeats", type=int, default=10)
     args = p.parse_args()
 
     import torch
 
-    from engines.models import load_policy
     from engines.rl.experience import from_rollouts
-    from engines.rollout.base import Rollout
     from engines.train.objectives import response_logprobs
-    from rl_step import build_model  # bench/rl_step.py
 
-    from pathlib import Path
-
-    shape = args.model or ("gpu-small" if args.device == "cuda" else "issue14")
-    path = shape if Path(shape).is_dir() else build_model("configs/gpu-small.yaml" if shape == "gpu-small" else None,
-                                                          "issue14")
-    dtype = "bfloat16" if args.device == "cuda" else "float32"
-    model = load_policy(path, dtype).to(args.device)
+    model, shape, dtype = bench_policy(args)
     vocab = model.config.vocab_size
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     print(f"model {shape}, {dtype} on {args.device}; {args.groups} prompts x {args.samples} samples, prompts of "
           f"{args.prompt_tokens} tokens; median of {args.repeats}, alternating")
     print(f"{'new tokens':>10} {'pass':>10} {'shared ms':>10} {'plain ms':>10} {'plain/shared':>13}")
     for new in args.new_tokens:
-        gen = torch.Generator().manual_seed(new)
-        rollouts = []
-        for g in range(args.groups):
-            prompt = torch.randint(3, vocab, (args.prompt_tokens,), generator=gen).tolist()
-            rollouts += [Rollout(g, prompt, torch.randint(3, vocab, (new,), generator=gen).tolist(), "", [0.0] * new,
-                                 False) for _ in range(args.samples)]
+        rollouts = random_rollouts(vocab, args, new, seed=new)
         shared = {k: v.to(args.device) for k, v in from_rollouts(rollouts, 0).tensors().items()
                   if isinstance(v, torch.Tensor)}
         plain = {k: v for k, v in shared.items() if k != "prompt_index"}

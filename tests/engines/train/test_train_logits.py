@@ -174,13 +174,14 @@ def test_a_policy_micro_batch_waits_for_the_device_once_beyond_the_model(tiny_mo
 
     from engines.models import load_policy
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))  # launches.py imports measure.py beside it
     try:
         import launches
+
+        model = load_policy(tiny_model).train()
+        batch = launches.batch_of(model, argparse.Namespace(groups=2, samples=4, prompt_tokens=6, new_tokens=5), "cpu")
+        (_, ours), (_, plain) = (launches.counts(fn, model, batch, False, 1)
+                                 for fn in (launches.alignflow_gpu_path, launches.plain_step))
     finally:
         sys.path.pop(0)
-    model = load_policy(tiny_model).train()
-    batch = launches.batch_of(model, argparse.Namespace(groups=2, samples=4, prompt_tokens=6, new_tokens=5), "cpu")
-    (_, ours), (_, plain) = (launches.counts(fn, model, batch, False, 1)
-                             for fn in (launches.alignflow_gpu_path, launches.plain_step))
     assert plain >= 1 and ours == plain + 1, (ours, plain)
