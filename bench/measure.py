@@ -116,21 +116,6 @@ def micro_batch_args(p) -> None:
     p.add_argument("--prompt-tokens", type=int, default=26)
 
 
-def bench_policy(args):
-    """(model, its name, dtype): `args.model` (a directory, or built: issue 14's shape, or gpu-small's) on
-    `args.device`, bf16 on a GPU and fp32 on the CPU."""
-    from pathlib import Path
-
-    from engines.models import load_policy
-    from rl_step import build_model  # bench/rl_step.py
-
-    shape = args.model or ("gpu-small" if args.device == "cuda" else "issue14")
-    path = shape if Path(shape).is_dir() else build_model("configs/gpu-small.yaml" if shape == "gpu-small" else None,
-                                                          "issue14")
-    dtype = "bfloat16" if args.device == "cuda" else "float32"
-    return load_policy(path, dtype).to(args.device), shape, dtype
-
-
 def random_rollouts(vocab: int, args, new_tokens: int, seed: int) -> list:
     """`args.groups` prompts of random tokens, each with `args.samples` random responses of `new_tokens`, their
     log-probs drawn in (-1, 0]: the layout a round's experience has."""

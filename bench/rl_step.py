@@ -183,6 +183,18 @@ def build_model(config: str | None, shape: str = "issue14") -> str:
     return str(models.build_tiny_model(TinyModelConfig(**SHAPES[shape]), seed=0, out_dir=out, corpus=word_corpus()))
 
 
+def bench_policy(args):
+    """(model, its name, dtype): `args.model` (a directory, or built: issue 14's shape, or gpu-small's) on
+    `args.device`, bf16 on a GPU and fp32 on the CPU."""
+    from engines.models import load_policy
+
+    shape = args.model or ("gpu-small" if args.device == "cuda" else "issue14")
+    path = shape if Path(shape).is_dir() else build_model("configs/gpu-small.yaml" if shape == "gpu-small" else None,
+                                                          "issue14")
+    dtype = "bfloat16" if args.device == "cuda" else "float32"
+    return load_policy(path, dtype).to(args.device), shape, dtype
+
+
 def run_variant(label: str, tree: Path, spec: str, args, script: Path) -> dict:
     # The tree first; what the environment already adds stays after it (a staged GPU machine's site, .gpu/).
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")]))}

@@ -20,7 +20,8 @@ import time
 
 
 def main() -> None:
-    from measure import bench_policy, micro_batch_args, random_rollouts  # bench/measure.py, beside this script
+    from measure import micro_batch_args, random_rollouts  # bench/measure.py, beside this script
+    from rl_step import bench_policy  # bench/rl_step.py
 
     p = argparse.ArgumentParser()
     micro_batch_args(p)
