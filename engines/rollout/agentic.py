@@ -16,13 +16,11 @@ def episodes_on(engine, records: list[dict], sampling: Sampling, env, max_model_
     engine._awake("generate", needs=engine.TAGS)
     tok, per_turn = engine.tokenizer, env.max_tokens_per_turn or sampling.max_new_tokens
     decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731  (a turn's text, as its reader sees it)
-    if env.agent is not None:  # the user's agent drives each episode through the endpoint
-        return agent_episodes(engine, tok, records, sampling.n, sampling, load_callable(env.agent, "environment.agent"),
-                              decode, timeout_s=env.step_timeout_s, failure_reward=env.failure_reward,
-                              max_tokens=per_turn, max_model_len=max_model_len, max_turns=env.max_turns,
-                              max_episode_tokens=env.max_episode_tokens)
     limits = EpisodeLimits(max_turns=env.max_turns, max_tokens_per_turn=per_turn,
                            max_episode_tokens=env.max_episode_tokens, max_model_len=max_model_len,
                            step_timeout_s=env.step_timeout_s, failure_reward=env.failure_reward)
+    if env.agent is not None:  # the user's agent drives each episode through the endpoint, in the same limits
+        return agent_episodes(engine, tok, records, sampling.n, sampling, load_callable(env.agent, "environment.agent"),
+                              decode, limits)
     return run_episodes(engine, tok, records, sampling.n, sampling, lambda: make_environment(env.name, env.kwargs),
                         limits, decode)

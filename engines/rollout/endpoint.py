@@ -42,7 +42,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from alignflow.agents.tools import CALL
 from engines.rollout.base import Rollout, Sampling
 from engines.rollout.episode_tokens import EpisodeTokens
-from engines.rollout.episodes import EPISODE_STATS, in_thread, last_sampled
+from engines.rollout.episodes import EPISODE_STATS, EpisodeLimits, in_thread, last_sampled
 
 PATH = re.compile(r"^/e/([A-Za-z0-9_-]+)/v1/chat/completions$")
 
@@ -126,14 +126,11 @@ def _tool_calls(text: str) -> list[dict]:
 
 
 class ChatEndpoint:
-    def __init__(self, loop: EngineLoop, tokenizer, decode, *, temperature: float, top_p: float, max_tokens: int,
-                 max_model_len: int, request_timeout_s: float = 600.0, max_turns: int | None = None,
-                 max_episode_tokens: int | None = None):
-        self.loop, self.tokenizer, self.decode = loop, tokenizer, decode
-        self.defaults = {"temperature": temperature, "top_p": top_p, "max_tokens": max_tokens}
-        self.max_model_len, self.key = max_model_len, secrets.token_urlsafe(24)
-        self.max_turns, self.max_episode_tokens = max_turns, max_episode_tokens
-        self.request_timeout_s = request_timeout_s
+    def __init__(self, loop: EngineLoop, tokenizer, decode, limits: EpisodeLimits, *, temperature: float,
+                 top_p: float):
+        """`limits`: an environment's (EpisodeLimits.turn_budget); its step_timeout_s bounds each request."""
+        self.loop, self.tokenizer, self.decode, self.limits = loop, tokenizer, decode, limits
+        self.temperature, self.top_p, self.key = temperature, top_p, secrets.token_urlsafe(24)
         self.sequences: dict[str, _Sequence] = {}
         self.stats: dict[str, dict[str, int]] = {}
         self._lock = threading.Lock()  # the dicts above
@@ -193,24 +190,18 @@ class ChatEndpoint:
             else:
                 base = _Sequence(said, tokens.start(messages))
             context = base.prompt_ids + base.tokens
-            asked = body.get("max_tokens") or body.get("max_completion_tokens")
-            room = self.max_model_len - len(context)
-            left = room if self.max_episode_tokens is None else min(room, self.max_episode_tokens - len(base.tokens))
-            over = (f"the episode has had its max_turns={self.max_turns} turns"
-                    if self.max_turns is not None and stats["turns"] >= self.max_turns else
-                    f"the conversation fills the model's context ({len(context)} of {self.max_model_len} tokens)"
-                    if room < 1 else
-                    f"the episode has used its max_episode_tokens={self.max_episode_tokens}" if left < 1 else None)
+            left, over = self.limits.turn_budget(stats["turns"], len(base.prompt_ids), len(base.tokens))
             if over:  # the episode is truncated (what the agent returns is still its reward)
                 with self._lock:
                     stats["truncated"] = 1
                 raise ValueError(over)
-            budget = min(int(asked or self.defaults["max_tokens"]), self.defaults["max_tokens"], left)
+            asked = body.get("max_tokens") or body.get("max_completion_tokens")
+            budget = min(int(asked or left), left)
             if budget < 1:
                 raise ValueError(f"max_tokens must be at least 1, got {asked}")
             ids, logprobs, eos = self.loop.submit(context, Sampling(
-                n=1, temperature=self.defaults["temperature"], top_p=self.defaults["top_p"], max_new_tokens=budget)
-            ).result(timeout=self.request_timeout_s)
+                n=1, temperature=self.temperature, top_p=self.top_p, max_new_tokens=budget)
+            ).result(timeout=self.limits.step_timeout_s)
             text = self.decode(ids)
             calls = _tool_calls(text)
             with self._lock:
@@ -240,19 +231,16 @@ class ChatEndpoint:
         self.server.server_close()
 
 
-def agent_episodes(engine, tokenizer, records: list[dict], n: int, sampling: Sampling, agent, decode, *,
-                   timeout_s: float, failure_reward: float, max_tokens: int, max_model_len: int,
-                   max_turns: int | None = None, max_episode_tokens: int | None = None) -> list[Rollout]:
+def agent_episodes(engine, tokenizer, records: list[dict], n: int, sampling: Sampling, agent, decode,
+                   limits: EpisodeLimits) -> list[Rollout]:
     """`n` episodes of each record, each `agent(client, record)` against this engine's endpoint; grouped per
-    record, in order, as `run_episodes` returns them. A request past `max_turns` completions, or with no tokens
-    left of `max_episode_tokens` (after the first prompt) or of the context, is refused and truncates its
-    episode."""
+    record, in order, as `run_episodes` returns them. A request the limits leave no turn for is refused and
+    truncates its episode; `limits.step_timeout_s` bounds a whole episode."""
     import openai
 
+    timeout_s, failure_reward = limits.step_timeout_s, limits.failure_reward
     loop = EngineLoop(engine)
-    endpoint = ChatEndpoint(loop, tokenizer, decode, temperature=sampling.temperature, top_p=sampling.top_p,
-                            max_tokens=max_tokens, max_model_len=max_model_len, request_timeout_s=timeout_s,
-                            max_turns=max_turns, max_episode_tokens=max_episode_tokens)
+    endpoint = ChatEndpoint(loop, tokenizer, decode, limits, temperature=sampling.temperature, top_p=sampling.top_p)
     clients: dict = {}
     names = [f"{i}-{j}" for i in range(len(records)) for j in range(n)]
     try:

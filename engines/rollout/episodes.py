@@ -46,6 +46,20 @@ class EpisodeLimits:
     step_timeout_s: float
     failure_reward: float
 
+    def turn_budget(self, turns: int, prompt_tokens: int, episode_tokens: int) -> tuple[int, str | None]:
+        """(new tokens the next turn may sample, None), or (0, why none: the episode is then truncated), after
+        `turns` turns and `episode_tokens` tokens after a prompt of `prompt_tokens`. An environment's episodes
+        and an agent's endpoint both keep to it."""
+        room = self.max_model_len - prompt_tokens - episode_tokens
+        if turns >= self.max_turns:
+            return 0, f"the episode has had its max_turns={self.max_turns} turns"
+        if room < 1:
+            return 0, (f"the conversation fills the model's context ({prompt_tokens + episode_tokens} of "
+                       f"{self.max_model_len} tokens)")
+        if self.max_episode_tokens - episode_tokens < 1:
+            return 0, f"the episode has used its max_episode_tokens={self.max_episode_tokens}"
+        return min(self.max_tokens_per_turn, self.max_episode_tokens - episode_tokens, room), None
+
 
 @dataclass
 class _Episode:
@@ -119,10 +133,7 @@ def run_episodes(engine, tokenizer, records: list[dict], n: int, sampling: Sampl
         ep.ended, ep.finished, ep.stats["truncated"] = True, False, 1
 
     def next_turn(ep: _Episode) -> None:
-        if ep.stats["turns"] >= limits.max_turns:
-            return truncate(ep)
-        budget = min(limits.max_tokens_per_turn, limits.max_episode_tokens - len(ep.tokens),
-                     limits.max_model_len - len(ep.prompt_ids) - len(ep.tokens))
+        budget, _ = limits.turn_budget(ep.stats["turns"], len(ep.prompt_ids), len(ep.tokens))
         if budget < 1:
             return truncate(ep)
         engine.add(ep.row, ep.prompt_ids + ep.tokens, Sampling(n=1, temperature=sampling.temperature,

@@ -18,6 +18,7 @@ from alignflow.data import agent_task
 from engines.rl.experience import from_rollouts
 from engines.rollout.base import Sampling
 from engines.rollout.endpoint import ChatEndpoint, EngineLoop, agent_episodes
+from engines.rollout.episodes import EpisodeLimits
 
 
 @pytest.fixture
@@ -79,10 +80,16 @@ def until_refused(client, sample):
     return 1.0
 
 
-def run(engine, agent, recs, n=2, timeout_s=30.0, **limits):
+def limits(max_tokens: int = 12, timeout_s: float = 30.0, **given) -> EpisodeLimits:
+    """Turns and episode tokens unbounded unless given (the context, 128 tokens, bounds an episode)."""
+    return EpisodeLimits(**{"max_turns": 1000, "max_episode_tokens": 1000, **given}, max_tokens_per_turn=max_tokens,
+                         max_model_len=128, step_timeout_s=timeout_s, failure_reward=-1.0)
+
+
+def run(engine, agent, recs, n=2, timeout_s=30.0, **given):
     return agent_episodes(engine, engine.tokenizer, recs, n, Sampling(n=n, temperature=1.0), agent,
-                          lambda ids: engine.tokenizer.decode(ids, skip_special_tokens=True), timeout_s=timeout_s,
-                          failure_reward=-1.0, max_tokens=12, max_model_len=128, **limits)
+                          lambda ids: engine.tokenizer.decode(ids, skip_special_tokens=True),
+                          limits(timeout_s=timeout_s, **given))
 
 
 def test_an_openai_clients_episodes_train_on_exactly_the_tokens_the_engine_sampled(engine, trainer_logprobs):
@@ -148,8 +155,8 @@ def test_the_endpoint_listens_on_loopback_only_and_refuses_requests_without_its_
     import psutil
 
     loop = EngineLoop(engine)
-    endpoint = ChatEndpoint(loop, engine.tokenizer, engine.tokenizer.decode, temperature=1.0, top_p=1.0,
-                            max_tokens=4, max_model_len=128)
+    endpoint = ChatEndpoint(loop, engine.tokenizer, engine.tokenizer.decode, limits(max_tokens=4, timeout_s=600.0),
+                            temperature=1.0, top_p=1.0)
 
     def post(url, key, body):  # the engine is served here, on the test's thread, as in an actor's
         from engines.rollout.episodes import in_thread
