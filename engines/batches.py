@@ -230,15 +230,13 @@ def _value(v: Any) -> float | torch.Tensor:
 
 def host_metrics(sums: dict[str, Any]) -> dict[str, Any]:
     """`add_metrics`' sums as Python floats (pairs as pairs), the tensors among them read in one copy."""
-    flat = [(k, i, v) for k, value in sums.items()
-            for i, v in enumerate(value if isinstance(value, tuple) else (value,))]
-    tensors = [v for *_, v in flat if isinstance(v, torch.Tensor)]
+    tensors = [v for value in sums.values() for v in (value if isinstance(value, tuple) else (value,))
+               if isinstance(v, torch.Tensor)]
     read = iter(torch.stack([t.to(tensors[0].device) for t in tensors]).tolist() if tensors else [])
-    values = [next(read) if isinstance(v, torch.Tensor) else v for *_, v in flat]
-    out: dict[str, Any] = {}
-    for (k, i, _), v in zip(flat, values):
-        out[k] = (*out[k], v) if i else ((v,) if isinstance(sums[k], tuple) else v)
-    return out
+
+    def host(v):  # the tensors come back in the order they were stacked: this walk's
+        return next(read) if isinstance(v, torch.Tensor) else v
+    return {k: tuple(map(host, value)) if isinstance(value, tuple) else host(value) for k, value in sums.items()}
 
 
 def combine_ranks(results: list[dict[str, Any]]) -> dict[str, float]:
