@@ -29,6 +29,14 @@ class EnvironmentConfig(Section):
     failure_reward: float = Field(0.0, description="the return of an episode whose environment raised, hung or "
                                   "answered malformed")
 
+    def turn_tokens(self, max_new_tokens: int) -> int:
+        """New tokens one model turn may sample: max_tokens_per_turn, or generation's max_new_tokens."""
+        return self.max_tokens_per_turn or max_new_tokens
+
+    def episode_tokens(self, max_new_tokens: int) -> int:
+        """The most sampled tokens one episode can hold: min(max_turns * turn_tokens, max_episode_tokens)."""
+        return min(self.max_turns * self.turn_tokens(max_new_tokens), self.max_episode_tokens)
+
     @model_validator(mode="after")
     def _one_kind(self) -> EnvironmentConfig:
         if (self.name is None) == (self.agent is None):

@@ -130,10 +130,8 @@ class RoundConfig(Section):
         """The most sampled tokens one row can hold: generation.max_new_tokens; in an environment (or an
         agent's endpoint, which keeps to the same limits) an episode's, min(max_turns * per-turn tokens,
         max_episode_tokens). DAPO's overlong shaping and Dr. GRPO's constant read it."""
-        env, new = self.environment, self.generation.max_new_tokens
-        if env is None:
-            return new
-        return min(env.max_turns * (env.max_tokens_per_turn or new), env.max_episode_tokens)
+        new = self.generation.max_new_tokens
+        return new if self.environment is None else self.environment.episode_tokens(new)
 
     @property
     def needs_reward_model(self) -> bool:

@@ -14,7 +14,7 @@ def episodes_on(engine, records: list[dict], sampling: Sampling, env, max_model_
     from alignflow.config.loading import load_callable
 
     engine._awake("generate", needs=engine.TAGS)
-    tok, per_turn = engine.tokenizer, env.max_tokens_per_turn or sampling.max_new_tokens
+    tok, per_turn = engine.tokenizer, env.turn_tokens(sampling.max_new_tokens)
     decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731  (a turn's text, as its reader sees it)
     limits = EpisodeLimits(max_turns=env.max_turns, max_tokens_per_turn=per_turn,
                            max_episode_tokens=env.max_episode_tokens, max_model_len=max_model_len,
