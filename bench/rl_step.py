@@ -183,16 +183,26 @@ def build_model(config: str | None, shape: str = "issue14") -> str:
     return str(models.build_tiny_model(TinyModelConfig(**SHAPES[shape]), seed=0, out_dir=out, corpus=word_corpus()))
 
 
+def model_named(name: str) -> str:
+    """A model directory: `name` itself, or built for this run: gpu-small (configs/gpu-small.yaml's 0.48B) or
+    one of SHAPES, from any working directory."""
+    if Path(name).is_dir():
+        return name
+    if name == "gpu-small":
+        return build_model(str(Path(__file__).resolve().parents[1] / "configs" / "gpu-small.yaml"))
+    if name not in SHAPES:
+        raise SystemExit(f"--model {name}: not a directory, and not gpu-small or one of {', '.join(SHAPES)}")
+    return build_model(None, name)
+
+
 def bench_policy(args):
-    """(model, its name, dtype): `args.model` (a directory, or built: issue 14's shape, or gpu-small's) on
-    `args.device`, bf16 on a GPU and fp32 on the CPU."""
+    """(model, its name, dtype): `args.model` (a directory, or built: model_named) on `args.device`, bf16 on a
+    GPU and fp32 on the CPU."""
     from engines.models import load_policy
 
     shape = args.model or ("gpu-small" if args.device == "cuda" else "issue14")
-    path = shape if Path(shape).is_dir() else build_model("configs/gpu-small.yaml" if shape == "gpu-small" else None,
-                                                          "issue14")
     dtype = "bfloat16" if args.device == "cuda" else "float32"
-    return load_policy(path, dtype).to(args.device), shape, dtype
+    return load_policy(model_named(shape), dtype).to(args.device), shape, dtype
 
 
 def run_variant(label: str, tree: Path, spec: str, args, script: Path) -> dict:

@@ -37,7 +37,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from measure import count_ray_calls, forward_flops, peak_tflops, synchronized  # bench/measure.py, beside this script
-from rl_step import build_model, word_corpus  # bench/rl_step.py
+from rl_step import model_named, word_corpus  # bench/rl_step.py
 
 KL_COEF, LR = 0.04, 1e-5
 ROWS = ["step", "generate", "reference", "score", "train", "weight update"]
@@ -234,10 +234,8 @@ def main() -> None:
         raise SystemExit(f"--micro-rows {args.micro_rows} must divide prompts x samples "
                          f"({args.prompts * args.samples}): TRL accumulates whole micro-batches")
     shape = args.model or ("gpu-small" if args.device == "cuda" else "issue14")
-    built = None
-    if not Path(shape).is_dir():
-        config = "configs/gpu-small.yaml" if shape == "gpu-small" else None
-        built = args.model = build_model(config, "issue14" if config else shape)
+    args.model = model_named(shape)
+    built = None if Path(shape).is_dir() else args.model  # built for this run: removed after it
     texts = prompt_texts(args.model, args.prompts, args.prompt_tokens)
     texts_file = Path(tempfile.mkdtemp(prefix="vs-trl-")) / "texts.json"
     texts_file.write_text(json.dumps(texts))
