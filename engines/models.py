@@ -154,6 +154,12 @@ def max_positions(path: str | Path) -> int:
     raise ValueError(f"{path}: the model config names no position limit (max_position_embeddings)")
 
 
+def output_rows(path: str | Path) -> int:
+    """The rows of the output layer of the model at `path` (its config's vocab_size), which may exceed
+    its tokenizer's size (padded vocabularies: Qwen2.5-7B's 152064 against 0.5B's 151936)."""
+    return int(AutoConfig.from_pretrained(str(path)).vocab_size)
+
+
 def _attention(attn: str) -> str:
     """The attention implementation, checked before any weight is read."""
     if attn == "flash_attention_2":

@@ -9,6 +9,7 @@ fine-tunes SFT on the same rows toward them (engines/train/objectives.py topk_di
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 
@@ -25,7 +26,26 @@ from tasks.registry import DistillTeacherInputs, DistillTeacherStage, OfflineDis
 from tasks.rl_round import same_vocabulary
 from tasks.train import train_stage
 
+log = logging.getLogger("alignflow")
+
 TEACHER_FILE = "teacher_topk.safetensors"
+# The log-prob given to a teacher's top-k token the student has no output row for: e^-10000 is 0 in
+# float32, so the renormalised top-k leaves it out, while the KL's q * (log q - s) stays finite (0).
+NO_STUDENT_ROW = -1e4
+
+
+def drop_ids_past(top: torch.Tensor, rows: int) -> tuple[torch.Tensor, int, float]:
+    """A teacher's top-k (B, L-1, k, 2: log-probs, ids) without the ids the student's output layer has no
+    row for (a teacher's padded vocabulary is larger): each such entry's id becomes 0 and its log-prob
+    NO_STUDENT_ROW. Returns the top-k, how many entries were dropped and the teacher's probability mass
+    on them; a student's gather at such an id would fail (on a GPU, a device-side assert)."""
+    past = top[..., 1] >= rows
+    if not past.any():
+        return top, 0, 0.0
+    mass = float(top[..., 0][past].exp().sum())
+    top = top.clone()
+    top[..., 0][past], top[..., 1][past] = NO_STUDENT_ROW, 0.0
+    return top, int(past.sum()), mass
 
 
 def _sft_rows(tokenizer, data: StageResult, ctx: RunContext):
@@ -39,7 +59,8 @@ def distill_teacher(stage: PlannedStage, inputs: DistillTeacherInputs, ctx: RunC
     def compute(output: StageOutput, run) -> dict[str, float]:
         from safetensors.torch import save_file
 
-        student = models.load_tokenizer(ctx.tokenizer_dir(inputs.student))
+        student_dir = ctx.tokenizer_dir(inputs.student)
+        student = models.load_tokenizer(student_dir)
         same_vocabulary(student, models.load_tokenizer(ctx.tokenizer_dir(inputs.teacher)), "distill.teacher")
         tensors, report = _sft_rows(student, inputs.data, ctx)
         run.log_metrics(report.as_metrics("sft"))
@@ -50,11 +71,16 @@ def distill_teacher(stage: PlannedStage, inputs: DistillTeacherInputs, ctx: RunC
                      dtype=cfg.io.dtype, torch_threads=ctx.infra.torch_threads,
                      attn_implementation=cfg.io.attn_implementation, micro_batch_size=cfg.micro_batch_size) as call:
             top = call("reference_map", tensors, functools.partial(objectives.topk_next_tokens, k=cfg.top_k))
+        top, dropped, dropped_mass = drop_ids_past(top, models.output_rows(student_dir))
+        if dropped:
+            log.warning("%s: %d of the teacher's top-%d tokens (probability mass %.3g in all) have no row in the "
+                        "student's output layer and are left out", stage.name, dropped, cfg.top_k, dropped_mass)
         save_file({"logprobs": top[..., 0].float().contiguous(), "ids": top[..., 1].to(torch.int32).contiguous()},
                   str(output.dir / TEACHER_FILE))
         mask = tensors["loss_mask"][:, 1:] > 0
         kept = top[..., 0].exp().sum(-1)[mask]  # the teacher's probability mass in its top-k, per position
         metrics = {"distill/rows": float(mask.shape[0]), "distill/positions": float(mask.sum()),
+                   "distill/teacher_ids_past_student": float(dropped),
                    "distill/teacher_topk_mass": kept.mean().item() if len(kept) else 0.0}
         run.log_metrics(metrics)
         return metrics

@@ -40,9 +40,14 @@ class ScorerActor:
             pad = models.load_tokenizer(reward_path).pad_token_id
             self.reward = models.load_scalar_model(reward_path, dtype, pad, attn_implementation).to(self.device).eval()
 
-    def _run(self, model, fn, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return to_cpu(in_micro_batches(batch, self.micro_batch_size, lambda b: fn(model, to_device(b, self.device)),
-                                       tokens=self.micro_batch_tokens))
+    def _run(self, model, fn, batch: dict[str, torch.Tensor], *, host_each: bool = False) -> torch.Tensor:
+        """`fn(model, micro-batch)` over the batch, on this actor's device; the results concatenated on the
+        host. `host_each`: each micro-batch's result leaves the device as it comes (a result as large as a
+        teacher's top-k of a whole split never gathers there), at a host sync per micro-batch."""
+        def one(b):
+            out = fn(model, to_device(b, self.device))
+            return to_cpu(out) if host_each else out
+        return to_cpu(in_micro_batches(batch, self.micro_batch_size, one, tokens=self.micro_batch_tokens))
 
     @torch.no_grad()
     def ref_logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -70,8 +75,9 @@ class ScorerActor:
 
     @torch.no_grad()
     def reference_map(self, batch: dict[str, torch.Tensor], fn) -> torch.Tensor:
-        """`fn(reference, micro-batch)` over a batch (e.g. sequence log-probabilities): one row per batch row, CPU."""
-        return self._run(self.reference, fn, batch)
+        """`fn(reference, micro-batch)` over a batch (e.g. sequence log-probabilities, a teacher's top-k of
+        a whole SFT split): one row per batch row, CPU, each micro-batch's rows copied out as they come."""
+        return self._run(self.reference, fn, batch, host_each=True)
 
     def release_memory(self) -> None:
         """Give the allocator's cached GPU memory back (colocated: before the rollout engines wake their KV

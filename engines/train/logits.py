@@ -92,8 +92,11 @@ def final_hidden(model, batch: dict[str, Tensor]) -> Tensor:
 
 def _chunk(head, hidden: Tensor, targets: Tensor, with_entropy: bool) -> tuple[Tensor, ...]:
     """log p(y) = z_y − lse(z); H = lse(z) − Σ_v p_v z_v with p = exp(z − lse) (finite logits: an
-    output layer's), in four passes over the logits where log-softmax-based entropy takes seven."""
+    output layer's), in four passes over the logits where log-softmax-based entropy takes seven.
+    targets (n,) or (n, K): one token or K tokens per position."""
     logits = head(hidden).float()
+    if targets.dim() == 2:  # K tokens a position (a teacher's top-k): log-softmax's rounding, as before chunks
+        return (torch.log_softmax(logits, dim=-1).gather(-1, targets),)
     lse = torch.logsumexp(logits, dim=-1)
     logprobs = torch.gather(logits, -1, targets.unsqueeze(-1)).squeeze(-1) - lse
     if not with_entropy:
@@ -108,7 +111,8 @@ def logprobs_from_hidden(head, hidden: Tensor, targets: Tensor, vocab_size: int,
     and, when `with_entropy`, H_n = −Σ_v p_v log p_v. Chunks of `CHUNK_ELEMENTS // vocab_size`
     rows; each chunk recomputed in backward when gradients flow and N x vocab_size > KEEP_ELEMENTS.
 
-    hidden: (N, H); targets: (N,) long → (N,) float32, and (N,) float32 or None.
+    hidden: (N, H); targets: (N,) long → (N,) float32, and (N,) float32 or None. targets (N, K) (K
+    tokens at each position, e.g. a teacher's top-k) → (N, K) log-probabilities.
     """
     size = max(1, CHUNK_ELEMENTS // vocab_size)
     n = most_over_ranks(hidden.shape[0], head, hidden.device)  # ZeRO-3: as many head calls on every rank

@@ -16,7 +16,8 @@ from algos.gspo import gspo_policy_loss
 from algos.policy_loss import ppo_policy_loss
 from algos.preference import pairwise_reward_loss
 from algos.sequence import sft_loss
-from engines.train.logits import final_hidden, masked_next_token_logprobs, response_logprobs_and_entropy, unwrap
+from engines.train.logits import (final_hidden, logprobs_from_hidden, masked_next_token_logprobs,
+                                  response_logprobs_and_entropy, unwrap)
 
 
 def causal_lm_objective(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
@@ -60,7 +61,10 @@ def topk_distill_objective(model, batch: dict[str, torch.Tensor]) -> tuple[torch
     over the response tokens. The output layer runs on the response positions alone. Metrics: loss,
     response_length."""
     mask, rows, positions, hidden, head = _response_hidden(model, batch)
-    student = torch.log_softmax(head(hidden).float(), dim=-1).gather(-1, batch["teacher_ids"][rows, positions].long())
+    # The output layer in chunks (engines/train/logits.py), as every other objective: at a real vocabulary
+    # the whole micro-batch's log-softmax would be gigabytes on the GPU, with its backward's copy.
+    student, _ = logprobs_from_hidden(head, hidden, batch["teacher_ids"][rows, positions].long(),
+                                      unwrap(model).config.vocab_size)
     kl = topk_forward_kl(student, batch["teacher_logprobs"][rows, positions])
     loss = kl.sum() / max(len(kl), 1)
     return loss, {"loss": loss.detach(), "response_length": (mask.sum().float(), float(mask.shape[0]))}

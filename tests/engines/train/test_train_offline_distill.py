@@ -75,3 +75,72 @@ def test_the_students_loss_is_the_kl_from_the_renormalised_top_k_and_falls_as_it
         loss.backward()
         optimizer.step()
     assert topk_distill_objective(student, batch)[0].item() < 0.8 * first
+
+
+def test_the_students_output_layer_runs_in_chunks_with_the_same_loss_and_gradient(tiny_model, teacher, rows,
+                                                                                    monkeypatch):
+    """At a real vocabulary one micro-batch's log-softmax is gigabytes: the objective takes the chunked,
+    recomputed output layer of every other objective. Chunks of 3 positions, recomputed in backward,
+    give the one-piece loss and gradient."""
+    from engines.models import load_policy
+    from engines.train import logits
+    from engines.train.objectives import topk_distill_objective, topk_next_tokens
+
+    top = topk_next_tokens(teacher, rows, k=5)
+    batch = {**rows, "teacher_ids": top[..., 1].long(), "teacher_logprobs": top[..., 0]}
+    student = load_policy(tiny_model)
+    vocab = student.config.vocab_size
+
+    def loss_and_grad():
+        student.zero_grad()
+        loss, _ = topk_distill_objective(student, batch)
+        loss.backward()
+        return loss.detach(), student.get_output_embeddings().weight.grad.clone()
+
+    whole = loss_and_grad()
+    calls = []
+    monkeypatch.setattr(logits, "CHUNK_ELEMENTS", 3 * vocab)
+    monkeypatch.setattr(logits, "KEEP_ELEMENTS", 0)
+    monkeypatch.setattr(logits, "checkpoint", lambda fn, *a, **kw: calls.append(a[1].shape[0]) or
+                        torch.utils.checkpoint.checkpoint(fn, *a, **kw))
+    chunked = loss_and_grad()
+    positions = int((rows["loss_mask"][:, 1:] > 0).sum())
+    assert sum(calls) == positions and max(calls) == 3 and len(calls) == math.ceil(positions / 3)
+    torch.testing.assert_close(chunked[0], whole[0], rtol=1e-6, atol=0)
+    torch.testing.assert_close(chunked[1], whole[1], rtol=1e-5, atol=1e-8)
+
+
+def test_teacher_tokens_past_the_students_rows_are_left_out_counted_and_renormalised_away(tiny_model, teacher, rows):
+    """A teacher with a larger (padded) vocabulary can rank a token the student has no output row for; the
+    student's gather there fails (on a GPU, a device-side assert that ends the run). distill_teacher
+    drops such entries and counts them, and the loss is the KL from the rest of the top-k, renormalised."""
+    from engines.models import load_policy
+    from engines.train.objectives import topk_distill_objective, topk_next_tokens
+    from tasks.distill import drop_ids_past
+
+    student = load_policy(tiny_model)
+    vocab = student.config.vocab_size
+    top = topk_next_tokens(teacher, rows, k=5)
+    b, t = (rows["loss_mask"][:, 1:] > 0).nonzero()[0].tolist()
+    top[b, t, 1] = torch.tensor([top[b, t, 1, 0].item(), vocab + 3])  # its second choice: a padding row
+    with pytest.raises(RuntimeError, match="out of bounds"):
+        topk_distill_objective(student, {**rows, "teacher_ids": top[..., 1].long(), "teacher_logprobs": top[..., 0]})
+
+    kept, dropped, mass = drop_ids_past(top, vocab)
+    assert dropped == 1 and mass == pytest.approx(math.exp(top[b, t, 1, 0].item()), rel=1e-6)
+    assert torch.equal(kept[..., 1].eq(vocab + 3).nonzero(), torch.empty(0, 3, dtype=torch.long))
+    assert torch.equal(top[..., 1].eq(vocab + 3).nonzero(), torch.tensor([[b, t, 1]]))  # the input is left as it was
+    batch = {**rows, "teacher_ids": kept[..., 1].long(), "teacher_logprobs": kept[..., 0]}
+    loss, _ = topk_distill_objective(student, batch)
+    s = _plain_logprobs(student, rows)
+    t_lp, ids = top[b, t, [0, 2, 3, 4], 0].tolist(), top[b, t, [0, 2, 3, 4], 1].long().tolist()
+    z = math.log(sum(math.exp(v) for v in t_lp))
+    at_bt = sum(math.exp(v - z) * ((v - z) - s[b, t, i].item()) for v, i in zip(t_lp, ids))
+    intact, _ = topk_distill_objective(student, {**batch, "loss_mask": _only_at(rows["loss_mask"], b, t + 1)})
+    assert math.isfinite(loss.item()) and intact.item() == pytest.approx(at_bt, rel=1e-5)
+
+
+def _only_at(loss_mask: torch.Tensor, b: int, position: int) -> torch.Tensor:
+    out = torch.zeros_like(loss_mask)
+    out[b, position] = 1
+    return out
