@@ -12,6 +12,7 @@ from alignflow.cluster import ensure_ray
 from alignflow.errors import ConfigError
 from alignflow.records import StageResult
 from engines import batches, models
+from engines.rl.judge import judge_positions
 from engines.rl.round import RLRound
 from engines.rl.round_models import RoundSetup
 from tasks.checkpoints import StageCheckpoints
@@ -26,12 +27,14 @@ def rl_round(stage: PlannedStage, inputs: RoundInputs, ctx: RunContext) -> Stage
     round_cfg, io = cfg.round, cfg.io
     storage = ctx.storage()
 
+    field = f"rounds.{int(stage.name.split('_')[1]) - 1}"  # round_k: its config's place
+
     def compute(out: StageOutput, run) -> dict[str, float]:
         policy_dir = ctx.tokenizer_dir(inputs.policy)  # the actors fetch the weights on their nodes
         tokenizer = models.load_tokenizer(policy_dir)
         if round_cfg.spec.teacher:  # before anything starts
             same_vocabulary(tokenizer, models.load_tokenizer(ctx.tokenizer_dir(inputs.teacher)),
-                            f"rounds.{int(stage.name.split('_')[1]) - 1}.teacher ({round_cfg.teacher})")
+                            f"{field}.teacher ({round_cfg.teacher})")
         limits = token_limits(inputs.data)
         env = round_cfg.environment  # an episode's tokens after its prompt: its turns and observations
         prompt_limit, model_len = limits.for_generation(
@@ -49,7 +52,10 @@ def rl_round(stage: PlannedStage, inputs: RoundInputs, ctx: RunContext) -> Stage
             attn_implementation=io.attn_implementation,
             max_model_len=model_len, seed=cfg.seed,
             judge_path=ctx.ref(inputs.judge),
-            judge_max_model_len=models.max_positions(ctx.tokenizer_dir(inputs.judge)) if inputs.judge else None,
+            judge_max_model_len=judge_positions(
+                models.max_positions(ctx.tokenizer_dir(inputs.judge)), round_cfg.reward.judge.generation,
+                f"{field}.reward.judge.generation.max_model_len")
+            if inputs.judge else None,
         )
         ensure_ray(ctx.infra)
         rl = RLRound(round_cfg, setup)

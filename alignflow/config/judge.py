@@ -51,6 +51,18 @@ class JudgeGeneration(GenerationConfig):
     temperature: float = Field(0.0, ge=0, description="0: greedy; > 0 to sample several votes")
     max_new_tokens: int = Field(4, ge=1, description="tokens of each verdict")
     num_samples: int = Field(1, ge=1, description="votes per response, averaged (temperature > 0 for more than 1)")
+    max_model_len: int | None = Field(
+        None, ge=2, description="positions the judge's engine holds, a judge prompt and its verdict together; "
+        "vLLM needs KV cache for one such sequence to start, so lower it for a long-context judge on a shared "
+        "GPU. Longer judge prompts are counted (judge/overlong) and score unparsed_reward; None: the judge "
+        "model's max_position_embeddings")
+
+    @model_validator(mode="after")
+    def _room_for_a_verdict(self) -> JudgeGeneration:
+        if self.max_model_len is not None and self.max_model_len <= self.max_new_tokens:
+            raise ValueError(f"max_model_len {self.max_model_len} leaves no position for a prompt before a "
+                             f"verdict of max_new_tokens {self.max_new_tokens}")
+        return self
 
 
 class JudgeRewardConfig(Section):

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import torch
 
 from alignflow.config.judge import JudgeRewardConfig
+from alignflow.errors import ConfigError
 from engines.batches import render_prompt
 from engines.rl.rewards import ScoredText
 from engines.rollout.base import Sampling
@@ -30,6 +31,15 @@ def prompt_text(prompt: str | Sequence[dict]) -> str:
     if isinstance(prompt, str):
         return prompt
     return "\n".join(str(m.get("content", "")) for m in prompt)
+
+
+def judge_positions(model_positions: int, generation, field: str) -> int:
+    """The judge engine's positions (its max_model_len): `generation.max_model_len` (JudgeGeneration), or
+    the model's own. More than the model has is refused, naming `field`."""
+    want = generation.max_model_len
+    if want is not None and want > model_positions:
+        raise ConfigError(f"{field}: {want} positions, more than the judge model's {model_positions}")
+    return model_positions if want is None else want
 
 
 def judge_messages(template: str, item: ScoredText) -> list[dict]:
@@ -65,11 +75,21 @@ class Judge:
     def __init__(self, engines, tokenizer, cfg: JudgeRewardConfig, max_prompt_tokens: int):
         self.engines, self.tokenizer, self.cfg, self.max_prompt_tokens = engines, tokenizer, cfg, max_prompt_tokens
 
+    @staticmethod
+    def prompt_ids(tokenizer, cfg: JudgeRewardConfig, items: list[ScoredText]) -> list[list[int]]:
+        """The judge's prompt of each item, rendered by its chat template: token ids."""
+        return [render_prompt(tokenizer, judge_messages(cfg.template, item)) for item in items]
+
+    @staticmethod
+    def prompt_tokens(tokenizer, cfg: JudgeRewardConfig, items: list[ScoredText]) -> list[int]:
+        """How many tokens each item's judge prompt takes."""
+        return [len(x) for x in Judge.prompt_ids(tokenizer, cfg, items)]
+
     def verdicts(self, items: list[ScoredText]) -> tuple[list[list[str]], int]:
         """Each item's verdict texts (`generation.num_samples` of them; none for a judge prompt over the
         judge's positions), and how many prompts were too long."""
         g = self.cfg.generation
-        ids = [render_prompt(self.tokenizer, judge_messages(self.cfg.template, item)) for item in items]
+        ids = self.prompt_ids(self.tokenizer, self.cfg, items)
         fits = [i for i, x in enumerate(ids) if len(x) <= self.max_prompt_tokens]
         texts: list[list[str]] = [[] for _ in items]
         if fits:

@@ -7,7 +7,7 @@ import pytest
 
 from alignflow.config import ConfigError, load_config
 from alignflow.config.judge import JUDGE_TEMPLATE, JudgeRewardConfig
-from engines.rl.judge import judge_messages, parse_verdict, prompt_text
+from engines.rl.judge import judge_messages, judge_positions, parse_verdict, prompt_text
 from engines.rl.rewards import ScoredText
 from tasks.judge import judged_pairs, verdict_records
 
@@ -55,6 +55,8 @@ def test_the_judge_prompt_and_the_verdicts_the_stage_trains_on():
     ({"pattern": "yes|no"}, "has no group"),
     ({"pattern": "(yes"}, "is no regular expression"),
     ({"generation": {"num_samples": 3}}, "3 greedy votes are one vote repeated"),
+    ({"generation": {"max_model_len": 4}}, "max_model_len 4 leaves no position for a prompt before a verdict of "
+                                          "max_new_tokens 4"),
 ])
 def test_a_wrong_judge_config_is_named(judge, message):
     rounds = f'rounds=[{{"algorithm": "grpo", "reward": {{"source": "judge", "judge": {judge!r}}}}}]'.replace("'", '"')
@@ -70,3 +72,15 @@ def test_a_round_asking_the_pipelines_judge_needs_one_trained_with_its_template(
         load_config(None, ['judge={"template": "{prompt} = {response}?"}', rounds])
     own = 'rounds=[{"algorithm": "grpo", "reward": {"source": "judge", "judge": {"model": "/some/judge"}}}]'
     assert load_config(None, [own]).judge is None  # a judge of the user's needs no judge stage
+
+
+def test_the_judge_engine_holds_the_positions_asked_for_and_no_more_than_the_model_has():
+    """vLLM reserves KV cache for one sequence of max_model_len to start: a long-context judge on a shared
+    GPU is given fewer positions than its model's, and more than the model's are refused, by name."""
+    from alignflow.config.judge import JudgeGeneration
+
+    field = "rounds.1.reward.judge.generation.max_model_len"
+    assert judge_positions(131072, JudgeGeneration(), field) == 131072  # None: the model's own
+    assert judge_positions(131072, JudgeGeneration(max_model_len=4096), field) == 4096
+    with pytest.raises(ConfigError, match=f"{field}: 4096 positions, more than the judge model's 2048"):
+        judge_positions(2048, JudgeGeneration(max_model_len=4096), field)
