@@ -88,7 +88,8 @@ def evaluate_judge(stage: PlannedStage, inputs: JudgeEvalInputs, ctx: RunContext
             correct += sum(v == right[is_right] for v in parsed)
         n = sum(len(v) for v in texts) + overlong
         metrics = {"eval/judge_verdict_accuracy": correct / n, "eval/judge_unparsed": float(unparsed),
-                   "eval/judge_overlong": float(overlong), "eval/judge_verdicts": float(n)}
+                   "eval/judge_overlong": float(overlong), "eval/judge_verdicts": float(n),
+                   "eval/judge_positions": float(positions)}
         run.log_metrics(metrics)
         samples = [{"prompt": item.prompt, "response": item.response, "right": is_right, "verdicts": votes}
                    for (item, is_right), votes in list(zip(pairs, texts))[:20]]
