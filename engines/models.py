@@ -157,7 +157,7 @@ def max_positions(path: str | Path) -> int:
 def output_rows(path: str | Path) -> int:
     """The rows of the output layer of the model at `path` (its config's vocab_size), which may exceed
     its tokenizer's size (padded vocabularies: Qwen2.5-7B's 152064 against 0.5B's 151936)."""
-    return int(AutoConfig.from_pretrained(str(path)).vocab_size)
+    return int(AutoConfig.from_pretrained(str(path)).get_text_config().vocab_size)
 
 
 def _attention(attn: str) -> str:

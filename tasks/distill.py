@@ -3,7 +3,9 @@
 distill_teacher runs the teacher once over the SFT split (as the student's tokenizer renders it) and
 keeps its top-k next-token log-probs at every response position; it is cached per data, teacher and k,
 so that a change of the student's training settings does not run the teacher again. distill then
-fine-tunes SFT on the same rows toward them (engines/train/objectives.py topk_distill_objective).
+fine-tunes SFT on the same rows toward them (engines/train/objectives.py topk_distill_objective). A
+teacher token the student's output layer has no row for (a larger, padded vocabulary) is left out of the
+top-k and counted, when the teacher's pass is kept and again when it is read.
 """
 
 from __future__ import annotations
@@ -34,18 +36,25 @@ TEACHER_FILE = "teacher_topk.safetensors"
 NO_STUDENT_ROW = -1e4
 
 
-def drop_ids_past(top: torch.Tensor, rows: int) -> tuple[torch.Tensor, int, float]:
-    """A teacher's top-k (B, L-1, k, 2: log-probs, ids) without the ids the student's output layer has no
-    row for (a teacher's padded vocabulary is larger): each such entry's id becomes 0 and its log-prob
-    NO_STUDENT_ROW. Returns the top-k, how many entries were dropped and the teacher's probability mass
-    on them; a student's gather at such an id would fail (on a GPU, a device-side assert)."""
-    past = top[..., 1] >= rows
-    if not past.any():
-        return top, 0, 0.0
-    mass = float(top[..., 0][past].exp().sum())
-    top = top.clone()
-    top[..., 0][past], top[..., 1][past] = NO_STUDENT_ROW, 0.0
-    return top, int(past.sum()), mass
+def drop_ids_past(logprobs: torch.Tensor, ids: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """A teacher's top-k (logprobs, ids: (B, L-1, k)) without the ids the student's output layer has no row
+    for (a teacher's padded vocabulary can be larger): each such entry's id becomes 0 and its log-prob
+    NO_STUDENT_ROW, in new tensors. A student's gather at such an id would fail (on a GPU, a device-side
+    assert that ends the run). Also returns what was dropped: `entries`, the teacher's probability `mass`
+    on them, and `positions` (B, L-1) bool, where no entry is left to learn from."""
+    past = ids >= rows
+    dropped = {"entries": int(past.sum()), "mass": float(logprobs[past].exp().sum()), "positions": past.all(-1)}
+    if not dropped["entries"]:
+        return logprobs, ids, dropped
+    return (torch.where(past, torch.full_like(logprobs, NO_STUDENT_ROW), logprobs),
+            torch.where(past, torch.zeros_like(ids), ids), dropped)
+
+
+def _say_dropped(stage: str, dropped: dict, k: int) -> None:
+    if dropped["entries"]:
+        log.warning("%s: %d of the teacher's top-%d tokens (probability mass %.3g in all) have no row in the "
+                    "student's output layer and are left out; %d positions keep none and train on nothing",
+                    stage, dropped["entries"], k, dropped["mass"], int(dropped["positions"].sum()))
 
 
 def _sft_rows(tokenizer, data: StageResult, ctx: RunContext):
@@ -69,18 +78,17 @@ def distill_teacher(stage: PlannedStage, inputs: DistillTeacherInputs, ctx: RunC
             ensure_ray(ctx.infra)
         with scoring(ctx.ref(inputs.teacher), None, num_cpus=p.num_cpus, num_gpus=p.num_gpus, resources=p.resources,
                      dtype=cfg.io.dtype, torch_threads=ctx.infra.torch_threads,
-                     attn_implementation=cfg.io.attn_implementation, micro_batch_size=cfg.micro_batch_size) as call:
+                     attn_implementation=cfg.io.attn_implementation, micro_batch_size=cfg.micro_batch_size,
+                     micro_batch_tokens=cfg.micro_batch_tokens) as call:
             top = call("reference_map", tensors, functools.partial(objectives.topk_next_tokens, k=cfg.top_k))
-        top, dropped, dropped_mass = drop_ids_past(top, models.output_rows(student_dir))
-        if dropped:
-            log.warning("%s: %d of the teacher's top-%d tokens (probability mass %.3g in all) have no row in the "
-                        "student's output layer and are left out", stage.name, dropped, cfg.top_k, dropped_mass)
-        save_file({"logprobs": top[..., 0].float().contiguous(), "ids": top[..., 1].to(torch.int32).contiguous()},
-                  str(output.dir / TEACHER_FILE))
+        logprobs, ids, dropped = drop_ids_past(top[..., 0].float(), top[..., 1].to(torch.int32),
+                                               models.output_rows(student_dir))
+        _say_dropped(stage.name, dropped, cfg.top_k)
+        save_file({"logprobs": logprobs.contiguous(), "ids": ids.contiguous()}, str(output.dir / TEACHER_FILE))
         mask = tensors["loss_mask"][:, 1:] > 0
-        kept = top[..., 0].exp().sum(-1)[mask]  # the teacher's probability mass in its top-k, per position
+        kept = logprobs.exp().sum(-1)[mask]  # the teacher's probability mass in its top-k, per position
         metrics = {"distill/rows": float(mask.shape[0]), "distill/positions": float(mask.sum()),
-                   "distill/teacher_ids_past_student": float(dropped),
+                   "distill/teacher_ids_past_student": float(dropped["entries"]),
                    "distill/teacher_topk_mass": kept.mean().item() if len(kept) else 0.0}
         run.log_metrics(metrics)
         return metrics
@@ -98,7 +106,13 @@ def distill(stage: PlannedStage, inputs: OfflineDistillInputs, ctx: RunContext) 
         if cached["ids"].shape[:2] != tensors["loss_mask"][:, 1:].shape:
             raise ConfigError(f"{stage.name}: the teacher's cached rows {tuple(cached['ids'].shape[:2])} are not the "
                               f"SFT rows {tuple(tensors['loss_mask'][:, 1:].shape)}; rerun distill_teacher")
-        return {**tensors, "teacher_ids": cached["ids"].long(), "teacher_logprobs": cached["logprobs"]}, report
+        # Again on load: a cache written before the student's rows were checked, or for another student.
+        rows = models.output_rows(ctx.tokenizer_dir(inputs.init))
+        logprobs, ids, dropped = drop_ids_past(cached["logprobs"], cached["ids"], rows)
+        _say_dropped(stage.name, dropped, ids.shape[-1])
+        loss_mask = tensors["loss_mask"].clone()
+        loss_mask[:, 1:][dropped["positions"]] = 0  # a position with no top-k entry left has nothing to learn
+        return {**tensors, "loss_mask": loss_mask, "teacher_ids": ids.long(), "teacher_logprobs": logprobs}, report
 
     return train_stage(stage, inputs, ctx, kind="causal", split="sft", objective=objectives.topk_distill_objective,
                        weigh=objectives.response_tokens, paired=False, to_tensors=to_tensors)

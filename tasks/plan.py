@@ -203,8 +203,8 @@ def plan_pipeline(cfg: PipelineConfig) -> Plan:
     if cfg.distill is not None:  # after the rounds: its teacher may be one
         d = cfg.distill
         teacher = policies.get(d.teacher) or user_model("distill_teacher_model", "distill.teacher", d.teacher)
-        cached = b.add("distill_teacher", "distill_teacher", r.DistillTeacherStage(
-            io=io, top_k=d.top_k, placement=d.placement, micro_batch_size=d.micro_batch_size),
+        cached = b.add("distill_teacher", "distill_teacher", r.DistillTeacherStage(io=io, **d.model_dump(
+            include={"top_k", "placement", "micro_batch_size", "micro_batch_tokens"})),
             data=data, student=reference, teacher=teacher)
         policies["distill"] = b.add("distill", "offline_distill", r.OfflineDistillStage(
             train=d, io=io, seed=seed("distill")), data=data, init=reference, teacher=cached)

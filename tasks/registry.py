@@ -85,6 +85,7 @@ class DistillTeacherStage(Section):
     top_k: int
     placement: Placement
     micro_batch_size: int | None
+    micro_batch_tokens: int | None  # the teacher's pass in micro-batches, each one's top-k off the device
 
 
 class OfflineDistillStage(Section):

@@ -91,11 +91,11 @@ def final_hidden(model, batch: dict[str, Tensor]) -> Tensor:
 
 
 def _chunk(head, hidden: Tensor, targets: Tensor, with_entropy: bool) -> tuple[Tensor, ...]:
-    """log p(y) = z_y − lse(z); H = lse(z) − Σ_v p_v z_v with p = exp(z − lse) (finite logits: an
-    output layer's), in four passes over the logits where log-softmax-based entropy takes seven.
-    targets (n,) or (n, K): one token or K tokens per position."""
+    """targets (n,): log p(y) = z_y − lse(z); H = lse(z) − Σ_v p_v z_v with p = exp(z − lse) (finite
+    logits: an output layer's), in four passes over the logits where log-softmax-based entropy takes seven.
+    targets (n, K), K tokens a position (a teacher's top-k): log_softmax(z) at each, no entropy."""
     logits = head(hidden).float()
-    if targets.dim() == 2:  # K tokens a position (a teacher's top-k): log-softmax's rounding, as before chunks
+    if targets.dim() == 2:  # log-softmax's rounding, as the one-piece objective had
         return (torch.log_softmax(logits, dim=-1).gather(-1, targets),)
     lse = torch.logsumexp(logits, dim=-1)
     logprobs = torch.gather(logits, -1, targets.unsqueeze(-1)).squeeze(-1) - lse
@@ -114,6 +114,8 @@ def logprobs_from_hidden(head, hidden: Tensor, targets: Tensor, vocab_size: int,
     hidden: (N, H); targets: (N,) long → (N,) float32, and (N,) float32 or None. targets (N, K) (K
     tokens at each position, e.g. a teacher's top-k) → (N, K) log-probabilities.
     """
+    if with_entropy and targets.dim() == 2:
+        raise ValueError("logprobs_from_hidden: entropy is per position, with one target token each (targets (N,))")
     size = max(1, CHUNK_ELEMENTS // vocab_size)
     n = most_over_ranks(hidden.shape[0], head, hidden.device)  # ZeRO-3: as many head calls on every rank
     recompute = torch.is_grad_enabled() and hidden.requires_grad and n * vocab_size > KEEP_ELEMENTS

@@ -126,18 +126,23 @@ def test_teacher_tokens_past_the_students_rows_are_left_out_counted_and_renormal
     with pytest.raises(RuntimeError, match="out of bounds"):
         topk_distill_objective(student, {**rows, "teacher_ids": top[..., 1].long(), "teacher_logprobs": top[..., 0]})
 
-    kept, dropped, mass = drop_ids_past(top, vocab)
-    assert dropped == 1 and mass == pytest.approx(math.exp(top[b, t, 1, 0].item()), rel=1e-6)
-    assert torch.equal(kept[..., 1].eq(vocab + 3).nonzero(), torch.empty(0, 3, dtype=torch.long))
+    logprobs, ids, dropped = drop_ids_past(top[..., 0], top[..., 1].long(), vocab)
+    assert dropped["entries"] == 1 and dropped["mass"] == pytest.approx(math.exp(top[b, t, 1, 0].item()), rel=1e-6)
+    assert not dropped["positions"].any()  # the position keeps four of its five
+    assert not ids.eq(vocab + 3).any() and ids[b, t, 1] == 0 and logprobs[b, t, 1] == -1e4
     assert torch.equal(top[..., 1].eq(vocab + 3).nonzero(), torch.tensor([[b, t, 1]]))  # the input is left as it was
-    batch = {**rows, "teacher_ids": kept[..., 1].long(), "teacher_logprobs": kept[..., 0]}
+    batch = {**rows, "teacher_ids": ids, "teacher_logprobs": logprobs}
     loss, _ = topk_distill_objective(student, batch)
     s = _plain_logprobs(student, rows)
-    t_lp, ids = top[b, t, [0, 2, 3, 4], 0].tolist(), top[b, t, [0, 2, 3, 4], 1].long().tolist()
+    t_lp, kept = top[b, t, [0, 2, 3, 4], 0].tolist(), top[b, t, [0, 2, 3, 4], 1].long().tolist()
     z = math.log(sum(math.exp(v) for v in t_lp))
-    at_bt = sum(math.exp(v - z) * ((v - z) - s[b, t, i].item()) for v, i in zip(t_lp, ids))
+    at_bt = sum(math.exp(v - z) * ((v - z) - s[b, t, i].item()) for v, i in zip(t_lp, kept))
     intact, _ = topk_distill_objective(student, {**batch, "loss_mask": _only_at(rows["loss_mask"], b, t + 1)})
     assert math.isfinite(loss.item()) and intact.item() == pytest.approx(at_bt, rel=1e-5)
+
+    top[b, t, :, 1] = vocab  # every one of its five past the student's rows: nothing left to learn there
+    _, _, dropped = drop_ids_past(top[..., 0], top[..., 1].long(), vocab)
+    assert dropped["entries"] == 5 and torch.equal(dropped["positions"].nonzero(), torch.tensor([[b, t]]))
 
 
 def _only_at(loss_mask: torch.Tensor, b: int, position: int) -> torch.Tensor:
