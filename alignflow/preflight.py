@@ -1,6 +1,8 @@
 """Preflight: what a run needs outside its config, checked in seconds before Prefect or Ray start
 (`alignflow validate`, and the start of `run` / `stage`): data files exist and every row of a
-local one parses (of a remote one, the first `data.preflight_rows`); model.base, a distillation round's teacher and a judge load; explicit lengths fit its positions; rule rewards, the checker and environments (with their tools' schemas) import;
+local one parses (of a remote one, the first `data.preflight_rows`: alignflow/data/checks.py); model.base,
+a distillation round's teacher and a judge load; explicit lengths, and a judge engine's max_model_len, fit
+their model's positions; rule rewards, the checker and environments (with their tools' schemas) import;
 remote reward services answer; the storage root takes a probe; a local Ray can place each stage.
 
 Every problem is collected, naming its field and where its value came from (the file, or a
@@ -16,19 +18,17 @@ import sys
 import urllib.error
 import urllib.request
 import uuid
-from itertools import islice
 from pathlib import Path
 
 import fsspec  # imported by alignflow.storage anyway
 
-from alignflow.config import DatasetSource, PipelineConfig
+from alignflow.config import PipelineConfig
 from alignflow.config.loading import ConfigSources, config_sources
-from alignflow.data.formats import normalize_row, read_rows
-from alignflow.errors import ConfigError, DataError
+from alignflow.data.checks import check_files
+from alignflow.errors import ConfigError
 from alignflow.slots import check_slots
 from alignflow.storage import is_local_uri, local_path
 
-MAX_BAD_ROWS = 10  # listed per file; the rest are counted
 REMOTE_TIMEOUT_CAP_S = 10.0
 
 
@@ -54,8 +54,8 @@ def preflight(cfg: PipelineConfig, overrides: list[str] | None = None, config_pa
     `sources` as config_from_parameter returned them)."""
     found = Findings(sources or config_sources(config_path, overrides))
     positions = _model(cfg, found)
-    _named_models(cfg, found)
-    _data(cfg, found)
+    _named_models(cfg, found, positions)
+    check_files(cfg, found)
     if positions is not None:
         _lengths(cfg, positions, found)
     _rewards(cfg, found)
@@ -75,54 +75,6 @@ def check(cfg: PipelineConfig, overrides: list[str] | None = None, config_path: 
     return found
 
 
-def _data(cfg: PipelineConfig, found: Findings) -> None:
-    if cfg.data.source != "files":
-        return
-    for name, kind in (("sft", "sft"), ("preference", "preference"), ("prompts", "prompts"), ("eval", "prompts")):
-        src: DatasetSource | None = getattr(cfg.data, name)
-        if src is None or not src.path.endswith((".jsonl", ".json", ".parquet")):
-            continue  # a `datasets` name: loading it may download it; the data stage reports it
-        field, path = f"data.{name}.path", src.path
-        try:
-            exists = local_path(path).is_file() if is_local_uri(path) else fsspec.core.url_to_fs(path)[0].exists(path)
-        except Exception as err:  # noqa: BLE001  (any filesystem's failure is the user's to see)
-            found.fail(field, f"{path} cannot be reached: {type(err).__name__}: {err}")
-            continue
-        if not exists:
-            found.fail(field, f"{path} does not exist")
-            continue
-        limit = None if is_local_uri(path) else cfg.data.preflight_rows
-        try:
-            n, bad = _rows(src, kind, limit)
-        except Exception as err:  # noqa: BLE001  (a corrupt Parquet file, a bad encoding, ...)
-            found.fail(field, f"{path} cannot be read: {type(err).__name__}: {err}")
-            continue
-        for text in bad[:MAX_BAD_ROWS]:
-            found.fail(f"data.{name}", text)
-        if len(bad) > MAX_BAD_ROWS:
-            found.fail(f"data.{name}", f"{path}: {len(bad) - MAX_BAD_ROWS} more bad rows (of {n} read)")
-        if not bad:
-            found.ok() if n else found.fail(field, f"{path} holds no rows")
-        if limit is not None and n == limit:
-            found.notes.append(f"data.{name}: {path} is remote, so its first {limit} rows were checked "
-                               "(data.preflight_rows); the data stage checks the rest")
-
-
-def _rows(src: DatasetSource, kind: str, limit: int | None) -> tuple[int, list[str]]:
-    """(rows read, one message per bad row): every row, or the first `limit`. A row that is not JSON ends
-    the file's reading (the next rows cannot be told apart)."""
-    rows, bad, n = read_rows(src), [], 0
-    try:
-        for n, row in enumerate(islice(rows, limit) if limit else rows, start=1):
-            try:
-                normalize_row(row, kind, src, where=f"{src.path}, row {n}")
-            except DataError as err:
-                bad.append(str(err))
-    except DataError as err:  # from read_rows: not JSON, not a list
-        bad.append(str(err))
-    return n, bad
-
-
 def _model(cfg: PipelineConfig, found: Findings) -> int | None:
     """The base model's positions (None when it cannot be loaded)."""
     if cfg.model.base == "tiny":
@@ -130,14 +82,18 @@ def _model(cfg: PipelineConfig, found: Findings) -> int | None:
     return _model_at("model.base", cfg.model.base, found)
 
 
-def _named_models(cfg: PipelineConfig, found: Findings) -> None:
+def _named_models(cfg: PipelineConfig, found: Findings, base: int | None) -> None:
     """Models the config names by path: a distillation teacher that is no policy of the pipeline (a round's or
-    the distill stage's), a judge."""
+    the distill stage's), a judge; and a judge engine's max_model_len against its model's positions (the
+    pipeline's own judge starts from the base model: `base`'s)."""
     for i, r in enumerate(cfg.rounds):
         if r.teacher and r.teacher not in cfg.policies_before(i):
             _model_at(f"rounds.{i}.teacher", r.teacher, found)
-        if r.reward.uses_judge and r.reward.judge.model is not None:
-            _model_at(f"rounds.{i}.reward.judge.model", r.reward.judge.model, found)
+        j, field = r.reward.judge, f"rounds.{i}.reward.judge"
+        has = r.reward.uses_judge and (base if j.model is None else _model_at(f"{field}.model", j.model, found))
+        if has and (j.generation.max_model_len or 0) > has:
+            found.fail(f"{field}.generation.max_model_len", f"{j.generation.max_model_len} positions, more than "
+                       f"the judge model's {has}")
     if cfg.distill is not None and cfg.distill.teacher not in cfg.policies_before(len(cfg.rounds)):
         _model_at("distill.teacher", cfg.distill.teacher, found)
 

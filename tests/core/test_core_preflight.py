@@ -104,7 +104,7 @@ def test_bad_rows_deep_in_local_files_are_all_found_before_anything_starts(files
 
 
 def test_many_bad_rows_are_listed_up_to_ten_and_the_rest_counted(files, tmp_path):
-    from alignflow.preflight import MAX_BAD_ROWS
+    from alignflow.data.checks import MAX_BAD_ROWS
 
     rows = [{"prompt": f"{i} 2"} for i in range(MAX_BAD_ROWS + 7)] + [{"prompt": "x", "response": "y"}]
     bad = _jsonl(tmp_path / "bad.jsonl", rows)
@@ -161,6 +161,23 @@ def test_a_missing_judge_is_named_with_its_round(tmp_path):
     rounds = f'rounds=[{{"algorithm": "grpo", "reward": {{"source": "judge", "judge": {{"model": "{missing}"}}}}}}]'
     [problem] = problems(None, rounds, f"infra.storage.root={tmp_path}")
     assert problem.startswith(f"rounds.0.reward.judge.model: {missing} does not exist (a local model directory")
+
+
+def test_a_judge_engine_longer_than_its_model_is_named_before_anything_starts(tmp_path):
+    """reward.judge.generation.max_model_len against the judge's positions: the pipeline's judge (trained from
+    the tiny base model: 128) and a judge directory of the user's (64 positions), each named by its round."""
+    from alignflow.config import TinyModelConfig
+    from engines.models import build_tiny_model
+
+    judge_dir = build_tiny_model(TinyModelConfig(max_position_embeddings=64), seed=0, out_dir=tmp_path / "judge")
+    rounds = [{"algorithm": "grpo", "reward": {"source": "judge", "judge": {"generation": {"max_model_len": 129}}}},
+              {"algorithm": "grpo", "reward": {"source": "judge", "judge": {
+                  "model": str(judge_dir), "generation": {"max_model_len": 65}}}},
+              {"algorithm": "grpo", "reward": {"source": "judge", "judge": {"generation": {"max_model_len": 128}}}}]
+    found = problems(None, "judge={}", f"rounds={json.dumps(rounds)}", f"infra.storage.root={tmp_path}")
+    assert [p.split(" (from the command line: rounds=[")[0] for p in found] == [
+        "rounds.0.reward.judge.generation.max_model_len: 129 positions, more than the judge model's 128",
+        "rounds.1.reward.judge.generation.max_model_len: 65 positions, more than the judge model's 64"], found
 
 
 def test_agent_config_problems_are_each_named_with_their_field_before_anything_starts(tmp_path):
