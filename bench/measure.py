@@ -110,7 +110,7 @@ def micro_batch_args(p) -> None:
     """The arguments of a bench on one RL micro-batch (bench/shared_prefix.py, bench/launches.py): the device,
     the model, and `--groups` prompts of `--prompt-tokens` random tokens with `--samples` responses each."""
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--model", default=None, help="issue14 (CPU default), gpu-small (GPU default) or a directory")
+    p.add_argument("--model", default=None, help="issue14 (CPU default), 30m, gpu-small (GPU default) or a directory")
     p.add_argument("--groups", type=int, default=8)
     p.add_argument("--samples", type=int, default=8)
     p.add_argument("--prompt-tokens", type=int, default=26)

@@ -57,6 +57,8 @@ def rl_round(stage: PlannedStage, inputs: RoundInputs, ctx: RunContext) -> Stage
                 f"{field}.reward.judge.generation.max_model_len")
             if inputs.judge else None,
         )
+        if setup.judge_max_model_len:  # the judge engine's positions: its prompts past them are rl/judge/overlong
+            run.log_metrics({"rl/judge/positions": float(setup.judge_max_model_len)})
         ensure_ray(ctx.infra)
         rl = RLRound(round_cfg, setup)
         checkpoints = StageCheckpoints(storage, out.uri, stage.name, round_cfg.checkpoint_every)

@@ -30,7 +30,7 @@ def test_a_judge_trained_evaluated_and_rewarding_a_round(small_pipeline_args, cl
     m = runs["round_1"].data.metrics
     assert m["rl/steps"] == 2 and m["rl/reward/task_mean"] == pytest.approx(m["rl/reward/judge"], abs=1e-6)
     # Every sample's verdict was asked in the 100 positions given (none too long), and each verdict is counted.
-    assert m["rl/judge/overlong"] == 0 and m["rl/judge/verdicts_per_s"] > 0
+    assert m["rl/judge/positions"] == 100 and m["rl/judge/overlong"] == 0 and m["rl/judge/verdicts_per_s"] > 0
     assert 0 <= m["rl/judge/unscored"] <= m["rl/judge/unparsed"] <= 16
 
     e = runs["eval_judge"].data.metrics
