@@ -43,18 +43,21 @@ def drop_ids_past(logprobs: torch.Tensor, ids: torch.Tensor, rows: int) -> tuple
     assert that ends the run). Also returns what was dropped: `entries`, the teacher's probability `mass`
     on them, and `positions` (B, L-1) bool, where no entry is left to learn from."""
     past = ids >= rows
-    dropped = {"entries": int(past.sum()), "mass": float(logprobs[past].exp().sum()), "positions": past.all(-1)}
-    if not dropped["entries"]:
-        return logprobs, ids, dropped
-    return (torch.where(past, torch.full_like(logprobs, NO_STUDENT_ROW), logprobs),
-            torch.where(past, torch.zeros_like(ids), ids), dropped)
+    dropped = {"entries": int(past.sum()), "mass": float(logprobs[past].exp().sum())}
+    if dropped["entries"]:
+        logprobs = torch.where(past, torch.full_like(logprobs, NO_STUDENT_ROW), logprobs)
+        ids = torch.where(past, torch.zeros_like(ids), ids)
+    # Dropped now, or when the teacher's pass was kept (a cache read back): every entry NO_STUDENT_ROW.
+    dropped["positions"] = (logprobs == NO_STUDENT_ROW).all(-1)
+    return logprobs, ids, dropped
 
 
 def _say_dropped(stage: str, dropped: dict, k: int) -> None:
-    if dropped["entries"]:
+    empty = int(dropped["positions"].sum())
+    if dropped["entries"] or empty:
         log.warning("%s: %d of the teacher's top-%d tokens (probability mass %.3g in all) have no row in the "
                     "student's output layer and are left out; %d positions keep none and train on nothing",
-                    stage, dropped["entries"], k, dropped["mass"], int(dropped["positions"].sum()))
+                    stage, dropped["entries"], k, dropped["mass"], empty)
 
 
 def _sft_rows(tokenizer, data: StageResult, ctx: RunContext):

@@ -141,8 +141,10 @@ def test_teacher_tokens_past_the_students_rows_are_left_out_counted_and_renormal
     assert math.isfinite(loss.item()) and intact.item() == pytest.approx(at_bt, rel=1e-5)
 
     top[b, t, :, 1] = vocab  # every one of its five past the student's rows: nothing left to learn there
-    _, _, dropped = drop_ids_past(top[..., 0], top[..., 1].long(), vocab)
+    logprobs, ids, dropped = drop_ids_past(top[..., 0], top[..., 1].long(), vocab)
     assert dropped["entries"] == 5 and torch.equal(dropped["positions"].nonzero(), torch.tensor([[b, t]]))
+    _, _, again = drop_ids_past(logprobs, ids, vocab)  # the kept pass read back by distill: still found empty
+    assert again["entries"] == 0 and torch.equal(again["positions"].nonzero(), torch.tensor([[b, t]]))
 
 
 def _only_at(loss_mask: torch.Tensor, b: int, position: int) -> torch.Tensor:
