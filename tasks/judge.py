@@ -65,19 +65,18 @@ def evaluate_judge(stage: PlannedStage, inputs: JudgeEvalInputs, ctx: RunContext
     def compute(output: StageOutput, run) -> dict[str, float]:
         pairs = judged_pairs(load_split(inputs.data, ctx, "eval_preference"))
         judge_dir = ctx.tokenizer_dir(inputs.judge)
-        tokenizer, g = models.load_tokenizer(judge_dir), cfg.judge.generation
+        tokenizer, g, items = models.load_tokenizer(judge_dir), cfg.judge.generation, [item for item, _ in pairs]
+        ids = Judge.prompt_ids(tokenizer, cfg.judge, items)
         # The engine holds what these prompts need, not the model's whole context: vLLM reserves KV cache for
         # one sequence of max_model_len to start (a long-context judge's would not fit a shared GPU).
-        positions = min(models.max_positions(judge_dir),
-                        max(Judge.prompt_tokens(tokenizer, cfg.judge, [item for item, _ in pairs]), default=0)
-                        + g.max_new_tokens)
+        positions = min(models.max_positions(judge_dir), max(map(len, ids), default=0) + g.max_new_tokens)
         ensure_ray(ctx.infra)
         engines = start_engines(g, ctx.ref(inputs.judge), count=1, seeds=[derive_seed(cfg.seed, "judge")],
                                 dtype=cfg.io.dtype, torch_threads=ctx.infra.torch_threads, max_model_len=positions,
                                 attn_implementation=cfg.io.attn_implementation)
         try:
             judge_ = Judge(engines, tokenizer, cfg.judge, positions - g.max_new_tokens)
-            texts, overlong = judge_.verdicts([item for item, _ in pairs])
+            texts, overlong = judge_.verdicts(items, ids)
         finally:
             engines.shutdown()
         right = {True: cfg.judge.scores[VERDICTS[True]], False: cfg.judge.scores[VERDICTS[False]]}

@@ -34,12 +34,12 @@ def prompt_text(prompt: str | Sequence[dict]) -> str:
 
 
 def judge_positions(model_positions: int, generation, field: str) -> int:
-    """The judge engine's positions (its max_model_len): `generation.max_model_len` (JudgeGeneration), or
-    the model's own. More than the model has is refused, naming `field`."""
-    want = generation.max_model_len
-    if want is not None and want > model_positions:
-        raise ConfigError(f"{field}: {want} positions, more than the judge model's {model_positions}")
-    return model_positions if want is None else want
+    """The judge engine's positions (its max_model_len, JudgeGeneration.engine_positions), a refusal
+    naming `field`."""
+    try:
+        return generation.engine_positions(model_positions)
+    except ValueError as err:
+        raise ConfigError(f"{field}: {err}") from None
 
 
 def judge_messages(template: str, item: ScoredText) -> list[dict]:
@@ -80,16 +80,12 @@ class Judge:
         """The judge's prompt of each item, rendered by its chat template: token ids."""
         return [render_prompt(tokenizer, judge_messages(cfg.template, item)) for item in items]
 
-    @staticmethod
-    def prompt_tokens(tokenizer, cfg: JudgeRewardConfig, items: list[ScoredText]) -> list[int]:
-        """How many tokens each item's judge prompt takes."""
-        return [len(x) for x in Judge.prompt_ids(tokenizer, cfg, items)]
-
-    def verdicts(self, items: list[ScoredText]) -> tuple[list[list[str]], int]:
+    def verdicts(self, items: list[ScoredText], ids: list[list[int]] | None = None) -> tuple[list[list[str]], int]:
         """Each item's verdict texts (`generation.num_samples` of them; none for a judge prompt over the
-        judge's positions), and how many prompts were too long."""
+        judge's positions), and how many prompts were too long. `ids`: the items' prompt_ids, where the
+        caller has rendered them already."""
         g = self.cfg.generation
-        ids = self.prompt_ids(self.tokenizer, self.cfg, items)
+        ids = self.prompt_ids(self.tokenizer, self.cfg, items) if ids is None else ids
         fits = [i for i, x in enumerate(ids) if len(x) <= self.max_prompt_tokens]
         texts: list[list[str]] = [[] for _ in items]
         if fits:
