@@ -91,9 +91,11 @@ def _named_models(cfg: PipelineConfig, found: Findings, base: int | None) -> Non
             _model_at(f"rounds.{i}.teacher", r.teacher, found)
         j, field = r.reward.judge, f"rounds.{i}.reward.judge"
         has = r.reward.uses_judge and (base if j.model is None else _model_at(f"{field}.model", j.model, found))
-        if has and (j.generation.max_model_len or 0) > has:
-            found.fail(f"{field}.generation.max_model_len", f"{j.generation.max_model_len} positions, more than "
-                       f"the judge model's {has}")
+        try:
+            if has:
+                j.generation.engine_positions(has)
+        except ValueError as err:
+            found.fail(f"{field}.generation.max_model_len", str(err))
     if cfg.distill is not None and cfg.distill.teacher not in cfg.policies_before(len(cfg.rounds)):
         _model_at("distill.teacher", cfg.distill.teacher, found)
 

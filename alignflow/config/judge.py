@@ -57,6 +57,13 @@ class JudgeGeneration(GenerationConfig):
         "GPU. Longer judge prompts are counted (judge/overlong) and score unparsed_reward; None: the judge "
         "model's max_position_embeddings")
 
+    def engine_positions(self, model_positions: int) -> int:
+        """The judge engine's positions: max_model_len, or the model's own; more than the model has is a
+        ValueError (preflight and the round both ask it)."""
+        if self.max_model_len is not None and self.max_model_len > model_positions:
+            raise ValueError(f"{self.max_model_len} positions, more than the judge model's {model_positions}")
+        return model_positions if self.max_model_len is None else self.max_model_len
+
     @model_validator(mode="after")
     def _room_for_a_verdict(self) -> JudgeGeneration:
         if self.max_model_len is not None and self.max_model_len <= self.max_new_tokens:
