@@ -195,12 +195,17 @@ def model_named(name: str) -> str:
     return build_model(None, name)
 
 
+def model_name(args) -> str:
+    """`--model`, or the device's default: gpu-small on a GPU, issue 14's shape on the CPU."""
+    return args.model or ("gpu-small" if args.device == "cuda" else "issue14")
+
+
 def bench_policy(args):
     """(model, its name, dtype): `args.model` (a directory, or built: model_named) on `args.device`, bf16 on a
     GPU and fp32 on the CPU."""
     from engines.models import load_policy
 
-    shape = args.model or ("gpu-small" if args.device == "cuda" else "issue14")
+    shape = model_name(args)
     dtype = "bfloat16" if args.device == "cuda" else "float32"
     return load_policy(model_named(shape), dtype).to(args.device), shape, dtype
 

@@ -37,7 +37,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from measure import count_ray_calls, forward_flops, peak_tflops, synchronized  # bench/measure.py, beside this script
-from rl_step import model_named, word_corpus  # bench/rl_step.py
+from rl_step import model_name, model_named, word_corpus  # bench/rl_step.py
 
 KL_COEF, LR = 0.04, 1e-5
 ROWS = ["step", "generate", "reference", "score", "train", "weight update"]
@@ -233,7 +233,7 @@ def main() -> None:
     if (args.prompts * args.samples) % args.micro_rows:
         raise SystemExit(f"--micro-rows {args.micro_rows} must divide prompts x samples "
                          f"({args.prompts * args.samples}): TRL accumulates whole micro-batches")
-    shape = args.model or ("gpu-small" if args.device == "cuda" else "issue14")
+    shape = model_name(args)
     args.model = model_named(shape)
     built = None if Path(shape).is_dir() else args.model  # built for this run: removed after it
     texts = prompt_texts(args.model, args.prompts, args.prompt_tokens)
