@@ -47,12 +47,14 @@ class LengthReport:
 
 
 def filter_prompts(
-    tokenizer, records: list[dict], max_prompt_tokens: int, split: str
+    tokenizer, records: list[dict], max_prompt_tokens: int, split: str,
+    render: Callable[[dict], list[int]] | None = None,
 ) -> tuple[list[tuple[list[int], dict]], LengthReport]:
-    """(prompt ids, record) for every record whose prompt fits; counts the rest."""
+    """(prompt ids, record) for every record whose prompt fits; counts the rest. `render`: a record's prompt
+    ids, where they are not its prompt and "tools" through the chat template (an environment's episodes)."""
     kept = []
     for r in records:
-        ids = render_prompt(tokenizer, r["prompt"], r.get("tools"))
+        ids = render(r) if render else render_prompt(tokenizer, r["prompt"], r.get("tools"))
         if len(ids) <= max_prompt_tokens:
             kept.append((ids, r))
     report = LengthReport(total=len(records), overlong=len(records) - len(kept), max_prompt_tokens=max_prompt_tokens)

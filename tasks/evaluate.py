@@ -24,6 +24,7 @@ from alignflow.cluster import ensure_ray
 from alignflow.config import EvalConfig, Placement
 from alignflow.records import StageResult
 from engines import batches, models
+from engines.rollout.agentic import episode_start
 from engines.rollout.episodes import episode_metrics, report_failures
 from engines.rl import experience
 from alignflow.config.loading import load_callable
@@ -74,7 +75,8 @@ def evaluate_policy(stage: PlannedStage, inputs: PolicyEvalInputs, ctx: RunConte
         prompt_limit, model_len = limits.for_generation(
             env.max_episode_tokens if env else cfg.generation.max_new_tokens, policy_dir, "evaluation.",
             "environment.max_episode_tokens" if env else "generation.max_new_tokens")
-        kept, report = batches.filter_prompts(tokenizer, records, prompt_limit, "eval")
+        kept, report = batches.filter_prompts(tokenizer, records, prompt_limit, "eval",
+                                              episode_start(tokenizer, env) if env else None)
         prompt_ids = [ids for ids, _ in kept]
 
         ensure_ray(ctx.infra)

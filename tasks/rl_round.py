@@ -15,6 +15,7 @@ from engines import batches, models
 from engines.rl.judge import judge_positions
 from engines.rl.round import RLRound
 from engines.rl.round_models import RoundSetup
+from engines.rollout.agentic import episode_start
 from tasks.checkpoints import StageCheckpoints
 from tasks.context import RunContext, StageOutput, compute_stage
 from tasks.data import load_split, token_limits
@@ -40,8 +41,8 @@ def rl_round(stage: PlannedStage, inputs: RoundInputs, ctx: RunContext) -> Stage
         prompt_limit, model_len = limits.for_generation(
             env.max_episode_tokens if env else round_cfg.generation.max_new_tokens, policy_dir, f"{stage.name}: ",
             "environment.max_episode_tokens" if env else "generation.max_new_tokens")
-        prompts, report = batches.filter_prompts(tokenizer, load_split(inputs.data, ctx, "prompts"),
-                                                 prompt_limit, "prompts")
+        prompts, report = batches.filter_prompts(tokenizer, load_split(inputs.data, ctx, "prompts"), prompt_limit,
+                                                 "prompts", episode_start(tokenizer, env) if env else None)
         run.log_metrics(report.as_metrics("prompts"))
         setup = RoundSetup(
             # A distillation round's frozen log-prob model is its teacher (alignflow/algorithms.py).

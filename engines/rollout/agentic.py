@@ -3,8 +3,11 @@ user's agent driving them through the endpoint of engines/rollout/endpoint.py.""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from engines.rollout.base import Rollout, Sampling
 from engines.rollout.endpoint import agent_episodes
+from engines.rollout.episode_tokens import EpisodeTokens
 from engines.rollout.episodes import EpisodeLimits, run_episodes
 
 
@@ -24,3 +27,22 @@ def episodes_on(engine, records: list[dict], sampling: Sampling, env, max_model_
                               decode, limits)
     return run_episodes(engine, tok, records, sampling.n, sampling, lambda: make_environment(env.name, env.kwargs),
                         limits, decode)
+
+
+def episode_start(tokenizer, env) -> Callable[[dict], list[int]]:
+    """A record's prompt ids as the episodes of `env` (EnvironmentConfig) start: its prompt as chat messages (a
+    string is one user turn, as ToolEnvironment.reset makes it) rendered with the environment's tool schemas,
+    or for an agent's episodes with the record's own "tools". What a round's and an evaluation's prompt limit
+    measures. An environment whose reset writes another first observation starts elsewhere: its episodes find
+    their room when they start (one with none is truncated before its first turn, counted and named)."""
+    from alignflow.agents.environment import make_environment
+
+    schemas = None if env.agent else [t.schema for t in make_environment(env.name, env.kwargs).tools] or None
+    own = EpisodeTokens(tokenizer, schemas)
+
+    def start(record: dict) -> list[int]:
+        prompt = record["prompt"]
+        messages = list(prompt) if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+        return (EpisodeTokens(tokenizer, record.get("tools")) if env.agent else own).start(messages)
+
+    return start

@@ -184,7 +184,7 @@ class ChatEndpoint:
             seq = self.sequences.get(episode)
             extends = seq is not None and said[: len(seq.messages)] == seq.messages and len(said) > len(seq.messages)
             if extends:
-                more = tokens.observation(messages[len(seq.messages):], ended=not seq.last_cut)
+                more = tokens.observation(messages[len(seq.messages):], seq.tokens[-1] if seq.tokens else None)
                 base = _Sequence(said, seq.prompt_ids, seq.tokens + more, seq.logprobs + [0.0] * len(more),
                                  seq.sampled + [0] * len(more))
             else:
@@ -211,8 +211,10 @@ class ChatEndpoint:
                                                     last_cut=not eos, last_text=text)
                 stats["turns"] += 1
                 stats["cut_turns"] += int(not eos)
-                stats["tool_calls"] += len(calls)  # the model's calls as the template writes them (running them
-                stats["invalid_calls"] += text.count("<tool_call>") - len(calls)  # is the agent's part)
+                # the model's calls as the template writes them, those that do not parse among them, as an
+                # environment's episodes count them (running them is the agent's part)
+                stats["tool_calls"] += text.count("<tool_call>")
+                stats["invalid_calls"] += text.count("<tool_call>") - len(calls)
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
                 "model": body.get("model", "policy"),
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": text,

@@ -31,13 +31,15 @@ class EpisodeTokens:
         """The episode's prompt: its first observation, the tools and the generation prompt."""
         return self._encode(self._render(messages, generation_prompt=True))
 
-    def observation(self, messages: list[dict], ended: bool = True) -> list[int]:
-        """The tokens after a turn: the template's end of that turn (all of it where the turn was cut by its
-        token limit, `ended` False; what follows EOS where the model ended it), `messages` and the next
-        generation prompt."""
+    def observation(self, messages: list[dict], last_token: int | None) -> list[int]:
+        """The tokens after a turn whose last sampled token was `last_token`: the template's end of that turn,
+        `messages` and the next generation prompt. Where the model ended the turn with the tokenizer's EOS,
+        the template's EOS that follows the turn is not written again; a turn that ended any other way (cut by
+        its token limit, or at another of the model's stop ids, such as Qwen2.5's <|endoftext|> where its turns
+        end in <|im_end|>: vLLM stops at every id of the model's generation config) gets the whole end."""
         full = self._render(self._probe + list(messages), generation_prompt=True)
         after = full[full.rindex(PROBE) + len(PROBE):]  # the end of the turn, the observation, the next prompt
-        # A turn the model ended itself ends in EOS; where the template writes EOS first, it is not repeated.
+        ended = last_token is not None and last_token == self.tokenizer.eos_token_id
         if ended and self._eos and after.startswith(self._eos):
             after = after[len(self._eos):]
         return self._encode(after)

@@ -74,6 +74,7 @@ class _Episode:
     last_text: str = ""
     stats: dict = field(default_factory=lambda: {k: 0 for k in EPISODE_STATS})
     error: str | None = None
+    truncated_by: str | None = None
     ended: bool = False
     finished: bool = True
     last_cut: bool = False
@@ -129,13 +130,18 @@ def run_episodes(engine, tokenizer, records: list[dict], n: int, sampling: Sampl
         ep.stats["failed"], ep.stats["return"] = 1, limits.failure_reward
         ep.turn_rewards = [(last_sampled(ep.sampled), limits.failure_reward)]
 
-    def truncate(ep: _Episode) -> None:
-        ep.ended, ep.finished, ep.stats["truncated"] = True, False, 1
+    def truncate(ep: _Episode, why: str) -> None:
+        ep.ended, ep.finished, ep.stats["truncated"], ep.truncated_by = True, False, 1, why
 
-    def next_turn(ep: _Episode) -> None:
-        budget, _ = limits.turn_budget(ep.stats["turns"], len(ep.prompt_ids), len(ep.tokens))
+    def next_turn(ep: _Episode, more: list[int]) -> None:
+        """The episode's next turn, after the observation tokens `more`. Where the limits leave no room for one,
+        the episode is truncated and `more` is not kept: no turn reads it, and it could pass the context."""
+        budget, why = limits.turn_budget(ep.stats["turns"], len(ep.prompt_ids), len(ep.tokens) + len(more))
         if budget < 1:
-            return truncate(ep)
+            return truncate(ep, why)
+        ep.tokens += more
+        ep.logprobs += [0.0] * len(more)
+        ep.sampled += [0] * len(more)
         engine.add(ep.row, ep.prompt_ids + ep.tokens, Sampling(n=1, temperature=sampling.temperature,
                                                                top_p=sampling.top_p, max_new_tokens=budget,
                                                                ignore_eos=sampling.ignore_eos))
@@ -143,7 +149,7 @@ def run_episodes(engine, tokenizer, records: list[dict], n: int, sampling: Sampl
     def observed(ep: _Episode, what: str, result) -> None:
         if what == "reset":
             ep.prompt_ids = tokens.start(result)
-            return next_turn(ep)
+            return next_turn(ep, [])
         obs, reward, done, info = _checked_step(result)
         for k in ("tool_calls", "invalid_calls", "tool_errors"):
             ep.stats[k] += int(info.get(k, 0))
@@ -156,10 +162,7 @@ def run_episodes(engine, tokenizer, records: list[dict], n: int, sampling: Sampl
             if ep.last_cut:
                 ep.finished, ep.stats["truncated"] = False, 1
             return
-        ep.tokens += (more := tokens.observation(obs, ended=not ep.last_cut))
-        ep.logprobs += [0.0] * len(more)
-        ep.sampled += [0] * len(more)
-        next_turn(ep)
+        next_turn(ep, tokens.observation(obs, ep.tokens[-1] if ep.tokens else None))
 
     by_row = {ep.row: ep for ep in episodes}
     for ep, record in zip(episodes, (r for r in records for _ in range(n))):
@@ -178,7 +181,7 @@ def run_episodes(engine, tokenizer, records: list[dict], n: int, sampling: Sampl
             ep.prompt_ids = tokens.start([{"role": "user", "content": ""}])
     return [Rollout(prompt_index=ep.prompt_index, prompt_ids=ep.prompt_ids, token_ids=ep.tokens, text=ep.last_text,
                     logprobs=ep.logprobs, finished=ep.finished, sampled=ep.sampled, turn_rewards=ep.turn_rewards,
-                    episode={**ep.stats, "error": ep.error}) for ep in episodes]
+                    episode={**ep.stats, "error": ep.error, "truncated_by": ep.truncated_by}) for ep in episodes]
 
 
 def _run(engine, pending: dict, by_row: dict, observed: Callable, fail: Callable, call: Callable, decode: Callable,
@@ -190,7 +193,9 @@ def _run(engine, pending: dict, by_row: dict, observed: Callable, fail: Callable
             ep, what, _ = pending.pop(future)
             try:
                 observed(ep, what, future.result())
-            except Exception as e:
+            except BaseException as e:  # SystemExit from a tool, CancelledError from asyncio: that episode's end
+                if isinstance(e, KeyboardInterrupt):
+                    raise
                 fail(ep, f"environment {what}: {type(e).__name__}: {e}")
         now = time.monotonic()
         for future in [f for f, (_, _, deadline) in pending.items() if deadline < now]:
@@ -211,12 +216,26 @@ def _run(engine, pending: dict, by_row: dict, observed: Callable, fail: Callable
                  return_when=FIRST_COMPLETED)
 
 
+class NothingSampled(RuntimeError):
+    """Not one episode of a batch got to sample a token: each failed or was truncated before its first turn."""
+
+
 def report_failures(rollouts: list[Rollout], where: str) -> None:
-    """A warning naming how many episodes failed and the first few distinct reasons (each one's `error`)."""
-    errors = [r.episode["error"] for r in rollouts if r.episode is not None and r.episode.get("error")]
-    if errors:
-        reasons = list(dict.fromkeys(errors))[:3]
-        log.warning("%s: %d of %d episodes failed: %s", where, len(errors), len(rollouts), "; ".join(reasons))
+    """Warnings naming how many episodes failed, and how many were truncated before their first turn (their first
+    observation leaves the model no room), each with the first few distinct reasons. Where no episode sampled a
+    token at all, NothingSampled: a round would train on nothing and an evaluation score nothing."""
+    episodes = [r.episode for r in rollouts if r.episode is not None]
+    errors = [e["error"] for e in episodes if e.get("error")]
+    unstarted = [e["truncated_by"] for e in episodes if e.get("truncated_by") and not e["turns"]]
+    for what, reasons in (("failed", errors), ("were truncated before their first turn", unstarted)):
+        if reasons:
+            log.warning("%s: %d of %d episodes %s: %s", where, len(reasons), len(rollouts), what,
+                        "; ".join(list(dict.fromkeys(reasons))[:3]))
+    if episodes and not any(any(r.sampled) if r.sampled is not None else r.token_ids for r in rollouts):
+        reasons = list(dict.fromkeys(errors + unstarted))[:3]
+        raise NothingSampled(f"{where}: none of the {len(rollouts)} episodes sampled a token "
+                             f"({len(errors)} failed, {len(unstarted)} truncated before their first turn): "
+                             + "; ".join(reasons))
 
 
 def episode_metrics(rollouts: list[Rollout], prefix: str = "agent") -> dict[str, float]:

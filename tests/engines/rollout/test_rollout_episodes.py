@@ -15,7 +15,9 @@ from alignflow.config import SyntheticTaskConfig
 from alignflow.data import agent_task
 from engines.rl.experience import from_rollouts
 from engines.rollout.base import Sampling
-from engines.rollout.episodes import EpisodeLimits, episode_metrics, run_episodes
+from engines.rollout.episode_tokens import EpisodeTokens
+from engines.rollout.episodes import (EpisodeLimits, NothingSampled, episode_metrics, report_failures,
+                                    run_episodes)
 
 SAMPLING = Sampling(n=1, temperature=1.0, max_new_tokens=32)
 
@@ -109,6 +111,8 @@ class Modes(ToolEnvironment):
             RELEASE.wait(60)
         if self.mode == "crash":
             raise OSError("environment died")
+        if self.mode == "exit":  # a tool that calls sys.exit, or asyncio's CancelledError: BaseExceptions
+            raise SystemExit(3)
         if self.mode == "malformed_return":
             return [], 1.0
         return super().step(message)
@@ -116,13 +120,14 @@ class Modes(ToolEnvironment):
 
 def test_malformed_calls_raising_tools_hanging_and_crashing_environments_each_get_a_counted_outcome(tok):
     modes = ["malformed_call", "raising_tool", "hang", "crash", "crash_reset", "malformed_return", "turns", "cut",
-             "cut_answer"]
+             "cut_answer", "exit"]
     records = [{"prompt": [{"role": "user", "content": agent_task.question(42)}], "answer": "17",
                 "boxes": {"42": 17}, "mode": m} for m in modes]
     call, answer = ids(tok, agent_task.call_text(42)), ids(tok, "17")
     bad_json, wrong_box = ids(tok, "<tool_call>{oops</tool_call>"), ids(tok, agent_task.call_text(99))
     engine = Scripted({0: [bad_json, answer], 1: [wrong_box, answer], 2: [answer], 3: [answer], 5: [answer],
-                       6: [call, call, call], 7: [call[:5], answer], 8: [answer[:1]]}, cut={(7, 0), (8, 0)})
+                       6: [call, call, call], 7: [call[:5], answer], 8: [answer[:1]], 9: [answer]},
+                      cut={(7, 0), (8, 0)})
     try:
         rollouts = run_episodes(engine, tok, records, 1, SAMPLING, Modes, limits(max_turns=3, step_timeout_s=0.5),
                                 lambda t: tok.decode(t, skip_special_tokens=True))
@@ -135,14 +140,18 @@ def test_malformed_calls_raising_tools_hanging_and_crashing_environments_each_ge
     assert "OSError: environment died" in got["crash"]["error"]
     assert "environment reset: RuntimeError: no sandbox" in got["crash_reset"]["error"]
     assert "not (observation, reward, done, info)" in got["malformed_return"]["error"]
-    for m in ("hang", "crash", "crash_reset", "malformed_return"):
+    assert "environment step: SystemExit: 3" in got["exit"]["error"]  # that episode's end, not the loop's
+    for m in ("hang", "crash", "crash_reset", "malformed_return", "exit"):
         assert got[m]["failed"] == 1 and got[m]["return"] == -1.0, m
     assert got["turns"]["truncated"] == 1 and got["turns"]["turns"] == 3 and got["turns"]["tool_calls"] == 3
+    assert got["turns"]["truncated_by"] == "the episode has had its max_turns=3 turns"
+    turns = rollouts[modes.index("turns")]  # the last call's result is read by no turn, and is not kept
+    assert turns.token_ids[-len(call):] == call
     # A cut turn goes to the environment all the same (here an unclosed call, invalid), and is counted;
     # an episode whose last turn was cut counts as truncated.
     assert got["cut"]["cut_turns"] == 1 and got["cut"]["invalid_calls"] == 1 and got["cut"]["success"] == 1
     assert got["cut"]["truncated"] == 0 and got["cut_answer"]["truncated"] == 1 and got["cut_answer"]["turns"] == 1
-    assert [r.finished for r in rollouts] == [True] * 6 + [False, True, False]
+    assert [r.finished for r in rollouts] == [True] * 6 + [False, True, False, True]
     cut = rollouts[modes.index("cut")]  # the template's end of the cut turn is the environment's, masked
     end = ids(tok, "<|end|><|system|>error: a <tool_call> was opened and never closed<|assistant|>", eos=False)
     assert cut.token_ids == call[:5] + end + answer and cut.sampled == [1] * 5 + [0] * len(end) + [1] * len(answer)
@@ -151,8 +160,8 @@ def test_malformed_calls_raising_tools_hanging_and_crashing_environments_each_ge
     crashed_at_reset = rollouts[modes.index("crash_reset")]
     assert crashed_at_reset.prompt_ids and crashed_at_reset.token_ids == []  # a prompt, nothing to train on
     metrics = episode_metrics(rollouts)
-    assert metrics["agent/failed_fraction"] == 4 / 9 and metrics["agent/truncated_fraction"] == 2 / 9
-    assert metrics["agent/invalid_calls_per_episode"] == 2 / 9 and metrics["agent/success_rate"] == 3 / 9
+    assert metrics["agent/failed_fraction"] == 5 / 10 and metrics["agent/truncated_fraction"] == 2 / 10
+    assert metrics["agent/invalid_calls_per_episode"] == 2 / 10 and metrics["agent/success_rate"] == 3 / 10
     exp = from_rollouts(rollouts, tok.pad_token_id)  # the whole batch still makes one Experience
     assert exp.action_mask[modes.index("crash_reset")].sum() == 0
 
@@ -199,12 +208,71 @@ THINKING_TEMPLATE = (
 
 
 def test_observation_tokens_come_from_what_follows_the_turn_whatever_the_template_does_to_earlier_turns(tok):
-    from engines.rollout.episode_tokens import EpisodeTokens
-
     thinking = copy.deepcopy(tok)
     thinking.chat_template = THINKING_TEMPLATE
+    other_stop = tok("7", add_special_tokens=False)["input_ids"][-1]
     for t in (tok, thinking):
-        obs = EpisodeTokens(t).observation([{"role": "tool", "content": "17"}])
+        obs = EpisodeTokens(t).observation([{"role": "tool", "content": "17"}], t.eos_token_id)
         assert t.decode(obs) == "<|system|>17<|assistant|>"
-        cut = EpisodeTokens(t).observation([{"role": "tool", "content": "17"}], ended=False)
-        assert t.decode(cut) == "<|end|><|system|>17<|assistant|>"  # the template closes a cut turn
+        # The template closes a turn that did not end in the tokenizer's EOS: one cut by its token limit, or
+        # one ended at another of the model's stop ids (vLLM stops at each id of its generation config).
+        cut = EpisodeTokens(t).observation([{"role": "tool", "content": "17"}], other_stop)
+        assert t.decode(cut) == "<|end|><|system|>17<|assistant|>"
+
+
+def test_an_episode_never_keeps_tokens_past_its_limits_and_says_which_limit_ended_it(tok):
+    """An observation that leaves no room for another turn is not kept (no turn reads it: a tool's long output
+    would otherwise carry the episode past max_episode_tokens and the model's context), and a first observation
+    that leaves none truncates the episode before its first turn, named in a warning."""
+    record = {"prompt": [{"role": "user", "content": agent_task.question(42)}], "answer": "17", "boxes": {"42": 17}}
+    call = ids(tok, agent_task.call_text(42))
+    env = BoxesEnvironment()
+    start = EpisodeTokens(tok, [t.schema for t in env.tools]).start(env.reset(record))
+    observation = ids(tok, "<|system|>17<|assistant|>", eos=False)
+    room = len(call) + len(observation) - 1  # the call fits; the call and its result do not
+    [r] = run_episodes(Scripted({0: [call, call]}), tok, [record], 1, SAMPLING, BoxesEnvironment,
+                       limits(max_episode_tokens=room), lambda t: tok.decode(t, skip_special_tokens=True))
+    assert r.token_ids == call and r.sampled == [1] * len(call) and len(r.token_ids) <= room
+    assert r.episode["truncated"] == 1 and r.episode["truncated_by"] == f"the episode has used its max_episode_tokens={room}"
+    context = len(start) + len(call) + len(observation)  # the same where the model's context is what is short
+    [r] = run_episodes(Scripted({0: [call, call]}), tok, [record], 1, SAMPLING, BoxesEnvironment,
+                       limits(max_model_len=context), lambda t: tok.decode(t, skip_special_tokens=True))
+    assert len(r.prompt_ids) + len(r.token_ids) < context and "fills the model's context" in r.episode["truncated_by"]
+
+
+def test_a_batch_where_no_episode_sampled_a_token_is_an_error_naming_why(tok, caplog):
+    record = {"prompt": [{"role": "user", "content": agent_task.question(42)}], "answer": "17", "boxes": {"42": 17}}
+    answer = ids(tok, "17")
+    decode = lambda t: tok.decode(t, skip_special_tokens=True)  # noqa: E731
+    env = BoxesEnvironment()
+    short = len(EpisodeTokens(tok, [t.schema for t in env.tools]).start(env.reset(record)))
+    unstarted = run_episodes(Scripted({0: [answer], 1: [answer]}), tok, [record], 2, SAMPLING, BoxesEnvironment,
+                             limits(max_model_len=short), decode)  # the prompt alone fills the context
+    assert [r.episode["turns"] for r in unstarted] == [0, 0] and all(r.episode["truncated"] for r in unstarted)
+    with pytest.raises(NothingSampled, match=r"none of the 2 episodes sampled a token \(0 failed, 2 truncated before "
+                                             r"their first turn\): the conversation fills the model's context"):
+        report_failures(unstarted, "round step 3")
+    crashed = run_episodes(Scripted({}), tok, [{**record, "mode": "crash_reset"}], 1, SAMPLING, Modes, limits(),
+                           decode)
+    with pytest.raises(NothingSampled, match="1 failed, 0 truncated.*environment reset: RuntimeError: no sandbox"):
+        report_failures(crashed, "eval")
+    [one] = run_episodes(Scripted({0: [answer]}), tok, [record], 1, SAMPLING, BoxesEnvironment, limits(), decode)
+    with caplog.at_level("WARNING", logger="alignflow"):  # one episode that sampled: a warning, and no error
+        report_failures(unstarted + [one], "round step 4")
+    assert "2 of 3 episodes were truncated before their first turn: the conversation fills" in caplog.text
+
+
+def test_a_prompt_limit_measures_the_prompt_an_environments_episode_starts_with(tok):
+    """A string prompt becomes a user turn and the environment's tools are listed (its schemas through the
+    template): the filter measures that, where the record alone measures shorter."""
+    from alignflow.config import EnvironmentConfig
+    from engines.batches import filter_prompts, render_prompt
+    from engines.rollout.agentic import episode_start
+
+    record = {"prompt": agent_task.question(42), "answer": "17", "boxes": {"42": 17}}
+    env = BoxesEnvironment()
+    started = EpisodeTokens(tok, [t.schema for t in env.tools]).start(env.reset(record))
+    measure = episode_start(tok, EnvironmentConfig(name="boxes"))
+    assert measure(record) == started and len(started) > len(render_prompt(tok, record["prompt"]))
+    kept, report = filter_prompts(tok, [record, {**record, "prompt": "x"}], len(started) - 1, "prompts", measure)
+    assert [r["prompt"] for _, r in kept] == ["x"] and report.overlong == 1
