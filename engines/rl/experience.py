@@ -166,7 +166,8 @@ def with_advantages(exp: Experience, *, estimator: str, whiten: bool, group_size
         advantages, returns = estimator(token_rewards, values, ...);  advantages whitened when `whiten`
 
     A teacher's pull is taken at the student's log-probs of its samples: the old ones where the step
-    measured them, else the sampler's (`rollout_logprobs`).
+    measured them, else the sampler's (`rollout_logprobs`: a synchronous round's sampler holds the policy
+    the step trains; an asynchronous round measures them, engines/rl/updates.py `on_policy`).
 
     `std_norm` (group estimators: divide by the group std or not) reaches the estimator only when
     set; None leaves the estimator's own default. Needs `rewards` (`old_logprobs` and `ref_logprobs`

@@ -111,8 +111,11 @@ class PolicyGradientUpdate:
     @staticmethod
     def on_policy(cfg: RoundConfig) -> bool:
         """The batch serves exactly one optimizer step and the KL is not in the reward: the old
-        log-probs are then the training forward's own (detached), and no separate forward runs."""
-        return PolicyGradientUpdate.updates_per_step(cfg) == 1 and cfg.kl.apply_as != "reward"
+        log-probs are then the training forward's own (detached), and no separate forward runs. Not for an
+        asynchronous distillation round: its teacher's pull is taken at the student's log-probs before the
+        step (engines/rl/experience.py), and its sampler's are up to max_staleness versions older."""
+        return (PolicyGradientUpdate.updates_per_step(cfg) == 1 and cfg.kl.apply_as != "reward"
+                and not (cfg.spec.teacher and cfg.async_rollouts))
 
     def __call__(self, exp: Experience, step: int, lap: Lap) -> Trained:
         cfg, spec, m = self.cfg, self.cfg.spec, self.models

@@ -215,3 +215,20 @@ def test_rollout_importance_modes_in_the_policy_objective(policy_batch, mode, we
     assert loss.item() == pytest.approx(-sum(weights) / 5, rel=1e-5)
     assert metrics["tis_masked_fraction"] == pytest.approx((masked * 5, 5.0))  # (sum, count) over the 5 tokens
     assert metrics["tis_weight_mean"] == pytest.approx((sum(weights), 5.0), rel=1e-5)
+
+
+def test_an_asynchronous_distillation_round_measures_the_students_log_probs_before_its_step():
+    """A step that is one optimizer step skips the old log-probs' forward (the training forward's own serve), and
+    a distillation round's teacher then pulls at the sampler's log-probs. An asynchronous round's sampler is
+    versions behind the student the step trains, so it measures them: log pi_T - log pi_stale is not the
+    reverse KL of the policy it trains."""
+    from engines.rl.updates import PolicyGradientUpdate
+
+    def round_(algorithm, **kw):
+        return RoundConfig(algorithm=algorithm, teacher="t" if algorithm == "distill" else None, prompts_per_step=8,
+                           generation=RolloutConfig(num_samples=4), ppo=PPOConfig(minibatch_size=32, epochs=1),
+                           **kw).resolved()
+
+    on_policy = PolicyGradientUpdate.on_policy
+    assert on_policy(round_("distill")) and on_policy(round_("grpo", async_rollouts=True))
+    assert not on_policy(round_("distill", async_rollouts=True))
