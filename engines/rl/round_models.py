@@ -166,7 +166,8 @@ class RoundModels:
         """One update through the weight transport; the first also makes its group (names and shapes
         are checked by every engine before that)."""
         if self.weight_sync is None:  # the backend follows where the actors are (weight_sync.choose_backend)
-            self.weight_sync = WeightSync(self.actor, self.engines, bucket_bytes=self.bucket_bytes)
+            self.weight_sync = WeightSync(self.actor, self.engines, bucket_bytes=self.bucket_bytes,
+                                          publish=self.publishes)
         try:
             self.weight_sync.push(self.updates_pushed + 1, publish=self.publishes)
             self.updates_pushed += 1
@@ -271,7 +272,8 @@ def start_round_models(cfg: RoundConfig, setup: RoundSetup, updates_per_step: in
         for group in models._trainers():
             group.wait_ready()
         if models.publishes:  # the transport at once: its set-up would queue behind the generations ahead
-            models.weight_sync = WeightSync(models.actor, models.engines, bucket_bytes=models.bucket_bytes)
+            models.weight_sync = WeightSync(models.actor, models.engines, bucket_bytes=models.bucket_bytes,
+                                            publish=True)
     except BaseException:
         models.shutdown()
         raise

@@ -27,7 +27,7 @@ from engines.rollout.pieces import generate_in_pieces
 from engines.rollout.texts import response_texts
 from engines.rollout.hf_engine import HFEngine
 from engines.rollout.vllm_engine import VLLMEngine, vllm_engine_args
-from engines.transport.sync import announced, announcements, taking
+from engines.transport.sync import announced, announcements, count_in
 
 BACKENDS = ("vllm", "hf")
 
@@ -46,8 +46,7 @@ def prepare_engine_process(torch_threads: int, cpu_cores: list[int] | None, *, o
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     if on_gpu:
         os.environ.pop("TORCH_COMPILE_DISABLE", None)
-    # Without it vLLM drops torch to one thread "for serving", and in
-    # in-process mode that thread also runs the model.
+    # Else vLLM drops torch to one thread "for serving": in-process, that thread also runs the model.
     torch_threads = pin_cpu_cores(cpu_cores, torch_threads)
     os.environ["OMP_NUM_THREADS"] = str(torch_threads)
     torch.set_num_threads(torch_threads)
@@ -108,7 +107,7 @@ class RolloutActor:
         self.updates_taken = 0  # weight updates received: the policy version the next generation samples
         self.slept_bytes = 0  # GPU bytes the last sleep gave back
         self.announcements = None  # the weight transport's store, where a published update is announced
-        self.ranks = 1
+        self.ranks = self.world_size = 1  # this engine's ranks in the transport group, and the group's
 
     def generate(self, prompt_ids: list[list[int]], sampling: Sampling, piece_tokens: int | None = None
                  ) -> list[Rollout]:
@@ -138,6 +137,7 @@ class RolloutActor:
 
     def join_transport(self, address: tuple[str, int], first_rank: int, world_size: int, backend: str) -> None:
         self.engine.join_transport(address, first_rank, world_size, backend)
+        self.world_size = world_size
         if backend != "ipc":  # an update published while a generation runs is announced there (pieces.py)
             self.announcements = announcements(address)
 
@@ -153,7 +153,7 @@ class RolloutActor:
                                "updates arrive one at a time")
         if self.announcements is not None:
             self.engine.refuse_asleep("update weights", needs=("weights",))  # before it counts itself in
-            self.announcements.add(taking(target), self.ranks)
+            count_in(self.announcements, target, self.ranks, self.world_size)
         self.engine.receive_weights()
         self.updates_taken = target
 

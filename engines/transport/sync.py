@@ -12,6 +12,7 @@ engines/rollout/vllm_engine.py (`prepare_weights`, `join_transport`, `receive_we
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 
 import torch
@@ -52,6 +53,8 @@ def choose_backend(trainer_gpus: Sequence[str | None], engine_gpus: Sequence[Seq
                           "(colocate_all); otherwise give the engines whole GPUs of their own")
 
 
+IPC_UNPUBLISHED = ("async_rollouts publishes updates, which needs the rollout engines on GPUs apart from the trainers': "
+                   "an engine on a trainer's GPU reads its update from the trainer's staging buffer, update by update")
 PUBLISHED = "alignflow/published"  # the transport store's key: the version of the last update published
 
 
@@ -75,6 +78,23 @@ def announced(store) -> int:
     return int(store.get(PUBLISHED)) if store.check([PUBLISHED]) else 0
 
 
+def wait_for_takers(store, version: int, receivers: int) -> None:
+    """Until `receivers` ranks have counted themselves in as taking `version`, with no time limit: an engine
+    counts itself in only once the generations queued before the update have ended. A peer that dies takes
+    the store's connection down, and this wait with it."""
+    while store.add(taking(version), 0) < receivers:
+        time.sleep(0.005)
+
+
+def count_in(store, version: int, ranks: int, world_size: int) -> None:
+    """An engine's side of a published update, before its receive: its `ranks` count themselves in as taking
+    `version`, then wait for every other engine's, as the sender does (`publish`). Its receive then starts
+    with the update on the wire: one started at once would wait under the transport's timeout for the
+    engine that counts itself in last, which may be generating for longer than that."""
+    store.add(taking(version), ranks)
+    wait_for_takers(store, version, world_size - 1)
+
+
 def publish(group: TransportGroup, version: int, buckets: Sequence[Bucket], packed: dict[int, torch.Tensor]
             ) -> tuple[threading.Thread, list[BaseException]]:
     """Rank 0: announce `version` on the group's store, then send `packed` (bucket id -> its packed buffer)
@@ -82,8 +102,6 @@ def publish(group: TransportGroup, version: int, buckets: Sequence[Bucket], pack
     so that no collective waits on the wire, under the transport's timeout, for a generation to end: an
     engine takes an update after the generations queued before it, or between two pieces of one
     (engines/rollout/pieces.py). The thread, and the list its failure goes into."""
-    import time
-
     group.store.set(PUBLISHED, str(version))
     errors: list[BaseException] = []
     device = group.device
@@ -92,8 +110,7 @@ def publish(group: TransportGroup, version: int, buckets: Sequence[Bucket], pack
         try:
             if device.type == "cuda":
                 torch.cuda.set_device(device)
-            while group.store.add(taking(version), 0) < group.world_size - 1:
-                time.sleep(0.005)
+            wait_for_takers(group.store, version, group.world_size - 1)
             send_buckets(group, buckets, lambda b, out: packed.pop(id(b)))
         except BaseException as err:  # raised by the sender's next `sent`
             errors.append(err)
@@ -159,8 +176,7 @@ class WeightSender:
             return 0
         if background:
             if self.group.backend == "ipc":
-                raise WeightSyncError("a published update needs engines apart from the trainers: over CUDA IPC "
-                                      "the engine reads the trainer's staging buffer, update by update")
+                raise WeightSyncError(IPC_UNPUBLISHED)
             packed = {id(b): pack_bucket(b, None) for b in self.buckets}
             if self.group.device.type == "cuda":
                 torch.cuda.current_stream(self.group.device).synchronize()  # packed before the thread sends it
@@ -186,7 +202,7 @@ class WeightSync:
     once (a round's first sync). Names and shapes are checked by every engine before anything is
     sent; each `push` is then one broadcast per bucket."""
 
-    def __init__(self, trainers, engines, *, bucket_bytes: int):
+    def __init__(self, trainers, engines, *, bucket_bytes: int, publish: bool = False):
         import ray
 
         self.trainers, self.engines = trainers, engines
@@ -195,6 +211,8 @@ class WeightSync:
         specs = ranks[0]["specs"]
         engine_gpus = ray.get([e.prepare_weights.remote(specs, bucket_bytes) for e in engines.actors])
         backend = choose_backend([r["gpu"] for r in ranks], engine_gpus)
+        if publish and backend == "ipc":  # refused here, at the round's start, not at its first update
+            raise WeightSyncError(IPC_UNPUBLISHED)
         if backend == "ipc":  # trainer rank i -> the engine on its GPU: a group of two per rank
             addresses = ray.get([w.address.remote() for w in workers])
             joins = [w.join_transport.remote(a, 2, backend, bucket_bytes) for w, a in zip(workers, addresses)]
