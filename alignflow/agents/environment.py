@@ -26,6 +26,11 @@ from alignflow.agents.tools import Tool, has_call, run_calls
 BUNDLED = {"boxes": "alignflow.agents.boxes:BoxesEnvironment"}
 
 
+def as_messages(prompt: str | list[dict]) -> list[dict]:
+    """A record's prompt as chat messages: a string is one user turn."""
+    return list(prompt) if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+
+
 class Environment:
     tools: list[Tool] = []
 
@@ -42,8 +47,7 @@ class ToolEnvironment(Environment):
 
     def reset(self, sample: dict) -> list[dict]:
         self.sample = sample
-        return list(sample["prompt"]) if isinstance(sample["prompt"], list) else [
-            {"role": "user", "content": sample["prompt"]}]
+        return as_messages(sample["prompt"])
 
     def step(self, message: dict) -> tuple[list[dict], float, bool, dict]:
         text = message["content"]

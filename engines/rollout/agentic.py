@@ -13,7 +13,7 @@ from engines.rollout.episodes import EpisodeLimits, run_episodes
 
 def episodes_on(engine, records: list[dict], sampling: Sampling, env, max_model_len: int) -> list[Rollout]:
     """`sampling.n` episodes of each record on `engine`, in the environment `env` (EnvironmentConfig) names."""
-    from alignflow.agents.environment import make_environment
+    from alignflow.agents.environment import as_messages, make_environment
     from alignflow.config.loading import load_callable
 
     engine._awake("generate", needs=engine.TAGS)
@@ -35,14 +35,13 @@ def episode_start(tokenizer, env) -> Callable[[dict], list[int]]:
     or for an agent's episodes with the record's own "tools". What a round's and an evaluation's prompt limit
     measures. An environment whose reset writes another first observation starts elsewhere: its episodes find
     their room when they start (one with none is truncated before its first turn, counted and named)."""
-    from alignflow.agents.environment import make_environment
+    from alignflow.agents.environment import as_messages, make_environment
 
     schemas = None if env.agent else [t.schema for t in make_environment(env.name, env.kwargs).tools] or None
     own = EpisodeTokens(tokenizer, schemas)
 
     def start(record: dict) -> list[int]:
-        prompt = record["prompt"]
-        messages = list(prompt) if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-        return (EpisodeTokens(tokenizer, record.get("tools")) if env.agent else own).start(messages)
+        tokens = EpisodeTokens(tokenizer, record.get("tools")) if env.agent else own
+        return tokens.start(as_messages(record["prompt"]))
 
     return start

@@ -213,8 +213,8 @@ class ChatEndpoint:
                 stats["cut_turns"] += int(not eos)
                 # the model's calls as the template writes them, those that do not parse among them, as an
                 # environment's episodes count them (running them is the agent's part)
-                stats["tool_calls"] += text.count("<tool_call>")
-                stats["invalid_calls"] += text.count("<tool_call>") - len(calls)
+                stats["tool_calls"] += (opened := text.count("<tool_call>"))
+                stats["invalid_calls"] += opened - len(calls)
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
                 "model": body.get("model", "policy"),
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": text,
