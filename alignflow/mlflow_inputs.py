@@ -4,47 +4,43 @@ could be a credential), and where a new experiment keeps its artifacts."""
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
-# `token` but not `tokens`/`tokenizer`: max_new_tokens etc. are settings, not credentials.
-_SECRET = re.compile(r"(secret|password|passwd|token(?!s|izer)|credential|access_key|api_key|private)", re.I)
+from alignflow.redact import is_secret_name, redact, redact_url
 
-
-def _scrub_value(value: Any) -> Any:
-    """Strip `user:pass@` from URI-like strings."""
-    if isinstance(value, str) and "://" in value and "@" in value:
-        parts = urlsplit(value)
-        if parts.username or parts.password:
-            host = parts.hostname or ""
-            if parts.port:
-                host = f"{host}:{parts.port}"
-            return urlunsplit((parts.scheme, host, parts.path, parts.query, parts.fragment))
-    return value
+PARAM_CHARS = 6000  # MLflow's limit on a param value
 
 
 def flatten_params(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """Nested config -> {"a.b": value}, without credential-like keys."""
+    """Nested config -> {"a.b": value}, without credential-like keys; a list is its JSON, and every
+    URL (in a list too) loses its credentials (alignflow/redact.py)."""
     out: dict[str, Any] = {}
     for key, value in tree.items():
         name = f"{prefix}{key}"
-        if _SECRET.search(str(key)):
+        if is_secret_name(str(key)):
             continue
         if isinstance(value, Mapping):
             out.update(flatten_params(value, prefix=f"{name}."))
         elif isinstance(value, (list, tuple)):
-            out[name] = json.dumps(value)[:500]
+            out[name] = json.dumps(redact(value))
         else:
-            out[name] = _scrub_value(value)
+            out[name] = redact_url(value)
     return out
 
 
 def param_values(params: Mapping[str, Any]) -> dict[str, str]:
-    """A config as MLflow param values: flattened without credentials, each cut to MLflow's 6000 characters."""
-    return {k: str(v)[:6000] for k, v in flatten_params(params).items()}
+    """A config as MLflow param values: flattened without credentials. A value over MLflow's 6000
+    characters is cut, and says so and how long it was."""
+    return {k: _fit(str(v)) for k, v in flatten_params(params).items()}
+
+
+def _fit(value: str) -> str:
+    if len(value) <= PARAM_CHARS:
+        return value
+    mark = f"... [cut: {len(value)} characters]"
+    return value[:PARAM_CHARS - len(mark)] + mark
 
 
 DATABASE_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql")

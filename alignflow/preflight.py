@@ -26,6 +26,7 @@ from alignflow.config import PipelineConfig
 from alignflow.config.loading import ConfigSources, config_sources
 from alignflow.data.checks import check_files
 from alignflow.errors import ConfigError
+from alignflow.redact import redact_url
 from alignflow.slots import check_slots
 from alignflow.storage import is_local_uri, local_path
 
@@ -197,12 +198,12 @@ def _remote(field: str, url: str, timeout_s: float, found: Findings) -> None:
         [value] = rewards  # ValueError unless exactly one
         float(value)
     except urllib.error.HTTPError as err:
-        return found.fail(field, f"{url} answered a test request with HTTP {err.code}")
+        return found.fail(field, f"{redact_url(url)} answered a test request with HTTP {err.code}")
     except OSError as err:  # URLError (refused, unknown host), a timeout
-        return found.fail(field, f"{url} did not answer a test request (timeout {timeout_s:g} s): "
+        return found.fail(field, f"{redact_url(url)} did not answer a test request (timeout {timeout_s:g} s): "
                                  f"{getattr(err, 'reason', err)}")
     except (ValueError, KeyError, TypeError) as err:
-        return found.fail(field, f"{url} answered a test request without a list 'rewards' of one number: {err}")
+        return found.fail(field, f"{redact_url(url)} answered a test request without a list 'rewards' of one number: {err}")
     found.ok()
 
 

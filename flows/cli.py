@@ -29,9 +29,9 @@ from alignflow.errors import ConfigError, StartError, UserError
 from alignflow.interrupts import install_sigterm_handler
 from alignflow.storage import is_local_uri, local_path
 from flows import console
-from flows.planview import format_plan
+from flows.planview import StageState, format_plan, plan_states
 from tasks.context import RunContext
-from tasks.plan import Plan, StageState, plan_pipeline, plan_states
+from tasks.plan import Plan, plan_pipeline
 
 
 def _split_args(items: list[str]) -> tuple[str | None, list[str]]:

@@ -3,8 +3,15 @@ printed by the CLI, and kept on the flow run (its Artifacts tab) for whoever ope
 
 from __future__ import annotations
 
+from typing import Any
+
+from pydantic import BaseModel
+
+from alignflow.config import cache_relevant
+from alignflow.redact import redact
+from alignflow.storage import Storage
 from tasks.context import RunContext
-from tasks.plan import Plan, StageState, plan_states
+from tasks.plan import Plan, PlannedStage
 
 
 def format_plan(plan: Plan, states: dict[str, StageState], storage_root: str) -> str:
@@ -28,3 +35,61 @@ def publish_plan(plan: Plan, ctx: RunContext) -> None:
     text = format_plan(plan, plan_states(plan, storage), storage.uri())
     create_markdown_artifact(markdown=f"```\n{text}\n```", key="plan",
                              description="each stage, its key, and Cached or why it runs")
+
+
+# ---- what would run, and why --------------------------------------------------------
+
+
+class StageState(BaseModel):
+    cached: bool
+    why: str  # for a stage that will run
+
+
+def plan_states(plan: Plan, storage: Storage) -> dict[str, StageState]:
+    """For every stage: committed already (Cached), or what differs from its last commit."""
+    states = {}
+    for stage in plan.stages.values():
+        if storage.is_committed(storage.stage_uri(stage.name, stage.key)):
+            states[stage.name] = StageState(cached=True, why="")
+        else:
+            states[stage.name] = StageState(cached=False, why=_why(stage, storage.latest_commit(stage.name)))
+    return states
+
+
+def _why(stage: PlannedStage, last: dict[str, Any] | None) -> str:
+    if last is None:
+        return "never committed"
+    if "input_keys" not in last:
+        return "last commit predates plan records"
+    reasons = []
+    if last.get("code_version") != stage.code_version:
+        reasons.append(f"code changed (version {last.get('code_version')} -> {stage.code_version})")
+    # Both sides redacted: this text is printed and kept on the flow run, and a manifest from before
+    # alignflow/redact.py may hold a credential-bearing URL. A credential is still in the key.
+    config = cache_relevant(stage.config)
+    changed = _diff(redact(last.get("config", {})), redact(config))
+    if changed:
+        shown = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in list(changed.items())[:3])
+        more = f" (+{len(changed) - 3} more)" if len(changed) > 3 else ""
+        reasons.append(f"config changed: {shown}{more}")
+    inputs = sorted(n for n in {*last["input_keys"], *stage.input_keys}
+                    if last["input_keys"].get(n) != stage.input_keys.get(n))
+    if inputs:
+        reasons.append(f"input changed: {', '.join(inputs)}")
+    if not reasons and redact(config) != config:
+        return "not committed under this key (a credential in the config may have changed: none is recorded)"
+    return "; ".join(reasons) or "not committed under this key"
+
+
+def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, dict):
+        out: dict[str, Any] = {}
+        for k, v in tree.items():
+            out.update(_flat(v, f"{prefix}{k}."))
+        return out
+    return {prefix.rstrip("."): tree}
+
+
+def _diff(old: dict[str, Any], new: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    a, b = _flat(old), _flat(new)
+    return {k: (a.get(k), b.get(k)) for k in sorted({*a, *b}) if a.get(k) != b.get(k)}

@@ -27,6 +27,7 @@ from alignflow.artifacts import WEIGHT_FILES, ArtifactRef, Entries, local_dir, m
 from alignflow.cluster import scratch_dir
 from alignflow.config import InfraConfig, cache_relevant
 from alignflow.records import StageResult
+from alignflow.redact import redact
 from alignflow.storage import Storage
 from alignflow.tracking import StageRun, Tracker
 
@@ -101,7 +102,7 @@ def compute_stage(
             output = StageOutput(Path(out), ArtifactRef(uri, storage))
             metrics = compute(output, run)
             storage.commit(out, uri, uploaded=output.uploaded, meta={
-                "stage": stage.name, "kind": stage.kind, "key": stage.key, "config": config,
+                "stage": stage.name, "kind": stage.kind, "key": stage.key, "config": redact(config),
                 "input_keys": stage.input_keys, "code_version": stage.code_version, "metrics": metrics,
                 "committed_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
             })

@@ -40,7 +40,6 @@ from alignflow.config.judge import JudgeGeneration, JudgeRewardConfig
 from alignflow.errors import ConfigError
 from alignflow.fingerprint import Fingerprints, module_source
 from alignflow.seeds import derive_seed
-from alignflow.storage import Storage
 from tasks import registry as r
 
 
@@ -245,56 +244,3 @@ def _code(field: str, import_path: str, prints: Fingerprints) -> dict[str, str]:
     editing it reruns the stages that call it."""
     source = module_source(import_path.split(":", 1)[0])
     return {field: prints.of(source) if source else "module-not-found"}
-
-
-# ---- what would run, and why --------------------------------------------------------
-
-
-class StageState(BaseModel):
-    cached: bool
-    why: str  # for a stage that will run
-
-
-def plan_states(plan: Plan, storage: Storage) -> dict[str, StageState]:
-    """For every stage: committed already (Cached), or what differs from its last commit."""
-    states = {}
-    for stage in plan.stages.values():
-        if storage.is_committed(storage.stage_uri(stage.name, stage.key)):
-            states[stage.name] = StageState(cached=True, why="")
-        else:
-            states[stage.name] = StageState(cached=False, why=_why(stage, storage.latest_commit(stage.name)))
-    return states
-
-
-def _why(stage: PlannedStage, last: dict[str, Any] | None) -> str:
-    if last is None:
-        return "never committed"
-    if "input_keys" not in last:
-        return "last commit predates plan records"
-    reasons = []
-    if last.get("code_version") != stage.code_version:
-        reasons.append(f"code changed (version {last.get('code_version')} -> {stage.code_version})")
-    changed = _diff(last.get("config", {}), cache_relevant(stage.config))
-    if changed:
-        shown = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in list(changed.items())[:3])
-        more = f" (+{len(changed) - 3} more)" if len(changed) > 3 else ""
-        reasons.append(f"config changed: {shown}{more}")
-    inputs = sorted(n for n in {*last["input_keys"], *stage.input_keys}
-                    if last["input_keys"].get(n) != stage.input_keys.get(n))
-    if inputs:
-        reasons.append(f"input changed: {', '.join(inputs)}")
-    return "; ".join(reasons) or "not committed under this key"
-
-
-def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(tree, dict):
-        out: dict[str, Any] = {}
-        for k, v in tree.items():
-            out.update(_flat(v, f"{prefix}{k}."))
-        return out
-    return {prefix.rstrip("."): tree}
-
-
-def _diff(old: dict[str, Any], new: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
-    a, b = _flat(old), _flat(new)
-    return {k: (a.get(k), b.get(k)) for k in sorted({*a, *b}) if a.get(k) != b.get(k)}

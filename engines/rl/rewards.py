@@ -14,6 +14,7 @@ import urllib.request
 from dataclasses import dataclass
 
 from alignflow.config.loading import load_callable
+from alignflow.redact import redact_url
 
 
 class RewardServiceError(RuntimeError):
@@ -65,12 +66,12 @@ class RemoteReward:
                     return self._parse(resp.read(), len(items))
             except urllib.error.HTTPError as err:
                 if err.code < 500:
-                    raise RewardServiceError(f"reward service {self.url} rejected the request: HTTP {err.code}") from None
+                    raise RewardServiceError(f"reward service {redact_url(self.url)} rejected the request: HTTP {err.code}") from None
                 last = err
             except (urllib.error.URLError, TimeoutError, ConnectionError) as err:
                 last = err
         raise RewardServiceError(
-            f"reward service {self.url} failed after {self.max_retries + 1} attempts "
+            f"reward service {redact_url(self.url)} failed after {self.max_retries + 1} attempts "
             f"(timeout {self.timeout_s}s each): {last}"
         )
 
@@ -79,7 +80,7 @@ class RemoteReward:
             rewards = json.loads(raw)["rewards"]
             values = [float(r) for r in rewards]
         except (ValueError, KeyError, TypeError) as err:
-            raise RewardServiceError(f"reward service {self.url} answered without a list 'rewards': {err}") from None
+            raise RewardServiceError(f"reward service {redact_url(self.url)} answered without a list 'rewards': {err}") from None
         if len(values) != n:
-            raise RewardServiceError(f"reward service {self.url} returned {len(values)} rewards for {n} responses")
+            raise RewardServiceError(f"reward service {redact_url(self.url)} returned {len(values)} rewards for {n} responses")
         return values

@@ -308,6 +308,13 @@ def test_a_reward_url_where_nothing_listens_fails_fast_naming_the_url_field(tmp_
                      f"[Errno 111] Connection refused (from {cfg})"]
 
 
+def test_a_reward_url_that_fails_is_named_without_its_credentials(tmp_path):
+    url = f"http://127.0.0.1:{free_port()}/score"
+    found = problems(_remote_round(tmp_path, url + "?api_key=s3cr3t"))
+    assert len(found) == 1 and "s3cr3t" not in found[0]
+    assert found[0].startswith(f"rounds.0.reward.url: {url}?api_key=*** did not answer a test request")
+
+
 def test_a_reward_service_that_answers_passes(tmp_path):
     service = RewardService()
     try:

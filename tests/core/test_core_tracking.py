@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from alignflow.config import load_config
-from alignflow.mlflow_inputs import flatten_params
+from alignflow.mlflow_inputs import flatten_params, param_values
 from alignflow.tracking import Tracker
 
 
@@ -30,7 +30,36 @@ def test_flatten_lists_as_json():
     out = flatten_params({"a": [1, "two", None], "t": (1, 2), "long": list(range(1000))})
     assert out["a"] == '[1, "two", null]'
     assert json.loads(out["t"]) == [1, 2]
-    assert len(out["long"]) == 500
+    assert json.loads(out["long"]) == list(range(1000))
+
+
+def test_a_value_past_mlflows_limit_is_cut_and_says_so():
+    values = param_values({"short": "x" * 6000, "long": list(range(2000))})
+    assert values["short"] == "x" * 6000
+    full = json.dumps(list(range(2000)))
+    assert len(values["long"]) == 6000
+    assert values["long"].endswith(f"... [cut: {len(full)} characters]")
+    assert full.startswith(values["long"].split("... [cut")[0])
+
+
+def test_credentials_in_urls_are_taken_out_of_lists_and_query_strings():
+    tree = {"reward": {"url": "https://rm.example/score?api_key=s3cr3t&batch=4",
+                       "sources": [{"source": "remote", "url": "https://bob:hunter2@rm.example/s?token=t0k"},
+                                   {"source": "rule", "rule": "pkg.mod:fn"}]},
+            "presigned": "https://b.s3.amazonaws.com/k?X-Amz-Credential=AKIA&X-Amz-Signature=abcd&x-id=GetObject"}
+    out = flatten_params(tree)
+    text = json.dumps(out)
+    for secret in ("s3cr3t", "hunter2", "bob", "t0k", "AKIA", "abcd"):
+        assert secret not in text
+    assert out["reward.url"] == "https://rm.example/score?api_key=***&batch=4"
+    assert json.loads(out["reward.sources"]) == [{"source": "remote", "url": "https://rm.example/s?token=***"},
+                                                 {"source": "rule", "rule": "pkg.mod:fn"}]
+    assert out["presigned"] == "https://b.s3.amazonaws.com/k?X-Amz-Credential=***&X-Amz-Signature=***&x-id=GetObject"
+
+
+def test_a_credential_named_key_inside_a_list_is_kept_as_a_redacted_value():
+    out = flatten_params({"sources": [{"api_key": "s3cr3t", "n": 1}, {"hf_token": None}]})
+    assert json.loads(out["sources"]) == [{"api_key": "***", "n": 1}, {"hf_token": None}]
 
 
 @pytest.mark.parametrize(

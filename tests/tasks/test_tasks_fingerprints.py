@@ -18,7 +18,8 @@ import pytest
 from alignflow.config import cache_relevant, load_config
 from alignflow.fingerprint import Fingerprints
 from alignflow.storage import Storage
-from tasks.plan import plan_pipeline, plan_states
+from flows.planview import plan_states
+from tasks.plan import plan_pipeline
 
 
 def _rows(path: Path, rows: list[dict]) -> None:

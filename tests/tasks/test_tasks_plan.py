@@ -15,7 +15,8 @@ import pytest
 from alignflow.config import load_config
 from alignflow.errors import ConfigError
 from alignflow.storage import Storage
-from tasks.plan import plan_pipeline, plan_states
+from flows.planview import plan_states
+from tasks.plan import plan_pipeline
 
 GRPO_RULE = '{"algorithm": "grpo", "reward": {"source": "rule"}}'
 RS_RULE = '{"algorithm": "rejection_sampling", "reward": {"source": "rule"}}'
@@ -226,6 +227,23 @@ def test_plan_states_say_cached_or_why(tmp_path):
     assert states["data"].cached and states["base_model"].cached
     assert states["sft"].why == "config changed: train.learning_rate 0.002 -> 0.01"
     assert states["reward_model"].why == "input changed: init"
+
+
+def test_the_plan_never_shows_a_credential_in_a_url(tmp_path):
+    storage = Storage(root=str(tmp_path / "artifacts"))
+
+    def remote(key: str, path: str = "score") -> str:
+        return (f'rounds=[{{"algorithm": "grpo", "reward": {{"source": "remote", '
+                f'"url": "https://rm.example/{path}?api_key={key}"}}}}]')
+
+    first = _plan(remote("OLDKEY"))
+    _commit(storage, first.stages["round_1"], tmp_path)  # an old manifest: the URL as written
+    rotated = plan_states(_plan(remote("NEWKEY")), storage)["round_1"]
+    assert rotated.why == ("not committed under this key (a credential in the config may have changed: "
+                           "none is recorded)")
+    moved = plan_states(_plan(remote("NEWKEY", path="v2/score")), storage)["round_1"].why
+    assert moved == ("config changed: round.reward.url 'https://rm.example/score?api_key=***' -> "
+                     "'https://rm.example/v2/score?api_key=***'")
 
 
 DISTILL = '{"algorithm": "distill", "teacher": "round_2", "start_from": "sft", "reward": {"source": "rule"}}'

@@ -31,6 +31,30 @@ def ctx(tmp_path) -> RunContext:
     return RunContext(infra=cfg.infra)
 
 
+def test_a_credential_in_a_url_reaches_neither_the_manifest_nor_mlflow(ctx, tmp_path):
+    from mlflow import MlflowClient
+
+    from tasks.context import compute_stage
+
+    url = "https://bob:hunter2@rm.example/score?api_key=s3cr3t"
+    plan = plan_pipeline(load_config(None, [f'rounds=[{{"algorithm": "grpo", "reward": {{"source": "remote", '
+                                            f'"url": "{url}"}}}}]']))
+
+    def compute(out, run):
+        (out.dir / "policy.txt").write_text("trained")
+        return {"rl/reward": 1.0}
+
+    result = compute_stage(ctx, plan.stages["round_1"], compute)
+    manifest = (tmp_path / "artifacts" / "round_1" / result.key / "manifest.json").read_text()
+    assert json.loads(manifest)["meta"]["config"]["round"]["reward"]["url"] == "https://rm.example/score?api_key=***"
+    [run] = MlflowClient(ctx.infra.mlflow_tracking_uri).search_runs(
+        [MlflowClient(ctx.infra.mlflow_tracking_uri).get_experiment_by_name(ctx.infra.mlflow_experiment).experiment_id])
+    params = json.dumps(run.data.params)
+    assert run.data.params["round.reward.url"] == "https://rm.example/score?api_key=***"
+    for text in (manifest, params):
+        assert "hunter2" not in text and "s3cr3t" not in text
+
+
 def test_every_kind_names_a_runnable_stage_function():
     for kind in STAGE_KINDS.values():
         fn = kind.runner()

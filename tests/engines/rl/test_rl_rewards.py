@@ -122,6 +122,17 @@ def test_remote_reward_service_down():
     assert url in str(err.value) and "2 attempts" in str(err.value)
 
 
+@pytest.mark.parametrize("service", [["http400"], ["http500"], ["garbage"]], indirect=True)
+def test_remote_reward_errors_name_the_service_without_its_credentials(service):
+    # urllib sends no `user:pass@`, so a service's key travels in the query: the error names the rest.
+    url = service.url.replace("http://", "http://bob:hunter2@") + "?api_key=s3cr3t&model=rm-v2"
+    with pytest.raises(RewardServiceError) as err:
+        RemoteReward(url, timeout_s=5, max_retries=0)(ITEMS)
+    text = str(err.value)
+    assert "s3cr3t" not in text and "hunter2" not in text
+    assert f"{service.url}?api_key=***&model=rm-v2" in text
+
+
 def test_rule_reward_by_import_path():
     rule = RuleReward("alignflow.data.synthetic:rule_reward")
     assert rule(ITEMS) == [1.0, 0.0]
