@@ -5,13 +5,11 @@ rather than through MLflow's thread-local active-run stack. Stage configs
 become params, flattened with dotted names (alignflow/mlflow_inputs.py: anything
 that looks like a credential is dropped first, and URIs lose their userinfo).
 
-Every run records the process that owns it (`alignflow.pid`,
-`alignflow.host`) and is ended by that process: FINISHED, FAILED on an
-error, KILLED on an interrupt. A process killed outright (SIGKILL, OOM) ends
-nothing, so the next pipeline start marks KILLED every RUNNING run whose
-owner on this host is gone; runs owned on other hosts are left alone.
-A retried Prefect flow run continues its parent run, and a retried stage
-its stage run (`alignflow.attempt` counts them).
+Every run records the process that owns it (`alignflow.pid`, `alignflow.host`, and since when) and is
+ended by that process: FINISHED, FAILED on an error, KILLED on an interrupt. A process killed outright
+(SIGKILL, OOM) ends nothing, so the next pipeline start marks KILLED every RUNNING run whose owner on
+this host is gone; runs owned on other hosts are left alone. A retried Prefect flow run continues its
+parent run, and a retried stage its stage run (`alignflow.attempt` counts them), under a new owner.
 """
 
 from __future__ import annotations
@@ -21,6 +19,7 @@ import logging
 import os
 import re
 import socket
+import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -148,8 +147,8 @@ class Tracker:
         query = f"attributes.status = 'RUNNING' and tags.`{HOST_TAG}` = '{host}'"
         stale = []
         for run in self._search(query):  # every page first: ending runs while paging would shift the pages
-            pid = run.data.tags.get(PID_TAG, "")
-            if pid.isdigit() and not pid_alive(int(pid), since=run.info.start_time / 1000):
+            pid, since = run.data.tags.get(PID_TAG, ""), run.data.tags.get(OWNED_TAG, str(run.info.start_time))
+            if pid.isdigit() and not pid_alive(int(pid), since=int(since) / 1000):
                 stale.append((run.info.run_id, pid))
         for run_id, pid in stale:
             client.set_tag(run_id, "alignflow.end_reason", f"process {pid} on {host} died")
@@ -265,10 +264,11 @@ class Tracker:
 
 EXPERIMENT_KIND_TAG, TRAINING_KIND = "mlflow.experimentKind", "custom_model_development"
 PID_TAG, HOST_TAG, ATTEMPT_TAG = "alignflow.pid", "alignflow.host", "alignflow.attempt"
+OWNED_TAG = "alignflow.owned_since_ms"  # when `pid` took the run: a reopened run is older than its new owner
 
 
 def _owner_tags() -> dict[str, str]:
-    return {PID_TAG: str(os.getpid()), HOST_TAG: socket.gethostname()}
+    return {PID_TAG: str(os.getpid()), HOST_TAG: socket.gethostname(), OWNED_TAG: str(int(time.time() * 1000))}
 
 
 class StageRun:
@@ -280,7 +280,6 @@ class StageRun:
 
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
         from mlflow.entities import Metric
-        import time
 
         now = int(time.time() * 1000)
         batch = [Metric(k, float(v), now, step or 0) for k, v in metrics.items()]

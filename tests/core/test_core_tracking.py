@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -346,6 +347,26 @@ def test_a_run_whose_pid_was_reused_is_marked_killed(tracker):
     stale = client.create_run(reaper.experiment_id, start_time=1_000_000_000_000, tags=tags).info.run_id
     reaper.start_parent("pipeline", {})
     assert client.get_run(stale).info.status == "KILLED"
+
+
+def test_a_run_reopened_by_a_process_younger_than_it_is_not_reaped(tracker):
+    # A flow run retried from the Prefect UI a day later: its parent run and unfinished stage run are
+    # continued by new processes. The next pipeline start must not take them for runs of dead ones.
+    reaper = Tracker(tracker.tracking_uri, "alignflow-test-reopened")
+    client = _client(tracker)
+    day_ago = int((time.time() - 86400) * 1000)
+    tags = {"alignflow.pid": str(_dead_pid()), "alignflow.host": socket.gethostname(), "prefect.flow_run": "fr-1"}
+    parent = client.create_run(reaper.experiment_id, start_time=day_ago, tags=tags).info.run_id
+    stage = client.create_run(reaper.experiment_id, start_time=day_ago, tags={
+        **tags, "mlflow.parentRunId": parent, "alignflow.stage": "sft", "alignflow.key": "k1"}).info.run_id
+    for run_id in (parent, stage):
+        client.set_terminated(run_id, status="FAILED")
+
+    assert reaper.start_parent("pipeline", {}, tags={"prefect.flow_run": "fr-1"}, reopen_tag="prefect.flow_run") == parent
+    with reaper.stage_run(parent, "sft", {}, tags={"alignflow.key": "k1"}) as run:
+        assert run.run_id == stage
+        assert Tracker(tracker.tracking_uri, "alignflow-test-reopened").reap_stale() == []
+        assert {client.get_run(r).info.status for r in (parent, stage)} == {"RUNNING"}
 
 
 STAGE_SCRIPT = """
