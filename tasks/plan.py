@@ -35,7 +35,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, SerializeAsAny
 
-from alignflow.config import DataConfig, PipelineConfig, Section, cache_relevant
+from alignflow.config import DataConfig, EnvironmentConfig, PipelineConfig, Section, cache_relevant
 from alignflow.config.judge import JudgeGeneration, JudgeRewardConfig
 from alignflow.errors import ConfigError
 from alignflow.fingerprint import Fingerprints, module_source
@@ -192,6 +192,7 @@ def plan_pipeline(cfg: PipelineConfig) -> Plan:
             f"judge_model_{i}", f"rounds.{i - 1}.reward.judge.model", judged)
         external = {k: v for field, c in round_cfg.reward.source_fields(f"rounds.{i - 1}.reward") if c.source == "rule"
                     for k, v in _code(f"{field}.rule", c.rule, prints).items()}
+        external |= _environment_code(f"rounds.{i - 1}.environment", round_cfg.environment, prints)
         policy = b.add(f"round_{i}", "rl_round",
                        r.RoundStage(round=round_cfg.resolved(), io=io, seed=seed(f"round_{i}")),
                        external=external, data=data, policy=policy,
@@ -212,7 +213,8 @@ def plan_pipeline(cfg: PipelineConfig) -> Plan:
         b.skipped["evaluation"] = "the config has no evaluation section"
     else:
         eval_cfg = r.PolicyEvalStage(evaluation=cfg.evaluation, io=io, seed=seed("evaluation"))
-        checker = _code("evaluation.checker", cfg.evaluation.checker, prints)
+        checker = _code("evaluation.checker", cfg.evaluation.checker, prints) | _environment_code(
+            "evaluation.environment", cfg.evaluation.environment, prints)
         for label, name in policies.items():
             b.add(f"eval_{label}", "evaluate_policy", eval_cfg, external=checker, data=data, policy=name,
                   reference=reference, reward=reward)
@@ -244,3 +246,13 @@ def _code(field: str, import_path: str, prints: Fingerprints) -> dict[str, str]:
     editing it reruns the stages that call it."""
     source = module_source(import_path.split(":", 1)[0])
     return {field: prints.of(source) if source else "module-not-found"}
+
+
+def _environment_code(field: str, env: EnvironmentConfig | None, prints: Fingerprints) -> dict[str, str]:
+    """The user's environment class or agent function, as `_code`: editing an environment's rewards
+    reruns its rounds and evaluations. (A bundled environment is alignflow's code.)"""
+    if env is None:
+        return {}
+    if env.agent:
+        return _code(f"{field}.agent", env.agent, prints)
+    return _code(f"{field}.name", env.name, prints) if ":" in (env.name or "") else {}

@@ -143,6 +143,43 @@ def test_s3_objects_are_keyed_by_what_the_store_reports(moto_s3, tmp_path, monke
     assert Fingerprints(tmp_path).of(f"s3://{uri}") == f"remote:ETag={etag}" != first
 
 
+ENV = '''
+class Env:
+    def __init__(self, **kwargs):
+        pass
+
+    def reset(self, sample):
+        return [{"role": "user", "content": sample["prompt"]}]
+
+    def step(self, message):
+        return None, REWARD, True, {}
+'''
+
+
+def test_a_user_environment_and_agent_are_keyed_by_their_module_source(tmp_path, files, monkeypatch):
+    pkg = tmp_path / "envs"
+    pkg.mkdir()
+    (pkg / "my_env.py").write_text(ENV.replace("REWARD", "1.0"))
+    (pkg / "my_agent.py").write_text("def run(client, sample):\n    return 1.0\n")
+    monkeypatch.syspath_prepend(str(pkg))
+    env_round = ('{"algorithm": "grpo", "reward": {"source": "environment"}, '
+                 '"environment": {"name": "my_env:Env"}}')
+    agent_round = ('{"algorithm": "grpo", "reward": {"source": "environment"}, '
+                   '"environment": {"agent": "my_agent:run"}}')
+    overrides = (f"rounds=[{env_round}, {agent_round}]", 'evaluation.environment={"name": "my_env:Env"}')
+    plan = _plan(files, tmp_path, *overrides)
+    assert "rounds.0.environment.name" in plan.stages["round_1"].input_keys
+    assert "rounds.1.environment.agent" in plan.stages["round_2"].input_keys
+    before = _keys(plan)
+    (pkg / "my_agent.py").write_text("def run(client, sample):\n    return 0.5\n")
+    after = _keys(_plan(files, tmp_path, *overrides))
+    assert {n for n in before if before[n] != after[n]} == {"round_2", "eval_round_2"}
+    (pkg / "my_env.py").write_text(ENV.replace("REWARD", "2.0"))  # round 1's and every evaluation's
+    last = _keys(_plan(files, tmp_path, *overrides))
+    assert {n for n in after if after[n] != last[n]} == {"round_1", "round_2"} | {
+        n for n in after if n.startswith("eval_") and n != "eval_reward_model"}
+
+
 def test_the_eval_checker_is_keyed_by_its_module_source(tmp_path, files, monkeypatch):
     pkg = tmp_path / "checkers"
     pkg.mkdir()
