@@ -32,12 +32,17 @@ class StageTasks:
     def submit_plan(self, plan: Plan, ctx: RunContext) -> dict[str, Any]:
         """Submit every stage in order, each with its upstream futures by input name."""
         futures: dict[str, Any] = {}
+        storage = ctx.storage()
         for stage in plan.stages.values():
             upstream = {name: futures[source] for name, source in stage.inputs.items()}
             # The task is named by the stage (its kind is a tag): a task run that never starts (its upstream
             # failed; Prefect names it before it could render a run name) is then `eval_round_1-97b`, not
             # `evaluate_policy-97b`, and one that runs is `eval_round_1`.
-            task = self.tasks[stage.kind].with_options(name=stage.name, task_run_name=stage.name, tags={stage.kind})
+            # Prefect's cache answers for a stage whose artifact is gone (a bucket's lifecycle rule, a cleanup)
+            # without running it, and every later run would hand on a URI to nothing: such a stage is run.
+            gone = not storage.is_committed(storage.stage_uri(stage.name, stage.key))
+            task = self.tasks[stage.kind].with_options(name=stage.name, task_run_name=stage.name, tags={stage.kind},
+                                                       refresh_cache=gone)
             futures[stage.name] = task.submit(stage=stage, inputs=upstream, ctx=ctx)
         return futures
 

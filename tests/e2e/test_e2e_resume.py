@@ -80,7 +80,17 @@ def test_failed_stage_fixed_and_rerun_runs_alone(small_pipeline_args, cli_env, a
             assert state == "Completed", f"{name}: {state}"
         else:  # independent of the checker: it may have finished in the failed run
             assert state in ("Cached", "Completed"), f"{name}: {state}"
-    print(f"failed run {failed.seconds:.0f} s, fixed rerun {fixed.seconds:.0f} s")
+
+    # The data stage's artifact deleted behind Prefect's back (a bucket's lifecycle rule): Prefect still has
+    # its cached result, but the stage runs again, into the same place; its dependants stay Cached.
+    shutil.rmtree(committed["data"])
+    again = alignflow_cli(args, env=env, cwd=tmp_path / "cwd")
+    assert again.returncode == 0, again.describe()
+    stages = parse_stages(again.stdout)
+    assert stages["data"] == ("Completed", committed["data"]), stages["data"]
+    assert (Path(committed["data"]) / "manifest.json").exists()
+    assert {n for n, (state, _) in stages.items() if state != "Cached"} == {"data"}, stages
+    print(f"failed run {failed.seconds:.0f} s, fixed rerun {fixed.seconds:.0f} s, rerun without data {again.seconds:.0f} s")
 
 
 # ---- 6: a killed stage resumes from its mid-stage checkpoint ----------------------
