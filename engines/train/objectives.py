@@ -92,12 +92,23 @@ def aggregated(batch: dict[str, torch.Tensor], *, agg: str) -> float:
 
 
 def scalar_scores(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Sequence scores of a reward model / critic head at the last real token: (B,) float32.
+    """Sequence scores of a reward model / critic head at each row's last attended token: (B,) float32.
+
+    The last token under `attention_mask`, a response's EOS included. transformers'
+    …ForSequenceClassification pools at the last token that is not the pad id instead, which skips a
+    real EOS wherever pad == eos (`models.load_tokenizer`'s choice for tokenizers without a pad token,
+    Llama's and Qwen2.5 base's among them): a finished response then scores as if it were cut. A
+    head not named `score` keeps transformers' pooling.
 
     The one scoring function: training objectives, the scorer actor and
     in-process evaluation all call it."""
-    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
-    return out.logits.squeeze(-1).float()
+    head = getattr(unwrap(model), "score", None)
+    if head is None:
+        return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.squeeze(-1).float()
+    hidden = final_hidden(model, batch)
+    mask = batch["attention_mask"]
+    last = (torch.arange(mask.shape[1], device=mask.device) * mask).argmax(-1)
+    return head(hidden[torch.arange(hidden.shape[0], device=hidden.device), last]).squeeze(-1).float()
 
 
 def pairwise_objective(model, batch: dict[str, torch.Tensor], margin: float = 0.0) -> tuple[torch.Tensor, dict[str, float]]:

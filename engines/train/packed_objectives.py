@@ -60,18 +60,12 @@ def packed_sample_logps(model, packed: dict[str, Tensor], n: int) -> Tensor:
     return logprobs.new_zeros(n).index_add(0, sample, logprobs)
 
 
-def last_token_positions(packed: dict[str, Tensor], n: int, pad_id: int | None) -> Tensor:
-    """Flat (P * W) index of each sample's scored token: (n,) long. As transformers'
-    …ForSequenceClassification pools: the sample's last token that is not `pad_id` (its first when
-    all are; its last when `pad_id` is None)."""
+def last_token_positions(packed: dict[str, Tensor], n: int) -> Tensor:
+    """Flat (P * W) index of each sample's last token, the one objectives.scalar_scores scores: (n,) long."""
     sample = packed["sample_index"].reshape(-1)
-    flat = torch.arange(sample.numel(), device=sample.device)
     real = sample >= 0
-    idx, pos = sample[real], flat[real]
-    first = torch.full((n,), sample.numel(), device=sample.device).scatter_reduce(0, idx, pos, "amin")
-    scored = real if pad_id is None else real & (packed["input_ids"].reshape(-1) != pad_id)
-    last = torch.full((n,), -1, device=sample.device).scatter_reduce(0, sample[scored], flat[scored], "amax")
-    return torch.where(last >= 0, last, first)
+    flat = torch.arange(sample.numel(), device=sample.device)
+    return torch.full((n,), -1, device=sample.device).scatter_reduce(0, sample[real], flat[real], "amax")
 
 
 def packed_last_token_scores(model, packed: dict[str, Tensor], n: int) -> Tensor:
@@ -79,7 +73,7 @@ def packed_last_token_scores(model, packed: dict[str, Tensor], n: int) -> Tensor
     The head runs on the n scored hidden states only."""
     module = unwrap(model)
     hidden = packed_hidden(model, packed)
-    at = last_token_positions(packed, n, module.config.pad_token_id)
+    at = last_token_positions(packed, n)
     return module.score(hidden.reshape(-1, hidden.shape[-1])[at]).squeeze(-1).float()
 
 

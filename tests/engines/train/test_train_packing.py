@@ -175,6 +175,36 @@ def test_packed_reward_scores_equal_unpacked(reward_model, tokenizer):
     assert packed_metrics["accuracy"] == metrics["accuracy"]
 
 
+def test_a_response_is_scored_at_its_eos_where_the_pad_token_is_eos(reward_model, tokenizer):
+    # Llama's and Qwen2.5 base's tokenizers have no pad token: load_tokenizer pads with EOS. transformers'
+    # pooling (the last token that is not the pad id) then scored the token before a response's EOS.
+    from engines.train.objectives import scalar_scores
+    from engines.train.packed_objectives import packed_scalar_scores
+
+    eos, pad = tokenizer.eos_token_id, reward_model.config.pad_token_id
+    gen = torch.Generator().manual_seed(5)
+    first, vocab = len(tokenizer.all_special_ids) + 8, len(tokenizer)
+    rows = [torch.randint(first, vocab, (n,), generator=gen).tolist() + [eos] for n in (5, 9, 14)]
+    batch = _rows(rows, [2, 2, 2], pad_id=eos)
+    batch.pop("loss_mask")
+    assert (batch["input_ids"][:, -1] == eos).all() and (batch["attention_mask"][:, -1] == 0).any()
+    try:
+        reward_model.config.pad_token_id = eos
+        with torch.no_grad():
+            got = scalar_scores(reward_model, batch)
+            packed = packed_scalar_scores(reward_model, batch, max_tokens=2 * batch["input_ids"].shape[1])
+            alone, cut = [], []
+            for row in rows:  # each row by itself, no padding: the head at its last token, and at the one before
+                hidden = reward_model(input_ids=torch.tensor([row]), output_hidden_states=True).hidden_states[-1][0]
+                alone.append(reward_model.score(hidden[-1]).item())
+                cut.append(reward_model.score(hidden[-2]).item())
+    finally:
+        reward_model.config.pad_token_id = pad
+    assert got.tolist() == pytest.approx(alone, abs=1e-5)
+    assert packed.tolist() == pytest.approx(alone, abs=1e-5)
+    assert min(abs(a - c) for a, c in zip(alone, cut)) > 1e-3  # the EOS is what is scored
+
+
 def test_the_mask_blocks_attention_across_samples(policy, tokenizer):
     from engines.train.packed_objectives import packed_hidden
 
