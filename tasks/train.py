@@ -10,6 +10,7 @@ committed one instead of step 0.
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 
 from alignflow.cluster import ensure_ray
@@ -25,6 +26,8 @@ from tasks.context import RunContext, StageOutput, compute_stage
 from tasks.data import load_split, token_limits
 from tasks.plan import PlannedStage
 from tasks.registry import PreferenceInputs, PreferenceStage, RewardModelStage, SFTStage, TrainInputs
+
+log = logging.getLogger("alignflow")
 
 
 def train_stage(stage: PlannedStage, inputs: TrainInputs | PreferenceInputs, ctx: RunContext, *, kind: str,
@@ -45,6 +48,11 @@ def train_stage(stage: PlannedStage, inputs: TrainInputs | PreferenceInputs, ctx
         n_rows = tensors["input_ids"].shape[0] // (2 if paired else 1)
         schedule = supervised.plan(n_rows, train.batch_size, train.epochs, train.max_steps,
                                    seed=derive_seed(cfg.seed, "data_order"))
+        unseen = schedule.never_trained()
+        if unseen:
+            log.warning("%s: %s (epochs %g, max_steps %s)", stage.name, schedule.left_out("pairs" if paired else "rows",
+                        unseen), train.epochs, train.max_steps)
+        run.log_metrics({"train/rows_left_per_epoch": schedule.left_per_epoch, "train/rows_never_trained": unseen})
 
         ensure_ray(ctx.infra)
         spec = EngineSpec.from_config(train, model_path=ctx.ref(inputs.init), kind=kind, total_steps=schedule.total_steps,

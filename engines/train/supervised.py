@@ -28,11 +28,32 @@ class Schedule:
     def steps_per_epoch(self) -> int:
         return max(1, self.rows // self.batch_size)
 
+    def order(self, epoch: int) -> torch.Tensor:
+        """Epoch `epoch`'s permutation of the rows: (rows,) long."""
+        return torch.randperm(self.rows, generator=torch.Generator().manual_seed(self.seed * 100_003 + epoch))
+
     def indices(self, step: int) -> torch.Tensor:
         epoch, pos = divmod(step, self.steps_per_epoch)
-        gen = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
-        perm = torch.randperm(self.rows, generator=gen)
-        return perm[pos * self.batch_size : (pos + 1) * self.batch_size]
+        return self.order(epoch)[pos * self.batch_size : (pos + 1) * self.batch_size]
+
+    @property
+    def left_per_epoch(self) -> int:
+        """Rows each epoch leaves out (`rows % batch_size`: whole batches only), a different set each epoch."""
+        return self.rows - self.steps_per_epoch * self.batch_size
+
+    def never_trained(self) -> int:
+        """Rows no step takes: an epoch's leftovers, and the rest of an epoch cut by a fraction or max_steps."""
+        seen = torch.zeros(self.rows, dtype=torch.bool)
+        for epoch in range(-(-self.total_steps // self.steps_per_epoch)):
+            steps = min(self.steps_per_epoch, self.total_steps - epoch * self.steps_per_epoch)
+            seen[self.order(epoch)[: steps * self.batch_size]] = True
+        return int((~seen).sum())
+
+    def left_out(self, what: str, unseen: int) -> str:
+        """What the schedule leaves out, said: `unseen` is never_trained()."""
+        return (f"{unseen} of {self.rows} {what} are never trained on: each epoch takes {self.steps_per_epoch} whole "
+                f"batches of {self.batch_size}, leaving {self.left_per_epoch} out (a different set each epoch), "
+                f"over {self.total_steps} steps")
 
 
 def plan(rows: int, batch_size: int, epochs: float, max_steps: int | None, seed: int) -> Schedule:
