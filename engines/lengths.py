@@ -7,7 +7,8 @@ the prompt limit further to leave room for its new tokens, tasks/data.py):
     max_prompt_tokens   = the config's value, or ("auto") the longest prompt
                           of any split, at most `positions - 1`
     max_response_tokens = the config's value, or ("auto") the longest response
-                          (EOS included), at most what the positions leave
+                          (EOS included) of a row the prompt limit keeps, at
+                          most what the positions leave
 
 Prompts longer than the limit are left out (counted, per split); responses
 longer than theirs are cut (counted, per split). Cutting a larger share of
@@ -87,7 +88,6 @@ class Limits:
 def resolve(cfg: DataConfig, lengths: dict[str, SplitLengths], positions: int) -> Limits:
     """The two limits (see the module docstring); a DataError if a split would lose too much."""
     longest_prompt = max(max(s.prompt) for s in lengths.values())
-    longest_response = max((max(s.response) for s in lengths.values()), default=1) or 1
     if cfg.max_prompt_tokens == "auto":
         prompt_limit = min(longest_prompt, positions - 1)
     else:
@@ -96,6 +96,9 @@ def resolve(cfg: DataConfig, lengths: dict[str, SplitLengths], positions: int) -
         raise DataError(f"data.max_prompt_tokens={prompt_limit} leaves no room for a response: "
                         f"the model has {positions} positions")
     room = positions - prompt_limit
+    # A row left out for its prompt is not trained on, so its response is not cut: only kept rows count.
+    kept = {n: [r for p, r in zip(s.prompt, s.response) if p <= prompt_limit] for n, s in lengths.items()}
+    longest_response = max((max(k, default=0) for k in kept.values()), default=1) or 1
     if cfg.max_response_tokens == "auto":
         response_limit = min(longest_response, room)
     else:
@@ -104,13 +107,13 @@ def resolve(cfg: DataConfig, lengths: dict[str, SplitLengths], positions: int) -
             raise DataError(f"data.max_prompt_tokens={prompt_limit} + data.max_response_tokens={response_limit} "
                             f"exceed the model's {positions} positions")
     left_out = {n: sum(p > prompt_limit for p in s.prompt) for n, s in lengths.items()}
-    cut = {n: sum(r > response_limit for r in s.response) for n, s in lengths.items() if n in RESPONSE_KEYS}
+    cut = {n: sum(r > response_limit for r in kept[n]) for n in lengths if n in RESPONSE_KEYS}
     for name, n_cut in cut.items():
         allowed = cfg.max_cut_fraction.preference if "preference" in name else cfg.max_cut_fraction.sft
-        total = len(lengths[name].response)
+        total = len(kept[name])
         if n_cut > allowed * total:
             field = "preference" if "preference" in name else "sft"
-            needed = max(lengths[name].response)
+            needed = max(kept[name])
             fit = (f"set data.max_response_tokens={needed}" if prompt_limit + needed <= positions else
                    f"the model's {positions} positions cannot hold them after {prompt_limit}-token prompts")
             raise DataError(

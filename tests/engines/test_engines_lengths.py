@@ -56,13 +56,25 @@ def test_an_explicit_length_that_cuts_pairs_fails_naming_the_field_and_the_lengt
 
 
 def test_an_allowed_cut_is_counted_per_split():
-    cfg = DataConfig(max_response_tokens=4, max_prompt_tokens=5, max_cut_fraction={"sft": 0.5, "preference": 1.0})
+    # Rows left out for their prompts (sft's first, preference's second) are not trained on: not cut either.
+    cfg = DataConfig(max_response_tokens=4, max_prompt_tokens=5, max_cut_fraction={"sft": 1.0, "preference": 0.5})
     limits = resolve(cfg, {"sft": SFT, "preference": PREF}, positions=128)
-    assert limits == Limits(5, 4, left_out={"sft": 1, "preference": 1}, cut={"sft": 1, "preference": 2})
+    assert limits == Limits(5, 4, left_out={"sft": 1, "preference": 1}, cut={"sft": 1, "preference": 1})
     lines = describe({"sft": SFT, "preference": PREF}, limits)
     assert lines[0] == "token limits: prompt 5, response 4"
     assert lines[1] == "  sft: 2 rows, prompt p50/p95/max 2/8/8, response 2/5/5; 1 prompts over the limit left out; " \
                        "1 responses cut"
+
+
+def test_a_row_left_out_for_its_prompt_does_not_count_as_cut():
+    # The second row's prompt is over the limit: it is left out, and its 30-token response with it.
+    lengths = {"sft": SplitLengths(prompt=[4, 60], response=[5, 30])}
+    limits = resolve(DataConfig(max_prompt_tokens=50, max_response_tokens=20), lengths, positions=128)
+    assert (limits.left_out, limits.cut) == ({"sft": 1}, {"sft": 0})
+    assert resolve(DataConfig(max_prompt_tokens=50), lengths, positions=128).max_response_tokens == 5  # auto: kept rows
+    with pytest.raises(DataError, match=r"^sft: 1 of 1 responses are longer than data.max_response_tokens=4 .* the "
+                                        r"longest needs 5 tokens"):
+        resolve(DataConfig(max_prompt_tokens=50, max_response_tokens=4), lengths, positions=128)
 
 
 def test_auto_is_bounded_by_the_model_positions():
