@@ -173,6 +173,27 @@ def _attention(attn: str) -> str:
     return attn
 
 
+DROPOUT_ATTRIBUTES = ("attention_dropout", "attn_dropout", "dropout", "dropout_rate", "hidden_dropout",
+                      "resid_dropout", "drop_path")
+
+
+def disable_dropout(model: torch.nn.Module) -> int:
+    """Every dropout of `model` off, in training too: each `nn.Dropout`, and the probabilities attention
+    modules keep as plain floats (Qwen2's and Llama's `attention_dropout`, passed to sdpa when training).
+    The model's config, which a checkpoint saves, is left as it is. Returns how many were nonzero."""
+    nonzero = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            nonzero += module.p > 0
+            module.p = 0.0
+        for name in DROPOUT_ATTRIBUTES:
+            value = getattr(module, name, None)
+            if isinstance(value, float):
+                nonzero += value > 0
+                setattr(module, name, 0.0)
+    return nonzero
+
+
 def load_policy(path: str | Path, dtype: str = "float32", attn: str = "sdpa") -> PreTrainedModel:
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype], attn_implementation=_attention(attn))
 

@@ -104,6 +104,9 @@ class EngineConfig(Section):
         4096, ge=1, description="at most this many padded tokens (rows x padded length) per forward/backward; "
         "keeps activations small enough for the allocator to reuse; None: no cap on tokens")
     gradient_checkpointing: bool = Field(False, description="recompute activations in backward (less memory)")
+    dropout: bool = Field(False, description="keep the model's dropout in training; False: every dropout of the "
+                          "model is off, so the log-probs and scores trained on are those the reference, the "
+                          "scorers and the engines compute (all without dropout). The saved config is unchanged")
     offload: Literal["none", "optimizer", "optimizer_and_params"] = Field(
         "none", description="DeepSpeed ZeRO offload to CPU memory: optimizer state (zero_stage >= 1), "
         "and parameters too (zero_stage 3)")

@@ -80,6 +80,7 @@ class EngineSpec:
     micro_batch_size: int | None = None  # rows per forward/backward; None: no cap on rows
     micro_batch_tokens: int | None = None  # padded tokens per forward/backward; None: no cap on tokens
     gradient_checkpointing: bool = False
+    dropout: bool = False  # False: the model's dropout off in training (models.disable_dropout)
     offload: str = "none"  # "none" | "optimizer" | "optimizer_and_params"
     torch_threads: int = 2
     num_cpus_per_worker: float = 1.0
@@ -98,7 +99,7 @@ class EngineSpec:
             global_batch=global_batch, grad_clip=cfg.grad_clip, seed=seed, dtype=dtype,
             attn_implementation=attn_implementation, micro_batch_size=cfg.micro_batch_size,
             micro_batch_tokens=cfg.micro_batch_tokens,
-            gradient_checkpointing=cfg.gradient_checkpointing, offload=cfg.offload,
+            gradient_checkpointing=cfg.gradient_checkpointing, dropout=cfg.dropout, offload=cfg.offload,
             torch_threads=torch_threads, num_cpus_per_worker=cfg.placement.num_cpus,
             cpu_cores=tuple(cfg.placement.cpu_cores) if cfg.placement.cpu_cores is not None else None,
             num_gpus_per_worker=cfg.placement.num_gpus, resources_per_worker=cfg.placement.resources, lora=cfg.lora,

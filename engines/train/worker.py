@@ -50,6 +50,8 @@ def load_trainable(spec: EngineSpec, pad_token_id: int | None,
             model = models.load_policy(spec.model_path, spec.dtype, spec.attn_implementation)
         else:
             model = models.load_scalar_model(spec.model_path, spec.dtype, pad_token_id, spec.attn_implementation)
+    if not spec.dropout:
+        models.disable_dropout(model)
     if spec.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
