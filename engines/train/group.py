@@ -68,7 +68,8 @@ class TrainerGroup:
         parts = [micro_batches(s, size, tokens=tokens, paired=paired) for s in shards]
         results = ray.get([w.train_step.remote(p, objective, scales)
                            for w, p, scales in zip(self.workers, parts, loss_scales(parts, weigh))])
-        return combine_ranks(results)
+        summarize = getattr(objective, "summarize", None)  # metrics of the whole step (KTO's reward margin)
+        return summarize(combine_ranks(results)) if summarize else combine_ranks(results)
 
     def evaluate(self, batch: dict[str, Any], fn: Callable, without_adapters: bool = False) -> Any:
         """`fn(model, batch)`, rank 0's result (every rank runs it: ZeRO-3 needs all in each forward);

@@ -158,7 +158,14 @@ def kto_objective(model, batch: dict[str, torch.Tensor], *, beta: float, desirab
     logps, packing = _logps(model, batch, False, packing_max_tokens)
     out = kto_loss(logps, batch["ref_logps"], batch["desirable"], z0, beta=beta,
                    desirable_weight=desirable_weight, undesirable_weight=undesirable_weight)
-    return out.loss, _reward_metrics(out) | {"kl_reference_point": out.kl.detach()} | packing
+    # A micro-batch may hold one kind of example only: the reward means come as (sum, count) pairs over the
+    # examples of their kind (batches.add_metrics), and the margin from the step's means (KTOObjective.summarize).
+    des = batch["desirable"].bool()
+    rewards = beta * (logps - batch["ref_logps"]).detach()
+    return out.loss, {"loss": out.loss.detach(), "accuracy": out.accuracy.detach(),
+                      "chosen_reward": ((rewards * des).sum(), des.sum()),
+                      "rejected_reward": ((rewards * ~des).sum(), (~des).sum()),
+                      "kl_reference_point": out.kl.detach()} | packing
 
 
 @dataclass(frozen=True)
@@ -174,6 +181,10 @@ class KTOObjective:
 
     def prepare(self, model, micro_batches: list[dict[str, torch.Tensor]], device) -> dict[str, torch.Tensor]:
         return {"z0": kto_reference_point(model, micro_batches, device, packing_max_tokens=self.packing_max_tokens)}
+
+    def summarize(self, metrics: dict[str, float]) -> dict[str, float]:
+        """The step's metrics (engines/train/group.py), with the margin of its two reward means."""
+        return metrics | {"reward_margin": metrics["chosen_reward"] - metrics["rejected_reward"]}
 
     def __call__(self, model, batch: dict[str, torch.Tensor], z0: torch.Tensor | None = None):
         return kto_objective(model, batch, beta=self.beta, desirable_weight=self.desirable_weight,

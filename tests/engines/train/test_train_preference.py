@@ -182,3 +182,35 @@ def test_kto_objective_prepared_over_micro_batches_gives_the_whole_batchs_loss(p
         alone = [objective(policy, m)[0].item() * 2 / 6 for m in micro]
     assert sum(parts) == pytest.approx(whole.item(), abs=1e-6)
     assert abs(sum(alone) - whole.item()) > 1e-2
+
+
+
+def test_kto_reward_metrics_are_the_steps_whatever_its_micro_batches(policy, tokenizer):
+    """Micro-batches of one row hold one kind of example each: the step's chosen / rejected reward is
+    still the mean implicit reward β(log π − log π_ref) over all its desirable / undesirable examples."""
+    from engines.batches import add_metrics, combine_ranks, host_metrics, micro_batches
+    from engines.train.preference import KTOObjective
+
+    rows = preference_tensors(tokenizer, RECORDS, 64, 8)
+    implicit = torch.tensor([2.0, 3.0, 1.0, 4.0, 2.5, 3.5])
+    with torch.no_grad():
+        ref = _by_hand(policy, rows.main) - implicit
+        ref_kl = _by_hand(policy, rows.kl)
+    batch = {**rows.main, **{f"kl_{k}": v for k, v in rows.kl.items()}, "ref_kl_logps": ref_kl,
+             "ref_logps": ref, "desirable": rows.desirable}
+    beta = 0.5
+    des = rows.desirable.bool()
+    expected_chosen = beta * implicit[des].mean().item()
+    expected_rejected = beta * implicit[~des].mean().item()
+    objective = KTOObjective(beta=beta, desirable_weight=1.0, undesirable_weight=1.0)
+    for size in (1, 2, 6):
+        sums: dict = {}
+        with torch.no_grad():
+            micro = micro_batches(batch, size)
+            shared = objective.prepare(policy, micro, "cpu")
+            for m in micro:
+                add_metrics(sums, objective(policy, m, **shared)[1], m["input_ids"].shape[0] / 6)
+        step = objective.summarize(combine_ranks([host_metrics(sums)]))
+        assert step["chosen_reward"] == pytest.approx(expected_chosen, abs=1e-4), size
+        assert step["rejected_reward"] == pytest.approx(expected_rejected, abs=1e-4), size
+        assert step["reward_margin"] == pytest.approx(expected_chosen - expected_rejected, abs=1e-4), size
