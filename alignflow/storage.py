@@ -34,6 +34,10 @@ class StorageError(RuntimeError):
     """A missing, uncommitted or corrupted artifact."""
 
 
+class CorruptArtifact(StorageError):
+    """A committed artifact whose files no longer match its manifest (changed or lost after the commit)."""
+
+
 def is_local_uri(uri: str) -> bool:
     """The one rule: a path without a scheme, or a file:// URI, is local."""
     return "://" not in uri or uri.startswith("file://")
@@ -76,9 +80,7 @@ class Storage:
             endpoint = self.endpoint_url or os.environ.get("AWS_ENDPOINT_URL")
             if endpoint:
                 options["client_kwargs"] = {"endpoint_url": endpoint}
-            # fsspec caches instances by arguments; a fresh listing matters
-            # more here than the saved round trip.
-            options["skip_instance_cache"] = True
+            options["skip_instance_cache"] = True  # a fresh listing matters more than fsspec's cached instance
         return fsspec.filesystem(protocol, **options)
 
     def _root(self) -> str:
@@ -95,8 +97,7 @@ class Storage:
     def put_file(self, local: str | Path, uri: str) -> str:
         """Copy one local file to `uri` (under the root; its folder is made); returns `uri`.
         Not part of a committed directory: for reports such as the learning curves."""
-        fs = self._fs()
-        fs.makedirs(uri.rsplit("/", 1)[0], exist_ok=True)
+        (fs := self._fs()).makedirs(uri.rsplit("/", 1)[0], exist_ok=True)
         fs.put_file(str(local), uri)
         return uri
 
@@ -104,6 +105,11 @@ class Storage:
 
     def is_committed(self, uri: str) -> bool:
         return self._fs().exists(f"{uri}/{MANIFEST}")
+
+    def set_aside(self, uri: str) -> str:
+        """Uncommit `uri`, its files kept for a look: its manifest becomes `manifest.corrupt.json` (returned)."""
+        self._fs().mv(f"{uri}/{MANIFEST}", aside := f"{uri}/manifest.corrupt.json")
+        return aside
 
     def read_manifest(self, uri: str) -> dict[str, Any]:
         fs = self._fs()
@@ -182,7 +188,7 @@ class Storage:
                     self._download(uri, files, local)
         bad = _mismatches(local, files) if verify and fresh else []
         if bad:
-            raise StorageError(f"{uri}: files do not match the manifest: {', '.join(bad)}")
+            raise CorruptArtifact(f"{uri}: files do not match the manifest: {', '.join(bad)}")
         return local
 
     def _download(self, uri: str, files: dict[str, Any], local: Path) -> None:
@@ -247,7 +253,7 @@ class Storage:
                 bad = [rel for rel, f in files.items() if _skipped(rel, skip)
                        and (not fs.exists(f"{uri}/{rel}") or fs.size(f"{uri}/{rel}") != f["size"])]
                 if bad:
-                    raise StorageError(f"{uri}: stored files missing or of the wrong size: {', '.join(bad)}")
+                    raise CorruptArtifact(f"{uri}: stored files missing or of the wrong size: {', '.join(bad)}")
                 return step, uri, local
             except (StorageError, ValueError, KeyError) as err:  # ValueError: a manifest that is not JSON
                 log.warning("skipping checkpoint %s (step %d), it fails verification: %s", uri, step, err)
@@ -266,9 +272,7 @@ class Storage:
 
     def _normalize(self, path: str) -> str:
         """fsspec listings drop the protocol; put it back for remote roots."""
-        if self.is_local or "://" in path:
-            return path
-        return f"{self.root.split('://', 1)[0]}://{path}"
+        return path if self.is_local or "://" in path else f"{self.root.split('://', 1)[0]}://{path}"
 
 
 def _skipped(rel: str, patterns: tuple[str, ...]) -> bool:

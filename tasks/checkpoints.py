@@ -15,7 +15,7 @@ import logging
 from collections.abc import Callable
 
 from alignflow.artifacts import WEIGHT_FILES, ArtifactRef, Entries
-from alignflow.storage import Storage
+from alignflow.storage import CorruptArtifact, Storage
 from alignflow.tracking import StageRun
 from tasks.runner import note_resumed
 
@@ -33,12 +33,20 @@ class StageCheckpoints:
 
         A corrupted newest checkpoint is skipped for the one before it (storage warns). Its small files
         are verified here, on the task's node, its weights and optimizer state by their stored sizes;
-        the actors that load them fetch and verify them on their own nodes."""
+        the actors that load them fetch and verify them on their own nodes. Where they find one corrupt,
+        the actors hold part of it: this attempt fails, with the checkpoint set aside (uncommitted, its
+        files kept), so that the next one (Prefect's retry) starts from the one before it, or step 0."""
         latest = self.storage.latest_valid_checkpoint(self.stage_uri, skip=WEIGHT_FILES)
         if latest is None:
             return 0
         _, uri, _ = latest
-        step = load(ArtifactRef(uri, self.storage))
+        try:
+            step = load(ArtifactRef(uri, self.storage))
+        except CorruptArtifact as err:
+            aside = self.storage.set_aside(uri)
+            raise CorruptArtifact(f"{self.stage}: the checkpoint {uri} failed verification where it was loaded, "
+                                  f"and is set aside ({aside}): a retry starts from the checkpoint before it, or "
+                                  f"step 0. {err}") from err
         run.set_tag("alignflow.resumed_from_step", str(step))
         log.info("%s: resuming at step %d of %d (%s)", self.stage, step, total, uri)
         note_resumed(step, total)

@@ -486,3 +486,27 @@ def test_resume_skips_a_corrupted_checkpoint_for_the_one_before(tracker, tmp_pat
             lambda ref: int((Path(local_dir(ref)) / "step.txt").read_text()), run, total=30)
     assert step == 10
     assert _client(tracker).get_run(run.run_id).data.tags["alignflow.resumed_from_step"] == "10"
+
+
+def test_a_checkpoint_whose_weights_fail_where_they_load_is_set_aside_for_the_retry(tracker, tmp_path):
+    # Weights are checked by size on the task's node; the actors that load them verify their digests.
+    from alignflow.artifacts import local_dir
+    from alignflow.storage import CorruptArtifact, Storage
+    from tasks.checkpoints import StageCheckpoints
+
+    storage = Storage(root=str(tmp_path / "root"))
+    stage = storage.stage_uri("sft", "k")
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "model.safetensors").write_bytes(b"weights!")
+    uri = storage.checkpoint_uri(stage, 20)
+    storage.commit(tmp_path / "state", uri)
+    (Path(uri) / "model.safetensors").write_bytes(b"WEIGHTS!")  # same size: passes the task's check
+    checkpoints = StageCheckpoints(storage, stage, "sft", every=10)
+    load = lambda ref: len(local_dir(ref))  # noqa: E731 (an actor's load: fetch and verify everything)
+    with tracker.stage_run(None, "sft", {}) as run:
+        with pytest.raises(CorruptArtifact, match=r"^sft: the checkpoint .*step-00000020 failed verification where "
+                                                  r"it was loaded, and is set aside .*manifest.corrupt.json"):
+            checkpoints.resume(load, run, total=30)
+        assert not storage.is_committed(uri) and (Path(uri) / "model.safetensors").read_bytes() == b"WEIGHTS!"
+        assert checkpoints.resume(load, run, total=30) == 0  # the retry starts over
+
