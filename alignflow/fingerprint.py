@@ -15,7 +15,8 @@ place and the stages that read it (and everything downstream) get new keys.
   content: the version id or ETag (or md5/crc), else size and modification
   time; a remote directory combines its files'.
 - anything else (a hub model id, a `datasets` hub name): the name itself,
-  with `remote_name: True` in the returned record so callers can say so.
+  as `name:<value>`: a new upload under the same name (a hub model's next
+  revision) is not seen.
 """
 
 from __future__ import annotations
