@@ -104,6 +104,12 @@ class DataConfig(Section):
 
     @model_validator(mode="after")
     def _files_present(self) -> DataConfig:
+        if self.source == "synthetic":
+            given = [k for k in ("sft", "preference", "prompts", "eval") if getattr(self, k) is not None]
+            if given:  # else the run trains on the bundled task, and never reads them
+                raise ValueError(f"data.{', data.'.join(given)} {'is' if len(given) == 1 else 'are'} given, but "
+                                 f"data.source is 'synthetic' (the bundled task): set data.source: files to read "
+                                 f"{'it' if len(given) == 1 else 'them'}")
         if self.source == "files":
             missing = [k for k in ("sft", "preference", "eval") if getattr(self, k) is None]
             if missing:

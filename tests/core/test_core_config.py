@@ -282,6 +282,15 @@ def test_files_source_needs_its_datasets():
     assert "data.sft" in message and "data.preference" in message and "data.eval" in message
 
 
+def test_data_files_under_the_synthetic_source_are_refused_not_ignored():
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides=["data.sft.path=my.jsonl", "data.eval.path=e.jsonl"])
+    assert ("data.sft, data.eval are given, but data.source is 'synthetic' (the bundled task): set data.source: "
+            "files to read them") in str(err.value)
+    with pytest.raises(ConfigError, match=r"data.prompts is given, but data.source is 'synthetic'"):
+        load_config(overrides=["data.prompts.path=p.jsonl"])
+
+
 def test_files_source_names_only_what_is_missing():
     with pytest.raises(ConfigError) as err:
         load_config(overrides=["data.source=files", "data.sft.path=a.jsonl", "data.eval.path=e.jsonl"])
