@@ -19,6 +19,9 @@ def check_files(cfg: PipelineConfig, found) -> None:
     """The data files, into preflight's `found` (a Findings)."""
     if cfg.data.source != "files":
         return
+    if cfg.data.prompts is None:  # the RL prompts are the SFT prompts, without answers
+        _answers_read(cfg, "prompts", "data.prompts", "no data.prompts is given, so the RL prompts are the SFT "
+                      "prompts, without answers", found)
     for name, kind in (("sft", "sft"), ("preference", "preference"), ("prompts", "prompts"), ("eval", "prompts")):
         src: DatasetSource | None = getattr(cfg.data, name)
         if src is None or not src.path.endswith((".jsonl", ".json", ".parquet")):
@@ -34,7 +37,7 @@ def check_files(cfg: PipelineConfig, found) -> None:
             continue
         limit = None if is_local_uri(path) else cfg.data.preflight_rows
         try:
-            n, bad = _rows(src, kind, limit)
+            n, bad, unanswered = _rows(src, kind, limit)
         except Exception as err:  # noqa: BLE001  (a corrupt Parquet file, a bad encoding, ...)
             found.fail(field, f"{path} cannot be read: {type(err).__name__}: {err}")
             continue
@@ -44,21 +47,45 @@ def check_files(cfg: PipelineConfig, found) -> None:
             found.fail(f"data.{name}", f"{path}: {len(bad) - MAX_BAD_ROWS} more bad rows (of {n} read)")
         if not bad:
             found.ok() if n else found.fail(field, f"{path} holds no rows")
+        if unanswered and not bad and name in ("prompts", "eval"):
+            shown = ", ".join(map(str, unanswered[:5])) + (", ..." if len(unanswered) > 5 else "")
+            _answers_read(cfg, name, f"data.{name}.answer_key", f"{path}: {len(unanswered)} of {n} rows have no "
+                          f"{src.answer_key!r} (rows {shown})" if src.answer_key else
+                          f"{path}: data.{name}.answer_key is None, so no row has an answer", found)
         if limit is not None and n == limit:
             found.notes.append(f"data.{name}: {path} is remote, so its first {limit} rows were checked "
                                "(data.preflight_rows); the data stage checks the rest")
 
 
-def _rows(src: DatasetSource, kind: str, limit: int | None) -> tuple[int, list[str]]:
-    """(rows read, one message per bad row): every row, or the first `limit`. A row that is not JSON ends
-    the file's reading (the next rows cannot be told apart)."""
-    rows, bad, n = read_rows(src), [], 0
+def _answers_read(cfg: PipelineConfig, split: str, field: str, why: str, found) -> None:
+    """Rows of `split` without an answer, where something scores against answers: alignflow's own
+    checker, rule reward or math verifier would score every such response wrong (a problem); a user's
+    function may not read the answer (a note)."""
+    readers = []
+    if split == "eval" and cfg.evaluation is not None and cfg.evaluation.environment is None:
+        readers.append(("evaluation.checker", cfg.evaluation.checker))
+    if split == "prompts":
+        readers += [(f"{f}.rule", c.rule) for i, r in enumerate(cfg.rounds) if r.environment is None
+                    for f, c in r.reward.source_fields(f"rounds.{i}.reward") if c.source == "rule"]
+    for reader, path in readers:
+        if path.startswith("alignflow."):
+            found.fail(field, f"{why}; {reader} ({path}) scores every response against its row's answer, so "
+                              f"each of them would score as wrong: give every row an answer", also=(reader,))
+        else:
+            found.notes.append(f"{field}: {why}; {reader} ({path}) gets answer=None for them")
+
+
+def _rows(src: DatasetSource, kind: str, limit: int | None) -> tuple[int, list[str], list[int]]:
+    """(rows read, one message per bad row, the rows without an answer): every row, or the first `limit`.
+    A row that is not JSON ends the file's reading (the next rows cannot be told apart)."""
+    rows, bad, unanswered, n = read_rows(src), [], [], 0
     try:
         for n, row in enumerate(islice(rows, limit) if limit else rows, start=1):
             try:
-                normalize_row(row, kind, src, where=f"{src.path}, row {n}")
+                if normalize_row(row, kind, src, where=f"{src.path}, row {n}").get("answer", "") is None:
+                    unanswered.append(n)
             except DataError as err:
                 bad.append(str(err))
     except DataError as err:  # from read_rows: not JSON, not a list
         bad.append(str(err))
-    return n, bad
+    return n, bad, unanswered

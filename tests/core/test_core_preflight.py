@@ -64,6 +64,38 @@ def test_good_data_files_pass(files):
     assert problems(files) == []
 
 
+def test_eval_rows_without_answers_fail_where_the_bundled_checker_reads_them(files, tmp_path):
+    ev = _jsonl(tmp_path / "eval2.jsonl", [{"prompt": "1 2", "answer": "2"}, {"prompt": "3 4", "solution": "4"},
+                                           {"prompt": "5 6", "solution": "6"}])
+    [problem] = problems(files, f"data.eval.path={ev}")
+    assert problem.startswith(f"data.eval.answer_key: {ev}: 2 of 3 rows have no 'answer' (rows 2, 3); "
+                              "evaluation.checker (alignflow.data.synthetic:check_answer) scores every response "
+                              "against its row's answer, so each of them would score as wrong: give every row an "
+                              "answer (")
+    assert problems(files, f"data.eval.path={ev}", "data.eval.answer_key=solution") == [
+        f"data.eval.answer_key: {ev}: 1 of 3 rows have no 'solution' (rows 1); evaluation.checker "
+        "(alignflow.data.synthetic:check_answer) scores every response against its row's answer, so each of them "
+        "would score as wrong: give every row an answer (from the command line: data.eval.answer_key=solution; "
+        f"evaluation.checker: the default, not set in {files})"]
+
+
+def test_rule_rewards_need_answers_on_the_rl_prompts(files, tmp_path, monkeypatch):
+    (tmp_path / "my_rules.py").write_text("def score(prompt, response, answer):\n    return 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    rule = 'rounds=[{"algorithm": "grpo", "reward": {"source": "rule"}}]'
+    [problem] = problems(files, rule)  # no data.prompts: the SFT prompts, without answers
+    assert problem.startswith("data.prompts: no data.prompts is given, so the RL prompts are the SFT prompts, "
+                              "without answers; rounds.0.reward.rule (alignflow.data.synthetic:rule_reward) scores "
+                              "every response against its row's answer")
+    prompts = _jsonl(tmp_path / "prompts.jsonl", [{"prompt": "1 2", "answer": "2"}])
+    assert problems(files, rule, f"data.prompts.path={prompts}") == []
+    found = preflight(load_config(files, [rule.replace('"rule"}', '"rule", "rule": "my_rules:score"}')]),
+                      [rule], files)
+    assert found.problems == [] and found.notes == [
+        "data.prompts: no data.prompts is given, so the RL prompts are the SFT prompts, without answers; "
+        "rounds.0.reward.rule (my_rules:score) gets answer=None for them"]
+
+
 def test_missing_data_path_names_the_field_and_the_command_line(files, tmp_path):
     missing = tmp_path / "nope" / "sft.jsonl"
     assert problems(files, f"data.sft.path={missing}") == [
