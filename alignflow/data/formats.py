@@ -57,7 +57,11 @@ def read_rows(src: DatasetSource) -> Iterable[dict[str, Any]]:
             return
         with fsspec.open(path, "r") as f:
             if path.endswith(".json"):
-                data = json.load(f)
+                try:
+                    data = json.load(f, object_pairs_hook=_unique_keys)
+                except _DuplicateKey as err:
+                    raise DataError(f"{path}: a row gives the key {err.args[0]!r} twice (JSON keeps the last "
+                                    f"silently): give it once") from None
                 if not isinstance(data, list):
                     raise DataError(f"{path}: a .json dataset must hold a list of rows")
                 yield from data
@@ -70,13 +74,29 @@ def read_rows(src: DatasetSource) -> Iterable[dict[str, Any]]:
                     continue
                 row += 1
                 try:
-                    yield json.loads(line)
+                    yield json.loads(line, object_pairs_hook=_unique_keys)
                 except json.JSONDecodeError as err:
                     raise DataError(f"{path}, row {row}: not valid JSON ({err.msg})") from None
+                except _DuplicateKey as err:
+                    raise DataError(f"{path}, row {row}: the key {err.args[0]!r} is given twice (JSON keeps the "
+                                    f"last silently): give it once") from None
         return
     import datasets
 
     yield from datasets.load_dataset(path, src.name, split=src.split)
+
+
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
 
 
 # Where each kind's source sits in the config, for the hints in errors.

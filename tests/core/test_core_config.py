@@ -258,6 +258,22 @@ def test_invalid_yaml(tmp_path):
         load_config(path)
 
 
+def test_a_section_given_twice_is_an_error_not_the_last_one(tmp_path):
+    path = _write(tmp_path, "sft:\n  learning_rate: 0.5\n  batch_size: 8\nname: x\nsft:\n  epochs: 2\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    text = str(err.value)
+    assert text.startswith(f"{path}: not valid YAML: while constructing a mapping")
+    assert "found the key 'sft' twice (first" in text and "line 5" in text
+
+
+def test_a_config_that_is_not_utf8_names_the_file(tmp_path):
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes("name: caf\xe9\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(path))}: not UTF-8 text"):
+        load_config(path)
+
+
 def test_empty_file_gives_all_defaults(tmp_path):
     cfg = load_config(_write(tmp_path, "# nothing\n"))
     assert cfg == PipelineConfig()

@@ -482,6 +482,19 @@ def test_row_numbers_skip_blank_lines_consistently(tmp_path):
         load_records(DatasetSource(path=str(path)), "sft")
 
 
+def test_a_key_given_twice_in_a_row_is_an_error_naming_the_row(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_text('{"prompt": "p", "response": "r"}\n{"prompt": "a", "prompt": "b", "response": "r"}\n')
+    with pytest.raises(DataError) as err:
+        load_records(DatasetSource(path=str(path)), "sft")
+    assert str(err.value) == (f"{path}, row 2: the key 'prompt' is given twice (JSON keeps the last silently): "
+                              "give it once")
+    listed = tmp_path / "data.json"
+    listed.write_text('[{"prompt": "p", "response": "r", "response": "s"}]')
+    with pytest.raises(DataError, match=r"data.json: a row gives the key 'response' twice"):
+        load_records(DatasetSource(path=str(listed)), "sft")
+
+
 def test_non_json_line(tmp_path):
     path = tmp_path / "data.jsonl"
     path.write_text('{"prompt": "p", "response": "r"}\nnot json at all\n')
