@@ -133,6 +133,14 @@ def padded_shards(batch: dict[str, torch.Tensor], world_size: int) -> list[dict[
     return [take(batch, rows[r * per : (r + 1) * per]) for r in range(world_size)]
 
 
+def rows_per_pass(n_rows: int, size: int, multiple_of: int = 1) -> int:
+    """How many of `n_rows` one pass of `minibatches` trains on: the rest (its remainder, and each chunk's
+    cut to a multiple of `multiple_of`) are left out of that pass, a different set each pass."""
+    if n_rows <= size:
+        return n_rows - n_rows % multiple_of
+    return (n_rows // size) * (size - size % multiple_of)
+
+
 def minibatches(n_rows: int, size: int, *, epochs: int, generator: torch.Generator,
                 multiple_of: int = 1) -> Iterator[torch.Tensor]:
     """Row indices of every minibatch of `epochs` passes over `n_rows` rows.

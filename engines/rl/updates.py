@@ -18,7 +18,7 @@ import torch
 import algos
 from alignflow.config import RoundConfig
 from alignflow.seeds import derive_seed
-from engines.batches import minibatches, shard, split_pairs
+from engines.batches import minibatches, rows_per_pass, shard, split_pairs
 from engines.rl import experience
 from engines.rl.experience import Experience
 from engines.rl.round_models import RoundModels
@@ -197,11 +197,15 @@ class BestOfNSFTUpdate:
     def __call__(self, exp: Experience, step: int, lap: Lap) -> Trained:
         winners = experience.best_of_n(exp, self.cfg.rejection.threshold)
         rewards = exp.rewards[winners]
-        metrics = {"rs/winners": float(len(winners)), "rs/winner_reward": rewards.mean().item() if len(winners) else 0.0}
+        metrics = {"rs/winners": float(len(winners)), "rs/winner_reward": rewards.mean().item() if len(winners) else 0.0,
+                   "rs/winners_left_out": 0.0}
         if len(winners):
             actor = self.models.actor
             gen = torch.Generator().manual_seed(derive_seed(self.seed, f"minibatches/{step}"))
-            chunks = minibatches(len(winners), self.cfg.ppo.minibatch_size, epochs=self.cfg.rejection.epochs,
+            size = self.cfg.ppo.minibatch_size
+            # Each pass's remainder (and each chunk's cut to the actor's ranks) is left out of it: counted.
+            metrics["rs/winners_left_out"] = float(len(winners) - rows_per_pass(len(winners), size, actor.world_size))
+            chunks = minibatches(len(winners), size, epochs=self.cfg.rejection.epochs,
                                  generator=gen, multiple_of=actor.world_size)
             sft = train_minibatches(experience.sft_batch(exp.select(winners)), chunks,
                                     [(actor, objectives.causal_lm_objective, objectives.response_tokens)])
@@ -261,7 +265,7 @@ class OnlineDPOUpdate:
             gen = torch.Generator().manual_seed(derive_seed(self.seed, f"minibatches/{step}"))
             size = d.pairs_per_update or n
             # minibatches drops each pass's remainder when a pass makes more than one chunk: counted.
-            metrics["dpo/pairs_left_out"] += float(n % size if n > size else 0)
+            metrics["dpo/pairs_left_out"] += float(n - rows_per_pass(n, size, actor.world_size))
             chunks = minibatches(n, size, epochs=d.epochs, generator=gen, multiple_of=actor.world_size)
             trained = train_minibatches(batch, chunks, [(actor, objective, objectives.per_row)], pairs=n)
             metrics.update({f"dpo/{k}": v for k, v in trained.items()})

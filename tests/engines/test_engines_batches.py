@@ -17,6 +17,7 @@ from engines.batches import (
     micro_batches,
     minibatches,
     pair_tensors,
+    rows_per_pass,
     shard,
     sft_tensors,
     split_pairs,
@@ -200,6 +201,13 @@ def test_minibatches_drop_the_remainder_and_cut_to_a_multiple_of_the_ranks():
     assert [len(c) for c in minibatches(70, 32, epochs=1, generator=gen)] == [32, 32]  # 6 rows dropped
     assert [len(c) for c in minibatches(10, 32, epochs=1, generator=gen, multiple_of=4)] == [8]
     assert list(minibatches(3, 32, epochs=1, generator=gen, multiple_of=4)) == []
+
+
+@pytest.mark.parametrize("n, size, ranks", [(70, 32, 1), (100, 64, 1), (50, 64, 4), (10, 32, 4), (3, 32, 4),
+                                           (96, 30, 4), (64, 16, 2)])
+def test_rows_per_pass_is_what_one_pass_of_minibatches_trains_on(n, size, ranks):
+    chunks = list(minibatches(n, size, epochs=1, generator=torch.Generator().manual_seed(2), multiple_of=ranks))
+    assert rows_per_pass(n, size, ranks) == sum(len(c) for c in chunks)
 
 
 def test_a_prompts_samples_stay_together_in_the_micro_batches_of_a_minibatch():
