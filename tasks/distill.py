@@ -80,6 +80,7 @@ def distill_teacher(stage: PlannedStage, inputs: DistillTeacherInputs, ctx: RunC
         if p.num_gpus:
             ensure_ray(ctx.infra)
         with scoring(ctx.ref(inputs.teacher), None, num_cpus=p.num_cpus, num_gpus=p.num_gpus, resources=p.resources,
+                     cpu_cores=p.cpu_cores,
                      dtype=cfg.io.dtype, torch_threads=ctx.infra.torch_threads,
                      attn_implementation=cfg.io.attn_implementation, micro_batch_size=cfg.micro_batch_size,
                      micro_batch_tokens=cfg.micro_batch_tokens) as call:

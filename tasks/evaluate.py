@@ -50,7 +50,8 @@ def _score(p: Placement, micro_batch_size: int | None, io, ctx: RunContext, batc
     On `evaluation.scorer_placement`: with GPUs, a ScorerActor holding them; without, the same class
     in this task's process (a CPU-only actor would only add a process start, ~10-40 s on 2 cores).
     """
-    with scoring(reference, reward, num_cpus=p.num_cpus, num_gpus=p.num_gpus, resources=p.resources, dtype=io.dtype,
+    with scoring(reference, reward, num_cpus=p.num_cpus, num_gpus=p.num_gpus, resources=p.resources,
+                 cpu_cores=p.cpu_cores, dtype=io.dtype,
                  torch_threads=ctx.infra.torch_threads, attn_implementation=io.attn_implementation,
                  micro_batch_size=micro_batch_size) as call:
         return (call("ref_logprobs", batch) if reference else None, call("rewards", batch) if reward else None)

@@ -43,7 +43,7 @@ def preference_reference(stage: PlannedStage, inputs: PreferenceReferenceInputs,
         if cfg.placement.num_gpus:
             ensure_ray(ctx.infra)
         with scoring(ctx.ref(inputs.reference), None, num_cpus=cfg.placement.num_cpus, num_gpus=cfg.placement.num_gpus,
-                     resources=cfg.placement.resources,
+                     resources=cfg.placement.resources, cpu_cores=cfg.placement.cpu_cores,
                      dtype=cfg.io.dtype, torch_threads=ctx.infra.torch_threads,
                      attn_implementation=cfg.io.attn_implementation, micro_batch_size=cfg.micro_batch_size) as call:
             logps = {name: call("reference_map", batch, pref.sequence_logps)

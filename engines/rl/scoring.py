@@ -9,6 +9,7 @@ tensors. RL rounds and evaluation both score through it.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Iterator
 
 import torch
@@ -19,6 +20,8 @@ from engines.batches import in_micro_batches
 from engines.placement.devices import (actor_device, actor_options, cpu_report, pin_cpu_cores, placement_group_id,
                                        to_cpu, to_device)
 from engines.train.objectives import response_logprobs, scalar_scores
+
+log = logging.getLogger("alignflow")
 
 
 class ScorerActor:
@@ -142,18 +145,23 @@ def start_scorer(reference_path: Source | None, reward_path: Source | None, *, d
 
 @contextlib.contextmanager
 def scoring(reference_path: Source | None, reward_path: Source | None, *, num_cpus: float, num_gpus: float,
-            resources: dict[str, float] | None = None, **kwargs) -> Iterator[Callable]:
-    """`call(method, *args)` on a ScorerActor for the block: with GPUs a Ray actor (killed on exit), without
-    them the same class in this process (Ray must be up for the first) (a CPU-only actor would only add a process start, ~10-40 s on 2 cores).
+            resources: dict[str, float] | None = None, cpu_cores: list[int] | None = None,
+            **kwargs) -> Iterator[Callable]:
+    """`call(method, *args)` on a ScorerActor for the block: with GPUs a Ray actor (killed on exit), pinned to
+    `cpu_cores` if given; without them the same class in this process (Ray must be up for the first) (a
+    CPU-only actor would only add a process start, ~10-40 s on 2 cores), unpinned, which a warning says.
     `kwargs`: ScorerActor's (dtype, torch_threads, attn_implementation, micro_batch_size, ...)."""
     if num_gpus == 0:
+        if cpu_cores:
+            log.warning("placement.cpu_cores %s of a scorer is not applied: without GPUs it scores in the task's "
+                        "own process, which is not pinned (the scorer's num_gpus > 0 gives it a process)", cpu_cores)
         local = ScorerActor(reference_path, reward_path, **kwargs)
         yield lambda method, *args: getattr(local, method)(*args)
         return
     import ray
 
     actor = start_scorer(reference_path, reward_path, num_cpus=num_cpus, num_gpus=num_gpus, resources=resources,
-                         **kwargs)
+                         cpu_cores=cpu_cores, **kwargs)
     try:
         yield lambda method, *args: ray.get(getattr(actor, method).remote(*args))
     finally:
