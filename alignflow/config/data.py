@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
@@ -21,13 +22,24 @@ class SyntheticTaskConfig(Section):
     task: Literal["largest_digit", "boxes"] = Field(
         "largest_digit", description="largest_digit: the default; boxes: the agent task, answerable only through a "
         "tool (alignflow/data/agent_task.py, environment boxes)")
-    num_digits: int = Field(5, ge=2, le=12, description="distinct digits in each prompt")
+    num_digits: int = Field(5, ge=2, le=10, description="distinct digits in each prompt")
     num_sft: int = Field(2000, ge=1, description="SFT demonstrations")
     num_preference: int = Field(2000, ge=1, description="preference pairs (correct answer chosen)")
     num_rl_prompts: int = Field(512, ge=1, description="RL prompts, with answers")
     num_eval: int = Field(200, ge=1, description="held-out eval prompts (and as many held-out pairs)")
     sft_correct_fraction: float = Field(
         0.35, ge=0.0, le=1.0, description="share of SFT demonstrations answering correctly (the rest: the bad habit)")
+
+    @model_validator(mode="after")
+    def _enough_prompts(self) -> SyntheticTaskConfig:
+        if self.task == "largest_digit":  # every row of every split is a prompt of its own
+            exist, need = math.perm(10, self.num_digits), self.num_eval + self.num_sft + self.num_preference + \
+                self.num_rl_prompts
+            if need > exist:
+                raise ValueError(f"num_eval + num_sft + num_preference + num_rl_prompts = {need} distinct prompts, but "
+                                 f"only {exist} orderings of {self.num_digits} distinct digits exist: raise num_digits "
+                                 f"or ask for fewer rows")
+        return self
 
 
 class DatasetSource(Section):

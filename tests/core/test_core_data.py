@@ -140,11 +140,14 @@ def test_sft_correct_fraction_extremes(fraction):
     assert all(correct) if fraction == 1.0 else not any(correct)
 
 
-def test_running_out_of_distinct_prompts():
-    # 2 distinct digits: only 90 ordered prompts exist.
-    with pytest.raises(ValueError, match="ran out of distinct prompts"):
-        synthetic.generate(SyntheticTaskConfig(num_digits=2, num_sft=100, num_preference=1, num_rl_prompts=1,
-                                               num_eval=1), seed=0)
+def test_asking_for_more_prompts_than_exist_is_a_config_error():
+    # 2 distinct digits: only 90 ordered prompts exist. Refused when the config is read, not in the data stage.
+    with pytest.raises(ValueError, match=r"= 103 distinct prompts, but only 90 orderings of 2 distinct digits exist"):
+        SyntheticTaskConfig(num_digits=2, num_sft=100, num_preference=1, num_rl_prompts=1, num_eval=1)
+    splits = synthetic.generate(SyntheticTaskConfig(num_digits=2, num_sft=87, num_preference=1, num_rl_prompts=1,
+                                                    num_eval=1), seed=0)  # all 90: every one drawn once
+    prompts = [str(r["prompt"]) for name in ("sft", "preference", "prompts", "eval") for r in splits[name]]
+    assert len(prompts) == len(set(prompts)) == 90
 
 
 @pytest.mark.parametrize(
