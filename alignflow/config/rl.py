@@ -35,7 +35,8 @@ class OnlineDPOConfig(Section):
 class RejectionSamplingConfig(Section):
     """Keep the best of n per prompt (above a threshold) and fine-tune on them."""
 
-    threshold: float | None = Field(None, description="minimum reward of a winner")
+    threshold: float | None = Field(None, description="minimum task reward of a winner (the reward source's value, "
+                                    "before normalising, clipping and the overlong penalty)")
     epochs: int = Field(1, ge=1, description="passes over a step's winners")
 
 

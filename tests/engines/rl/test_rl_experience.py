@@ -157,6 +157,13 @@ def test_best_of_n(exp):
     assert experience.best_of_n(filled, 2.0).tolist() == []
 
 
+def test_best_of_n_thresholds_the_task_reward_not_the_shaped_one(exp):
+    # Normalised within a group of mostly right answers, a right answer (task reward 1) shapes to 0.58.
+    filled = exp.with_(rewards=torch.tensor([0.58, -1.7, 5.0, 0.58]), task_rewards=torch.tensor([1.0, 0.0, 1.0, 1.0]))
+    assert experience.best_of_n(filled, 1.0).tolist() == [0, 3]
+    assert experience.best_of_n(filled, 1.5).tolist() == []
+
+
 def test_sft_batch_masks_exactly_the_response_tokens(exp):
     batch = experience.sft_batch(exp)
     assert batch["loss_mask"].tolist() == [[0, 0, 0, 1, 1], [0, 0, 0, 1, 0], [0, 0, 1, 1, 1], [0, 0, 1, 0, 0]]
