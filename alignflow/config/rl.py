@@ -188,6 +188,15 @@ class RoundConfig(Section):
                              f"(kl.budget, the held-out KL it must stay within, is the one field it reads)")
         if not dpo_update and changed("dpo", OnlineDPOConfig):
             raise ValueError(f"the dpo section is online_dpo's; this round's algorithm is {algorithm}")
+        best_of_n = algorithm in ALGORITHMS and ALGORITHMS[algorithm].update == "best_of_n_sft"
+        ignored = [k for k, s, ok in (("kl", KLConfig, ("budget",)), ("ppo", PPOConfig, ("minibatch_size",)))
+                   if best_of_n and changed(k, s, ok)]
+        if ignored:
+            raise ValueError(f"{algorithm} fine-tunes on its winners, with no reference and no policy-gradient "
+                             f"loss: leave out {' and '.join(ignored)} (it reads ppo.minibatch_size, the rows of "
+                             f"an update, and kl.budget, the held-out KL it must stay within)")
+        if not best_of_n and changed("rejection", RejectionSamplingConfig):
+            raise ValueError(f"the rejection section is rejection_sampling's; this round's algorithm is {algorithm}")
         return data
 
     @model_validator(mode="after")

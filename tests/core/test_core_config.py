@@ -274,6 +274,19 @@ def test_a_config_that_is_not_utf8_names_the_file(tmp_path):
         load_config(path)
 
 
+@pytest.mark.parametrize("round_, message", [
+    ('{"algorithm": "rejection_sampling", "kl": {"coef": 0.5}}', "leave out kl (it reads ppo.minibatch_size"),
+    ('{"algorithm": "rejection_sampling", "ppo": {"epochs": 5, "dynamic_sampling": true}}', "leave out ppo ("),
+    ('{"algorithm": "ppo", "rejection": {"threshold": 0.5}}', "the rejection section is rejection_sampling's"),
+])
+def test_settings_a_round_would_ignore_are_refused(round_, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(overrides=[f"rounds=[{round_}]"])
+    ok = load_config(overrides=['rounds=[{"algorithm": "rejection_sampling", "ppo": {"minibatch_size": 16}, '
+                                '"kl": {"budget": 2.0}, "rejection": {"threshold": 1.0}}]'])
+    assert ok.rounds[0].ppo.minibatch_size == 16 and ok.rounds[0].rejection.threshold == 1.0
+
+
 def test_empty_file_gives_all_defaults(tmp_path):
     cfg = load_config(_write(tmp_path, "# nothing\n"))
     assert cfg == PipelineConfig()

@@ -38,6 +38,8 @@ def _round(algorithm: str, **overrides):
         actor=ActorConfig(learning_rate=2e-3, warmup_steps=0),
         kl=KLConfig(coef=0.0), checkpoint_every=1,
     )
+    if algorithm == "rejection_sampling":  # it reads neither kl nor ppo but its minibatch size (an error to set)
+        fields.update(kl=KLConfig(), ppo=PPOConfig(minibatch_size=32))
     fields.update(overrides)
     return RoundConfig(**fields)
 
