@@ -173,9 +173,17 @@ def _boxed(text: str) -> str | None:
 
 
 def _answers_in(text: str) -> list[str]:
-    """The stretches of `text` that parse as answers, in order."""
-    spans = (m.group().strip().rstrip(".").strip() for m in _SPAN.finditer(text))
-    return [span for span in spans if re.search(r"\d|pi", span) and parse_math(span) is not None]
+    """The stretches of `text` that parse as answers, in order; a stretch that does not is read without
+    what dangles at its end (`42 (` of "42 (forty-two)", `12 - ` of "12 - easy")."""
+    found = []
+    for m in _SPAN.finditer(text):
+        span = m.group().strip().rstrip(".").strip()
+        while span and not (re.search(r"\d|pi", span) and parse_math(span) is not None):
+            shorter = span.rstrip("-+*/^( ")
+            span = shorter if shorter != span else ""
+        if span:
+            found.append(span)
+    return found
 
 
 def final_answer(response: str) -> str | None:

@@ -20,6 +20,9 @@ from alignflow.rewards import final_answer, math_equal, parse_math
     ("so x = (1+2)*3", "9"),
     ("3pi", "3*pi"),
     ("2^10", "1024"),
+    ("The answer is 42 (forty-two).", "42"),  # what dangles after an answer is not part of it
+    ("The answer is 12 - easy.", "12"),
+    ("So x = 7 (approx).", "7"),
 ])
 def test_equal_answers_in_any_written_form_score_one(response, answer):
     assert math_equal("q", response, answer) == 1.0
