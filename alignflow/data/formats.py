@@ -115,6 +115,9 @@ def _need(row: dict, key: str, where: str, hint: str) -> Any:
     return value
 
 
+ROLES = ("system", "user", "assistant", "tool", "developer", "ipython")  # what chat templates know
+
+
 def _check_prompt(value: Any, where: str, key: str) -> str | list[dict]:
     if isinstance(value, str):
         if not value.strip():
@@ -124,6 +127,9 @@ def _check_prompt(value: Any, where: str, key: str) -> str | list[dict]:
         for i, m in enumerate(value):
             if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
                 raise DataError(f"{where}: key {key!r}, message {i} needs string 'role' and 'content'")
+            if m["role"] not in ROLES:  # ShareGPT's human/gpt, say: a chat template renders them as text or fails
+                raise DataError(f"{where}: key {key!r}, message {i} has role {m['role']!r}, not one of "
+                                f"{', '.join(ROLES)}")
         return value
     raise DataError(f"{where}: key {key!r} must be a string or a list of chat messages, got {type(value).__name__}")
 

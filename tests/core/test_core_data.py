@@ -274,6 +274,15 @@ def test_chat_message_without_content(tmp_path):
         load_records(DatasetSource(path=path, messages_key="messages"), "sft")
 
 
+def test_a_chat_role_no_template_knows_is_an_error_naming_the_row(tmp_path):
+    sharegpt = [{"role": "human", "content": "q"}, {"role": "gpt", "content": "a"}]
+    path = _jsonl(tmp_path / "chat.jsonl", [{"messages": CHAT}, {"messages": sharegpt}])
+    with pytest.raises(DataError) as err:
+        load_records(DatasetSource(path=path, messages_key="messages"), "sft")
+    assert str(err.value) == (f"{path}, row 2: key 'messages', message 0 has role 'human', not one of system, user, "
+                              "assistant, tool, developer, ipython")
+
+
 def test_preference_chosen_rejected(tmp_path):
     rows = [
         {"prompt": "p1", "chosen": "c1", "rejected": "r1"},
