@@ -39,6 +39,9 @@ def build_splits(cfg: DataConfig, seed: int) -> dict[str, list[dict]]:
     n_held = max(1, len(splits["preference"]) // 10) if splits["preference"] else 0
     splits["eval_preference"] = splits["preference"][len(splits["preference"]) - n_held:]
     splits["preference"] = splits["preference"][: len(splits["preference"]) - n_held] or splits["eval_preference"]
+    if splits["preference"] is splits["eval_preference"] and n_held:
+        log.warning("data.preference holds one pair: it is both trained on and held out, so the reward model's "
+                    "held-out accuracy is its training accuracy")
     return splits
 
 

@@ -648,3 +648,21 @@ def test_unpaired_kto_rows_beside_pairs_go_to_their_own_split(tmp_path):
     bad = _jsonl(tmp_path / "bad.jsonl", [{"prompt": "u", "completion": "x", "thumbs_up": "yes"}])
     with pytest.raises(DataError, match=r"bad.jsonl, row 1: key 'thumbs_up' must be true/false"):
         load_records(DatasetSource(path=bad, label_key="thumbs_up", response_key="completion"), "preference")
+
+
+def test_a_single_preference_pair_trained_on_and_held_out_is_said(tmp_path, caplog):
+    from alignflow.config import DataConfig
+    from tasks.data import build_splits
+
+    sft = _jsonl(tmp_path / "sft.jsonl", SFT_ROWS)
+    one = _jsonl(tmp_path / "pref.jsonl", [{"prompt": "p", "chosen": "c", "rejected": "r"}])
+    two = _jsonl(tmp_path / "pref2.jsonl", [{"prompt": f"p{i}", "chosen": "c", "rejected": "r"} for i in range(2)])
+    for path, warned in ((one, True), (two, False)):
+        caplog.clear()
+        cfg = DataConfig(source="files", sft=DatasetSource(path=sft), preference=DatasetSource(path=path),
+                         eval=DatasetSource(path=sft))
+        with caplog.at_level("WARNING", logger="alignflow"):
+            splits = build_splits(cfg, seed=0)
+        assert len(splits["eval_preference"]) == 1
+        assert any("holds one pair: it is both trained on and held out" in r.getMessage()
+                   for r in caplog.records) == warned
