@@ -180,23 +180,23 @@ class RoundConfig(Section):
             raise ValueError(f"{algorithm}'s pull is its teacher's (each token's reverse KL to it): there is no "
                              f"separate KL term; leave out kl (kl.budget, the held-out KL to SFT it must stay "
                              f"within, is the one field it reads)")
-        ignored = [k for k, s, ok in (("kl", KLConfig, ("budget",)), ("ppo", PPOConfig, ()))
-                   if dpo_update and changed(k, s, ok)]
-        if ignored:
-            raise ValueError(f"{algorithm} takes DPO steps: its pull toward the reference is dpo.beta and its "
-                             f"updates dpo.epochs / dpo.pairs_per_update; leave out {' and '.join(ignored)} "
-                             f"(kl.budget, the held-out KL it must stay within, is the one field it reads)")
-        if not dpo_update and changed("dpo", OnlineDPOConfig):
-            raise ValueError(f"the dpo section is online_dpo's; this round's algorithm is {algorithm}")
-        best_of_n = algorithm in ALGORITHMS and ALGORITHMS[algorithm].update == "best_of_n_sft"
-        ignored = [k for k, s, ok in (("kl", KLConfig, ("budget",)), ("ppo", PPOConfig, ("minibatch_size",)))
-                   if best_of_n and changed(k, s, ok)]
-        if ignored:
-            raise ValueError(f"{algorithm} fine-tunes on its winners, with no reference and no policy-gradient "
-                             f"loss: leave out {' and '.join(ignored)} (it reads ppo.minibatch_size, the rows of "
-                             f"an update, and kl.budget, the held-out KL it must stay within)")
-        if not best_of_n and changed("rejection", RejectionSamplingConfig):
-            raise ValueError(f"the rejection section is rejection_sampling's; this round's algorithm is {algorithm}")
+        # Updates that read neither kl nor ppo (but kl.budget, and the ppo fields named): (the algorithm that
+        # has it, its own section, the ppo fields it reads, what it does instead).
+        update = ALGORITHMS[algorithm].update if algorithm in ALGORITHMS else None
+        unread = {"online_dpo": ("online_dpo", "dpo", OnlineDPOConfig, (), "takes DPO steps: its pull toward the "
+                                 "reference is dpo.beta and its updates dpo.epochs / dpo.pairs_per_update"),
+                  "best_of_n_sft": ("rejection_sampling", "rejection", RejectionSamplingConfig, ("minibatch_size",),
+                                    "fine-tunes on its winners, with no reference and no policy-gradient loss (it "
+                                    "reads ppo.minibatch_size, the rows of an update)")}
+        for name, (owner, own, section, reads, does) in unread.items():
+            if update == name:
+                ignored = [k for k, s, ok in (("kl", KLConfig, ("budget",)), ("ppo", PPOConfig, reads))
+                           if changed(k, s, ok)]
+                if ignored:
+                    raise ValueError(f"{algorithm} {does}; leave out {' and '.join(ignored)} (kl.budget, the "
+                                     f"held-out KL it must stay within, is the one kl field it reads)")
+            elif changed(own, section):
+                raise ValueError(f"the {own} section is {owner}'s; this round's algorithm is {algorithm}")
         return data
 
     @model_validator(mode="after")

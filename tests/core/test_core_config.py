@@ -275,7 +275,7 @@ def test_a_config_that_is_not_utf8_names_the_file(tmp_path):
 
 
 @pytest.mark.parametrize("round_, message", [
-    ('{"algorithm": "rejection_sampling", "kl": {"coef": 0.5}}', "leave out kl (it reads ppo.minibatch_size"),
+    ('{"algorithm": "rejection_sampling", "kl": {"coef": 0.5}}', "the rows of an update); leave out kl (kl.budget"),
     ('{"algorithm": "rejection_sampling", "ppo": {"epochs": 5, "dynamic_sampling": true}}', "leave out ppo ("),
     ('{"algorithm": "ppo", "rejection": {"threshold": 0.5}}', "the rejection section is rejection_sampling's"),
 ])
