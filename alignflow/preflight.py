@@ -192,18 +192,19 @@ def _remote(field: str, url: str, timeout_s: float, found: Findings) -> None:
     """One request in engines/rl/rewards.py RemoteReward's protocol (POST prompts/responses/answers -> rewards)."""
     body = json.dumps({"prompts": ["preflight"], "responses": ["preflight"], "answers": [None]}).encode()
     request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    shown = redact_url(url)  # what the findings say: the URL without its credentials
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as resp:
             rewards = json.loads(resp.read())["rewards"]
         [value] = rewards  # ValueError unless exactly one
         float(value)
     except urllib.error.HTTPError as err:
-        return found.fail(field, f"{redact_url(url)} answered a test request with HTTP {err.code}")
+        return found.fail(field, f"{shown} answered a test request with HTTP {err.code}")
     except OSError as err:  # URLError (refused, unknown host), a timeout
-        return found.fail(field, f"{redact_url(url)} did not answer a test request (timeout {timeout_s:g} s): "
+        return found.fail(field, f"{shown} did not answer a test request (timeout {timeout_s:g} s): "
                                  f"{getattr(err, 'reason', err)}")
     except (ValueError, KeyError, TypeError) as err:
-        return found.fail(field, f"{redact_url(url)} answered a test request without a list 'rewards' of one number: {err}")
+        return found.fail(field, f"{shown} answered a test request without a list 'rewards' of one number: {err}")
     found.ok()
 
 

@@ -15,7 +15,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 SECRET_NAME = re.compile(r"(secret|password|passwd|token(?!s|izer)|credential|access_key|api_key|apikey|private)",
                          re.I)
 # Query parameters that carry a credential under a name that says less: `?key=`, `?sig=`, `?auth=`,
-# S3's presigned `X-Amz-Signature` / `X-Amz-Credential`, Azure's `sv`/`sig`.
+# S3's presigned `X-Amz-Signature` / `X-Amz-Credential`, an Azure SAS's `sig`.
 _SECRET_QUERY = re.compile(r"^(key|sig|signature|auth|authorization|code|session|x-amz-signature|x-amz-credential"
                            r"|x-amz-security-token)$", re.I)
 REDACTED = "***"

@@ -177,21 +177,16 @@ DROPOUT_ATTRIBUTES = ("attention_dropout", "attn_dropout", "dropout", "dropout_r
                       "resid_dropout", "drop_path")
 
 
-def disable_dropout(model: torch.nn.Module) -> int:
+def disable_dropout(model: torch.nn.Module) -> None:
     """Every dropout of `model` off, in training too: each `nn.Dropout`, and the probabilities attention
     modules keep as plain floats (Qwen2's and Llama's `attention_dropout`, passed to sdpa when training).
-    The model's config, which a checkpoint saves, is left as it is. Returns how many were nonzero."""
-    nonzero = 0
+    The model's config, which a checkpoint saves, is left as it is."""
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
-            nonzero += module.p > 0
             module.p = 0.0
         for name in DROPOUT_ATTRIBUTES:
-            value = getattr(module, name, None)
-            if isinstance(value, float):
-                nonzero += value > 0
+            if isinstance(getattr(module, name, None), float):
                 setattr(module, name, 0.0)
-    return nonzero
 
 
 def load_policy(path: str | Path, dtype: str = "float32", attn: str = "sdpa") -> PreTrainedModel:

@@ -67,7 +67,8 @@ def _why(stage: PlannedStage, last: dict[str, Any] | None) -> str:
     # Both sides redacted: this text is printed and kept on the flow run, and a manifest from before
     # alignflow/redact.py may hold a credential-bearing URL. A credential is still in the key.
     config = cache_relevant(stage.config)
-    changed = _diff(redact(last.get("config", {})), redact(config))
+    shown = redact(config)
+    changed = _diff(redact(last.get("config", {})), shown)
     if changed:
         shown = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in list(changed.items())[:3])
         more = f" (+{len(changed) - 3} more)" if len(changed) > 3 else ""
@@ -76,7 +77,7 @@ def _why(stage: PlannedStage, last: dict[str, Any] | None) -> str:
                     if last["input_keys"].get(n) != stage.input_keys.get(n))
     if inputs:
         reasons.append(f"input changed: {', '.join(inputs)}")
-    if not reasons and redact(config) != config:
+    if not reasons and shown != config:
         return "not committed under this key (a credential in the config may have changed: none is recorded)"
     return "; ".join(reasons) or "not committed under this key"
 

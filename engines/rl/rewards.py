@@ -49,6 +49,7 @@ class RemoteReward:
 
     def __init__(self, url: str, timeout_s: float, max_retries: int, backoff_s: float = 0.5):
         self.url, self.timeout_s, self.max_retries, self.backoff_s = url, timeout_s, max_retries, backoff_s
+        self.name = f"reward service {redact_url(url)}"  # what errors say: the URL without its credentials
 
     def __call__(self, items: list[ScoredText]) -> list[float]:
         body = json.dumps({
@@ -66,12 +67,12 @@ class RemoteReward:
                     return self._parse(resp.read(), len(items))
             except urllib.error.HTTPError as err:
                 if err.code < 500:
-                    raise RewardServiceError(f"reward service {redact_url(self.url)} rejected the request: HTTP {err.code}") from None
+                    raise RewardServiceError(f"{self.name} rejected the request: HTTP {err.code}") from None
                 last = err
             except (urllib.error.URLError, TimeoutError, ConnectionError) as err:
                 last = err
         raise RewardServiceError(
-            f"reward service {redact_url(self.url)} failed after {self.max_retries + 1} attempts "
+            f"{self.name} failed after {self.max_retries + 1} attempts "
             f"(timeout {self.timeout_s}s each): {last}"
         )
 
@@ -80,7 +81,7 @@ class RemoteReward:
             rewards = json.loads(raw)["rewards"]
             values = [float(r) for r in rewards]
         except (ValueError, KeyError, TypeError) as err:
-            raise RewardServiceError(f"reward service {redact_url(self.url)} answered without a list 'rewards': {err}") from None
+            raise RewardServiceError(f"{self.name} answered without a list 'rewards': {err}") from None
         if len(values) != n:
-            raise RewardServiceError(f"reward service {redact_url(self.url)} returned {len(values)} rewards for {n} responses")
+            raise RewardServiceError(f"{self.name} returned {len(values)} rewards for {n} responses")
         return values
