@@ -6,7 +6,7 @@ import logging
 from dataclasses import dataclass
 
 from alignflow.config import DataConfig
-from alignflow.errors import ConfigError
+from alignflow.errors import ConfigError, DataError
 from alignflow.data import agent_task, formats, synthetic
 from alignflow.records import StageResult
 from tasks.context import RunContext, StageOutput, compute_stage
@@ -18,16 +18,27 @@ log = logging.getLogger("alignflow")
 SPLITS = ("sft", "preference", "preference_unpaired", "prompts", "eval", "eval_preference")
 
 
-def build_splits(cfg: DataConfig, seed: int) -> dict[str, list[dict]]:
-    """All splits; user data is validated row by row before anything trains."""
+def build_splits(cfg: DataConfig, seed: int) -> tuple[dict[str, list[dict]], dict[str, int]]:
+    """All splits, and the count of rows left out by kind; user data is validated row by row before anything
+    trains."""
     if cfg.source == "synthetic":
         task = agent_task if cfg.synthetic.task == "boxes" else synthetic
-        return {**task.generate(cfg.synthetic, seed), "preference_unpaired": []}
+        return {**task.generate(cfg.synthetic, seed), "preference_unpaired": []}, {}
     preference = formats.load_records(cfg.preference, "preference")
+    pairs = [r for r in preference if "label" not in r]
+    # A pair whose two replies are the same text teaches nothing (DPO's gradient and a reward model's margin
+    # are zero on it) and is a miss in held-out accuracy: Anthropic HH holds some. They are left out, counted.
+    ties = sum(r["chosen"] == r["rejected"] for r in pairs)
+    if ties:
+        log.warning("%s: %d of %d preference pairs have the same chosen and rejected reply; they are left out",
+                    cfg.preference.path, ties, len(pairs))
+        if ties == len(pairs):
+            raise DataError(f"{cfg.preference.path}: every preference pair ({ties}) has the same chosen and "
+                            "rejected reply")
     splits = {
         "sft": formats.load_records(cfg.sft, "sft"),
         # Unpaired rows (data.preference.label_key) are KTO's; pairs serve every preference stage.
-        "preference": [r for r in preference if "label" not in r],
+        "preference": [r for r in pairs if r["chosen"] != r["rejected"]],
         "preference_unpaired": [r for r in preference if "label" in r],
         "eval": formats.load_records(cfg.eval, "prompts"),
     }
@@ -42,7 +53,7 @@ def build_splits(cfg: DataConfig, seed: int) -> dict[str, list[dict]]:
     if splits["preference"] is splits["eval_preference"] and n_held:
         log.warning("data.preference holds one pair: it is both trained on and held out, so the reward model's "
                     "held-out accuracy is its training accuracy")
-    return splits
+    return splits, {"preference_ties": ties}
 
 
 def prepare_data(stage: PlannedStage, inputs: DataInputs, ctx: RunContext) -> StageResult:
@@ -52,7 +63,7 @@ def prepare_data(stage: PlannedStage, inputs: DataInputs, ctx: RunContext) -> St
         from engines import lengths, models
 
         out = output.dir
-        splits = build_splits(cfg.data, cfg.seed)
+        splits, left_out = build_splits(cfg.data, cfg.seed)
         model_dir = ctx.tokenizer_dir(inputs.model)
         measured = lengths.measure(models.load_tokenizer(model_dir), splits)
         limits = lengths.resolve(cfg.data, measured, models.max_positions(model_dir))
@@ -61,6 +72,7 @@ def prepare_data(stage: PlannedStage, inputs: DataInputs, ctx: RunContext) -> St
         for name in SPLITS:
             formats.write_jsonl(splits[name], str(out / f"{name}.jsonl"))
         metrics = {f"data/{name}_rows": float(len(splits[name])) for name in SPLITS}
+        metrics.update({f"data/{name}_left_out": float(n) for name, n in left_out.items()})
         metrics.update({f"data/{name}_{k}": float(v) for name, m in measured.items() for k, v in m.stats().items()})
         metrics.update(limits.metrics())
         run.log_metrics(metrics)

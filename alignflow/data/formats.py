@@ -134,11 +134,22 @@ def _check_prompt(value: Any, where: str, key: str) -> str | list[dict]:
     raise DataError(f"{where}: key {key!r} must be a string or a list of chat messages, got {type(value).__name__}")
 
 
+def _prompt(value: Any, where: str, key: str) -> str | list[dict]:
+    """A prompt: text, or messages that do not end with a reply (the generation prompt follows them)."""
+    prompt = _check_prompt(value, where, key)
+    if isinstance(prompt, list) and prompt[-1]["role"] == "assistant":
+        raise DataError(f"{where}: key {key!r} ends with an assistant message: a prompt ends before the reply it "
+                        "asks for (is this a whole dialogue, reply included?)")
+    return prompt
+
+
 def _reply(value: list, key: str, where: str) -> str:
     """The assistant reply that ends a conversation."""
     messages = _check_prompt(value, where, key)
     if messages[-1]["role"] != "assistant":
         raise DataError(f"{where}: key {key!r} must end with an assistant message (the reply)")
+    if not messages[-1]["content"].strip():
+        raise DataError(f"{where}: key {key!r} ends with an empty assistant message (the reply)")
     return messages[-1]["content"]
 
 
@@ -149,6 +160,8 @@ def _text(row: dict, key: str, where: str, hint: str) -> str:
         return _reply(value, key, where)
     if not isinstance(value, str):
         raise DataError(f"{where}: key {key!r} must be a string, got {type(value).__name__}")
+    if not value.strip():
+        raise DataError(f"{where}: key {key!r} is an empty response")
     return value
 
 
@@ -159,7 +172,7 @@ def _split_messages(row: dict, src: DatasetSource, where: str, section: str) -> 
     messages = _check_prompt(value, where, key)
     if isinstance(messages, str) or messages[-1]["role"] != "assistant" or len(messages) < 2:
         raise DataError(f"{where}: key {key!r} must end with an assistant message after a prompt")
-    return messages[:-1], messages[-1]["content"]
+    return messages[:-1], _reply(messages, key, where)
 
 
 def _shared_prompt(row: dict, src: DatasetSource, where: str) -> tuple[str | list[dict], str, str]:
@@ -206,7 +219,7 @@ def _unpaired(row: dict, src: DatasetSource, where: str, section: str) -> dict[s
     if not isinstance(label, bool) and label not in (0, 1):
         raise DataError(f"{where}: key {src.label_key!r} must be true/false (or 1/0), got {label!r}")
     return {
-        "prompt": _check_prompt(_need(row, src.prompt_key, where, f"or set prompt_key under {section}"),
+        "prompt": _prompt(_need(row, src.prompt_key, where, f"or set prompt_key under {section}"),
                                 where, src.prompt_key),
         "response": _text(row, src.response_key, where, f"or set response_key under {section}"),
         "label": bool(label),
@@ -225,7 +238,7 @@ def normalize_row(row: Any, kind: Kind, src: DatasetSource, where: str) -> dict[
             prompt, chosen, rejected = _shared_prompt(row, src, where)
             return {"prompt": prompt, "chosen": chosen, "rejected": rejected}
         return {
-            "prompt": _check_prompt(_need(row, src.prompt_key, where, f"or set prompt_key under {section}"),
+            "prompt": _prompt(_need(row, src.prompt_key, where, f"or set prompt_key under {section}"),
                                     where, src.prompt_key),
             "chosen": _text(row, src.chosen_key, where, f"or set chosen_key under {section}"),
             "rejected": _text(row, src.rejected_key, where, f"or set rejected_key under {section}"),
@@ -235,10 +248,10 @@ def normalize_row(row: Any, kind: Kind, src: DatasetSource, where: str) -> dict[
             prompt, response = _split_messages(row, src, where, section)
             return {"prompt": prompt, "response": response}
         hint = f"or set messages_key under {section}, or unset it for a prompt column"
-        prompt = _check_prompt(_need(row, src.messages_key, where, hint), where, src.messages_key)
+        prompt = _prompt(_need(row, src.messages_key, where, hint), where, src.messages_key)
     else:
         hint = f"or set prompt_key, or messages_key for a chat column, under {section}"
-        prompt = _check_prompt(_need(row, src.prompt_key, where, hint), where, src.prompt_key)
+        prompt = _prompt(_need(row, src.prompt_key, where, hint), where, src.prompt_key)
     if kind == "sft":
         return {"prompt": prompt, "response": _text(row, src.response_key, where,
                                                      f"or set response_key under {section}")}

@@ -474,7 +474,7 @@ def test_missing_key_names_file_row_and_key(tmp_path, suffix, kind, missing):
     ],
 )
 def test_row_that_fits_no_shape_lists_its_keys(tmp_path, row, kind, src, text):
-    good = {"sft": {"prompt": "p", "response": "r", "messages": CHAT}, "prompts": {"prompt": "p", "messages": CHAT},
+    good = {"sft": {"prompt": "p", "response": "r", "messages": CHAT}, "prompts": {"prompt": "p", "messages": CHAT[:2]},
             "preference": {"prompt": "p", "chosen": "c", "rejected": "r"}}[kind]
     path = _jsonl(tmp_path / "data.jsonl", [good, good, row])
     with pytest.raises(DataError) as err:
@@ -639,7 +639,7 @@ def test_unpaired_kto_rows_beside_pairs_go_to_their_own_split(tmp_path):
     src = DatasetSource(path=path, label_key="thumbs_up", response_key="completion")
     sft = _jsonl(tmp_path / "sft.jsonl", SFT_ROWS)
     cfg = DataConfig(source="files", sft=DatasetSource(path=sft), preference=src, eval=DatasetSource(path=sft))
-    splits = build_splits(cfg, seed=0)
+    splits, _ = build_splits(cfg, seed=0)
     assert splits["preference_unpaired"] == [{"prompt": "u1", "response": "good", "label": True},
                                              {"prompt": "u2", "response": "bad", "label": False}]
     assert splits["preference"] + splits["eval_preference"] == pairs  # the last 10 % of the pairs held out
@@ -662,7 +662,66 @@ def test_a_single_preference_pair_trained_on_and_held_out_is_said(tmp_path, capl
         cfg = DataConfig(source="files", sft=DatasetSource(path=sft), preference=DatasetSource(path=path),
                          eval=DatasetSource(path=sft))
         with caplog.at_level("WARNING", logger="alignflow"):
-            splits = build_splits(cfg, seed=0)
+            splits, _ = build_splits(cfg, seed=0)
         assert len(splits["eval_preference"]) == 1
         assert any("holds one pair: it is both trained on and held out" in r.getMessage()
                    for r in caplog.records) == warned
+
+
+def test_identical_preference_pairs_are_left_out_counted_and_said(tmp_path, caplog):
+    from alignflow.config import DataConfig
+    from tasks.data import build_splits
+
+    sft = _jsonl(tmp_path / "sft.jsonl", SFT_ROWS)
+    pairs = [{"prompt": f"p{i}", "chosen": f"c{i}", "rejected": f"c{i}" if i in (2, 5) else f"r{i}"}
+             for i in range(8)]
+    path = _jsonl(tmp_path / "pref.jsonl", pairs)
+    cfg = DataConfig(source="files", sft=DatasetSource(path=sft), preference=DatasetSource(path=path),
+                     eval=DatasetSource(path=sft))
+    with caplog.at_level("WARNING", logger="alignflow"):
+        splits, left_out = build_splits(cfg, seed=0)
+    kept = [p for i, p in enumerate(pairs) if i not in (2, 5)]
+    assert splits["preference"] + splits["eval_preference"] == kept
+    assert left_out == {"preference_ties": 2}
+    assert any(f"{path}: 2 of 8 preference pairs have the same chosen and rejected reply" in r.getMessage()
+               for r in caplog.records)
+
+    same = _jsonl(tmp_path / "same.jsonl", [{"prompt": "p", "chosen": "c", "rejected": "c"}])
+    cfg = DataConfig(source="files", sft=DatasetSource(path=sft), preference=DatasetSource(path=same),
+                     eval=DatasetSource(path=sft))
+    with pytest.raises(DataError, match=r"same.jsonl: every preference pair \(1\) has the same chosen"):
+        build_splits(cfg, seed=0)
+
+
+@pytest.mark.parametrize("kind, key, rows", [
+    ("prompts", "messages", [{"messages": CHAT[:2]}, {"messages": CHAT}]),
+    ("sft", "prompt", [{"prompt": "q", "response": "a"}, {"prompt": CHAT, "response": "again"}]),
+    ("preference", "prompt", [{"prompt": "q", "chosen": "a", "rejected": "b"},
+                              {"prompt": CHAT, "chosen": "a", "rejected": "b"}]),
+])
+def test_a_prompt_ending_with_the_reply_is_an_error_naming_the_row(tmp_path, kind, key, rows):
+    # A dialogue column given as RL prompts would show the policy the reply it is to write.
+    path = _jsonl(tmp_path / "rows.jsonl", rows)
+    src = DatasetSource(path=path, messages_key="messages" if key == "messages" else None)
+    with pytest.raises(DataError) as err:
+        load_records(src, kind)
+    assert str(err.value).startswith(f"{path}, row 2: key {key!r} ends with an assistant message: a prompt ends "
+                                     "before the reply it asks for")
+
+
+@pytest.mark.parametrize("kind, row, key", [
+    ("sft", {"prompt": "q", "response": "  "}, "response"),
+    ("preference", {"prompt": "q", "chosen": "", "rejected": "b"}, "chosen"),
+    ("preference", {"prompt": "q", "chosen": "a", "rejected": [{"role": "user", "content": "q"},
+                                                               {"role": "assistant", "content": ""}]}, "rejected"),
+])
+def test_an_empty_reply_is_an_error_naming_the_row(tmp_path, kind, row, key):
+    path = _jsonl(tmp_path / "rows.jsonl", [row])
+    with pytest.raises(DataError, match=rf"rows.jsonl, row 1: key '{key}' (is an|ends with an) empty"):
+        load_records(DatasetSource(path=path), kind)
+
+
+def test_an_empty_reply_in_a_dialogue_is_an_error(tmp_path):
+    path = _jsonl(tmp_path / "chat.jsonl", [{"messages": [*CHAT[:2], {"role": "assistant", "content": " "}]}])
+    with pytest.raises(DataError, match=r"chat.jsonl, row 1: key 'messages' ends with an empty assistant message"):
+        load_records(DatasetSource(path=path, messages_key="messages"), "sft")
