@@ -97,6 +97,11 @@ def test_prefect_yaml_deploys_and_nightly_is_scheduled(prefect_server):
     assert [(s["schedule"].get("cron"), s["schedule"].get("timezone"), s["active"]) for s in nightly["schedules"]] \
         == [("0 3 * * *", "UTC", True)]
     assert all(not d["schedules"] for name, d in deployments.items() if not name.endswith("/nightly"))
+    # One nightly run at a time: a night that finds the last one running is cancelled, not stacked beside it.
+    limit = nightly["global_concurrency_limit"]
+    assert (limit["limit"], limit["active"]) == (1, True), limit
+    assert nightly["concurrency_options"]["collision_strategy"] == "CANCEL_NEW"
+    assert all(d["global_concurrency_limit"] is None for name, d in deployments.items() if not name.endswith("/nightly"))
 
     # The server's scheduler turns the cron into scheduled runs (it does not
     # with SQLAlchemy 2.1, see STACK.md).
