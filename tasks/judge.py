@@ -16,8 +16,8 @@ from alignflow.config.judge import VERDICTS
 from alignflow.records import StageResult
 from alignflow.seeds import derive_seed
 from engines import batches, models
-from engines.rl.judge import Judge, judge_messages, parse_verdict, prompt_text
-from engines.rl.rewards import ScoredText
+from engines.rl.judge import Judge, judge_messages, parse_verdict
+from engines.rl.rewards import ScoredText, prompt_text
 from engines.rollout.actors import start_engines
 from engines.train import objectives
 from tasks.context import RunContext, StageOutput, compute_stage

@@ -13,24 +13,16 @@ import json
 import math
 import re
 import time
-from collections.abc import Sequence
 
 import torch
 
 from alignflow.config.judge import JudgeRewardConfig
 from alignflow.errors import ConfigError
 from engines.batches import render_prompt
-from engines.rl.rewards import ScoredText
+from engines.rl.rewards import ScoredText, prompt_text
 from engines.rollout.base import Sampling
 
 _JSON_OBJECT = re.compile(r"\{[^{}]*\}")
-
-
-def prompt_text(prompt: str | Sequence[dict]) -> str:
-    """A record's prompt as text: a string as it is, chat messages' contents one per line."""
-    if isinstance(prompt, str):
-        return prompt
-    return "\n".join(str(m.get("content", "")) for m in prompt)
 
 
 def judge_positions(model_positions: int, generation, field: str) -> int:

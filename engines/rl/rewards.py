@@ -11,6 +11,7 @@ import json
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from alignflow.config.loading import load_callable
@@ -26,6 +27,14 @@ class ScoredText:
     prompt: str
     response: str
     answer: str | None
+
+
+def prompt_text(prompt: str | Sequence[dict]) -> str:
+    """A record's prompt as rules and judges read it (ScoredText.prompt): a string as it is, chat messages'
+    contents one per line."""
+    if isinstance(prompt, str):
+        return prompt
+    return "\n".join(str(m.get("content", "")) for m in prompt)
 
 
 class RuleReward:

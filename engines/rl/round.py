@@ -39,7 +39,7 @@ from engines.rl import experience
 from engines.rollout.episodes import episode_metrics, report_failures
 from engines.rl.experience import Experience
 from engines.rl.judge import Judge
-from engines.rl.rewards import RemoteReward, RuleReward, ScoredText
+from engines.rl.rewards import RemoteReward, RuleReward, ScoredText, prompt_text
 from engines.rl.round_models import RoundSetup, start_round_models
 from engines.rl.scoring import collect_scores, scorers_ahead, submit_scores
 from engines.rl.updates import UPDATES
@@ -64,6 +64,14 @@ class _Clock:
         now = time.perf_counter()
         self.times[f"time/{phase}"] = now - self._last
         self._last = now
+
+
+def scored_texts(rollouts: list[Rollout], records: list[dict]) -> list[ScoredText]:
+    """What rules, reward services and judges read of each rollout: its record's prompt (`prompt_text`:
+    messages one per line, as the judge stage calibrates on; not the decoded chat template, whose role words
+    and default system prompt would be left in), the response text and the record's answer."""
+    return [ScoredText(prompt_text(records[r.prompt_index]["prompt"]), r.text, records[r.prompt_index].get("answer"))
+            for r in rollouts]
 
 
 def text_rewards(cfg: RoundConfig) -> dict[str, Callable[[list[ScoredText]], list[float]]]:
@@ -125,8 +133,7 @@ class RLRound:
         parts: dict[str, torch.Tensor] = {}
         judged: dict[str, float] = {}
         if self.text_rewards or self.judge is not None:
-            items = [ScoredText(self.tokenizer.decode(r.prompt_ids, skip_special_tokens=True), r.text,
-                                records[r.prompt_index].get("answer")) for r in rollouts]
+            items = scored_texts(rollouts, records)
             parts = {name: torch.tensor(fn(items), dtype=torch.float32) for name, fn in self.text_rewards.items()}
         r = self.cfg.reward
         for c in r.components:

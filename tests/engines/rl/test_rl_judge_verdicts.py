@@ -7,7 +7,8 @@ import pytest
 
 from alignflow.config import ConfigError, load_config
 from alignflow.config.judge import JUDGE_TEMPLATE, JudgeRewardConfig
-from engines.rl.judge import judge_messages, judge_positions, parse_verdict, prompt_text
+from engines.rl.judge import judge_messages, judge_positions, parse_verdict
+from engines.rl.rewards import prompt_text
 from engines.rl.rewards import ScoredText
 from tasks.judge import judged_pairs, verdict_records
 

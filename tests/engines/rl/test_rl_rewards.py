@@ -140,3 +140,21 @@ def test_rule_reward_by_import_path():
         RuleReward("alignflow.data.synthetic:no_such_function")
     with pytest.raises(ValueError, match="module:function"):
         RuleReward("no_colon_here")
+
+
+def test_rules_read_the_records_prompt_not_the_decoded_chat_template():
+    # The round's rollouts carry the rendered template's token ids; a rule (and the judge, which the judge stage
+    # calibrates on the records' prompts) reads the record's prompt instead: messages one per line.
+    from engines.rl.round import scored_texts
+    from engines.rollout.base import Rollout
+
+    records = [{"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+3?"}],
+                "answer": "5"},
+               {"prompt": "Largest digit of 192?", "answer": None}]
+    rollouts = [Rollout(prompt_index=i, prompt_ids=[7, 8, 9], token_ids=[1], text=t, logprobs=[0.0], finished=True)
+                for i, t in ((1, "9"), (0, "5"), (0, "6"))]
+    assert scored_texts(rollouts, records) == [
+        ScoredText("Largest digit of 192?", "9", None),
+        ScoredText("Be brief.\nWhat is 2+3?", "5", "5"),
+        ScoredText("Be brief.\nWhat is 2+3?", "6", "5"),
+    ]
