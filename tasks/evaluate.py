@@ -44,8 +44,10 @@ def load_checker(path: str) -> Callable[[str, str], bool]:
 
 
 def _score(p: Placement, micro_batch_size: int | None, io, ctx: RunContext, batch: dict, *,
-           reference: ArtifactRef | None, reward: ArtifactRef | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(reference logprobs (B, T), reward scores (B,)) of a batch, each None when its model is.
+           reference: ArtifactRef | None, reward: ArtifactRef | None,
+           temperature: float) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(reference logprobs (B, T) at `temperature`, the sampler's as the engines' log-probs are, and reward
+    scores (B,)) of a batch, each None when its model is.
 
     On `evaluation.scorer_placement`: with GPUs, a ScorerActor holding them; without, the same class
     in this task's process (a CPU-only actor would only add a process start, ~10-40 s on 2 cores).
@@ -54,7 +56,8 @@ def _score(p: Placement, micro_batch_size: int | None, io, ctx: RunContext, batc
                  cpu_cores=p.cpu_cores, dtype=io.dtype,
                  torch_threads=ctx.infra.torch_threads, attn_implementation=io.attn_implementation,
                  micro_batch_size=micro_batch_size) as call:
-        return (call("ref_logprobs", batch) if reference else None, call("rewards", batch) if reward else None)
+        return (call("ref_logprobs", batch, temperature) if reference else None,
+                call("rewards", batch) if reward else None)
 
 
 def _sampling(cfg: EvalConfig) -> Sampling:
@@ -93,7 +96,8 @@ def evaluate_policy(stage: PlannedStage, inputs: PolicyEvalInputs, ctx: RunConte
                    bool(checker(r.text, kept[r.prompt_index][1].get("answer") or "")) for r in rollouts]
         batch = experience.from_rollouts(rollouts, tokenizer.pad_token_id).tensors()
         ref, rewards = _score(cfg.scorer_placement, cfg.micro_batch_size, io, ctx, batch,
-                              reference=ctx.ref(inputs.reference), reward=ctx.ref(inputs.reward))
+                              reference=ctx.ref(inputs.reference), reward=ctx.ref(inputs.reward),
+                              temperature=cfg.generation.logprob_temperature)
         scores: list[float | None] = rewards.tolist() if rewards is not None else [None] * len(rollouts)
         sampled = batch["action_mask"]  # an episode's observations are not the policy's: not in its KL
         kls = ((batch["rollout_logprobs"] - ref) * sampled).sum(-1).tolist()
@@ -136,7 +140,7 @@ def evaluate_reward_model(stage: PlannedStage, inputs: RewardModelEvalInputs, ct
                                                limits.prompt, limits.response)
         ensure_ray(ctx.infra)
         _, rewards = _score(cfg.scorer_placement, cfg.micro_batch_size, io, ctx, tensors, reference=None,
-                            reward=ctx.ref(inputs.reward))
+                            reward=ctx.ref(inputs.reward), temperature=1.0)
         scores = rewards.tolist()
         n = len(scores) // 2
         metrics = {"eval/rm_pairwise_accuracy": sum(c > r for c, r in zip(scores[:n], scores[n:])) / n,

@@ -170,7 +170,8 @@ class GenerationConfig(Section):
     """Sampling settings for rollouts and evaluation (the engine seed derives from the pipeline seed)."""
 
     backend: Literal["vllm", "hf"] = Field("vllm", description="vllm: vLLM engines; hf: transformers generate")
-    temperature: float = Field(1.0, ge=0, description="sampling temperature; 0: greedy")
+    temperature: float = Field(1.0, ge=0, description="sampling temperature; 0: greedy. A round's log-probs "
+                               "(policy, reference, teacher, the engines') are of the distribution at it")
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling probability mass; 1: off")
     max_new_tokens: int = Field(16, ge=1, description="at most this many tokens per response (longer ones are cut)")
     num_samples: int = Field(4, ge=1, description="responses per prompt (a round's group; evaluation's pass@k n)")
@@ -188,6 +189,12 @@ class GenerationConfig(Section):
             raise ValueError(f"vllm.tensor_parallel_size={tp} shards the model across GPUs: set "
                              f"placement.num_gpus: 1 (each engine then reserves {tp} GPUs)")
         return self
+
+    @property
+    def logprob_temperature(self) -> float:
+        """τ of the log-probs of these samples (logits / τ, as the engines report them): the sampling
+        temperature, or 1 for greedy decoding (0), whose log-probs the engines leave unscaled."""
+        return self.temperature if self.temperature > 0 else 1.0
 
     @property
     def gpus_per_engine(self) -> float:

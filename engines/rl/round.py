@@ -180,7 +180,8 @@ class RLRound:
     def _submit(self, prompt_ids: list[list[int]], records: list[dict]) -> tuple[object, list]:
         piece = self.cfg.partial_tokens if self.cfg.partial_rollouts else None
         generation = self.models.submit(prompt_ids, self._sampling(), piece, self._episodes(records))
-        return generation, submit_scores(self._ahead, generation, self.tokenizer.pad_token_id)
+        return generation, submit_scores(self._ahead, generation, self.tokenizer.pad_token_id,
+                                         self.cfg.generation.logprob_temperature)
 
     def step(self, step: int) -> StepOutcome:
         clock = _Clock()

@@ -24,6 +24,7 @@ moves between steps: the engines stay awake and the optimizer state stays.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 
@@ -90,10 +91,12 @@ class RoundModels:
     def has_reference(self) -> bool:
         return self.reference is not None or self.reference_from_actor
 
-    def ref_logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def ref_logprobs(self, batch: dict[str, torch.Tensor], temperature: float) -> torch.Tensor:
+        """log π_ref of each response token at `temperature` (the scorer's own where one holds the reference)."""
         if self.reference_from_actor:
-            return self.actor.evaluate_rows(batch, objectives.response_logprobs, without_adapters=True)
-        return ray.get(self.reference.ref_logprobs.remote(batch))
+            return self.actor.evaluate_rows(
+                batch, functools.partial(objectives.response_logprobs, temperature=temperature), without_adapters=True)
+        return ray.get(self.reference.ref_logprobs.remote(batch, temperature))
 
     def model_rewards(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return ray.get(self.rewarder.rewards.remote(batch))

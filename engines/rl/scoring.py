@@ -9,6 +9,7 @@ tensors. RL rounds and evaluation both score through it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Callable, Iterator
 
@@ -53,20 +54,23 @@ class ScorerActor:
         return to_cpu(in_micro_batches(batch, self.micro_batch_size, one, tokens=self.micro_batch_tokens))
 
     @torch.no_grad()
-    def ref_logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """log π_ref of each response token: (B, T) float32, CPU (batch as engines/rl/experience.py builds it)."""
-        return self._run(self.reference, response_logprobs, batch)
+    def ref_logprobs(self, batch: dict[str, torch.Tensor], temperature: float = 1.0) -> torch.Tensor:
+        """log π_ref of each response token at `temperature` (the sampler's, `GenerationConfig.logprob_temperature`, where
+        they are compared with the policy's at it): (B, T) float32, CPU (batch as engines/rl/experience.py
+        builds it)."""
+        return self._run(self.reference, functools.partial(response_logprobs, temperature=temperature), batch)
 
     @torch.no_grad()
     def rewards(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Reward-model score of each sequence: (B,) float32, CPU."""
         return self._run(self.reward, scalar_scores, batch)
 
-    def score_rollouts(self, kinds: tuple[str, ...], pad_id: int, n_prompts: int, chunks: list[list[int]],
-                       *results) -> dict[str, torch.Tensor]:
+    def score_rollouts(self, kinds: tuple[str, ...], pad_id: int, temperature: float, n_prompts: int,
+                       chunks: list[list[int]], *results) -> dict[str, torch.Tensor]:
         """`kinds` (of SCORES_AHEAD) of a generation submitted before this call: Ray hands this actor
         the engines' `results` once they are generated (`submit_scores`). The batch is the one the
-        round builds from the same rollouts (engines/rl/experience.py from_rollouts), row for row."""
+        round builds from the same rollouts (engines/rl/experience.py from_rollouts), row for row;
+        reference log-probs at `temperature`."""
         from engines.rl.experience import from_rollouts
         from engines.rollout.base import merge_rollouts
 
@@ -74,7 +78,8 @@ class ScorerActor:
         if unknown:
             raise ValueError(f"score_rollouts: {sorted(unknown)} not among {SCORES_AHEAD}")
         batch = from_rollouts(merge_rollouts(n_prompts, chunks, list(results)), pad_id).tensors()
-        return {kind: getattr(self, kind)(batch) for kind in kinds}
+        score = {"ref_logprobs": lambda b: self.ref_logprobs(b, temperature), "rewards": self.rewards}
+        return {kind: score[kind](batch) for kind in kinds}
 
     @torch.no_grad()
     def reference_map(self, batch: dict[str, torch.Tensor], fn) -> torch.Tensor:
@@ -113,14 +118,15 @@ def scorers_ahead(reference, rewarder, *, reference_on_batch: bool, model_reward
     return ahead
 
 
-def submit_scores(ahead: dict[str, object], pending, pad_id: int) -> list:
+def submit_scores(ahead: dict[str, object], pending, pad_id: int, temperature: float) -> list:
     """Ask each actor of `ahead` (`scorers_ahead`) for its scores of a generation under way
-    (`RolloutEngines.submit`'s PendingRollouts), one call per actor; each runs once the rollouts
-    exist, in the actor's call order. `collect_scores` waits for them."""
+    (`RolloutEngines.submit`'s PendingRollouts), one call per actor, reference log-probs at `temperature`; each
+    runs once the rollouts exist, in the actor's call order. `collect_scores` waits for them."""
     by_actor: dict[int, tuple[object, list[str]]] = {}
     for kind, actor in ahead.items():
         by_actor.setdefault(id(actor), (actor, []))[1].append(kind)
-    return [actor.score_rollouts.remote(tuple(kinds), pad_id, pending.n_prompts, pending.chunks, *pending.refs)
+    return [actor.score_rollouts.remote(tuple(kinds), pad_id, temperature, pending.n_prompts, pending.chunks,
+                                        *pending.refs)
             for actor, kinds in by_actor.values()]
 
 

@@ -121,11 +121,12 @@ class PolicyGradientUpdate:
         cfg, spec, m = self.cfg, self.cfg.spec, self.models
         if m.has_reference:
             if exp.ref_logprobs is None:  # else scored ahead, beside the previous step (engines/rl/scoring.py)
-                exp = exp.with_(ref_logprobs=m.ref_logprobs(exp.tensors()))
+                exp = exp.with_(ref_logprobs=m.ref_logprobs(exp.tensors(), cfg.generation.logprob_temperature))
             lap("reference")
         frozen = step < cfg.actor.freeze_steps  # only the critic trains (actor.freeze_steps)
         if not self.on_policy(cfg) or frozen:  # frozen: no actor forward in training measures them
-            exp = exp.with_(old_logprobs=m.actor.evaluate_rows(exp.tensors(), objectives.response_logprobs))
+            exp = exp.with_(old_logprobs=m.actor.evaluate_rows(exp.tensors(), functools.partial(
+                objectives.response_logprobs, temperature=cfg.generation.logprob_temperature)))
             lap("old_logprobs")
         if m.critic is not None:
             exp = exp.with_(values=m.critic.evaluate_rows(exp.tensors(), objectives.token_values))
@@ -160,7 +161,8 @@ class PolicyGradientUpdate:
             policy_loss, clip_low=p.clip_low, clip_high=p.clip_high, dual_clip=p.dual_clip, agg=p.loss_agg,
             entropy_coef=p.entropy_coef, kl_loss_coef=self.kl_ctl.value if cfg.kl.apply_as == "loss" else 0.0,
             kl_estimator=cfg.kl.estimator, kl_clamp=cfg.kl.clamp, tis_cap=p.tis_cap, tis_low=p.tis_low,
-            tis_mode=p.tis_mode, on_policy=self.on_policy(cfg), loss_scale_constant=constant), weigh)]
+            tis_mode=p.tis_mode, on_policy=self.on_policy(cfg), loss_scale_constant=constant,
+            temperature=cfg.generation.logprob_temperature), weigh)]
         if m.critic is not None:
             steps.append((m.critic, functools.partial(objectives.value_objective, clip_eps=p.value_clip,
                                                       agg=p.loss_agg, loss_scale_constant=constant), weigh))
@@ -256,7 +258,7 @@ class OnlineDPOUpdate:
         if n:
             rows = torch.cat([chosen[:n], rejected[:n]])
             pairs = exp.select(rows)
-            ref = self.models.ref_logprobs(pairs.tensors())
+            ref = self.models.ref_logprobs(pairs.tensors(), 1.0)  # DPO's: of the model itself, as its policy's
             lap("reference")
             batch = {k: getattr(pairs, k) for k in ("input_ids", "attention_mask", "response_index", "action_mask")}
             batch["ref_logps"] = algos.masked_sum(ref, pairs.action_mask, dim=-1)

@@ -24,11 +24,23 @@ class HFEngine(SleepState):
         from engines.models import load_policy, load_tokenizer, weight_shapes
         from engines.placement.devices import actor_device
 
+        from transformers import GenerationConfig
+
         torch.manual_seed(seed)
         self.device = actor_device()
         self.model = load_policy(model_path, dtype, attn_implementation).to(self.device).eval()
         self.tokenizer = load_tokenizer(model_path)
         self._shapes = weight_shapes(self.model)
+        # Every end-of-sequence id, as vLLM stops at: the tokenizer's and the checkpoint's generation config's
+        # (an instruct model's end of turn and its <|endoftext|>).
+        own = self.model.generation_config.eos_token_id
+        self.eos_ids = sorted({self.tokenizer.eos_token_id, *(own if isinstance(own, list) else [own] if own is not None
+                                                              else [])})
+        # Nothing from the checkpoint's generation config (an instruct model's repetition_penalty, top_k, ...):
+        # transformers would apply it under the settings passed, so the samples and their log-probs would be of
+        # a distribution other than the round's, and than vLLM's.
+        self.model.generation_config = GenerationConfig(pad_token_id=self.tokenizer.pad_token_id,
+                                                        eos_token_id=self.eos_ids)
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], sampling: Sampling) -> list[Rollout]:
@@ -45,17 +57,20 @@ class HFEngine(SleepState):
             max_new_tokens=sampling.max_new_tokens, num_return_sequences=sampling.n,
             min_new_tokens=sampling.max_new_tokens if sampling.ignore_eos else None,
             output_scores=True, return_dict_in_generate=True, pad_token_id=tok.pad_token_id,
-            eos_token_id=tok.eos_token_id,
+            eos_token_id=self.eos_ids,
         )
         seqs = out.sequences[:, width:]
+        # The scores after temperature and top_p: log-probs of the distribution each token was drawn from, as
+        # vLLM's processed_logprobs (engines/rollout/vllm_engine.py).
         logp = torch.stack([torch.log_softmax(s.float(), -1) for s in out.scores], 1)
         picked = torch.gather(logp, -1, seqs.unsqueeze(-1)).squeeze(-1).cpu()
         seqs = seqs.cpu()
         rows = []
         for row in range(seqs.shape[0]):
             toks = seqs[row].tolist()
-            stop = tok.eos_token_id in toks and not sampling.ignore_eos
-            end = toks.index(tok.eos_token_id) + 1 if stop else len(toks)
+            ends = [i for i, t in enumerate(toks) if t in self.eos_ids]
+            stop = bool(ends) and not sampling.ignore_eos
+            end = ends[0] + 1 if stop else len(toks)
             rows.append((row // sampling.n, toks[:end], picked[row, :end].tolist(), stop))
         texts = response_texts(tok, [list(prompt_ids[i]) for i, *_ in rows], [toks for _, toks, *_ in rows])
         return [Rollout(prompt_index=i, prompt_ids=list(prompt_ids[i]), token_ids=toks, text=text, logprobs=lps,

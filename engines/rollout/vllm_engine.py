@@ -77,6 +77,10 @@ def vllm_engine_args(opts: VLLMConfig, *, model_path: str, dtype: str, seed: int
         "worker_extension_cls": "engines.rollout.vllm_engine.VLLMWorkerExtension",
         "gpu_memory_utilization": opts.gpu_memory_utilization,
         "tensor_parallel_size": opts.tensor_parallel_size,
+        # The sampled tokens' log-probs under the distribution they were drawn from (temperature, and top_p's
+        # renormalised nucleus), which the trainer's at the same temperature are compared with (TIS, async,
+        # distillation); vLLM's default is the model's at temperature 1.
+        "logprobs_mode": "processed_logprobs",
     }
     if opts.tensor_parallel_size > 1:
         # Workers in the engine's placement group, one bundle per GPU (engines/rollout/actors.py: start_engines).

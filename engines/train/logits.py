@@ -90,11 +90,14 @@ def final_hidden(model, batch: dict[str, Tensor]) -> Tensor:
     return out.hidden_states[-1]
 
 
-def _chunk(head, hidden: Tensor, targets: Tensor, with_entropy: bool) -> tuple[Tensor, ...]:
+def _chunk(head, hidden: Tensor, targets: Tensor, with_entropy: bool, temperature: float = 1.0) -> tuple[Tensor, ...]:
     """targets (n,): log p(y) = z_y − lse(z); H = lse(z) − Σ_v p_v z_v with p = exp(z − lse) (finite
     logits: an output layer's), in four passes over the logits where log-softmax-based entropy takes seven.
-    targets (n, K), K tokens a position (a teacher's top-k): log_softmax(z) at each, no entropy."""
+    targets (n, K), K tokens a position (a teacher's top-k): log_softmax(z) at each, no entropy.
+    z = head(hidden) / τ: the distribution a sampler at temperature τ draws from."""
     logits = head(hidden).float()
+    if temperature != 1.0:
+        logits = logits / temperature
     if targets.dim() == 2:  # log-softmax's rounding, as the one-piece objective had
         return (torch.log_softmax(logits, dim=-1).gather(-1, targets),)
     lse = torch.logsumexp(logits, dim=-1)
@@ -106,9 +109,9 @@ def _chunk(head, hidden: Tensor, targets: Tensor, with_entropy: bool) -> tuple[T
 
 
 def logprobs_from_hidden(head, hidden: Tensor, targets: Tensor, vocab_size: int, *,
-                         with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
-    """log p(targets_n | hidden_n) = z_n[targets_n] − logsumexp(z_n), z_n = head(hidden_n) in fp32,
-    and, when `with_entropy`, H_n = −Σ_v p_v log p_v. Chunks of `CHUNK_ELEMENTS // vocab_size`
+                         with_entropy: bool = False, temperature: float = 1.0) -> tuple[Tensor, Tensor | None]:
+    """log p(targets_n | hidden_n) = z_n[targets_n] − logsumexp(z_n), z_n = head(hidden_n) / temperature in
+    fp32, and, when `with_entropy`, H_n = −Σ_v p_v log p_v. Chunks of `CHUNK_ELEMENTS // vocab_size`
     rows; each chunk recomputed in backward when gradients flow and N x vocab_size > KEEP_ELEMENTS.
 
     hidden: (N, H); targets: (N,) long → (N,) float32, and (N,) float32 or None. targets (N, K) (K
@@ -124,21 +127,21 @@ def logprobs_from_hidden(head, hidden: Tensor, targets: Tensor, vocab_size: int,
     # hangs from the output layer, so a loss over no tokens is 0 with a (zero) gradient, not an error.
     for i in range(0, max(n, 1), size):
         h, y = hidden[i : i + size], targets[i : i + size]
-        parts.append(checkpoint(_chunk, head, h, y, with_entropy, use_reentrant=False) if recompute
-                     else _chunk(head, h, y, with_entropy))
+        parts.append(checkpoint(_chunk, head, h, y, with_entropy, temperature, use_reentrant=False) if recompute
+                     else _chunk(head, h, y, with_entropy, temperature))
     logprobs = torch.cat([p[0] for p in parts])
     return logprobs, (torch.cat([p[1] for p in parts]) if with_entropy else None)
 
 
 def logprobs_at(model, batch: dict[str, Tensor], rows: Tensor, positions: Tensor, *,
-                with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+                with_entropy: bool = False, temperature: float = 1.0) -> tuple[Tensor, Tensor | None]:
     """Next-token log-probabilities (and entropies) at (rows, positions): the token at position p + 1
-    predicted from the hidden state at p. rows, positions: (N,) long → (N,) float32 each."""
+    predicted from the hidden state at p, at `temperature`. rows, positions: (N,) long → (N,) float32 each."""
     hidden = final_hidden(model, batch)[rows, positions]
     targets = batch["input_ids"][rows, positions + 1]
     module = unwrap(model)
     return logprobs_from_hidden(module.get_output_embeddings(), hidden, targets, module.config.vocab_size,
-                                with_entropy=with_entropy)
+                                with_entropy=with_entropy, temperature=temperature)
 
 
 def scatter(values: Tensor, rows: Tensor, cols: Tensor, shape: tuple[int, int]) -> Tensor:
@@ -146,9 +149,11 @@ def scatter(values: Tensor, rows: Tensor, cols: Tensor, shape: tuple[int, int]) 
     return values.new_zeros(shape).index_put((rows, cols), values)
 
 
-def response_logprobs_and_entropy(model, batch: dict[str, Tensor], *,
-                                  with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+def response_logprobs_and_entropy(model, batch: dict[str, Tensor], *, with_entropy: bool = False,
+                                  temperature: float = 1.0) -> tuple[Tensor, Tensor | None]:
     """log π(a_t | s_t) of each response token, and its entropy when asked: (B, T) each, 0 on padding.
+    π at `temperature` (logits / τ): an RL round's log-probs are of the distribution its sampler draws from
+    (`GenerationConfig.logprob_temperature`), as the engines report theirs.
     Only the real response tokens (action_mask) get logits. Groups of rows with one prompt run
     that prompt once (engines/train/shared_prefix.py) where the batch and model allow it."""
     mask = batch["action_mask"]
@@ -158,7 +163,8 @@ def response_logprobs_and_entropy(model, batch: dict[str, Tensor], *,
     if plan is None:
         rows, t = (mask > 0).nonzero(as_tuple=True)
         positions = batch["response_index"][rows, t]
-        logprobs, entropy = logprobs_at(model, batch, rows, positions, with_entropy=with_entropy)
+        logprobs, entropy = logprobs_at(model, batch, rows, positions, with_entropy=with_entropy,
+                                        temperature=temperature)
     else:
         hidden = shared_prefix.response_hidden(model, batch, plan, **keep_last_logits(model))
         r, t = (mask[plan.rows] > 0).nonzero(as_tuple=True)
@@ -166,7 +172,7 @@ def response_logprobs_and_entropy(model, batch: dict[str, Tensor], *,
         module = unwrap(model)
         logprobs, entropy = logprobs_from_hidden(
             module.get_output_embeddings(), hidden[r, t], batch["input_ids"][rows, batch["response_index"][rows, t] + 1],
-            module.config.vocab_size, with_entropy=with_entropy)
+            module.config.vocab_size, with_entropy=with_entropy, temperature=temperature)
     shape = tuple(mask.shape)
     return scatter(logprobs, rows, t, shape), (scatter(entropy, rows, t, shape) if with_entropy else None)
 

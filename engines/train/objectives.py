@@ -135,9 +135,9 @@ def _response(full: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tenso
     return picked * batch["action_mask"].to(picked.dtype)
 
 
-def response_logprobs(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """log π(a_t | s_t) of each response token: (B, T), 0 on padding (engines/train/logits.py)."""
-    return response_logprobs_and_entropy(model, batch)[0]
+def response_logprobs(model, batch: dict[str, torch.Tensor], temperature: float = 1.0) -> torch.Tensor:
+    """log π(a_t | s_t) of each response token at `temperature`: (B, T), 0 on padding (engines/train/logits.py)."""
+    return response_logprobs_and_entropy(model, batch, temperature=temperature)[0]
 
 
 def token_values(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -162,7 +162,7 @@ def policy_objective(
     model, batch: dict[str, torch.Tensor], *, clip_low: float, clip_high: float, dual_clip: float | None,
     agg: str, entropy_coef: float, kl_loss_coef: float, kl_estimator: str, kl_clamp: float | None,
     tis_cap: float | None, tis_low: float | None = None, tis_mode: str = "truncate", on_policy: bool = False,
-    surrogate: Callable = ppo_policy_loss, loss_scale_constant: float | None = None,
+    surrogate: Callable = ppo_policy_loss, loss_scale_constant: float | None = None, temperature: float = 1.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO clipped surrogate (+ entropy bonus, + GRPO-style KL loss when kl_loss_coef > 0).
 
@@ -181,11 +181,13 @@ def policy_objective(
     means computed here and the row mean come as (sum, count) pairs (engines/batches.add_metrics).
     `loss_scale_constant`: C of `agg="seq_mean_token_sum_norm"` (Dr. GRPO: the generation budget, so
     the scale does not follow the step's longest response); None: the batch's padded response width.
+    `temperature`: the sampler's (`GenerationConfig.logprob_temperature`); every log-prob here, the entropy too, is of
+    π at it, as the batch's old, reference and rollout log-probs are.
     """
     from algos import aggregate_loss, entropy_bonus_loss, kl_estimate, masked_sum, sequence_k1
 
     mask = batch["action_mask"]
-    logprobs, entropy = response_logprobs_and_entropy(model, batch, with_entropy=True)
+    logprobs, entropy = response_logprobs_and_entropy(model, batch, with_entropy=True, temperature=temperature)
     if on_policy:
         old = logprobs.detach()
     elif "old_logprobs" in batch:

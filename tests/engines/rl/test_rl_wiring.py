@@ -71,17 +71,28 @@ def _run_step(cfg, tiny_model, reference_model, prompts, then=None):
         rl.shutdown()
 
 
-def test_ppo_kl_in_reward_adaptive_whitened_overlong(ray_local, tiny_model, reference_model, prompts):
+def test_ppo_kl_in_reward_adaptive_whitened_overlong_at_a_temperature(ray_local, tiny_model, reference_model,
+                                                                      prompts):
     from alignflow.config import ActorConfig, KLConfig, PPOConfig, RewardConfig, RolloutConfig, RoundConfig
+    from engines.models import load_policy
 
     kl = KLConfig(coef=0.05, estimator="k1", apply_as="reward", adaptive=True, target=0.5, horizon=50, clamp=10.0)
     cfg = RoundConfig(
         algorithm="ppo", steps=2, prompts_per_step=8,
-        generation=RolloutConfig(num_samples=4, max_new_tokens=MAX_NEW),
+        generation=RolloutConfig(num_samples=4, max_new_tokens=MAX_NEW, temperature=0.7),
         reward=RewardConfig(source="rule", rule=f"{__name__}:parity_reward", overlong_buffer=3, overlong_penalty=0.5),
         kl=kl, ppo=PPOConfig(minibatch_size=32, epochs=1), actor=ActorConfig(learning_rate=1e-3))
     out, objectives = _run_step(cfg, tiny_model, reference_model, prompts)
     exp, m = out.experience, out.metrics
+
+    # Every log-prob of the round is of the distribution sampled at temperature 0.7 (logits / 0.7): the engine's,
+    # the old policy's and the reference's, against plain forwards here.
+    with torch.no_grad():
+        policy, reference = (_at_responses(_next_token_logprobs(load_policy(path).eval(), exp.tensors(), 0.7), exp)[0]
+                             for path in (tiny_model, reference_model))
+    torch.testing.assert_close(exp.old_logprobs, policy, rtol=0, atol=1e-4)
+    torch.testing.assert_close(exp.rollout_logprobs, policy, rtol=0, atol=1e-4)
+    torch.testing.assert_close(exp.ref_logprobs, reference, rtol=0, atol=1e-4)
 
     lengths = exp.action_mask.sum(-1)
     assert lengths.max() > MAX_NEW - 3, "no response reached the overlong buffer; the shaping is untested"
@@ -303,9 +314,10 @@ def test_gspo_normalised_clipped_rewards_truncation_icepop_mean_range(ray_local,
     assert exp.old_logprobs is not None  # several optimizer steps: the old policy's forward ran
 
 
-def _next_token_logprobs(model, exp) -> torch.Tensor:
-    """log π(· | y_<t) at every position: (B, L-1, V), from a plain forward of `model` (no engine code)."""
-    logits = model(input_ids=exp["input_ids"], attention_mask=exp["attention_mask"]).logits.float()
+def _next_token_logprobs(model, exp, temperature: float = 1.0) -> torch.Tensor:
+    """log π(· | y_<t) at every position, at `temperature`: (B, L-1, V), from a plain forward of `model` (no
+    engine code)."""
+    logits = model(input_ids=exp["input_ids"], attention_mask=exp["attention_mask"]).logits.float() / temperature
     return torch.log_softmax(logits[:, :-1], dim=-1)
 
 

@@ -58,14 +58,14 @@ def _hf_model(model_path):
     return AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32).eval()
 
 
-def _hf_logprobs(model_path, rollouts) -> list[list[float]]:
-    """Per-token logprobs of each rollout's tokens, recomputed with transformers in fp32."""
+def _hf_logprobs(model_path, rollouts, temperature: float = 1.0) -> list[list[float]]:
+    """Per-token logprobs of each rollout's tokens, recomputed with transformers in fp32 at `temperature`."""
     model = _hf_model(model_path)
     out = []
     with torch.no_grad():
         for r in rollouts:
             ids = torch.tensor([r.prompt_ids + r.token_ids])
-            logp = torch.log_softmax(model(input_ids=ids).logits[0].double(), -1)
+            logp = torch.log_softmax(model(input_ids=ids).logits[0].double() / temperature, -1)
             start = len(r.prompt_ids)
             out.append([logp[start - 1 + i, t].item() for i, t in enumerate(r.token_ids)])
     return out
@@ -95,6 +95,17 @@ def vllm_actor(ray_local, policy):
                                 max_model_len=MAX_MODEL_LEN)
     yield actor
     ray.kill(actor)
+
+
+@pytest.mark.parametrize("backend", ["vllm", "hf"])
+def test_logprobs_are_of_the_distribution_sampled_at_the_temperature(backend, request, policy, prompts):
+    """vLLM (logprobs_mode processed_logprobs) and HF (its scores after the temperature) report log-probs of
+    logits / T, which the trainer's at T are compared with (TIS, async rounds, distillation)."""
+    actor = request.getfixturevalue(f"{backend}_actor")
+    sampling = Sampling(n=2, temperature=0.6, top_p=1.0, max_new_tokens=8)
+    out = ray.get(actor.generate.remote(prompts, sampling))
+    assert _max_diff(out, _hf_logprobs(policy, out, temperature=0.6)) <= 1e-4
+    assert _max_diff(out, _hf_logprobs(policy, out)) > 0.05  # not the model's at temperature 1
 
 
 def test_vllm_generate_and_weight_sync(vllm_actor, policy, other_model, prompts, tokenizer):
@@ -275,3 +286,31 @@ def test_a_partial_rollout_takes_an_update_published_mid_response_between_its_pi
         assert max(abs(x - y) for x, y in zip(r.logprobs[3:], b[3:])) <= 1e-4, (r.logprobs, b)
     assert _max_diff(out, second) > 0.1  # the first piece's are not the second model's
     assert [r.text for r in out] == response_texts(tokenizer, [r.prompt_ids for r in out], [r.token_ids for r in out])
+
+
+def test_hf_backend_ignores_the_checkpoints_sampling_settings_and_stops_at_each_of_its_eos_ids(ray_local, policy,
+                                                                                           prompts, tmp_path):
+    """A checkpoint's generation_config.json (an instruct model's repetition_penalty, its end-of-turn and
+    <|endoftext|> ids): its EOS ids end a response, as in vLLM, and nothing else of it changes the samples or
+    their log-probs."""
+    import json
+    import shutil
+
+    greedy = Sampling(n=1, temperature=0.0, max_new_tokens=8, ignore_eos=True)
+    plain = start_rollout_actor("hf", str(policy), num_cpus=1, torch_threads=1, seed=0)
+    try:
+        first = ray.get(plain.generate.remote(prompts[:1], greedy))[0].token_ids[0]
+    finally:
+        ray.kill(plain)
+    custom = tmp_path / "custom"
+    shutil.copytree(policy, custom)
+    (custom / "generation_config.json").write_text(json.dumps({"repetition_penalty": 3.0, "top_k": 2,
+                                                                 "eos_token_id": [first]}))
+    actor = start_rollout_actor("hf", str(custom), num_cpus=1, torch_threads=1, seed=0)
+    try:
+        (stopped,) = ray.get(actor.generate.remote(prompts[:1], Sampling(n=1, temperature=0.0, max_new_tokens=8)))
+        sampled = ray.get(actor.generate.remote(prompts, Sampling(n=2, temperature=0.7, max_new_tokens=8)))
+    finally:
+        ray.kill(actor)
+    assert (stopped.token_ids, stopped.finished) == ([first], True)
+    assert _max_diff(sampled, _hf_logprobs(policy, sampled, temperature=0.7)) <= 1e-4

@@ -34,9 +34,9 @@ def batch():
     return exp.tensors()
 
 
-def full_reference(model, batch):
-    """(B, T) response logprobs and entropies from the full (B, L, V) logits."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
+def full_reference(model, batch, temperature: float = 1.0):
+    """(B, T) response logprobs and entropies from the full (B, L, V) logits, divided by `temperature`."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float() / temperature
     mask = batch["action_mask"]
     logprobs = torch.gather(shifted_logprobs(logits, batch["input_ids"]), 1, batch["response_index"]) * mask
     index = batch["response_index"].unsqueeze(-1).expand(-1, -1, logits.shape[-1])
@@ -52,7 +52,9 @@ def _grads(model) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("chunk_elements", [2**22, 3 * 320])  # one chunk; chunks of 3 positions
 @pytest.mark.parametrize("keep_elements", [2**24, 0])  # logits kept for backward; every chunk recomputed
-def test_response_logprobs_and_grads_match_full_logits(model, batch, chunk_elements, keep_elements, monkeypatch):
+@pytest.mark.parametrize("temperature", [1.0, 0.6])  # the sampler's: π at logits / T
+def test_response_logprobs_and_grads_match_full_logits(model, batch, chunk_elements, keep_elements, temperature,
+                                                       monkeypatch):
     from torch.utils.checkpoint import checkpoint
 
     from engines.train import logits as logits_mod
@@ -63,11 +65,11 @@ def test_response_logprobs_and_grads_match_full_logits(model, batch, chunk_eleme
     monkeypatch.setattr(logits_mod, "checkpoint", lambda *a, **k: recomputed.append(1) or checkpoint(*a, **k))
     weights = torch.randn(batch["action_mask"].shape, generator=torch.Generator().manual_seed(1))
 
-    expected_lp, expected_h = full_reference(model, batch)
+    expected_lp, expected_h = full_reference(model, batch, temperature)
     ((expected_lp * weights).sum() + expected_h.sum()).backward()
     expected_grads = _grads(model)
 
-    lp, h = logits_mod.response_logprobs_and_entropy(model, batch, with_entropy=True)
+    lp, h = logits_mod.response_logprobs_and_entropy(model, batch, with_entropy=True, temperature=temperature)
     ((lp * weights).sum() + h.sum()).backward()
     grads = _grads(model)
 
