@@ -20,10 +20,15 @@ log = logging.getLogger(__name__)
 
 
 def render_prompt(tokenizer, prompt: str | list[dict], tools: list[dict] | None = None) -> list[int]:
-    """A prompt's token ids: a string as it is, messages through the chat template, with `tools` (JSON
-    schemas, a record's "tools": agent traces) where given."""
+    """A prompt's token ids: a string as it is, after BOS where the tokenizer starts texts with one (Llama,
+    Gemma and Mistral base models; not Qwen), once; messages through the chat template (which writes its own
+    BOS), with `tools` (JSON schemas, a record's "tools": agent traces) where given."""
     if isinstance(prompt, str):
-        return tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        bos = tokenizer.bos_token_id
+        if bos is not None and ids[:1] != [bos] and tokenizer("a")["input_ids"][:1] == [bos]:
+            ids = [bos, *ids]
+        return ids
     ids = tokenizer.apply_chat_template(prompt, tools=tools, add_generation_prompt=True, tokenize=True)
     if isinstance(ids, dict) or hasattr(ids, "keys"):
         ids = ids["input_ids"]

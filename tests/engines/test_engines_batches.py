@@ -283,3 +283,26 @@ def test_padded_shards_are_consecutive_and_of_one_size(n, ranks, expected):
     shards = padded_shards(batch, ranks)
     assert [s["row"].tolist() for s in shards] == expected
     assert all(torch.equal(s["input_ids"][:, 0], s["row"] * 10) for s in shards)
+
+
+def test_a_text_prompt_starts_with_bos_where_the_tokenizer_starts_texts_with_one(tiny_model, tokenizer):
+    """Llama, Gemma and Mistral base tokenizers start a text with BOS (Qwen's and the tiny one do not): a plain
+    text prompt gets it once, as the model was trained; a chat prompt's template writes its own."""
+    from tokenizers.processors import TemplateProcessing
+
+    from engines.batches import render_prompt
+    from engines.models import load_tokenizer
+
+    llama_like = load_tokenizer(tiny_model)
+    bos = llama_like.bos_token_id
+    llama_like.backend_tokenizer.post_processor = TemplateProcessing(
+        single=f"{llama_like.bos_token} $A", special_tokens=[(llama_like.bos_token, bos)])
+    assert llama_like("a")["input_ids"][0] == bos  # as Llama's tokenizer adds it
+    text = "Plain text prompt, used verbatim"
+    plain = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert render_prompt(tokenizer, text) == plain  # no BOS where the tokenizer adds none
+    assert render_prompt(llama_like, text) == [bos, *plain]
+    assert render_prompt(llama_like, llama_like.bos_token + text) == [bos, *plain]  # written in the text: once
+    assert render_prompt(llama_like, _chat("Hi")) == render_prompt(tokenizer, _chat("Hi"))  # the template's own
+    batch, _ = sft_tensors(llama_like, RECORDS[1:2], max_prompt_tokens=64, max_response_tokens=64)
+    assert batch["input_ids"][0, :len(plain) + 1].tolist() == [bos, *plain]
