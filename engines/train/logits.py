@@ -81,6 +81,34 @@ def keep_last_logits(model) -> dict[str, int]:
     return {"logits_to_keep": 1} if _accepts_logits_to_keep(type(base)) else {}
 
 
+class _TransformedHead(torch.nn.Module):
+    """An output layer and what the model's forward does to its logits after it: z = softcap(W h · scale)."""
+
+    def __init__(self, linear: torch.nn.Module, scale: float, softcap: float | None):
+        super().__init__()
+        self.linear, self.scale, self.softcap = linear, scale, softcap
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        logits = self.linear(hidden).float()
+        if self.scale != 1.0:
+            logits = logits * self.scale
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+
+def output_head(module) -> torch.nn.Module:
+    """The output layer of an HF causal LM as its forward applies it: with Granite's division by
+    `logits_scaling`, Cohere's `logit_scale` and Gemma 2/3's `final_logit_softcapping` (z = c · tanh(z / c)),
+    which the models apply after the layer (and vLLM does too). Called as a module, so ZeRO-3's hooks on the
+    layer still gather it; the layer itself where the model has no such step."""
+    linear = module.get_output_embeddings()
+    cfg = module.config.get_text_config() if hasattr(module.config, "get_text_config") else module.config
+    scale = 1.0 / (getattr(cfg, "logits_scaling", None) or 1.0) * (getattr(cfg, "logit_scale", None) or 1.0)
+    softcap = getattr(cfg, "final_logit_softcapping", None)
+    return linear if scale == 1.0 and not softcap else _TransformedHead(linear, scale, softcap)
+
+
 def final_hidden(model, batch: dict[str, Tensor]) -> Tensor:
     """The last layer's (normed) hidden state at every position: (B, L, H). The output layer runs on
     the last position only where the model supports it (otherwise on all, and is discarded)."""
@@ -140,7 +168,7 @@ def logprobs_at(model, batch: dict[str, Tensor], rows: Tensor, positions: Tensor
     hidden = final_hidden(model, batch)[rows, positions]
     targets = batch["input_ids"][rows, positions + 1]
     module = unwrap(model)
-    return logprobs_from_hidden(module.get_output_embeddings(), hidden, targets, module.config.vocab_size,
+    return logprobs_from_hidden(output_head(module), hidden, targets, module.config.vocab_size,
                                 with_entropy=with_entropy, temperature=temperature)
 
 
@@ -171,7 +199,7 @@ def response_logprobs_and_entropy(model, batch: dict[str, Tensor], *, with_entro
         rows = plan.rows[r]
         module = unwrap(model)
         logprobs, entropy = logprobs_from_hidden(
-            module.get_output_embeddings(), hidden[r, t], batch["input_ids"][rows, batch["response_index"][rows, t] + 1],
+            output_head(module), hidden[r, t], batch["input_ids"][rows, batch["response_index"][rows, t] + 1],
             module.config.vocab_size, with_entropy=with_entropy, temperature=temperature)
     shape = tuple(mask.shape)
     return scatter(logprobs, rows, t, shape), (scatter(entropy, rows, t, shape) if with_entropy else None)

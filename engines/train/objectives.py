@@ -16,7 +16,7 @@ from algos.gspo import gspo_policy_loss
 from algos.policy_loss import ppo_policy_loss
 from algos.preference import pairwise_reward_loss
 from algos.sequence import sft_loss
-from engines.train.logits import (final_hidden, logprobs_from_hidden, masked_next_token_logprobs,
+from engines.train.logits import (final_hidden, logprobs_from_hidden, masked_next_token_logprobs, output_head,
                                   response_logprobs_and_entropy, unwrap)
 
 
@@ -37,7 +37,7 @@ def _response_hidden(model, batch: dict[str, torch.Tensor]):
     (loss_mask over input_ids, in the next-token layout), and the output layer to apply to it."""
     mask = batch["loss_mask"][:, 1:] > 0
     rows, positions = mask.nonzero(as_tuple=True)
-    return mask, rows, positions, final_hidden(model, batch)[rows, positions], unwrap(model).get_output_embeddings()
+    return mask, rows, positions, final_hidden(model, batch)[rows, positions], output_head(unwrap(model))
 
 
 @torch.no_grad()

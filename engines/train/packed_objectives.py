@@ -22,7 +22,7 @@ from torch import Tensor
 
 from algos.preference import pairwise_reward_loss
 from algos.sequence import sft_loss
-from engines.train.logits import keep_last_logits, logprobs_from_hidden, unwrap
+from engines.train.logits import keep_last_logits, logprobs_from_hidden, output_head, unwrap
 from engines.train.packing import PackStats, model_inputs, pack_batch
 
 
@@ -42,7 +42,7 @@ def packed_token_logprobs(model, packed: dict[str, Tensor]) -> tuple[Tensor, Ten
     rows, cols = wanted.nonzero(as_tuple=True)
     hidden = packed_hidden(model, packed)[rows, cols]
     module = unwrap(model)
-    logprobs, _ = logprobs_from_hidden(module.get_output_embeddings(), hidden, packed["input_ids"][rows, cols + 1],
+    logprobs, _ = logprobs_from_hidden(output_head(module), hidden, packed["input_ids"][rows, cols + 1],
                                        module.config.vocab_size)
     return logprobs, packed["sample_index"][rows, cols + 1], packed["position_ids"][rows, cols + 1]
 

@@ -187,3 +187,41 @@ def test_a_policy_micro_batch_waits_for_the_device_once_beyond_the_model(tiny_mo
     finally:
         sys.path.pop(0)
     assert plain >= 1 and ours == plain + 1, (ours, plain)
+
+
+def _tiny_family(family: str):
+    """A randomly initialised causal LM of a family whose forward changes the logits after the output layer."""
+    import transformers
+
+    common = dict(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=1, max_position_embeddings=64)
+    config, cls = {
+        "granite": (transformers.GraniteConfig(logits_scaling=8.0, **common), transformers.GraniteForCausalLM),
+        "cohere": (transformers.CohereConfig(logit_scale=0.25, **common), transformers.CohereForCausalLM),
+        "gemma2": (transformers.Gemma2Config(final_logit_softcapping=3.0, head_dim=16, **common),
+                   transformers.Gemma2ForCausalLM),
+    }[family]
+    torch.manual_seed(0)
+    model = cls(config).eval()
+    with torch.no_grad():  # logits large enough that the softcap bites
+        model.get_output_embeddings().weight.mul_(20.0)
+    return model
+
+
+@pytest.mark.parametrize("family", ["granite", "cohere", "gemma2"])
+def test_log_probs_follow_what_the_model_does_to_its_logits_after_the_output_layer(family, batch):
+    """Granite divides the logits by logits_scaling, Cohere multiplies them by logit_scale and Gemma 2/3 softcap
+    them (c · tanh(z / c)): the log-probs from hidden states are those of the model's own logits, which vLLM
+    samples from."""
+    from engines.train import logits as logits_mod
+
+    model = _tiny_family(family)
+    with torch.no_grad():
+        expected, _ = full_reference(model, batch, 0.8)
+        got, _ = logits_mod.response_logprobs_and_entropy(model, batch, temperature=0.8)
+        # The output layer alone (what was computed before) is another distribution: the test can tell.
+        inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+        bare = model.get_output_embeddings()(logits_mod.final_hidden(model, batch)).float()
+        own = model(**inputs).logits.float()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert (torch.log_softmax(bare, -1) - torch.log_softmax(own, -1)).abs().max() > 1e-2
