@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from .importance import LOG_RATIO_CLAMP
-from .masked import _bool_mask, _check_same_shape
+from .masked import _bool_mask, _check_same_shape, full_precision
 from .policy_loss import PolicyLossOutput, clipped_surrogate
 
 
@@ -56,6 +56,8 @@ def gspo_policy_loss(
     _check_same_shape(logprobs=logprobs, old_logprobs=old_logprobs,
                       advantages=advantages, action_mask=action_mask)
     mask = _bool_mask(action_mask)
+    # bf16's ratios step by 0.4 % near 1, past GSPO's clip range
+    logprobs, old_logprobs = full_precision(logprobs), full_precision(old_logprobs)
     zeros = torch.zeros_like(logprobs)
     token_log_ratio = torch.where(mask, logprobs - old_logprobs.detach(), zeros)
     lengths = mask.sum(dim=-1).clamp(min=1).to(logprobs.dtype)

@@ -35,11 +35,18 @@ def _bool_mask(mask: Tensor) -> Tensor:
     return mask if mask.dtype == torch.bool else mask != 0
 
 
+def full_precision(x: Tensor) -> Tensor:
+    """``x`` in float32 where it is half precision (fp16, bf16); as it is otherwise (float64 stays)."""
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+
+
 def masked_sum(x: Tensor, mask: Tensor, dim: Optional[int] = None) -> Tensor:
     """Sum of ``x`` over the positions where ``mask`` is 1.
 
     Formula: ``sum_i mask_i * x_i`` (masked entries contribute exactly 0,
-    whatever they hold).
+    whatever they hold). Half-precision ``x`` is summed in float32 (and the
+    result is float32): an fp16 sum overflows past 65504 and bf16 counts
+    round past 256, so means and variances of long batches would be wrong.
 
     Shapes: ``x`` and ``mask`` of the same shape, e.g. ``(B, T)``; result is a
     0-d tensor when ``dim`` is None, else ``x`` with ``dim`` reduced
@@ -49,6 +56,7 @@ def masked_sum(x: Tensor, mask: Tensor, dim: Optional[int] = None) -> Tensor:
     (Schulman et al. 2017, arXiv 1707.06347).
     """
     _check_same_shape(x=x, mask=mask)
+    x = full_precision(x)  # fp16 overflows past 65504, bf16 rounds counts past 256
     m = mask.to(x.dtype)
     xm = torch.where(_bool_mask(mask), x * m, torch.zeros_like(x))
     return xm.sum() if dim is None else xm.sum(dim=dim)

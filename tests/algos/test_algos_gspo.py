@@ -80,3 +80,15 @@ def test_fully_masked_row_and_extreme_ratios_stay_finite():
         assert torch.isfinite(v).all()
     assert torch.isfinite(lp.grad).all()
     assert out.loss.item() == pytest.approx(-(1 + 4e-4))  # the only row, clipped at 1 + clip_high
+
+
+def test_a_bf16_sequence_ratio_is_clipped_as_in_float32():
+    # A sequence log-ratio of 0.002 (ratio 1.002) lies past GSPO's clip_high 4e-4: with a positive advantage the
+    # clipped term wins and the gradient is 0. In bf16, exp(x) near 1 steps by 0.4 % and reads 1.0: unclipped.
+    for dtype in (torch.float32, torch.bfloat16):
+        lp = torch.full((1, 4), -1.0 + 0.002, dtype=dtype, requires_grad=True)
+        out = gspo_policy_loss(lp, torch.full((1, 4), -1.0, dtype=dtype), torch.ones(1, 4), torch.ones(1, 4),
+                               agg="seq_mean_token_mean")
+        out.loss.backward()
+        assert out.clip_fraction.item() == 1.0, dtype
+        assert lp.grad.abs().sum().item() == 0.0, dtype

@@ -111,3 +111,16 @@ def test_last_valid_index_and_place_at_last_token():
 def test_shape_mismatch_raises():
     with pytest.raises(ValueError, match="shape"):
         masked_sum(torch.ones(2, 3), torch.ones(2, 4))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_reductions_are_taken_in_float32(dtype):
+    # 64 x 2048 halves: the fp16 sum (65536) and count overflow to inf; bf16 counts round past 256.
+    x = torch.full((64, 2048), 0.5, dtype=dtype)
+    mask = torch.ones(64, 2048)
+    assert masked_sum(x, mask).item() == 65536.0
+    assert masked_mean(x, mask).item() == 0.5
+    assert masked_sum(torch.ones(1001, dtype=dtype), torch.ones(1001)).item() == 1001.0
+    threes = torch.full((1001,), 3.0, dtype=dtype)
+    assert masked_mean(threes, torch.ones(1001)).item() == 3.0
+    assert masked_var(threes, torch.ones(1001)).item() == 0.0

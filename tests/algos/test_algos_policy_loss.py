@@ -208,3 +208,14 @@ def test_value_loss_clipped_and_unclipped():
     sq = [0.5 * (v[b][t] - ret[b][t]) ** 2 for b in range(2) for t in range(4) if mask[b][t]]
     assert plain.loss.item() == pytest.approx(sum(sq) / len(sq))
     assert plain.clip_fraction.item() == 0.0
+
+
+def test_an_fp16_ratio_past_exps_range_keeps_a_finite_loss_and_gradient():
+    # A log-ratio of 12 is inside the ±20 clamp, but exp(12) = 162755 overflows fp16 (max 65504): the ratio is
+    # taken in float32. With A < 0 and dual clip 3 the loss is -3 A and the gradient 0, as in float32.
+    lp = torch.tensor([[2.0, 0.0]], dtype=torch.float16, requires_grad=True)
+    old = torch.tensor([[-10.0, 0.0]], dtype=torch.float16)
+    out = ppo_policy_loss(lp, old, torch.tensor([[-1.0, 0.0]]), torch.tensor([[1.0, 0.0]]), dual_clip=3.0)
+    out.loss.backward()
+    assert out.loss.item() == 3.0
+    assert torch.isfinite(lp.grad).all() and lp.grad.abs().sum().item() == 0.0
