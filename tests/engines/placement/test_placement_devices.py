@@ -100,7 +100,7 @@ def test_a_gpu_engine_process_lets_vllm_compile(on_gpu, compile_disabled):
 def test_a_vllm_build_serves_only_the_device_it_was_built_for():
     """A CUDA build placed on the CPU would take GPU 0 outside Ray's accounting (Ray leaves a GPU-less actor
     every GPU visible); a CPU build given a GPU cannot use it. Both are errors naming the field."""
-    from engines.rollout.actors import vllm_build_mismatch
+    from engines.rollout.vllm_engine import vllm_build_mismatch
 
     assert vllm_build_mismatch("cpu", True, on_gpu=False) is None
     assert vllm_build_mismatch("cuda", False, on_gpu=True) is None

@@ -314,3 +314,26 @@ def test_hf_backend_ignores_the_checkpoints_sampling_settings_and_stops_at_each_
         ray.kill(actor)
     assert (stopped.token_ids, stopped.finished) == ([first], True)
     assert _max_diff(sampled, _hf_logprobs(policy, sampled, temperature=0.7)) <= 1e-4
+
+
+def test_a_gpu_engines_own_ray_workers_compile_too(ray_local):
+    """A tensor-parallel vLLM engine runs its model in Ray actors it starts itself: they inherit the engine
+    actor's runtime environment, not the os.environ its process edited (prepare_engine_process). A GPU engine's
+    actor options turn TORCH_COMPILE_DISABLE, which every process of a run gets, off for those workers too."""
+    import os
+
+    from engines.rollout.vllm_engine import compiling_env
+
+    @ray.remote(num_cpus=0)
+    class Worker:
+        def env(self):
+            return os.environ.get("TORCH_COMPILE_DISABLE")
+
+    @ray.remote(num_cpus=0)
+    class Engine:
+        def worker_env(self):
+            os.environ.pop("TORCH_COMPILE_DISABLE", None)  # as prepare_engine_process does on a GPU
+            return ray.get(Worker.remote().env.remote())
+
+    cpu, gpu = (Engine.options(**compiling_env(on_gpu)).remote() for on_gpu in (False, True))
+    assert ray.get([cpu.worker_env.remote(), gpu.worker_env.remote()]) == ["1", "0"]
