@@ -157,7 +157,7 @@ def shape_rewards(task_rewards: Tensor, action_mask: Tensor, finished: Tensor, *
 
 def with_advantages(exp: Experience, *, estimator: str, whiten: bool, group_size: int, gamma: float, lam: float,
                     kl_coef: float, kl_estimator: str, kl_clamp: float | None,
-                    std_norm: bool | None = None, teacher: bool = False) -> Experience:
+                    std_norm: bool | None = None, teacher: bool = False, rows: Tensor | None = None) -> Experience:
     """Token rewards, then advantages and returns, through the `algos` registry.
 
         token_rewards = kl_penalized_rewards(rewards, old_logprobs, ref_logprobs, kl_coef)  (kl_coef = 0: none)
@@ -171,7 +171,8 @@ def with_advantages(exp: Experience, *, estimator: str, whiten: bool, group_size
 
     `std_norm` (group estimators: divide by the group std or not) reaches the estimator only when
     set; None leaves the estimator's own default. Needs `rewards` (`old_logprobs` and `ref_logprobs`
-    when kl_coef > 0, `values` for "gae").
+    when kl_coef > 0, `values` for "gae"). `rows`: the rows the step trains on (after dynamic sampling);
+    whitening takes its mean and variance over their tokens alone, and leaves 0 on the others.
     """
     mask = exp.action_mask
     if kl_coef and (exp.ref_logprobs is None or exp.old_logprobs is None):
@@ -193,15 +194,21 @@ def with_advantages(exp: Experience, *, estimator: str, whiten: bool, group_size
     out = algos.get_advantage_estimator(estimator)(
         token_rewards=token_rewards, action_mask=mask, values=exp.values, group_size=group_size, gamma=gamma,
         lam=lam, eps=1e-6, **options)
-    advantages = algos.masked_whiten(out.advantages, mask) if whiten else out.advantages
+    trained = mask
+    if rows is not None:
+        trained = torch.zeros_like(mask)
+        trained[rows] = mask[rows]
+    advantages = algos.masked_whiten(out.advantages, trained) if whiten else out.advantages
     return exp.with_(token_rewards=token_rewards, advantages=advantages, returns=out.returns)
 
 
 def sequence_kl(exp: Experience) -> Tensor:
-    """`algos.sequence_k1` of the old policy against the reference: (B,). 0 without a reference."""
+    """`algos.sequence_k1` of the old policy against the reference: (B,). 0 without a reference. Where no
+    old log-probs were measured (on policy), the sampler's: a synchronous round's sampler holds the policy."""
     if exp.ref_logprobs is None:
         return torch.zeros(len(exp))
-    return algos.sequence_k1(exp.old_logprobs, exp.ref_logprobs, exp.action_mask)
+    old = exp.rollout_logprobs if exp.old_logprobs is None else exp.old_logprobs
+    return algos.sequence_k1(old, exp.ref_logprobs, exp.action_mask)
 
 
 def best_of_n(exp: Experience, threshold: float | None) -> Tensor:

@@ -132,20 +132,23 @@ class PolicyGradientUpdate:
             exp = exp.with_(values=m.critic.evaluate_rows(exp.tensors(), objectives.token_values))
             lap("critic")
         kl_in_reward = cfg.kl.apply_as == "reward"
+        # The filters first: a whitened estimator's statistics are those of the rows trained on (DAPO's order).
+        rows, filtered = kept_rows(exp.rewards, cfg, task_rewards=exp.task_rewards)
         exp = experience.with_advantages(
             exp, estimator=spec.advantage, whiten=spec.whiten, group_size=cfg.generation.num_samples,
             gamma=cfg.ppo.gamma, lam=cfg.ppo.lam, kl_coef=self.kl_ctl.value if kl_in_reward else 0.0,
             kl_estimator=cfg.kl.estimator, kl_clamp=cfg.kl.clamp, std_norm=cfg.ppo.advantage_std_norm,
-            teacher=spec.teacher)
-        rows, filtered = kept_rows(exp.rewards, cfg, task_rewards=exp.task_rewards)
+            teacher=spec.teacher, rows=rows)
         metrics = self._train(exp.select(rows), step, frozen) if len(rows) else {}
         lap("train")
-        # On policy, the KL of the trained rows as the training forward measured it.
-        seq_kl = (metrics.get("sequence_kl", 0.0) if exp.old_logprobs is None
+        # On policy, the KL of the trained rows as the training forward measured it; with none trained, the
+        # sampler's (the policy's) against the reference, not a 0 the adaptive controller would act on.
+        seq_kl = (metrics["sequence_kl"] if exp.old_logprobs is None and "sequence_kl" in metrics
                   else experience.sequence_kl(exp).mean().item())
         self.kl_ctl.update(seq_kl, n_steps=len(exp))
+        trained = exp.select(rows)
         metrics.update({"kl": seq_kl, "kl_coef": self.kl_ctl.value, **filtered, "actor_frozen": float(frozen),
-                        "advantage/mean": algos.masked_mean(exp.advantages, exp.action_mask).item()})
+                        "advantage/mean": algos.masked_mean(trained.advantages, trained.action_mask).item()})
         if spec.teacher:  # per token, as the signal is taken: the sampled reverse KL to the teacher
             metrics["distill/reverse_kl_per_token"] = -metrics["advantage/mean"]
         return Trained(exp, rows, metrics, actor_trained=bool(len(rows)) and not frozen)

@@ -135,6 +135,34 @@ def test_gae_whitened(exp):
         assert out.advantages[b, :len(row)].tolist() == pytest.approx(want, rel=1e-4, abs=1e-5)
 
 
+def test_whitening_takes_the_statistics_of_the_rows_trained_on(exp):
+    """After dynamic sampling drops a group, a whitened estimator's mean and variance are those of the kept rows'
+    tokens (DAPO filters before the advantages): their advantages have mean 0 and variance 1, the dropped rows 0."""
+    filled = _filled(exp, [1.0, 0.0, 0.5, 0.5], OLD, REF)
+    kept = torch.tensor([0, 1])
+    out = experience.with_advantages(filled, estimator="reinforce_pp", whiten=True, group_size=2, gamma=1.0,
+                                     lam=1.0, kl_coef=0.0, kl_estimator="k1", kl_clamp=None, rows=kept)
+    # REINFORCE++ with gamma 1, no KL: each token's return-to-go is its row's reward
+    raw = [[[1.0, 0.0][b]] * LENGTHS[b] for b in (0, 1)]
+    flat = [a for row in raw for a in row]
+    mean = sum(flat) / len(flat)
+    std = math.sqrt(sum((a - mean) ** 2 for a in flat) / len(flat) + 1e-8)
+    for b in (0, 1):
+        assert out.advantages[b, :LENGTHS[b]].tolist() == pytest.approx([(a - mean) / std for a in raw[b]], rel=1e-5)
+    assert out.advantages[2:].abs().sum() == 0
+    every = experience.with_advantages(filled, estimator="reinforce_pp", whiten=True, group_size=2, gamma=1.0,
+                                       lam=1.0, kl_coef=0.0, kl_estimator="k1", kl_clamp=None)
+    assert not torch.allclose(every.advantages[:2], out.advantages[:2])  # the dropped rows shifted them
+
+
+def test_sequence_kl_without_old_log_probs_is_the_samplers(exp):
+    """On policy no old log-probs are measured; a step that trains no row still reports (and adapts the KL
+    coefficient to) the sampler's KL against the reference, not 0."""
+    filled = exp.with_(rewards=torch.zeros(4), ref_logprobs=torch.tensor(REF))
+    want = [sum(exp.rollout_logprobs[b, t].item() - REF[b][t] for t in range(n)) for b, n in enumerate(LENGTHS)]
+    assert experience.sequence_kl(filled).tolist() == pytest.approx(want)
+
+
 def test_kl_penalty_without_a_reference_is_an_error(exp):
     filled = exp.with_(rewards=torch.zeros(4), old_logprobs=torch.tensor(OLD))
     with pytest.raises(ValueError, match="needs ref_logprobs"):
