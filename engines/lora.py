@@ -143,19 +143,6 @@ def gathered(params: list[torch.nn.Parameter], zero_stage: int, modifier_rank: i
         yield
 
 
-def _cpu_copies(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """CPU copies of `state`'s tensors, one per tensor however many names it has: a tied output layer
-    stays the embedding itself, and `save_pretrained` writes it once, as a tied checkpoint has it."""
-    copies: dict[tuple, torch.Tensor] = {}
-    out = {}
-    for key, value in state.items():
-        at = (value.device, value.data_ptr(), value.dtype, tuple(value.shape), value.stride())
-        if at not in copies or value.numel() == 0:
-            copies[at] = value.detach().cpu().clone()
-        out[key] = copies[at]
-    return out
-
-
 def merged(weight: torch.Tensor, layer) -> torch.Tensor:
     """W + (alpha/rank)·B·A of a LoRA layer whose base weight is `weight`: computed in float32 and rounded
     to W's dtype once. peft's `get_delta_weight` rounds B·A to bf16 on a GPU, and the sum rounds again."""
@@ -166,21 +153,34 @@ def merged(weight: torch.Tensor, layer) -> torch.Tensor:
     return (weight.float() + delta.to(weight.device)).to(weight.dtype)
 
 
-def full_state_dict(module: torch.nn.Module, zero_stage: int) -> dict[str, torch.Tensor]:
-    """The full weights on every rank (gathered under ZeRO-3), CPU copies (tied names share one),
-    under the HF names of the base model; with LoRA each adapted weight is merged: W + (alpha/rank)·B·A."""
-    with gathered(list(module.parameters()), zero_stage):
-        if not is_lora(module):
-            return _cpu_copies(module.state_dict())
-        base = module.get_base_model()
-        wrapped = _wrapped(base)
-        named = {name: value for name, value in ((_hf_key(k, wrapped), v) for k, v in base.state_dict().items())
-                 if name is not None}
-        state = _cpu_copies(named)
-        for name, (infix, layer) in wrapped.items():
-            if infix == "base_layer.":
-                state[f"{name}.weight"] = merged(state[f"{name}.weight"], layer).detach()
-        return state
+def full_state_dict(module: torch.nn.Module, zero_stage: int, keep: bool = True) -> dict[str, torch.Tensor]:
+    """The full weights as CPU copies under the HF names of the base model (tied names share one copy, which
+    `save_pretrained` writes once); with LoRA each adapted weight merged: W + (alpha/rank)·B·A. {} where not
+    `keep` (the ranks that do not write).
+
+    Under ZeRO-3 every rank gathers the weights one at a time (an adapted one with its adapter), in the same
+    order, and only the ranks that keep one copy it to host memory: no GPU holds the whole model at once, which
+    a model ZeRO-3 trains because it does not fit one GPU could not."""
+    base = hf_model(module)
+    wrapped = _wrapped(base) if is_lora(module) else {}
+    copies: dict[int, torch.Tensor] = {}  # id of the model's tensor -> its copy (tied names: one)
+    out = {}
+    for key, t in base.state_dict(keep_vars=True).items():
+        name = _hf_key(key, wrapped)
+        if name is None:  # an adapter-only tensor
+            continue
+        if id(t) not in copies:
+            params = [t] if isinstance(t, torch.nn.Parameter) else []
+            infix, layer = wrapped.get(name.rsplit(".", 1)[0], ("", None))
+            adapted = infix == "base_layer." and key.endswith("base_layer.weight")
+            if adapted:
+                params += [p for n, p in layer.named_parameters() if n.startswith("lora_")]
+            with gathered(params, zero_stage):
+                value = merged(t, layer) if adapted else t
+                copies[id(t)] = value.detach().cpu().clone() if keep else torch.empty(0)
+        if keep:
+            out[name] = copies[id(t)]
+    return out
 
 
 @dataclass(frozen=True)
@@ -201,7 +201,7 @@ def _full_shape(t: torch.Tensor) -> tuple[int, ...]:
 
 def weight_entries(module: torch.nn.Module) -> list[WeightEntry]:
     """The tensors of a weight update, in the model's order (a layer's weights together), one at a
-    time: what `full_state_dict` computes all at once, restricted to `weight_names`. With LoRA an
+    time: what `full_state_dict` computes, restricted to `weight_names`. With LoRA an
     adapted weight is W + (alpha/rank)·B·A, computed on the model's device."""
     base = hf_model(module)
     wrapped = _wrapped(base) if is_lora(module) else {}
@@ -246,17 +246,30 @@ def save_adapter(module: torch.nn.Module, zero_stage: int, directory: str | Path
                                save_embedding_layers=False)
 
 
-def load_weights(module: torch.nn.Module, zero_stage: int, directory: str) -> None:
-    """A full model's weights from `directory`/model.safetensors into `module` (gathered under ZeRO-3).
-    Tied output embeddings are saved once; any other name missing or unexpected is an error."""
-    from safetensors.torch import load_file
+def load_weights(module: torch.nn.Module, zero_stage: int, directory: str, rank: int = 0) -> None:
+    """A full model's weights from `directory`/model.safetensors into `module`. Tied output embeddings are
+    saved once; any other name missing or unexpected is an error. Under ZeRO-3 one weight at a time: gathered
+    on every rank, read from the file and set by rank 0, handed back to each rank's partition at the gather's
+    end; no GPU holds the whole model, and no other rank reads the weights (below stage 3 each rank reads its
+    own full copy)."""
+    from safetensors import safe_open
 
-    weights = load_file(str(Path(directory) / "model.safetensors"))
-    with gathered(list(module.parameters()), zero_stage, modifier_rank=0):
-        missing, unexpected = module.load_state_dict(weights, strict=False)
-        tied = set(getattr(module, "_tied_weights_keys", None) or [])
-        if unexpected or [m for m in missing if m not in tied]:
+    state = module.state_dict(keep_vars=True)
+    tied = set(getattr(module, "_tied_weights_keys", None) or [])
+    with safe_open(str(Path(directory) / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+        missing, unexpected = [k for k in state if k not in names and k not in tied], sorted(names - set(state))
+        if unexpected or missing:
             raise RuntimeError(f"weights do not match the model: missing={missing} unexpected={unexpected}")
+        done: set[int] = set()
+        for key, t in state.items():
+            if key not in names or id(t) in done:
+                continue
+            done.add(id(t))
+            param = isinstance(t, torch.nn.Parameter)
+            with gathered([t] if param else [], zero_stage, modifier_rank=0):
+                if zero_stage < 3 or rank == 0 or not param:  # buffers are whole on every rank
+                    t.data.copy_(f.get_tensor(key))
 
 
 def load_adapter(module: torch.nn.Module, zero_stage: int, directory: str | Path) -> None:

@@ -172,7 +172,7 @@ class TrainWorker:
     def save_hf(self, target: Source) -> Entries:
         """Rank 0 writes an HF directory (safetensors + tokenizer; LoRA: merged weights, and the adapter
         in `adapter/`); all ranks gather. A ref: uploaded from this node (alignflow/artifacts.py)."""
-        state = lora.full_state_dict(self.engine.module, self.spec.zero_stage)  # HF names; LoRA: merged
+        state = lora.full_state_dict(self.engine.module, self.spec.zero_stage, keep=self.rank == 0)  # LoRA: merged
         with writing(target) as (directory, uploaded):  # every gather before rank 0's writes: one that fails
             lora.save_adapter(self.engine.module, self.spec.zero_stage, str(directory), write=self.rank == 0)
             if self.rank == 0:  # leaves no rank waiting in a gather
@@ -185,7 +185,7 @@ class TrainWorker:
         tests; updates stream through the weight transport). Every rank gathers."""
         from safetensors.torch import save
 
-        state = lora.full_state_dict(self.engine.module, self.spec.zero_stage)
+        state = lora.full_state_dict(self.engine.module, self.spec.zero_stage, keep=self.rank == 0)
         names = lora.weight_names(self.engine.module)
         return save({k: v for k, v in state.items() if k in names}) if self.rank == 0 else None
 
@@ -218,7 +218,7 @@ class TrainWorker:
     def load_state(self, source: Source) -> dict[str, Any]:
         directory = local_dir(source)  # a checkpoint ref: fetched on this node
         if self.spec.lora is None:
-            lora.load_weights(self.engine.module, self.spec.zero_stage, directory)
+            lora.load_weights(self.engine.module, self.spec.zero_stage, directory, self.rank)
         else:
             lora.load_adapter(self.engine.module, self.spec.zero_stage, directory)
         st = load_state(directory, f"trainer-rank{self.rank}")

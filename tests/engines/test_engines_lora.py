@@ -241,6 +241,38 @@ def test_merged_bf16_weights_are_rounded_once(tiny_model):
     assert torch.equal(entry.value(), nearest) and entry.dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("adapted", [False, True])
+def test_the_full_weights_are_gathered_one_at_a_time_and_copied_where_kept(tiny_model, monkeypatch, adapted):
+    """Under ZeRO-3 a save or export gathers one weight at a time (an adapted one with its two adapter
+    matrices), never the whole model on every GPU; ranks that do not write copy nothing to host memory. The
+    weights, tied names and merges are those of the plain state dict."""
+    import contextlib
+
+    from engines import lora, models
+
+    model = models.load_policy(tiny_model)
+    if adapted:
+        model = lora.apply(model, LoraConfig(rank=4, alpha=8.0, target_modules=("q_proj",)), "causal")
+    sizes = []
+
+    @contextlib.contextmanager
+    def recording(params, zero_stage, modifier_rank=None):
+        sizes.append(len(params))
+        yield
+
+    monkeypatch.setattr(lora, "gathered", recording)
+    state = lora.full_state_dict(model, 3)
+    assert max(sizes) == (3 if adapted else 1) and len(sizes) == len(set(map(id, state.values())))
+    assert lora.full_state_dict(model, 3, keep=False) == {}
+    base = lora.hf_model(model)
+    expected = {n: e.value() for n, e in ((e.name, e) for e in lora.weight_entries(model))}
+    assert expected.keys() <= state.keys()
+    for name, value in expected.items():
+        assert torch.equal(state[name], value.cpu()), name
+    if not adapted:
+        assert state.keys() == base.state_dict().keys()
+
+
 def _streams_merged_weights(group, tiny_model, probe) -> None:
     """The weight transport under ZeRO-3 with LoRA: each bucket gathered across both ranks and merged,
     then streamed (4 KB buckets: many) into an HF rollout engine, which then samples what the trainer
