@@ -349,7 +349,7 @@ def test_async_rollouts_score_the_next_step_ahead(ray_local, tiny_model, tokeniz
     land between two of its pieces, and the scores made ahead are still those of the rollouts as
     finished; each response's tokens carry the versions that wrote them, in order, none older than
     the bound."""
-    from alignflow.config import KLConfig, PPOConfig
+    from alignflow.config import KLConfig, PPOConfig, RolloutConfig
     from engines import models
     from engines.rl.round import RLRound
     from engines.rl.round_models import RoundSetup
@@ -362,7 +362,8 @@ def test_async_rollouts_score_the_next_step_ahead(ray_local, tiny_model, tokeniz
     cfg = _round("grpo", async_rollouts=True, partial_rollouts=True, partial_tokens=2, num_rollout_engines=2,
                  colocate_reference_and_reward=False,
                  kl=KLConfig(coef=0.05), reward=RewardConfig(source="model"),
-                 ppo=PPOConfig(minibatch_size=32, epochs=1, tis_cap=2.0))
+                 ppo=PPOConfig(minibatch_size=32, epochs=1, tis_cap=2.0),
+                 generation=RolloutConfig(num_samples=4, max_new_tokens=6, temperature=0.8))
     path = str(tiny_model)
     rl = RLRound(cfg, RoundSetup(policy_path=path, reference_path=path, reward_path=str(tmp_path / "rm"),
                                  prompts=prompts, dtype="float32", torch_threads=1, max_model_len=80, seed=0))
@@ -380,7 +381,8 @@ def test_async_rollouts_score_the_next_step_ahead(ray_local, tiny_model, tokeniz
             assert r.token_versions == sorted(r.token_versions) and set(r.token_versions) <= {0, 1}
         batch = {k: getattr(exp, k) for k in ("input_ids", "attention_mask", "response_index", "action_mask",
                                               "prompt_index")}
-        direct_ref = rl.models.ref_logprobs(batch)
+        direct_ref = rl.models.ref_logprobs(batch, 0.8)  # at the sampler's temperature, as the ahead ones are
+        assert not torch.allclose(direct_ref * exp.action_mask, rl.models.ref_logprobs(batch, 1.0) * exp.action_mask)
         torch.testing.assert_close(exp.ref_logprobs * exp.action_mask, direct_ref * exp.action_mask,
                                    rtol=0, atol=1e-6)
         torch.testing.assert_close(exp.task_rewards, rl.models.model_rewards(batch), rtol=0, atol=1e-6)
