@@ -16,7 +16,8 @@ place and the stages that read it (and everything downstream) get new keys.
   time; a remote directory combines its files'.
 - anything else (a hub model id, a `datasets` hub name): the name itself,
   as `name:<value>`: a new upload under the same name (a hub model's next
-  revision) is not seen.
+  revision) is not seen; `model.revision` pins the base model (it is in the
+  stage's config, so in its key).
 """
 
 from __future__ import annotations

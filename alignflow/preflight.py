@@ -16,6 +16,7 @@ import json
 import os
 import sys
 import urllib.error
+import urllib.parse
 import urllib.request
 import uuid
 from pathlib import Path
@@ -80,7 +81,7 @@ def _model(cfg: PipelineConfig, found: Findings) -> int | None:
     """The base model's positions (None when it cannot be loaded)."""
     if cfg.model.base == "tiny":
         return cfg.model.tiny.max_position_embeddings
-    return _model_at("model.base", cfg.model.base, found)
+    return _model_at("model.base", cfg.model.base, found, cfg.model.revision)
 
 
 def _named_models(cfg: PipelineConfig, found: Findings, base: int | None) -> None:
@@ -101,10 +102,14 @@ def _named_models(cfg: PipelineConfig, found: Findings, base: int | None) -> Non
         _model_at("distill.teacher", cfg.distill.teacher, found)
 
 
-def _model_at(field: str, base: str, found: Findings) -> int | None:
-    """The positions of the model a field names (a directory, or a hub id); None when it cannot be loaded."""
+def _model_at(field: str, base: str, found: Findings, revision: str | None = None) -> int | None:
+    """The positions of the model a field names (a directory, or a hub id at `revision`); None when it cannot
+    be loaded."""
     path = local_path(base) if is_local_uri(base) else None  # as tasks/base_model.py: a directory, or a hub id
     local = path is not None and (path.exists() or base.startswith(("/", ".", "~", "file://")))
+    if local and revision is not None:
+        return found.fail("model.revision", f"{revision!r} names a hub model's branch, tag or commit, but "
+                          f"{field} {base} is a local directory")
     try:
         if local:
             problem = (f"{base} does not exist (a local model directory, or a hub id where a hub is reachable)"
@@ -118,37 +123,40 @@ def _model_at(field: str, base: str, found: Findings) -> int | None:
             config = AutoConfig.from_pretrained(str(path))
             AutoTokenizer.from_pretrained(str(path))
         else:
-            config = _hub_config(base)
+            config = _hub_config(base, revision)
     except Exception as err:  # noqa: BLE001  (whatever transformers raises, the user fixes the field)
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
         what = ("its config or tokenizer does not load" if local else
-                f"is no local directory{f' (none at {path})' if path else ''} and does not load as a hub id")
+                f"is no local directory{f' (none at {path})' if path else ''} and does not load as a hub id"
+                f"{f' at revision {revision!r}' if revision else ''}")
         return found.fail(field, f"{base} {what}: {first}")
     found.ok()
     names = ("max_position_embeddings", "n_positions", "max_sequence_length")  # as engines/models.py
     return next((int(getattr(config, n)) for n in names if getattr(config, n, None)), None)
 
 
-def _hub_config(base: str):
-    """A hub id's config: from the local cache, else from a hub that answers within seconds (transformers
-    alone retries an unreachable hub for ~30 s)."""
+def _hub_config(base: str, revision: str | None = None):
+    """A hub id's config at `revision`: from the local cache, else from a hub that answers within seconds
+    (transformers alone retries an unreachable hub for ~30 s)."""
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(base, local_files_only=True)
+        return AutoConfig.from_pretrained(base, local_files_only=True, revision=revision)
     except OSError:
         if os.environ.get("HF_HUB_OFFLINE", "0").lower() not in ("0", "false", "no", "off", ""):
             raise OSError("not in the local cache, and HF_HUB_OFFLINE is set") from None
     hub = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
     headers = {"Authorization": f"Bearer {os.environ['HF_TOKEN']}"} if os.environ.get("HF_TOKEN") else {}
-    request = urllib.request.Request(f"{hub}/api/models/{base}", headers=headers)
+    at = f"/revision/{urllib.parse.quote(revision, safe='')}" if revision else ""
+    request = urllib.request.Request(f"{hub}/api/models/{base}{at}", headers=headers)
     try:
         urllib.request.urlopen(request, timeout=5).close()
     except urllib.error.HTTPError as err:
-        raise OSError(f"{hub} has no model {base} (HTTP {err.code}; a gated or private one needs HF_TOKEN)") from None
+        raise OSError(f"{hub} has no model {base}{f' at revision {revision}' if revision else ''} (HTTP {err.code}; "
+                      "a gated or private one needs HF_TOKEN)") from None
     except OSError as err:
         raise OSError(f"the hub {hub} cannot be reached ({getattr(err, 'reason', err)})") from None
-    return AutoConfig.from_pretrained(base)
+    return AutoConfig.from_pretrained(base, revision=revision)
 
 
 def _lengths(cfg: PipelineConfig, positions: int, found: Findings) -> None:

@@ -137,17 +137,17 @@ def save_pretrained(model: PreTrainedModel, tokenizer, out_dir: str | Path) -> P
     return out_dir
 
 
-def load_tokenizer(path: str | Path):
-    tok = AutoTokenizer.from_pretrained(str(path))
+def load_tokenizer(path: str | Path, revision: str | None = None):
+    tok = AutoTokenizer.from_pretrained(str(path), revision=revision)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     tok.padding_side = "right"
     return tok
 
 
-def max_positions(path: str | Path) -> int:
+def max_positions(path: str | Path, revision: str | None = None) -> int:
     """How many token positions the model at `path` takes (its config's max_position_embeddings)."""
-    cfg = AutoConfig.from_pretrained(str(path))
+    cfg = AutoConfig.from_pretrained(str(path), revision=revision)
     for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
         if getattr(cfg, name, None):
             return int(getattr(cfg, name))
@@ -189,8 +189,11 @@ def disable_dropout(model: torch.nn.Module) -> None:
                 setattr(module, name, 0.0)
 
 
-def load_policy(path: str | Path, dtype: str = "float32", attn: str = "sdpa") -> PreTrainedModel:
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype], attn_implementation=_attention(attn))
+def load_policy(path: str | Path, dtype: str = "float32", attn: str = "sdpa", revision: str | None = None,
+                ) -> PreTrainedModel:
+    """A causal LM from a directory or a hub id (at `revision`: a hub id's branch, tag or commit)."""
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype], attn_implementation=_attention(attn),
+                                                revision=revision)
 
 
 @contextlib.contextmanager

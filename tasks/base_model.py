@@ -24,8 +24,9 @@ def base_model(stage: PlannedStage, inputs: NoInputs, ctx: RunContext) -> StageR
             models.build_tiny_model(model.tiny, cfg.seed, out, corpus)
         elif Path(model.base).is_dir():
             shutil.copytree(model.base, out, dirs_exist_ok=True)
-        else:  # a hub id, where a hub is reachable
-            models.save_pretrained(models.load_policy(model.base, model.dtype), models.load_tokenizer(model.base), out)
+        else:  # a hub id, where a hub is reachable (or its cache holds it), at model.revision
+            models.save_pretrained(models.load_policy(model.base, model.dtype, revision=model.revision),
+                                   models.load_tokenizer(model.base, model.revision), out)
         n_params = sum(p.numel() for p in models.load_policy(out).parameters())
         metrics = {"model/parameters": float(n_params)}
         run.log_metrics(metrics)

@@ -164,7 +164,8 @@ def plan_pipeline(cfg: PipelineConfig) -> Plan:
 
     def user_model(name: str, field: str, path: str) -> str:
         """A model the config names by path (a teacher, a judge), committed by a base_model stage of its own."""
-        return b.add(name, "base_model", r.BaseModelStage(model=cfg.model.model_copy(update={"base": path}),
+        return b.add(name, "base_model", r.BaseModelStage(model=cfg.model.model_copy(update={"base": path,
+                                                                                             "revision": None}),
                                                           seed=seed(name)), external={field: prints.of(path)})
 
     policies = {"base": base, **({"sft": reference} if reference != base else {})}  # label -> stage

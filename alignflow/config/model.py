@@ -35,6 +35,9 @@ class ModelConfig(Section):
     """The base policy; its initialisation seed derives from the pipeline seed."""
 
     base: str = Field("tiny", description="tiny: build the tiny model below; else an HF model directory or hub id")
+    revision: str | None = Field(
+        None, description="a hub id's branch, tag or commit (None: its default branch). Pin a commit to "
+        "reproduce a run: an unpinned hub id is keyed by its name, so a new upload under it is not seen")
     tiny: TinyModelConfig = Field(TinyModelConfig(), description="shape of the tiny model (base: tiny)")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="weights of every model; DeepSpeed keeps fp32 master weights and optimizer "
@@ -42,6 +45,12 @@ class ModelConfig(Section):
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field(
         "sdpa", description="transformers attention kernel of every trained and scoring model "
         "(flash_attention_2 needs the flash-attn package, a GPU and dtype bfloat16 or float16)")
+
+    @model_validator(mode="after")
+    def _revision_of_a_hub_id(self) -> ModelConfig:
+        if self.revision is not None and self.base == "tiny":
+            raise ValueError("revision names a hub model's branch, tag or commit; the tiny model is built here")
+        return self
 
     @model_validator(mode="after")
     def _flash_attention_dtype(self) -> ModelConfig:

@@ -507,3 +507,68 @@ def test_cli_reports_preflight_problems_before_prefect_starts(command, tmp_path,
     assert proc.stdout == "" if command == "validate" else "data.sft.path" not in proc.stdout
     if command == "run":
         assert re.search(r"^  data +data +model=base_model +[0-9a-f]{20}  will run", proc.stdout, re.M), proc.stdout
+
+
+def _hub_cache(cache: Path) -> dict[str, str]:
+    """A hub cache as huggingface_hub lays it out, holding `alignflow/tiny` at two commits: main (the tiny
+    model of seed 0, 128 positions) and the branch v2 (seed 1, 256 positions). Name -> commit."""
+    from alignflow.config import TinyModelConfig
+    from engines.models import build_tiny_model
+
+    repo = cache / "models--alignflow--tiny"
+    commits = {"main": "a" * 40, "v2": "b" * 40}
+    for (branch, commit), (seed, positions) in zip(commits.items(), ((0, 128), (1, 256))):
+        build_tiny_model(TinyModelConfig(max_position_embeddings=positions), seed, repo / "snapshots" / commit)
+        (repo / "refs").mkdir(parents=True, exist_ok=True)
+        (repo / "refs" / branch).write_text(commit)
+    return commits
+
+
+def test_a_hub_models_revision_is_what_preflight_reads_and_the_loaders_load(tmp_path):
+    """model.revision: a hub id's branch, tag or commit, read by preflight and loaded by the base model stage,
+    from a hub cache here (HF_HUB_OFFLINE: huggingface_hub reads both at import, so in a process of its own)."""
+    import os
+
+    commits = _hub_cache(tmp_path / "hub")
+    code = """
+import json, sys, torch
+from alignflow.config import load_config
+from alignflow.preflight import preflight
+from engines import models
+out = {}
+for rev in (None, "v2", "%s", "nope"):
+    args = ["model.base=alignflow/tiny", "infra.storage.root=%s"] + ([f"model.revision={rev}"] if rev else [])
+    found = preflight(load_config(None, args), args)
+    out[str(rev)] = [p for p in found.problems if p.startswith("model.")]
+    if not out[str(rev)]:
+        out[str(rev) + "/positions"] = models.max_positions("alignflow/tiny", rev)
+        policy = models.load_policy("alignflow/tiny", revision=rev)
+        out[str(rev) + "/weights"] = policy.get_input_embeddings().weight.sum().item()
+        out[str(rev) + "/vocab"] = len(models.load_tokenizer("alignflow/tiny", rev))
+print(json.dumps(out))
+""" % (commits["v2"], tmp_path / "store")
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    res = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["None/positions"] == 128 and out["v2/positions"] == out[f"{commits['v2']}/positions"] == 256
+    assert out["v2/weights"] == out[f"{commits['v2']}/weights"] != out["None/weights"]  # seed 1's, not main's
+    assert out["None/vocab"] == out["v2/vocab"] > 256  # the tokenizer loads at the revision too
+    assert out["None"] == out["v2"] == []
+    [problem] = out["nope"]
+    assert problem.startswith("model.base: alignflow/tiny is no local directory") and \
+        "does not load as a hub id at revision 'nope': not in the local cache, and HF_HUB_OFFLINE is set" in problem
+
+
+def test_a_revision_of_a_local_directory_or_the_tiny_model_is_refused(tmp_path):
+    from pydantic import ValidationError
+
+    from alignflow.config import ModelConfig
+
+    with pytest.raises(ValidationError, match="revision names a hub model's branch, tag or commit"):
+        ModelConfig(base="tiny", revision="main")
+    (tmp_path / "m").mkdir()
+    assert problems(None, f"model.base={tmp_path / 'm'}", "model.revision=v2", f"infra.storage.root={tmp_path}") == [
+        f"model.revision: 'v2' names a hub model's branch, tag or commit, but model.base {tmp_path / 'm'} is a local "
+        "directory (from the command line: model.revision=v2)"]

@@ -82,6 +82,20 @@ def test_a_model_directory_is_keyed_by_its_files(tmp_path, files):
     assert {n for n in before if before[n] != after[n]} == set(before)
 
 
+def test_a_hub_models_revision_is_in_every_key_and_not_passed_to_a_teacher(tmp_path, files):
+    """A hub id is keyed by its name (nothing is fetched to plan): pinning model.revision changes the base model's
+    key and every one after it. A teacher named by hub id is a base_model stage of its own, at its own default
+    revision, not the base model's."""
+    teacher = 'rounds=[{}, {"algorithm": "distill", "teacher": "org/teacher", "reward": {"source": "rule"}}]'
+    pinned = _plan(files, tmp_path, "model.base=org/model", "model.revision=" + "c" * 40, teacher)
+    unpinned = _plan(files, tmp_path, "model.base=org/model", teacher)
+    assert pinned.stages["base_model"].config.model.revision == "c" * 40
+    assert {n for n, s in pinned.stages.items() if s.key != unpinned.stages[n].key} == \
+        set(pinned.stages) - {"teacher_2"}
+    [teacher_stage] = [s for n, s in pinned.stages.items() if s.kind == "base_model" and n != "base_model"]
+    assert teacher_stage.config.model.base == "org/teacher" and teacher_stage.config.model.revision is None
+
+
 def test_a_rule_reward_is_keyed_by_its_module_source(tmp_path, files, monkeypatch):
     pkg = tmp_path / "rules"
     pkg.mkdir()
