@@ -248,10 +248,9 @@ def save_adapter(module: torch.nn.Module, zero_stage: int, directory: str | Path
 
 def load_weights(module: torch.nn.Module, zero_stage: int, directory: str, rank: int = 0) -> None:
     """A full model's weights from `directory`/model.safetensors into `module`. Tied output embeddings are
-    saved once; any other name missing or unexpected is an error. Under ZeRO-3 one weight at a time: gathered
-    on every rank, read from the file and set by rank 0, handed back to each rank's partition at the gather's
-    end; no GPU holds the whole model, and no other rank reads the weights (below stage 3 each rank reads its
-    own full copy)."""
+    saved once; any other name missing or unexpected is an error. Under ZeRO-3 one weight at a time, gathered
+    on every rank and set by rank 0 alone from the file: no GPU holds the whole model (below stage 3 each rank
+    reads its own full copy)."""
     from safetensors import safe_open
 
     state = module.state_dict(keep_vars=True)
