@@ -165,12 +165,27 @@ def attention_kind(model) -> str:
     raise ValueError(f"packing: attention implementation {impl!r} is not supported (flash_attention_2/3, sdpa, eager)")
 
 
-def block_causal_mask(sample_index: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+def sliding_window(config) -> tuple[int | None, bool]:
+    """(the window of a model's sliding-window attention layers, whether every layer slides); (None, False)
+    where none slides. `layer_types` names each layer's kind where the model mixes them (Gemma 2/3); a model
+    without it that sets `sliding_window` slides in every layer (Mistral, Phi-3)."""
+    window, types = getattr(config, "sliding_window", None), getattr(config, "layer_types", None)
+    if not window or (types is not None and "sliding_attention" not in types):
+        return None, False
+    return int(window), types is None or set(types) == {"sliding_attention"}
+
+
+def block_causal_mask(sample_index: Tensor, dtype: torch.dtype | None = None, *, position_ids: Tensor | None = None,
+                      window: int | None = None) -> Tensor:
     """(P, 1, W, W): query i may attend key j iff j <= i and both lie in the same sample (or both in
-    the row's padding tail). Boolean (True: attend) when `dtype` is None, else additive 0 / min."""
+    the row's padding tail), and with a `window`, j lies within the last `window` positions of i
+    (transformers' rule: pos_i - pos_j < window). Boolean (True: attend) when `dtype` is None, else
+    additive 0 / min."""
     w = sample_index.shape[1]
     causal = torch.ones(w, w, dtype=torch.bool, device=sample_index.device).tril()
     allowed = (sample_index.unsqueeze(2) == sample_index.unsqueeze(1)) & causal
+    if window is not None:
+        allowed &= (position_ids.unsqueeze(2) - position_ids.unsqueeze(1)) < window
     allowed = allowed.unsqueeze(1)
     if dtype is None:
         return allowed
@@ -198,10 +213,20 @@ def varlen_kwargs(sample_index: Tensor) -> dict:
 
 def model_inputs(model, packed: dict[str, Tensor]) -> dict:
     """The keyword arguments of a packed forward: input_ids and position_ids, plus the 4-D mask
-    (sdpa, eager) or the varlen arguments (flash attention)."""
+    (sdpa, eager) or the varlen arguments (flash attention, whose layers apply their own window).
+    transformers takes a 4-D mask as it is, in sliding-window layers too: those get the mask with the
+    window (`sliding_window`), by layer kind where the model mixes them."""
     kind = attention_kind(model)
     inputs = {"input_ids": packed["input_ids"], "position_ids": packed["position_ids"]}
     if kind == "varlen":
         return inputs | varlen_kwargs(packed["sample_index"])
-    dtype = None if kind == "sdpa" else getattr(model, "module", model).dtype
-    return inputs | {"attention_mask": block_causal_mask(packed["sample_index"], dtype)}
+    module = getattr(model, "module", model)
+    dtype = None if kind == "sdpa" else module.dtype
+    config = module.config.get_text_config() if hasattr(module.config, "get_text_config") else module.config
+    window, everywhere = sliding_window(config)
+    block = block_causal_mask(packed["sample_index"], dtype)
+    if window is None:
+        return inputs | {"attention_mask": block}
+    windowed = block_causal_mask(packed["sample_index"], dtype, position_ids=packed["position_ids"], window=window)
+    return inputs | {"attention_mask": windowed if everywhere else
+                     {"full_attention": block, "sliding_attention": windowed}}

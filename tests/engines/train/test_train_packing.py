@@ -158,6 +158,34 @@ def test_packed_token_and_sequence_logps_equal_unpacked(policy, tokenizer):
     assert expected.std() > 1.0  # the samples differ: a permuted result would not pass
 
 
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("family", ["mistral", "gemma2"])
+def test_packing_keeps_a_sliding_window_models_window(family, attn, tokenizer):
+    """transformers takes a 4-D mask as given, in sliding-window layers too: a packed forward of a model whose
+    every layer slides (Mistral) or some do (Gemma 2) gets the window in its mask, so each sample longer than
+    the window is computed as unpacked (a window of 4 here, samples of 6..40 tokens)."""
+    import transformers
+
+    from engines.train.logits import masked_next_token_logprobs, scatter
+    from engines.train.packed_objectives import packed_token_logprobs
+
+    common = dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64, sliding_window=4,
+                  attn_implementation=attn)
+    config, cls = {"mistral": (transformers.MistralConfig(**common), transformers.MistralForCausalLM),
+                   "gemma2": (transformers.Gemma2Config(head_dim=16, **common), transformers.Gemma2ForCausalLM)}[family]
+    torch.manual_seed(0)
+    model = cls(config).eval()
+    batch = _batch(tokenizer, n=8, seed=2)
+    with torch.no_grad():
+        per_token = masked_next_token_logprobs(model, batch, batch["loss_mask"])
+        logprobs, sample, position = packed_token_logprobs(model, pack_batch(batch, 2 * batch["input_ids"].shape[1])[0])
+        full = model_inputs(model, pack_batch(batch, 2 * batch["input_ids"].shape[1])[0])
+    unpacked = scatter(logprobs, sample, position - 1, tuple(per_token.shape))
+    assert (unpacked - per_token).abs().max().item() < 1e-5
+    assert isinstance(full["attention_mask"], dict) == (family == "gemma2")  # a mask by layer kind where mixed
+
+
 def test_packed_reward_scores_equal_unpacked(reward_model, tokenizer):
     from engines.train.objectives import pairwise_objective, scalar_scores
     from engines.train.packed_objectives import packed_pairwise_objective, packed_scalar_scores
