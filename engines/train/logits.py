@@ -114,7 +114,7 @@ def final_hidden(model, batch: dict[str, Tensor]) -> Tensor:
     the last position only where the model supports it (otherwise on all, and is discarded)."""
     keep = keep_last_logits(model)
     out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_hidden_states=True,
-                **keep)
+                use_cache=False, **keep)  # a model's config may keep a KV cache of the forward: none wanted
     return out.hidden_states[-1]
 
 

@@ -104,7 +104,8 @@ def scalar_scores(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     in-process evaluation all call it."""
     head = getattr(unwrap(model), "score", None)
     if head is None:
-        return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.squeeze(-1).float()
+        return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                     use_cache=False).logits.squeeze(-1).float()
     hidden = final_hidden(model, batch)
     mask = batch["attention_mask"]
     last = (torch.arange(mask.shape[1], device=mask.device) * mask).argmax(-1)
@@ -147,7 +148,8 @@ def token_values(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     its head on the final hidden state of every token. The forward goes
     through the (DeepSpeed) engine, whose hooks ZeRO's backward relies on.
     """
-    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_hidden_states=True)
+    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_hidden_states=True,
+                use_cache=False)
     values = unwrap(model).score(out.hidden_states[-1]).squeeze(-1).float()[:, :-1]
     return _response(values, batch)
 

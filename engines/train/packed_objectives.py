@@ -30,7 +30,7 @@ def packed_hidden(model, packed: dict[str, Tensor]) -> Tensor:
     """The last layer's (normed) hidden states of a packed batch: (P, W, H). The causal LM's output
     layer runs on one position only where the model supports it."""
     keep = keep_last_logits(model)
-    out = model(**model_inputs(model, packed), output_hidden_states=True, **keep)
+    out = model(**model_inputs(model, packed), output_hidden_states=True, use_cache=False, **keep)
     return out.hidden_states[-1]
 
 

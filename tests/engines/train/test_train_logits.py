@@ -225,3 +225,20 @@ def test_log_probs_follow_what_the_model_does_to_its_logits_after_the_output_lay
         own = model(**inputs).logits.float()
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     assert (torch.log_softmax(bare, -1) - torch.log_softmax(own, -1)).abs().max() > 1e-2
+
+
+def test_a_scoring_forward_keeps_no_kv_cache(model, batch):
+    """A model's config asks for a KV cache by default (use_cache), which nothing here reads: under no_grad
+    (reference, old log-probs) it would be memory held beside the hidden states for the whole forward."""
+    from engines.train import logits as logits_mod
+
+    assert model.config.use_cache  # the default the forward must override
+    caches = []
+    handle = model.register_forward_hook(lambda m, args, kwargs, out: caches.append(out.past_key_values),
+                                         with_kwargs=True)
+    try:
+        with torch.no_grad():
+            logits_mod.final_hidden(model, batch)
+    finally:
+        handle.remove()
+    assert caches == [None]
