@@ -159,6 +159,41 @@ class PipelineConfig(Section):
     evaluation: EvalConfig | None = Field(EvalConfig(), description="held-out evaluation; null: none")
     infra: InfraConfig = Field(InfraConfig(), description="where the pipeline runs and reports")
 
+    def hf_placements(self) -> dict[str, Placement]:
+        """Where the pipeline runs transformers models, by field: trainers, scorers (reference, reward model,
+        teacher) and engines of the hf backend. vLLM engines run their own attention."""
+        out: dict[str, Placement] = {}
+        for name in ("sft", "reward_model", "preference", "distill", "judge"):
+            section = getattr(self, name)
+            if section is not None and (name != "reward_model" or self.trains_reward_model):
+                out[f"{name}.placement"] = section.placement
+        if self.preference is not None:
+            out["preference.reference_placement"] = self.preference.reference_placement
+        for i, r in enumerate(self.rounds):
+            out[f"rounds.{i}.actor.placement"] = r.actor.placement
+            if r.spec.critic:
+                out[f"rounds.{i}.critic.placement"] = r.critic.placement
+            if r.uses_reference or r.reward.uses_model:
+                out[f"rounds.{i}.scorer_placement"] = r.scorer_placement
+            engines = [("generation", r.generation)] + [("reward.judge.generation", r.reward.judge.generation)] * \
+                r.reward.uses_judge
+            out.update({f"rounds.{i}.{f}.placement": g.placement for f, g in engines if g.backend == "hf"})
+        if self.evaluation is not None:
+            out["evaluation.scorer_placement"] = self.evaluation.scorer_placement
+            if self.evaluation.generation.backend == "hf":
+                out["evaluation.generation.placement"] = self.evaluation.generation.placement
+        return out
+
+    @model_validator(mode="after")
+    def _flash_attention_on_gpus(self) -> PipelineConfig:
+        if self.model.attn_implementation != "flash_attention_2":
+            return self
+        cpu = [field for field, p in self.hf_placements().items() if p.num_gpus <= 0]
+        if cpu:
+            raise ValueError(f"model.attn_implementation: flash_attention_2 runs on GPUs only, and these place a "
+                             f"model on the CPU (num_gpus: 0): {', '.join(cpu)}; give them a GPU, or use sdpa")
+        return self
+
     @property
     def trains_reward_model(self) -> bool:
         return self.reward_model is not None and (

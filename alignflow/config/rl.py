@@ -135,6 +135,14 @@ class RoundConfig(Section):
         return new if self.environment is None else self.environment.episode_tokens(new)
 
     @property
+    def uses_reference(self) -> bool:
+        """The spec has a reference and its update reads it (online DPO), or a KL term needs it (a coefficient
+        > 0, or the adaptive controller, which may raise one from 0), or a teacher sits where it would.
+        Otherwise no reference model is started or run."""
+        s = self.spec
+        return s.teacher or (s.reference and (s.reference_in_update or self.kl.coef > 0 or self.kl.adaptive))
+
+    @property
     def needs_reward_model(self) -> bool:
         """Scores with the reward model, or starts its critic from it."""
         return self.reward.uses_model or (self.spec.critic and self.critic.init == "reward_model")

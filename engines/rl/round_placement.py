@@ -16,12 +16,8 @@ RoundSetupLike = Any  # engines/rl/round_models.py RoundSetup (its policy_path a
 
 
 def uses_reference(cfg: RoundConfig) -> bool:
-    """The spec has a reference and its update reads it (online DPO), or a KL term needs it (a coefficient
-    > 0, or the adaptive controller, which may raise one from 0). Otherwise no reference model is started
-    or run."""
-    if cfg.spec.teacher:  # the teacher sits where the reference would
-        return True
-    return cfg.spec.reference and (cfg.spec.reference_in_update or cfg.kl.coef > 0 or cfg.kl.adaptive)
+    """`RoundConfig.uses_reference`: whether the round starts and runs a reference (or a teacher)."""
+    return cfg.uses_reference
 
 
 def reference_is_actor(cfg: RoundConfig, setup: RoundSetupLike | None) -> bool:

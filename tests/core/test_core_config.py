@@ -646,6 +646,12 @@ def test_a_tensor_parallel_evaluation_engine_cannot_live_for_the_run():
         (["rounds.0.generation.placement.num_gpus=1.5"], "rounds.0.generation.placement.num_gpus",
          "an actor uses one GPU"),
         (["sft.placement.num_gpus=0.5", "sft.num_workers=2"], "sft", "NCCL refuses such a group"),
+        # flash-attn's kernels run on CUDA tensors only: a model the evaluation scores on the CPU would fail
+        # there, after every stage before it
+        (["model.attn_implementation=flash_attention_2", "model.dtype=bfloat16", "evaluation.scorer_placement.num_gpus=0"],
+         "(num_gpus: 0): evaluation.scorer_placement;", "flash_attention_2 runs on GPUs only"),
+        (["model.attn_implementation=flash_attention_2", "model.dtype=bfloat16", "rounds.1.generation.backend=hf",
+          "rounds.1.generation.placement.num_gpus=0"], "rounds.1.generation.placement;", "runs on GPUs only"),
     ],
 )
 def test_gpu_placements_nccl_or_the_kernels_would_refuse(overrides, field, says):
@@ -657,6 +663,9 @@ def test_gpu_placements_nccl_or_the_kernels_would_refuse(overrides, field, says)
     # the neighbours of each refused value stay valid
     load_config(gpu_small, ["model.attn_implementation=flash_attention_2", "model.dtype=bfloat16",
                             "sft.placement.num_gpus=0.5", "sft.num_workers=1", "reward_model.num_workers=2"])
+    # vLLM engines run their own attention: on the CPU beside flash-attn models they are no problem
+    load_config(gpu_small, ["model.attn_implementation=flash_attention_2", "model.dtype=bfloat16",
+                            "rounds.1.generation.placement.num_gpus=0", "rounds.1.generation.vllm.gpu_memory_utilization=0.9"])
 
 
 def test_colocated_vllm_on_gpus_needs_its_memory_share_set(tmp_path):
