@@ -36,7 +36,7 @@ from alignflow.config import RoundConfig
 from alignflow.seeds import derive_seed
 from engines.placement.groups import wait_placement_group
 from engines.rl.round_placement import (check_resources, colocated_bundles, engines_share_a_gpu, gpu_share,
-                                       reference_is_actor, uses_reference)
+                                       reference_is_actor)
 from engines.rl.scoring import start_scorer
 from engines.rollout.actors import RolloutEngines, start_engines
 from engines.rollout.base import PendingRollouts, Rollout, Sampling
@@ -241,7 +241,7 @@ def start_round_models(cfg: RoundConfig, setup: RoundSetup, updates_per_step: in
                       micro_batch_tokens=cfg.actor.micro_batch_tokens, cpu_cores=p.cpu_cores,
                       attn_implementation=setup.attn_implementation, **place)
         models.reference_from_actor = reference_is_actor(cfg, setup)
-        reference = setup.reference_path if uses_reference(cfg) and not models.reference_from_actor else None
+        reference = setup.reference_path if cfg.uses_reference and not models.reference_from_actor else None
         reward = setup.reward_path if cfg.reward.uses_model else None
         if cfg.colocate_reference_and_reward and reference and reward:
             models.reference = models.rewarder = start_scorer(reference, reward, **common)

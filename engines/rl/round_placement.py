@@ -15,23 +15,18 @@ RoundSetupLike = Any  # engines/rl/round_models.py RoundSetup (its policy_path a
 # as round_models imports this module
 
 
-def uses_reference(cfg: RoundConfig) -> bool:
-    """`RoundConfig.uses_reference`: whether the round starts and runs a reference (or a teacher)."""
-    return cfg.uses_reference
-
-
 def reference_is_actor(cfg: RoundConfig, setup: RoundSetupLike | None) -> bool:
     """With LoRA on the actor and a round that starts from its reference (the first round after SFT or the
     preference stage), the reference is the actor's frozen base with its adapters disabled, not a second
     copy in a scorer. Later rounds start elsewhere and keep a reference scorer. Without a setup (sizing a
     round before its inputs exist) a scorer is counted."""
-    return (setup is not None and uses_reference(cfg) and cfg.actor.lora is not None
+    return (setup is not None and cfg.uses_reference and cfg.actor.lora is not None
             and setup.reference_path == setup.policy_path)
 
 
 def _scorers(cfg: RoundConfig, setup: RoundSetupLike | None = None) -> int:
     """How many scorer actors the round starts: reference and/or reward model, shared when colocated."""
-    wanted = int(uses_reference(cfg) and not reference_is_actor(cfg, setup)) + int(cfg.reward.uses_model)
+    wanted = int(cfg.uses_reference and not reference_is_actor(cfg, setup)) + int(cfg.reward.uses_model)
     return min(wanted, 1) if cfg.colocate_reference_and_reward else wanted
 
 

@@ -506,7 +506,7 @@ def test_a_colocated_vllm_round_sleeps_and_wakes_in_order_and_serves_each_update
 
 def test_round_resources_count_every_actor():
     from alignflow.config import ActorConfig, KLConfig, Placement, RewardConfig, RolloutConfig
-    from engines.rl.round_placement import round_resources, uses_reference
+    from engines.rl.round_placement import round_resources
 
     kl = KLConfig(coef=0.05)
     cfg = _round("ppo", num_rollout_engines=3, colocate_reference_and_reward=False, kl=kl,
@@ -521,9 +521,9 @@ def test_round_resources_count_every_actor():
     # rejection sampling with a rule: no critic, no scorer at all
     assert round_resources(_round("rejection_sampling")) == {"CPU": 1 + 1, "GPU": 0.0}
     # no KL term (coefficient 0, fixed): the reference is neither started nor run
-    assert uses_reference(grpo) and not uses_reference(_round("grpo", kl=KLConfig(coef=0.0)))
+    assert grpo.uses_reference and not _round("grpo", kl=KLConfig(coef=0.0)).uses_reference
     assert round_resources(_round("grpo", kl=KLConfig(coef=0.0))) == {"CPU": 1 + 1, "GPU": 0.0}
-    assert uses_reference(_round("ppo", kl=KLConfig(coef=0.0, adaptive=True)))  # the controller may raise it
+    assert _round("ppo", kl=KLConfig(coef=0.0, adaptive=True)).uses_reference  # the controller may raise it
 
 
 def test_custom_resources_pin_actors_and_are_counted():
