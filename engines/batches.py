@@ -181,16 +181,35 @@ def micro_batch_rows(n_rows: int, width: int, size: int | None, tokens: int | No
 
 
 def micro_batches(batch: dict[str, torch.Tensor], size: int | None, *, tokens: int | None = None,
-                  paired: bool = False) -> list[dict[str, torch.Tensor]]:
+                  paired: bool = False, trim: bool = False) -> list[dict[str, torch.Tensor]]:
     """A worker's share cut into micro-batches of `micro_batch_rows` rows (pairs when `paired`: the
     chosen and rejected halves are cut alike, so each micro-batch is again [chosen..., rejected...]).
-    A share that fits is the share itself. The last micro-batch may be smaller."""
+    A share that fits is the share itself. The last micro-batch may be smaller. `trim` (training, whose
+    micro-batches are never joined again): each cut to its own longest row (`trimmed`)."""
     n = batch["input_ids"].shape[0] // (2 if paired else 1)
     per = micro_batch_rows(n, batch["input_ids"].shape[1], size, tokens, paired=paired)
-    if n <= per:
-        return [batch]
-    parts = [torch.arange(i, min(i + per, n)) for i in range(0, n, per)]
-    return [split_pairs(batch, idx, n) if paired else take(batch, idx) for idx in parts]
+    parts = [batch] if n <= per else [split_pairs(batch, idx, n) if paired else take(batch, idx)
+                                      for idx in (torch.arange(i, min(i + per, n)) for i in range(0, n, per))]
+    return [trimmed(p) for p in parts] if trim else parts
+
+
+# Tensors laid out along a sequence's positions, by how much shorter than input_ids' width (the next-token
+# layout: one). A batch holding another tensor of two or more dimensions is left as it is.
+_POSITIONAL = {"input_ids": 0, "attention_mask": 0, "loss_mask": 0, "teacher_ids": 1, "teacher_logprobs": 1}
+
+
+def trimmed(batch: dict[str, Any]) -> dict[str, Any]:
+    """A right-padded supervised, pair or offline-distillation batch without the padding columns all its rows
+    share: its data is padded to the longest row of a whole split, so one long row would make every forward
+    run at its width. The objectives do not depend on the padding, only the work does."""
+    wide = {k for k, v in batch.items() if isinstance(v, torch.Tensor) and v.dim() >= 2}
+    if "attention_mask" not in batch or not wide <= _POSITIONAL.keys():
+        return batch
+    mask = batch["attention_mask"]
+    width = int((mask * torch.arange(1, mask.shape[1] + 1)).max()) if mask.numel() else 0
+    if width >= mask.shape[1]:
+        return batch
+    return {k: v[:, : width - _POSITIONAL[k]] if k in wide else v for k, v in batch.items()}
 
 
 def in_micro_batches(batch: dict[str, Any], size: int | None, fn, *, tokens: int | None = None) -> Any:

@@ -65,7 +65,7 @@ class TrainerGroup:
         if len({tuple(s["input_ids"].shape) for s in shards}) > 1:  # else the ranks' micro-batch counts may differ
             raise ValueError(f"shards of one step must have one shape: {[tuple(s['input_ids'].shape) for s in shards]}")
         size, tokens = self.spec.micro_batch_size, self.spec.micro_batch_tokens
-        parts = [micro_batches(s, size, tokens=tokens, paired=paired) for s in shards]
+        parts = [micro_batches(s, size, tokens=tokens, paired=paired, trim=True) for s in shards]
         results = ray.get([w.train_step.remote(p, objective, scales)
                            for w, p, scales in zip(self.workers, parts, loss_scales(parts, weigh))])
         summarize = getattr(objective, "summarize", None)  # metrics of the whole step (KTO's reward margin)

@@ -306,3 +306,31 @@ def test_a_text_prompt_starts_with_bos_where_the_tokenizer_starts_texts_with_one
     assert render_prompt(llama_like, _chat("Hi")) == render_prompt(tokenizer, _chat("Hi"))  # the template's own
     batch, _ = sft_tensors(llama_like, RECORDS[1:2], max_prompt_tokens=64, max_response_tokens=64)
     assert batch["input_ids"][0, :len(plain) + 1].tolist() == [bos, *plain]
+
+
+def test_a_training_micro_batch_is_cut_to_its_longest_row(tiny_model, tokenizer):
+    """Supervised data is padded to the longest row of its split: a training micro-batch drops the padding
+    columns all its rows share (one long row no longer sets every forward's width), with its loss unchanged.
+    Pairs stay pairs; a batch with other sequence-shaped tensors (an RL batch) is left whole."""
+    from engines.batches import micro_batches, trimmed
+    from engines.models import load_policy
+    from engines.train.objectives import causal_lm_objective
+
+    records = [{"prompt": "Which digit is largest? " + "7 " * n, "response": "7"} for n in (30, 2, 3, 1)]
+    batch, _ = sft_tensors(tokenizer, records, max_prompt_tokens=128, max_response_tokens=8)
+    full = batch["input_ids"].shape[1]
+    parts = micro_batches(batch, 2, trim=True)
+    lengths = batch["attention_mask"].sum(1).tolist()
+    assert [p["input_ids"].shape[1] for p in parts] == [full, max(lengths[2:])] and max(lengths[2:]) < full
+    for p, rows in zip(parts, ([0, 1], [2, 3])):
+        width = p["input_ids"].shape[1]
+        assert p["attention_mask"].shape == p["loss_mask"].shape == (2, width)
+        assert torch.equal(p["input_ids"], batch["input_ids"][rows, :width])
+        assert p["attention_mask"][:, width:].numel() == 0 and batch["attention_mask"][rows, width:].sum() == 0
+    model = load_policy(tiny_model).eval()
+    with torch.no_grad():
+        untrimmed = micro_batches(batch, 2)[1]
+        assert torch.allclose(causal_lm_objective(model, parts[1])[0], causal_lm_objective(model, untrimmed)[0],
+                              atol=1e-6)
+    rl = {**untrimmed, "response_index": torch.zeros(2, 3, dtype=torch.long)}
+    assert trimmed(rl) is rl
