@@ -207,7 +207,7 @@ def trimmed(batch: dict[str, Any]) -> dict[str, Any]:
         return batch
     mask = batch["attention_mask"]
     width = int((mask * torch.arange(1, mask.shape[1] + 1)).max()) if mask.numel() else 0
-    if width >= mask.shape[1]:
+    if width == 0 or width >= mask.shape[1]:  # no attended position (no row): nothing to cut by
         return batch
     return {k: v[:, : width - _POSITIONAL[k]] if k in wide else v for k, v in batch.items()}
 

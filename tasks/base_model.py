@@ -6,6 +6,7 @@ import shutil
 from pathlib import Path
 
 from alignflow.data import agent_task
+from alignflow.errors import ConfigError
 from alignflow.records import StageResult
 from engines import models
 from tasks.context import RunContext, StageOutput, compute_stage
@@ -23,6 +24,9 @@ def base_model(stage: PlannedStage, inputs: NoInputs, ctx: RunContext) -> StageR
             corpus = agent_task.tokenizer_corpus() if model.tiny.corpus == "boxes" else None  # None: the default's
             models.build_tiny_model(model.tiny, cfg.seed, out, corpus)
         elif Path(model.base).is_dir():
+            if model.revision is not None:  # preflight says so first; a stage run alone checks here
+                raise ConfigError(f"model.revision {model.revision!r} names a hub model's branch, tag or commit, "
+                                  f"but model.base {model.base} is a local directory")
             shutil.copytree(model.base, out, dirs_exist_ok=True)
         else:  # a hub id, where a hub is reachable (or its cache holds it), at model.revision
             models.save_pretrained(models.load_policy(model.base, model.dtype, revision=model.revision),

@@ -43,9 +43,11 @@ def engine_host(plan: Plan, ctx: RunContext) -> Iterator[RunContext]:
 
     from engines.placement.devices import actor_options
     from engines.rollout.host import EngineHost
+    from engines.rollout.vllm_engine import compiling_env
 
     g, name = todo[0].config.evaluation.generation, host_name(ctx)
-    opts = actor_options(g.placement.num_cpus, g.placement.num_gpus, None, g.placement.resources)
+    opts = {**actor_options(g.placement.num_cpus, g.placement.num_gpus, None, g.placement.resources),
+            **compiling_env(g.placement.num_gpus > 0)}  # its tensor-parallel engines' workers compile too
     host = ray.remote(**opts)(EngineHost).options(name=name, namespace=NAMESPACE).remote(
         g.backend, torch_threads=ctx.infra.torch_threads, cpu_cores=g.placement.cpu_cores,
         on_gpu=g.placement.num_gpus > 0)

@@ -235,6 +235,11 @@ class RoundConfig(Section):
                              f"model path")
         if self.teacher and not self.spec.teacher:
             raise ValueError(f"teacher is read by algorithm distill; this round's algorithm is {self.algorithm}")
+        if self.spec.teacher and self.generation.top_p < 1:
+            raise ValueError(f"{self.algorithm} compares the engines' log-probs of the student's samples with the "
+                             f"teacher's at generation.temperature; with generation.top_p={self.generation.top_p} "
+                             "the engines' are of the renormalised nucleus, which shifts each token's pull by its "
+                             "own amount: sample with top_p 1")
         if any(c.source == "environment" for c in self.reward.components) and self.environment is None:
             raise ValueError("reward.source environment rewards episodes' returns: give the round an environment")
         buffer, longest = self.reward.overlong_buffer, self.max_response_tokens

@@ -747,3 +747,12 @@ def test_the_longest_response_is_an_episodes_where_a_round_has_an_environment():
         round_({"reward": {"overlong_buffer": 20}})
     with pytest.raises(ConfigError, match=r"environment.max_episode_tokens\) = 12"):
         round_({"reward": {"overlong_buffer": 13}, "environment": {**per_turn, "max_episode_tokens": 12}})
+
+
+def test_on_policy_distillation_refuses_nucleus_sampling():
+    """A distillation round takes the engines' log-probs as the student's; with top_p < 1 they are of the
+    renormalised nucleus, against the teacher's of the whole distribution: each token's pull shifted."""
+    with pytest.raises(ConfigError, match=r"generation.top_p=0.9 the engines' are of the renormalised nucleus"):
+        load_config(None, ['rounds=[{"algorithm": "distill", "teacher": "base", "reward": {"source": "rule"}, '
+                           '"generation": {"top_p": 0.9}}]'])
+    load_config(None, ['rounds=[{"algorithm": "grpo", "generation": {"top_p": 0.9}}]'])  # TIS's to weigh

@@ -334,3 +334,11 @@ def test_a_training_micro_batch_is_cut_to_its_longest_row(tiny_model, tokenizer)
                               atol=1e-6)
     rl = {**untrimmed, "response_index": torch.zeros(2, 3, dtype=torch.long)}
     assert trimmed(rl) is rl
+
+
+def test_a_micro_batch_without_an_attended_position_is_left_as_it_is():
+    from engines.batches import trimmed
+
+    empty = {"input_ids": torch.zeros(0, 4, dtype=torch.long), "attention_mask": torch.zeros(0, 4, dtype=torch.long),
+             "loss_mask": torch.zeros(0, 4), "teacher_ids": torch.zeros(0, 3, 2)}
+    assert trimmed(empty) is empty
