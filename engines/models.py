@@ -154,6 +154,12 @@ def max_positions(path: str | Path, revision: str | None = None) -> int:
     raise ValueError(f"{path}: the model config names no position limit (max_position_embeddings)")
 
 
+def text_config(module: torch.nn.Module):
+    """The config of a model's language part: its own, or a multimodal model's text config."""
+    config = module.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 def output_rows(path: str | Path) -> int:
     """The rows of the output layer of the model at `path` (its config's vocab_size), which may exceed
     its tokenizer's size (padded vocabularies: Qwen2.5-7B's 152064 against 0.5B's 151936)."""

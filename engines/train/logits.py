@@ -103,7 +103,9 @@ def output_head(module) -> torch.nn.Module:
     which the models apply after the layer (and vLLM does too). Called as a module, so ZeRO-3's hooks on the
     layer still gather it; the layer itself where the model has no such step."""
     linear = module.get_output_embeddings()
-    cfg = module.config.get_text_config() if hasattr(module.config, "get_text_config") else module.config
+    from engines.models import text_config
+
+    cfg = text_config(module)
     scale = 1.0 / (getattr(cfg, "logits_scaling", None) or 1.0) * (getattr(cfg, "logit_scale", None) or 1.0)
     softcap = getattr(cfg, "final_logit_softcapping", None)
     return linear if scale == 1.0 and not softcap else _TransformedHead(linear, scale, softcap)

@@ -222,8 +222,9 @@ def model_inputs(model, packed: dict[str, Tensor]) -> dict:
         return inputs | varlen_kwargs(packed["sample_index"])
     module = getattr(model, "module", model)
     dtype = None if kind == "sdpa" else module.dtype
-    config = module.config.get_text_config() if hasattr(module.config, "get_text_config") else module.config
-    window, everywhere = sliding_window(config)
+    from engines.models import text_config
+
+    window, everywhere = sliding_window(text_config(module))
     block = block_causal_mask(packed["sample_index"], dtype)
     if window is None:
         return inputs | {"attention_mask": block}
