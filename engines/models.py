@@ -160,6 +160,33 @@ def text_config(module: torch.nn.Module):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
+def hf_module(model: torch.nn.Module) -> torch.nn.Module:
+    """The HF model under a DeepSpeed engine (`.module`) and a peft wrapper (`get_base_model()`)."""
+    module = getattr(model, "module", model)
+    return module.get_base_model() if hasattr(module, "get_base_model") else module
+
+
+def last_hidden(model: torch.nn.Module, **inputs) -> torch.Tensor:
+    """The last layer's (normed) hidden states of `model(**inputs)`: (..., L, H), which
+    `output_hidden_states=True` gives last, without asking for it: that keeps every layer's output alive
+    to the end of the forward, (layers + 1) x B x L x H of memory under no_grad (scoring), where a hook on
+    the model's body (the decoder stack the head reads) keeps one. The call still goes through `model`
+    (a DeepSpeed engine's hooks); no KV cache unless `use_cache` is given."""
+    module = hf_module(model)
+    body = getattr(module, "base_model", module)
+    inputs.setdefault("use_cache", False)  # a config's default cache is memory nothing here reads
+    if body is module:  # no separate body: the model's own record of its hidden states
+        return model(**inputs, output_hidden_states=True).hidden_states[-1]
+    seen: list[torch.Tensor] = []
+    handle = body.register_forward_hook(
+        lambda m, args, out: seen.append(out[0] if isinstance(out, tuple) else out.last_hidden_state))
+    try:
+        model(**inputs)
+    finally:
+        handle.remove()
+    return seen[-1]
+
+
 def output_rows(path: str | Path) -> int:
     """The rows of the output layer of the model at `path` (its config's vocab_size), which may exceed
     its tokenizer's size (padded vocabularies: Qwen2.5-7B's 152064 against 0.5B's 151936)."""

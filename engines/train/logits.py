@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from engines.models import hf_module, last_hidden, text_config
 from engines.train import shared_prefix
 
 
@@ -76,9 +77,7 @@ def _accepts_logits_to_keep(cls: type) -> bool:
 def keep_last_logits(model) -> dict[str, int]:
     """`logits_to_keep=1` where the HF model under the engine (and under a peft wrapper, which passes
     it on) accepts it; otherwise nothing."""
-    module = unwrap(model)
-    base = module.get_base_model() if hasattr(module, "get_base_model") else module
-    return {"logits_to_keep": 1} if _accepts_logits_to_keep(type(base)) else {}
+    return {"logits_to_keep": 1} if _accepts_logits_to_keep(type(hf_module(model))) else {}
 
 
 class _TransformedHead(torch.nn.Module):
@@ -103,8 +102,6 @@ def output_head(module) -> torch.nn.Module:
     which the models apply after the layer (and vLLM does too). Called as a module, so ZeRO-3's hooks on the
     layer still gather it; the layer itself where the model has no such step."""
     linear = module.get_output_embeddings()
-    from engines.models import text_config
-
     cfg = text_config(module)
     scale = 1.0 / (getattr(cfg, "logits_scaling", None) or 1.0) * (getattr(cfg, "logit_scale", None) or 1.0)
     softcap = getattr(cfg, "final_logit_softcapping", None)
@@ -114,10 +111,8 @@ def output_head(module) -> torch.nn.Module:
 def final_hidden(model, batch: dict[str, Tensor]) -> Tensor:
     """The last layer's (normed) hidden state at every position: (B, L, H). The output layer runs on
     the last position only where the model supports it (otherwise on all, and is discarded)."""
-    keep = keep_last_logits(model)
-    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_hidden_states=True,
-                use_cache=False, **keep)  # a model's config may keep a KV cache of the forward: none wanted
-    return out.hidden_states[-1]
+    return last_hidden(model, input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                       **keep_last_logits(model))
 
 
 def _chunk(head, hidden: Tensor, targets: Tensor, with_entropy: bool, temperature: float = 1.0) -> tuple[Tensor, ...]:

@@ -16,6 +16,7 @@ from algos.gspo import gspo_policy_loss
 from algos.policy_loss import ppo_policy_loss
 from algos.preference import pairwise_reward_loss
 from algos.sequence import sft_loss
+from engines.models import last_hidden
 from engines.train.logits import (final_hidden, logprobs_from_hidden, masked_next_token_logprobs, output_head,
                                   response_logprobs_and_entropy, unwrap)
 
@@ -148,9 +149,8 @@ def token_values(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     its head on the final hidden state of every token. The forward goes
     through the (DeepSpeed) engine, whose hooks ZeRO's backward relies on.
     """
-    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_hidden_states=True,
-                use_cache=False)
-    values = unwrap(model).score(out.hidden_states[-1]).squeeze(-1).float()[:, :-1]
+    hidden = last_hidden(model, input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    values = unwrap(model).score(hidden).squeeze(-1).float()[:, :-1]
     return _response(values, batch)
 
 

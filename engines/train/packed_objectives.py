@@ -22,6 +22,7 @@ from torch import Tensor
 
 from algos.preference import pairwise_reward_loss
 from algos.sequence import sft_loss
+from engines.models import last_hidden
 from engines.train.logits import keep_last_logits, logprobs_from_hidden, output_head, unwrap
 from engines.train.packing import PackStats, model_inputs, pack_batch
 
@@ -29,9 +30,7 @@ from engines.train.packing import PackStats, model_inputs, pack_batch
 def packed_hidden(model, packed: dict[str, Tensor]) -> Tensor:
     """The last layer's (normed) hidden states of a packed batch: (P, W, H). The causal LM's output
     layer runs on one position only where the model supports it."""
-    keep = keep_last_logits(model)
-    out = model(**model_inputs(model, packed), output_hidden_states=True, use_cache=False, **keep)
-    return out.hidden_states[-1]
+    return last_hidden(model, **model_inputs(model, packed), **keep_last_logits(model))
 
 
 def packed_token_logprobs(model, packed: dict[str, Tensor]) -> tuple[Tensor, Tensor, Tensor]:

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from engines.models import hf_module, last_hidden
 
 PAYS_ON = ("cpu",)  # device types where the shared forward beats the plain one (module docstring)
 
@@ -56,15 +57,10 @@ class PrefixPlan:
         return int(self.prefix_ids.shape[0])
 
 
-def _base(model):
-    module = getattr(model, "module", model)  # under a DeepSpeed engine
-    return module.get_base_model() if hasattr(module, "get_base_model") else module  # under peft
-
-
 def supported(model) -> bool:
     """A forward that takes a key-value cache, no gradient checkpointing while gradients flow, and a device
     where sharing pays: the CPU. On a GPU the plain forward wins (PAYS_ON)."""
-    base = _base(model)
+    base = hf_module(model)
     if next(base.parameters()).device.type not in PAYS_ON:
         return False
     if "past_key_values" not in inspect.signature(type(base).forward).parameters:
@@ -129,7 +125,7 @@ def response_hidden(model, batch: dict[str, Tensor], p: PrefixPlan, **keep) -> T
     ids, action = batch["input_ids"], batch["action_mask"][p.rows] > 0
     prefix_ids, prefix_mask, row_group, prefix_len = p.prefix_ids, p.prefix_mask, p.row_group, p.prefix_len
     groups, width = prefix_ids.shape
-    cache = DynamicCache(config=_base(model).config)
+    cache = DynamicCache(config=hf_module(model).config)
     model(input_ids=prefix_ids, attention_mask=prefix_mask,
           position_ids=torch.arange(width, device=device).expand(groups, width),
           past_key_values=cache, use_cache=True, **keep)
@@ -143,7 +139,6 @@ def response_hidden(model, batch: dict[str, Tensor], p: PrefixPlan, **keep) -> T
     real = (positions + 1 < length) & batch["attention_mask"][p.rows].gather(
         1, (positions + 1).clamp(max=length - 1)).bool()
     suffix_ids = ids[p.rows].gather(1, positions.clamp(max=length - 1)) * real
-    out = model(input_ids=suffix_ids, attention_mask=torch.cat([prefix_mask[row_group], real.long()], 1),
-                position_ids=torch.where(real, positions, start), past_key_values=cache, use_cache=True,
-                output_hidden_states=True, **keep)
-    return out.hidden_states[-1]
+    return last_hidden(model, input_ids=suffix_ids, attention_mask=torch.cat([prefix_mask[row_group], real.long()], 1),
+                       position_ids=torch.where(real, positions, start), past_key_values=cache, use_cache=True,
+                       **keep)

@@ -242,3 +242,40 @@ def test_a_scoring_forward_keeps_no_kv_cache(model, batch):
     finally:
         handle.remove()
     assert caches == [None]
+
+
+def _live_layer_outputs_at_the_final_norm(model, run) -> int:
+    """How many decoder layers' outputs are still alive when the final norm runs inside `run()`."""
+    import weakref
+
+    refs, live = [], []
+    hooks = [layer.register_forward_hook(
+        lambda m, args, out: refs.append(weakref.ref(out[0] if isinstance(out, tuple) else out)))
+        for layer in model.model.layers]
+    hooks.append(model.model.norm.register_forward_pre_hook(
+        lambda m, args: live.append(sum(r() is not None for r in refs))))
+    try:
+        with torch.no_grad():
+            run()
+    finally:
+        for h in hooks:
+            h.remove()
+    return live[0]
+
+
+def test_a_scoring_forward_keeps_one_layer_of_hidden_states_alive(model, batch):
+    """Under no_grad each layer's output is garbage once the next layer has read it. Asking the model for its
+    hidden states (output_hidden_states) would keep all of them to the end of the forward: the reference
+    and old log-probs' memory times the layer count."""
+    from engines.train import logits as logits_mod
+
+    layers = len(model.model.layers)
+    assert layers >= 2  # else the two ways keep the same
+    recorded = _live_layer_outputs_at_the_final_norm(model, lambda: model(
+        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_hidden_states=True))
+    assert recorded == layers  # what the old way kept: every layer's output
+    hidden = []
+    assert _live_layer_outputs_at_the_final_norm(model, lambda: hidden.append(logits_mod.final_hidden(model, batch))) == 1
+    expected = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                     output_hidden_states=True).hidden_states[-1]
+    torch.testing.assert_close(hidden[0], expected)
