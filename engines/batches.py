@@ -198,18 +198,32 @@ def micro_batches(batch: dict[str, torch.Tensor], size: int | None, *, tokens: i
 _POSITIONAL = {"input_ids": 0, "attention_mask": 0, "loss_mask": 0, "teacher_ids": 1, "teacher_logprobs": 1}
 
 
-def trimmed(batch: dict[str, Any]) -> dict[str, Any]:
-    """A right-padded supervised, pair or offline-distillation batch without the padding columns all its rows
-    share: its data is padded to the longest row of a whole split, so one long row would make every forward
-    run at its width. The objectives do not depend on the padding, only the work does."""
+def attended_width(batch: dict[str, Any]) -> int:
+    """One past the last attended position of any row (0: none)."""
+    mask = batch["attention_mask"]
+    return int((mask * torch.arange(1, mask.shape[1] + 1)).max()) if mask.numel() else 0
+
+
+def trimmed(batch: dict[str, Any], width: int | None = None) -> dict[str, Any]:
+    """A right-padded supervised, pair or offline-distillation batch cut to `width` (at least its
+    `attended_width`): its data is padded to the longest row of a whole split, whose width every forward
+    would run at. The objectives do not depend on the padding, only the work does."""
     wide = {k for k, v in batch.items() if isinstance(v, torch.Tensor) and v.dim() >= 2}
     if "attention_mask" not in batch or not wide <= _POSITIONAL.keys():
         return batch
-    mask = batch["attention_mask"]
-    width = int((mask * torch.arange(1, mask.shape[1] + 1)).max()) if mask.numel() else 0
-    if width == 0 or width >= mask.shape[1]:  # no attended position (no row): nothing to cut by
+    width = attended_width(batch) if width is None else max(width, attended_width(batch))
+    if width == 0 or width >= batch["attention_mask"].shape[1]:  # no attended position (no row): nothing to cut by
         return batch
     return {k: v[:, : width - _POSITIONAL[k]] if k in wide else v for k, v in batch.items()}
+
+
+def step_micro_batches(shards: list[dict[str, Any]], size: int | None, *, tokens: int | None = None,
+                       paired: bool = False) -> list[list[dict[str, Any]]]:
+    """Each rank's shard of one training step in trimmed `micro_batches`, the shards first cut to their common
+    attended width: a token budget counts the step's rows, not the split's longest, and every rank gets as
+    many micro-batches (ZeRO's collectives run once per micro-batch on each)."""
+    width = max((attended_width(s) for s in shards if "attention_mask" in s), default=0)
+    return [micro_batches(trimmed(s, width), size, tokens=tokens, paired=paired, trim=True) for s in shards]
 
 
 def in_micro_batches(batch: dict[str, Any], size: int | None, fn, *, tokens: int | None = None) -> Any:

@@ -11,7 +11,7 @@ import ray
 import torch
 
 from alignflow.artifacts import Entries, Source, merge_entries
-from engines.batches import combine_ranks, loss_scales, micro_batches, padded_shards
+from engines.batches import combine_ranks, loss_scales, padded_shards, step_micro_batches
 from engines.placement.devices import actor_options
 from engines.placement.groups import reserve_together
 from engines.train.spec import EngineSpec
@@ -65,7 +65,7 @@ class TrainerGroup:
         if len({tuple(s["input_ids"].shape) for s in shards}) > 1:  # else the ranks' micro-batch counts may differ
             raise ValueError(f"shards of one step must have one shape: {[tuple(s['input_ids'].shape) for s in shards]}")
         size, tokens = self.spec.micro_batch_size, self.spec.micro_batch_tokens
-        parts = [micro_batches(s, size, tokens=tokens, paired=paired, trim=True) for s in shards]
+        parts = step_micro_batches(shards, size, tokens=tokens, paired=paired)
         results = ray.get([w.train_step.remote(p, objective, scales)
                            for w, p, scales in zip(self.workers, parts, loss_scales(parts, weigh))])
         summarize = getattr(objective, "summarize", None)  # metrics of the whole step (KTO's reward margin)

@@ -342,3 +342,27 @@ def test_a_micro_batch_without_an_attended_position_is_left_as_it_is():
     empty = {"input_ids": torch.zeros(0, 4, dtype=torch.long), "attention_mask": torch.zeros(0, 4, dtype=torch.long),
              "loss_mask": torch.zeros(0, 4), "teacher_ids": torch.zeros(0, 3, 2)}
     assert trimmed(empty) is empty
+
+
+def test_a_steps_token_budget_counts_its_rows_not_the_splits_longest(tokenizer):
+    """Supervised data is padded to its split's longest row. A step whose rows are all short fills its
+    micro-batches by their own width; every rank's shard still gets as many micro-batches."""
+    from engines.batches import micro_batches, shard, step_micro_batches, trimmed
+
+    records = [{"prompt": "Which digit is largest? " + "7 " * n, "response": "7"} for n in (60, 2, 3, 1, 4, 2, 1, 3, 2)]
+    split, _ = sft_tensors(tokenizer, records, max_prompt_tokens=128, max_response_tokens=8)
+    step = {k: v[1:] for k, v in split.items()}  # a step without the long row, at the split's width
+    full, short = split["input_ids"].shape[1], int(step["attention_mask"].sum(1).max())
+    assert short * 2 < full
+    tokens = 2 * short  # two of the step's rows
+    shards = shard(step, 2)
+    parts = step_micro_batches(shards, None, tokens=tokens)
+    assert [len(p) for p in parts] == [2, 2]  # 4 rows a rank, 2 a micro-batch
+    assert all(p["input_ids"].shape[1] <= short and p["input_ids"].numel() <= tokens for ps in parts for p in ps)
+    assert [len(micro_batches(s, None, tokens=tokens, trim=True)) for s in shards] == [4, 4]  # by the split's width
+    rows = torch.cat([p["input_ids"][:, :1] for ps in parts for p in ps])
+    assert torch.equal(rows, torch.cat([s["input_ids"][:, :1] for s in shards]))  # every row, in order
+    lean = {**shards[1], "attention_mask": shards[1]["attention_mask"].clone()}
+    lean["attention_mask"][:, short // 2:] = 0  # a rank whose rows are all shorter: alone, 4 rows a micro-batch
+    assert len(micro_batches(trimmed(lean), None, tokens=tokens, trim=True)) == 1
+    assert [len(p) for p in step_micro_batches([shards[0], lean], None, tokens=tokens)] == [2, 2]  # in step
