@@ -11,7 +11,8 @@ import ray
 import torch
 
 from alignflow.artifacts import Entries, Source, merge_entries
-from engines.batches import combine_ranks, loss_scales, padded_shards, step_micro_batches
+from engines.accumulate import combine_ranks, loss_scales
+from engines.batches import padded_shards, step_micro_batches
 from engines.placement.devices import actor_options
 from engines.placement.groups import reserve_together
 from engines.train.spec import EngineSpec

@@ -23,7 +23,7 @@ from engines.train.logits import (final_hidden, logprobs_from_hidden, masked_nex
 
 def causal_lm_objective(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
     """SFT: NLL on response tokens only (loss_mask is over input_ids; logits only there). Metrics: loss,
-    response_length (response tokens per row, as (sum, count): engines/batches.add_metrics)."""
+    response_length (response tokens per row, as (sum, count): engines/accumulate.py add_metrics)."""
     logprobs = masked_next_token_logprobs(model, batch, batch["loss_mask"])
     mask = batch["loss_mask"][:, 1:]
     loss = sft_loss(logprobs, mask)
@@ -72,7 +72,7 @@ def topk_distill_objective(model, batch: dict[str, torch.Tensor]) -> tuple[torch
 
 
 # ---- What each objective averages over: the `weigh` of TrainerGroup.train_step. A step taken in
-# micro-batches, on several ranks, is then the step on the whole batch at once (batches.loss_scales).
+# micro-batches, on several ranks, is then the step on the whole batch at once (accumulate.loss_scales).
 
 
 def per_row(batch: dict[str, torch.Tensor]) -> float:
@@ -155,7 +155,7 @@ def token_values(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def _token_pair(mean: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A token mean of algos (over the batch's valid tokens) as the (sum, count) of batches.add_metrics, left on
+    """A token mean of algos (over the batch's valid tokens) as the (sum, count) of accumulate.add_metrics, left on
     the device (read once per step, not here)."""
     return mean.detach() * tokens, tokens
 
@@ -180,7 +180,7 @@ def policy_objective(
     off), kl_to_reference (the estimator's token mean), sequence_kl (Σ_t of the k1 estimate of
     this forward against the reference, the row mean), entropy, clip_fraction, approx_kl;
     with TIS, tis_weight_mean and tis_masked_fraction (share of tokens masked out). The token
-    means computed here and the row mean come as (sum, count) pairs (engines/batches.add_metrics).
+    means computed here and the row mean come as (sum, count) pairs (engines/accumulate.py add_metrics).
     `loss_scale_constant`: C of `agg="seq_mean_token_sum_norm"` (Dr. GRPO: the generation budget, so
     the scale does not follow the step's longest response); None: the batch's padded response width.
     `temperature`: the sampler's (`GenerationConfig.logprob_temperature`); every log-prob here, the entropy too, is of
@@ -205,7 +205,7 @@ def policy_objective(
     if entropy_coef:
         loss = loss + entropy_bonus_loss(entropy, mask, entropy_coef=entropy_coef, agg=agg,
                                          loss_scale_constant=loss_scale_constant)
-    # Token and row means as (sum, count): exact over micro-batches (batches.add_metrics). Tensors left on the
+    # Token and row means as (sum, count): exact over micro-batches (accumulate.add_metrics). Tensors left on the
     # device: reading them here would make the host wait for the forward before it could queue the backward.
     tokens = mask.sum().float()
     metrics = {

@@ -47,7 +47,7 @@ class PackStats:
         return self.tokens / max(1, self.rows * self.width)
 
     def as_metrics(self) -> dict[str, tuple[float, float]]:
-        """As (sum, count) pairs (engines/batches.add_metrics), exact over micro-batches and ranks:
+        """As (sum, count) pairs (engines/accumulate.py add_metrics), exact over micro-batches and ranks:
         `packing/fill` real tokens per slot, `packing/rows_per_sample` (under 1 where samples share rows)."""
         return {"packing/fill": (float(self.tokens), float(self.rows * self.width)),
                 "packing/rows_per_sample": (float(self.rows), float(self.samples))}

@@ -96,7 +96,7 @@ def response_logps(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def _reward_metrics(out) -> dict[str, torch.Tensor]:
-    """Left on the device: the worker reads a step's sums once (engines/batches.py host_metrics)."""
+    """Left on the device: the worker reads a step's sums once (engines/accumulate.py host_metrics)."""
     return {"loss": out.loss.detach(), "accuracy": out.accuracy.detach(), "reward_margin": out.reward_margin.detach(),
             "chosen_reward": out.chosen_rewards.detach(), "rejected_reward": out.rejected_rewards.detach()}
 
@@ -159,7 +159,7 @@ def kto_objective(model, batch: dict[str, torch.Tensor], *, beta: float, desirab
     out = kto_loss(logps, batch["ref_logps"], batch["desirable"], z0, beta=beta,
                    desirable_weight=desirable_weight, undesirable_weight=undesirable_weight)
     # A micro-batch may hold one kind of example only: the reward means come as (sum, count) pairs over the
-    # examples of their kind (batches.add_metrics), and the margin from the step's means (KTOObjective.summarize).
+    # examples of their kind (accumulate.add_metrics), and the margin from the step's means (KTOObjective.summarize).
     des = batch["desirable"].bool()
     rewards = beta * (logps - batch["ref_logps"]).detach()
     return out.loss, {"loss": out.loss.detach(), "accuracy": out.accuracy.detach(),

@@ -31,7 +31,8 @@ import torch
 
 from alignflow.artifacts import Entries, Source, local_dir, writing
 from engines import lora, models
-from engines.batches import add_metrics, host_metrics, in_micro_batches
+from engines.accumulate import add_metrics, host_metrics
+from engines.batches import in_micro_batches
 from engines.placement.devices import (actor_device, announce_cpu_accelerator, local_rank, pin_cpu_cores,
                                        cpu_report, placement_group_id, quiet_stdout, to_cpu, to_device)
 from engines.placement.rendezvous import init_training_group, reserve_address
@@ -118,8 +119,8 @@ class TrainWorker:
 
     def train_step(self, micro_batches: list[dict[str, Any]], objective: Callable,
                    scales: list[float]) -> dict[str, float]:
-        """One optimizer step on this rank's micro-batches, each loss times its scale (batches.loss_scales),
-        gradients accumulated. Metrics: summed as batches.add_metrics (the group combines the ranks')."""
+        """One optimizer step on this rank's micro-batches, each loss times its scale (accumulate.loss_scales),
+        gradients accumulated. Metrics: summed as accumulate.add_metrics (the group combines the ranks')."""
         self.engine.train()
         prepare = getattr(objective, "prepare", None)
         shared = prepare(self.engine, micro_batches, self.device) if prepare is not None else {}

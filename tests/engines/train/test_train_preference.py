@@ -188,7 +188,8 @@ def test_kto_objective_prepared_over_micro_batches_gives_the_whole_batchs_loss(p
 def test_kto_reward_metrics_are_the_steps_whatever_its_micro_batches(policy, tokenizer):
     """Micro-batches of one row hold one kind of example each: the step's chosen / rejected reward is
     still the mean implicit reward β(log π − log π_ref) over all its desirable / undesirable examples."""
-    from engines.batches import add_metrics, combine_ranks, host_metrics, micro_batches
+    from engines.accumulate import add_metrics, combine_ranks, host_metrics
+    from engines.batches import micro_batches
     from engines.train.preference import KTOObjective
 
     rows = preference_tensors(tokenizer, RECORDS, 64, 8)

@@ -3,7 +3,7 @@
 The policy objective (clipped surrogate, entropy bonus, k3 KL loss) on rollouts of
 different response lengths, for each loss aggregation: the whole batch's gradient
 against the sum of the micro-batches' gradients, each loss times its
-`engines.batches.loss_scales` factor and the ranks averaged as DeepSpeed averages
+`engines.accumulate.loss_scales` factor and the ranks averaged as DeepSpeed averages
 them. In process, on the tiny model; the same arithmetic runs in the trainer
 (tests/engines/train/test_train_memory.py checks it through DeepSpeed).
 """
@@ -64,7 +64,8 @@ def _grads(model, losses_and_scales) -> dict[str, torch.Tensor]:
 def _stepped(model, batch, objective, weigh, ranks: int, rows: int) -> dict[str, torch.Tensor]:
     """The gradient DeepSpeed would apply: per rank the scaled micro-batch losses accumulated, then the
     ranks' gradients averaged."""
-    from engines.batches import loss_scales, micro_batches, shard
+    from engines.accumulate import loss_scales
+    from engines.batches import micro_batches, shard
 
     parts = [micro_batches(s, rows) for s in shard(batch, ranks)]
     scales = loss_scales(parts, weigh)
@@ -109,7 +110,8 @@ def test_metrics_over_micro_batches_and_ranks_are_the_whole_batchs(model, batch,
     """The loss terms combine by the loss scales; the row mean (sequence_kl) and the token means the
     objective reports as (sum, count) combine exactly, whatever the aggregation. TIS masks tokens whose
     rollout ratio leaves [0.9, 1.1], so clip_fraction and the TIS metrics differ between micro-batches."""
-    from engines.batches import add_metrics, combine_ranks, host_metrics, loss_scales, micro_batches, shard
+    from engines.accumulate import add_metrics, combine_ranks, host_metrics, loss_scales
+    from engines.batches import micro_batches, shard
     from engines.train import objectives
 
     objective = functools.partial(_objective(agg), tis_cap=1.1, tis_low=0.9, tis_mode="mask")
