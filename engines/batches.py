@@ -7,6 +7,7 @@ counted, reported and left out, and a split where none fit is an error.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from typing import Any
 import torch
 
 from alignflow.errors import PromptTooLongError
+from engines.turns import assistant_spans
 
 log = logging.getLogger(__name__)
 
@@ -46,9 +48,11 @@ class LengthReport:
     total: int
     overlong: int
     max_prompt_tokens: int
+    assistant_turns: int | None = None  # earlier assistant turns trained besides the responses (sft_tensors)
 
     def as_metrics(self, split: str) -> dict[str, float]:
-        return {f"data/{split}_rows": self.total, f"data/{split}_overlong_prompts": self.overlong}
+        turns = {} if self.assistant_turns is None else {f"data/{split}_assistant_turns": self.assistant_turns}
+        return {f"data/{split}_rows": self.total, f"data/{split}_overlong_prompts": self.overlong} | turns
 
 
 def filter_prompts(
@@ -86,14 +90,25 @@ def right_padded(seqs: list[list[int]], pad_id: int) -> dict[str, torch.Tensor]:
     return {"input_ids": pad_right(seqs, pad_id), "attention_mask": pad_right([[1] * len(s) for s in seqs], 0)}
 
 
-def sft_tensors(tokenizer, records: list[dict], max_prompt_tokens: int, max_response_tokens: int) -> tuple[dict[str, torch.Tensor], LengthReport]:
-    """input_ids, attention_mask, loss_mask (1 on response tokens incl. EOS): (N, L)."""
+def sft_tensors(tokenizer, records: list[dict], max_prompt_tokens: int, max_response_tokens: int, *,
+                assistant_turns: bool = False) -> tuple[dict[str, torch.Tensor], LengthReport]:
+    """input_ids, attention_mask, loss_mask (1 on response tokens incl. EOS; with `assistant_turns`, on a
+    conversation prompt's assistant messages too: engines/turns.py): (N, L)."""
     kept, report = filter_prompts(tokenizer, records, max_prompt_tokens, "sft")
-    seqs, masks = [], []
+    row = {id(r): n for n, r in enumerate(records)} if assistant_turns else {}
+    seqs, masks, turns = [], [], 0
     for ids, r in kept:
+        mask = [0] * len(ids)
+        if assistant_turns and isinstance(r["prompt"], list):
+            where = f"sft split, record {row[id(r)] + 1}"
+            for start, end in assistant_spans(tokenizer, r["prompt"], r.get("tools"), ids, where):
+                mask[start:end], turns = [1] * (end - start), turns + 1
         resp = encode_response(tokenizer, r["response"], max_response_tokens)
         seqs.append(ids + resp)
-        masks.append([0] * len(ids) + [1] * len(resp))
+        masks.append(mask + [1] * len(resp))
+    report = dataclasses.replace(report, assistant_turns=turns) if assistant_turns else report
+    if assistant_turns and not turns:
+        log.warning("sft.train_on is assistant_turns, but no sft prompt holds an assistant turn: responses only")
     return {**right_padded(seqs, tokenizer.pad_token_id), "loss_mask": pad_right(masks, 0)}, report
 
 

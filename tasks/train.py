@@ -94,8 +94,9 @@ def sft(stage: PlannedStage, inputs: TrainInputs, ctx: RunContext) -> StageResul
     train = stage.config.train
     objective = (functools.partial(packed_objectives.packed_causal_lm_objective, max_tokens=train.packing_max_tokens)
                  if train.packing else objectives.causal_lm_objective)
+    tensors = functools.partial(batches.sft_tensors, assistant_turns=train.train_on == "assistant_turns")
     return train_stage(stage, inputs, ctx, kind="causal", split="sft", objective=objective,
-                       weigh=objectives.response_tokens, paired=False, to_tensors=_limited(batches.sft_tensors))
+                       weigh=objectives.response_tokens, paired=False, to_tensors=_limited(tensors))
 
 
 def reward_model(stage: PlannedStage, inputs: TrainInputs, ctx: RunContext) -> StageResult:

@@ -45,6 +45,13 @@ def _policy_or_model(field: str, name: str, known: list[str], where: str) -> Non
 class SFTConfig(TrainConfig):
     """Supervised fine-tuning: next-token loss on response tokens only."""
 
+    train_on: Literal["response", "assistant_turns"] = Field(
+        "response", description="response: the loss on each row's response (a conversation's last reply); "
+        "assistant_turns: also on every assistant message of a conversation prompt, its content and the chat "
+        "template's end of turn (OpenRLHF's --multiturn, TRL's assistant_only_loss; counted as "
+        "data/sft_assistant_turns). A template that renders earlier turns otherwise than the last (Qwen3's) fails "
+        "the stage before training, naming the row")
+
 
 class RewardModelConfig(TrainConfig):
     """Bradley-Terry pairwise reward model, initialised from SFT (or the base model)."""

@@ -54,7 +54,7 @@ def test_an_agent_pipeline_with_a_user_environment_learns_from_episodes(cli_env,
               "environment": {"name": "e2e_user_env:Paid", "max_turns": 3, "max_episode_tokens": 96}}
     agent_round = {**round_, "environment": {"agent": "e2e_user_env:agent", "max_episode_tokens": 96}}
     args = ["run", str(REPO / "configs" / "agent.yaml"), "data.synthetic.num_sft=600", "data.synthetic.num_eval=24",
-            "data.synthetic.num_rl_prompts=32", "sft.max_steps=60", "evaluation.generation.num_samples=2",
+            "data.synthetic.num_rl_prompts=32", "sft.max_steps=60", "sft.train_on=assistant_turns", "evaluation.generation.num_samples=2",
             f"rounds={json.dumps([round_, agent_round])}", f"infra.storage.root={tmp_path / 'artifacts'}",
             f"infra.mlflow_tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}"]
     res = alignflow_cli(args, env=env, cwd=tmp_path)
@@ -63,6 +63,8 @@ def test_an_agent_pipeline_with_a_user_environment_learns_from_episodes(cli_env,
     assert set(table) == {"base", "sft", "round_1", "round_2"}, res.stdout
 
     runs = stage_runs(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    # A trace's second row holds its tool call as an earlier turn, trained on as well (sft.train_on).
+    assert runs["sft"].data.metrics["data/sft_assistant_turns"] > 0
     m = runs["round_1"].data.metrics
     assert m["rl/steps"] == 2
     assert m["rl/agent/tool_calls_per_episode"] > 0, m  # SFT's traces taught the call; the round made some

@@ -318,3 +318,50 @@ def test_a_steps_token_budget_counts_its_rows_not_the_splits_longest(tokenizer):
     lean["attention_mask"][:, short // 2:] = 0  # a rank whose rows are all shorter: alone, 4 rows a micro-batch
     assert len(micro_batches(trimmed(lean), None, tokens=tokens, trim=True)) == 1
     assert [len(p) for p in step_micro_batches([shards[0], lean], None, tokens=tokens)] == [2, 2]  # in step
+
+
+CONVERSATION = [{"role": "system", "content": "Be brief"}, {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello there"}, {"role": "user", "content": "And now?"},
+                {"role": "assistant", "content": "Sure thing"}, {"role": "user", "content": "Largest? 3 1 4"}]
+
+
+def test_multi_turn_sft_trains_every_assistant_turn_when_asked(tokenizer, caplog):
+    """sft.train_on: assistant_turns puts the loss on each earlier assistant message of a conversation (its
+    text and the template's end of turn, <|end|> in the tiny template) besides the response; by default only
+    the response. Expected tokens from the template's pieces, tokenized one by one."""
+    pieces = [("<|system|>Be brief<|user|>Hi<|assistant|>", 0), ("Hello there<|end|>", 1),
+              ("<|user|>And now?<|assistant|>", 0), ("Sure thing<|end|>", 1), ("<|user|>Largest? 3 1 4<|assistant|>", 0)]
+    prompt, mask = [], []
+    for text, trained in pieces:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        prompt, mask = prompt + ids, mask + [trained] * len(ids)
+    records = [{"prompt": CONVERSATION, "response": "4"}, {"prompt": "Plain text", "response": "no turns"}]
+    response = _response_ids(tokenizer, "4")
+    batch, report = sft_tensors(tokenizer, records, 64, 8, assistant_turns=True)
+    n = len(prompt) + len(response)
+    assert batch["input_ids"][0, :n].tolist() == prompt + response
+    assert batch["loss_mask"][0, :n].tolist() == mask + [1] * len(response)
+    assert report.assistant_turns == 2 and report.as_metrics("sft")["data/sft_assistant_turns"] == 2
+    plain, _ = sft_tensors(tokenizer, records, 64, 8)
+    assert plain["loss_mask"][0, :n].tolist() == [0] * len(prompt) + [1] * len(response)
+    assert torch.equal(plain["loss_mask"][1], batch["loss_mask"][1])  # a text prompt: its response only
+    with caplog.at_level(logging.WARNING, logger="engines.batches"):
+        assert sft_tensors(tokenizer, records[1:], 64, 8, assistant_turns=True)[1].assistant_turns == 0
+    assert "no sft prompt holds an assistant turn" in caplog.text
+    assert "data/sft_assistant_turns" not in LengthReport(1, 0, 64).as_metrics("sft")
+
+
+def test_a_template_that_rewrites_earlier_turns_fails_naming_the_row(tokenizer):
+    """As Qwen3's template drops earlier turns' reasoning: the turn's tokens in the conversation are not those
+    it has as the last turn, so no mask can be placed; the error names the row and the way out."""
+    import copy
+
+    from alignflow.errors import DataError
+
+    rewriting = copy.deepcopy(tokenizer)
+    rewriting.chat_template = tokenizer.chat_template.replace(
+        "{{ m['content'] }}", "{{ m['content'] if m['role'] != 'assistant' or loop.last else '' }}")
+    records = [{"prompt": _chat("Hi"), "response": "7"}, {"prompt": CONVERSATION, "response": "4"}]
+    sft_tensors(rewriting, records, 64, 8)  # the response alone needs no turn's tokens
+    with pytest.raises(DataError, match=r"sft split, record 2: assistant turn 2 .*sft.train_on: response"):
+        sft_tensors(rewriting, records, 64, 8, assistant_turns=True)
