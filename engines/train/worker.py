@@ -131,19 +131,16 @@ class TrainWorker:
             loss, metrics = objective(self.engine, to_device(micro, self.device), **shared)
             self.engine.backward(loss * scale)
             add_metrics(sums, metrics, scale)
-        # DeepSpeed reports the norm only under ZeRO >= 1; at stage 0 the
-        # full gradients are on every rank, so take it before step() clears them.
-        local_norm = None
+        # DeepSpeed reports the norm only under ZeRO >= 1; at stage 0 the full gradients are on every rank, so
+        # take it before step() clears them: in a few fused kernels, left on the device for host_metrics' one read.
         if self.spec.zero_stage == 0:
-            grads = [p.grad.detach().float().norm() for p in self.engine.module.parameters() if p.grad is not None]
-            local_norm = torch.stack(grads).norm().item() if grads else 0.0
+            grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
+            sums["grad_norm"] = torch.nn.utils.get_total_norm(grads, foreach=True).float() if grads else 0.0
         self.engine.step()
         self.step += 1
         metrics = {**host_metrics(sums), **self.param_metrics}
         metrics["lr"] = self.scheduler.get_last_lr()[0]
-        if (grad_norm := self.engine.get_global_grad_norm()) is None:
-            grad_norm = local_norm
-        if grad_norm is not None:
+        if (grad_norm := self.engine.get_global_grad_norm()) is not None:
             metrics["grad_norm"] = float(grad_norm)
         return metrics
 
