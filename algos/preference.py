@@ -138,11 +138,12 @@ def dpo_loss(policy_chosen_logps: Tensor, policy_rejected_logps: Tensor,
 
 @dataclass(frozen=True)
 class KTOLossOutput(PreferenceLossOutput):
-    """KTO loss and metrics; ``kl`` is the reference point ``z0`` used."""
+    """KTO loss and metrics; ``kl`` is the reference point ``z0`` used; the example counts are 0-d long
+    tensors on the inputs' device (no host sync per call)."""
 
     kl: Tensor
-    n_desirable: int
-    n_undesirable: int
+    n_desirable: Tensor
+    n_undesirable: Tensor
 
 
 def kto_loss(policy_logps: Tensor, ref_logps: Tensor, desirable: Tensor,
@@ -183,8 +184,7 @@ def kto_loss(policy_logps: Tensor, ref_logps: Tensor, desirable: Tensor,
         correct = torch.where(des, r > z0, r < z0).to(r.dtype).mean()
     return KTOLossOutput(loss=loss, chosen_rewards=chosen, rejected_rewards=rejected,
                          reward_margin=chosen - rejected, accuracy=correct, kl=z0,
-                         n_desirable=int(des.sum().item()),
-                         n_undesirable=int((~des).sum().item()))
+                         n_desirable=des.sum(), n_undesirable=(~des).sum())
 
 
 def best_worst_pairs(rewards: Tensor, group_size: int) -> tuple[Tensor, Tensor, int]:
