@@ -10,6 +10,7 @@ workers inherit it.
 from __future__ import annotations
 
 import contextlib
+import http.client
 import logging
 import os
 import subprocess
@@ -21,7 +22,7 @@ from pathlib import Path
 
 from alignflow.config import InfraConfig
 from alignflow.errors import StartError
-from alignflow.net import free_port
+from alignflow.net import server_port
 from alignflow.storage import is_local_uri, local_path
 
 STARTUP_TIMEOUT_S = 120
@@ -51,10 +52,12 @@ def _die_with_parent():
 
 
 def _healthy(url: str) -> bool:
+    """The API answers its health check; False while it starts, or where another server (not HTTP) holds the
+    port: the server process then exits, which the caller sees."""
     try:
         with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
             return r.status == 200
-    except OSError:
+    except (OSError, http.client.HTTPException):
         return False
 
 
@@ -73,7 +76,7 @@ def prefect_api(infra: InfraConfig, log_dir: Path, while_starting: Callable[[], 
             while_starting()
         yield url
         return
-    port = free_port()
+    port = server_port()
     url = f"http://127.0.0.1:{port}/api"
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / "prefect-server.log"
