@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
 import re
 import subprocess
 import sys
@@ -105,6 +106,21 @@ def run_calls(text: str, tools: dict[str, Tool]) -> ToolOutcome:
     return out
 
 
+def openai_tool_calls(text: str) -> list[dict]:
+    """The `<tool_call>`s of a completion as OpenAI's `tool_calls` (arguments a JSON string); a call that does
+    not parse is left out, as it stays in the text."""
+    calls = []
+    for body in CALL.findall(text):
+        try:
+            call = json.loads(body)
+            args = call.get("arguments", {})
+            calls.append({"id": f"call_{len(calls)}", "type": "function", "function": {
+                "name": call["name"], "arguments": args if isinstance(args, str) else json.dumps(args)}})
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
+            continue  # not a call the agent could run: left in the text
+    return calls
+
+
 def _run_one(body: str | None, tools: dict[str, Tool]) -> tuple[str, str]:
     if body is None:
         return "error: a <tool_call> was opened and never closed", "invalid"
@@ -112,6 +128,8 @@ def _run_one(body: str | None, tools: dict[str, Tool]) -> tuple[str, str]:
         call = json.loads(body)
     except json.JSONDecodeError as e:
         return f"error: the tool call is not JSON ({e.msg})", "invalid"
+    except RecursionError:  # nested past the parser's depth: [[[[... from a collapsed policy
+        return "error: the tool call is nested too deeply to parse", "invalid"
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
         return 'error: a tool call is {"name": ..., "arguments": {...}}', "invalid"
     t = tools.get(call["name"])
@@ -141,17 +159,25 @@ exec(compile(code, "<tool>", "exec"), {"__name__": "__tool__"})
 """
 
 
+def _tool_env(home: str) -> dict[str, str]:
+    """The environment the model's code gets: what a Python needs to run, none of this process's credentials
+    (HF_TOKEN, cloud keys, the endpoint's), which its output would carry into observations and transcripts."""
+    keep = ("PATH", "LANG", "LC_ALL", "TZ", "SYSTEMROOT")
+    return {k: os.environ[k] for k in keep if k in os.environ} | {"HOME": home, "TMPDIR": home}
+
+
 def python(code: str, *, timeout_s: float = 5.0, memory_mb: int = 512, max_output: int = 2000) -> str:
     """Run `code` in a fresh Python subprocess, in a temporary working directory that is removed after,
     under a wall-clock limit and an address-space limit: its stdout (and stderr), cut to `max_output`
     characters with the cut said. A timeout or a crash is returned as text, never raised.
 
-    Limits, not a sandbox: the code runs as this user, with its files and network. Where the model's code is
+    Limits, not a sandbox: the code runs as this user, with its files and network (not this process's
+    environment variables: `_tool_env`). Where the model's code is
     not trusted, run the environment's tools in a container or a VM of their own."""
     with tempfile.TemporaryDirectory(prefix="alignflow-tool-") as cwd:
         try:
             done = subprocess.run([sys.executable, "-I", "-c", _PYTHON_RUNNER, str(memory_mb << 20)], input=code,
-                                  capture_output=True, text=True, timeout=timeout_s, cwd=cwd)
+                                  capture_output=True, text=True, timeout=timeout_s, cwd=cwd, env=_tool_env(cwd))
         except subprocess.TimeoutExpired:
             return f"error: timed out after {timeout_s:g} s"
     out = done.stdout + (done.stderr if done.returncode else "")

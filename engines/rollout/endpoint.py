@@ -23,12 +23,13 @@ follow. A request that rewrites the conversation starts the sequence again from 
 restart is counted (`restarts`; training takes the last sequence). An agent that raises or runs past
 `step_timeout_s` fails its episode (counted, `failure_reward`); its reward is otherwise the episode's
 return. Tool calls in a completion (the template's `<tool_call>` format) come back as `tool_calls`, and
-are counted (those that do not parse as invalid calls).
+are counted (those that do not parse as invalid calls). `stream`, `n` > 1, `stop` and `logit_bias` get 400.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import queue
 import re
 import secrets
@@ -39,7 +40,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from alignflow.agents.tools import CALL
+from alignflow.agents.tools import openai_tool_calls
 from engines.rollout.base import Rollout, Sampling
 from engines.rollout.episode_tokens import EpisodeTokens
 from engines.rollout.episodes import EPISODE_STATS, EpisodeLimits, in_thread, last_sampled
@@ -113,16 +114,20 @@ def _said(messages: list[dict]) -> list[tuple[str, str]]:
     return [(m.get("role"), m.get("content") or "") for m in messages]
 
 
-def _tool_calls(text: str) -> list[dict]:
-    calls = []
-    for body in CALL.findall(text):
-        try:
-            call = json.loads(body)
-            calls.append({"id": f"call_{len(calls)}", "type": "function", "function": {
-                "name": call["name"], "arguments": json.dumps(call.get("arguments", {}))}})
-        except (ValueError, KeyError, TypeError):
-            continue  # not a call the agent could run: left in the text
-    return calls
+# Request fields the endpoint cannot honour and keep the turn on-policy and recorded: refused, not ignored.
+UNSERVED = {"stream": "streaming is not served: ask without stream", "n": "one choice per request (n: 1)",
+            "stop": "stop sequences would end turns the policy did not end: leave stop out",
+            "logit_bias": "logit_bias changes the policy's distribution"}
+
+
+def _unserved(body: dict) -> str | None:
+    bad = [k for k, v in body.items() if k in UNSERVED and v not in (None, False, [], {}) and (k, v) != ("n", 1)]
+    return f"{bad[0]}={body[bad[0]]!r}: {UNSERVED[bad[0]]}" if bad else None
+
+
+class _Server(ThreadingHTTPServer):
+    request_queue_size = 1024  # every episode's agent may connect at once (the default backlog is 5)
+    daemon_threads = True
 
 
 class ChatEndpoint:
@@ -138,17 +143,23 @@ class ChatEndpoint:
         endpoint = self
 
         class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"  # a client keeps its connection for the episode's requests
+
             def log_message(self, *args) -> None:  # the round's log is not a web server's
                 pass
 
             def do_POST(self) -> None:
+                raw = self.rfile.read(int(self.headers.get("Content-Length", 0)))  # read whole: the next request follows
                 match = PATH.match(self.path)
-                if not secrets.compare_digest(self.headers.get("Authorization", ""), f"Bearer {endpoint.key}"):
+                given = self.headers.get("Authorization", "").encode("utf-8", "replace")
+                if not secrets.compare_digest(given, f"Bearer {endpoint.key}".encode()):
                     return self._send(401, {"error": {"message": "missing or wrong API key", "type": "auth"}})
                 if not match:
                     return self._send(404, {"error": {"message": f"no route {self.path}", "type": "not_found"}})
                 try:
-                    body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+                    body = json.loads(raw)
+                    if why := _unserved(body):
+                        raise ValueError(why)
                     self._send(200, endpoint.complete(match.group(1), body))
                 except Exception as e:  # the agent's bad request is its episode's problem, told to it
                     self._send(400, {"error": {"message": f"{type(e).__name__}: {e}", "type": "invalid_request"}})
@@ -161,8 +172,7 @@ class ChatEndpoint:
                 self.end_headers()
                 self.wfile.write(data)
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
+        self.server = _Server(("127.0.0.1", 0), Handler)
         self.port = self.server.server_address[1]
         threading.Thread(target=self.server.serve_forever, daemon=True, name="alignflow-endpoint").start()
 
@@ -184,7 +194,8 @@ class ChatEndpoint:
             seq = self.sequences.get(episode)
             extends = seq is not None and said[: len(seq.messages)] == seq.messages and len(said) > len(seq.messages)
             if extends:
-                more = tokens.observation(messages[len(seq.messages):], seq.tokens[-1] if seq.tokens else None)
+                more = tokens.observation(messages[len(seq.messages):],
+                                          seq.tokens[-1] if seq.tokens and not seq.last_cut else None)
                 base = _Sequence(said, seq.prompt_ids, seq.tokens + more, seq.logprobs + [0.0] * len(more),
                                  seq.sampled + [0] * len(more))
             else:
@@ -203,7 +214,7 @@ class ChatEndpoint:
                 n=1, temperature=self.temperature, top_p=self.top_p, max_new_tokens=budget)
             ).result(timeout=self.limits.step_timeout_s)
             text = self.decode(ids)
-            calls = _tool_calls(text)
+            calls = openai_tool_calls(text)
             with self._lock:
                 stats["restarts"] += int(seq is not None and not extends)
                 self.sequences[episode] = _Sequence(said + [("assistant", text)], base.prompt_ids, base.tokens + ids,
@@ -246,15 +257,19 @@ def agent_episodes(engine, tokenizer, records: list[dict], n: int, sampling: Sam
     clients: dict = {}
     names = [f"{i}-{j}" for i in range(len(records)) for j in range(n)]
     try:
+        # trust_env=False: an HTTP(S)_PROXY of the cluster's would take the loopback requests (and the key) away
         clients.update({name: openai.OpenAI(base_url=endpoint.url(name), api_key=endpoint.key, max_retries=0,
-                                       timeout=timeout_s) for name in names})
+                                            timeout=timeout_s, http_client=openai.DefaultHttpxClient(trust_env=False))
+                        for name in names})
         runs = {name: in_thread(agent, clients[name], records[i // n]) for i, name in enumerate(names)}
         deadline = time.monotonic() + timeout_s
         loop.run(lambda: all(f.done() for f in runs.values()), deadline)
         outcomes = {}
         for name, future in runs.items():
             try:
-                outcomes[name] = (float(future.result(timeout=max(0.0, deadline - time.monotonic()))), None)
+                reward = float(future.result(timeout=max(0.0, deadline - time.monotonic())))
+                outcomes[name] = (reward, None) if math.isfinite(reward) else \
+                    (failure_reward, f"agent returned a reward of {reward}")  # NaN would spread to the whole step
             except Exception as e:  # raised, or still running at the deadline (its thread is left behind)
                 why = f"agent ran past step_timeout_s={timeout_s:g}" if not future.done() else \
                     f"agent raised {type(e).__name__}: {e}"
@@ -273,8 +288,8 @@ def agent_episodes(engine, tokenizer, records: list[dict], n: int, sampling: Sam
         # A limit refused a request (stats["truncated"]): the episode is truncated, not failed, even where the
         # agent raised at the refusal (its return is then failure_reward; the error stays in its transcript).
         limited = bool(stats.get("truncated", 0))
-        stats |= {"return": reward, "failed": int(error is not None and not limited),
-                  "success": int(error is None and reward > 0), "truncated": int(seq.last_cut or limited)}
+        stats |= {"return": reward, "failed": int(error is not None and not limited), "truncated": int(seq.last_cut or
+                  limited), "success": int(error is None and reward > 0 and not limited)}
         rollouts.append(Rollout(prompt_index=i // n, prompt_ids=seq.prompt_ids, token_ids=seq.tokens,
                                 text=seq.last_text, logprobs=seq.logprobs,
                                 finished=not stats["truncated"], sampled=seq.sampled,

@@ -18,7 +18,6 @@ class EpisodeTokens:
     def __init__(self, tokenizer, tools: list[dict] | None = None):
         self.tokenizer, self.tools = tokenizer, tools or None
         self._probe = [{"role": "user", "content": "?"}, {"role": "assistant", "content": PROBE}]
-        self._eos = tokenizer.eos_token or ""
 
     def _render(self, messages: list[dict], generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(messages, tools=self.tools, tokenize=False,
@@ -31,15 +30,17 @@ class EpisodeTokens:
         """The episode's prompt: its first observation, the tools and the generation prompt."""
         return self._encode(self._render(messages, generation_prompt=True))
 
-    def observation(self, messages: list[dict], last_token: int | None) -> list[int]:
-        """The tokens after a turn whose last sampled token was `last_token`: the template's end of that turn,
-        `messages` and the next generation prompt. Where the model ended the turn with the tokenizer's EOS,
-        the template's EOS that follows the turn is not written again; a turn that ended any other way (cut by
-        its token limit, or at another of the model's stop ids, such as Qwen2.5's <|endoftext|> where its turns
-        end in <|im_end|>: vLLM stops at every id of the model's generation config) gets the whole end."""
+    def observation(self, messages: list[dict], stop_token: int | None) -> list[int]:
+        """The tokens after a turn: the template's end of that turn, `messages` and the next generation prompt.
+        `stop_token`: the token the model ended the turn with, where it stopped at one of its stop ids (None:
+        cut by its token limit). Where the template's end of the turn begins with that token (the tokenizer's
+        EOS, or Gemma's <end_of_turn> where its tokenizer's EOS is <eos>: vLLM stops at every id of the
+        generation config), it is not written again; otherwise (Qwen2.5 stopped at <|endoftext|>, its turns
+        ending in <|im_end|>; a cut turn) the whole end follows."""
         full = self._render(self._probe + list(messages), generation_prompt=True)
         after = full[full.rindex(PROBE) + len(PROBE):]  # the end of the turn, the observation, the next prompt
-        ended = last_token is not None and last_token == self.tokenizer.eos_token_id
-        if ended and self._eos and after.startswith(self._eos):
-            after = after[len(self._eos):]
+        if stop_token is not None and stop_token in self.tokenizer.added_tokens_decoder:  # written as itself
+            written = self.tokenizer.convert_ids_to_tokens(stop_token)
+            if after.startswith(written):
+                after = after[len(written):]
         return self._encode(after)

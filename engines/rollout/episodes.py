@@ -21,6 +21,7 @@ A single-turn round is the case of an environment that is done after the first t
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -106,7 +107,9 @@ def _checked_step(result) -> tuple[list[dict], float, bool, dict]:
     obs, reward, done, info = result
     if not isinstance(obs, list) or not all(isinstance(m, dict) and "role" in m for m in obs):
         raise TypeError(f"step's observation must be a list of chat messages, got {obs!r:.80}")
-    return obs, float(reward), bool(done), dict(info or {})
+    if not math.isfinite(reward := float(reward)):  # a NaN return would spread to the whole step's loss
+        raise ValueError(f"step returned a reward of {reward}")
+    return obs, reward, bool(done), dict(info or {})
 
 
 def run_episodes(engine, tokenizer, records: list[dict], n: int, sampling: Sampling,
@@ -162,7 +165,7 @@ def run_episodes(engine, tokenizer, records: list[dict], n: int, sampling: Sampl
             if ep.last_cut:
                 ep.finished, ep.stats["truncated"] = False, 1
             return
-        next_turn(ep, tokens.observation(obs, ep.tokens[-1] if ep.tokens else None))
+        next_turn(ep, tokens.observation(obs, ep.tokens[-1] if ep.tokens and not ep.last_cut else None))
 
     by_row = {ep.row: ep for ep in episodes}
     for ep, record in zip(episodes, (r for r in records for _ in range(n))):

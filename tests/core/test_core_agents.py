@@ -56,6 +56,19 @@ def test_calls_run_in_order_and_every_failure_is_an_observation_counted_by_kind(
     assert contents[4] == "error: explode raised RuntimeError: boom on it"
     assert "never closed" in contents[5]
     assert (out.calls, out.invalid, out.errors) == (6, 4, 1)
+    # Nested past the JSON parser's depth (a collapsed policy's [[[[...): an invalid call, not a crash.
+    deep = run_calls("<tool_call>" + "[" * 5000 + "</tool_call>", TOOLS)
+    assert (deep.calls, deep.invalid) == (1, 1) and "nested too deeply" in deep.messages[0]["content"]
+
+
+def test_a_completions_calls_in_openais_form_keep_their_arguments_as_one_json_string():
+    from alignflow.agents.tools import openai_tool_calls
+
+    text = call("add", a=2) + '<tool_call>{"name": "add", "arguments": "{\\"a\\": 3}"}</tool_call>' + \
+        "<tool_call>" + "[" * 5000 + "</tool_call>" + "<tool_call>[1]</tool_call>"
+    calls = openai_tool_calls(text)
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"a": 2}, {"a": 3}]  # a string: as given
+    assert [c["id"] for c in calls] == ["call_0", "call_1"]
 
 
 def test_python_runs_in_a_fresh_temporary_directory_under_time_and_memory_limits(tmp_path):
@@ -68,6 +81,13 @@ def test_python_runs_in_a_fresh_temporary_directory_under_time_and_memory_limits
     assert python("raise SystemExit(3)").startswith("error (exit 3)")
     long = python("print('a' * 5000)", max_output=100)
     assert long.startswith("a" * 100) and "[output cut: 4901 more characters]" in long
+    # The model's code does not see this process's credentials (its output becomes observations, transcripts).
+    os.environ["ALIGNFLOW_TEST_SECRET"] = "s3cr3t"
+    try:
+        seen = python("import os; print(sorted(os.environ)); print(os.environ.get('ALIGNFLOW_TEST_SECRET'))")
+    finally:
+        del os.environ["ALIGNFLOW_TEST_SECRET"]
+    assert "s3cr3t" not in seen and "ALIGNFLOW_TEST_SECRET" not in seen and "PATH" in seen
 
 
 class Lookup(ToolEnvironment):

@@ -18,7 +18,7 @@ from alignflow.data import agent_task
 from engines.rl.experience import from_rollouts
 from engines.rollout.base import Sampling
 from engines.rollout.endpoint import ChatEndpoint, EngineLoop, agent_episodes
-from engines.rollout.episodes import EpisodeLimits
+from engines.rollout.episodes import EpisodeLimits, in_thread
 
 
 @pytest.fixture
@@ -151,6 +151,18 @@ def send(url: str, key: str | None, body: dict) -> tuple[int, dict]:
         return e.code, json.loads(e.read())
 
 
+def _keep_alive_post(conn, path: str, key: bytes, body: dict) -> int:
+    conn.putrequest("POST", path)
+    data = json.dumps(body).encode()
+    for name, value in (("Authorization", b"Bearer " + key), ("Content-Type", b"application/json"),
+                        ("Content-Length", str(len(data)).encode())):
+        conn.putheader(name, value)
+    conn.endheaders(data)
+    resp = conn.getresponse()
+    resp.read()
+    return resp.status
+
+
 def test_the_endpoint_listens_on_loopback_only_and_refuses_requests_without_its_key(engine):
     import psutil
 
@@ -159,8 +171,6 @@ def test_the_endpoint_listens_on_loopback_only_and_refuses_requests_without_its_
                             temperature=1.0, top_p=1.0)
 
     def post(url, key, body):  # the engine is served here, on the test's thread, as in an actor's
-        from engines.rollout.episodes import in_thread
-
         asked = in_thread(send, url, key, body)
         loop.run(asked.done, time.monotonic() + 30)
         return asked.result()
@@ -185,6 +195,43 @@ def test_the_endpoint_listens_on_loopback_only_and_refuses_requests_without_its_
         assert post(url.replace("/e/ep/", "/x/"), endpoint.key, body)[0] == 404
         assert post(url, endpoint.key, {"messages": "not a list"})[0] == 400
         assert len(endpoint.key) >= 32 and endpoint.key not in url
+        # What it cannot serve and keep the turn on-policy and recorded is refused, not ignored.
+        turns = endpoint.stats["ep"]["turns"]
+        for extra, said in (({"stream": True}, "streaming"), ({"n": 2}, "one choice"), ({"stop": ["Obs"]}, "stop"),
+                            ({"logit_bias": {"5": 10}}, "logit_bias")):
+            status, refused = post(url, endpoint.key, body | extra)
+            assert status == 400 and said in refused["error"]["message"], refused
+        assert post(url, endpoint.key, body | {"n": 1, "stream": False})[0] == 200
+        assert endpoint.stats["ep"]["turns"] == turns + 1
+        # One connection, several requests (HTTP/1.1): a refused request's body is read, not taken for the next.
+        import http.client
+
+        conn = http.client.HTTPConnection("127.0.0.1", endpoint.port, timeout=10)
+        path = url.removeprefix(f"http://127.0.0.1:{endpoint.port}")
+        for key, expected in (("wrong", 401), ("\u00e9t\u00e9", 401), (endpoint.key, 200)):
+            asked = in_thread(_keep_alive_post, conn, path, key.encode("latin-1"), body)
+            loop.run(asked.done, time.monotonic() + 30)
+            assert asked.result() == expected
+        conn.close()
     finally:
         endpoint.close()
         loop.close()
+
+
+def nan_reward(client, sample):
+    client.chat.completions.create(model="p", messages=sample["prompt"], max_tokens=4)
+    return float("nan")
+
+
+def test_agents_reach_the_endpoint_past_a_proxy_and_a_nan_reward_fails_the_episode(engine, monkeypatch):
+    """A cluster's HTTP_PROXY would take the loopback requests (and the key) to the proxy, where every
+    request fails; the clients ignore the environment's proxies. A NaN return would spread to every row's
+    advantage: its episode fails instead."""
+    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "all_proxy"):
+        monkeypatch.setenv(name, "http://127.0.0.1:9")  # the discard port: nothing answers there
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+    [ok] = run(engine, two_questions, records(1), n=1)
+    assert ok.episode["failed"] == 0 and ok.episode["turns"] == 2 and ok.episode["error"] is None
+    [nan] = run(engine, nan_reward, records(1), n=1)
+    assert nan.episode["failed"] == 1 and nan.episode["return"] == -1.0 and "nan" in nan.episode["error"]

@@ -220,6 +220,19 @@ def test_observation_tokens_come_from_what_follows_the_turn_whatever_the_templat
         assert t.decode(cut) == "<|end|><|system|>17<|assistant|>"
 
 
+def test_a_turn_ended_at_the_templates_end_of_turn_token_does_not_get_it_twice(tok):
+    """Gemma's way: its tokenizer's EOS is <eos>, its turns end in <end_of_turn>, which its generation config
+    lists among the stop ids. A turn that stopped there already holds the template's end."""
+    gemma_like = copy.deepcopy(tok)
+    gemma_like.eos_token = "<|endoftext|>"  # the tokenizer's EOS is no longer the template's end of turn
+    end_of_turn = gemma_like.convert_tokens_to_ids("<|end|>")
+    assert end_of_turn != gemma_like.eos_token_id
+    obs = EpisodeTokens(gemma_like).observation([{"role": "tool", "content": "17"}], end_of_turn)
+    assert gemma_like.decode(obs) == "<|system|>17<|assistant|>"
+    cut = EpisodeTokens(gemma_like).observation([{"role": "tool", "content": "17"}], None)  # cut by its limit
+    assert gemma_like.decode(cut) == "<|end|><|system|>17<|assistant|>"
+
+
 def test_an_episode_never_keeps_tokens_past_its_limits_and_says_which_limit_ended_it(tok):
     """An observation that leaves no room for another turn is not kept (no turn reads it: a tool's long output
     would otherwise carry the episode past max_episode_tokens and the model's context), and a first observation
