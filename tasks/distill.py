@@ -25,7 +25,7 @@ from tasks.context import RunContext, StageOutput, compute_stage
 from tasks.data import load_split, token_limits
 from tasks.plan import PlannedStage
 from tasks.registry import DistillTeacherInputs, DistillTeacherStage, OfflineDistillInputs
-from tasks.rl_round import same_vocabulary
+from tasks.rl_round import same_vocabulary, teacher_fits
 from tasks.train import train_stage
 
 log = logging.getLogger("alignflow")
@@ -73,8 +73,10 @@ def distill_teacher(stage: PlannedStage, inputs: DistillTeacherInputs, ctx: RunC
 
         student_dir = ctx.tokenizer_dir(inputs.student)
         student = models.load_tokenizer(student_dir)
-        same_vocabulary(student, models.load_tokenizer(ctx.tokenizer_dir(inputs.teacher)), "distill.teacher")
+        teacher_dir = ctx.tokenizer_dir(inputs.teacher)
+        same_vocabulary(student, models.load_tokenizer(teacher_dir), "distill.teacher")
         tensors, report = _sft_rows(student, inputs.data, ctx)
+        teacher_fits(student_dir, teacher_dir, tensors["input_ids"].shape[1], "distill.teacher", sampled=False)
         run.log_metrics(report.as_metrics("sft"))
         p = cfg.placement
         if p.num_gpus:

@@ -33,14 +33,15 @@ def rl_round(stage: PlannedStage, inputs: RoundInputs, ctx: RunContext) -> Stage
     def compute(out: StageOutput, run) -> dict[str, float]:
         policy_dir = ctx.tokenizer_dir(inputs.policy)  # the actors fetch the weights on their nodes
         tokenizer = models.load_tokenizer(policy_dir)
-        if round_cfg.spec.teacher:  # before anything starts
-            same_vocabulary(tokenizer, models.load_tokenizer(ctx.tokenizer_dir(inputs.teacher)),
-                            f"{field}.teacher ({round_cfg.teacher})")
         limits = token_limits(inputs.data)
         env = round_cfg.environment  # an episode's tokens after its prompt: its turns and observations
         prompt_limit, model_len = limits.for_generation(
             env.max_episode_tokens if env else round_cfg.generation.max_new_tokens, policy_dir, f"{stage.name}: ",
             "environment.max_episode_tokens" if env else "generation.max_new_tokens")
+        if round_cfg.spec.teacher:  # before anything starts
+            teacher_dir, where = ctx.tokenizer_dir(inputs.teacher), f"{field}.teacher ({round_cfg.teacher})"
+            same_vocabulary(tokenizer, models.load_tokenizer(teacher_dir), where)
+            teacher_fits(policy_dir, teacher_dir, model_len, where, sampled=True)
         prompts, report = batches.filter_prompts(tokenizer, load_split(inputs.data, ctx, "prompts"), prompt_limit,
                                                  "prompts", episode_start(tokenizer, env) if env else None)
         run.log_metrics(report.as_metrics("prompts"))
@@ -90,3 +91,19 @@ def same_vocabulary(student, teacher, field: str) -> None:
         raise ConfigError(f"{field}: its tokenizer is not the student's ({len(teacher)} against {len(student)} "
                           f"tokens, or the same count numbered differently); distillation scores the student's "
                           f"token ids with it")
+
+
+def teacher_fits(student_dir: str, teacher_dir: str, length: int, field: str, *, sampled: bool) -> None:
+    """A teacher scores sequences of up to `length` tokens: within its positions (past them a RoPE model's
+    log-probs are silently wrong, a learned-position model's an index error). `sampled`: it scores the ids the
+    student's engines sample, which may be any row of the student's output layer (a padded vocabulary's
+    too: Qwen2.5-7B's 152064 rows against 3B's 151936), so it needs as many rows."""
+    positions = models.max_positions(teacher_dir)
+    if positions < length:
+        raise ConfigError(f"{field}: the teacher takes {positions} positions, and it would score sequences of up "
+                          f"to {length} tokens: lower the data's token limits (or the round's max_new_tokens), or "
+                          f"choose a teacher with a longer context")
+    rows, student_rows = models.output_rows(teacher_dir), models.output_rows(student_dir)
+    if sampled and rows < student_rows:
+        raise ConfigError(f"{field}: the teacher's output layer has {rows} rows, the student's {student_rows}: "
+                          f"the student may sample an id past the teacher's, which it cannot score")

@@ -314,6 +314,27 @@ def test_a_teacher_with_another_vocabulary_is_refused_naming_its_field(tmp_path)
         same_vocabulary(student, other, "rounds.2.teacher")
 
 
+def test_a_teacher_that_cannot_score_the_students_sequences_is_refused_naming_its_field(tmp_path):
+    """Past its positions a teacher's log-probs are silently wrong (RoPE); an id of the student's padded output
+    rows past the teacher's crashes its gather (on a GPU, a device-side assert)."""
+    import json
+
+    from alignflow.config import TinyModelConfig
+    from engines.models import build_tiny_model
+    from tasks.rl_round import teacher_fits
+
+    student = build_tiny_model(TinyModelConfig(), seed=0, out_dir=tmp_path / "s")
+    teacher = build_tiny_model(TinyModelConfig(max_position_embeddings=64), seed=1, out_dir=tmp_path / "t")
+    teacher_fits(student, teacher, 64, "rounds.1.teacher", sampled=True)  # fits exactly
+    with pytest.raises(ConfigError, match=r"rounds.1.teacher: the teacher takes 64 positions, .* up to 100 tokens"):
+        teacher_fits(student, teacher, 100, "rounds.1.teacher", sampled=True)
+    config = json.loads((tmp_path / "s" / "config.json").read_text())
+    (tmp_path / "s" / "config.json").write_text(json.dumps({**config, "vocab_size": config["vocab_size"] + 64}))
+    with pytest.raises(ConfigError, match=r"output layer has \d+ rows, the student's \d+"):
+        teacher_fits(student, teacher, 64, "rounds.1.teacher", sampled=True)
+    teacher_fits(student, teacher, 64, "distill.teacher", sampled=False)  # scores its own top-k: ids it has
+
+
 JUDGED = '{"algorithm": "grpo", "reward": {"source": "judge"}}'
 
 
