@@ -15,8 +15,9 @@ from alignflow.cluster import ensure_ray
 from alignflow.config.judge import VERDICTS
 from alignflow.records import StageResult
 from alignflow.seeds import derive_seed
+from alignflow.verdicts import parse_verdict
 from engines import batches, models
-from engines.rl.judge import Judge, judge_messages, parse_verdict
+from engines.rl.judge import Judge, judge_messages
 from engines.rl.rewards import ScoredText, prompt_text
 from engines.rollout.actors import start_engines
 from engines.train import objectives

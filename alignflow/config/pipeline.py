@@ -23,11 +23,12 @@ from pydantic import Field, field_validator, model_validator
 from alignflow.config.base import GenerationConfig, Placement, Section, TrainConfig
 from alignflow.config.data import DataConfig
 from alignflow.config.distill import OfflineDistillConfig
-from alignflow.config.judge import JudgeConfig
+from alignflow.config.judge import VERDICTS, JudgeConfig
 from alignflow.config.model import ModelConfig
 from alignflow.config.preference import PreferenceConfig, PreferenceLoss
 from alignflow.config.agent import EnvironmentConfig
 from alignflow.config.rl import ActorConfig, RoundConfig
+from alignflow.verdicts import parse_verdict
 
 
 # Names a policy of a pipeline can have (`rounds[i].teacher` / `start_from`); any other teacher is a model path.
@@ -257,6 +258,12 @@ class PipelineConfig(Section):
             if j.template != self.judge.template:
                 raise ValueError(f"rounds.{i}.reward.judge.template differs from judge.template, which the "
                                  f"pipeline's judge was trained with: {j.template!r} against {self.judge.template!r}")
+            right, wrong = (parse_verdict(VERDICTS[v], j) for v in (True, False))
+            if right is None or wrong is None or right <= wrong:
+                raise ValueError(f"rounds.{i}.reward.judge reads the pipeline's judge, trained to answer "
+                                 f"{VERDICTS[True]!r} or {VERDICTS[False]!r}, which its parse / pattern / scores read "
+                                 f"as {right} and {wrong}: every verdict would score alike (unparsed_reward where "
+                                 f"None); keep parse: regex and the scores of those words, the right one higher")
         return self
 
     @model_validator(mode="after")

@@ -235,6 +235,9 @@ class RoundConfig(Section):
                              f"model path")
         if self.teacher and not self.spec.teacher:
             raise ValueError(f"teacher is read by algorithm distill; this round's algorithm is {self.algorithm}")
+        if self.spec.teacher and (self.ppo.dynamic_sampling or self.ppo.dynamic_sampling_mean_range):
+            raise ValueError(f"{self.algorithm}'s signal is its teacher's, not the task reward's: ppo.dynamic_sampling "
+                             "would drop the groups whose (unused) rewards are all equal from distillation")
         if self.spec.teacher and self.generation.top_p < 1:
             raise ValueError(f"{self.algorithm} compares the engines' log-probs of the student's samples with the "
                              f"teacher's at generation.temperature; with generation.top_p={self.generation.top_p} "

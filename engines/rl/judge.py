@@ -2,27 +2,22 @@
 the reference answer through `reward.judge.template`, and its verdict becomes a score.
 
 The judge runs in rollout engines of its own (vLLM or HF, engines/rollout/actors.py) whose weights
-never change. `parse_verdict` is pure: a regex's first group looked up in the verdict words' scores
-(or read as a number), or a JSON object's key. A response none of whose verdicts parse scores
-`unparsed_reward`, and is counted: never a silent zero.
+never change. Verdicts are read by `alignflow.verdicts.parse_verdict`. A response none of whose verdicts
+parse scores `unparsed_reward`, and is counted: never a silent zero.
 """
 
 from __future__ import annotations
 
-import json
-import math
-import re
 import time
 
 import torch
 
 from alignflow.config.judge import JudgeRewardConfig
 from alignflow.errors import ConfigError
+from alignflow.verdicts import parse_verdict
 from engines.batches import render_prompt
 from engines.rl.rewards import ScoredText, prompt_text
 from engines.rollout.base import Sampling
-
-_JSON_OBJECT = re.compile(r"\{[^{}]*\}")
 
 
 def judge_positions(model_positions: int, generation, field: str) -> int:
@@ -38,27 +33,6 @@ def judge_messages(template: str, item: ScoredText) -> list[dict]:
     """The judge's prompt for one response, as one user message (rendered by the judge's chat template)."""
     content = template.format(prompt=item.prompt, response=item.response, answer=item.answer or "")
     return [{"role": "user", "content": content}]
-
-
-def parse_verdict(text: str, cfg: JudgeRewardConfig) -> float | None:
-    """A verdict's score, or None where it does not parse (no match, an unknown word, no finite number)."""
-    if cfg.parse == "json":
-        match = _JSON_OBJECT.search(text)
-        try:
-            value = float(json.loads(match.group())[cfg.json_key]) if match else None
-        except (ValueError, KeyError, TypeError):
-            return None
-    else:
-        match = re.search(cfg.pattern, text, flags=re.IGNORECASE)
-        if not match or match.group(1) is None:
-            return None
-        word = match.group(1).strip()
-        scores = {k.lower(): v for k, v in cfg.scores.items()}
-        try:
-            value = scores[word.lower()] if word.lower() in scores else float(word)
-        except ValueError:
-            return None
-    return value if value is not None and math.isfinite(value) else None
 
 
 class Judge:

@@ -756,3 +756,11 @@ def test_on_policy_distillation_refuses_nucleus_sampling():
         load_config(None, ['rounds=[{"algorithm": "distill", "teacher": "base", "reward": {"source": "rule"}, '
                            '"generation": {"top_p": 0.9}}]'])
     load_config(None, ['rounds=[{"algorithm": "grpo", "generation": {"top_p": 0.9}}]'])  # TIS's to weigh
+
+
+@pytest.mark.parametrize("ppo", ['{"dynamic_sampling": true}', '{"dynamic_sampling_mean_range": [0.1, 0.9]}'])
+def test_on_policy_distillation_refuses_dynamic_sampling_on_a_reward_it_does_not_train_on(ppo):
+    with pytest.raises(ConfigError, match=r"ppo.dynamic_sampling would drop the groups whose \(unused\) rewards"):
+        load_config(None, ['rounds=[{"algorithm": "distill", "teacher": "base", "reward": {"source": "rule"}, '
+                           f'"ppo": {ppo}}}]'])
+    load_config(None, [f'rounds=[{{"algorithm": "grpo", "ppo": {ppo}}}]'])  # a reward-trained round reads it

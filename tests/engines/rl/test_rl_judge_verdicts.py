@@ -7,7 +7,8 @@ import pytest
 
 from alignflow.config import ConfigError, load_config
 from alignflow.config.judge import JUDGE_TEMPLATE, JudgeRewardConfig
-from engines.rl.judge import judge_messages, judge_positions, parse_verdict
+from alignflow.verdicts import parse_verdict
+from engines.rl.judge import judge_messages, judge_positions
 from engines.rl.rewards import prompt_text
 from engines.rl.rewards import ScoredText
 from tasks.judge import judged_pairs, verdict_records
@@ -33,6 +34,11 @@ def test_json_verdicts():
     assert [parse_verdict(t, cfg) for t in ('{"grade": 3}', 'I think {"grade": "0.5", "why": "ok"} here',
                                             '{"score": 1}', '{"grade": [1]}', '{"grade": 1', "")] == [
         3.0, 0.5, None, None, None, None]
+    # The first object holding the key at its top level: not one nested in another, not a bool, past a brace
+    # that opens no JSON.
+    assert [parse_verdict(t, cfg) for t in ('{"detail": {"grade": 2}}', '{"grade": true}', 'e.g. {x} then {"grade": 4}',
+                                            '{"why": {"grade": 9}} {"grade": 5}', '{"grade": 7} {"grade": 1}',
+                                            '{"grade": NaN}', "{" * 3000)] == [None, None, 4.0, 5.0, 7.0, None, None]
 
 
 def test_the_judge_prompt_and_the_verdicts_the_stage_trains_on():
@@ -73,6 +79,17 @@ def test_a_round_asking_the_pipelines_judge_needs_one_trained_with_its_template(
         load_config(None, ['judge={"template": "{prompt} = {response}?"}', rounds])
     own = 'rounds=[{"algorithm": "grpo", "reward": {"source": "judge", "judge": {"model": "/some/judge"}}}]'
     assert load_config(None, [own]).judge is None  # a judge of the user's needs no judge stage
+    # The pipeline's judge answers "yes" / "no" (what it trains on): a parser that reads them alike, or not at
+    # all, would give every response one score.
+    for judge, read in (('{"parse": "json"}', "None and None"), ('{"scores": {"correct": 1.0, "incorrect": 0.0}}',
+                                                                  "None and None"),
+                        ('{"scores": {"yes": 0.0, "no": 1.0}}', "0.0 and 1.0")):
+        asked = f'rounds=[{{"algorithm": "grpo", "reward": {{"source": "judge", "judge": {judge}}}}}]'
+        with pytest.raises(ConfigError, match=f"trained to answer 'yes' or 'no', which its parse / pattern / scores "
+                                              f"read as {read}"):
+            load_config(None, ["judge={}", asked])
+    load_config(None, ["judge={}", 'rounds=[{"algorithm": "grpo", "reward": {"source": "judge", "judge": '
+                                   '{"scores": {"yes": 2.0, "no": -1.0}}}}]'])  # other scores, in order
 
 
 def test_the_judge_engine_holds_the_positions_asked_for_and_no_more_than_the_model_has():
