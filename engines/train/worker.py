@@ -136,12 +136,13 @@ class TrainWorker:
         if self.spec.zero_stage == 0:
             grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
             sums["grad_norm"] = torch.nn.utils.get_total_norm(grads, foreach=True).float() if grads else 0.0
+        scale = reported_norm_scale(self.engine.optimizer)  # the step's loss scale, before step() updates it
         self.engine.step()
         self.step += 1
         metrics = {**host_metrics(sums), **self.param_metrics}
         metrics["lr"] = self.scheduler.get_last_lr()[0]
         if (grad_norm := self.engine.get_global_grad_norm()) is not None:
-            metrics["grad_norm"] = float(grad_norm)
+            metrics["grad_norm"] = float(grad_norm) / scale
         return metrics
 
     @torch.no_grad()
@@ -225,3 +226,14 @@ class TrainWorker:
         self.step = st["step"]
         restore_rng(st, self.device)
         return st["extra"]
+
+
+def reported_norm_scale(optimizer) -> float:
+    """What DeepSpeed's reported gradient norm is multiplied by: fp16 at ZeRO-0 with a torch optimizer
+    (FP16_UnfusedOptimizer) reports the norm of the loss-scaled gradients (x 65536 at a typical scale), where
+    its other optimizers unscale it first."""
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+
+    if not isinstance(optimizer, FP16_UnfusedOptimizer):
+        return 1.0
+    return float(getattr(optimizer, "loss_scale_config", optimizer).cur_scale)

@@ -128,6 +128,7 @@ def test_an_agents_episode_keeps_to_max_turns_and_max_episode_tokens_and_is_then
     assert REFUSALS == ["ValueError: the episode has had its max_turns=2 turns"]
     assert turns.episode["turns"] == 2 and turns.episode["truncated"] == 1 and not turns.finished
     assert turns.episode["return"] == 0.5 and turns.episode["failed"] == 0  # the agent's reward stands
+    assert turns.episode["success"] == 0  # truncated, as an environment's episode cut by max_turns
     REFUSALS.clear()
     [tokens] = run(engine, until_refused, records(1), n=1, max_episode_tokens=10)
     assert REFUSALS == ["ValueError: the episode has used its max_episode_tokens=10"]

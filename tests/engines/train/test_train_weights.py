@@ -136,3 +136,45 @@ def test_metrics_over_micro_batches_and_ranks_are_the_whole_batchs(model, batch,
 
         k1 = ((response_logprobs(model, batch) - batch["ref_logprobs"]) * batch["action_mask"]).sum(-1)
     assert combined["sequence_kl"] == pytest.approx(k1.mean().item(), rel=1e-5)
+
+
+FP16_NORM = """
+import json, torch, deepspeed
+deepspeed.init_distributed("gloo")
+from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+from engines.train.worker import reported_norm_scale
+torch.manual_seed(0)
+layer = torch.nn.Linear(4, 3).half()
+opt = FP16_UnfusedOptimizer(torch.optim.AdamW(layer.parameters(), lr=1e-3), dynamic_loss_scale=True,
+                            dynamic_loss_args={"init_scale": 2 ** 8, "scale_window": 1000, "min_scale": 1,
+                                               "delayed_shift": 1, "consecutive_hysteresis": False})
+opt.backward(layer(torch.randn(2, 4).half()).float().pow(2).mean())
+true = float(torch.cat([p.grad.float().flatten() for p in layer.parameters()]).norm()) / 2 ** 8
+scale = reported_norm_scale(opt)
+opt.step()
+print(json.dumps({"reported": opt._global_grad_norm, "scale": scale, "true": true,
+                  "plain": reported_norm_scale(torch.optim.AdamW(layer.parameters()))}))
+"""
+
+
+def test_an_fp16_step_at_zero_0_logs_the_norm_of_the_unscaled_gradients(tmp_path):
+    """DeepSpeed's FP16_UnfusedOptimizer (fp16, ZeRO-0, torch's AdamW: the trainer's GPU fp16 setup) reports the
+    norm of the loss-scaled gradients; the worker divides by the scale they carried. One process group of one
+    (gloo), in a process of its own."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from alignflow.net import free_port
+
+    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port())}
+    out = subprocess.run([sys.executable, "-c", FP16_NORM], capture_output=True, text=True, timeout=300, env=env,
+                         cwd=Path(__file__).resolve().parents[3])
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["scale"] == 256.0 and got["plain"] == 1.0
+    assert got["reported"] == pytest.approx(got["true"] * 256, rel=1e-3)  # what DeepSpeed reports
+    assert got["reported"] / got["scale"] == pytest.approx(got["true"], rel=1e-3)  # what the worker logs
