@@ -90,25 +90,28 @@ def _named_models(cfg: PipelineConfig, found: Findings, base: int | None) -> Non
     pipeline's own judge starts from the base model: `base`'s)."""
     for i, r in enumerate(cfg.rounds):
         if r.teacher and r.teacher not in cfg.policies_before(i):
-            _model_at(f"rounds.{i}.teacher", r.teacher, found)
+            _model_at(f"rounds.{i}.teacher", r.teacher, found, r.teacher_revision, f"rounds.{i}.teacher_revision")
         j, field = r.reward.judge, f"rounds.{i}.reward.judge"
-        has = r.reward.uses_judge and (base if j.model is None else _model_at(f"{field}.model", j.model, found))
+        has = r.reward.uses_judge and (base if j.model is None else _model_at(f"{field}.model", j.model, found,
+                                                                               j.revision, f"{field}.revision"))
         try:
             if has:
                 j.generation.engine_positions(has)
         except ValueError as err:
             found.fail(f"{field}.generation.max_model_len", str(err))
     if cfg.distill is not None and cfg.distill.teacher not in cfg.policies_before(len(cfg.rounds)):
-        _model_at("distill.teacher", cfg.distill.teacher, found)
+        _model_at("distill.teacher", cfg.distill.teacher, found, cfg.distill.teacher_revision,
+                  "distill.teacher_revision")
 
 
-def _model_at(field: str, base: str, found: Findings, revision: str | None = None) -> int | None:
-    """The positions of the model a field names (a directory, or a hub id at `revision`); None when it cannot
-    be loaded."""
+def _model_at(field: str, base: str, found: Findings, revision: str | None = None,
+              revision_field: str = "model.revision") -> int | None:
+    """The positions of the model a field names (a directory, or a hub id at `revision`, which
+    `revision_field` sets); None when it cannot be loaded."""
     path = local_path(base) if is_local_uri(base) else None  # as tasks/base_model.py: a directory, or a hub id
     local = path is not None and (path.exists() or base.startswith(("/", ".", "~", "file://")))
     if local and revision is not None:
-        return found.fail("model.revision", f"{revision!r} names a hub model's branch, tag or commit, but "
+        return found.fail(revision_field, f"{revision!r} names a hub model's branch, tag or commit, but "
                           f"{field} {base} is a local directory")
     try:
         if local:

@@ -162,10 +162,11 @@ def plan_pipeline(cfg: PipelineConfig) -> Plan:
         judge = b.add("judge", "judge", r.JudgeStage(train=cfg.judge, io=io, seed=seed("judge")), data=data,
                       init=reference)  # opt-in, like the preference stage: not "skipped" without it
 
-    def user_model(name: str, field: str, path: str) -> str:
-        """A model the config names by path (a teacher, a judge), committed by a base_model stage of its own."""
+    def user_model(name: str, field: str, path: str, revision: str | None) -> str:
+        """A model the config names by path (a teacher, a judge), at `revision` where it is a hub id,
+        committed by a base_model stage of its own."""
         return b.add(name, "base_model", r.BaseModelStage(model=cfg.model.model_copy(update={"base": path,
-                                                                                             "revision": None}),
+                                                                                             "revision": revision}),
                                                           seed=seed(name)), external={field: prints.of(path)})
 
     policies = {"base": base, **({"sft": reference} if reference != base else {})}  # label -> stage
@@ -187,10 +188,11 @@ def plan_pipeline(cfg: PipelineConfig) -> Plan:
         if round_cfg.start_from:
             policy = policies[round_cfg.start_from]
         teacher = round_cfg.teacher and (policies.get(round_cfg.teacher)
-                                         or user_model(f"teacher_{i}", f"rounds.{i - 1}.teacher", round_cfg.teacher))
+                                         or user_model(f"teacher_{i}", f"rounds.{i - 1}.teacher", round_cfg.teacher,
+                                                       round_cfg.teacher_revision))
         judged = round_cfg.reward.judge.model
         round_judge = None if not round_cfg.reward.uses_judge else judge if judged is None else user_model(
-            f"judge_model_{i}", f"rounds.{i - 1}.reward.judge.model", judged)
+            f"judge_model_{i}", f"rounds.{i - 1}.reward.judge.model", judged, round_cfg.reward.judge.revision)
         external = {k: v for field, c in round_cfg.reward.source_fields(f"rounds.{i - 1}.reward") if c.source == "rule"
                     for k, v in _code(f"{field}.rule", c.rule, prints).items()}
         external |= _environment_code(f"rounds.{i - 1}.environment", round_cfg.environment, prints)
@@ -203,7 +205,8 @@ def plan_pipeline(cfg: PipelineConfig) -> Plan:
 
     if cfg.distill is not None:  # after the rounds: its teacher may be one
         d = cfg.distill
-        teacher = policies.get(d.teacher) or user_model("distill_teacher_model", "distill.teacher", d.teacher)
+        teacher = policies.get(d.teacher) or user_model("distill_teacher_model", "distill.teacher", d.teacher,
+                                                        d.teacher_revision)
         cached = b.add("distill_teacher", "distill_teacher", r.DistillTeacherStage(io=io, **d.model_dump(
             include={"top_k", "placement", "micro_batch_size", "micro_batch_tokens"})),
             data=data, student=reference, teacher=teacher)

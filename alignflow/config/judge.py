@@ -77,6 +77,7 @@ class JudgeRewardConfig(Section):
 
     model: str | None = Field(
         None, description="a judge checkpoint (directory or hub id); None: the pipeline's judge stage")
+    revision: str | None = Field(None, description="the hub judge's branch, tag or commit (as model.revision)")
     template: str = Field(JUDGE_TEMPLATE, description="the judge's prompt: {prompt}, {response}, {answer} (the "
                           "pipeline's judge: its judge.template)")
     parse: Literal["regex", "json"] = Field("regex", description="how a verdict becomes a score")
@@ -105,6 +106,8 @@ class JudgeRewardConfig(Section):
 
     @model_validator(mode="after")
     def _votes(self) -> JudgeRewardConfig:
+        if self.revision is not None and self.model is None:
+            raise ValueError("revision pins a judge model named by hub id: the pipeline's judge has none")
         if self.generation.num_samples > 1 and self.generation.temperature == 0:
             raise ValueError(f"{self.generation.num_samples} greedy votes are one vote repeated: set "
                              f"generation.temperature > 0, or num_samples 1")

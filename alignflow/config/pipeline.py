@@ -35,12 +35,15 @@ from alignflow.verdicts import parse_verdict
 POLICY_NAME = re.compile(rf"base|sft|round_\d+|{'|'.join(get_args(PreferenceLoss))}")
 
 
-def _policy_or_model(field: str, name: str, known: list[str], where: str) -> None:
+def _policy_or_model(field: str, name: str, known: list[str], where: str, revision: str | None = None) -> None:
     """A teacher is a policy of `known`, or a model directory or hub id; a policy's name (POLICY_NAME) that is
-    not among `known` is an error, not a path."""
+    not among `known` is an error, not a path. A `revision` pins a hub model: a policy has none."""
     if name not in known and POLICY_NAME.fullmatch(name):
         raise ValueError(f"{field}: {name!r} names no policy {where} (those are {', '.join(known)}); anything else "
                          f"is taken as a model directory or hub id")
+    if revision is not None and name in known:
+        raise ValueError(f"{field}_revision: {name!r} is a policy of this pipeline, which has no revision; a "
+                         f"revision pins a hub model's branch, tag or commit")
 
 
 class SFTConfig(TrainConfig):
@@ -227,7 +230,7 @@ class PipelineConfig(Section):
                                  f"valid: {', '.join(known)}")
             if r.teacher is None:
                 continue
-            _policy_or_model(f"rounds.{i}.teacher", r.teacher, known, f"before round_{i + 1}")
+            _policy_or_model(f"rounds.{i}.teacher", r.teacher, known, f"before round_{i + 1}", r.teacher_revision)
             if r.teacher == self.start_of(i):
                 raise ValueError(f"rounds.{i}.teacher: {r.teacher!r} is the policy round_{i + 1} starts from: "
                                  f"distilling a model into itself changes nothing (set rounds.{i}.start_from)")
@@ -240,7 +243,8 @@ class PipelineConfig(Section):
         if self.sft is None:
             raise ValueError("distill trains SFT's policy toward the teacher on the SFT data: it needs the sft section")
         teacher = self.distill.teacher
-        _policy_or_model("distill.teacher", teacher, self.policies_before(len(self.rounds)), "of this pipeline")
+        _policy_or_model("distill.teacher", teacher, self.policies_before(len(self.rounds)), "of this pipeline",
+                         self.distill.teacher_revision)
         if teacher == "sft":
             raise ValueError("distill.teacher: 'sft' is the policy the distill stage starts from: distilling a "
                              "model into itself changes nothing")

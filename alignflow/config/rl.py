@@ -114,6 +114,7 @@ class RoundConfig(Section):
         None, description="algorithm distill: the teacher whose log-probs of the student's samples pull it, a "
         "policy of this pipeline before the round (sft, a preference loss's name, round_k) or a model directory "
         "or hub id (its tokenizer must be the student's)")
+    teacher_revision: str | None = Field(None, description="the hub teacher's branch, tag or commit (as model.revision); a policy of this pipeline or a directory has none")
     start_from: str | None = Field(
         None, description="the policy the round starts from, a policy of this pipeline before it (base, sft, a "
         "preference loss's name, round_k); None: the previous round's (or the preference policy, SFT, or the "
@@ -233,6 +234,8 @@ class RoundConfig(Section):
         if self.spec.teacher and not self.teacher:
             raise ValueError(f"{self.algorithm} needs a teacher: a policy of this pipeline (e.g. round_2) or a "
                              f"model path")
+        if self.teacher_revision is not None and not self.teacher:
+            raise ValueError("teacher_revision pins the teacher's hub model: give the teacher")
         if self.teacher and not self.spec.teacher:
             raise ValueError(f"teacher is read by algorithm distill; this round's algorithm is {self.algorithm}")
         if self.spec.teacher and (self.ppo.dynamic_sampling or self.ppo.dynamic_sampling_mean_range):

@@ -764,3 +764,19 @@ def test_on_policy_distillation_refuses_dynamic_sampling_on_a_reward_it_does_not
         load_config(None, ['rounds=[{"algorithm": "distill", "teacher": "base", "reward": {"source": "rule"}, '
                            f'"ppo": {ppo}}}]'])
     load_config(None, [f'rounds=[{{"algorithm": "grpo", "ppo": {ppo}}}]'])  # a reward-trained round reads it
+
+
+def test_a_teachers_or_judges_revision_pins_a_hub_model_and_nothing_else():
+    distill = '{"algorithm": "distill", "reward": {"source": "rule"}, '
+    with pytest.raises(ConfigError, match="teacher_revision pins the teacher's hub model: give the teacher"):
+        load_config(None, ['rounds=[{"algorithm": "grpo", "teacher_revision": "v1"}]'])
+    with pytest.raises(ConfigError, match=r"rounds.0.teacher_revision: 'sft' is a policy of this pipeline"):
+        load_config(None, [f'rounds=[{distill}"teacher": "sft", "teacher_revision": "v1", "start_from": "base"}}]'])
+    with pytest.raises(ConfigError, match=r"distill.teacher_revision: 'round_1' is a policy of this pipeline"):
+        load_config(None, ['rounds=[{"algorithm": "grpo"}]', 'distill={"teacher": "round_1", "teacher_revision": "v"}'])
+    with pytest.raises(ConfigError, match="revision pins a judge model named by hub id"):
+        load_config(None, ['judge={}', 'rounds=[{"algorithm": "grpo", "reward": {"source": "judge", '
+                                       '"judge": {"revision": "v1"}}}]'])
+    cfg = load_config(None, [f'rounds=[{distill}"teacher": "org/t", "teacher_revision": "v1"}}]',
+                             'distill={"teacher": "org/t", "teacher_revision": "v2"}'])
+    assert (cfg.rounds[0].teacher_revision, cfg.distill.teacher_revision) == ("v1", "v2")

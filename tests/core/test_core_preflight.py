@@ -572,3 +572,12 @@ def test_a_revision_of_a_local_directory_or_the_tiny_model_is_refused(tmp_path):
     assert problems(None, f"model.base={tmp_path / 'm'}", "model.revision=v2", f"infra.storage.root={tmp_path}") == [
         f"model.revision: 'v2' names a hub model's branch, tag or commit, but model.base {tmp_path / 'm'} is a local "
         "directory (from the command line: model.revision=v2)"]
+    from alignflow.config import TinyModelConfig
+    from engines.models import build_tiny_model
+
+    teacher = build_tiny_model(TinyModelConfig(), 0, tmp_path / "teacher")
+    rounds = (f'rounds=[{{"algorithm": "distill", "teacher": "{teacher}", "teacher_revision": "v2", '
+              '"reward": {"source": "rule"}}]')
+    [found] = [p for p in problems(None, rounds, f"infra.storage.root={tmp_path}") if "revision" in p]
+    assert found.startswith(f"rounds.0.teacher_revision: 'v2' names a hub model's branch, tag or commit, but "
+                            f"rounds.0.teacher {teacher} is a local directory")

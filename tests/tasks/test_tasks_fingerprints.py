@@ -94,6 +94,15 @@ def test_a_hub_models_revision_is_in_every_key_and_not_passed_to_a_teacher(tmp_p
         set(pinned.stages) - {"teacher_2"}
     [teacher_stage] = [s for n, s in pinned.stages.items() if s.kind == "base_model" and n != "base_model"]
     assert teacher_stage.config.model.base == "org/teacher" and teacher_stage.config.model.revision is None
+    # Its own revision pins it (teacher_revision), and reruns it and what reads it.
+    own = teacher.replace('"teacher": "org/teacher"', '"teacher": "org/teacher", "teacher_revision": "v1"')
+    teacher_pinned = _plan(files, tmp_path, "model.base=org/model", own)
+    assert teacher_pinned.stages["teacher_2"].config.model.revision == "v1"
+    assert {n for n, s in teacher_pinned.stages.items() if s.key != unpinned.stages[n].key} == \
+        {"teacher_2", "round_2", "eval_round_2", "evaluation"} & set(unpinned.stages)
+    judged = ('rounds=[{"algorithm": "grpo", "reward": {"source": "judge", "judge": {"model": "org/judge", '
+              '"revision": "' + "d" * 40 + '"}}}]')
+    assert _plan(files, tmp_path, judged).stages["judge_model_1"].config.model.revision == "d" * 40
 
 
 def test_a_rule_reward_is_keyed_by_its_module_source(tmp_path, files, monkeypatch):
