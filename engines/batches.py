@@ -15,8 +15,7 @@ from typing import Any
 
 import torch
 
-from alignflow.errors import PromptTooLongError
-from engines.turns import assistant_spans
+from alignflow.errors import DataError, PromptTooLongError
 
 log = logging.getLogger(__name__)
 
@@ -31,10 +30,40 @@ def render_prompt(tokenizer, prompt: str | list[dict], tools: list[dict] | None 
         if bos is not None and ids[:1] != [bos] and tokenizer("a")["input_ids"][:1] == [bos]:
             ids = [bos, *ids]
         return ids
-    ids = tokenizer.apply_chat_template(prompt, tools=tools, add_generation_prompt=True, tokenize=True)
-    if isinstance(ids, dict) or hasattr(ids, "keys"):
-        ids = ids["input_ids"]
-    return list(ids)
+    return chat_ids(tokenizer, prompt, tools)
+
+
+def chat_ids(tokenizer, messages: list[dict], tools: list[dict] | None = None,
+             generation_prompt: bool = True) -> list[int]:
+    """`messages` through the tokenizer's chat template, as token ids (with the next turn's generation prompt
+    where `generation_prompt`)."""
+    ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=generation_prompt, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def assistant_spans(tokenizer, messages: list[dict], tools: list[dict] | None, rendered: list[int],
+                    where: str) -> list[tuple[int, int]]:
+    """[start, end) in `rendered` (the conversation as `render_prompt` renders it) of each assistant message's
+    tokens, multi-turn SFT's loss mask (sft.train_on: assistant_turns, as OpenRLHF's --multiturn and TRL's
+    assistant_only_loss): the tokens of chat_ids(messages[: i + 1]) after chat_ids(messages[: i], generation
+    prompt), that is its content and the template's end of turn. This holds only for a template that renders
+    an earlier turn as it renders the same turn last (Qwen3's drops earlier turns' reasoning, for one); a
+    conversation where it does not is an error naming the record (`where`) and the turn, not a mask over the
+    wrong tokens."""
+    spans = []
+    for i, message in enumerate(messages):
+        if message.get("role") != "assistant":
+            continue
+        before = chat_ids(tokenizer, messages[:i], tools)
+        through = chat_ids(tokenizer, messages[: i + 1], tools, generation_prompt=False)
+        if through[: len(before)] != before or rendered[: len(through)] != through or len(through) == len(before):
+            raise DataError(
+                f"{where}: assistant turn {i} (message {i + 1} of {len(messages)}) renders differently once the "
+                f"conversation goes on: the chat template rewrites earlier turns (as Qwen3's drops their reasoning), "
+                f"so its tokens cannot be found to train on. Set sft.train_on: response (the last reply only), "
+                f"or give each assistant turn a record of its own")
+        spans.append((len(before), len(through)))
+    return spans
 
 
 def encode_response(tokenizer, text: str, max_tokens: int) -> list[int]:
@@ -93,7 +122,7 @@ def right_padded(seqs: list[list[int]], pad_id: int) -> dict[str, torch.Tensor]:
 def sft_tensors(tokenizer, records: list[dict], max_prompt_tokens: int, max_response_tokens: int, *,
                 assistant_turns: bool = False) -> tuple[dict[str, torch.Tensor], LengthReport]:
     """input_ids, attention_mask, loss_mask (1 on response tokens incl. EOS; with `assistant_turns`, on a
-    conversation prompt's assistant messages too: engines/turns.py): (N, L)."""
+    conversation prompt's assistant messages too: `assistant_spans`): (N, L)."""
     kept, report = filter_prompts(tokenizer, records, max_prompt_tokens, "sft")
     row = {id(r): n for n, r in enumerate(records)} if assistant_turns else {}
     seqs, masks, turns = [], [], 0
