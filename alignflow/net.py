@@ -33,9 +33,8 @@ def server_port(host: str = "127.0.0.1", tries: int = 200) -> int:
     server; so the port is drawn outside the OS's ephemeral range and Ray's worker ports. Where none of
     `tries` such ports is free, the OS picks one."""
     taken = ephemeral_ports()
-    low = RAY_WORKER_PORTS.stop
-    pool = [p for p in (random.randrange(low, 65536) for _ in range(tries * 4)) if p not in taken][:tries]
-    for port in pool:
+    outside = [p for p in range(RAY_WORKER_PORTS.stop, 65536) if p not in taken]
+    for port in random.sample(outside, min(tries, len(outside))):
         with socket.socket() as s:
             try:
                 s.bind((host, port))

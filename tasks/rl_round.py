@@ -103,7 +103,6 @@ def teacher_fits(student_dir: str, teacher_dir: str, length: int, field: str, *,
         raise ConfigError(f"{field}: the teacher takes {positions} positions, and it would score sequences of up "
                           f"to {length} tokens: lower the data's token limits (or the round's max_new_tokens), or "
                           f"choose a teacher with a longer context")
-    rows, student_rows = models.output_rows(teacher_dir), models.output_rows(student_dir)
-    if sampled and rows < student_rows:
+    if sampled and (rows := models.output_rows(teacher_dir)) < (student_rows := models.output_rows(student_dir)):
         raise ConfigError(f"{field}: the teacher's output layer has {rows} rows, the student's {student_rows}: "
                           f"the student may sample an id past the teacher's, which it cannot score")

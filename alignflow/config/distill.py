@@ -14,7 +14,9 @@ class OfflineDistillConfig(TrainConfig):
 
     teacher: str = Field(description="a policy of this pipeline (a round_k, the preference policy's loss name, "
                                      "base) or a model directory or hub id with the student's tokenizer")
-    teacher_revision: str | None = Field(None, description="the hub teacher's branch, tag or commit (as model.revision); a policy of this pipeline or a directory has none")
+    teacher_revision: str | None = Field(
+        None, description="the hub teacher's branch, tag or commit (as model.revision); a policy of this "
+        "pipeline or a directory has none")
     top_k: int = Field(20, ge=1, description="teacher tokens kept per position (its distribution renormalised "
                                              "over them)")
 

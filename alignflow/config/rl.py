@@ -114,7 +114,9 @@ class RoundConfig(Section):
         None, description="algorithm distill: the teacher whose log-probs of the student's samples pull it, a "
         "policy of this pipeline before the round (sft, a preference loss's name, round_k) or a model directory "
         "or hub id (its tokenizer must be the student's)")
-    teacher_revision: str | None = Field(None, description="the hub teacher's branch, tag or commit (as model.revision); a policy of this pipeline or a directory has none")
+    teacher_revision: str | None = Field(
+        None, description="the hub teacher's branch, tag or commit (as model.revision); a policy of this "
+        "pipeline or a directory has none")
     start_from: str | None = Field(
         None, description="the policy the round starts from, a policy of this pipeline before it (base, sft, a "
         "preference loss's name, round_k); None: the previous round's (or the preference policy, SFT, or the "

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from alignflow.errors import DataError
+from engines.models import text_config
 
 PACKED_KEYS = ("input_ids", "position_ids", "sample_index", "loss_mask")
 
@@ -222,8 +223,6 @@ def model_inputs(model, packed: dict[str, Tensor]) -> dict:
         return inputs | varlen_kwargs(packed["sample_index"])
     module = getattr(model, "module", model)
     dtype = None if kind == "sdpa" else module.dtype
-    from engines.models import text_config
-
     window, everywhere = sliding_window(text_config(module))
     block = block_causal_mask(packed["sample_index"], dtype)
     if window is None:
