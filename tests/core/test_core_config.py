@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import json
@@ -408,19 +409,27 @@ def test_every_shipped_config_validates(path):
     assert cfg.name == raw.get("name", "tiny")
 
 
+@functools.cache
 def _deployments() -> list[dict]:
-    """prefect.yaml's deployments with their parameters as `prefect deploy` makes them: the build steps run
-    (in the repository, where deploy runs) and their outputs templated in, by Prefect's own functions."""
-    import asyncio
-
-    from prefect.deployments.steps.core import run_steps
+    """prefect.yaml's deployments with their parameters as `prefect deploy` makes them: each build step's
+    function (found by its qualified name, as Prefect finds it) run in the repository, where deploy runs,
+    and its output templated in by Prefect's own `apply_values`. Not through `run_steps`: that opens an
+    API client for block and variable references (prefect.yaml has none), and at collection that started
+    a temporary Prefect server in every pytest worker; two on a fresh PREFECT_HOME raced on its database
+    and timed out. `prefect deploy` itself runs against a real server in tests/e2e/test_e2e_deploy.py."""
+    from prefect.utilities.importtools import import_object
     from prefect.utilities.templating import apply_values
 
-    spec = yaml.safe_load((REPO / "prefect.yaml").read_text())
-    cwd = Path.cwd()
+    text = (REPO / "prefect.yaml").read_text()
+    assert "{{ prefect." not in text, "prefect.yaml references blocks or variables: build them through run_steps"
+    spec = yaml.safe_load(text)
+    outputs, cwd = {}, Path.cwd()
     os.chdir(REPO)
     try:
-        outputs = asyncio.run(run_steps(spec.get("build") or [], {}))
+        for step in spec.get("build") or []:
+            (fqn, inputs), = step.items()
+            arguments = {k: v for k, v in inputs.items() if k not in ("id", "requires")}
+            outputs[inputs["id"]] = import_object(fqn)(**arguments)
     finally:
         os.chdir(cwd)
     return [apply_values(d, outputs) for d in spec["deployments"]]
