@@ -108,36 +108,45 @@ def run_calls(text: str, tools: dict[str, Tool]) -> ToolOutcome:
 
 def openai_tool_calls(text: str) -> list[dict]:
     """The `<tool_call>`s of a completion as OpenAI's `tool_calls` (arguments a JSON string); a call that does
-    not parse is left out, as it stays in the text."""
-    calls = []
-    for body in CALL.findall(text):
-        try:
-            call = json.loads(body)
-            args = call.get("arguments", {})
-            calls.append({"id": f"call_{len(calls)}", "type": "function", "function": {
-                "name": call["name"], "arguments": args if isinstance(args, str) else json.dumps(args)}})
-        except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
-            continue  # not a call the agent could run: left in the text
-    return calls
+    not parse (`parse_call`, as an environment's episodes parse them) is left out, as it stays in the text."""
+    parsed = [parse_call(body)[0] for body in CALL.findall(text)]
+    return [{"id": f"call_{i}", "type": "function", "function": {"name": call["name"],
+                                                                 "arguments": json.dumps(call["arguments"])}}
+            for i, call in enumerate(c for c in parsed if c is not None)]
 
 
-def _run_one(body: str | None, tools: dict[str, Tool]) -> tuple[str, str]:
+def parse_call(body: str | None) -> tuple[dict | None, str]:
+    """A `<tool_call>` body (None: opened, never closed) as ({"name": str, "arguments": dict}, "") or (None,
+    why not). `arguments` may be an object or a JSON string of one (as OpenAI's API writes it); absent, {}."""
     if body is None:
-        return "error: a <tool_call> was opened and never closed", "invalid"
+        return None, "error: a <tool_call> was opened and never closed"
     try:
         call = json.loads(body)
     except json.JSONDecodeError as e:
-        return f"error: the tool call is not JSON ({e.msg})", "invalid"
+        return None, f"error: the tool call is not JSON ({e.msg})"
     except RecursionError:  # nested past the parser's depth: [[[[... from a collapsed policy
-        return "error: the tool call is nested too deeply to parse", "invalid"
+        return None, "error: the tool call is nested too deeply to parse"
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-        return 'error: a tool call is {"name": ..., "arguments": {...}}', "invalid"
+        return None, 'error: a tool call is {"name": ..., "arguments": {...}}'
+    args = call.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except (json.JSONDecodeError, RecursionError):
+            pass
+    if not isinstance(args, dict):
+        return None, "error: arguments must be an object (or a JSON string of one)"
+    return {"name": call["name"], "arguments": args}, ""
+
+
+def _run_one(body: str | None, tools: dict[str, Tool]) -> tuple[str, str]:
+    call, why = parse_call(body)
+    if call is None:
+        return why, "invalid"
     t = tools.get(call["name"])
     if t is None:
         return f"error: no tool {call['name']!r}; tools: {', '.join(sorted(tools))}", "invalid"
-    args = call.get("arguments", {})
-    if not isinstance(args, dict):
-        return "error: arguments must be an object", "invalid"
+    args = call["arguments"]
     params = t.schema["function"]["parameters"]
     missing = [k for k in params.get("required", []) if k not in args]
     unknown = [k for k in args if k not in params.get("properties", {})]

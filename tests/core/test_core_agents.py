@@ -71,6 +71,27 @@ def test_a_completions_calls_in_openais_form_keep_their_arguments_as_one_json_st
     assert [c["id"] for c in calls] == ["call_0", "call_1"]
 
 
+def test_the_endpoint_and_an_environment_accept_the_same_calls():
+    """One parser: a call the endpoint hands an agent is one an environment runs, and one it leaves in the
+    text is one an environment counts as invalid."""
+    from alignflow.agents.tools import openai_tool_calls
+
+    bodies = {'{"name": "add", "arguments": {"a": 1}}': 1, '{"name": "add", "arguments": "{\\"a\\": 1}"}': 1,
+              '{"name": "add"}': 0, '{"name": 7, "arguments": {"a": 1}}': None, '{"name": "add", "arguments": "a=1"}':
+              None, '{"name": "add", "arguments": "[1]"}': None, '{"name": "add", "arguments": [1]}': None}
+    for body, result in bodies.items():
+        text = f"<tool_call>{body}</tool_call>"
+        out, offered = run_calls(text, TOOLS), openai_tool_calls(text)
+        if result is None:
+            assert (out.invalid, offered) == (1, []), body
+            assert "arguments must be an object" in out.messages[0]["content"] or "is {" in out.messages[0]["content"]
+        elif result == 0:  # parses; the tool itself refuses it: missing a
+            assert out.invalid == 1 and "missing ['a']" in out.messages[0]["content"] and len(offered) == 1, body
+        else:
+            assert (out.invalid, out.messages[0]["content"]) == (0, "1"), body
+            assert json.loads(offered[0]["function"]["arguments"]) == {"a": 1}, body
+
+
 def test_python_runs_in_a_fresh_temporary_directory_under_time_and_memory_limits(tmp_path):
     assert python("print(6 * 7)") == "42\n"
     where = python("import os; print(os.getcwd())").strip()
