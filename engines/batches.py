@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -27,10 +28,21 @@ def render_prompt(tokenizer, prompt: str | list[dict], tools: list[dict] | None 
     if isinstance(prompt, str):
         ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
         bos = tokenizer.bos_token_id
-        if bos is not None and ids[:1] != [bos] and tokenizer("a")["input_ids"][:1] == [bos]:
+        if bos is not None and ids[:1] != [bos] and _starts_with_bos(tokenizer, bos):
             ids = [bos, *ids]
         return ids
     return chat_ids(tokenizer, prompt, tools)
+
+
+_STARTS_WITH_BOS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> (bos id, whether)
+
+
+def _starts_with_bos(tokenizer, bos: int) -> bool:
+    """Whether `tokenizer` starts a text with `bos` by itself, asked once per tokenizer object and BOS id."""
+    known = _STARTS_WITH_BOS.get(tokenizer)
+    if known is None or known[0] != bos:
+        known = _STARTS_WITH_BOS[tokenizer] = (bos, tokenizer("a")["input_ids"][:1] == [bos])
+    return known[1]
 
 
 def chat_ids(tokenizer, messages: list[dict], tools: list[dict] | None = None,

@@ -260,6 +260,27 @@ def test_a_text_prompt_starts_with_bos_where_the_tokenizer_starts_texts_with_one
     assert batch["input_ids"][0, :len(plain) + 1].tolist() == [bos, *plain]
 
 
+def test_whether_a_tokenizer_starts_texts_with_bos_is_asked_once_per_tokenizer(tokenizer):
+    """render_prompt runs for every prompt of a split and of every round: the tokenizer is asked once."""
+    from engines.batches import render_prompt
+
+    class Counting:
+        def __init__(self, bos):
+            self.bos_token_id, self.asked = bos, 0
+
+        def __call__(self, text, add_special_tokens=True):
+            self.asked += text == "a"
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            return {"input_ids": [self.bos_token_id, *ids] if add_special_tokens else ids}
+
+    first, second = Counting(7), Counting(7)
+    for text in ("one", "two", "three"):
+        assert render_prompt(first, text)[0] == 7
+    assert render_prompt(second, "one")[0] == 7 and (first.asked, second.asked) == (1, 1)
+    first.bos_token_id = 9  # a BOS set after: asked again
+    assert render_prompt(first, "one")[0] == 9 and first.asked == 2
+
+
 def test_a_training_micro_batch_is_cut_to_its_longest_row(tiny_model, tokenizer):
     """Supervised data is padded to the longest row of its split: a training micro-batch drops the padding
     columns all its rows share (one long row no longer sets every forward's width), with its loss unchanged.
