@@ -250,8 +250,11 @@ def micro_batches(batch: dict[str, torch.Tensor], size: int | None, *, tokens: i
 
 
 # Tensors laid out along a sequence's positions, by how much shorter than input_ids' width (the next-token
-# layout: one). A batch holding another tensor of two or more dimensions is left as it is.
-_POSITIONAL = {"input_ids": 0, "attention_mask": 0, "loss_mask": 0, "teacher_ids": 1, "teacher_logprobs": 1}
+# layout: one). A batch holding another tensor of two or more dimensions is left as it is. A teacher's top-k
+# is one column per response token (objectives.loss_columns): column j holds a position at or past j, so
+# the next-token layout's cut never drops one whose position is kept.
+_POSITIONAL = {"input_ids": 0, "attention_mask": 0, "loss_mask": 0,
+               "teacher_ids": 1, "teacher_logprobs": 1, "teacher_positions": 1}
 
 
 def attended_width(batch: dict[str, Any]) -> int:

@@ -1,8 +1,9 @@
 """distill_teacher, distill: offline distillation of a teacher into the SFT policy on the SFT data.
 
 distill_teacher runs the teacher once over the SFT split (as the student's tokenizer renders it) and
-keeps its top-k next-token log-probs at every response position; it is cached per data, teacher and k,
-so that a change of the student's training settings does not run the teacher again. distill then
+keeps its top-k next-token log-probs at every response position, one column per response token
+(objectives.loss_columns: the split's padding and prompts take no room); it is cached per data, teacher and
+k, so that a change of the student's training settings does not run the teacher again. distill then
 fine-tunes SFT on the same rows toward them (engines/train/objectives.py topk_distill_objective). A
 teacher token the student's output layer has no row for (a larger, padded vocabulary) is left out of the
 top-k and counted, when the teacher's pass is kept and again when it is read.
@@ -37,11 +38,11 @@ NO_STUDENT_ROW = -1e4
 
 
 def drop_ids_past(logprobs: torch.Tensor, ids: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """A teacher's top-k (logprobs, ids: (B, L-1, k)) without the ids the student's output layer has no row
+    """A teacher's top-k (logprobs, ids: (B, W, k), loss_columns' layout) without the ids the student's output layer has no row
     for (a teacher's padded vocabulary can be larger): each such entry's id becomes 0 and its log-prob
     NO_STUDENT_ROW, in new tensors. A student's gather at such an id would fail (on a GPU, a device-side
     assert that ends the run). Also returns what was dropped: `entries`, the teacher's probability `mass`
-    on them, and `positions` (B, L-1) bool, where no entry is left to learn from."""
+    on them, and `positions` (B, W) bool, the columns where no entry is left to learn from."""
     past = ids >= rows
     dropped = {"entries": int(past.sum()), "mass": float(logprobs[past].exp().sum())}
     if dropped["entries"]:
@@ -76,6 +77,7 @@ def distill_teacher(stage: PlannedStage, inputs: DistillTeacherInputs, ctx: RunC
         teacher_dir = ctx.tokenizer_dir(inputs.teacher)
         same_vocabulary(student, models.load_tokenizer(teacher_dir), "distill.teacher")
         tensors, report = _sft_rows(student, inputs.data, ctx)
+        columns = objectives.loss_columns(tensors["loss_mask"])
         teacher_fits(student_dir, teacher_dir, tensors["input_ids"].shape[1], "distill.teacher", sampled=False)
         run.log_metrics(report.as_metrics("sft"))
         p = cfg.placement
@@ -84,14 +86,16 @@ def distill_teacher(stage: PlannedStage, inputs: DistillTeacherInputs, ctx: RunC
         with scoring(ctx.ref(inputs.teacher), None, num_cpus=p.num_cpus, num_gpus=p.num_gpus, resources=p.resources,
                      cpu_cores=p.cpu_cores,
                      dtype=cfg.io.dtype, torch_threads=ctx.infra.torch_threads,
-                     attn_implementation=cfg.io.attn_implementation, micro_batch_size=cfg.micro_batch_size,
-                     micro_batch_tokens=cfg.micro_batch_tokens) as call:
-            top = call("reference_map", tensors, functools.partial(objectives.topk_next_tokens, k=cfg.top_k))
+                     attn_implementation=cfg.io.attn_implementation, micro_batch_size=cfg.scoring_micro_batch_size,
+                     micro_batch_tokens=cfg.scoring_micro_batch_tokens) as call:
+            top = call("reference_map", tensors, functools.partial(objectives.topk_next_tokens, k=cfg.top_k,
+                                                                    width=columns.shape[1]))
         logprobs, ids, dropped = drop_ids_past(top[..., 0].float(), top[..., 1].to(torch.int32),
                                                models.output_rows(student_dir))
         _say_dropped(stage.name, dropped, cfg.top_k)
-        save_file({"logprobs": logprobs.contiguous(), "ids": ids.contiguous()}, str(output.dir / TEACHER_FILE))
-        mask = tensors["loss_mask"][:, 1:] > 0
+        save_file({"logprobs": logprobs.contiguous(), "ids": ids.contiguous(), "positions": columns.to(torch.int32)},
+                  str(output.dir / TEACHER_FILE))
+        mask = columns >= 0
         kept = logprobs.exp().sum(-1)[mask]  # the teacher's probability mass in its top-k, per position
         metrics = {"distill/rows": float(mask.shape[0]), "distill/positions": float(mask.sum()),
                    "distill/teacher_ids_past_student": float(dropped["entries"]),
@@ -102,6 +106,26 @@ def distill_teacher(stage: PlannedStage, inputs: DistillTeacherInputs, ctx: RunC
     return compute_stage(ctx, stage, compute)
 
 
+def with_teacher(tensors: dict[str, torch.Tensor], cached: dict[str, torch.Tensor], output_rows: int,
+                 where: str) -> dict[str, torch.Tensor]:
+    """SFT rows (sft_tensors) with the teacher's cached top-k of them (distill_teacher's file), as
+    topk_distill_objective reads them. The cache must hold these rows' response positions; its ids past the
+    student's `output_rows` are dropped and counted again (a cache written for another student), and a
+    position left with none is taken out of the loss mask."""
+    columns = objectives.loss_columns(tensors["loss_mask"])
+    kept_at = cached.get("positions")
+    if kept_at is None or not torch.equal(kept_at.long(), columns):
+        raise ConfigError(f"{where}: the teacher's cached response positions are not the SFT rows' "
+                          f"({int((columns >= 0).sum())} in {len(columns)} rows); rerun distill_teacher")
+    logprobs, ids, dropped = drop_ids_past(cached["logprobs"], cached["ids"], output_rows)
+    _say_dropped(where, dropped, ids.shape[-1])
+    loss_mask = tensors["loss_mask"].clone()
+    empty = dropped["positions"]
+    loss_mask[:, 1:][empty.nonzero(as_tuple=True)[0], columns[empty]] = 0
+    return {**tensors, "loss_mask": loss_mask, "teacher_ids": ids, "teacher_logprobs": logprobs,
+            "teacher_positions": columns}
+
+
 def distill(stage: PlannedStage, inputs: OfflineDistillInputs, ctx: RunContext) -> StageResult:
     """SFT's policy trained toward the cached teacher distributions, row for row."""
     from safetensors.torch import load_file
@@ -109,16 +133,7 @@ def distill(stage: PlannedStage, inputs: OfflineDistillInputs, ctx: RunContext) 
     def to_tensors(tokenizer, records, limits):
         tensors, report = batches.sft_tensors(tokenizer, records, limits.prompt, limits.response)
         cached = load_file(str(ctx.storage().fetch(inputs.teacher.uri) / TEACHER_FILE))
-        if cached["ids"].shape[:2] != tensors["loss_mask"][:, 1:].shape:
-            raise ConfigError(f"{stage.name}: the teacher's cached rows {tuple(cached['ids'].shape[:2])} are not the "
-                              f"SFT rows {tuple(tensors['loss_mask'][:, 1:].shape)}; rerun distill_teacher")
-        # Again on load: a cache written before the student's rows were checked, or for another student.
-        rows = models.output_rows(ctx.tokenizer_dir(inputs.init))
-        logprobs, ids, dropped = drop_ids_past(cached["logprobs"], cached["ids"], rows)
-        _say_dropped(stage.name, dropped, ids.shape[-1])
-        loss_mask = tensors["loss_mask"].clone()
-        loss_mask[:, 1:][dropped["positions"]] = 0  # a position with no top-k entry left has nothing to learn
-        return {**tensors, "loss_mask": loss_mask, "teacher_ids": ids.long(), "teacher_logprobs": logprobs}, report
+        return with_teacher(tensors, cached, models.output_rows(ctx.tokenizer_dir(inputs.init)), stage.name), report
 
     return train_stage(stage, inputs, ctx, kind="causal", split="sft", objective=objectives.topk_distill_objective,
                        weigh=objectives.response_tokens, paired=False, to_tensors=to_tensors)

@@ -207,9 +207,9 @@ def plan_pipeline(cfg: PipelineConfig) -> Plan:
         d = cfg.distill
         teacher = policies.get(d.teacher) or user_model("distill_teacher_model", "distill.teacher", d.teacher,
                                                         d.teacher_revision)
-        cached = b.add("distill_teacher", "distill_teacher", r.DistillTeacherStage(io=io, **d.model_dump(
-            include={"top_k", "placement", "micro_batch_size", "micro_batch_tokens"})),
-            data=data, student=reference, teacher=teacher)
+        cached = b.add("distill_teacher", "distill_teacher", r.DistillTeacherStage(
+            io=io, top_k=d.top_k, placement=d.placement, scoring_micro_batch_size=d.micro_batch_size,
+            scoring_micro_batch_tokens=d.micro_batch_tokens), data=data, student=reference, teacher=teacher)
         policies["distill"] = b.add("distill", "offline_distill", r.OfflineDistillStage(
             train=d, io=io, seed=seed("distill")), data=data, init=reference, teacher=cached)
 

@@ -84,8 +84,10 @@ class DistillTeacherStage(Section):
     io: ModelIO
     top_k: int
     placement: Placement
-    micro_batch_size: int | None
-    micro_batch_tokens: int | None  # the teacher's pass in micro-batches, each one's top-k off the device
+    # the teacher's pass in micro-batches (distill's sizes), each one's top-k off the device: resource-only,
+    # so that the student's micro-batch settings do not run the teacher again
+    scoring_micro_batch_size: int | None
+    scoring_micro_batch_tokens: int | None
 
 
 class OfflineDistillStage(Section):
@@ -223,7 +225,7 @@ register_stage(StageKind(
     "judge", "judge", JudgeStage, TrainInputs, "2", "tasks.judge:judge",
     "a generative judge: SFT on yes/no verdicts of the preference pairs (DeepSpeed)"))
 register_stage(StageKind(
-    "distill_teacher", "distill", DistillTeacherStage, DistillTeacherInputs, "2", "tasks.distill:distill_teacher",
+    "distill_teacher", "distill", DistillTeacherStage, DistillTeacherInputs, "3", "tasks.distill:distill_teacher",
     "the teacher's top-k next-token log-probs at every response position of the SFT rows, once"))
 register_stage(StageKind(
     "offline_distill", "distill", OfflineDistillStage, OfflineDistillInputs, "2", "tasks.distill:distill",

@@ -28,7 +28,7 @@ DEFAULT_CONFIG = "tiny"
 # hardware reuses its result.
 RESOURCE_FIELDS = frozenset({"placement", "scorer_placement", "reference_placement", "reference_micro_batch_size",
                              "colocate_all", "offload", "gradient_checkpointing", "engine_lifetime",
-                             "preflight_rows"})
+                             "preflight_rows", "scoring_micro_batch_size", "scoring_micro_batch_tokens"})
 
 
 def cache_relevant(cfg: BaseModel) -> dict[str, Any]:

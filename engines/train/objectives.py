@@ -33,40 +33,61 @@ def causal_lm_objective(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Te
 TOPK_POSITIONS_PER_HEAD_CALL = 1024  # the teacher's output layer's rows at once: (rows, vocabulary) float32 logits
 
 
-def _response_hidden(model, batch: dict[str, torch.Tensor]):
-    """(mask (B, L-1), rows, positions, hidden (N, H)): the last hidden state at each response position
-    (loss_mask over input_ids, in the next-token layout), and the output layer to apply to it."""
-    mask = batch["loss_mask"][:, 1:] > 0
+def loss_columns(loss_mask: torch.Tensor, width: int | None = None) -> torch.Tensor:
+    """The response positions of each row in order: (B, W) int64, column j of row b the next-token position
+    (loss_mask over input_ids, next-token layout) of b's j-th loss token, -1 past its last. W is `width`,
+    or the most loss tokens any row has. A teacher's top-k is kept in this layout: one column per loss
+    token instead of one per position of the split's padded width."""
+    mask = loss_mask[:, 1:] > 0
+    most = int(mask.sum(1).max()) if mask.numel() else 0
+    width = most if width is None else width
+    if width < most:
+        raise ValueError(f"loss_columns: a row has {most} loss tokens, more than the width {width}")
+    out = torch.full((mask.shape[0], width), -1, dtype=torch.long, device=mask.device)
     rows, positions = mask.nonzero(as_tuple=True)
-    return mask, rows, positions, final_hidden(model, batch)[rows, positions], output_head(unwrap(model))
+    out[rows, mask.long().cumsum(1)[rows, positions] - 1] = positions
+    return out
+
+
+def _columns_hidden(model, batch: dict[str, torch.Tensor], columns: torch.Tensor):
+    """(rows, cols, hidden (N, H), head): the last hidden state at each response position a `columns`
+    entry (loss_columns' layout) names and loss_mask still marks, and the output layer to apply to it."""
+    mask = batch["loss_mask"][:, 1:] > 0
+    at = columns.clamp(min=0)
+    rows, cols = ((columns >= 0) & mask.gather(1, at)).nonzero(as_tuple=True)
+    hidden = final_hidden(model, batch)[rows, at[rows, cols]]
+    return rows, cols, hidden, output_head(unwrap(model))
 
 
 @torch.no_grad()
-def topk_next_tokens(model, batch: dict[str, torch.Tensor], *, k: int) -> torch.Tensor:
-    """A teacher's k most likely next tokens at each response position: (B, L-1, k, 2), [..., 0] their
-    log-probs and [..., 1] their ids (as floats: exact below 2^24), zeros elsewhere; what
-    topk_distill_objective's batch carries as teacher_logprobs / teacher_ids."""
-    mask, rows, positions, hidden, head = _response_hidden(model, batch)
-    out = torch.zeros(*mask.shape, k, 2, device=hidden.device)
+def topk_next_tokens(model, batch: dict[str, torch.Tensor], *, k: int, width: int) -> torch.Tensor:
+    """A teacher's k most likely next tokens at each response position, in `loss_columns(loss_mask,
+    width)`'s layout: (B, width, k, 2), [..., 0] their log-probs and [..., 1] their ids (as floats: exact
+    below 2^24), zeros past a row's last response token; what topk_distill_objective's batch carries as
+    teacher_logprobs / teacher_ids. `width` is the split's (micro-batches are joined along rows)."""
+    rows, cols, hidden, head = _columns_hidden(model, batch, loss_columns(batch["loss_mask"], width))
+    out = torch.zeros(batch["input_ids"].shape[0], width, k, 2, device=hidden.device)
     for i in range(0, len(rows), TOPK_POSITIONS_PER_HEAD_CALL):
         part = slice(i, i + TOPK_POSITIONS_PER_HEAD_CALL)
         top = torch.log_softmax(head(hidden[part]).float(), dim=-1).topk(k, dim=-1)
-        out[rows[part], positions[part]] = torch.stack([top.values, top.indices.float()], dim=-1)
+        out[rows[part], cols[part]] = torch.stack([top.values, top.indices.float()], dim=-1)
     return out
 
 
 def topk_distill_objective(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
     """Offline distillation: at each response position (loss_mask over input_ids), `algos.topk_forward_kl`
-    from the teacher's top-k (batch["teacher_ids"], batch["teacher_logprobs"]: (B, L-1, K), the next-token
-    layout, as topk_next_tokens gives them) to the student's log-softmax over its whole vocabulary, averaged
-    over the response tokens. The output layer runs on the response positions alone. Metrics: loss,
-    response_length."""
-    mask, rows, positions, hidden, head = _response_hidden(model, batch)
+    from the teacher's top-k to the student's log-softmax over its whole vocabulary, averaged over the
+    response tokens. The teacher's top-k is in `loss_columns`' layout: batch["teacher_ids"] (int) and
+    batch["teacher_logprobs"] (B, W, K), batch["teacher_positions"] (B, W) the position of each column, as
+    topk_next_tokens and loss_columns give them; a column whose position loss_mask no longer marks is left
+    out. The output layer runs on the response positions alone. Metrics: loss, response_length."""
+    mask = batch["loss_mask"][:, 1:] > 0
+    rows, cols, hidden, head = _columns_hidden(model, batch, batch["teacher_positions"])
     # The output layer in chunks (engines/train/logits.py), as every other objective: at a real vocabulary
     # the whole micro-batch's log-softmax would be gigabytes on the GPU, with its backward's copy.
-    student, _ = logprobs_from_hidden(head, hidden, batch["teacher_ids"][rows, positions].long(),
+    student, _ = logprobs_from_hidden(head, hidden, batch["teacher_ids"][rows, cols].long(),
                                       unwrap(model).config.vocab_size)
-    kl = topk_forward_kl(student, batch["teacher_logprobs"][rows, positions])
+    kl = topk_forward_kl(student, batch["teacher_logprobs"][rows, cols])
     loss = kl.sum() / max(len(kl), 1)
     return loss, {"loss": loss.detach(), "response_length": (mask.sum().float(), float(mask.shape[0]))}
 

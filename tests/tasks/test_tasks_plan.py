@@ -372,6 +372,8 @@ def test_offline_distillation_caches_its_teacher_apart_from_its_training():
     base = _keys(plan)
     lr = _keys(_plan(rounds, 'distill={"teacher": "round_2", "learning_rate": 0.01}'))
     assert {n for n in base if base[n] != lr[n]} == {"distill", "eval_distill"}  # the teacher is not run again
+    mb = _keys(_plan(rounds, 'distill={"teacher": "round_2", "micro_batch_size": 2, "micro_batch_tokens": 64}'))
+    assert {n for n in base if base[n] != mb[n]} == {"distill", "eval_distill"}  # its micro-batches are resources
     k = _keys(_plan(rounds, 'distill={"teacher": "round_2", "top_k": 5}'))
     assert {n for n in base if base[n] != k[n]} == {"distill_teacher", "distill", "eval_distill"}
     other = _keys(_plan(rounds, 'distill={"teacher": "round_1"}'))

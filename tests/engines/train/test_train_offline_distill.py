@@ -36,32 +36,64 @@ def _plain_logprobs(model, batch) -> torch.Tensor:
                                  .logits[:, :-1].float(), dim=-1)
 
 
-def test_the_teacher_keeps_its_top_k_at_the_response_positions_alone(teacher, rows):
-    from engines.train.objectives import topk_next_tokens
+def test_loss_columns_list_each_rows_response_positions_in_order():
+    from engines.train.objectives import loss_columns
 
-    top = topk_next_tokens(teacher, rows, k=5)
+    loss_mask = torch.tensor([[0, 0, 1, 1, 0], [0, 1, 0, 1, 1], [0, 0, 0, 0, 0]])
+    # next-token layout: position t predicts token t + 1, so loss token 2 is position 1
+    assert loss_columns(loss_mask).tolist() == [[1, 2, -1], [0, 2, 3], [-1, -1, -1]]
+    assert loss_columns(loss_mask, 4).tolist() == [[1, 2, -1, -1], [0, 2, 3, -1], [-1, -1, -1, -1]]
+    with pytest.raises(ValueError, match="3 loss tokens, more than the width 2"):
+        loss_columns(loss_mask, 2)
+
+
+def _top(teacher, rows, k=5):
+    from engines.train.objectives import loss_columns, topk_next_tokens
+
+    return topk_next_tokens(teacher, rows, k=k, width=loss_columns(rows["loss_mask"]).shape[1])
+
+
+def _with_teacher(rows, top):
+    from engines.train.objectives import loss_columns
+
+    return {**rows, "teacher_ids": top[..., 1].to(torch.int32), "teacher_logprobs": top[..., 0],
+            "teacher_positions": loss_columns(rows["loss_mask"], top.shape[1])}
+
+
+def test_the_teacher_keeps_its_top_k_at_the_response_positions_alone(teacher, rows):
+    """One column per response token, not one per position of the padded split: the prompts and the
+    padding take no room in the cache."""
+    from engines.train.objectives import loss_columns, topk_next_tokens
+
+    columns = loss_columns(rows["loss_mask"])
+    top = topk_next_tokens(teacher, rows, k=5, width=columns.shape[1])
     full = _plain_logprobs(teacher, rows)
     mask = rows["loss_mask"][:, 1:] > 0
-    assert top.shape == (*mask.shape, 5, 2) and 0 < mask.sum() < mask.numel()
+    assert top.shape == (len(mask), int(mask.sum(1).max()), 5, 2) and top.shape[1] < mask.shape[1] / 4
     values, ids = full.topk(5, dim=-1)
-    torch.testing.assert_close(top[..., 0][mask], values[mask], atol=1e-5, rtol=0)
-    assert torch.equal(top[..., 1][mask].long(), ids[mask])
-    assert not top[~mask].any()
+    for b, t in mask.nonzero().tolist():  # the j-th response position of row b in column j
+        j = int(mask[b, : t + 1].sum()) - 1
+        torch.testing.assert_close(top[b, j, :, 0], values[b, t], atol=1e-5, rtol=0)
+        assert torch.equal(top[b, j, :, 1].long(), ids[b, t])
+    assert not top[columns < 0].any()
+    wider = topk_next_tokens(teacher, rows, k=5, width=columns.shape[1] + 2)  # a micro-batch of a wider split
+    assert torch.equal(wider[:, : columns.shape[1]], top) and not wider[:, columns.shape[1]:].any()
 
 
 def test_the_students_loss_is_the_kl_from_the_renormalised_top_k_and_falls_as_it_trains(tiny_model, teacher, rows):
     from engines.models import load_policy
-    from engines.train.objectives import topk_distill_objective, topk_next_tokens
+    from engines.train.objectives import topk_distill_objective
 
-    top = topk_next_tokens(teacher, rows, k=5)
-    batch = {**rows, "teacher_ids": top[..., 1].long(), "teacher_logprobs": top[..., 0]}
+    top = _top(teacher, rows)
+    batch = _with_teacher(rows, top)
     student = load_policy(tiny_model)
     mask = rows["loss_mask"][:, 1:] > 0
     loss, metrics = topk_distill_objective(student, batch)
     s = _plain_logprobs(student, rows)
     expected = []
     for b, t in mask.nonzero().tolist():  # each response position, worked out in plain Python
-        t_lp, ids = top[b, t, :, 0].tolist(), top[b, t, :, 1].long().tolist()
+        j = int(mask[b, : t + 1].sum()) - 1  # its column
+        t_lp, ids = top[b, j, :, 0].tolist(), top[b, j, :, 1].long().tolist()
         z = math.log(sum(math.exp(v) for v in t_lp))
         expected.append(sum(math.exp(v - z) * ((v - z) - s[b, t, i].item()) for v, i in zip(t_lp, ids)))
     assert loss.item() == pytest.approx(sum(expected) / len(expected), rel=1e-5)
@@ -84,10 +116,9 @@ def test_the_students_output_layer_runs_in_chunks_with_the_same_loss_and_gradien
     give the one-piece loss and gradient."""
     from engines.models import load_policy
     from engines.train import logits
-    from engines.train.objectives import topk_distill_objective, topk_next_tokens
+    from engines.train.objectives import topk_distill_objective
 
-    top = topk_next_tokens(teacher, rows, k=5)
-    batch = {**rows, "teacher_ids": top[..., 1].long(), "teacher_logprobs": top[..., 0]}
+    batch = _with_teacher(rows, _top(teacher, rows))
     student = load_policy(tiny_model)
     vocab = student.config.vocab_size
 
@@ -115,39 +146,89 @@ def test_teacher_tokens_past_the_students_rows_are_left_out_counted_and_renormal
     student's gather there fails (on a GPU, a device-side assert that ends the run). distill_teacher
     drops such entries and counts them, and the loss is the KL from the rest of the top-k, renormalised."""
     from engines.models import load_policy
-    from engines.train.objectives import topk_distill_objective, topk_next_tokens
+    from engines.train.objectives import topk_distill_objective
     from tasks.distill import drop_ids_past
 
     student = load_policy(tiny_model)
     vocab = student.config.vocab_size
-    top = topk_next_tokens(teacher, rows, k=5)
-    b, t = (rows["loss_mask"][:, 1:] > 0).nonzero()[0].tolist()
-    top[b, t, 1] = torch.tensor([top[b, t, 1, 0].item(), vocab + 3])  # its second choice: a padding row
+    top = _top(teacher, rows)
+    b, t = (rows["loss_mask"][:, 1:] > 0).nonzero()[0].tolist()  # row b's first response position: column 0
+    top[b, 0, 1] = torch.tensor([top[b, 0, 1, 0].item(), vocab + 3])  # its second choice: a padding row
     with pytest.raises(RuntimeError, match="out of bounds"):
-        topk_distill_objective(student, {**rows, "teacher_ids": top[..., 1].long(), "teacher_logprobs": top[..., 0]})
+        topk_distill_objective(student, _with_teacher(rows, top))
 
     logprobs, ids, dropped = drop_ids_past(top[..., 0], top[..., 1].long(), vocab)
-    assert dropped["entries"] == 1 and dropped["mass"] == pytest.approx(math.exp(top[b, t, 1, 0].item()), rel=1e-6)
+    assert dropped["entries"] == 1 and dropped["mass"] == pytest.approx(math.exp(top[b, 0, 1, 0].item()), rel=1e-6)
     assert not dropped["positions"].any()  # the position keeps four of its five
-    assert not ids.eq(vocab + 3).any() and ids[b, t, 1] == 0 and logprobs[b, t, 1] == -1e4
-    assert torch.equal(top[..., 1].eq(vocab + 3).nonzero(), torch.tensor([[b, t, 1]]))  # the input is left as it was
-    batch = {**rows, "teacher_ids": ids, "teacher_logprobs": logprobs}
+    assert not ids.eq(vocab + 3).any() and ids[b, 0, 1] == 0 and logprobs[b, 0, 1] == -1e4
+    assert torch.equal(top[..., 1].eq(vocab + 3).nonzero(), torch.tensor([[b, 0, 1]]))  # the input is left as it was
+    batch = {**_with_teacher(rows, top), "teacher_ids": ids, "teacher_logprobs": logprobs}
     loss, _ = topk_distill_objective(student, batch)
     s = _plain_logprobs(student, rows)
-    t_lp, kept = top[b, t, [0, 2, 3, 4], 0].tolist(), top[b, t, [0, 2, 3, 4], 1].long().tolist()
+    t_lp, kept = top[b, 0, [0, 2, 3, 4], 0].tolist(), top[b, 0, [0, 2, 3, 4], 1].long().tolist()
     z = math.log(sum(math.exp(v) for v in t_lp))
     at_bt = sum(math.exp(v - z) * ((v - z) - s[b, t, i].item()) for v, i in zip(t_lp, kept))
     intact, _ = topk_distill_objective(student, {**batch, "loss_mask": _only_at(rows["loss_mask"], b, t + 1)})
     assert math.isfinite(loss.item()) and intact.item() == pytest.approx(at_bt, rel=1e-5)
 
-    top[b, t, :, 1] = vocab  # every one of its five past the student's rows: nothing left to learn there
+    top[b, 0, :, 1] = vocab  # every one of its five past the student's rows: nothing left to learn there
     logprobs, ids, dropped = drop_ids_past(top[..., 0], top[..., 1].long(), vocab)
-    assert dropped["entries"] == 5 and torch.equal(dropped["positions"].nonzero(), torch.tensor([[b, t]]))
+    assert dropped["entries"] == 5 and torch.equal(dropped["positions"].nonzero(), torch.tensor([[b, 0]]))
     _, _, again = drop_ids_past(logprobs, ids, vocab)  # the kept pass read back by distill: still found empty
-    assert again["entries"] == 0 and torch.equal(again["positions"].nonzero(), torch.tensor([[b, t]]))
+    assert again["entries"] == 0 and torch.equal(again["positions"].nonzero(), torch.tensor([[b, 0]]))
 
 
 def _only_at(loss_mask: torch.Tensor, b: int, position: int) -> torch.Tensor:
     out = torch.zeros_like(loss_mask)
     out[b, position] = 1
     return out
+
+
+def test_a_cached_pass_read_back_checks_its_rows_and_leaves_emptied_positions_out(tiny_model, teacher, rows):
+    """distill reads distill_teacher's file back: a cache of other rows (or of the old per-position layout,
+    without positions) is refused; a position whose every entry the student has no row for leaves the
+    loss, and the rest are trained as before."""
+    from alignflow.errors import ConfigError
+    from engines.models import load_policy
+    from engines.train.objectives import loss_columns, topk_distill_objective
+    from tasks.distill import with_teacher
+
+    student = load_policy(tiny_model)
+    vocab = student.config.vocab_size
+    top = _top(teacher, rows)
+    columns = loss_columns(rows["loss_mask"])
+    cached = {"logprobs": top[..., 0].clone(), "ids": top[..., 1].to(torch.int32), "positions": columns.to(torch.int32)}
+    b = int((columns >= 0).sum(1).argmax())  # a row with two response positions or more
+    cached["ids"][b, 1] = vocab  # its second: all five past the student's rows
+    batch = with_teacher(rows, cached, vocab, "distill")
+    t = int(columns[b, 1])
+    assert batch["loss_mask"][b, t + 1] == 0 and int(batch["loss_mask"].sum()) == int(rows["loss_mask"].sum()) - 1
+    without = rows["loss_mask"].clone()
+    without[b, t + 1] = 0
+    expected, _ = topk_distill_objective(student, {**_with_teacher(rows, top), "loss_mask": without})
+    assert topk_distill_objective(student, batch)[0].item() == pytest.approx(expected.item(), rel=1e-6)
+
+    with pytest.raises(ConfigError, match="rerun distill_teacher"):
+        with_teacher({k: v[1:] for k, v in rows.items()}, cached, vocab, "distill")  # another split's rows
+    with pytest.raises(ConfigError, match="distill: the teacher's cached response positions"):
+        with_teacher(rows, {k: v for k, v in cached.items() if k != "positions"}, vocab, "distill")
+
+
+def test_a_distillation_micro_batch_cut_to_its_rows_keeps_every_teacher_column(tiny_model, teacher, rows):
+    """Training cuts each micro-batch to its longest row (batches.trimmed). A response token's column is never
+    past its position, so the cut keeps every one: the trimmed micro-batches' losses are the whole batch's."""
+    from engines.batches import micro_batches
+    from engines.models import load_policy
+    from engines.train.objectives import topk_distill_objective
+
+    student = load_policy(tiny_model).eval()
+    # as a split with a longer row pads these: 5 more positions, none attended
+    wide = {k: torch.nn.functional.pad(v, (0, 5)) for k, v in rows.items()}
+    batch = _with_teacher(wide, _top(teacher, wide))
+    parts = micro_batches(batch, 2, trim=True)
+    assert all(p["input_ids"].shape[1] == rows["input_ids"].shape[1] for p in parts)
+    with torch.no_grad():
+        whole = topk_distill_objective(student, batch)[0].item() * int(batch["loss_mask"].sum())
+        cut = sum(topk_distill_objective(student, p)[0].item() * int(p["loss_mask"].sum()) for p in parts)
+    assert cut == pytest.approx(whole, rel=1e-5)
+    assert sum(int((p["teacher_positions"] >= 0).sum()) for p in parts) == int(batch["loss_mask"].sum())
