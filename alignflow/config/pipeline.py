@@ -184,7 +184,7 @@ class PipelineConfig(Section):
             out[f"rounds.{i}.actor.placement"] = r.actor.placement
             if r.spec.critic:
                 out[f"rounds.{i}.critic.placement"] = r.critic.placement
-            if r.uses_reference or r.reward.uses_model:
+            if (r.uses_reference and not self.reference_is_actor(i)) or r.reward.uses_model:
                 out[f"rounds.{i}.scorer_placement"] = r.scorer_placement
             engines = [("generation", r.generation)] + [("reward.judge.generation", r.reward.judge.generation)] * \
                 r.reward.uses_judge
@@ -215,6 +215,14 @@ class PipelineConfig(Section):
         preference policy (named by its loss) and the rounds before it."""
         return ["base", *(["sft"] * (self.sft is not None)), *([self.preference.loss] if self.preference else []),
                 *(f"round_{k}" for k in range(1, index + 1))]
+
+    def reference_is_actor(self, index: int) -> bool:
+        """Round `index` (0-based) needs no reference scorer: a LoRA actor that starts from the rounds' KL
+        reference is that reference with its adapters off (engines/rl/round_placement.py reference_is_actor,
+        which compares the two checkpoints the plan hands the round)."""
+        r = self.rounds[index]
+        return (r.actor.lora is not None and r.uses_reference and not r.spec.teacher
+                and self.start_of(index) == self.policies_before(0)[-1])
 
     def start_of(self, index: int) -> str:
         """The policy round `index` (0-based) starts from."""

@@ -789,3 +789,20 @@ def test_a_teachers_or_judges_revision_pins_a_hub_model_and_nothing_else():
     cfg = load_config(None, [f'rounds=[{distill}"teacher": "org/t", "teacher_revision": "v1"}}]',
                              'distill={"teacher": "org/t", "teacher_revision": "v2"}'])
     assert (cfg.rounds[0].teacher_revision, cfg.distill.teacher_revision) == ("v1", "v2")
+
+
+def test_a_lora_round_from_its_reference_needs_no_reference_scorer_placed():
+    """With LoRA, a round that starts from its KL reference takes the reference from its own actor, adapters
+    off (engines/rl/round_placement.py): no scorer starts, so flash-attn's GPU check leaves its placement
+    alone. Later rounds, and rounds without LoRA, keep a reference scorer and its check."""
+    grpo = {"algorithm": "grpo", "reward": {"source": "rule"}, "kl": {"coef": 0.05}}
+    lora = {**grpo, "actor": {"lora": {"rank": 4}}}
+    cfg = load_config(overrides=[f"rounds={json.dumps([lora, lora])}"])
+    assert cfg.rounds[0].uses_reference and cfg.reference_is_actor(0) and not cfg.reference_is_actor(1)
+    assert "rounds.0.scorer_placement" not in cfg.hf_placements()
+    assert "rounds.1.scorer_placement" in cfg.hf_placements()
+    from_sft = load_config(overrides=[f"rounds={json.dumps([grpo, {**lora, 'start_from': 'sft'}])}"])
+    assert from_sft.reference_is_actor(1) and not from_sft.reference_is_actor(0)
+    assert not load_config(overrides=[f"rounds={json.dumps([grpo])}"]).reference_is_actor(0)
+    with_model = {**lora, "reward": {"source": "model"}}  # the reward model still needs the scorer
+    assert "rounds.0.scorer_placement" in load_config(overrides=[f"rounds={json.dumps([with_model])}"]).hf_placements()

@@ -388,3 +388,19 @@ def test_offline_distillation_caches_its_teacher_apart_from_its_training():
 def test_a_wrong_offline_distillation_is_named(distill, message):
     with pytest.raises(ConfigError, match=message):
         _plan(f"rounds=[{PPO}]", f"distill={distill}")
+
+
+@pytest.mark.parametrize("preference", [False, True])
+def test_the_configs_lora_reference_reading_is_the_plans(preference):
+    """PipelineConfig.reference_is_actor (which placements flash-attn's check reads) says a round's reference
+    is its own actor exactly where the plan hands the round the same checkpoint as policy and reference
+    (what the round compares when it starts)."""
+    import json
+
+    lora = {"algorithm": "grpo", "reward": {"source": "rule"}, "kl": {"coef": 0.05}, "actor": {"lora": {"rank": 4}}}
+    rounds = [lora, lora, {**lora, "start_from": "base"}, {**lora, "start_from": "dpo" if preference else "sft"}]
+    cfg = load_config(None, [f"rounds={json.dumps(rounds)}", *(['preference={"loss": "dpo"}'] if preference else [])])
+    stages = plan_pipeline(cfg).stages
+    same = [stages[f"round_{i + 1}"].inputs["policy"] == stages[f"round_{i + 1}"].inputs["reference"]
+            for i in range(len(rounds))]
+    assert same == [cfg.reference_is_actor(i) for i in range(len(rounds))] == [True, False, False, True]
