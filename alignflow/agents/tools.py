@@ -122,8 +122,8 @@ def parse_call(body: str | None) -> tuple[dict | None, str]:
         return None, "error: a <tool_call> was opened and never closed"
     try:
         call = json.loads(body)
-    except json.JSONDecodeError as e:
-        return None, f"error: the tool call is not JSON ({e.msg})"
+    except ValueError as e:  # JSONDecodeError, or an integer past Python's 4300 digits
+        return None, f"error: the tool call is not JSON ({getattr(e, 'msg', e)})"
     except RecursionError:  # nested past the parser's depth: [[[[... from a collapsed policy
         return None, "error: the tool call is nested too deeply to parse"
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
@@ -132,7 +132,7 @@ def parse_call(body: str | None) -> tuple[dict | None, str]:
     if isinstance(args, str):
         try:
             args = json.loads(args)
-        except (json.JSONDecodeError, RecursionError):
+        except (ValueError, RecursionError):
             pass
     if not isinstance(args, dict):
         return None, "error: arguments must be an object (or a JSON string of one)"

@@ -79,12 +79,15 @@ def test_the_endpoint_and_an_environment_accept_the_same_calls():
     bodies = {'{"name": "add", "arguments": {"a": 1}}': 1, '{"name": "add", "arguments": "{\\"a\\": 1}"}': 1,
               '{"name": "add"}': 0, '{"name": 7, "arguments": {"a": 1}}': None, '{"name": "add", "arguments": "a=1"}':
               None, '{"name": "add", "arguments": "[1]"}': None, '{"name": "add", "arguments": [1]}': None}
+    digits = "1" * 5000  # past Python's 4300-digit limit on int(): a ValueError, not a JSONDecodeError
+    bodies |= {f'{{"name": "add", "arguments": {{"a": {digits}}}}}': None,
+               f'{{"name": "add", "arguments": "{{\\"a\\": {digits}}}"}}': None}
     for body, result in bodies.items():
         text = f"<tool_call>{body}</tool_call>"
         out, offered = run_calls(text, TOOLS), openai_tool_calls(text)
         if result is None:
             assert (out.invalid, offered) == (1, []), body
-            assert "arguments must be an object" in out.messages[0]["content"] or "is {" in out.messages[0]["content"]
+            assert any(why in out.messages[0]["content"] for why in ("arguments must be an object", "is {", "not JSON"))
         elif result == 0:  # parses; the tool itself refuses it: missing a
             assert out.invalid == 1 and "missing ['a']" in out.messages[0]["content"] and len(offered) == 1, body
         else:
