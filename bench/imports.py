@@ -4,12 +4,14 @@
     .venv/bin/python bench/imports.py --runs 9
 
 Each measurement is a fresh interpreter importing what a process of that kind imports: a trainer
-(engines.train.worker: torch, transformers' model code, DeepSpeed's hooks, Ray) and a rollout engine
-(prepare_engine_process, then vLLM). `as shipped` is the code as it is (transformers told scikit-learn
-is absent, engines/lean_imports.py); `with sklearn` first imports the transformers module that pulls
-scikit-learn in, which is how every process started before. Variants alternate, order reversed every
-other round. Printed: per process kind and variant the median seconds, the ratio to `with sklearn`,
-and whether scikit-learn ended up loaded.
+(engines.train.worker: torch, transformers' model code, Ray), a trainer rank set up (that, then DeepSpeed
+as TrainWorker.setup loads it) and a rollout engine (prepare_engine_process, then vLLM). `as shipped` is
+the code as it is (transformers told scikit-learn is absent and DeepSpeed loaded without MLflow,
+engines/lean_imports.py); `with sklearn` first imports the transformers module that pulls scikit-learn
+in, and `with mlflow` first imports MLflow, which DeepSpeed's autotuner otherwise imports: how every
+process started before. Variants alternate, order reversed every other round. Printed: per process kind
+and variant the median seconds, the ratio to the kind's first variant, and whether scikit-learn and
+MLflow ended up loaded.
 """
 
 from __future__ import annotations
@@ -22,21 +24,25 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PROCESSES = {
-    "trainer": "import engines.train.worker",
-    "rollout engine": "from engines.rollout.actors import prepare_engine_process; prepare_engine_process(2, None); "
-                      "from vllm import LLM",
+_RANK = "import engines.train.worker as w; w.import_deepspeed()"
+PROCESSES = {  # kind: (what it imports, {variant: what is imported first})
+    "trainer": ("import engines.train.worker",
+                {"with sklearn": "import transformers.generation.candidate_generator", "as shipped": ""}),
+    "trainer rank": (_RANK, {"with mlflow": "import mlflow", "as shipped": ""}),
+    "rollout engine": ("from engines.rollout.actors import prepare_engine_process; prepare_engine_process(2, None); "
+                       "from vllm import LLM",
+                       {"with sklearn": "import transformers.generation.candidate_generator", "as shipped": ""}),
 }
-VARIANTS = {"with sklearn": "import transformers.generation.candidate_generator", "as shipped": ""}
 
 
-def measure(prelude: str, body: str) -> tuple[float, bool]:
-    """(seconds from the first import to the last, whether sklearn got imported) in a new interpreter."""
+def measure(prelude: str, body: str) -> tuple[float, str]:
+    """(seconds from the first import to the last, which of scikit-learn and MLflow got imported) in a new
+    interpreter."""
     code = (f"import sys, time, json; t = time.perf_counter()\n{prelude}\n{body}\n"
-            "print(json.dumps([time.perf_counter() - t, 'sklearn' in sys.modules]))")
+            "print(json.dumps([time.perf_counter() - t, [m for m in ('sklearn', 'mlflow') if m in sys.modules]]))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     seconds, loaded = json.loads(out.stdout.strip().splitlines()[-1])
-    return seconds, loaded
+    return seconds, " ".join(loaded) or "-"
 
 
 def main() -> None:
@@ -44,19 +50,19 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     args = parser.parse_args()
     times: dict[tuple[str, str], list[float]] = {}
-    loaded: dict[tuple[str, str], bool] = {}
+    loaded: dict[tuple[str, str], str] = {}
     for i in range(args.runs):
-        order = list(VARIANTS) if i % 2 == 0 else list(reversed(VARIANTS))
-        for kind, body in PROCESSES.items():
+        for kind, (body, variants) in PROCESSES.items():
+            order = list(variants) if i % 2 == 0 else list(reversed(variants))
             for variant in order:
-                s, sk = measure(VARIANTS[variant], body)
+                s, what = measure(variants[variant], body)
                 times.setdefault((kind, variant), []).append(s)
-                loaded[(kind, variant)] = sk
+                loaded[(kind, variant)] = what
                 print(f"round {i + 1}: {kind:15s} {variant:13s} {s:6.2f} s", flush=True)
-    print(f"\n{'process':15s} {'variant':13s} {'median':>8s} {'ratio':>6s}  sklearn loaded")
-    for kind in PROCESSES:
-        base = statistics.median(times[(kind, "with sklearn")])
-        for variant in VARIANTS:
+    print(f"\n{'process':15s} {'variant':13s} {'median':>8s} {'ratio':>6s}  loaded")
+    for kind, (_, variants) in PROCESSES.items():
+        base = statistics.median(times[(kind, next(iter(variants)))])
+        for variant in variants:
             m = statistics.median(times[(kind, variant)])
             print(f"{kind:15s} {variant:13s} {m:7.2f}s {m / base:5.2f}x  {loaded[(kind, variant)]}")
 

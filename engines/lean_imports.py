@@ -1,4 +1,5 @@
-"""A shorter start for every process that loads a model: transformers without scikit-learn.
+"""A shorter start for every process that loads a model: transformers without scikit-learn, and a
+trainer's DeepSpeed without MLflow.
 
 transformers imports scikit-learn, and with it scipy and pandas, whenever the
 package is installed. It uses it for one feature alignflow never calls: the
@@ -13,6 +14,14 @@ stages' task workers (136 s instead of about 150 s, side by side).
 model code, makes transformers' availability check say no. Nothing else
 changes: `import sklearn` still works for a user's reward function or
 checker (tests/engines/test_engines_lean_imports.py).
+
+DeepSpeed's autotuner imports MLflow, when it is installed, as DeepSpeed itself
+loads (deepspeed/autotuning/autotuner.py), to log autotuning experiments;
+alignflow never autotunes, and its trainers log nothing to MLflow (the stage's
+task does). MLflow is installed because alignflow tracks runs with it. That
+import was about half of `import deepspeed` in each trainer rank: 4 s of 8 s
+of CPU on a 2-core AMD EPYC (`bench/imports.py`). `import_deepspeed()` loads
+DeepSpeed with MLflow hidden; `import mlflow` works again as soon as it returns.
 """
 
 from __future__ import annotations
@@ -39,3 +48,19 @@ def skip_sklearn_in_transformers() -> bool:
         return False
     utils.is_sklearn_available = import_utils.is_sklearn_available = _absent
     return True
+
+
+def import_deepspeed():
+    """`deepspeed`, loaded without its autotuner's MLflow import where this process has not imported
+    MLflow already (then DeepSpeed finds it loaded and it costs nothing). Called where a trainer rank
+    first needs DeepSpeed, in an actor that runs one call at a time: no other thread imports meanwhile."""
+    if "deepspeed" not in sys.modules and "mlflow" not in sys.modules:
+        sys.modules["mlflow"] = None  # `import mlflow` raises ImportError: DeepSpeed's autotuner goes without
+        try:
+            import deepspeed
+        finally:
+            if "mlflow" in sys.modules and sys.modules["mlflow"] is None:
+                del sys.modules["mlflow"]
+    import deepspeed
+
+    return deepspeed

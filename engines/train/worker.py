@@ -33,6 +33,7 @@ from alignflow.artifacts import Entries, Source, local_dir, writing
 from engines import lora, models
 from engines.accumulate import add_metrics, host_metrics
 from engines.batches import in_micro_batches
+from engines.lean_imports import import_deepspeed
 from engines.placement.devices import (actor_device, announce_cpu_accelerator, local_rank, pin_cpu_cores,
                                        cpu_report, placement_group_id, quiet_stdout, to_cpu, to_device)
 from engines.placement.rendezvous import init_training_group, reserve_address
@@ -78,7 +79,7 @@ class TrainWorker:
     def setup(self, spec: EngineSpec, master: tuple[str, int]) -> None:
         # The device rule (engines/placement/devices.py): the GPU Ray placed this rank on, or the CPU.
         self.device = announce_cpu_accelerator(actor_device())
-        import deepspeed
+        deepspeed = import_deepspeed()  # without MLflow (engines/lean_imports.py)
         from deepspeed.accelerator import get_accelerator
         os.environ.update(
             MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), RANK=str(self.rank),

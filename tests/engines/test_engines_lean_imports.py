@@ -46,3 +46,27 @@ def test_called_too_late_it_says_so_and_changes_nothing():
                "print(json.dumps({'skipped': skip_sklearn_in_transformers(), 'sklearn': 'sklearn' in sys.modules,\n"
                "                  'check': cg.is_sklearn_available()}))")
     assert got == {"skipped": False, "sklearn": True, "check": True}
+
+
+def test_a_trainer_rank_loads_deepspeed_without_mlflow_and_mlflow_still_imports():
+    """What TrainWorker.setup does first: DeepSpeed loaded, its autotuner without MLflow, and MLflow
+    importable right after for whoever wants it."""
+    got = _run("import sys, json\n"
+               "import engines.train.worker as worker\n"
+               "ds = worker.import_deepspeed()\n"
+               "from deepspeed.autotuning import autotuner\n"
+               "before = 'mlflow' in sys.modules\n"
+               "import mlflow\n"
+               "print(json.dumps({'before': before, 'autotuner_mlflow': autotuner.has_mlflow,\n"
+               "                  'same': ds is sys.modules['deepspeed'], 'mlflow': hasattr(mlflow, 'log_metric')}))")
+    assert got == {"before": False, "autotuner_mlflow": False, "same": True, "mlflow": True}
+
+
+def test_with_mlflow_already_loaded_deepspeed_loads_as_ever():
+    got = _run("import sys, json\n"
+               "import mlflow\n"
+               "from engines.lean_imports import import_deepspeed\n"
+               "import_deepspeed()\n"
+               "from deepspeed.autotuning import autotuner\n"
+               "print(json.dumps({'autotuner_mlflow': autotuner.has_mlflow, 'mlflow': sys.modules['mlflow'] is mlflow}))")
+    assert got == {"autotuner_mlflow": True, "mlflow": True}
