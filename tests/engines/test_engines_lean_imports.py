@@ -68,5 +68,6 @@ def test_with_mlflow_already_loaded_deepspeed_loads_as_ever():
                "from engines.lean_imports import import_deepspeed\n"
                "import_deepspeed()\n"
                "from deepspeed.autotuning import autotuner\n"
-               "print(json.dumps({'autotuner_mlflow': autotuner.has_mlflow, 'mlflow': sys.modules['mlflow'] is mlflow}))")
+               "print(json.dumps({'autotuner_mlflow': autotuner.has_mlflow,\n"
+               "                  'mlflow': sys.modules['mlflow'] is mlflow}))")
     assert got == {"autotuner_mlflow": True, "mlflow": True}
