@@ -41,8 +41,9 @@ def drop_ids_past(logprobs: torch.Tensor, ids: torch.Tensor, rows: int) -> tuple
     """A teacher's top-k (logprobs, ids: (B, W, k), loss_columns' layout) without the ids the student's
     output layer has no row for (a teacher's padded vocabulary can be larger): each such entry's id becomes
     0 and its log-prob NO_STUDENT_ROW, in new tensors. A student's gather at such an id would fail (on a
-    GPU, a device-side assert that ends the run). Also returns what was dropped: `entries`, the teacher's probability `mass`
-    on them, and `positions` (B, W) bool, the columns where no entry is left to learn from."""
+    GPU, a device-side assert that ends the run). Also returns what was dropped: `entries`, the teacher's
+    probability `mass` on them, and `positions` (B, W) bool, the columns where no entry is left to learn
+    from."""
     past = ids >= rows
     dropped = {"entries": int(past.sum()), "mass": float(logprobs[past].exp().sum())}
     if dropped["entries"]:
