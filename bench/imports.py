@@ -5,13 +5,14 @@
 
 Each measurement is a fresh interpreter importing what a process of that kind imports: a trainer
 (engines.train.worker: torch, transformers' model code, Ray), a trainer rank set up (that, then DeepSpeed
-as TrainWorker.setup loads it) and a rollout engine (prepare_engine_process, then vLLM). `as shipped` is
-the code as it is (transformers told scikit-learn is absent and DeepSpeed loaded without MLflow,
-engines/lean_imports.py); `with sklearn` first imports the transformers module that pulls scikit-learn
-in, and `with mlflow` first imports MLflow, which DeepSpeed's autotuner otherwise imports: how every
-process started before. Variants alternate, order reversed every other round. Printed: per process kind
-and variant the median seconds, the ratio to the kind's first variant, and whether scikit-learn and
-MLflow ended up loaded.
+as TrainWorker.setup loads it) and a rollout engine (prepare_engine_process, then vLLM as RolloutActor
+loads it). `as shipped` is the code as it is (engines/lean_imports.py: transformers told scikit-learn
+and scipy are absent, vLLM loaded without scipy and OpenCV, DeepSpeed without MLflow). The other
+variants first import what a process loaded before: `with sklearn` the transformers module that pulls
+scikit-learn (and scipy) in, `with mlflow` MLflow, which DeepSpeed's autotuner imported, and `with scipy`
+what transformers' detection loss and vLLM's audio and video code imported. Variants alternate, order
+reversed every other round. Printed: per process kind and variant the median seconds, the ratio to
+`as shipped`, and which of scikit-learn, scipy, OpenCV and MLflow ended up loaded.
 """
 
 from __future__ import annotations
@@ -25,21 +26,24 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 _RANK = "import engines.train.worker as w; w.import_deepspeed()"
+_ENGINE = ("from engines.rollout.actors import prepare_engine_process; prepare_engine_process(2, None); "
+           "from engines.lean_imports import import_vllm; import_vllm()")
+_SKLEARN = "import transformers.generation.candidate_generator"
+LOADED = ("sklearn", "scipy", "cv2", "mlflow")
 PROCESSES = {  # kind: (what it imports, {variant: what is imported first})
     "trainer": ("import engines.train.worker",
-                {"with sklearn": "import transformers.generation.candidate_generator", "as shipped": ""}),
-    "trainer rank": (_RANK, {"with mlflow": "import mlflow", "as shipped": ""}),
-    "rollout engine": ("from engines.rollout.actors import prepare_engine_process; prepare_engine_process(2, None); "
-                       "from vllm import LLM",
-                       {"with sklearn": "import transformers.generation.candidate_generator", "as shipped": ""}),
+                {"with sklearn": _SKLEARN, "with scipy": "import scipy.optimize", "as shipped": ""}),
+    "trainer rank": (_RANK, {"with mlflow": "import mlflow", "with scipy": "import scipy.optimize",
+                             "as shipped": ""}),
+    "rollout engine": (_ENGINE, {"with sklearn": f"{_SKLEARN}; import scipy.signal, cv2",
+                                 "with scipy": "import scipy.optimize, scipy.signal, cv2", "as shipped": ""}),
 }
 
 
 def measure(prelude: str, body: str) -> tuple[float, str]:
-    """(seconds from the first import to the last, which of scikit-learn and MLflow got imported) in a new
-    interpreter."""
+    """(seconds from the first import to the last, which of LOADED got imported) in a new interpreter."""
     code = (f"import sys, time, json; t = time.perf_counter()\n{prelude}\n{body}\n"
-            "print(json.dumps([time.perf_counter() - t, [m for m in ('sklearn', 'mlflow') if m in sys.modules]]))")
+            f"print(json.dumps([time.perf_counter() - t, [m for m in {LOADED} if sys.modules.get(m)]]))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     seconds, loaded = json.loads(out.stdout.strip().splitlines()[-1])
     return seconds, " ".join(loaded) or "-"
@@ -61,7 +65,7 @@ def main() -> None:
                 print(f"round {i + 1}: {kind:15s} {variant:13s} {s:6.2f} s", flush=True)
     print(f"\n{'process':15s} {'variant':13s} {'median':>8s} {'ratio':>6s}  loaded")
     for kind, (_, variants) in PROCESSES.items():
-        base = statistics.median(times[(kind, next(iter(variants)))])
+        base = statistics.median(times[(kind, "as shipped")])
         for variant in variants:
             m = statistics.median(times[(kind, variant)])
             print(f"{kind:15s} {variant:13s} {m:7.2f}s {m / base:5.2f}x  {loaded[(kind, variant)]}")

@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from engines.lean_imports import skip_sklearn_in_transformers
+from engines.lean_imports import lean_transformers
 
-skip_sklearn_in_transformers()  # before transformers loads its model code
+lean_transformers()  # before transformers loads its model code
 
 from transformers import (  # noqa: E402
     AutoConfig,

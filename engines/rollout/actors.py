@@ -19,7 +19,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from alignflow.artifacts import Source, local_dir
 from alignflow.config import GenerationConfig, VLLMConfig
 from alignflow.errors import ConfigError
-from engines.lean_imports import skip_sklearn_in_transformers
+from engines.lean_imports import import_vllm, lean_transformers
 from engines.placement.devices import actor_options, pin_cpu_cores
 from engines.placement.groups import wait_placement_group
 from engines.rollout.base import PendingRollouts, Rollout, Sampling, merge_rollouts
@@ -36,12 +36,12 @@ def prepare_engine_process(torch_threads: int, cpu_cores: list[int] | None, *, o
     """The environment a rollout engine's process needs, set before vLLM loads; the torch threads it got.
 
     vLLM runs in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): 3-5 s to start instead of ~30 s, and
-    both cores stay with the model. vLLM loads transformers: without scikit-learn (engines/lean_imports.py).
+    both cores stay with the model. transformers loads without scikit-learn or scipy (engines/lean_imports.py).
     On a GPU (`on_gpu`) the engine compiles: the TORCH_COMPILE_DISABLE every process of a run inherits
     (alignflow/cluster.py, for the CPU) would turn off vLLM's torch.compile and with it its piecewise
     CUDA graphs; `vllm.enforce_eager: true` is the switch for an eager GPU engine.
     """
-    skip_sklearn_in_transformers()
+    lean_transformers()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     if on_gpu:
@@ -58,6 +58,7 @@ def build_engine(backend: str, model_path: str, *, dtype: str = "float32", seed:
                  sleep_mode: bool = False) -> VLLMEngine | HFEngine:
     """One engine of `backend` on the model at the local path `model_path`, in this process."""
     if backend == "vllm":
+        import_vllm()  # without scipy and OpenCV (engines/lean_imports.py)
         from vllm.platforms import current_platform
 
         mismatch = vllm_build_mismatch(current_platform.device_name, current_platform.is_cpu(), on_gpu)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from alignflow.artifacts import Source, local_dir
+from engines.lean_imports import import_vllm
 from engines.rollout.actors import build_engine, prepare_engine_process
 from engines.rollout.base import Rollout, Sampling
 
@@ -27,7 +28,7 @@ class EngineHost:
         self.torch_threads = prepare_engine_process(torch_threads, cpu_cores, on_gpu=on_gpu)
         self.engines_built = 0
         if backend == "vllm":
-            from vllm import LLM  # noqa: F401  (the point of the host: loaded once, before an evaluation asks)
+            import_vllm()  # the point of the host: loaded once, before an evaluation asks
 
     def generate(self, backend: str, model_path: Source, prompt_ids: list[list[int]], sampling: Sampling,
                  **engine_kwargs) -> list[Rollout]:

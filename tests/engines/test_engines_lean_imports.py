@@ -1,5 +1,6 @@
-"""Processes that load models import transformers without scikit-learn (engines/lean_imports.py),
-and scikit-learn still imports for whoever wants it."""
+"""Processes that load models import transformers without scikit-learn and scipy, vLLM without scipy
+and OpenCV, and DeepSpeed without MLflow (engines/lean_imports.py); each still imports for whoever
+wants it, and what vLLM went without is a placeholder that says so where it would be called."""
 
 from __future__ import annotations
 
@@ -17,33 +18,51 @@ def _run(code: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_a_trainer_process_loads_model_code_without_sklearn_and_sklearn_still_imports():
+def test_a_trainer_process_loads_model_code_without_sklearn_or_scipy_and_both_still_import():
     got = _run("import sys, json\n"
                "import engines.train.worker\n"
                "from transformers import PreTrainedModel\n"
                "import transformers.generation.candidate_generator as cg\n"
-               "before = 'sklearn' in sys.modules\n"
+               "import transformers.loss.loss_for_object_detection as od\n"
+               "before = sorted(m for m in ('sklearn', 'scipy') if m in sys.modules)\n"
                "from sklearn.metrics import roc_curve\n"
-               "print(json.dumps({'before': before, 'roc': [float(x) for x in roc_curve([0, 1], [0.2, 0.8])[1]]}))")
-    assert got["before"] is False  # the model code loaded, scikit-learn did not
+               "from scipy.optimize import linear_sum_assignment\n"
+               "print(json.dumps({'before': before, 'roc': [float(x) for x in roc_curve([0, 1], [0.2, 0.8])[1]],\n"
+               "                  'lsa': [int(x) for x in linear_sum_assignment([[2, 1], [1, 2]])[1]],\n"
+               "                  'od_lsa': hasattr(od, 'linear_sum_assignment')}))")
+    assert got["before"] == []  # the model code loaded, scikit-learn and scipy did not
+    assert got["od_lsa"] is False  # the detection loss went without its optimizer
     assert got["roc"] == [0.0, 1.0, 1.0]  # a user's own `import sklearn` works as ever
+    assert got["lsa"] == [1, 0]  # and `import scipy`
 
 
-def test_a_rollout_engine_process_loads_vllm_without_sklearn():
+def test_a_rollout_engine_process_loads_vllm_without_sklearn_scipy_or_opencv():
+    """As RolloutActor and EngineHost load it. vLLM's audio resampling and video reading, the two places
+    that wanted scipy and OpenCV, hold vLLM's placeholders; scipy imports right after for whoever wants it."""
     got = _run("import sys, json\n"
                "from engines.rollout.actors import prepare_engine_process\n"
+               "from engines.lean_imports import import_vllm\n"
                "prepare_engine_process(1, None)\n"
-               "from vllm import LLM\n"
+               "vllm = import_vllm()\n"
                "import transformers.generation.candidate_generator\n"
-               "print(json.dumps({'sklearn': 'sklearn' in sys.modules}))")
-    assert got == {"sklearn": False}
+               "from vllm.multimodal import audio, video\n"
+               "from vllm.utils.import_utils import PlaceholderModule\n"
+               "loaded = sorted(m for m in ('sklearn', 'scipy', 'cv2') if m in sys.modules)\n"
+               "import scipy.signal\n"
+               "print(json.dumps({'loaded': loaded, 'LLM': hasattr(vllm, 'LLM'),\n"
+               "                  'video_cv2': isinstance(video.cv2, PlaceholderModule),\n"
+               "                  'audio_scipy': type(audio.scipy_signal).__name__,\n"
+               "                  'scipy_after': hasattr(scipy.signal, 'resample_poly')}))")
+    assert got["loaded"] == [] and got["LLM"] is True
+    assert got["video_cv2"] is True and got["audio_scipy"] != "module"
+    assert got["scipy_after"] is True
 
 
 def test_called_too_late_it_says_so_and_changes_nothing():
     got = _run("import sys, json\n"
                "import transformers.generation.candidate_generator as cg\n"
-               "from engines.lean_imports import skip_sklearn_in_transformers\n"
-               "print(json.dumps({'skipped': skip_sklearn_in_transformers(), 'sklearn': 'sklearn' in sys.modules,\n"
+               "from engines.lean_imports import lean_transformers\n"
+               "print(json.dumps({'skipped': lean_transformers(), 'sklearn': 'sklearn' in sys.modules,\n"
                "                  'check': cg.is_sklearn_available()}))")
     assert got == {"skipped": False, "sklearn": True, "check": True}
 
