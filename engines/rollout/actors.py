@@ -58,12 +58,12 @@ def build_engine(backend: str, model_path: str, *, dtype: str = "float32", seed:
                  sleep_mode: bool = False) -> VLLMEngine | HFEngine:
     """One engine of `backend` on the model at the local path `model_path`, in this process."""
     if backend == "vllm":
-        import_vllm()  # without scipy and OpenCV (engines/lean_imports.py)
         from vllm.platforms import current_platform
 
         mismatch = vllm_build_mismatch(current_platform.device_name, current_platform.is_cpu(), on_gpu)
         if mismatch:
             raise ConfigError(mismatch)
+        import_vllm()  # the rest of vLLM, without scipy and OpenCV (engines/lean_imports.py)
         opts = vllm or VLLMConfig()
         args = vllm_engine_args(opts, model_path=model_path, dtype=dtype, seed=seed, max_model_len=max_model_len,
                                 on_gpu=on_gpu, sleep_mode=sleep_mode)

@@ -37,12 +37,14 @@ def test_a_trainer_process_loads_model_code_without_sklearn_or_scipy_and_both_st
 
 
 def test_a_rollout_engine_process_loads_vllm_without_sklearn_scipy_or_opencv():
-    """As RolloutActor and EngineHost load it. vLLM's audio resampling and video reading, the two places
-    that wanted scipy and OpenCV, hold vLLM's placeholders; scipy imports right after for whoever wants it."""
+    """As RolloutActor loads it (EngineHost: the same without the device check first). vLLM's audio
+    resampling and video reading, the two places that wanted scipy and OpenCV, hold vLLM's placeholders;
+    scipy imports right after for whoever wants it."""
     got = _run("import sys, json\n"
                "from engines.rollout.actors import prepare_engine_process\n"
                "from engines.lean_imports import import_vllm\n"
                "prepare_engine_process(1, None)\n"
+               "from vllm.platforms import current_platform\n"  # build_engine's device check comes first
                "vllm = import_vllm()\n"
                "import transformers.generation.candidate_generator\n"
                "from vllm.multimodal import audio, video\n"
