@@ -8,6 +8,7 @@ from typing import Any
 
 from alignflow.config import InfraConfig
 from alignflow.errors import ConfigError
+from alignflow.interrupts import sigterm_handler_kept
 
 # Set in the driver before Ray starts; Ray workers inherit them.
 PROCESS_ENV = {
@@ -136,7 +137,8 @@ def ensure_ray(infra: InfraConfig) -> None:
     import ray
 
     if not ray.is_initialized():
-        ray.init(**ray_init_kwargs(infra))
+        with sigterm_handler_kept():
+            ray.init(**ray_init_kwargs(infra))
 
 
 SCRATCH_ENV = "ALIGNFLOW_SCRATCH"

@@ -10,21 +10,27 @@ TerminationSignal) means the work was stopped, not that it failed.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 
-def _raise_system_exit(signum: int, frame) -> None:
-    raise SystemExit(128 + signum)
+class Terminated(SystemExit):
+    """SIGTERM, as the CLI raises it: a SystemExit with status 143 (128 + 15), as a shell reports it."""
+
+
+def _raise_terminated(signum: int, frame) -> None:
+    raise Terminated(128 + signum)
 
 
 def install_sigterm_handler() -> bool:
-    """SIGTERM raises SystemExit(143) in the main thread; False where a handler cannot be set."""
+    """SIGTERM raises Terminated (SystemExit(143)) in the main thread; False where a handler cannot be set."""
     if threading.current_thread() is not threading.main_thread():
         return False
-    signal.signal(signal.SIGTERM, _raise_system_exit)
+    signal.signal(signal.SIGTERM, _raise_terminated)
     return True
 
 
@@ -62,3 +68,62 @@ def pid_alive(pid: int, since: float | None = None) -> bool:
     started = boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
     # btime is whole seconds: 2 s of slack before calling the pid reused.
     return fields[0] != "Z" and (since is None or started <= since + 2)
+
+
+@contextlib.contextmanager
+def sigterm_handler_kept() -> Iterator[None]:
+    """Keep this thread's SIGTERM handler across the block: `ray.init` sets its own (`sys.exit(15)`), which would
+    replace the CLI's (exit 143) and, inside a flow run, Prefect's (cancellation)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    kept = signal.getsignal(signal.SIGTERM)
+    try:
+        yield
+    finally:
+        if kept is not None:
+            signal.signal(signal.SIGTERM, kept)
+
+
+class DeferredSignals:
+    """Ctrl-C and SIGTERM held back while the main thread waits in native code, then handed on between waits.
+
+    A Python signal handler runs wherever the main thread next runs Python, and Ray's blocking calls run
+    Python callbacks: an exception raised by a handler there (Prefect's `TerminationSignal`) surfaces as
+    `SystemError: ... returned a result with an exception set`, not as the stop it was. Inside this
+    context a signal is only recorded; `deliver()`, called by the waiting loop between short waits, puts
+    the handlers back as they were and raises the first signal through them, so the stop is raised from
+    the loop itself. A signal still pending on exit is delivered then. Off the main thread, where
+    handlers cannot be set, it does nothing.
+    """
+
+    def __init__(self, signums: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)):
+        self.signums, self.pending = signums, []
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> DeferredSignals:
+        if threading.current_thread() is threading.main_thread():
+            for signum in self.signums:
+                handler = signal.getsignal(signum)
+                if handler not in (signal.SIG_IGN, None):  # an ignored signal stays ignored
+                    self._previous[signum] = signal.signal(signum, self._record)
+        return self
+
+    def _record(self, signum: int, frame) -> None:
+        self.pending.append(signum)
+
+    def _restore(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous = {}
+
+    def deliver(self) -> None:
+        """Raise the first signal received, through the handlers in place before; nothing if none came."""
+        if self.pending:
+            self._restore()
+            signal.raise_signal(self.pending.pop(0))
+
+    def __exit__(self, *exc) -> None:
+        self._restore()
+        if self.pending:  # a stop asked for while a failure was raised is still a stop
+            signal.raise_signal(self.pending.pop(0))

@@ -1,9 +1,8 @@
 """MLflow tracking: one parent run per pipeline run, one child run per stage.
 
-Stages run in Ray workers, so a child run is opened by id (`parent_run_id`)
-rather than through MLflow's thread-local active-run stack. Stage configs
-become params, flattened with dotted names (alignflow/mlflow_inputs.py: anything
-that looks like a credential is dropped first, and URIs lose their userinfo).
+Stages run in Ray workers, so a child run is opened by id (`parent_run_id`) rather than through MLflow's
+thread-local active-run stack. Stage configs become params, flattened with dotted names
+(alignflow/mlflow_inputs.py: anything that looks like a credential is dropped first, and URIs lose their userinfo).
 
 Every run records the process that owns it (`alignflow.pid`, `alignflow.host`, and since when) and is
 ended by that process: FINISHED, FAILED on an error, KILLED on an interrupt. A process killed outright
@@ -67,10 +66,9 @@ class Tracker:
                      reopen_tag: str | None = None) -> str:
         """The pipeline's parent run; runs left RUNNING by dead processes on this host are closed first.
 
-        With `reopen_tag` (a key of `tags`, e.g. the Prefect flow run id), the
-        newest parent run carrying the same value is reopened instead of a new
-        one made: a retried flow run keeps its one parent, with every stage
-        under it."""
+        With `reopen_tag` (a key of `tags`, e.g. the Prefect flow run id), the newest parent run carrying the
+        same value is reopened instead of a new one made: a retried flow run keeps its one parent, with every
+        stage under it."""
         self.reap_stale()
         client = self._client
         all_tags = {**_owner_tags(), **(tags or {})}
@@ -225,10 +223,9 @@ class Tracker:
     ) -> Iterator[StageRun]:
         """A child run of the pipeline's parent run (or a top-level run).
 
-        A stage that ran before under the same parent with the same key
-        (`tags["alignflow.key"]`) and did not finish (a retry: Prefect's, or
-        of the whole flow run) continues that run, so its metrics are one
-        history across attempts."""
+        A stage that ran before under the same parent with the same key (`tags["alignflow.key"]`) and did not
+        finish (a retry: Prefect's, or of the whole flow run) continues that run, so its metrics are one history
+        across attempts."""
         client = self._client
         all_tags = {"alignflow.stage": stage, **_owner_tags(), **(tags or {})}
         if parent_run_id:
@@ -245,11 +242,15 @@ class Tracker:
                 self._log_params(run_id, param_values(params))
             yield StageRun(client, run_id)
         except BaseException as exc:
-            # Best effort: an error here must not replace the one that ends the stage.
+            # Best effort: an error here must not replace the one that ends the stage. A stage whose pipeline
+            # was stopped (stop_children) stays KILLED where it then fails for it (its engine host gone).
+            status = end_status(exc)
             try:
-                client.set_terminated(run_id, status=end_status(exc))
+                if status == "FAILED" and client.get_run(run_id).info.status == "KILLED":
+                    status = "KILLED"
+                client.set_terminated(run_id, status=status)
             except Exception as err:
-                log.warning("could not end MLflow run %s (%s): %s", run_id, end_status(exc), err)
+                log.warning("could not end MLflow run %s (%s): %s", run_id, status, err)
             raise
         client.set_terminated(run_id, status="FINISHED")
 

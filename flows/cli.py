@@ -26,7 +26,7 @@ from pathlib import Path
 from alignflow.cluster import SCRATCH_ENV, apply_process_env
 from alignflow.config import PipelineConfig, load_config, resolve_paths
 from alignflow.errors import ConfigError, StartError, UserError
-from alignflow.interrupts import install_sigterm_handler
+from alignflow.interrupts import Terminated, install_sigterm_handler, sigterm_handler_kept
 from alignflow.storage import is_local_uri, local_path
 from flows import console
 from flows.planview import StageState, format_plan, plan_states
@@ -82,7 +82,8 @@ def _warm_up(cfg: PipelineConfig, verbose: bool) -> None:
     if not verbose:
         console.quiet_ray_notices()
     try:
-        ray.init(**kwargs, logging_level=logging.INFO if verbose else logging.WARNING)
+        with sigterm_handler_kept():
+            ray.init(**kwargs, logging_level=logging.INFO if verbose else logging.WARNING)
     except Exception as err:
         where = f"the Ray cluster at {cfg.infra.ray_address}" if cfg.infra.ray_address else "a local Ray"
         logs = Path(tempfile.gettempdir()) / "ray" / "session_latest" / "logs"
@@ -184,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("name", help="a stage (sft, round_2, eval_sft, ...) or a target (data, sft, reward_model, rl, ...)")
     p.add_argument("args", nargs="*")
     ns = parser.parse_args(argv)
-    install_sigterm_handler()  # SIGTERM raises SystemExit: `finally` blocks end MLflow runs KILLED, drop scratch
+    install_sigterm_handler()  # SIGTERM raises Terminated: `finally` blocks end MLflow runs KILLED, drop scratch
     console.setup(ns.verbose)
     target = ns.name if ns.command == "stage" else None
     cfg: PipelineConfig | None = None
@@ -213,15 +214,15 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         print(f"error: {err}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, Terminated) as stop:
         if ns.verbose:
             traceback.print_exc()
         print(interrupted_line(cfg, ns.command, target), file=sys.stderr)
-        return 130
+        return stop.code if isinstance(stop, Terminated) else 130
 
 
 def interrupted_line(cfg: PipelineConfig | None, command: str, target: str | None) -> str:
-    """What a Ctrl-C stopped, in one line: each stage it stopped at its step, and how to go on. The stages'
+    """What a Ctrl-C or SIGTERM stopped, in one line: each stage it stopped at its step, and how to go on. The stages'
     MLflow runs are KILLED by then (flows/report.py wait_all)."""
     again = f"alignflow {command}" + (f" {target}" if target else "")
     stopped = []

@@ -51,7 +51,8 @@ CPU_ADVICE = "|".join((
 # Read by Ray in this process when it is imported (Ray's log deduplicator drops matching lines).
 QUIET_DRIVER_ENV = {"RAY_DEDUP_LOGS_SKIP_REGEX": CPU_ADVICE}
 FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
-INTERRUPTED = "aborted by an interrupt signal"  # Prefect's line for a flow run stopped by Ctrl-C
+# Prefect's lines for a flow run stopped by Ctrl-C, by SIGTERM, and by SIGTERM as the CLI raises it (SystemExit).
+INTERRUPTED = ("aborted by an interrupt signal", "aborted by a termination signal", "aborted by Python system exit call")
 
 
 class ConsoleFilter(logging.Filter):
@@ -68,7 +69,7 @@ class ConsoleFilter(logging.Filter):
         if isinstance(exc, UserError) or _names_user_error(record):
             return False  # the CLI prints it as one `error:` line
         if (exc is not None and is_interrupt(exc)) or (record.name.startswith("prefect") and
-                                                      INTERRUPTED in record.getMessage()):
+                                                      any(line in record.getMessage() for line in INTERRUPTED)):
             return False  # the CLI prints what the interrupt stopped, in one line
         key = (record.name, record.getMessage())
         if key in self.seen:

@@ -7,9 +7,10 @@ from typing import Any
 from pydantic import BaseModel
 
 from alignflow.config import PipelineConfig
-from alignflow.interrupts import end_status
+from alignflow.interrupts import DeferredSignals, end_status
 from alignflow.records import StageResult
 from flows.curves import publish_curves
+from flows.stage_tasks import settled, stop_unfinished
 from tasks.context import RunContext
 from tasks.eval_metrics import (MAJORITY_ACCURACY, PASS_AT_PREFIX, RM_ACCURACY_PREFIX, RM_COUNT_PREFIX, pass_at_key,
                                 pass_at_ks)
@@ -131,19 +132,30 @@ def opened_parent_runs() -> list[str]:
     return list(_opened)
 
 
+WAIT_SLICE_S = 0.5  # how soon a stop asked for while stages run is acted on
+
+
 def wait_all(ctx: RunContext, futures: dict[str, Any]) -> tuple[dict[str, StageResult], dict[str, str]]:
     """Every stage's result and final state name; the parent run is closed FAILED if one failed,
-    KILLED if the wait was interrupted (Ctrl-C, SIGTERM), and then so are its stage runs still running.
+    KILLED if the wait was interrupted (Ctrl-C, SIGTERM), and then the stages still running are stopped
+    (stop_unfinished) and their runs KILLED.
 
     A failed stage fails the run only once every other stage has ended: those that do not need it
-    finish and are committed (a retry takes them from cache), those that do end NotReady."""
+    finish and are committed (a retry takes them from cache), those that do end NotReady.
+
+    The wait is in slices of WAIT_SLICE_S with Ctrl-C and SIGTERM held back meanwhile (DeferredSignals), so a
+    stop is raised here, between two waits, never inside Ray's."""
     try:
-        for f in futures.values():
-            f.wait()
+        with DeferredSignals() as signals:
+            for f in futures.values():
+                while not settled(f, WAIT_SLICE_S):
+                    signals.deliver()
+                signals.deliver()
         results = {name: f.result() for name, f in futures.items()}
     except BaseException as exc:
         tracker, status = ctx.tracker(), end_status(exc)
         if status == "KILLED":
+            stop_unfinished(futures.values())
             tracker.stop_children(ctx.parent_run_id)
         tracker.finish(ctx.parent_run_id, status=status)
         raise

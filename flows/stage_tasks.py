@@ -3,6 +3,9 @@ and retry policy, submitted to Ray through the flow's own task runner."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import logging
+from collections.abc import Iterable
 from typing import Any
 
 import ray
@@ -12,11 +15,14 @@ from prefect_ray import RayTaskRunner
 
 from alignflow.cluster import ray_init_kwargs
 from alignflow.config import InfraConfig
+from alignflow.interrupts import sigterm_handler_kept
 from flows.runtime import result_storage, warn_local_root_on_cluster
 from tasks.context import RunContext
 from tasks.plan import Plan
 from tasks.registry import STAGE_KINDS
 from tasks.runner import prefect_task
+
+log = logging.getLogger("alignflow")
 
 
 class StageTasks:
@@ -73,7 +79,8 @@ class PipelineTaskRunner(RayTaskRunner):
         self.address = kwargs.pop("address", None)
         self.init_kwargs = {"namespace": "prefect", **kwargs}
         self._owns_ray = True
-        self._ray_context = ray.init(self.address, **self.init_kwargs)
+        with sigterm_handler_kept():  # Prefect's: a runner cancels a flow run with SIGTERM
+            self._ray_context = ray.init(self.address, **self.init_kwargs)
 
     def submit(self, task, parameters, wait_for=None, dependencies=None):
         if not ray.is_initialized():
@@ -87,3 +94,36 @@ def join_ray(infra: InfraConfig) -> None:
     ctx = FlowRunContext.get()
     if isinstance(ctx.task_runner if ctx else None, PipelineTaskRunner):
         ctx.task_runner.join(infra)
+
+
+def settled(future: Any, timeout: float) -> bool:
+    """Whether a stage's future (Ray's or a thread pool's) has ended, after waiting at most `timeout` seconds;
+    one that has is then waited for, so its state is final. A future of another kind is simply waited for."""
+    inner = getattr(future, "wrapped_future", None)
+    if isinstance(inner, ray.ObjectRef):
+        done = bool(ray.wait([inner], timeout=timeout)[0])
+    elif isinstance(inner, concurrent.futures.Future):
+        done = bool(concurrent.futures.wait([inner], timeout=timeout).done)
+    else:
+        done = True
+    if done:
+        future.wait()
+    return done
+
+
+def stop_unfinished(futures: Iterable[Any]) -> int:
+    """Stop the stages of a stopped pipeline that are still running or waiting: each one's Ray task is cancelled
+    and its worker killed outright, and with it the trainers and engines it owns, so none goes on to commit
+    after the stop; the checkpoints it wrote stay for the rerun to resume from. How many were stopped."""
+    refs = [f.wrapped_future for f in futures if isinstance(getattr(f, "wrapped_future", None), ray.ObjectRef)]
+    if not refs:
+        return 0
+    try:
+        _, unfinished = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
+        for ref in unfinished:
+            ray.cancel(ref, force=True)
+    except Exception as err:  # noqa: BLE001  (Ray going down with the CLI ends them as well)
+        log.warning("could not cancel the stages still running (%s: %s); they end with the run's Ray",
+                    type(err).__name__, err)
+        return 0
+    return len(unfinished)

@@ -1,5 +1,6 @@
 """End to end, the CLI stopped and run again: a failed stage fixed and rerun (the rest from cache), Ctrl-C
-mid-SFT and the rerun resuming, a round and a DPO stage killed outright at a checkpoint and resumed.
+mid-SFT and the rerun resuming, a round stopped by SIGTERM and a DPO stage killed outright at a checkpoint, each
+resumed.
 Local storage roots of their own; real Prefect, Ray, DeepSpeed, vLLM and MLflow, as in test_e2e_pipeline.py.
 """
 
@@ -11,6 +12,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import tempfile
 import textwrap
 from pathlib import Path
@@ -102,6 +104,8 @@ class Resumed:
     checkpoint_step: int  # the last committed checkpoint when the run was killed
     rerun: object  # CliResult
     run: object  # the one FINISHED MLflow run of the stage
+    status: int  # the stopped CLI's exit status
+    err: str  # and its stderr
 
 
 # SFT stopped once a checkpoint exists (step 20, or 40 where the signal came after the next one) and resumed:
@@ -110,13 +114,15 @@ class Resumed:
 SFT_TOTAL = 100
 
 
-def kill_and_resume(stage: str, args: list[str], tmp_path: Path, *, alignflow_cli, cli_env, process_tools) -> Resumed:
-    """Kill `alignflow ARGS` at the stage's first committed checkpoint, check
-    that nothing looks committed, rerun it, and check the stage committed with
-    its checkpoints pruned. Returns what the caller checks the resume against."""
+def kill_and_resume(stage: str, args: list[str], tmp_path: Path, *, alignflow_cli, cli_env, process_tools,
+                    signum: int = signal.SIGKILL) -> Resumed:
+    """Send `signum` to `alignflow ARGS` at the stage's first committed checkpoint, check that nothing looks
+    committed, rerun it, and check the stage committed with its checkpoints pruned. Returns what the caller
+    checks the stop and the resume against."""
     root, cwd, env = tmp_path / "artifacts", tmp_path / "cwd", cli_env()
     pattern = f"{stage}/*/checkpoints/step-*/manifest.json"
-    process_tools.kill_at_checkpoint(args, env=env, cwd=cwd, checkpoint_glob=root / pattern)
+    status = process_tools.kill_at_checkpoint(args, env=env, cwd=cwd, checkpoint_glob=root / pattern, signum=signum)
+    err = (cwd / "killed.err").read_text()
 
     stage_dirs = {p.parent.parent.parent for p in root.glob(pattern)}
     assert len(stage_dirs) == 1
@@ -136,7 +142,7 @@ def kill_and_resume(stage: str, args: list[str], tmp_path: Path, *, alignflow_cl
     assert len(finished) == 1, [(r.info.run_id, r.info.status, r.data.tags.get("alignflow.uri")) for r in runs]
     run = finished[0]
     assert int(run.data.tags["alignflow.resumed_from_step"]) == step
-    return Resumed(stage_dir=stage_dir, checkpoint_step=step, rerun=rerun, run=run)
+    return Resumed(stage_dir=stage_dir, checkpoint_step=step, rerun=rerun, run=run, status=status, err=err)
 
 
 def test_ctrl_c_mid_sft_ends_the_runs_killed_and_the_rerun_resumes(small_pipeline_args, cli_env, alignflow_cli,
@@ -144,7 +150,7 @@ def test_ctrl_c_mid_sft_ends_the_runs_killed_and_the_rerun_resumes(small_pipelin
     """SIGINT to `alignflow run` mid-SFT, sent to its process group as Ctrl-C sends it: the CLI stops with a
     nonzero status and nothing it started outlives it, the MLflow parent run ends KILLED and no stage run is
     left RUNNING. Then `alignflow stage sft` resumes it from that checkpoint and trains exactly the rest.
-    (A stage killed outright, SIGKILL with no clean-up, and resumed: the round's and DPO's tests below.)"""
+    (A stage killed outright, SIGKILL with no clean-up, and resumed: DPO's test below.)"""
     import signal
 
     total = SFT_TOTAL
@@ -192,25 +198,42 @@ def test_ctrl_c_mid_sft_ends_the_runs_killed_and_the_rerun_resumes(small_pipelin
     print(f"Ctrl-C after checkpoint step {step}; the rerun resumed in {rerun.seconds:.0f} s")
 
 
-def test_killed_round_resumes_and_finishes_its_steps(small_pipeline_args, cli_env, alignflow_cli, process_tools,
-                                                    tmp_path):
-    total = 12  # killed at step 4 or 8: a tiny round's step takes about 1.5 s here, so 4+ steps of margin
+def test_round_stopped_by_sigterm_ends_killed_and_resumes_its_steps(small_pipeline_args, cli_env, alignflow_cli,
+                                                                    process_tools, tmp_path):
+    """SIGTERM (what `kill`, systemd, Slurm and Kubernetes send) to the CLI's process group mid-round stops it as
+    Ctrl-C does: status 143, one line saying what stopped, the runs KILLED, nothing left running. The stop comes
+    while the CLI waits on Ray for the stages, where a handler raising inside Ray's wait once turned it into a
+    SystemError with a traceback and status 1. Then the rerun resumes the round."""
+    total = 12  # stopped at step 4 or 8: a tiny round's step takes about 1.5 s here, so 4+ steps of margin
     # GRPO on the rule: no reward model to train first, no critic or reward actor to start, twice.
     round_cfg = {"algorithm": "grpo", "steps": total, "checkpoint_every": 4, "prompts_per_step": 8,
                  "generation": {"num_samples": 2, "max_new_tokens": 8}, "ppo": {"epochs": 1, "minibatch_size": 16},
                  "reward": {"source": "rule"}}
     args = ["stage", "rl", *small_pipeline_args(tmp_path, rounds=0), f"rounds={json.dumps([round_cfg])}"]
     r = kill_and_resume("round_1", args, tmp_path, alignflow_cli=alignflow_cli, cli_env=cli_env,
-                        process_tools=process_tools)
+                        process_tools=process_tools, signum=signal.SIGTERM)
+    assert r.status == 143, r.err[-3000:]
+    # Nothing but the run's warnings (its SFT's data), no traceback, and the one line.
+    lines = [line for line in r.err.strip().splitlines() if not line.startswith("log: ") and "| WARNING |" not in line]
+    assert len(lines) == 1, r.err[-6000:]
+    stopped = re.fullmatch(rf"interrupted: round_1 stopped at step (\d+) of {total}; alignflow stage rl resumes it",
+                           lines[0])
+    assert stopped, r.err[-3000:]
     resumed = r.checkpoint_step
-    assert 4 <= resumed < total
+    assert 4 <= resumed <= int(stopped[1]) < total
     assert r.run.data.metrics["rl/steps"] == total
     assert r.run.data.metrics["rl/steps_run"] == total - resumed
     # The resumed run logged exactly the remaining steps: resumed+1 .. total.
     client = mlflow_client(f"sqlite:///{tmp_path / 'mlflow.db'}")
     history = client.get_metric_history(r.run.info.run_id, "rl/reward/mean")
     assert sorted(m.step for m in history) == list(range(resumed + 1, total + 1))
-    print(f"round killed after checkpoint step {resumed}; rerun {r.rerun.seconds:.0f} s")
+    runs = client.search_runs([experiment_id(client)])
+    statuses = [(run.info.run_name, run.info.status) for run in runs]
+    parents = [run.info.status for run in runs if "mlflow.parentRunId" not in run.data.tags]
+    rounds = [run.info.status for run in runs if run.data.tags.get("alignflow.stage") == "round_1"]
+    assert sorted(parents) == sorted(rounds) == ["FINISHED", "KILLED"], statuses
+    assert "RUNNING" not in dict(statuses).values(), statuses
+    print(f"round stopped by SIGTERM after checkpoint step {resumed}; rerun {r.rerun.seconds:.0f} s")
 
 
 # ---- 8: the preference stage (DPO and kin) ------------------------------------------

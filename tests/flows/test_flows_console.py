@@ -41,8 +41,10 @@ def test_console_drops_what_a_user_error_logs_elsewhere():
     assert f.filter(_record("prefect.flow_runs", logging.ERROR, "Encountered exception", RuntimeError("worker died")))
     # An interrupt: the CLI says what it stopped, in one line.
     assert not f.filter(_record("prefect.flow_runs", logging.ERROR, "Crashed", KeyboardInterrupt()))
-    assert not f.filter(_record("prefect.flow_runs", logging.ERROR,
-                                "Crash detected! Execution was aborted by an interrupt signal."))
+    for how in ("an interrupt signal", "a termination signal", "Python system exit call"):  # Ctrl-C, SIGTERM
+        assert not f.filter(_record("prefect.flow_runs", logging.ERROR, f"Crash detected! Execution was aborted by {how}."))
+    assert f.filter(_record("prefect.flow_runs", logging.ERROR, "Crash detected! Execution was interrupted by an "
+                                                                "unexpected exception: RuntimeError"))
 
 
 def test_quiet_setup_sets_the_worker_environment(monkeypatch):
