@@ -1,6 +1,6 @@
 """prefect.yaml deploys against a real Prefect server, the nightly
-deployment is scheduled, and a deployment run whose round fails is retried
-in place.
+deployment is scheduled, a deployment run whose round fails is retried
+in place, and one cancelled mid-round ends Cancelled with its MLflow runs KILLED.
 
 A `prefect server start --host 127.0.0.1` of its own (own PREFECT_HOME), the
 work pool from deployments/work-pool.md, then `prefect deploy --all` from the
@@ -245,6 +245,39 @@ def _wait_final(env: dict[str, str], run_id: str, timeout: float = 900) -> dict:
         time.sleep(3)
 
 
+START_RUN = """
+import json, sys
+from prefect import get_client
+from prefect.deployments import run_deployment
+with get_client(sync_client=True) as c:
+    nightly = c.read_deployment_by_name("alignflow-scheduled-pipeline/nightly")
+    for s in nightly.schedules:
+        c.update_deployment_schedule(nightly.id, s.id, active=False)
+run = run_deployment("alignflow-scheduled-pipeline/pipeline", timeout=0,
+                     parameters={"overrides": json.loads(sys.argv[1])})
+print(run.id)
+"""
+
+
+def _start_pipeline_run(env: dict[str, str], overrides: list[str]) -> str:
+    """A run of the pipeline deployment with `overrides`, its id. The nightly schedule is paused first: its runs
+    share the pool, and the test's worker must run this one alone."""
+    return _run([sys.executable, "-c", START_RUN, json.dumps(overrides)], env).stdout.strip().splitlines()[-1]
+
+
+def _start_worker(env: dict[str, str], tmp_path: Path, extra_path: Path | None = None):
+    """A `prefect worker` on the pool (its console in tmp_path/worker.log, open file returned with it)."""
+    worker_env = {**env, "PYTHONPATH": os.pathsep.join(str(p) for p in (extra_path, env.get("PYTHONPATH")) if p),
+                  "PYTHONDONTWRITEBYTECODE": "1"}
+    log = open(tmp_path / "worker.log", "w")
+    # SIGINT at its default: the worker stops on SIGTERM by sending itself SIGINT, which a shell without job
+    # control (`cmd &`, some CI runners) would have left ignored in every process it starts.
+    worker = subprocess.Popen([PREFECT, "worker", "start", "--pool", "alignflow-process"], env=worker_env, cwd=REPO,
+                              stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    return worker, log
+
+
 def test_a_failed_deployment_run_retried_from_its_page_is_one_run_and_one_mlflow_parent(prefect_server,
                                                                                       small_pipeline_args, tmp_path,
                                                                                       process_tools):
@@ -260,28 +293,8 @@ def test_a_failed_deployment_run_retried_from_its_page_is_one_run_and_one_mlflow
                  "generation": {"num_samples": 2, "max_new_tokens": 8}, "ppo": {"epochs": 1, "minibatch_size": 16},
                  "reward": {"source": "rule", "rule": "e2e_flaky_rule:reward"}}
     overrides = [*small_pipeline_args(tmp_path, rounds=0), f"rounds={json.dumps([round_cfg])}", "infra.task_retries=0"]
-    worker_env = {**env, "PYTHONPATH": os.pathsep.join(p for p in (str(src), env.get("PYTHONPATH")) if p),
-                  "PYTHONDONTWRITEBYTECODE": "1"}
-    # The nightly schedule is paused first: its runs share the pool, and this worker must run ours alone.
-    start = f"""
-import json, sys
-from prefect import get_client
-from prefect.deployments import run_deployment
-with get_client(sync_client=True) as c:
-    nightly = c.read_deployment_by_name("alignflow-scheduled-pipeline/nightly")
-    for s in nightly.schedules:
-        c.update_deployment_schedule(nightly.id, s.id, active=False)
-run = run_deployment("alignflow-scheduled-pipeline/pipeline", timeout=0,
-                     parameters={{"overrides": json.loads(sys.argv[1])}})
-print(run.id)
-"""
-    run_id = _run([sys.executable, "-c", start, json.dumps(overrides)], env).stdout.strip().splitlines()[-1]
-    log = open(tmp_path / "worker.log", "w")
-    # SIGINT at its default: the worker stops on SIGTERM by sending itself SIGINT, which a shell without job
-    # control (`cmd &`, some CI runners) would have left ignored in every process it starts.
-    worker = subprocess.Popen([PREFECT, "worker", "start", "--pool", "alignflow-process"], env=worker_env, cwd=REPO,
-                              stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    run_id = _start_pipeline_run(env, overrides)
+    worker, log = _start_worker(env, tmp_path, extra_path=src)
     try:
         failed = _wait_final(env, run_id)
         worker_log = lambda: (tmp_path / "worker.log").read_text()[-8000:]  # noqa: E731
@@ -367,3 +380,62 @@ asyncio.run(main())
     assert steps == [1, 2, 3, 4], steps  # the whole learning curve in one stage run
     assert {r.data.tags["alignflow.stage"] for r in children} >= {"data", "base_model", "sft", "round_1",
                                                                     "eval_base", "eval_sft", "eval_round_1"}
+
+
+CANCEL = """
+import asyncio, sys
+from uuid import UUID
+from prefect.client.orchestration import get_client
+from prefect.states import Cancelling
+async def main():
+    async with get_client() as c:
+        print((await c.set_flow_run_state(UUID(sys.argv[1]), Cancelling(), force=True)).status)
+asyncio.run(main())
+"""
+
+
+def test_a_deployment_run_cancelled_mid_round_ends_cancelled_and_its_runs_killed(prefect_server, small_pipeline_args,
+                                                                                  tmp_path, process_tools):
+    """Cancel, as the flow run page's button does it (the Cancelling state), mid-round: the worker sends the flow
+    run's process SIGTERM while it waits on Ray for the round. The run ends Cancelled (not Crashed), its MLflow
+    parent and the round KILLED with no run left RUNNING, and nothing the run started outlives it."""
+    url, env = prefect_server
+    round_cfg = {"algorithm": "grpo", "steps": 12, "checkpoint_every": 4, "prompts_per_step": 8,
+                 "generation": {"num_samples": 2, "max_new_tokens": 8}, "ppo": {"epochs": 1, "minibatch_size": 16},
+                 "reward": {"source": "rule"}}
+    overrides = [*small_pipeline_args(tmp_path, rounds=0), f"rounds={json.dumps([round_cfg])}", "infra.task_retries=0"]
+    run_id = _start_pipeline_run(env, overrides)
+    worker, log = _start_worker(env, tmp_path)
+    worker_log = lambda: (tmp_path / "worker.log").read_text()[-8000:]  # noqa: E731
+    try:
+        deadline = time.monotonic() + 600
+        while not list((tmp_path / "artifacts").glob("round_1/*/checkpoints/step-*/manifest.json")):
+            assert time.monotonic() < deadline, f"no round checkpoint in 600 s\n{worker_log()}"
+            assert worker.poll() is None, worker_log()
+            time.sleep(0.5)
+        started = {pid: t for pid, t in process_tools.tree(worker.pid).items() if pid != worker.pid}
+        assert "ACCEPT" in _run([sys.executable, "-c", CANCEL, run_id], env).stdout
+        final = _wait_final(env, run_id, timeout=300)
+        assert final["state"] == "Cancelled", f"{final}\n{worker_log()}"
+        deadline = time.monotonic() + 60
+        while process_tools.alive(started) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        left = process_tools.alive(started)
+        assert not left, [Path(f"/proc/{pid}/cmdline").read_bytes()[:120] for pid in left]
+    finally:
+        process_tools.stop_session(worker, timeout=60)
+        log.close()
+    console = (tmp_path / "worker.log").read_text()
+    assert "SystemError" not in console and "Failed to connect to GCS" not in console, console[-6000:]
+
+    from mlflow import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("alignflow").experiment_id
+    [parent] = client.search_runs([exp], filter_string=f"tags.`alignflow.prefect_flow_run_id` = '{run_id}'")
+    children = client.search_runs([exp], filter_string=f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
+    statuses = {r.data.tags["alignflow.stage"]: r.info.status for r in children}
+    assert (parent.info.status, statuses.get("round_1"), statuses.get("sft")) == ("KILLED", "KILLED", "FINISHED"), \
+        statuses
+    assert "RUNNING" not in statuses.values(), statuses
+    print(f"cancelled mid-round: {statuses}")
