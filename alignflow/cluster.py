@@ -132,13 +132,21 @@ def ray_init_kwargs(infra: InfraConfig) -> dict[str, Any]:
     }
 
 
+def init_ray(*args: Any, **kwargs: Any) -> Any:
+    """`ray.init(*args, **kwargs)`, keeping this thread's SIGTERM handler: Ray sets its own (`sys.exit(15)`),
+    which would replace the CLI's (exit 143) and, inside a flow run, Prefect's (cancellation)."""
+    import ray
+
+    with sigterm_handler_kept():
+        return ray.init(*args, **kwargs)
+
+
 def ensure_ray(infra: InfraConfig) -> None:
     """Inside a RayTaskRunner worker Ray is already up; otherwise start or join one."""
     import ray
 
     if not ray.is_initialized():
-        with sigterm_handler_kept():
-            ray.init(**ray_init_kwargs(infra))
+        init_ray(**ray_init_kwargs(infra))
 
 
 SCRATCH_ENV = "ALIGNFLOW_SCRATCH"

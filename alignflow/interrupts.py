@@ -72,8 +72,7 @@ def pid_alive(pid: int, since: float | None = None) -> bool:
 
 @contextlib.contextmanager
 def sigterm_handler_kept() -> Iterator[None]:
-    """Keep this thread's SIGTERM handler across the block: `ray.init` sets its own (`sys.exit(15)`), which would
-    replace the CLI's (exit 143) and, inside a flow run, Prefect's (cancellation)."""
+    """Keep this thread's SIGTERM handler across the block (alignflow/cluster.py `init_ray`: Ray sets its own)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return

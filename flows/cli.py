@@ -26,7 +26,7 @@ from pathlib import Path
 from alignflow.cluster import SCRATCH_ENV, apply_process_env
 from alignflow.config import PipelineConfig, load_config, resolve_paths
 from alignflow.errors import ConfigError, StartError, UserError
-from alignflow.interrupts import Terminated, install_sigterm_handler, sigterm_handler_kept
+from alignflow.interrupts import Terminated, install_sigterm_handler
 from alignflow.storage import is_local_uri, local_path
 from flows import console
 from flows.planview import StageState, format_plan, plan_states
@@ -74,7 +74,7 @@ def _warm_up(cfg: PipelineConfig, verbose: bool) -> None:
     runner reuses an initialised Ray, and shuts it down only if it started it)."""
     import ray
 
-    from alignflow.cluster import ray_init_kwargs
+    from alignflow.cluster import init_ray, ray_init_kwargs
 
     from flows.runtime import check_api_reachable
 
@@ -82,8 +82,7 @@ def _warm_up(cfg: PipelineConfig, verbose: bool) -> None:
     if not verbose:
         console.quiet_ray_notices()
     try:
-        with sigterm_handler_kept():
-            ray.init(**kwargs, logging_level=logging.INFO if verbose else logging.WARNING)
+        init_ray(**kwargs, logging_level=logging.INFO if verbose else logging.WARNING)
     except Exception as err:
         where = f"the Ray cluster at {cfg.infra.ray_address}" if cfg.infra.ray_address else "a local Ray"
         logs = Path(tempfile.gettempdir()) / "ray" / "session_latest" / "logs"

@@ -150,7 +150,6 @@ def wait_all(ctx: RunContext, futures: dict[str, Any]) -> tuple[dict[str, StageR
             for f in futures.values():
                 while not settled(f, WAIT_SLICE_S):
                     signals.deliver()
-                signals.deliver()
         results = {name: f.result() for name, f in futures.items()}
     except BaseException as exc:
         tracker, status = ctx.tracker(), end_status(exc)

@@ -13,9 +13,8 @@ from prefect.context import FlowRunContext
 from prefect.task_runners import TaskRunner
 from prefect_ray import RayTaskRunner
 
-from alignflow.cluster import ray_init_kwargs
+from alignflow.cluster import init_ray, ray_init_kwargs
 from alignflow.config import InfraConfig
-from alignflow.interrupts import sigterm_handler_kept
 from flows.runtime import result_storage, warn_local_root_on_cluster
 from tasks.context import RunContext
 from tasks.plan import Plan
@@ -79,8 +78,7 @@ class PipelineTaskRunner(RayTaskRunner):
         self.address = kwargs.pop("address", None)
         self.init_kwargs = {"namespace": "prefect", **kwargs}
         self._owns_ray = True
-        with sigterm_handler_kept():  # Prefect's: a runner cancels a flow run with SIGTERM
-            self._ray_context = ray.init(self.address, **self.init_kwargs)
+        self._ray_context = init_ray(self.address, **self.init_kwargs)  # Prefect's SIGTERM handler kept
 
     def submit(self, task, parameters, wait_for=None, dependencies=None):
         if not ray.is_initialized():
@@ -111,13 +109,13 @@ def settled(future: Any, timeout: float) -> bool:
     return done
 
 
-def stop_unfinished(futures: Iterable[Any]) -> int:
+def stop_unfinished(futures: Iterable[Any]) -> None:
     """Stop the stages of a stopped pipeline that are still running or waiting: each one's Ray task is cancelled
     and its worker killed outright, and with it the trainers and engines it owns, so none goes on to commit
-    after the stop; the checkpoints it wrote stay for the rerun to resume from. How many were stopped."""
+    after the stop; the checkpoints it wrote stay for the rerun to resume from."""
     refs = [f.wrapped_future for f in futures if isinstance(getattr(f, "wrapped_future", None), ray.ObjectRef)]
     if not refs:
-        return 0
+        return
     try:
         _, unfinished = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
         for ref in unfinished:
@@ -125,5 +123,3 @@ def stop_unfinished(futures: Iterable[Any]) -> int:
     except Exception as err:  # noqa: BLE001  (Ray going down with the CLI ends them as well)
         log.warning("could not cancel the stages still running (%s: %s); they end with the run's Ray",
                     type(err).__name__, err)
-        return 0
-    return len(unfinished)
