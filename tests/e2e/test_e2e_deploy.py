@@ -208,6 +208,28 @@ def reward(prompt, response, answer):
     return rule_reward(prompt, response, answer)
 '''
 
+HOLDING_RULE = '''
+import time
+from pathlib import Path
+
+from alignflow.data.synthetic import rule_reward
+
+HOLD, HOLDING = Path({hold!r}), Path({holding!r})
+calls = 0
+
+
+def reward(prompt, response, answer):
+    """From step 5 (4 steps of 8 prompts x 2 samples scored), waits while the hold file exists, saying so in the
+    holding file: the round is then surely mid-step when the test cancels it, however fast the machine."""
+    global calls
+    calls += 1
+    deadline = time.monotonic() + 900
+    while calls > 64 and HOLD.exists() and time.monotonic() < deadline:
+        HOLDING.touch()
+        time.sleep(0.2)
+    return rule_reward(prompt, response, answer)
+'''
+
 STATE_PROBE = """
 import asyncio, json, sys
 from uuid import UUID
@@ -400,19 +422,26 @@ def test_a_deployment_run_cancelled_mid_round_ends_cancelled_and_its_runs_killed
     run's process SIGTERM while it waits on Ray for the round. The run ends Cancelled (not Crashed), its MLflow
     parent and the round KILLED with no run left RUNNING, and nothing the run started outlives it."""
     url, env = prefect_server
+    src, hold, holding = tmp_path / "rule_src", tmp_path / "hold", tmp_path / "holding"
+    src.mkdir()
+    hold.touch()
+    (src / "e2e_holding_rule.py").write_text(HOLDING_RULE.format(hold=str(hold), holding=str(holding)))
     round_cfg = {"algorithm": "grpo", "steps": 12, "checkpoint_every": 4, "prompts_per_step": 8,
                  "generation": {"num_samples": 2, "max_new_tokens": 8}, "ppo": {"epochs": 1, "minibatch_size": 16},
-                 "reward": {"source": "rule"}}
+                 "reward": {"source": "rule", "rule": "e2e_holding_rule:reward"}}
     overrides = [*small_pipeline_args(tmp_path, rounds=0), f"rounds={json.dumps([round_cfg])}", "infra.task_retries=0"]
     run_id = _start_pipeline_run(env, overrides)
-    worker, log = _start_worker(env, tmp_path)
+    worker, log = _start_worker(env, tmp_path, extra_path=src)
     worker_log = lambda: (tmp_path / "worker.log").read_text()[-8000:]  # noqa: E731
     try:
+        # The worker notices Cancelling on its next poll, seconds later: on a fast machine a round left running
+        # would have finished by then (CI saw round_1 FINISHED), so the rule holds step 5 until the run is stopped.
         deadline = time.monotonic() + 600
-        while not list((tmp_path / "artifacts").glob("round_1/*/checkpoints/step-*/manifest.json")):
-            assert time.monotonic() < deadline, f"no round checkpoint in 600 s\n{worker_log()}"
+        while not holding.exists():
+            assert time.monotonic() < deadline, f"round_1 not held at step 5 in 600 s\n{worker_log()}"
             assert worker.poll() is None, worker_log()
             time.sleep(0.5)
+        assert list((tmp_path / "artifacts").glob("round_1/*/checkpoints/step-*/manifest.json")), worker_log()
         started = {pid: t for pid, t in process_tools.tree(worker.pid).items() if pid != worker.pid}
         assert "ACCEPT" in _run([sys.executable, "-c", CANCEL, run_id], env).stdout
         final = _wait_final(env, run_id, timeout=300)
@@ -423,6 +452,7 @@ def test_a_deployment_run_cancelled_mid_round_ends_cancelled_and_its_runs_killed
         left = process_tools.alive(started)
         assert not left, [Path(f"/proc/{pid}/cmdline").read_bytes()[:120] for pid in left]
     finally:
+        hold.unlink(missing_ok=True)
         process_tools.stop_session(worker, timeout=60)
         log.close()
     console = (tmp_path / "worker.log").read_text()
