@@ -10,7 +10,7 @@ from alignflow.config import PipelineConfig
 from alignflow.interrupts import DeferredSignals, end_status
 from alignflow.records import StageResult
 from flows.curves import publish_curves
-from flows.stage_tasks import settled, stop_unfinished
+from flows.stage_tasks import cancel_task_runs, settled, stop_unfinished
 from tasks.context import RunContext
 from tasks.eval_metrics import (MAJORITY_ACCURACY, PASS_AT_PREFIX, RM_ACCURACY_PREFIX, RM_COUNT_PREFIX, pass_at_key,
                                 pass_at_ks)
@@ -138,7 +138,7 @@ WAIT_SLICE_S = 0.5  # how soon a stop asked for while stages run is acted on
 def wait_all(ctx: RunContext, futures: dict[str, Any]) -> tuple[dict[str, StageResult], dict[str, str]]:
     """Every stage's result and final state name; the parent run is closed FAILED if one failed,
     KILLED if the wait was interrupted (Ctrl-C, SIGTERM), and then the stages still running are stopped
-    (stop_unfinished) and their runs KILLED.
+    (stop_unfinished), their task runs Cancelled (cancel_task_runs) and their runs KILLED.
 
     A failed stage fails the run only once every other stage has ended: those that do not need it
     finish and are committed (a retry takes them from cache), those that do end NotReady.
@@ -155,6 +155,7 @@ def wait_all(ctx: RunContext, futures: dict[str, Any]) -> tuple[dict[str, StageR
         tracker, status = ctx.tracker(), end_status(exc)
         if status == "KILLED":
             stop_unfinished(futures.values())
+            cancel_task_runs(futures.values())
             tracker.stop_children(ctx.parent_run_id)
         tracker.finish(ctx.parent_run_id, status=status)
         raise

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from flows.stage_tasks import STOPPED
+
 pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[2]
@@ -446,6 +448,9 @@ def test_a_deployment_run_cancelled_mid_round_ends_cancelled_and_its_runs_killed
         assert "ACCEPT" in _run([sys.executable, "-c", CANCEL, run_id], env).stdout
         final = _wait_final(env, run_id, timeout=300)
         assert final["state"] == "Cancelled", f"{final}\n{worker_log()}"
+        tasks = {t[0]: (t[1], t[2]) for t in final["tasks"]}  # none left Running under the Cancelled run
+        assert tasks["round_1"] == ("Cancelled", STOPPED) and tasks["sft"][0] == "Completed", tasks
+        assert not [n for n, (state, _) in tasks.items() if state in ("Running", "Pending")], tasks
         deadline = time.monotonic() + 60
         while process_tools.alive(started) and time.monotonic() < deadline:
             time.sleep(0.5)
