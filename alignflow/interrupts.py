@@ -72,13 +72,21 @@ def pid_alive(pid: int, since: float | None = None) -> bool:
 
 @contextlib.contextmanager
 def sigterm_handler_kept() -> Iterator[None]:
-    """Keep this thread's SIGTERM handler across the block (alignflow/cluster.py `init_ray`: Ray sets its own)."""
+    """Keep this thread's SIGTERM handler across the block (alignflow/cluster.py `init_ray`: Ray sets its own,
+    `sys.exit(15)`, first thing). A SIGTERM that Ray's handler turned into `SystemExit(15)` inside the block is
+    handed to the kept handler, so it stops the program as any other SIGTERM would (the CLI: its `interrupted:`
+    line and status 143; a flow run: Prefect's cancellation)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     kept = signal.getsignal(signal.SIGTERM)
     try:
         yield
+    except SystemExit as exc:
+        if exc.code == signal.SIGTERM and kept not in (None, signal.SIG_IGN):
+            signal.signal(signal.SIGTERM, kept)
+            signal.raise_signal(signal.SIGTERM)  # the kept handler raises its own stop, chained to this one
+        raise
     finally:
         if kept is not None:
             signal.signal(signal.SIGTERM, kept)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import signal
+import sys
 import threading
 
 import pytest
@@ -95,6 +96,30 @@ def test_the_sigterm_handler_is_kept_across_a_call_that_replaces_it(raising_sigt
     with sigterm_handler_kept():
         signal.signal(signal.SIGTERM, lambda signum, frame: None)  # what ray.init does
     assert signal.getsignal(signal.SIGTERM) is raising_sigterm
+
+
+def test_a_sigterm_the_replacing_handler_made_an_exit_goes_to_the_kept_handler(raising_sigterm):
+    """Ray's handler (set first thing in ray.init) makes a SIGTERM `sys.exit(15)`; it reaches the program as its
+    own handler's stop. Another exit, or one under an ignored SIGTERM, is left as it was."""
+    def rays(signum, frame):
+        sys.exit(signum)
+
+    with pytest.raises(Stop) as stopped:
+        with sigterm_handler_kept():
+            signal.signal(signal.SIGTERM, rays)
+            signal.raise_signal(signal.SIGTERM)
+    assert stopped.value.args == (signal.SIGTERM,) and isinstance(stopped.value.__context__, SystemExit)
+    assert signal.getsignal(signal.SIGTERM) is raising_sigterm
+    with pytest.raises(SystemExit) as other:
+        with sigterm_handler_kept():
+            sys.exit(3)
+    assert other.value.code == 3
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    with pytest.raises(SystemExit) as ignored:
+        with sigterm_handler_kept():
+            signal.signal(signal.SIGTERM, rays)
+            signal.raise_signal(signal.SIGTERM)
+    assert ignored.value.code == signal.SIGTERM and signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
 
 
 def test_the_cli_handler_raises_terminated_with_status_143(raising_sigterm):
