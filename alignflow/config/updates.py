@@ -50,7 +50,8 @@ class PPOConfig(Section):
     advantage_std_norm: bool | None = Field(
         None, description="divide group advantages by the group std (grpo: true, dr_grpo: false); None: the "
         "algorithm's default; only for algorithms with group-normalised advantages")
-    dynamic_sampling: bool = Field(False, description="DAPO: drop groups whose rewards are all equal")
+    dynamic_sampling: bool = Field(False, description="DAPO: drop groups whose task rewards (before normalising, clip "
+                                   "and penalties, as DAPO reads accuracy) are all equal")
     dynamic_sampling_mean_range: tuple[float, float] | None = Field(
         None, description="[low, high]: train only on groups whose mean task reward (before reward.normalize, "
         "clip and penalties) lies in it (e.g. pass rate [0.1, 0.9]), beside dynamic_sampling; dropped groups "

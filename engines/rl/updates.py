@@ -66,19 +66,21 @@ def kept_rows(rewards: torch.Tensor, cfg: RoundConfig, task_rewards: torch.Tenso
               ) -> tuple[torch.Tensor, dict[str, float]]:
     """The rows a policy-gradient step trains on, and how many groups each filter dropped.
 
-    `ppo.dynamic_sampling` drops groups whose rewards are all equal (`dynamic_sampling/dropped_groups`);
-    `ppo.dynamic_sampling_mean_range` then drops, of the groups left, those whose mean task reward
-    (`task_rewards`, before normalising, clipping or penalties; `rewards` where none is given) lies
+    Both filters read the task rewards (`task_rewards`: the rule's, reward model's or service's, before
+    normalising, clipping or penalties; `rewards` where none is given), as DAPO filters on accuracy: a group
+    whose answers are all right (or all wrong) is dropped though the overlong penalty spreads its rewards.
+    `ppo.dynamic_sampling` drops groups whose task rewards are all equal (`dynamic_sampling/dropped_groups`);
+    `ppo.dynamic_sampling_mean_range` then drops, of the groups left, those whose mean task reward lies
     outside [low, high] (`dynamic_sampling/dropped_groups_mean_range`). Rows: (kept,) indices, in order.
     """
     n, p = cfg.generation.num_samples, cfg.ppo
+    task = rewards if task_rewards is None else task_rewards
     keep, dropped, dropped_range = torch.ones(len(rewards), dtype=torch.bool), 0, 0
     if p.dynamic_sampling:
-        keep, dropped = algos.dynamic_sampling_filter(rewards, n)
+        keep, dropped = algos.dynamic_sampling_filter(task, n)
     if p.dynamic_sampling_mean_range is not None:
         low, high = p.dynamic_sampling_mean_range
-        in_range, _ = algos.group_mean_filter(rewards if task_rewards is None else task_rewards, n, low=low,
-                                              high=high)
+        in_range, _ = algos.group_mean_filter(task, n, low=low, high=high)
         dropped_range = int((keep & ~in_range).sum().item()) // n
         keep = keep & in_range
     metrics = {"dynamic_sampling/dropped_groups": float(dropped),

@@ -164,6 +164,18 @@ def test_the_mean_range_reads_the_task_rewards_not_the_shaped_ones():
     assert rows.tolist() == [0, 1] and metrics["dynamic_sampling/dropped_groups_mean_range"] == 2.0
 
 
+def test_constant_groups_are_read_from_the_task_rewards_as_dapo_reads_accuracy():
+    """An all-right group whose overlong penalty spreads its shaped rewards is still constant in accuracy:
+    dropped. A group the task splits stays, whatever the shaping."""
+    task = torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0, 0.0])  # groups: all right, split, all wrong
+    shaped = task + torch.tensor([0.0, -0.4, 0.0, 0.0, -0.2, 0.0])  # penalties on two long responses
+    cfg = RoundConfig(algorithm="grpo", generation=RolloutConfig(num_samples=2), ppo=PPOConfig(dynamic_sampling=True))
+    rows, metrics = kept_rows(shaped, cfg, task_rewards=task)
+    assert rows.tolist() == [2, 3] and metrics["dynamic_sampling/dropped_groups"] == 2.0
+    rows, _ = kept_rows(shaped, cfg)  # no task rewards given: the rewards are the task's
+    assert rows.tolist() == [0, 1, 2, 3, 4, 5]
+
+
 # ---- the policy objectives on a real (tiny) model ------------------------------------------
 
 
