@@ -23,13 +23,18 @@ class Stop(BaseException):
 
 @pytest.fixture
 def raising_sigterm():
-    """SIGTERM raises Stop (as Prefect's handler raises TerminationSignal) for the test."""
+    """SIGTERM raises Stop (as Prefect's handler raises TerminationSignal) for the test, and Ctrl-C is Python's
+    KeyboardInterrupt even where pytest was started with SIGINT ignored (`pytest ... &` from a shell without job
+    control): DeferredSignals rightly leaves an ignored SIGINT alone, and the first test below then failed."""
     def handler(signum, frame):
         raise Stop(signum)
 
     saved = signal.signal(signal.SIGTERM, handler)
+    saved_int = signal.signal(signal.SIGINT, signal.default_int_handler)
     yield handler
     signal.signal(signal.SIGTERM, saved)
+    if saved_int is not None:  # None: a handler set outside Python, which Python cannot put back
+        signal.signal(signal.SIGINT, saved_int)
 
 
 def test_a_signal_is_held_until_delivered_then_raised_through_the_handler_it_had(raising_sigterm):
