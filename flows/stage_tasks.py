@@ -128,24 +128,22 @@ def stop_unfinished(futures: Iterable[Any]) -> None:
 STOPPED = "the pipeline run was stopped (Ctrl-C, SIGTERM or Cancel) while this stage ran"
 
 
-def cancel_task_runs(futures: Iterable[Any]) -> list[str]:
+def cancel_task_runs(futures: Iterable[Any]) -> None:
     """Set Cancelled the task runs of a stopped pipeline's stages that have not ended (their Ray tasks were
     stopped: stop_unfinished), else the Prefect UI would show them Running under a finished flow run for good.
-    A stage whose Ray task never started has no task run to set. Returns the names set Cancelled."""
+    A stage whose Ray task never started has no task run to set."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterId
     from prefect.states import Cancelled
 
     ids = [f.task_run_id for f in futures if getattr(f, "task_run_id", None)]
     if not ids:
-        return []
+        return
     try:
         with get_client(sync_client=True) as client:
             runs = client.read_task_runs(task_run_filter=TaskRunFilter(id=TaskRunFilterId(any_=ids)), limit=len(ids))
-            open_runs = [r for r in runs if r.state is not None and not r.state.is_final()]
-            for run in open_runs:
-                client.set_task_run_state(run.id, Cancelled(message=STOPPED), force=True)
+            for run in runs:
+                if run.state is not None and not run.state.is_final():
+                    client.set_task_run_state(run.id, Cancelled(message=STOPPED), force=True)
     except Exception as err:  # noqa: BLE001  (the API may be going down with the CLI)
         log.warning("could not set the stopped stages' task runs Cancelled (%s: %s)", type(err).__name__, err)
-        return []
-    return [r.name for r in open_runs]
