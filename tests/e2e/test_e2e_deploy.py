@@ -421,8 +421,9 @@ asyncio.run(main())
 def test_a_deployment_run_cancelled_mid_round_ends_cancelled_and_its_runs_killed(prefect_server, small_pipeline_args,
                                                                                   tmp_path, process_tools):
     """Cancel, as the flow run page's button does it (the Cancelling state), mid-round: the worker sends the flow
-    run's process SIGTERM while it waits on Ray for the round. The run ends Cancelled (not Crashed), its MLflow
-    parent and the round KILLED with no run left RUNNING, and nothing the run started outlives it."""
+    run's process SIGTERM while it waits on Ray for the round. The run ends Cancelled (not Crashed), the round's
+    task run Cancelled with none left Running, its MLflow parent and the round KILLED with no run left RUNNING,
+    and nothing the run started outlives it."""
     url, env = prefect_server
     src, hold, holding = tmp_path / "rule_src", tmp_path / "hold", tmp_path / "holding"
     src.mkdir()
