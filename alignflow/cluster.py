@@ -108,6 +108,11 @@ def torch_extensions_dir() -> str:
     return os.path.join(sys.prefix, "torch_extensions")
 
 
+# A custom resource a local Ray started for a run has one of: the run's CPU evaluations take turns at it
+# (flows/stage_tasks.py `stage_options`). A cluster joined by address has none, and nothing waits for it.
+EVALUATION_TURN = "alignflow_evaluation_turn"
+
+
 def ray_init_kwargs(infra: InfraConfig) -> dict[str, Any]:
     """`ray.init` arguments: a local Ray on 127.0.0.1, or the configured cluster."""
     if not infra.ray_address:
@@ -124,6 +129,7 @@ def ray_init_kwargs(infra: InfraConfig) -> dict[str, Any]:
         # a test's cluster), which ray.init() with no address would join, nor one RAY_ADDRESS names.
         "address": "local",
         "num_cpus": infra.ray_num_cpus,
+        "resources": {EVALUATION_TURN: 1},
         "include_dashboard": False,
         "object_store_memory": 512 * 2**20,
         # Kept as 127.0.0.1 only with loopback_only() (called above).

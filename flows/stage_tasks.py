@@ -12,8 +12,9 @@ import ray
 from prefect.context import FlowRunContext
 from prefect.task_runners import TaskRunner
 from prefect_ray import RayTaskRunner
+from prefect_ray.context import remote_options
 
-from alignflow.cluster import init_ray, ray_init_kwargs
+from alignflow.cluster import EVALUATION_TURN, init_ray, ray_init_kwargs
 from alignflow.config import InfraConfig
 from flows.runtime import result_storage, warn_local_root_on_cluster
 from tasks.context import RunContext
@@ -38,6 +39,7 @@ class StageTasks:
         """Submit every stage in order, each with its upstream futures by input name."""
         futures: dict[str, Any] = {}
         storage = ctx.storage()
+        turns = evaluations_take_turns(ctx)
         for stage in plan.stages.values():
             upstream = {name: futures[source] for name, source in stage.inputs.items()}
             # The task is named by the stage (its kind is a tag): a task run that never starts (its upstream
@@ -48,8 +50,22 @@ class StageTasks:
             gone = not storage.is_committed(storage.stage_uri(stage.name, stage.key))
             task = self.tasks[stage.kind].with_options(name=stage.name, task_run_name=stage.name, tags={stage.kind},
                                                        refresh_cache=gone)
-            futures[stage.name] = task.submit(stage=stage, inputs=upstream, ctx=ctx)
+            taking_turns = turns and STAGE_KINDS[stage.kind].target == "evaluation"
+            with remote_options(**({"resources": {EVALUATION_TURN: 1}} if taking_turns else {})):
+                futures[stage.name] = task.submit(stage=stage, inputs=upstream, ctx=ctx)
         return futures
+
+
+def evaluations_take_turns(ctx: RunContext) -> bool:
+    """Whether the run's evaluations run one at a time: where they share the run's engine host (no GPU for
+    their engine, tasks/eval_engine.py), on a Ray this run started (it has one EVALUATION_TURN).
+
+    Their generation runs one at a time in that host anyway, and on the CPU their scoring shares its cores.
+    Taking turns, they queue in Ray's scheduler rather than each in a worker process of its own: the next
+    one runs in the process the last one left warm, not a fresh one that first spends ~13 s of CPU (2 cores)
+    importing torch, transformers, Prefect and MLflow. A cluster joined by address has no EVALUATION_TURN:
+    there they run as their inputs allow."""
+    return ctx.engine_host is not None and ray.cluster_resources().get(EVALUATION_TURN, 0) >= 1
 
 
 class PipelineTaskRunner(RayTaskRunner):

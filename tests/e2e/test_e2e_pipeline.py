@@ -282,6 +282,11 @@ def test_mlflow_parent_and_child_runs(s3_run, moto_s3):
         assert len(steps) >= 2, f"{name} train/loss logged at steps {steps}"
     for name in ("eval_base", "eval_sft"):
         assert 0.0 <= children[name].data.metrics["eval/accuracy"] <= 1.0
+    # On the CPU the evaluations share the run's engine host, and take turns (flows/stage_tasks.py): no two at once.
+    spans = sorted((r.info.start_time, r.info.end_time, n) for n, r in children.items() if n.startswith("eval_"))
+    assert len(spans) >= 4, spans
+    for (_, end, first), (start, _, second) in zip(spans, spans[1:]):
+        assert end <= start, f"{first} and {second} ran at once: {spans}"
     assert 0.0 <= children["eval_reward_model"].data.metrics["eval/rm_pairwise_accuracy"] <= 1.0
     for name, run in children.items():
         if name.startswith("round_"):
