@@ -246,6 +246,30 @@ def process_tools():
 
 
 @pytest.fixture(scope="module")
+def ray_local(request):
+    """A local Ray for one test module, started as the pipeline starts it (127.0.0.1, process env).
+
+    Functions defined in the test module are shipped to Ray workers by value:
+    the workers cannot import test modules by name.
+    """
+    import ray
+    import ray.cloudpickle
+
+    from alignflow.cluster import ray_init_kwargs
+    from alignflow.config import InfraConfig
+
+    if ray.is_initialized():  # one an in-process flow of an earlier module started (a stage's ensure_ray)
+        ray.shutdown()
+    ray.cloudpickle.register_pickle_by_value(request.module)
+    ray.init(**ray_init_kwargs(InfraConfig()))
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+        ray.cloudpickle.unregister_pickle_by_value(request.module)
+
+
+@pytest.fixture(scope="module")
 def tracker(tmp_path_factory):
     """A Tracker (experiment `alignflow-test`) on a fresh SQLite file, per test module;
     MLflow's process-wide settings restored afterwards."""

@@ -7,28 +7,8 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-import pytest
-
-from alignflow.cluster import EVALUATION_TURN, ray_init_kwargs
-from alignflow.config import InfraConfig
+from alignflow.cluster import EVALUATION_TURN
 from flows.stage_tasks import evaluations_take_turns
-
-
-@pytest.fixture(scope="module")
-def run_ray(request):
-    """A local Ray started as the CLI starts a run's (this module's functions shipped to it by value)."""
-    import ray
-    import ray.cloudpickle
-
-    if ray.is_initialized():  # the one an in-process flow of an earlier module started (tasks' ensure_ray)
-        ray.shutdown()
-    ray.cloudpickle.register_pickle_by_value(request.module)
-    ray.init(**ray_init_kwargs(InfraConfig()))
-    try:
-        yield ray
-    finally:
-        ray.shutdown()
-        ray.cloudpickle.unregister_pickle_by_value(request.module)
 
 
 def _span(seconds: float) -> tuple[int, float, float]:
@@ -47,21 +27,21 @@ def _meet(room: str, others: int) -> int:
     return os.getpid()
 
 
-def test_evaluations_sharing_the_engine_host_run_one_at_a_time_in_one_process(run_ray, tmp_path):
+def test_evaluations_sharing_the_engine_host_run_one_at_a_time_in_one_process(ray_local, tmp_path):
     """Submitted at once, tasks holding the run's one EVALUATION_TURN wait in Ray's scheduler, not in a worker
     each: each runs after the last has ended, in the process it left (its imports done). Tasks without the
     turn run side by side, each in a process of its own."""
-    assert run_ray.cluster_resources()[EVALUATION_TURN] == 1
+    assert ray_local.cluster_resources()[EVALUATION_TURN] == 1
     assert evaluations_take_turns(SimpleNamespace(engine_host="alignflow-engine-host-x"))
     assert not evaluations_take_turns(SimpleNamespace(engine_host=None))  # each its own engine: no turns
 
-    span = run_ray.remote(_span)
-    warm = run_ray.get(span.remote(0.0))[0]  # a worker that has run a task, idle now
+    span = ray_local.remote(_span)
+    warm = ray_local.get(span.remote(0.0))[0]  # a worker that has run a task, idle now
 
-    taking = run_ray.get([span.options(resources={EVALUATION_TURN: 1}).remote(1.0) for _ in range(3)])
+    taking = ray_local.get([span.options(resources={EVALUATION_TURN: 1}).remote(1.0) for _ in range(3)])
     assert {pid for pid, _, _ in taking} == {warm}, taking
     spans = sorted((start, end) for _, start, end in taking)
     assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:])), spans
 
-    meet = run_ray.remote(_meet)  # three that can only end once all three run at once
-    assert len(set(run_ray.get([meet.remote(str(tmp_path), 2) for _ in range(3)]))) == 3
+    meet = ray_local.remote(_meet)  # three that can only end once all three run at once
+    assert len(set(ray_local.get([meet.remote(str(tmp_path), 2) for _ in range(3)]))) == 3
