@@ -109,7 +109,7 @@ def torch_extensions_dir() -> str:
 
 
 # A custom resource a local Ray started for a run has one of: the run's CPU evaluations take turns at it
-# (flows/stage_tasks.py `stage_options`). A cluster joined by address has none, and nothing waits for it.
+# (flows/stage_tasks.py `evaluations_take_turns`). A cluster joined by address has none, and nothing waits for it.
 EVALUATION_TURN = "alignflow_evaluation_turn"
 
 
