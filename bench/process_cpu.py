@@ -22,7 +22,6 @@ import statistics
 import sys
 import tempfile
 import threading
-import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -68,7 +67,7 @@ class Sampler(threading.Thread):
 
     def __init__(self) -> None:
         super().__init__(daemon=True)
-        self.stop, self.seen = threading.Event(), {}
+        self.stop = threading.Event()
         self.cpu: dict[str, float] = defaultdict(float)
         self.names: dict[str, list[str]] = defaultdict(list)
         self.first = {pid: r[0] for pid in os.listdir("/proc") if pid.isdigit() and (r := _read(pid))}
