@@ -270,6 +270,17 @@ def ray_local(request):
 
 
 @pytest.fixture(scope="module")
+def warm_trainers(ray_local):
+    """Trainer ranks reused across one test module's tests (engines/train/warm.py: `keep_warm()`): a group
+    takes the processes the last of its shape left, about 10 s of CPU each not spent on imports. A test
+    that counts the processes a round starts and ends runs inside `warm_trainers.paused()`."""
+    from engines.train.warm import keep_warm
+
+    with keep_warm() as pool:
+        yield pool
+
+
+@pytest.fixture(scope="module")
 def tracker(tmp_path_factory):
     """A Tracker (experiment `alignflow-test`) on a fresh SQLite file, per test module;
     MLflow's process-wide settings restored afterwards."""

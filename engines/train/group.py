@@ -15,6 +15,7 @@ from engines.accumulate import combine_ranks, loss_scales
 from engines.batches import padded_shards, step_micro_batches
 from engines.placement.devices import actor_options
 from engines.placement.groups import reserve_together
+from engines.train import warm
 from engines.train.spec import EngineSpec
 from engines.train.worker import TrainWorker
 
@@ -32,15 +33,23 @@ class TrainerGroup:
         default = actor_options(spec.num_cpus_per_worker, spec.num_gpus_per_worker, resources=spec.resources_per_worker)
         self.spec, self.world_size, self.workers = spec, num_workers, []
         self.placement_group = None  # ranks of their own: reserved together (else `placements` place them)
-        if placements is None:
-            self.placement_group, placements = reserve_together(default, num_workers, f"{spec.kind} trainer ranks")
+        # Inside warm.keep_warm(): ranks of this shape a group left idle (their processes started already).
+        self._warm, self._failed, self._pending_setup = (warm.active() if placements is None else None), False, []
+        self._shape = warm.shape(num_workers, default, spec.torch_threads, spec.cpu_cores)
+        idle = self._warm.take(self._shape, num_workers) if self._warm is not None else None
         try:
-            self.workers = [ray.remote(**placements[rank])(TrainWorker).remote(rank, num_workers, spec.torch_threads,
-                                                                               spec.cpu_cores)
-                            for rank in range(num_workers)]
-            master = self.workers[0].address.remote()  # an argument of every setup: Ray passes its value
-            self._pending_setup = [w.setup.remote(spec, master) for w in self.workers]
+            if idle is not None:
+                self.workers, self.placement_group, self._master = idle.workers, idle.placement_group, idle.master
+            else:
+                if placements is None:
+                    self.placement_group, placements = reserve_together(default, num_workers,
+                                                                        f"{spec.kind} trainer ranks")
+                self.workers = [ray.remote(**placements[rank])(TrainWorker).remote(
+                    rank, num_workers, spec.torch_threads, spec.cpu_cores) for rank in range(num_workers)]
+                self._master = self.workers[0].address.remote()  # an argument of every setup: Ray passes its value
+            self._pending_setup = [w.setup.remote(spec, self._master) for w in self.workers]
         except BaseException:
+            self._failed = True
             self.shutdown()  # the placement group with them
             raise
         self.param_metrics: dict[str, float] = {}
@@ -53,6 +62,7 @@ class TrainerGroup:
             try:  # with LoRA: the trainable share of the parameters (lora/trainable_fraction); {} without
                 self.param_metrics = ray.get(self._pending_setup)[0]
             except BaseException:
+                self._failed = True
                 self.shutdown()  # the calling worker process lives on; so would the actors
                 raise
             self._pending_setup = []
@@ -67,7 +77,7 @@ class TrainerGroup:
             raise ValueError(f"shards of one step must have one shape: {[tuple(s['input_ids'].shape) for s in shards]}")
         size, tokens = self.spec.micro_batch_size, self.spec.micro_batch_tokens
         parts = step_micro_batches(shards, size, tokens=tokens, paired=paired)
-        results = ray.get([w.train_step.remote(p, objective, scales)
+        results = self._get([w.train_step.remote(p, objective, scales)
                            for w, p, scales in zip(self.workers, parts, loss_scales(parts, weigh))])
         summarize = getattr(objective, "summarize", None)  # metrics of the whole step (KTO's reward margin)
         return summarize(combine_ranks(results)) if summarize else combine_ranks(results)
@@ -75,7 +85,7 @@ class TrainerGroup:
     def evaluate(self, batch: dict[str, Any], fn: Callable, without_adapters: bool = False) -> Any:
         """`fn(model, batch)`, rank 0's result (every rank runs it: ZeRO-3 needs all in each forward);
         `without_adapters`: on the LoRA base model, the frozen reference (TrainWorker.evaluate)."""
-        return ray.get([w.evaluate.remote(batch, fn, without_adapters) for w in self.workers])[0]
+        return self._get([w.evaluate.remote(batch, fn, without_adapters) for w in self.workers])[0]
 
     def evaluate_rows(self, batch: dict[str, Any], fn: Callable, without_adapters: bool = False) -> torch.Tensor:
         """`fn(model, rows)` -> one result row per batch row (logprobs, values), each rank on its share of
@@ -83,35 +93,53 @@ class TrainerGroup:
         if self.world_size == 1:
             return self.evaluate(batch, fn, without_adapters)
         shards = padded_shards(batch, self.world_size)
-        parts = ray.get([w.evaluate.remote(s, fn, without_adapters) for w, s in zip(self.workers, shards)])
+        parts = self._get([w.evaluate.remote(s, fn, without_adapters) for w, s in zip(self.workers, shards)])
         return torch.cat(parts)[: batch["input_ids"].shape[0]]
 
     def save_hf(self, target: Source) -> Entries:
         """Every rank writes its part (rank 0 the files); a ref: the entries they uploaded."""
-        return merge_entries(ray.get([w.save_hf.remote(target) for w in self.workers]))
+        return merge_entries(self._get([w.save_hf.remote(target) for w in self.workers]))
 
     def save_state(self, target: Source, extra: dict[str, Any]) -> Entries:
-        return merge_entries(ray.get([w.save_state.remote(target, extra) for w in self.workers]))
+        return merge_entries(self._get([w.save_state.remote(target, extra) for w in self.workers]))
 
     def load_state(self, source: Source) -> dict[str, Any]:
-        return ray.get([w.load_state.remote(source) for w in self.workers])[0]
+        return self._get([w.load_state.remote(source) for w in self.workers])[0]
 
     def weights_bytes(self) -> bytes:
-        return ray.get([w.weights_bytes.remote() for w in self.workers])[0]  # rank 0's
+        return self._get([w.weights_bytes.remote() for w in self.workers])[0]  # rank 0's
 
     def offload_states(self) -> None:
-        ray.get([w.offload_states.remote() for w in self.workers])
+        self._get([w.offload_states.remote() for w in self.workers])
 
     def reload_states(self) -> None:
-        ray.get([w.reload_states.remote() for w in self.workers])
+        self._get([w.reload_states.remote() for w in self.workers])
 
     def device_reports(self) -> list[dict[str, Any]]:
-        return ray.get([w.device_report.remote() for w in self.workers])
+        return self._get([w.device_report.remote() for w in self.workers])
+
+    def taint(self) -> None:
+        """A call on the ranks from outside (the weight transport's) failed: they end with the group, not kept warm."""
+        self._failed = True
+
+    def _get(self, refs: list) -> list:
+        """`ray.get(refs)`; a group one of whose calls raised is not kept warm (its ranks may be mid-collective)."""
+        try:
+            return ray.get(refs)
+        except BaseException:
+            self._failed = True
+            raise
 
     def shutdown(self) -> None:
-        for w in self.workers:
+        """Ends the ranks, or inside warm.keep_warm() leaves them reset and idle where every call succeeded."""
+        workers, self.workers = self.workers, []
+        if workers and self._warm is not None and not self._failed and not self._pending_setup:
+            idle = warm.Idle(workers, self.placement_group, self._master)
+            if self._warm.give(self._shape, idle):
+                self.placement_group = None
+                return
+        for w in workers:
             ray.kill(w)
-        self.workers = []
         if self.placement_group is not None:
             ray.util.remove_placement_group(self.placement_group)
             self.placement_group = None

@@ -21,8 +21,11 @@ safetensors + JSON (engines/train/state.py); no pickles.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import random
+import sys
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -107,6 +110,22 @@ class TrainWorker:
         self.sender = WeightSender(self.engine.module, spec.zero_stage, self.rank, self.device)
         self.step = 0
         return self.param_metrics
+
+    def reset(self) -> bool:
+        """End this rank's engine so that its process can set up another (engines/train/warm.py): a published
+        update waited for, the DeepSpeed engine destroyed (ZeRO's hooks taken off), all it held dropped. True
+        where its model was freed; False where something still holds it (then the process should end)."""
+        self.sender.sent()
+        model = weakref.ref(self.engine.module)
+        self.engine.destroy()
+        for name in ("engine", "optimizer", "scheduler", "sender", "tokenizer", "spec", "_offloaded"):
+            self.__dict__.pop(name, None)
+        # ZeRO-3 leaves the last module it entered on a global stack (deepspeed/runtime/zero/parameter_offload.py).
+        getattr(sys.modules.get("deepspeed.runtime.zero.parameter_offload"), "FWD_MODULE_STACK", []).clear()
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return model() is None
 
     def device_report(self) -> dict[str, Any]:
         """Where this rank's model lives (tests assert it): device, parameter devices and dtypes, and the

@@ -11,6 +11,7 @@ engines/rollout/vllm_engine.py (`prepare_weights`, `join_transport`, `receive_we
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Sequence
@@ -197,11 +198,24 @@ class WeightSender:
             raise WeightSyncError(f"a published weight update failed: {errors[0]!r}") from errors[0]
 
 
+def _taints_trainers(method):
+    """A failure leaves the trainers maybe mid-send: their group ends them, not kept warm (engines/train/warm.py)."""
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except BaseException:
+            self.trainers.taint()
+            raise
+    return call
+
+
 class WeightSync:
     """The driver's side: a trainer group's weights into rollout engines, over transport groups made
     once (a round's first sync). Names and shapes are checked by every engine before anything is
     sent; each `push` is then one broadcast per bucket."""
 
+    @_taints_trainers
     def __init__(self, trainers, engines, *, bucket_bytes: int, publish: bool = False):
         import ray
 
@@ -228,6 +242,7 @@ class WeightSync:
         self._receiving: list = []  # engines' refs of published updates not yet seen taken
         self._published = False  # an update was published and not yet settled
 
+    @_taints_trainers
     def push(self, version: int | None = None, publish: bool = False) -> None:
         """One update, taken by every engine before it returns. `publish` (asynchronous rounds): returns once
         the engines took the update before it and the trainers have packed this one; they send it from a
@@ -252,6 +267,7 @@ class WeightSync:
         self._published = True
         self._receiving = [e.receive_weights.remote(version) for e in self.engines.actors]
 
+    @_taints_trainers
     def settle(self) -> None:
         """Every published update taken by the engines, and off the trainers' threads (no call where none was
         published since the last)."""

@@ -20,7 +20,7 @@ import torch
 
 import algos
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("warm_trainers")]  # engines/train/warm.py
 
 MAX_NEW = 6
 
