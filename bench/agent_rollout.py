@@ -57,7 +57,7 @@ def main() -> None:
     from alignflow.data import agent_task
     from engines import models
     from engines.batches import render_prompt
-    from engines.rollout.actors import build_engine, prepare_engine_process
+    from engines.rollout.engine_build import build_engine, prepare_engine_process
     from engines.rollout.base import Sampling
     from engines.rollout.episodes import EpisodeLimits, run_episodes
 

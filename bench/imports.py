@@ -26,7 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 _RANK = "import engines.train.worker as w; w.import_deepspeed()"
-_ENGINE = ("from engines.rollout.actors import prepare_engine_process; prepare_engine_process(2, None); "
+_ENGINE = ("from engines.rollout.engine_build import prepare_engine_process; prepare_engine_process(2, None); "
            "from engines.lean_imports import import_vllm; import_vllm()")
 _SKLEARN = "import transformers.generation.candidate_generator"
 LOADED = ("sklearn", "scipy", "cv2", "mlflow")

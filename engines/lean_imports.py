@@ -80,7 +80,7 @@ def _hidden(*modules: str) -> Iterator[None]:
 def import_vllm():
     """`vllm`, with `vllm.LLM` loaded, without scipy and OpenCV where this process has not imported them
     already (then vLLM finds them loaded and they cost nothing). `vllm.platforms` may come first: it
-    loads neither (the engine's device check, engines/rollout/actors.py:build_engine)."""
+    loads neither (the engine's device check, engines/rollout/engine_build.py:build_engine)."""
     if "vllm.entrypoints.llm" not in sys.modules:
         lean_transformers()
         with _hidden("scipy", "cv2"):

@@ -270,11 +270,12 @@ def ray_local(request):
 
 
 @pytest.fixture(scope="module")
-def warm_trainers(ray_local):
-    """Trainer ranks reused across one test module's tests (engines/train/warm.py: `keep_warm()`): a group
-    takes the processes the last of its shape left, about 10 s of CPU each not spent on imports. A test
-    that counts the processes a round starts and ends runs inside `warm_trainers.paused()`."""
-    from engines.train.warm import keep_warm
+def warm_actors(ray_local):
+    """Trainer ranks, rollout engines and scorers reused across one test module's tests (engines/placement/warm.py:
+    `keep_warm()`): a start takes the process the last of its kind left where it matches, about 10-17 s of CPU
+    each not spent on imports. A test that counts the processes a round starts and ends runs inside
+    `warm_actors.paused()`."""
+    from engines.placement.warm import keep_warm
 
     with keep_warm() as pool:
         yield pool

@@ -34,6 +34,7 @@ import torch
 from alignflow.artifacts import Source
 from alignflow.config import RoundConfig
 from alignflow.seeds import derive_seed
+from engines.placement import warm
 from engines.placement.groups import wait_placement_group
 from engines.rl.round_placement import (check_resources, colocated_bundles, engines_share_a_gpu, gpu_share,
                                        reference_is_actor)
@@ -187,7 +188,7 @@ class RoundModels:
         for group in self._trainers():
             group.shutdown()
         for a in {id(x): x for x in (self.reference, self.rewarder) if x is not None}.values():
-            ray.kill(a)
+            warm.end(a)  # ray.kill, or kept for the next start inside keep_warm()
         self.engines.shutdown()
         self.judge.shutdown()
         if self.placement_group is not None:

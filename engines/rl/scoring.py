@@ -18,6 +18,7 @@ import torch
 from alignflow.artifacts import Source, local_dir
 from engines import models
 from engines.batches import in_micro_batches
+from engines.placement import warm
 from engines.placement.devices import (actor_device, actor_options, cpu_report, pin_cpu_cores, placement_group_id,
                                        to_cpu, to_device)
 from engines.train.objectives import response_logprobs, scalar_scores
@@ -87,6 +88,10 @@ class ScorerActor:
         a whole SFT split): one row per batch row, CPU, each micro-batch's rows copied out as they come."""
         return self._run(self.reference, fn, batch, host_each=True)
 
+    def reset(self) -> bool:
+        """Nothing to undo: its models are frozen (engines/placement/warm.py keeps it for a start like its own)."""
+        return True
+
     def release_memory(self) -> None:
         """Give the allocator's cached GPU memory back (colocated: before the rollout engines wake their KV
         cache, which vLLM re-maps at the size it measured at start); a no-op on the CPU."""
@@ -141,12 +146,17 @@ def start_scorer(reference_path: Source | None, reward_path: Source | None, *, d
                  attn_implementation: str = "sdpa", micro_batch_size: int | None = None,
                  micro_batch_tokens: int | None = None, num_cpus: float = 1.0, num_gpus: float = 0.0,
                  scheduling_strategy=None, resources: dict[str, float] | None = None, cpu_cores: list[int] | None = None):
-    """A ScorerActor on `num_cpus`/`num_gpus` and `resources` (or in a placement group's bundle)."""
+    """A ScorerActor on `num_cpus`/`num_gpus` and `resources` (or in a placement group's bundle); inside
+    keep_warm() an idle one started with the same arguments (engines/placement/warm.py)."""
     import ray
 
-    actor = ray.remote(**actor_options(num_cpus, num_gpus, scheduling_strategy, resources))(ScorerActor)
-    return actor.remote(reference_path, reward_path, dtype, torch_threads, attn_implementation, micro_batch_size,
-                        micro_batch_tokens, cpu_cores)
+    opts = actor_options(num_cpus, num_gpus, scheduling_strategy, resources)
+    args = (reference_path, reward_path, dtype, torch_threads, attn_implementation, micro_batch_size,
+            micro_batch_tokens, cpu_cores)
+    make = lambda: ray.remote(**opts)(ScorerActor).remote(*args)  # noqa: E731
+    if scheduling_strategy is not None:  # placed by the caller: not kept warm
+        return make()
+    return warm.start("scorer", {**opts, "args": args}, make)
 
 
 @contextlib.contextmanager
@@ -171,4 +181,4 @@ def scoring(reference_path: Source | None, reward_path: Source | None, *, num_cp
     try:
         yield lambda method, *args: ray.get(getattr(actor, method).remote(*args))
     finally:
-        ray.kill(actor)
+        warm.end(actor)

@@ -1,6 +1,7 @@
 """Rollout engines as Ray actors, and a round's (or an evaluation's) engines as one.
 
-`RolloutActor` hosts one engine (engines/rollout/base.py) in its own process.
+`RolloutActor` hosts one engine (engines/rollout/base.py, built as engines/rollout/engine_build.py says) in
+its own process.
 `start_engines` starts the configured number: each on its placement, a
 tensor-parallel vLLM engine in a placement group of its own (a bundle per
 GPU), or where colocation puts it. `RolloutEngines` spreads prompts across
@@ -10,7 +11,8 @@ them; weights reach them through engines/transport/sync.py.
 from __future__ import annotations
 
 import dataclasses
-import os
+import gc
+import weakref
 
 import ray
 import torch
@@ -18,60 +20,15 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from alignflow.artifacts import Source, local_dir
 from alignflow.config import GenerationConfig, VLLMConfig
-from alignflow.errors import ConfigError
-from engines.lean_imports import import_vllm, lean_transformers
-from engines.placement.devices import actor_options, pin_cpu_cores
+from engines.placement import warm
+from engines.placement.devices import actor_options
 from engines.placement.groups import wait_placement_group
 from engines.rollout.base import PendingRollouts, Rollout, Sampling, merge_rollouts
 from engines.rollout.pieces import generate_in_pieces
 from engines.rollout.texts import response_texts
-from engines.rollout.hf_engine import HFEngine
-from engines.rollout.vllm_engine import VLLMEngine, compiling_env, vllm_build_mismatch, vllm_engine_args
+from engines.rollout.engine_build import build_engine, prepare_engine_process
+from engines.rollout.vllm_engine import compiling_env
 from engines.transport.sync import announced, announcements, count_in
-
-BACKENDS = ("vllm", "hf")
-
-
-def prepare_engine_process(torch_threads: int, cpu_cores: list[int] | None, *, on_gpu: bool = False) -> int:
-    """The environment a rollout engine's process needs, set before vLLM loads; the torch threads it got.
-
-    vLLM runs in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): 3-5 s to start instead of ~30 s, and
-    both cores stay with the model. transformers loads without scikit-learn or scipy (engines/lean_imports.py).
-    On a GPU (`on_gpu`) the engine compiles: the TORCH_COMPILE_DISABLE every process of a run inherits
-    (alignflow/cluster.py, for the CPU) would turn off vLLM's torch.compile and with it its piecewise
-    CUDA graphs; `vllm.enforce_eager: true` is the switch for an eager GPU engine.
-    """
-    lean_transformers()
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-    if on_gpu:
-        os.environ.pop("TORCH_COMPILE_DISABLE", None)
-    # Else vLLM drops torch to one thread "for serving": in-process, that thread also runs the model.
-    torch_threads = pin_cpu_cores(cpu_cores, torch_threads)
-    os.environ["OMP_NUM_THREADS"] = str(torch_threads)
-    torch.set_num_threads(torch_threads)
-    return torch_threads
-
-
-def build_engine(backend: str, model_path: str, *, dtype: str = "float32", seed: int = 0, max_model_len: int = 256,
-                 attn_implementation: str = "sdpa", vllm: VLLMConfig | None = None, on_gpu: bool = False,
-                 sleep_mode: bool = False) -> VLLMEngine | HFEngine:
-    """One engine of `backend` on the model at the local path `model_path`, in this process."""
-    if backend == "vllm":
-        from vllm.platforms import current_platform
-
-        mismatch = vllm_build_mismatch(current_platform.device_name, current_platform.is_cpu(), on_gpu)
-        if mismatch:
-            raise ConfigError(mismatch)
-        import_vllm()  # the rest of vLLM, without scipy and OpenCV (engines/lean_imports.py)
-        opts = vllm or VLLMConfig()
-        args = vllm_engine_args(opts, model_path=model_path, dtype=dtype, seed=seed, max_model_len=max_model_len,
-                                on_gpu=on_gpu, sleep_mode=sleep_mode)
-        return VLLMEngine(model_path, engine_args=args, kv_cache_gib=opts.kv_cache_gib)
-    if backend == "hf":
-        return HFEngine(model_path, dtype=dtype, seed=seed, attn_implementation=attn_implementation)
-    raise ValueError(f"unknown rollout backend {backend!r}; valid: {sorted(BACKENDS)}")
-
 
 def _gpu_memory() -> tuple[int, int] | None:
     """(bytes free, bytes in all) of this process's GPU, every process's use counted; None without one."""
@@ -85,6 +42,8 @@ class RolloutActor:
                  seed: int = 0, max_model_len: int = 256, attn_implementation: str = "sdpa",
                  vllm: VLLMConfig | None = None, on_gpu: bool = False, sleep_mode: bool = False,
                  cpu_cores: list[int] | None = None):
+        self._started = (backend, model_path), {k: v for k, v in locals().items() if k not in ("self", "backend",
+                                                                                            "model_path")}
         prepare_engine_process(torch_threads, cpu_cores, on_gpu=on_gpu)
         self.engine = build_engine(backend, local_dir(model_path),  # a ref: fetched on this actor's node
                                    dtype=dtype, seed=seed, max_model_len=max_model_len,
@@ -95,6 +54,17 @@ class RolloutActor:
         self.slept_bytes = 0  # GPU bytes the last sleep gave back
         self.announcements = None  # the weight transport's store, where a published update is announced
         self.ranks = self.world_size = 1  # this engine's ranks in the transport group, and the group's
+
+    def reset(self) -> bool:
+        """As the actor started (engines/placement/warm.py): the engine torn down and built again from the same
+        arguments (its weights and seed), every count at zero. False where the old engine outlived its close."""
+        old = weakref.ref(self.engine)
+        self.engine.close()
+        del self.engine
+        gc.collect()
+        args, kwargs = self._started
+        self.__init__(*args, **kwargs)
+        return old() is None
 
     def generate(self, prompt_ids: list[list[int]], sampling: Sampling, piece_tokens: int | None = None
                  ) -> list[Rollout]:
@@ -183,7 +153,10 @@ def start_rollout_actor(backend: str, model_path: Source, *, num_cpus: float = 1
     """One RolloutActor on `num_cpus`/`num_gpus` and `resources` (or where `scheduling_strategy` puts it)."""
     kwargs.setdefault("on_gpu", num_gpus > 0)
     opts = {**actor_options(num_cpus, num_gpus, scheduling_strategy, resources), **compiling_env(kwargs["on_gpu"])}
-    return ray.remote(**opts)(RolloutActor).remote(backend, model_path, **kwargs)
+    make = lambda: ray.remote(**opts)(RolloutActor).remote(backend, model_path, **kwargs)  # noqa: E731
+    if scheduling_strategy is not None:  # placed by the caller: not kept warm
+        return make()
+    return warm.start("rollout", {**opts, **kwargs, "backend": backend, "model_path": model_path}, make)
 
 
 def engine_bundles(g: GenerationConfig) -> list[dict[str, float]]:
@@ -200,7 +173,11 @@ class RolloutEngines:
     sleep and wake together (weights reach them through engines/transport/sync.py)."""
 
     def __init__(self, actors: list, placement_groups: list | None = None):
-        self.actors, self.placement_groups = actors, placement_groups or []
+        self.actors, self.placement_groups, self.failed = actors, placement_groups or [], False
+
+    def taint(self) -> None:
+        """A weight transfer into them failed: they end with `shutdown`, not kept warm (engines/placement/warm.py)."""
+        self.failed = True
 
     def generate(self, prompt_ids: list[list[int]], sampling: Sampling) -> list[Rollout]:
         """Rollouts grouped per prompt, in prompt order (prompt i goes to engine i mod k)."""
@@ -246,7 +223,7 @@ class RolloutEngines:
 
     def shutdown(self) -> None:
         for a in self.actors:
-            ray.kill(a)
+            warm.end(a, failed=self.failed)  # ray.kill, or kept for the next start inside keep_warm()
         for pg in self.placement_groups:
             ray.util.remove_placement_group(pg)
         self.actors, self.placement_groups = [], []

@@ -18,7 +18,7 @@ import torch
 
 from alignflow.artifacts import Source, local_dir
 from engines.lean_imports import import_vllm
-from engines.rollout.actors import build_engine, prepare_engine_process
+from engines.rollout.engine_build import build_engine, prepare_engine_process
 from engines.rollout.base import Rollout, Sampling
 
 

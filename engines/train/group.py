@@ -14,8 +14,8 @@ from alignflow.artifacts import Entries, Source, merge_entries
 from engines.accumulate import combine_ranks, loss_scales
 from engines.batches import padded_shards, step_micro_batches
 from engines.placement.devices import actor_options
+from engines.placement import warm
 from engines.placement.groups import reserve_together
-from engines.train import warm
 from engines.train.spec import EngineSpec
 from engines.train.worker import TrainWorker
 
@@ -33,13 +33,13 @@ class TrainerGroup:
         default = actor_options(spec.num_cpus_per_worker, spec.num_gpus_per_worker, resources=spec.resources_per_worker)
         self.spec, self.world_size, self.workers = spec, num_workers, []
         self.placement_group = None  # ranks of their own: reserved together (else `placements` place them)
-        # Inside warm.keep_warm(): ranks of this shape a group left idle (their processes started already).
+        # Inside warm.keep_warm(): ranks of this shape a group left idle (engines/placement/warm.py).
         self._warm, self._failed, self._pending_setup = (warm.active() if placements is None else None), False, []
-        self._shape = warm.shape(num_workers, default, spec.torch_threads, spec.cpu_cores)
+        self._shape = warm.trainer_shape(num_workers, default, spec.torch_threads, spec.cpu_cores)
         idle = self._warm.take(self._shape, num_workers) if self._warm is not None else None
         try:
             if idle is not None:
-                self.workers, self.placement_group, self._master = idle.workers, idle.placement_group, idle.master
+                self.workers, self.placement_group, self._master = idle.actors, idle.placement_group, idle.master
             else:
                 if placements is None:
                     self.placement_group, placements = reserve_together(default, num_workers,

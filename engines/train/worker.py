@@ -112,7 +112,7 @@ class TrainWorker:
         return self.param_metrics
 
     def reset(self) -> bool:
-        """End this rank's engine so that its process can set up another (engines/train/warm.py): a published
+        """End this rank's engine so that its process can set up another (engines/placement/warm.py): a published
         update waited for, the DeepSpeed engine destroyed (ZeRO's hooks taken off), all it held dropped. True
         where its model was freed; False where something still holds it (then the process should end)."""
         self.sender.sent()

@@ -199,13 +199,13 @@ class WeightSender:
 
 
 def _taints_trainers(method):
-    """A failure leaves the trainers maybe mid-send: their group ends them, not kept warm (engines/train/warm.py)."""
+    """A failure may leave trainers and engines mid-transfer: they end, not kept warm (engines/placement/warm.py)."""
     @functools.wraps(method)
     def call(self, *args, **kwargs):
         try:
             return method(self, *args, **kwargs)
         except BaseException:
-            self.trainers.taint()
+            self.trainers.taint(), self.engines.taint()
             raise
     return call
 

@@ -41,7 +41,7 @@ def test_a_rollout_engine_process_loads_vllm_without_sklearn_scipy_or_opencv():
     resampling and video reading, the two places that wanted scipy and OpenCV, hold vLLM's placeholders;
     scipy imports right after for whoever wants it."""
     got = _run("import sys, json\n"
-               "from engines.rollout.actors import prepare_engine_process\n"
+               "from engines.rollout.engine_build import prepare_engine_process\n"
                "from engines.lean_imports import import_vllm\n"
                "prepare_engine_process(1, None)\n"
                "from vllm.platforms import current_platform\n"  # build_engine's device check comes first

@@ -26,7 +26,7 @@ from engines.train.group import TrainerGroup
 from engines.train.spec import EngineSpec
 from engines.train.supervised import plan
 
-pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("warm_trainers")]  # engines/train/warm.py
+pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("warm_actors")]  # engines/placement/warm.py
 
 RANK, ALPHA = 4, 8.0
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")

@@ -88,7 +88,7 @@ def test_a_gpu_engine_process_lets_vllm_compile(on_gpu, compile_disabled):
 
     from alignflow.cluster import PROCESS_ENV
 
-    code = ("import os; from engines.rollout.actors import prepare_engine_process\n"
+    code = ("import os; from engines.rollout.engine_build import prepare_engine_process\n"
             f"prepare_engine_process(1, None, on_gpu={on_gpu})\n"
             "print(os.environ.get('TORCH_COMPILE_DISABLE'))")
     out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[3], capture_output=True,
@@ -111,7 +111,7 @@ def test_a_vllm_build_serves_only_the_device_it_was_built_for():
 
 def test_this_machines_vllm_build_refuses_a_gpu_placement(tiny_model):
     from alignflow.errors import ConfigError
-    from engines.rollout.actors import build_engine
+    from engines.rollout.engine_build import build_engine
 
     with pytest.raises(ConfigError, match="CPU build"):
         build_engine("vllm", str(tiny_model), on_gpu=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("warm_trainers")]  # engines/train/warm.py
+pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("warm_actors")]  # engines/placement/warm.py
 
 MAX_NEW = 6
 # The tiny model is untrained: its greedy verdicts on these prompts read "?t_" or "?t?" ("?" a replacement

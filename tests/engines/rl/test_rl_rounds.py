@@ -19,7 +19,7 @@ import torch
 
 from alignflow.config import KLConfig, RewardConfig, RolloutConfig
 
-pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("warm_trainers")]  # engines/train/warm.py
+pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("warm_actors")]  # engines/placement/warm.py
 
 
 def parity_reward(prompt: str, response: str, answer: str | None) -> float:
@@ -722,7 +722,7 @@ def test_local_ray_workers_build_torch_ops_inside_the_environment(ray_local):
     assert "TORCH_EXTENSIONS_DIR" not in remote["runtime_env"]["env_vars"]
 
 
-def test_a_round_asks_for_all_its_actors_before_waiting_for_its_trainers(ray_local, warm_trainers, tiny_model, prompts,
+def test_a_round_asks_for_all_its_actors_before_waiting_for_its_trainers(ray_local, warm_actors, tiny_model, prompts,
                                                                          tmp_path):
     """Where no engine shares a GPU, a round starts every actor at once (their processes spend their
     first seconds in single-threaded imports, which then overlap) and only then waits for the trainers'
@@ -740,7 +740,7 @@ def test_a_round_asks_for_all_its_actors_before_waiting_for_its_trainers(ray_loc
     assert not engines_share_a_gpu(cfg)
     before = set(state.actors())
     missing, path = str(tmp_path / "missing-reward-model"), str(tiny_model)
-    with warm_trainers.paused(), pytest.raises(Exception, match="missing-reward-model"):  # every rank started here
+    with warm_actors.paused(), pytest.raises(Exception, match="missing-reward-model"):  # every actor started here
         RLRound(cfg, RoundSetup(policy_path=path, reference_path=path, reward_path=missing, prompts=prompts,
                                 dtype="float32", torch_threads=1, max_model_len=80, seed=0))
 

@@ -20,7 +20,7 @@ import torch
 
 import algos
 
-pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("warm_trainers")]  # engines/train/warm.py
+pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("warm_actors")]  # engines/placement/warm.py
 
 MAX_NEW = 6
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("warm_trainers")]  # engines/train/warm.py
+pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("warm_actors")]  # engines/placement/warm.py
 
 LR = 1e-2
 

@@ -18,7 +18,7 @@ from engines.train.group import TrainerGroup
 from engines.train.spec import EngineSpec
 from engines.train.supervised import plan
 
-pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("warm_trainers")]  # engines/train/warm.py
+pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("warm_actors")]  # engines/placement/warm.py
 
 SFT_STEPS = 30
 BATCH = 16

@@ -1,10 +1,14 @@
-"""Trainer ranks kept warm (engines/train/warm.py), on real DeepSpeed ranks in a local Ray.
+"""Actors kept warm (engines/placement/warm.py): real DeepSpeed ranks, vLLM engines and scorers in a local Ray.
 
 - A group ended inside `keep_warm()` leaves its processes to the next group of its shape, which trains
   bit for bit as the first did in them, after a group of another ZeRO stage and learning rate ran there.
-  (The module fixture `warm_trainers`, tests/conftest.py, keeps them warm across a module's tests.)
+  (The module fixture `warm_actors`, tests/conftest.py, keeps them warm across a module's tests.)
 - A group of another shape ends the idle ones; a group whose step raised, or whose model something still
   holds after the reset, is not kept; leaving `keep_warm()` ends every idle rank.
+- A vLLM rollout engine ended inside `keep_warm()` is built again in its process as it started: after an
+  update moved its weights, the next start like its own samples exactly what it first sampled; engines a
+  failed transfer tainted end.
+- A scorer is taken again only by a start with its own arguments.
 """
 
 from __future__ import annotations
@@ -79,7 +83,7 @@ def test_the_next_group_of_a_shape_takes_the_ranks_and_trains_as_in_fresh_ones(r
     """Two ranks at ZeRO-2, then ZeRO-3 (which leaves its model on a DeepSpeed global unless the reset clears
     it: then the ranks would not be kept) at another learning rate, then ZeRO-2 again, in the same processes."""
     from engines.train.group import TrainerGroup
-    from engines.train.warm import keep_warm
+    from engines.placement.warm import keep_warm
 
     ranks, first, between = 2, 2, 3
     with keep_warm() as warm:
@@ -113,7 +117,7 @@ def test_idle_ranks_end_for_another_shape_and_a_failed_or_unfreed_group_is_not_k
     import ray
 
     from engines.train.group import TrainerGroup
-    from engines.train.warm import keep_warm
+    from engines.placement.warm import keep_warm
 
     with keep_warm() as warm:
         group = TrainerGroup(_spec(tiny_model, 0, 1e-2), 1)
@@ -135,3 +139,68 @@ def test_idle_ranks_end_for_another_shape_and_a_failed_or_unfreed_group_is_not_k
         group.shutdown()
         assert _ended(held), "a rank whose model outlived its reset was kept"
         assert warm.counts.not_kept == 1 and warm.counts.kept == 1 and warm.idle == {}
+
+
+def _actor_pid(actor) -> int:
+    import ray
+
+    return ray.get(actor.__ray_call__.remote(lambda self: os.getpid()))
+
+
+def test_a_rollout_engine_kept_warm_samples_as_it_first_did(ray_local, tiny_model, tokenizer):
+    import ray
+
+    from engines import models
+    from engines.batches import render_prompt
+    from engines.placement.warm import keep_warm
+    from engines.rollout.actors import RolloutEngines, start_rollout_actor
+    from engines.rollout.base import Sampling
+    from engines.transport.sync import push_state
+
+    prompts = [render_prompt(tokenizer, [{"role": "user", "content": t}]) for t in ("Which digit is largest? 3 1 4",
+                                                                                   "hello")]
+    sampling = Sampling(n=2, temperature=1.0, top_p=1.0, max_new_tokens=8)
+
+    def start():
+        return start_rollout_actor("vllm", str(tiny_model), num_cpus=1, torch_threads=1, dtype="float32", seed=0,
+                                   max_model_len=128)
+
+    def sample(actor) -> list[tuple]:
+        return [(r.token_ids, [round(x, 5) for x in r.logprobs], r.policy_version)
+                for r in ray.get(actor.generate.remote(prompts, sampling))]
+
+    with keep_warm() as warm:
+        engines = RolloutEngines([start()])
+        pid, first = _actor_pid(engines.actors[0]), sample(engines.actors[0])
+        halved = {k: v * 0.5 for k, v in models.load_policy(tiny_model).state_dict().items()}
+        push_state(halved, engines.actors)
+        moved = sample(engines.actors[0])
+        assert {v for *_, v in moved} == {1} and moved != first
+        engines.shutdown()
+        engines = RolloutEngines([start()])
+        assert _actor_pid(engines.actors[0]) == pid
+        assert sample(engines.actors[0]) == first  # the weights and the seed it started with; version 0
+        engines.taint()  # as a failed weight transfer leaves them: ended, not kept
+        engines.shutdown()
+        assert _ended([pid])
+        assert warm.counts.started == 1 and warm.counts.reused == 1 and warm.counts.kept == 1 and warm.idle == {}
+
+
+def test_a_scorer_is_taken_again_only_by_a_start_like_its_own(ray_local, tiny_model):
+    from engines.placement import warm
+    from engines.rl.scoring import start_scorer
+
+    def start(threads: int):
+        return start_scorer(str(tiny_model), None, dtype="float32", torch_threads=threads)
+
+    with warm.keep_warm() as pool:
+        scorer = start(1)
+        pid = _actor_pid(scorer)
+        warm.end(scorer)
+        scorer = start(1)
+        assert _actor_pid(scorer) == pid
+        warm.end(scorer)
+        scorer = start(2)
+        assert _actor_pid(scorer) != pid and _ended([pid])
+        warm.end(scorer, failed=True)
+        assert pool.counts == warm.Counts(started=2, reused=1, kept=2, ended=1, not_kept=0) and pool.idle == {}

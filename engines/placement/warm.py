@@ -1,0 +1,181 @@
+"""Actors kept warm: a process that starts one engine after another reuses their processes.
+
+A trainer rank's process spends about 10 s of CPU starting (torch, transformers and DeepSpeed imported)
+against about 1 s setting up an engine in it (a tiny model, on a 2-core AMD EPYC;
+tests/engines/train/test_train_warm.py prints how long a group of two ranks takes to start either way: 15.1 s
+and 0.1 s there); a vLLM rollout engine's, about 17 s of imports against a few seconds to build the engine.
+Inside `keep_warm()`, an actor that ends cleanly is reset and left idle, and the next start of its kind that
+matches takes it instead of a new process:
+
+- trainer ranks (engines/train/group.py): a `TrainerGroup` of the same shape (ranks, CPUs, GPUs, resources,
+  threads, cores) takes them, with their placement group and torch.distributed group, and sets its own
+  engine up in them (`TrainWorker.reset` destroys the last one and checks its model was freed);
+- rollout engines (engines/rollout/actors.py) and scorers (engines/rl/scoring.py) started with the same
+  arguments: `RolloutActor.reset` builds its engine again from them (the weights and sampling seed it
+  started with); a scorer holds frozen models only, and is taken as it is.
+
+What is not kept: actors placed by their caller (a colocated round's bundles, a tensor-parallel engine's
+group), an actor whose calls failed where that may have left it mid-transfer (`taint`), and one whose reset
+failed or left its model alive; those end as outside. Idle actors hold their Ray resources, so a start that
+finds none to take first ends the idle ones of its kind, and leaving `keep_warm()` ends them all. Anything
+else that asks Ray for resources meanwhile may wait for them: keep it to a driver that starts its engines one
+after another (a test module, a sweep, a notebook). `Counts` says how many processes were started, reused
+and ended.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+RESET_TIMEOUT_S = 120.0  # an actor still busy (a collective waiting for a peer that failed) is ended instead
+
+
+@dataclasses.dataclass
+class Counts:
+    started: int = 0  # processes started by a start that found none idle to take
+    reused: int = 0  # idle processes taken
+    kept: int = 0  # processes reset and left idle as their owner ended
+    ended: int = 0  # idle processes ended: for a start of their kind, or as keep_warm() closed
+    not_kept: int = 0  # processes of a clean end whose reset failed or left the model alive
+
+
+@dataclasses.dataclass
+class Idle:
+    actors: list  # handles (a trainer's ranks in rank order)
+    placement_group: Any = None  # theirs, or None
+    master: Any = None  # a trainer's rank 0 rendezvous address (setup's argument; its group exists already)
+
+
+class WarmActors:
+    """Idle actors by key (its first item the kind: "trainer", "rollout", "scorer"), one group per key."""
+
+    def __init__(self):
+        self.idle: dict[tuple, Idle] = {}
+        self.counts = Counts()
+        self.owned: dict[Any, tuple] = {}  # single actors `start` made or took, by handle: their keys
+        self._lock = threading.Lock()
+
+    def take(self, key: tuple, size: int) -> Idle | None:
+        """The idle group of `key`, or None, having ended the idle ones of its kind (theirs may be the
+        resources the new one needs)."""
+        with self._lock:
+            found = self.idle.pop(key, None)
+            if found is not None:
+                self.counts.reused += size
+                return found
+            self.counts.started += size
+            others = [k for k in self.idle if k[0] == key[0]]
+            ending = [self.idle.pop(k) for k in others]
+        for idle in ending:
+            self._end(idle)
+        return None
+
+    def give(self, key: tuple, idle: Idle) -> bool:
+        """Reset the actors and keep them idle; False (the caller ends them) where a reset failed or did not
+        free its model. A group already idle under `key` is ended for them."""
+        import ray
+
+        try:
+            released = ray.get([a.reset.remote() for a in idle.actors], timeout=RESET_TIMEOUT_S)
+        except Exception:  # a dead actor, a reset that raised or did not return: the caller kills them
+            released = [False]
+        with self._lock:
+            if not all(released):
+                self.counts.not_kept += len(idle.actors)
+                return False
+            previous = self.idle.pop(key, None)
+            self.idle[key] = idle
+            self.counts.kept += len(idle.actors)
+        if previous is not None:
+            self._end(previous)
+        return True
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Inside, actors start and end as outside `keep_warm()` (the idle ones ended first)."""
+        global _active
+        self.close()
+        _active = None
+        try:
+            yield
+        finally:
+            _active = self
+
+    def close(self) -> None:
+        with self._lock:
+            ending, self.idle = list(self.idle.values()), {}
+        for idle in ending:
+            self._end(idle)
+
+    def _end(self, idle: Idle) -> None:
+        import ray
+
+        for a in idle.actors:
+            ray.kill(a)
+        if idle.placement_group is not None:
+            ray.util.remove_placement_group(idle.placement_group)
+        with self._lock:
+            self.counts.ended += len(idle.actors)
+
+
+def trainer_shape(num_workers: int, options: dict[str, Any], torch_threads: int,
+                  cpu_cores: tuple[int, ...] | None) -> tuple:
+    """A trainer group's key: what its ranks were started with (TrainerGroup's own placement, not a caller's)."""
+    resources = tuple(sorted((options.get("resources") or {}).items()))
+    return ("trainer", num_workers, options.get("num_cpus"), options.get("num_gpus"), resources, torch_threads,
+            tuple(cpu_cores) if cpu_cores is not None else None)
+
+
+def start(kind: str, arguments: dict[str, Any], make: Callable[[], Any]) -> Any:
+    """`make()`, or inside `keep_warm()` the idle actor of `kind` started with the same `arguments` (every
+    argument of its start, placement included); the actor is remembered for `end`."""
+    pool = _active
+    if pool is None:
+        return make()
+    key = (kind, repr(sorted(arguments.items())))
+    idle = pool.take(key, 1)
+    actor = idle.actors[0] if idle is not None else make()
+    with pool._lock:
+        pool.owned[actor] = key
+    return actor
+
+
+def end(actor: Any, *, failed: bool = False) -> None:
+    """`ray.kill(actor)`; or, for an actor `start` gave inside `keep_warm()` and no failure left in doubt,
+    its reset and a place among the idle ones."""
+    import ray
+
+    pool = _active
+    key = None
+    if pool is not None:
+        with pool._lock:
+            key = pool.owned.pop(actor, None)
+    if key is None or failed or not pool.give(key, Idle([actor])):
+        ray.kill(actor)
+
+
+_active: WarmActors | None = None
+
+
+def active() -> WarmActors | None:
+    """The pool of the `keep_warm()` this process is in, or None."""
+    return _active
+
+
+@contextlib.contextmanager
+def keep_warm() -> Iterator[WarmActors]:
+    """Actors ended inside are kept for the next start that matches (module docstring); every idle one ends on
+    the way out. Not nested."""
+    global _active
+    if _active is not None:
+        raise RuntimeError("keep_warm() is already active in this process")
+    _active = pool = WarmActors()
+    try:
+        yield pool
+    finally:
+        _active = None
+        pool.close()
