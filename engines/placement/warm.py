@@ -2,7 +2,7 @@
 
 A trainer rank's process spends about 10 s of CPU starting (torch, transformers and DeepSpeed imported)
 against about 1 s setting up an engine in it (a tiny model, on a 2-core AMD EPYC;
-tests/engines/train/test_train_warm.py prints how long a group of two ranks takes to start either way: 15.1 s
+tests/engines/placement/test_placement_warm.py prints how long a group of two ranks takes to start either way: 15.1 s
 and 0.1 s there); a vLLM rollout engine's, about 17 s of imports against a few seconds to build the engine.
 Inside `keep_warm()`, an actor that ends cleanly is reset and left idle, and the next start of its kind that
 matches takes it instead of a new process:
@@ -130,6 +130,18 @@ def trainer_shape(num_workers: int, options: dict[str, Any], torch_threads: int,
             tuple(cpu_cores) if cpu_cores is not None else None)
 
 
+def take(key: tuple, size: int) -> Idle | None:
+    """Inside `keep_warm()`, the idle group of `key` (`WarmActors.take`); None there too where there is none,
+    and always outside."""
+    return _active.take(key, size) if _active is not None else None
+
+
+def keep(key: tuple, idle: Idle) -> bool:
+    """Inside `keep_warm()` (the one active now, not the one a group was taken from), reset the actors and keep
+    them idle under `key` (`WarmActors.give`); False, and the caller ends them, outside or where that failed."""
+    return _active is not None and _active.give(key, idle)
+
+
 def start(kind: str, arguments: dict[str, Any], make: Callable[[], Any]) -> Any:
     """`make()`, or inside `keep_warm()` the idle actor of `kind` started with the same `arguments` (every
     argument of its start, placement included); the actor is remembered for `end`."""
@@ -145,8 +157,8 @@ def start(kind: str, arguments: dict[str, Any], make: Callable[[], Any]) -> Any:
 
 
 def end(actor: Any, *, failed: bool = False) -> None:
-    """`ray.kill(actor)`; or, for an actor `start` gave inside `keep_warm()` and no failure left in doubt,
-    its reset and a place among the idle ones."""
+    """`ray.kill(actor)`; or, for an actor `start` gave inside the `keep_warm()` active now and no failure
+    left in doubt, its reset and a place among the idle ones."""
     import ray
 
     pool = _active
@@ -154,16 +166,11 @@ def end(actor: Any, *, failed: bool = False) -> None:
     if pool is not None:
         with pool._lock:
             key = pool.owned.pop(actor, None)
-    if key is None or failed or not pool.give(key, Idle([actor])):
+    if key is None or failed or not keep(key, Idle([actor])):
         ray.kill(actor)
 
 
 _active: WarmActors | None = None
-
-
-def active() -> WarmActors | None:
-    """The pool of the `keep_warm()` this process is in, or None."""
-    return _active
 
 
 @contextlib.contextmanager

@@ -24,9 +24,9 @@ from engines.placement import warm
 from engines.placement.devices import actor_options
 from engines.placement.groups import wait_placement_group
 from engines.rollout.base import PendingRollouts, Rollout, Sampling, merge_rollouts
+from engines.rollout.engine_build import build_engine, prepare_engine_process
 from engines.rollout.pieces import generate_in_pieces
 from engines.rollout.texts import response_texts
-from engines.rollout.engine_build import build_engine, prepare_engine_process
 from engines.rollout.vllm_engine import compiling_env
 from engines.transport.sync import announced, announcements, count_in
 

@@ -13,8 +13,8 @@ import torch
 from alignflow.artifacts import Entries, Source, merge_entries
 from engines.accumulate import combine_ranks, loss_scales
 from engines.batches import padded_shards, step_micro_batches
-from engines.placement.devices import actor_options
 from engines.placement import warm
+from engines.placement.devices import actor_options
 from engines.placement.groups import reserve_together
 from engines.train.spec import EngineSpec
 from engines.train.worker import TrainWorker
@@ -33,10 +33,12 @@ class TrainerGroup:
         default = actor_options(spec.num_cpus_per_worker, spec.num_gpus_per_worker, resources=spec.resources_per_worker)
         self.spec, self.world_size, self.workers = spec, num_workers, []
         self.placement_group = None  # ranks of their own: reserved together (else `placements` place them)
-        # Inside warm.keep_warm(): ranks of this shape a group left idle (engines/placement/warm.py).
-        self._warm, self._failed, self._pending_setup = (warm.active() if placements is None else None), False, []
-        self._shape = warm.trainer_shape(num_workers, default, spec.torch_threads, spec.cpu_cores)
-        idle = self._warm.take(self._shape, num_workers) if self._warm is not None else None
+        # Inside warm.keep_warm(): ranks of this shape a group left idle (engines/placement/warm.py). Ranks placed
+        # by the caller have no shape of their own: never kept.
+        self._failed, self._pending_setup = False, []
+        self._shape = None if placements is not None else warm.trainer_shape(num_workers, default, spec.torch_threads,
+                                                                              spec.cpu_cores)
+        idle = warm.take(self._shape, num_workers) if self._shape is not None else None
         try:
             if idle is not None:
                 self.workers, self.placement_group, self._master = idle.actors, idle.placement_group, idle.master
@@ -133,9 +135,8 @@ class TrainerGroup:
     def shutdown(self) -> None:
         """Ends the ranks, or inside warm.keep_warm() leaves them reset and idle where every call succeeded."""
         workers, self.workers = self.workers, []
-        if workers and self._warm is not None and not self._failed and not self._pending_setup:
-            idle = warm.Idle(workers, self.placement_group, self._master)
-            if self._warm.give(self._shape, idle):
+        if workers and self._shape is not None and not self._failed and not self._pending_setup:
+            if warm.keep(self._shape, warm.Idle(workers, self.placement_group, self._master)):
                 self.placement_group = None
                 return
         for w in workers:

@@ -4,7 +4,8 @@
   bit for bit as the first did in them, after a group of another ZeRO stage and learning rate ran there.
   (The module fixture `warm_actors`, tests/conftest.py, keeps them warm across a module's tests.)
 - A group of another shape ends the idle ones; a group whose step raised, or whose model something still
-  holds after the reset, is not kept; leaving `keep_warm()` ends every idle rank.
+  holds after the reset, is not kept; leaving `keep_warm()` ends every idle rank, and a group that ends
+  after it is not kept.
 - A vLLM rollout engine ended inside `keep_warm()` is built again in its process as it started: after an
   update moved its weights, the next start like its own samples exactly what it first sampled; engines a
   failed transfer tainted end.
@@ -139,6 +140,11 @@ def test_idle_ranks_end_for_another_shape_and_a_failed_or_unfreed_group_is_not_k
         group.shutdown()
         assert _ended(held), "a rank whose model outlived its reset was kept"
         assert warm.counts.not_kept == 1 and warm.counts.kept == 1 and warm.idle == {}
+        group = TrainerGroup(_spec(tiny_model, 0, 1e-2), 1)
+        outliving = _pids(group)
+    group.shutdown()  # after its keep_warm() ended: nothing keeps it now, so it ends
+    assert _ended(outliving), "a group that outlived keep_warm() left its ranks running"
+    assert warm.counts.kept == 1 and warm.idle == {}
 
 
 def _actor_pid(actor) -> int:
