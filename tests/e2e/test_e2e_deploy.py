@@ -178,16 +178,50 @@ def test_the_custom_run_form_shows_the_config_and_runs_what_it_shows(prefect_ser
     assert [options.nth(i).inner_text() for i in range(options.count())] == list(ALGORITHMS)
     page.get_by_role("option", name="grpo", exact=True).click()
     assert choice.inner_text() == "grpo"
+    # Submit asks the server to validate the form's values, then to create the run. The Prefect server on SQLite
+    # can answer 500 "database is locked" when another of its writers commits between a request's read and its
+    # write (PrefectHQ/prefect#18934; likelier the slower the machine): the UI then says "Something went wrong"
+    # and keeps the form, and a user submits again. So does this test, at most twice more, saying so; a refusal
+    # (4xx) or a form that is never submitted fails at once, with what the page asked and was told.
+    told: list = []
+    page.on("response", lambda r: ("/ui/schemas/validate" in r.url or r.url.endswith("/create_flow_run"))
+            and told.append((time.monotonic(), r)))
     try:
-        page.get_by_role("button", name="Submit").click()
-        # The Prefect server (SQLite) creates the run; under the whole suite on 2 cores once past a minute.
-        page.get_by_text("scheduled to start").first.wait_for(timeout=180_000)
+        created = None
+        for attempt in range(3):
+            seen, refused = len(told), []
+            page.get_by_role("button", name="Submit").click()
+            deadline = time.monotonic() + 300
+            while created is None and time.monotonic() < deadline:
+                answers = [r for _, r in told[seen:]]
+                created = next((r for r in answers if r.url.endswith("/create_flow_run") and r.ok), None)
+                refused = [r for r in answers if not r.ok]
+                if refused and created is None:
+                    break
+                page.wait_for_timeout(250)
+            assert created or refused, _what_the_page_was_told(page, told, "no answer to Submit in 300 s")
+            if created:
+                break
+            assert all(r.status >= 500 for r in refused), _what_the_page_was_told(page, told, refused[-1].text())
+            print(f"Submit {attempt + 1}: the server answered {[r.status for r in refused]}; submitting again")
+        assert created, _what_the_page_was_told(page, told, "three Submits, no run created")
+        page.get_by_text("scheduled to start").first.wait_for(timeout=60_000)
+        print("Submit:", _what_the_page_was_told(page, told, ""))
     finally:  # the run it created, deleted: the retry test's worker must find only its own run in the pool
         runs = json.loads(_run([sys.executable, "-c", NEWEST_RUN, deployment_id, "delete"], env).stdout.splitlines()[-1])
     [run] = runs
     cfg, _ = config_from_parameter(run["parameters"]["config"], run["parameters"]["overrides"])
     assert [r.algorithm for r in cfg.rounds] == ["grpo", "ppo"]
     assert cfg.sft.learning_rate == 2.0e-3  # the file's value, not the model's default
+
+
+def _what_the_page_was_told(page, told: list, why: str) -> str:
+    """Why no run was created from the form: the API calls behind each Submit with their times and statuses,
+    the body of a refused one (`why`) and the page's toasts."""
+    t0 = told[0][0] if told else 0.0
+    calls = [f"{t - t0:.1f} s: {r.request.method} {r.url.split('/api', 1)[-1]} -> {r.status}" for t, r in told]
+    toasts = [t.strip() for t in page.locator(".p-toast__message").all_inner_texts()]
+    return "\n".join([why[:2000], *calls, f"toasts: {toasts}", f"page: {page.url}"])
 
 
 # ---- a deployment run whose round fails, fixed, and retried from its own page ------------
