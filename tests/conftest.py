@@ -478,8 +478,9 @@ def cli_env(tmp_path_factory) -> Callable[..., dict[str, str]]:
     """`env(**extra) -> environment` for CLI subprocesses, from os.environ *now*
     (so S3 credentials set by `moto_s3` are in it).
 
-    The CLI starts its own Prefect API (PREFECT_API_URL unset), on a Prefect
-    home of this session's own.
+    The CLI starts its own Prefect API (PREFECT_API_URL unset) unless given
+    one (`PREFECT_API_URL=shared_prefect_api()`), on a Prefect home of this
+    session's own.
     """
     prefect_home = str(tmp_path_factory.mktemp("prefect_home"))
 
@@ -492,6 +493,39 @@ def cli_env(tmp_path_factory) -> Callable[..., dict[str, str]]:
         return env
 
     return make
+
+
+
+@pytest.fixture(scope="module")
+def shared_prefect_api(tmp_path_factory) -> Iterator[Callable[[], str]]:
+    """`url()`: the API of one Prefect server that a module's CLI runs share (`cli_env(PREFECT_API_URL=url())`,
+    what a user with a Prefect server of their own does), started at the first call as the CLI starts its own
+    (flows.runtime.prefect_api) on a Prefect home of its own, and stopped with the module. A CLI run given it
+    starts no server: about 7.5 s of CPU less a run on 2 cores. Runs that test the CLI's own server (one that
+    does not start, a stopped CLI leaving nothing behind) keep theirs."""
+    from alignflow.config import InfraConfig
+    from flows.runtime import prefect_api
+
+    urls: list[str] = []
+    with contextlib.ExitStack() as stack:
+
+        def url() -> str:
+            if not urls:
+                base = tmp_path_factory.mktemp("shared_prefect")
+                saved = {k: os.environ.get(k) for k in ("PREFECT_HOME", "PREFECT_API_URL")}
+                os.environ["PREFECT_HOME"] = str(base / "prefect_home")
+                os.environ.pop("PREFECT_API_URL", None)
+                try:  # prefect_api exports the URL in this process too: only the runs given it use it
+                    urls.append(stack.enter_context(prefect_api(InfraConfig(), base)))
+                finally:
+                    for k, v in saved.items():
+                        if v is None:
+                            os.environ.pop(k, None)
+                        else:
+                            os.environ[k] = v
+            return urls[0]
+
+        yield url
 
 
 # ---- a real browser ----------------------------------------------------------------

@@ -1,6 +1,7 @@
 """End to end: the `alignflow` CLI in a subprocess, on real components.
 
-Real Prefect API (the one the CLI starts), real local Ray, DeepSpeed on CPU,
+Real Prefect API (one the module's runs share, or the CLI's own where that is
+what a test is about), real local Ray, DeepSpeed on CPU,
 vLLM on CPU, MLflow in SQLite, and S3 through `moto_server` over HTTP. One
 S3-backed pipeline run (plus its cached rerun) is shared by the S3, MLflow
 and checkpoint tests; the others use local storage roots of their own (the
@@ -45,12 +46,12 @@ class PipelineRun:
 
 
 @pytest.fixture(scope="module")
-def s3_run(moto_s3, small_pipeline_args, cli_env, alignflow_cli, tmp_path_factory) -> PipelineRun:
-    """One fresh pipeline run with every artifact on S3 (moto over HTTP)."""
+def s3_run(moto_s3, small_pipeline_args, cli_env, shared_prefect_api, alignflow_cli, tmp_path_factory) -> PipelineRun:
+    """One fresh pipeline run with every artifact on S3 (moto over HTTP), on the module's Prefect server."""
     base = tmp_path_factory.mktemp("s3_run")
     root = f"s3://{moto_s3.bucket}/run"
     args = ["run", *small_pipeline_args(base, storage_root=root, endpoint_url=moto_s3.endpoint_url)]
-    result = alignflow_cli(args, env=cli_env(), cwd=base / "cwd")
+    result = alignflow_cli(args, env=cli_env(PREFECT_API_URL=shared_prefect_api()), cwd=base / "cwd")
     return PipelineRun(result, args, root, base, f"sqlite:///{base / 'mlflow.db'}")
 
 
@@ -172,14 +173,16 @@ def test_second_identical_run_is_all_cached(s3_run, s3_cached_run, moto_s3):
     print(f"fresh run {s3_run.result.seconds:.0f} s, cached run {result.seconds:.0f} s")
 
 
-def test_same_config_and_seed_give_the_same_results(s3_run, small_pipeline_args, cli_env, alignflow_cli, tmp_path):
+def test_same_config_and_seed_give_the_same_results(s3_run, small_pipeline_args, cli_env, shared_prefect_api,
+                                                    alignflow_cli, tmp_path):
     """A fresh run of the same config (another storage root, which no key covers) on the same
     pipeline seed: the same keys, and the same evaluation table to the last printed digit.
 
     This run is the quiet console a user sees without `-v`: its plan, a line per stage as it
     ends (with its key metric), the table, where things are; no third-party INFO lines."""
     s3_run.require_ok()
-    res = alignflow_cli(["run", *small_pipeline_args(tmp_path)], env=cli_env(), cwd=tmp_path / "cwd", verbose=False)
+    res = alignflow_cli(["run", *small_pipeline_args(tmp_path)], env=cli_env(PREFECT_API_URL=shared_prefect_api()),
+                        cwd=tmp_path / "cwd", verbose=False)
     assert res.returncode == 0, res.describe()
     keys = dict(re.findall(r"^  (\w+) .* ([0-9a-f]{20})  will run", res.stdout, re.M))
     assert keys == {n: uri.rsplit("/", 1)[1] for n, (_, uri) in s3_run.stages.items()}
@@ -306,8 +309,8 @@ def test_mlflow_parent_and_child_runs(s3_run, moto_s3):
 # ---- rounds of any kind, in any order, and only the stages they need ------------------
 
 
-def test_rule_reward_rounds_of_mixed_kinds_need_no_reward_model(small_pipeline_args, cli_env, alignflow_cli,
-                                                               tmp_path):
+def test_rule_reward_rounds_of_mixed_kinds_need_no_reward_model(small_pipeline_args, cli_env, shared_prefect_api,
+                                                               alignflow_cli, tmp_path):
     """The rounds alone (`alignflow stage rl`: their evaluations are the S3 run's business): GRPO on a mix
     of two rules, PPO whose critic starts from the policy, then on-policy distillation of round 1 into SFT;
     then, from the same config, offline distillation of round 1 (`alignflow stage distill`), the rounds
@@ -321,7 +324,8 @@ def test_rule_reward_rounds_of_mixed_kinds_need_no_reward_model(small_pipeline_a
               {**small, "algorithm": "distill", "teacher": "round_1", "start_from": "sft"}]
     distill = {"teacher": "round_1", "top_k": 5, "epochs": 1, "batch_size": 32, "max_steps": 6}
     config = [*small_pipeline_args(tmp_path, rounds=0), f"rounds={json.dumps(rounds)}", f"distill={json.dumps(distill)}"]
-    res = alignflow_cli(["stage", "rl", *config], env=cli_env(), cwd=tmp_path / "cwd")
+    env = cli_env(PREFECT_API_URL=shared_prefect_api())
+    res = alignflow_cli(["stage", "rl", *config], env=env, cwd=tmp_path / "cwd")
     assert res.returncode == 0, res.describe()
     assert "skipped: reward_model (no round scores with it or starts a critic from it)" in res.stdout
     runs = stage_runs(f"sqlite:///{tmp_path / 'mlflow.db'}")
@@ -335,7 +339,7 @@ def test_rule_reward_rounds_of_mixed_kinds_need_no_reward_model(small_pipeline_a
     assert "rl/distill/reverse_kl_per_token" in runs["round_3"].data.metrics
     assert stage_json(res.stdout)["uri"].startswith(str(tmp_path / "artifacts" / "round_3"))
 
-    offline = alignflow_cli(["stage", "distill", *config], env=cli_env(), cwd=tmp_path / "cwd")
+    offline = alignflow_cli(["stage", "distill", *config], env=env, cwd=tmp_path / "cwd")
     assert offline.returncode == 0, offline.describe()
     planned = {line.split()[0]: line for line in offline.stdout.splitlines()  # the plan's rows
                if line.startswith("  ") and ("Cached" in line or "will run" in line)}
@@ -350,7 +354,8 @@ def test_rule_reward_rounds_of_mixed_kinds_need_no_reward_model(small_pipeline_a
           f"offline distillation: {offline.seconds:.0f} s")
 
 
-def test_the_gpu_config_runs_end_to_end_on_the_cpu(gpu_config_on_cpu, cli_env, alignflow_cli, tmp_path):
+def test_the_gpu_config_runs_end_to_end_on_the_cpu(gpu_config_on_cpu, cli_env, shared_prefect_api, alignflow_cli,
+                                                   tmp_path):
     """configs/gpu-small.yaml at a small shape and without GPUs, up to its rounds (`alignflow stage rl`;
     evaluations in the run's engine host are the S3 run's): tied embeddings, bf16, gradient checkpointing,
     PPO rounds with every model colocated (the engines, as they count it, put to sleep once a step while
@@ -361,7 +366,8 @@ def test_the_gpu_config_runs_end_to_end_on_the_cpu(gpu_config_on_cpu, cli_env, a
     small = ["data.synthetic.num_sft=128", "data.synthetic.num_preference=128", "data.synthetic.num_rl_prompts=64",
              "rounds.0.steps=1", "rounds.1.steps=1", "rounds.0.prompts_per_step=16", "rounds.1.prompts_per_step=16",
              f"infra.mlflow_tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}"]
-    res = alignflow_cli(["stage", "rl", str(gpu_config_on_cpu(tmp_path)), *small], env=cli_env(),
+    res = alignflow_cli(["stage", "rl", str(gpu_config_on_cpu(tmp_path)), *small],
+                        env=cli_env(PREFECT_API_URL=shared_prefect_api()),
                         cwd=tmp_path / "cwd")
     assert res.returncode == 0, res.describe()
     runs = stage_runs(f"sqlite:///{tmp_path / 'mlflow.db'}")
@@ -377,7 +383,8 @@ def test_the_gpu_config_runs_end_to_end_on_the_cpu(gpu_config_on_cpu, cli_env, a
 # ---- 7b: bad user data --------------------------------------------------------------
 
 
-def test_bad_data_row_fails_naming_file_row_and_key(small_pipeline_args, cli_env, alignflow_cli, moto_s3, tmp_path):
+def test_bad_data_row_fails_naming_file_row_and_key(small_pipeline_args, cli_env, shared_prefect_api, alignflow_cli,
+                                                    moto_s3, tmp_path):
     # Row 8 of a remote file, past the rows preflight reads of it (data.preflight_rows=5): the data stage
     # itself finds it (preflight reads every row of a local file).
     rows = [{"prompt": f"Which digit is largest? {i} 2 3", "response": "3"} for i in range(10)]
@@ -392,7 +399,8 @@ def test_bad_data_row_fails_naming_file_row_and_key(small_pipeline_args, cli_env
     args = ["run", *small_pipeline_args(tmp_path), "data.source=files", f"data.sft.path={bad}",
             f"data.preference.path={prefs}", f"data.eval.path={evals}", "data.preflight_rows=5"]
 
-    res = alignflow_cli(args, env=cli_env(AWS_ENDPOINT_URL=moto_s3.endpoint_url), cwd=tmp_path / "cwd")
+    res = alignflow_cli(args, env=cli_env(AWS_ENDPOINT_URL=moto_s3.endpoint_url, PREFECT_API_URL=shared_prefect_api()),
+                        cwd=tmp_path / "cwd")
     assert res.returncode == 2, res.describe()
     assert f"preflight: data.sft: {bad} is remote, so its first 5 rows were checked" in res.stderr, res.describe()
     last = res.stderr.strip().splitlines()[-1]

@@ -1,7 +1,8 @@
 """End to end, the CLI stopped and run again: a failed stage fixed and rerun (the rest from cache), Ctrl-C
 mid-SFT and the rerun resuming, a round stopped by SIGTERM and a DPO stage killed outright at a checkpoint, each
 resumed.
-Local storage roots of their own; real Prefect, Ray, DeepSpeed, vLLM and MLflow, as in test_e2e_pipeline.py.
+Local storage roots of their own; real Prefect, Ray, DeepSpeed, vLLM and MLflow, as in test_e2e_pipeline.py:
+a CLI stopped has a Prefect server of its own (all it started must end with it); the other runs share one.
 """
 
 from __future__ import annotations
@@ -40,13 +41,14 @@ def check(response, answer):
 '''
 
 
-def test_failed_stage_fixed_and_rerun_runs_alone(small_pipeline_args, cli_env, alignflow_cli, tmp_path):
+def test_failed_stage_fixed_and_rerun_runs_alone(small_pipeline_args, cli_env, shared_prefect_api, alignflow_cli,
+                                                 tmp_path):
     src = tmp_path / "checker_src"
     src.mkdir()
     module = src / "e2e_flaky_checker.py"
     module.write_text(textwrap.dedent(BROKEN_CHECKER))
     pythonpath = os.pathsep.join(p for p in (str(src), os.environ.get("PYTHONPATH")) if p)
-    env = cli_env(PYTHONPATH=pythonpath, PYTHONDONTWRITEBYTECODE="1")
+    env = cli_env(PYTHONPATH=pythonpath, PYTHONDONTWRITEBYTECODE="1", PREFECT_API_URL=shared_prefect_api())
     # No RL rounds here (the S3 run covers them): retry semantics only, in less time.
     args = ["run", *small_pipeline_args(tmp_path, rounds=0), "evaluation.checker=e2e_flaky_checker:check",
             "infra.task_retries=0"]
@@ -114,11 +116,12 @@ class Resumed:
 SFT_TOTAL = 100
 
 
-def kill_and_resume(stage: str, args: list[str], tmp_path: Path, *, alignflow_cli, cli_env, process_tools,
-                    signum: int = signal.SIGKILL) -> Resumed:
-    """Send `signum` to `alignflow ARGS` at the stage's first committed checkpoint, check that nothing looks
-    committed, rerun it, and check the stage committed with its checkpoints pruned. Returns what the caller
-    checks the stop and the resume against."""
+def kill_and_resume(stage: str, args: list[str], tmp_path: Path, *, alignflow_cli, cli_env, rerun_api: str,
+                    process_tools, signum: int = signal.SIGKILL) -> Resumed:
+    """Send `signum` to `alignflow ARGS` at the stage's first committed checkpoint (the CLI with a Prefect
+    server of its own: all it started must end with it), check that nothing looks committed, rerun it (on the
+    Prefect API `rerun_api`), and check the stage committed with its checkpoints pruned. Returns what the
+    caller checks the stop and the resume against."""
     root, cwd, env = tmp_path / "artifacts", tmp_path / "cwd", cli_env()
     pattern = f"{stage}/*/checkpoints/step-*/manifest.json"
     status = process_tools.kill_at_checkpoint(args, env=env, cwd=cwd, checkpoint_glob=root / pattern, signum=signum)
@@ -130,7 +133,7 @@ def kill_and_resume(stage: str, args: list[str], tmp_path: Path, *, alignflow_cl
     assert not (stage_dir / "manifest.json").exists(), f"the killed {stage} looks committed"
     step = max(int(p.parent.name.removeprefix("step-")) for p in stage_dir.glob("checkpoints/step-*/manifest.json"))
 
-    rerun = alignflow_cli(args, env=env, cwd=cwd)
+    rerun = alignflow_cli(args, env=cli_env(PREFECT_API_URL=rerun_api), cwd=cwd)
     assert rerun.returncode == 0, rerun.describe()
     assert stage_json(rerun.stdout)["uri"] == str(stage_dir)
     assert (stage_dir / "manifest.json").exists()
@@ -145,8 +148,8 @@ def kill_and_resume(stage: str, args: list[str], tmp_path: Path, *, alignflow_cl
     return Resumed(stage_dir=stage_dir, checkpoint_step=step, rerun=rerun, run=run, status=status, err=err)
 
 
-def test_ctrl_c_mid_sft_ends_the_runs_killed_and_the_rerun_resumes(small_pipeline_args, cli_env, alignflow_cli,
-                                                                    process_tools, tmp_path):
+def test_ctrl_c_mid_sft_ends_the_runs_killed_and_the_rerun_resumes(small_pipeline_args, cli_env, shared_prefect_api,
+                                                                    alignflow_cli, process_tools, tmp_path):
     """SIGINT to `alignflow run` mid-SFT, sent to its process group as Ctrl-C sends it: the CLI stops with a
     nonzero status and nothing it started outlives it, the MLflow parent run ends KILLED and no stage run is
     left RUNNING. Then `alignflow stage sft` resumes it from that checkpoint and trains exactly the rest.
@@ -184,7 +187,7 @@ def test_ctrl_c_mid_sft_ends_the_runs_killed_and_the_rerun_resumes(small_pipelin
     [stage_dir] = {p.parent.parent.parent for p in root.glob(pattern)}
     assert not (stage_dir / "manifest.json").exists(), "the interrupted sft looks committed"
 
-    rerun = alignflow_cli(["stage", "sft", *args], env=env, cwd=cwd)
+    rerun = alignflow_cli(["stage", "sft", *args], env=cli_env(PREFECT_API_URL=shared_prefect_api()), cwd=cwd)
     assert rerun.returncode == 0, rerun.describe()
     result = stage_json(rerun.stdout)
     assert result["uri"] == str(stage_dir) and (stage_dir / "manifest.json").exists()
@@ -198,8 +201,8 @@ def test_ctrl_c_mid_sft_ends_the_runs_killed_and_the_rerun_resumes(small_pipelin
     print(f"Ctrl-C after checkpoint step {step}; the rerun resumed in {rerun.seconds:.0f} s")
 
 
-def test_round_stopped_by_sigterm_ends_killed_and_resumes_its_steps(small_pipeline_args, cli_env, alignflow_cli,
-                                                                    process_tools, tmp_path):
+def test_round_stopped_by_sigterm_ends_killed_and_resumes_its_steps(small_pipeline_args, cli_env, shared_prefect_api,
+                                                                    alignflow_cli, process_tools, tmp_path):
     """SIGTERM (what `kill`, systemd, Slurm and Kubernetes send) to the CLI's process group mid-round stops it as
     Ctrl-C does: status 143, one line saying what stopped, the runs KILLED, nothing left running. The stop comes
     while the CLI waits on Ray for the stages, where a handler raising inside Ray's wait once turned it into a
@@ -211,7 +214,7 @@ def test_round_stopped_by_sigterm_ends_killed_and_resumes_its_steps(small_pipeli
                  "reward": {"source": "rule"}}
     args = ["stage", "rl", *small_pipeline_args(tmp_path, rounds=0), f"rounds={json.dumps([round_cfg])}"]
     r = kill_and_resume("round_1", args, tmp_path, alignflow_cli=alignflow_cli, cli_env=cli_env,
-                        process_tools=process_tools, signum=signal.SIGTERM)
+                        rerun_api=shared_prefect_api(), process_tools=process_tools, signum=signal.SIGTERM)
     assert r.status == 143, r.err[-3000:]
     # Nothing but the run's warnings (its SFT's data), no traceback, and the one line.
     lines = [line for line in r.err.strip().splitlines() if not line.startswith("log: ") and "| WARNING |" not in line]
@@ -240,7 +243,7 @@ def test_round_stopped_by_sigterm_ends_killed_and_resumes_its_steps(small_pipeli
 
 
 def test_kto_then_packed_dpo_killed_and_resumed_reuse_the_cached_reference_and_log_per_step_rewards(
-        small_pipeline_args, cli_env, alignflow_cli, process_tools, tmp_path):
+        small_pipeline_args, cli_env, shared_prefect_api, alignflow_cli, process_tools, tmp_path):
     small = {"max_steps": 4, "batch_size": 16, "log_every": 1}
     base = ["stage", "preference", *small_pipeline_args(tmp_path, rounds=0), "sft.packing=true"]
     root, client = tmp_path / "artifacts", mlflow_client(f"sqlite:///{tmp_path / 'mlflow.db'}")
@@ -251,7 +254,8 @@ def test_kto_then_packed_dpo_killed_and_resumed_reuse_the_cached_reference_and_l
     def runs(stage: str) -> list:
         return client.search_runs([experiment_id(client)], filter_string=f"tags.`alignflow.stage` = '{stage}'")
 
-    kto = alignflow_cli([*base, f"preference={json.dumps({**small, 'loss': 'kto'})}"], env=cli_env(),
+    kto = alignflow_cli([*base, f"preference={json.dumps({**small, 'loss': 'kto'})}"],
+                        env=cli_env(PREFECT_API_URL=shared_prefect_api()),
                         cwd=tmp_path / "cwd")
     assert kto.returncode == 0, kto.describe()
     [ref_dir] = committed("preference_reference")
@@ -272,7 +276,8 @@ def test_kto_then_packed_dpo_killed_and_resumed_reuse_the_cached_reference_and_l
     dpo_cfg = {"loss": "dpo", "beta": 0.3, "packing": True, "packing_max_tokens": 64, "epochs": 25,
                "max_steps": total, "batch_size": 16, "checkpoint_every": 10, "log_every": 1}
     r = kill_and_resume("preference", [*base, f"preference={json.dumps(dpo_cfg)}"], tmp_path,
-                        alignflow_cli=alignflow_cli, cli_env=cli_env, process_tools=process_tools)
+                        alignflow_cli=alignflow_cli, cli_env=cli_env, rerun_api=shared_prefect_api(),
+                        process_tools=process_tools)
     assert 10 <= r.checkpoint_step < total
     assert committed("preference_reference") == [ref_dir] and len(runs("preference_reference")) == 1
     assert len(committed("preference")) == 2 and len(runs("preference")) == 3
