@@ -495,34 +495,55 @@ def cli_env(tmp_path_factory) -> Callable[..., dict[str, str]]:
     return make
 
 
+@contextlib.contextmanager
+def prefect_server_of_its_own(base: Path) -> Iterator[dict[str, str]]:
+    """A Prefect server started as the CLI starts its own (flows.runtime.prefect_api), on a Prefect home and
+    with its log under `base`; yields the variables that point a process at it (PREFECT_HOME, PREFECT_API_URL).
+    prefect_api exports them in this process too: they are put back as they were once the server is up, so
+    that only the processes given them use it."""
+    from alignflow.config import InfraConfig
+    from flows.runtime import prefect_api
+
+    saved = {k: os.environ.get(k) for k in ("PREFECT_HOME", "PREFECT_API_URL")}
+
+    def restore() -> None:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+    home = str(base / "prefect_home")
+    os.environ["PREFECT_HOME"] = home
+    os.environ.pop("PREFECT_API_URL", None)
+    try:
+        with prefect_api(InfraConfig(), base) as url:
+            restore()
+            yield {"PREFECT_HOME": home, "PREFECT_API_URL": url}
+    finally:
+        restore()
+
+
+@pytest.fixture(scope="session")
+def own_prefect_server() -> Callable[[Path], contextlib.AbstractContextManager[dict[str, str]]]:
+    """`prefect_server_of_its_own`, for a module's fixture that needs a server it alone uses."""
+    return prefect_server_of_its_own
+
 
 @pytest.fixture(scope="module")
 def shared_prefect_api(tmp_path_factory) -> Iterator[Callable[[], str]]:
     """`url()`: the API of one Prefect server that a module's CLI runs share (`cli_env(PREFECT_API_URL=url())`,
-    what a user with a Prefect server of their own does), started at the first call as the CLI starts its own
-    (flows.runtime.prefect_api) on a Prefect home of its own, and stopped with the module. A CLI run given it
-    starts no server: about 7.5 s of CPU less a run on 2 cores. Runs that test the CLI's own server (one that
-    does not start, a stopped CLI leaving nothing behind) keep theirs."""
-    from alignflow.config import InfraConfig
-    from flows.runtime import prefect_api
-
+    what a user with a Prefect server of their own does), started at the first call (prefect_server_of_its_own)
+    and stopped with the module. A CLI run given it starts no server: about 7.5 s of CPU less a run on 2 cores.
+    Runs that test the CLI's own server (one that does not start, a stopped CLI leaving nothing behind) keep
+    theirs."""
     urls: list[str] = []
     with contextlib.ExitStack() as stack:
 
         def url() -> str:
             if not urls:
-                base = tmp_path_factory.mktemp("shared_prefect")
-                saved = {k: os.environ.get(k) for k in ("PREFECT_HOME", "PREFECT_API_URL")}
-                os.environ["PREFECT_HOME"] = str(base / "prefect_home")
-                os.environ.pop("PREFECT_API_URL", None)
-                try:  # prefect_api exports the URL in this process too: only the runs given it use it
-                    urls.append(stack.enter_context(prefect_api(InfraConfig(), base)))
-                finally:
-                    for k, v in saved.items():
-                        if v is None:
-                            os.environ.pop(k, None)
-                        else:
-                            os.environ[k] = v
+                server = stack.enter_context(prefect_server_of_its_own(tmp_path_factory.mktemp("shared_prefect")))
+                urls.append(server["PREFECT_API_URL"])
             return urls[0]
 
         yield url

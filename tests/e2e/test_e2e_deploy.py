@@ -37,24 +37,14 @@ EXPECTED = {
 
 
 @pytest.fixture(scope="module")
-def prefect_server(tmp_path_factory):
+def prefect_server(own_prefect_server, tmp_path_factory):
     """(api url, env) of a Prefect server of its own (own PREFECT_HOME), started
     the way the CLI starts one (flows.runtime.prefect_api), with prefect.yaml deployed to it."""
-    from alignflow.config import InfraConfig
-    from flows.runtime import prefect_api
-
-    tmp_path = tmp_path_factory.mktemp("prefect_server")
-    mp = pytest.MonkeyPatch()
-    mp.setenv("PREFECT_HOME", str(tmp_path / "prefect_home"))
-    mp.delenv("PREFECT_API_URL", raising=False)  # prefect_api sets it; undone after the module
-    try:
-        with prefect_api(InfraConfig(), tmp_path) as url:
-            env = {**os.environ, "COLUMNS": "250", "ALIGNFLOW_HOME": str(REPO)}
-            _run([PREFECT, "work-pool", "create", "alignflow-process", "--type", "process"], env)
-            _run([PREFECT, "deploy", "--all"], env, timeout=600)
-            yield url, env
-    finally:
-        mp.undo()
+    with own_prefect_server(tmp_path_factory.mktemp("prefect_server")) as server:
+        env = {**os.environ, **server, "COLUMNS": "250", "ALIGNFLOW_HOME": str(REPO)}
+        _run([PREFECT, "work-pool", "create", "alignflow-process", "--type", "process"], env)
+        _run([PREFECT, "deploy", "--all"], env, timeout=600)
+        yield server["PREFECT_API_URL"], env
 
 
 def _run(args: list[str], env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:
