@@ -1,14 +1,27 @@
 """Episodes of either kind on a rollout engine: an environment's, stepped by engines/rollout/episodes.py, or a
-user's agent driving them through the endpoint of engines/rollout/endpoint.py."""
+user's agent driving them through the endpoint of engines/rollout/endpoint.py:
+
+    def agent(client: openai.OpenAI, sample: dict) -> float:
+        reply = client.chat.completions.create(model="policy", messages=[...], tools=[...])
+        ...                                   # call tools, ask again, as the agent's own code decides
+        return reward
+
+Each episode runs `agent(client, sample)` in a thread of its own, beside the others, with a client of its own
+episode's URL. An agent that raises or runs past `step_timeout_s` fails its episode (counted,
+`failure_reward`); its reward is otherwise the episode's return. One that raises at a refusal of the limits
+gets failure_reward, truncated still, not failed.
+"""
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Callable
 
 from engines.rollout.base import Rollout, Sampling
-from engines.rollout.endpoint import agent_episodes
-from engines.rollout.episode_tokens import EpisodeTokens
-from engines.rollout.episodes import EpisodeLimits, run_episodes
+from engines.rollout.endpoint import ChatEndpoint, EngineLoop
+from engines.rollout.episode_tokens import EpisodeTokens, ServedSequence
+from engines.rollout.episodes import EPISODE_STATS, EpisodeLimits, in_thread, last_sampled, run_episodes
 
 
 def episodes_on(engine, records: list[dict], sampling: Sampling, env, max_model_len: int) -> list[Rollout]:
@@ -45,3 +58,59 @@ def episode_start(tokenizer, env) -> Callable[[dict], list[int]]:
         return tokens.start(as_messages(record["prompt"]))
 
     return start
+
+
+def agent_episodes(engine, tokenizer, records: list[dict], n: int, sampling: Sampling, agent, decode,
+                   limits: EpisodeLimits) -> list[Rollout]:
+    """`n` episodes of each record, each `agent(client, record)` against this engine's endpoint; grouped per
+    record, in order, as `run_episodes` returns them. A request the limits leave no turn for is refused and
+    truncates its episode; `limits.step_timeout_s` bounds a whole episode."""
+    import openai
+
+    timeout_s, failure_reward = limits.step_timeout_s, limits.failure_reward
+    loop = EngineLoop(engine)
+    endpoint = ChatEndpoint(loop, tokenizer, decode, limits, temperature=sampling.temperature, top_p=sampling.top_p)
+    clients: dict = {}
+    names = [f"{i}-{j}" for i in range(len(records)) for j in range(n)]
+    try:
+        # trust_env=False: an HTTP(S)_PROXY of the cluster's would take the loopback requests (and the key) away
+        clients.update({name: openai.OpenAI(base_url=endpoint.url(name), api_key=endpoint.key, max_retries=0,
+                                            timeout=timeout_s, http_client=openai.DefaultHttpxClient(trust_env=False))
+                        for name in names})
+        runs = {name: in_thread(agent, clients[name], records[i // n]) for i, name in enumerate(names)}
+        deadline = time.monotonic() + timeout_s
+        loop.run(lambda: all(f.done() for f in runs.values()), deadline)
+        outcomes = {}
+        for name, future in runs.items():
+            try:
+                reward = float(future.result(timeout=max(0.0, deadline - time.monotonic())))
+                outcomes[name] = (reward, None) if math.isfinite(reward) else \
+                    (failure_reward, f"agent returned a reward of {reward}")  # NaN would spread to the whole step
+            except Exception as e:  # raised, or still running at the deadline (its thread is left behind)
+                why = f"agent ran past step_timeout_s={timeout_s:g}" if not future.done() else \
+                    f"agent raised {type(e).__name__}: {e}"
+                outcomes[name] = (failure_reward, why)
+    finally:
+        loop.close()  # late requests are refused from here on
+        endpoint.close()
+        for client in clients.values():
+            client.close()
+    sequences, all_stats = endpoint.snapshot()
+    rollouts = []
+    for i, name in enumerate(names):
+        reward, error = outcomes[name]
+        seq = sequences.get(name)
+        if seq is None:  # the agent asked for nothing
+            seq = ServedSequence([], EpisodeTokens(tokenizer).start([{"role": "user", "content": ""}]))
+        stats = {k: 0 for k in EPISODE_STATS} | all_stats.get(name, {})
+        # A limit refused a request (stats["truncated"]): the episode is truncated, not failed, even where the
+        # agent raised at the refusal (its return is then failure_reward; the error stays in its transcript).
+        limited = bool(stats.get("truncated", 0))
+        stats |= {"return": reward, "failed": int(error is not None and not limited), "truncated": int(seq.last_cut or
+                  limited), "success": int(error is None and reward > 0 and not limited)}
+        rollouts.append(Rollout(prompt_index=i // n, prompt_ids=seq.prompt_ids, token_ids=seq.tokens,
+                                text=seq.last_text, logprobs=seq.logprobs,
+                                finished=not stats["truncated"], sampled=seq.sampled,
+                                turn_rewards=[(last_sampled(seq.sampled), reward)],
+                                episode={**stats, "error": error}))
+    return rollouts

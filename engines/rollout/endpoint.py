@@ -1,49 +1,46 @@
-"""Any agent, through an OpenAI-compatible endpoint: `environment.agent: module:function`.
+"""The OpenAI-compatible endpoint through which a user's agent drives its episodes (`environment.agent:
+module:function`; engines/rollout/agentic.py runs the agents, each with a client of this endpoint).
 
-    def agent(client: openai.OpenAI, sample: dict) -> float:
-        reply = client.chat.completions.create(model="policy", messages=[...], tools=[...])
-        ...                                   # call tools, ask again, as the agent's own code decides
-        return reward
-
-Each episode runs `agent(client, sample)` in a thread of its own, beside the others. Its client talks to
-`/v1/chat/completions`, served by this rollout engine's process on 127.0.0.1 (port chosen by the system)
-under a key made for this generation: a request without it gets 401. Completions are sampled by the
+`/v1/chat/completions` is served by the rollout engine's process on 127.0.0.1 (port chosen by the system)
+under a key made for each generation: a request without it gets 401. Completions are sampled by the
 engine (`EngineLoop`: the engine's own thread steps it, requests from any thread join its running batch)
 at the round's temperature and top_p, whatever the agent asks (the samples stay on-policy); an agent's
 `max_tokens` may only shorten a turn below max_tokens_per_turn. Requests of one episode are answered one
 at a time. A request past the episode's `max_turns` completions, or with no tokens left of
 `max_episode_tokens` or of the engine's context, is refused (400, saying which) and the episode counts as
-truncated, as an environment's does: an agent that catches the error keeps its reward; one that raises
-gets failure_reward, truncated still, not failed.
+truncated, as an environment's does. A request whose client leaves before its answer (closes its
+connection: its own timeout, or it stopped), or that runs past `step_timeout_s` (504), is given up: the
+engine drops it, and it is counted (`abandoned`).
 
 What trains is what was sampled. The endpoint keeps each episode's token sequence: when a request's
 messages extend the conversation it served before (role and content alike), only the new messages are
 rendered and appended (`EpisodeTokens.observation`, masked), and the completion's tokens and log-probs
 follow. A request that rewrites the conversation starts the sequence again from its render, and the
-restart is counted (`restarts`; training takes the last sequence). An agent that raises or runs past
-`step_timeout_s` fails its episode (counted, `failure_reward`); its reward is otherwise the episode's
-return. Tool calls in a completion (the template's `<tool_call>` format) come back as `tool_calls`, and
-are counted (those that do not parse as invalid calls). `stream`, `n` > 1, `stop` and `logit_bias` get 400.
+restart is counted (`restarts`; training takes the last sequence). Tool calls in a completion (the
+template's `<tool_call>` format) come back as `tool_calls`, and are counted (those that do not parse as
+invalid calls). `stream`, `n` > 1, `stop` and `logit_bias` get 400.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
-import math
 import queue
 import re
 import secrets
+import select
+import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from alignflow.agents.tools import openai_tool_calls
-from engines.rollout.base import Rollout, Sampling
-from engines.rollout.episode_tokens import EpisodeTokens
-from engines.rollout.episodes import EPISODE_STATS, EpisodeLimits, in_thread, last_sampled
+from engines.rollout.base import Sampling
+from engines.rollout.episode_tokens import EpisodeTokens, ServedSequence
+from engines.rollout.episodes import EpisodeLimits
 
 PATH = re.compile(r"^/e/([A-Za-z0-9_-]+)/v1/chat/completions$")
 
@@ -51,11 +48,14 @@ PATH = re.compile(r"^/e/([A-Za-z0-9_-]+)/v1/chat/completions$")
 class EngineLoop:
     """Requests from any thread (`submit`), served by the thread that calls `run`: the one the engine lives
     on. (vLLM's CPU attention checks that its metadata and its kernels see the same OpenMP thread count,
-    which is a thread's own setting: an engine stepped from a second thread fails that check.)"""
+    which is a thread's own setting: an engine stepped from a second thread fails that check.) A request
+    given up (`cancel`) leaves the engine on that thread too: dropped before it starts, or aborted mid-sequence
+    (vLLM; the transformers engine generates a step's batch whole). `counts`: requests answered and given up."""
 
     def __init__(self, engine):
         self.engine, self._inbox, self._waiting = engine, queue.Queue(), {}
-        self._closed, self._lock = False, threading.Lock()
+        self._closed, self._lock = False, threading.Lock()  # the lock: _closed, and settling futures
+        self.counts = {"answered": 0, "abandoned": 0}
 
     def submit(self, prompt_ids: list[int], sampling: Sampling) -> Future:
         future: Future = Future()
@@ -66,23 +66,46 @@ class EngineLoop:
                 self._inbox.put((prompt_ids, sampling, future))
         return future
 
+    def cancel(self, future: Future) -> bool:
+        """Give up `submit`'s request: no more compute goes to an answer nobody will read. False where the
+        answer came first (then `future.result()` has it)."""
+        with self._lock:
+            if not future.cancel():
+                return False
+        self._inbox.put((None, None, future))  # the engine's thread drops it
+        return True
+
+    def _settle(self, future: Future, result=None, error: BaseException | None = None) -> None:
+        with self._lock:
+            if future.cancelled():  # given up meanwhile: its drop is queued behind
+                return
+            future.set_exception(error) if error is not None else future.set_result(result)
+
     def run(self, done, deadline: float) -> None:
         """Serve until `done()` or the monotonic `deadline`."""
         while not done() and time.monotonic() < deadline:
             try:
                 while True:
                     prompt_ids, sampling, future = self._inbox.get(timeout=0.0 if self.engine.busy() else 0.02)
+                    if prompt_ids is None:  # `cancel`: abort it where the engine has it
+                        self.engine.abort([k for k, f in self._waiting.items() if f is future])
+                        self._waiting = {k: f for k, f in self._waiting.items() if f is not future}
+                        self.counts["abandoned"] += 1
+                        continue
+                    if future.cancelled():  # given up before the engine saw it
+                        continue
                     key = uuid.uuid4().hex
                     try:
                         self.engine.add(key, prompt_ids, sampling)
                         self._waiting[key] = future
                     except Exception as e:  # a request the engine refuses fails that request, not the loop
-                        future.set_exception(e)
+                        self._settle(future, error=e)
             except queue.Empty:
                 pass
             if self.engine.busy():
                 for key, ids, logprobs, eos in self.engine.step():
-                    self._waiting.pop(key).set_result((ids, logprobs, eos))
+                    self.counts["answered"] += 1
+                    self._settle(self._waiting.pop(key), (ids, logprobs, eos))
 
     def close(self) -> None:
         """Requests still queued or generating are dropped from the engine, their callers told; later ones are
@@ -93,21 +116,8 @@ class EngineLoop:
         while not self._inbox.empty():
             self._waiting[uuid.uuid4().hex] = self._inbox.get_nowait()[2]
         for future in self._waiting.values():
-            future.set_exception(RuntimeError("the generation these episodes belonged to has ended"))
+            self._settle(future, error=RuntimeError("the generation these episodes belonged to has ended"))
         self._waiting = {}
-
-
-@dataclass
-class _Sequence:
-    """One episode's tokens as the endpoint served them."""
-
-    messages: list[tuple[str, str]]  # (role, content) of the conversation so far, its answers included
-    prompt_ids: list[int]
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    sampled: list[int] = field(default_factory=list)
-    last_cut: bool = False
-    last_text: str = ""
 
 
 def _said(messages: list[dict]) -> list[tuple[str, str]]:
@@ -125,6 +135,15 @@ def _unserved(body: dict) -> str | None:
     return f"{bad[0]}={body[bad[0]]!r}: {UNSERVED[bad[0]]}" if bad else None
 
 
+class Abandoned(RuntimeError):
+    """A request given up before its answer: its client left, or step_timeout_s passed."""
+
+
+# How often a waiting request checks that its client is still there: a client that left costs at most this
+# much more generation (plus the engine step under way) before the engine drops its request.
+GONE_POLL_S = 0.5
+
+
 class _Server(ThreadingHTTPServer):
     request_queue_size = 1024  # every episode's agent may connect at once (the default backlog is 5)
     daemon_threads = True
@@ -136,7 +155,7 @@ class ChatEndpoint:
         """`limits`: an environment's (EpisodeLimits.turn_budget); its step_timeout_s bounds each request."""
         self.loop, self.tokenizer, self.decode, self.limits = loop, tokenizer, decode, limits
         self.temperature, self.top_p, self.key = temperature, top_p, secrets.token_urlsafe(24)
-        self.sequences: dict[str, _Sequence] = {}
+        self.sequences: dict[str, ServedSequence] = {}
         self.stats: dict[str, dict[str, int]] = {}
         self._lock = threading.Lock()  # the dicts above
         self._episode_locks: dict[str, threading.Lock] = {}  # one request of an episode at a time
@@ -160,9 +179,21 @@ class ChatEndpoint:
                     body = json.loads(raw)
                     if why := _unserved(body):
                         raise ValueError(why)
-                    self._send(200, endpoint.complete(match.group(1), body))
+                    self._send(200, endpoint.complete(match.group(1), body, gone=self._gone))
+                except Abandoned as e:
+                    if not self._gone():  # past step_timeout_s; a client that left is told nothing
+                        self._send(504, {"error": {"message": str(e), "type": "timeout"}})
+                    self.close_connection = True
                 except Exception as e:  # the agent's bad request is its episode's problem, told to it
                     self._send(400, {"error": {"message": f"{type(e).__name__}: {e}", "type": "invalid_request"}})
+
+            def _gone(self) -> bool:
+                """The client closed its connection (its own timeout, or it stopped): the socket reads as ended."""
+                try:
+                    readable, _, _ = select.select([self.connection], [], [], 0)
+                    return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
+                except OSError:  # reset by the client
+                    return True
 
             def _send(self, status: int, payload: dict) -> None:
                 data = json.dumps(payload).encode()
@@ -179,11 +210,12 @@ class ChatEndpoint:
     def url(self, episode: str) -> str:
         return f"http://127.0.0.1:{self.port}/e/{episode}/v1"
 
-    def complete(self, episode: str, body: dict) -> dict:
+    def complete(self, episode: str, body: dict, gone: Callable[[], bool] = lambda: False) -> dict:
         """One completion of `episode`'s conversation. Requests of one episode are answered one at a time, and
         its sequence changes only once the completion is in: a refused request leaves it as it was. Sampling is
         the round's (temperature, top_p: on-policy, whatever the agent asks); `max_tokens` may only shorten a
-        turn."""
+        turn. A request whose client is `gone()` before its answer, or that runs past step_timeout_s, is given
+        up (`Abandoned`, counted): the engine drops it, and the episode stays as it was."""
         with self._lock:
             lock = self._episode_locks.setdefault(episode, threading.Lock())
             stats = self.stats.setdefault(episode, {"turns": 0, "cut_turns": 0, "restarts": 0, "tool_calls": 0,
@@ -196,10 +228,10 @@ class ChatEndpoint:
             if extends:
                 more = tokens.observation(messages[len(seq.messages):],
                                           seq.tokens[-1] if seq.tokens and not seq.last_cut else None)
-                base = _Sequence(said, seq.prompt_ids, seq.tokens + more, seq.logprobs + [0.0] * len(more),
+                base = ServedSequence(said, seq.prompt_ids, seq.tokens + more, seq.logprobs + [0.0] * len(more),
                                  seq.sampled + [0] * len(more))
             else:
-                base = _Sequence(said, tokens.start(messages))
+                base = ServedSequence(said, tokens.start(messages))
             context = base.prompt_ids + base.tokens
             left, over = self.limits.turn_budget(stats["turns"], len(base.prompt_ids), len(base.tokens))
             if over:  # the episode is truncated (what the agent returns is still its reward)
@@ -210,16 +242,21 @@ class ChatEndpoint:
             budget = min(int(asked or left), left)
             if budget < 1:
                 raise ValueError(f"max_tokens must be at least 1, got {asked}")
-            ids, logprobs, eos = self.loop.submit(context, Sampling(
-                n=1, temperature=self.temperature, top_p=self.top_p, max_new_tokens=budget)
-            ).result(timeout=self.limits.step_timeout_s)
+            future = self.loop.submit(context, Sampling(n=1, temperature=self.temperature, top_p=self.top_p,
+                                                        max_new_tokens=budget))
+            try:
+                ids, logprobs, eos = self._answer(future, gone)
+            except Abandoned:
+                with self._lock:
+                    stats["abandoned"] = stats.get("abandoned", 0) + 1
+                raise
             text = self.decode(ids)
             calls = openai_tool_calls(text)
             with self._lock:
                 stats["restarts"] += int(seq is not None and not extends)
-                self.sequences[episode] = _Sequence(said + [("assistant", text)], base.prompt_ids, base.tokens + ids,
-                                                    base.logprobs + logprobs, base.sampled + [1] * len(ids),
-                                                    last_cut=not eos, last_text=text)
+                self.sequences[episode] = ServedSequence(
+                    said + [("assistant", text)], base.prompt_ids, base.tokens + ids, base.logprobs + logprobs,
+                    base.sampled + [1] * len(ids), last_cut=not eos, last_text=text)
                 stats["turns"] += 1
                 stats["cut_turns"] += int(not eos)
                 # the model's calls as the template writes them, those that do not parse among them, as an
@@ -234,6 +271,21 @@ class ChatEndpoint:
                 "usage": {"prompt_tokens": len(context), "completion_tokens": len(ids),
                           "total_tokens": len(context) + len(ids)}}
 
+    def _answer(self, future: Future, gone: Callable[[], bool]) -> tuple[list[int], list[float], bool]:
+        deadline = time.monotonic() + self.limits.step_timeout_s
+        while True:
+            try:
+                return future.result(timeout=GONE_POLL_S)
+            except concurrent.futures.TimeoutError:
+                if gone():
+                    why = "its client closed the connection"
+                elif time.monotonic() > deadline:
+                    why = f"no completion within step_timeout_s={self.limits.step_timeout_s:g}"
+                else:
+                    continue
+                if self.loop.cancel(future):  # else the answer came meanwhile: taken at the next turn round
+                    raise Abandoned(f"request given up: {why}") from None
+
     def snapshot(self) -> tuple[dict, dict]:
         """(sequences, stats) as they stand, copied under the lock: late requests cannot tear them."""
         with self._lock:
@@ -242,57 +294,3 @@ class ChatEndpoint:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
-
-
-def agent_episodes(engine, tokenizer, records: list[dict], n: int, sampling: Sampling, agent, decode,
-                   limits: EpisodeLimits) -> list[Rollout]:
-    """`n` episodes of each record, each `agent(client, record)` against this engine's endpoint; grouped per
-    record, in order, as `run_episodes` returns them. A request the limits leave no turn for is refused and
-    truncates its episode; `limits.step_timeout_s` bounds a whole episode."""
-    import openai
-
-    timeout_s, failure_reward = limits.step_timeout_s, limits.failure_reward
-    loop = EngineLoop(engine)
-    endpoint = ChatEndpoint(loop, tokenizer, decode, limits, temperature=sampling.temperature, top_p=sampling.top_p)
-    clients: dict = {}
-    names = [f"{i}-{j}" for i in range(len(records)) for j in range(n)]
-    try:
-        # trust_env=False: an HTTP(S)_PROXY of the cluster's would take the loopback requests (and the key) away
-        clients.update({name: openai.OpenAI(base_url=endpoint.url(name), api_key=endpoint.key, max_retries=0,
-                                            timeout=timeout_s, http_client=openai.DefaultHttpxClient(trust_env=False))
-                        for name in names})
-        runs = {name: in_thread(agent, clients[name], records[i // n]) for i, name in enumerate(names)}
-        deadline = time.monotonic() + timeout_s
-        loop.run(lambda: all(f.done() for f in runs.values()), deadline)
-        outcomes = {}
-        for name, future in runs.items():
-            try:
-                reward = float(future.result(timeout=max(0.0, deadline - time.monotonic())))
-                outcomes[name] = (reward, None) if math.isfinite(reward) else \
-                    (failure_reward, f"agent returned a reward of {reward}")  # NaN would spread to the whole step
-            except Exception as e:  # raised, or still running at the deadline (its thread is left behind)
-                why = f"agent ran past step_timeout_s={timeout_s:g}" if not future.done() else \
-                    f"agent raised {type(e).__name__}: {e}"
-                outcomes[name] = (failure_reward, why)
-    finally:
-        loop.close()  # late requests are refused from here on
-        endpoint.close()
-        for client in clients.values():
-            client.close()
-    sequences, all_stats = endpoint.snapshot()
-    rollouts = []
-    for i, name in enumerate(names):
-        reward, error = outcomes[name]
-        seq = sequences.get(name) or _Sequence([], EpisodeTokens(tokenizer).start([{"role": "user", "content": ""}]))
-        stats = {k: 0 for k in EPISODE_STATS} | all_stats.get(name, {})
-        # A limit refused a request (stats["truncated"]): the episode is truncated, not failed, even where the
-        # agent raised at the refusal (its return is then failure_reward; the error stays in its transcript).
-        limited = bool(stats.get("truncated", 0))
-        stats |= {"return": reward, "failed": int(error is not None and not limited), "truncated": int(seq.last_cut or
-                  limited), "success": int(error is None and reward > 0 and not limited)}
-        rollouts.append(Rollout(prompt_index=i // n, prompt_ids=seq.prompt_ids, token_ids=seq.tokens,
-                                text=seq.last_text, logprobs=seq.logprobs,
-                                finished=not stats["truncated"], sampled=seq.sampled,
-                                turn_rewards=[(last_sampled(seq.sampled), reward)],
-                                episode={**stats, "error": error}))
-    return rollouts

@@ -11,6 +11,8 @@ once another message follows), and tokenised alone.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 PROBE = "\x00alignflow-turn\x00"
 
 
@@ -44,3 +46,16 @@ class EpisodeTokens:
             if after.startswith(written):
                 after = after[len(written):]
         return self._encode(after)
+
+
+@dataclass
+class ServedSequence:
+    """One episode's tokens as the agent endpoint (engines/rollout/endpoint.py) served them."""
+
+    messages: list[tuple[str, str]]  # (role, content) of the conversation so far, its answers included
+    prompt_ids: list[int]
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    sampled: list[int] = field(default_factory=list)
+    last_cut: bool = False
+    last_text: str = ""

@@ -35,7 +35,7 @@ log = logging.getLogger("alignflow")
 
 # What every episode reports (Rollout.episode), summed or averaged into agent/* and eval/* metrics.
 EPISODE_STATS = ("turns", "cut_turns", "tool_calls", "invalid_calls", "tool_errors", "truncated", "failed", "success",
-                 "return", "restarts")
+                 "return", "restarts", "abandoned")
 
 
 @dataclass(frozen=True)

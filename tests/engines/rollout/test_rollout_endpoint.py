@@ -17,7 +17,8 @@ from alignflow.config import SyntheticTaskConfig
 from alignflow.data import agent_task
 from engines.rl.experience import from_rollouts
 from engines.rollout.base import Sampling
-from engines.rollout.endpoint import ChatEndpoint, EngineLoop, agent_episodes
+from engines.rollout.agentic import agent_episodes
+from engines.rollout.endpoint import ChatEndpoint, EngineLoop
 from engines.rollout.episodes import EpisodeLimits, in_thread
 
 
@@ -236,3 +237,51 @@ def test_agents_reach_the_endpoint_past_a_proxy_and_a_nan_reward_fails_the_episo
     assert ok.episode["failed"] == 0 and ok.episode["turns"] == 2 and ok.episode["error"] is None
     [nan] = run(engine, nan_reward, records(1), n=1)
     assert nan.episode["failed"] == 1 and nan.episode["return"] == -1.0 and "nan" in nan.episode["error"]
+
+
+def _until(condition, what: str, seconds: float = 60.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"still waiting for {what} after {seconds:g} s"
+        time.sleep(0.05)
+
+
+def test_a_request_its_client_gives_up_on_is_dropped_before_the_engine_generates_it(engine):
+    """An agent whose own client times out (or that stops) closes its connection while its request waits for
+    the engine: the endpoint gives the request up, the engine never generates it, and the episode stays as it
+    was. A request past step_timeout_s is given up too, and its client told so (504). Each is counted."""
+    import socket
+
+    served = {"abandoned": 0, "answered": 0}
+    for timeout_s in (600.0, 1.0):
+        loop = EngineLoop(engine)
+        endpoint = ChatEndpoint(loop, engine.tokenizer, engine.tokenizer.decode,
+                                limits(max_tokens=4, timeout_s=timeout_s), temperature=1.0, top_p=1.0)
+        body = json.dumps({"model": "policy", "messages": [{"role": "user", "content": "hi"}]}).encode()
+        url = endpoint.url("ep") + "/chat/completions"
+        try:
+            if timeout_s == 600.0:  # the client leaves: the whole request sent, then the connection closed
+                with socket.create_connection(("127.0.0.1", endpoint.port)) as conn:
+                    conn.sendall(b"POST /e/ep/v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                                 + endpoint.key.encode() + b"\r\nContent-Type: application/json\r\nContent-Length: "
+                                 + str(len(body)).encode() + b"\r\n\r\n" + body)
+                _until(lambda: endpoint.stats.get("ep", {}).get("abandoned") == 1, "the request to be given up")
+            else:  # nobody serves the engine for longer than step_timeout_s
+                status, told = send(url, endpoint.key, json.loads(body))
+                assert status == 504 and "step_timeout_s=1" in told["error"]["message"], (status, told)
+                assert endpoint.stats["ep"]["abandoned"] == 1
+            # The engine's thread serves now: it drops the request rather than generate it.
+            loop.run(lambda: loop.counts["abandoned"] == 1, time.monotonic() + 60)
+            assert loop.counts == {"answered": 0, "abandoned": 1} and not engine.busy()
+            assert "ep" not in endpoint.sequences and endpoint.stats["ep"]["turns"] == 0
+            # The episode goes on: its next request is answered as its first would have been.
+            asked = in_thread(send, url, endpoint.key, json.loads(body))
+            loop.run(asked.done, time.monotonic() + 60)
+            status, reply = asked.result()
+            assert status == 200 and reply["usage"]["completion_tokens"] == len(endpoint.sequences["ep"].tokens) > 0
+            assert endpoint.stats["ep"]["turns"] == 1 and loop.counts == {"answered": 1, "abandoned": 1}
+            served = {k: served[k] + v for k, v in loop.counts.items()}
+        finally:
+            endpoint.close()
+            loop.close()
+    assert served == {"abandoned": 2, "answered": 2}

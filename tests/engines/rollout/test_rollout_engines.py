@@ -159,6 +159,36 @@ def test_vllm_texts_are_those_of_its_incremental_detokenizer(vllm_actor, prompts
     assert all(r.text == w for r, w in zip(out, whole) if not w.endswith("\ufffd"))
 
 
+def _given_up_mid_sequence(self, prompts):
+    """In the actor: two requests through an EngineLoop (as the agent endpoint serves them), the long one given
+    up once the short one is answered; then another request."""
+    import time
+
+    from engines.rollout.endpoint import EngineLoop
+
+    loop, unbounded = EngineLoop(self.engine), time.monotonic() + 120
+    long = loop.submit(prompts[0], Sampling(max_new_tokens=200, ignore_eos=True))
+    short = loop.submit(prompts[1], Sampling(max_new_tokens=4, ignore_eos=True))
+    loop.run(short.done, unbounded)
+    given_up = loop.cancel(long)
+    loop.run(lambda: loop.counts["abandoned"] == 1, unbounded)
+    left = (self.engine.busy(), self.engine.llm.llm_engine.has_unfinished_requests())
+    after = loop.submit(prompts[2], Sampling(max_new_tokens=3, ignore_eos=True))
+    loop.run(after.done, unbounded)
+    loop.close()
+    return given_up, long.cancelled(), len(short.result()[0]), left, len(after.result()[0]), dict(loop.counts)
+
+
+def test_a_request_given_up_mid_sequence_leaves_vllm_at_once(vllm_actor, prompts):
+    """The agent endpoint gives up a request whose client left (engines/rollout/endpoint.py): vLLM aborts it
+    mid-sequence, with 200 tokens asked and a few made, and serves the next request."""
+    given_up, cancelled, short, left, after, counts = ray.get(
+        vllm_actor.__ray_call__.remote(_given_up_mid_sequence, prompts))
+    assert given_up and cancelled and short == 4 and after == 3
+    assert left == (False, False), "the given-up request is still in vLLM"
+    assert counts == {"answered": 2, "abandoned": 1}
+
+
 def _weights_of(model_path) -> dict[str, torch.Tensor]:
     return models.load_policy(model_path).state_dict()
 
