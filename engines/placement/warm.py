@@ -56,7 +56,7 @@ class WarmActors:
     def __init__(self):
         self.idle: dict[tuple, Idle] = {}
         self.counts = Counts()
-        self.owned: dict[Any, tuple] = {}  # single actors `start` made or took, by handle: their keys
+        self._owned: dict[Any, tuple] = {}  # single actors `start` made or took, by handle: their keys
         self._lock = threading.Lock()
 
     def take(self, key: tuple, size: int) -> Idle | None:
@@ -93,6 +93,16 @@ class WarmActors:
         if previous is not None:
             self._end(previous)
         return True
+
+    def own(self, actor: Any, key: tuple) -> None:
+        """Remember a single actor `start` made or took, for `end` to keep under `key`."""
+        with self._lock:
+            self._owned[actor] = key
+
+    def disown(self, actor: Any) -> tuple | None:
+        """The key `own` remembered for `actor` (forgotten now), or None for an actor it never saw."""
+        with self._lock:
+            return self._owned.pop(actor, None)
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -151,8 +161,7 @@ def start(kind: str, arguments: dict[str, Any], make: Callable[[], Any]) -> Any:
     key = (kind, repr(sorted(arguments.items())))
     idle = pool.take(key, 1)
     actor = idle.actors[0] if idle is not None else make()
-    with pool._lock:
-        pool.owned[actor] = key
+    pool.own(actor, key)
     return actor
 
 
@@ -161,11 +170,7 @@ def end(actor: Any, *, failed: bool = False) -> None:
     left in doubt, its reset and a place among the idle ones."""
     import ray
 
-    pool = _active
-    key = None
-    if pool is not None:
-        with pool._lock:
-            key = pool.owned.pop(actor, None)
+    key = _active.disown(actor) if _active is not None else None
     if key is None or failed or not keep(key, Idle([actor])):
         ray.kill(actor)
 
