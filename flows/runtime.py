@@ -13,6 +13,7 @@ import contextlib
 import http.client
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -28,25 +29,35 @@ from alignflow.storage import is_local_uri, local_path
 STARTUP_TIMEOUT_S = 120
 
 
-def _die_with_parent():
-    """Linux: a pre-exec hook giving the server SIGTERM when the CLI dies, even by SIGKILL.
+# What stops the server the CLI starts: uvicorn shuts down gracefully on it. Not SIGTERM, which the server
+# holds blocked (see _server_signals).
+SERVER_STOP = signal.SIGINT
 
-    The server runs in its own session (a Ctrl-C in the terminal must not stop
-    it before the CLI has shipped its logs), so nothing else would stop it.
-    Built before the fork: the hook itself only calls prctl.
+
+def _server_signals():
+    """A pre-exec hook: the server ends with the CLI, and outlives a stop sent to every process at once.
+
+    - It runs in its own session (a Ctrl-C in the terminal must not stop it before the CLI has recorded the
+      stop in it), so Linux's parent-death signal (SERVER_STOP, even where the CLI is SIGKILLed) ends it.
+    - SIGTERM stays blocked in it: systemd's and Slurm's stops send SIGTERM to every process of the unit or
+      job step at once, and a server gone with the CLI's first breath would leave the stop unrecorded (the
+      flow run, the stopped stages' task runs) and each call of the stop path retrying for a minute. The mask
+      survives exec; the CLI ends it with SERVER_STOP once it is done.
+    Built before the fork: the hook itself only makes system calls.
     """
+    block = lambda: signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # noqa: E731
     if not sys.platform.startswith("linux"):
-        return None
+        return block
     import ctypes
-    import signal
 
     prctl = ctypes.CDLL(None, use_errno=True).prctl
     parent = os.getpid()
 
     def hook() -> None:
-        prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        block()
+        prctl(1, SERVER_STOP)  # PR_SET_PDEATHSIG
         if os.getppid() != parent:  # the CLI died before the hook ran
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), SERVER_STOP)
 
     return hook
 
@@ -87,7 +98,7 @@ def prefect_api(infra: InfraConfig, log_dir: Path, while_starting: Callable[[], 
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
             [str(prefect_bin), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent(), env=env,
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_server_signals(), env=env,
         )
     try:
         os.environ["PREFECT_API_URL"] = url
@@ -102,7 +113,7 @@ def prefect_api(infra: InfraConfig, log_dir: Path, while_starting: Callable[[], 
             time.sleep(0.3)
         yield url
     finally:
-        proc.terminate()
+        proc.send_signal(SERVER_STOP)
         try:
             proc.wait(timeout=15)
         except subprocess.TimeoutExpired:

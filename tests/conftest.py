@@ -189,10 +189,11 @@ def alignflow_cli() -> Callable[..., CliResult]:
 
 
 def kill_at_checkpoint(args: list[str], *, env: dict[str, str], cwd: Path, checkpoint_glob: Path,
-                       timeout: float = 600, signum: int = signal.SIGKILL) -> int:
-    """Start `python -m flows.cli ARGS`, send `signum` to its whole session as soon as a
+                       timeout: float = 600, signum: int = signal.SIGKILL, every_process: bool = False) -> int:
+    """Start `python -m flows.cli ARGS`, send `signum` to its process group as soon as a
     file matching `checkpoint_glob` (absolute, with wildcards) exists (SIGINT: what Ctrl-C
-    sends a terminal's foreground group), and assert that everything it started (CLI, Ray
+    sends a terminal's foreground group), or with `every_process` to every process it started,
+    its servers and Ray's included (a systemd or Slurm stop), and assert that everything it started (CLI, Ray
     head and workers, the Prefect server) is gone within 60 s of the CLI's exit, without
     `ray stop`. Returns the CLI's exit status.
     """
@@ -215,7 +216,12 @@ def kill_at_checkpoint(args: list[str], *, env: dict[str, str], cwd: Path, check
         # The run's session (CLI, Ray head, Ray workers) and descendants in other
         # sessions (the CLI's Prefect server).
         tree = process_tree(proc.pid)
-        os.killpg(proc.pid, signum)
+        if every_process:  # as systemd's and Slurm's stops do: every process of the unit or job step at once
+            for pid in tree:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signum)
+        else:
+            os.killpg(proc.pid, signum)
         proc.wait(timeout=30 if signum == signal.SIGKILL else 180)  # a stop ends its runs and servers first
         # Ray workers (own process groups) and the Prefect server (own session)
         # must go by themselves: Ray fate-sharing; the server's parent-death signal.

@@ -117,14 +117,15 @@ SFT_TOTAL = 100
 
 
 def kill_and_resume(stage: str, args: list[str], tmp_path: Path, *, alignflow_cli, cli_env, rerun_api: str,
-                    process_tools, signum: int = signal.SIGKILL) -> Resumed:
+                    process_tools, signum: int = signal.SIGKILL, every_process: bool = False) -> Resumed:
     """Send `signum` to `alignflow ARGS` at the stage's first committed checkpoint (the CLI with a Prefect
     server of its own: all it started must end with it), check that nothing looks committed, rerun it (on the
     Prefect API `rerun_api`), and check the stage committed with its checkpoints pruned. Returns what the
     caller checks the stop and the resume against."""
     root, cwd, env = tmp_path / "artifacts", tmp_path / "cwd", cli_env()
     pattern = f"{stage}/*/checkpoints/step-*/manifest.json"
-    status = process_tools.kill_at_checkpoint(args, env=env, cwd=cwd, checkpoint_glob=root / pattern, signum=signum)
+    status = process_tools.kill_at_checkpoint(args, env=env, cwd=cwd, checkpoint_glob=root / pattern, signum=signum,
+                                              every_process=every_process)
     err = (cwd / "killed.err").read_text()
 
     stage_dirs = {p.parent.parent.parent for p in root.glob(pattern)}
@@ -203,10 +204,13 @@ def test_ctrl_c_mid_sft_ends_the_runs_killed_and_the_rerun_resumes(small_pipelin
 
 def test_round_stopped_by_sigterm_ends_killed_and_resumes_its_steps(small_pipeline_args, cli_env, shared_prefect_api,
                                                                     alignflow_cli, process_tools, tmp_path):
-    """SIGTERM (what `kill`, systemd, Slurm and Kubernetes send) to the CLI's process group mid-round stops it as
-    Ctrl-C does: status 143, one line saying what stopped, the runs KILLED, nothing left running. The stop comes
-    while the CLI waits on Ray for the stages, where a handler raising inside Ray's wait once turned it into a
-    SystemError with a traceback and status 1. Then the rerun resumes the round."""
+    """SIGTERM mid-round to every process the run started at once, as systemd (KillMode=control-group) and Slurm
+    (scancel) stop a unit or a job step, stops it as Ctrl-C does: status 143, one line saying what stopped, the
+    runs KILLED, nothing left running. Its Ray goes down beside it; its Prefect server outlives the signal
+    (which once left the CLI retrying the API for a minute until Ray's lost GCS ended it, status 1), and the
+    CLI ends it. The stop comes while the CLI waits on Ray for the stages, where a handler raising inside Ray's
+    wait once turned it into a SystemError with a traceback and status 1. Then the rerun resumes the round.
+    (A signal to the CLI's process group alone: the Ctrl-C test.)"""
     total = 12  # stopped at step 4 or 8: a tiny round's step takes about 1.5 s here, so 4+ steps of margin
     # GRPO on the rule: no reward model to train first, no critic or reward actor to start, twice.
     round_cfg = {"algorithm": "grpo", "steps": total, "checkpoint_every": 4, "prompts_per_step": 8,
@@ -214,7 +218,8 @@ def test_round_stopped_by_sigterm_ends_killed_and_resumes_its_steps(small_pipeli
                  "reward": {"source": "rule"}}
     args = ["stage", "rl", *small_pipeline_args(tmp_path, rounds=0), f"rounds={json.dumps([round_cfg])}"]
     r = kill_and_resume("round_1", args, tmp_path, alignflow_cli=alignflow_cli, cli_env=cli_env,
-                        rerun_api=shared_prefect_api(), process_tools=process_tools, signum=signal.SIGTERM)
+                        rerun_api=shared_prefect_api(), process_tools=process_tools, signum=signal.SIGTERM,
+                        every_process=True)
     assert r.status == 143, r.err[-3000:]
     # Nothing but the run's warnings (its SFT's data), no traceback, and the one line.
     lines = [line for line in r.err.strip().splitlines() if not line.startswith("log: ") and "| WARNING |" not in line]
