@@ -128,11 +128,18 @@ def log_to_file(log_dir: Path) -> Path:
 RAY_NOTICES = ("Token authentication is enabled for this Ray cluster",)
 
 
+NOTICE_LOGGER = "alignflow.ray"
+
+
 class _NoticeToLogFile(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
         if any(n in message for n in RAY_NOTICES):
-            logging.getLogger("alignflow.ray").info("%s", message)  # INFO: the log file only
+            # INFO: the log file only. Logged again once: where a handler with this filter also takes
+            # NOTICE_LOGGER's records (one shared with the root logger), its copy is dropped there, not
+            # logged again without end.
+            if record.name != NOTICE_LOGGER:
+                logging.getLogger(NOTICE_LOGGER).info("%s", message)
             return False
         return True
 

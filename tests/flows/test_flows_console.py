@@ -234,3 +234,32 @@ def test_a_deployed_run_quiets_its_libraries_unless_asked(verbose, monkeypatch):
         ((None, None) if verbose else ("error", "1"))
     assert "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL" not in os.environ  # a line per stage stays on the console
     assert isinstance(handler.formatter, WithoutTraceback) is not verbose
+
+
+def test_rays_start_notice_is_kept_off_the_console_without_end_through_a_handler_the_root_logger_shares():
+    """quiet_ray_notices' filter sends Ray's start notice on to `alignflow.ray` (INFO: the log file) and keeps it
+    off Ray's console handler. Where that handler is also the root logger's, the notice logged again reaches
+    the filter again, which once logged it again without end (RecursionError inside ray.init)."""
+    class Kept(logging.Handler):
+        def __init__(self):
+            super().__init__()
+            self.records = []
+
+        def emit(self, record):
+            self.records.append(record)
+
+    root, ray_logger = logging.getLogger(), logging.getLogger("ray")
+    shared, log_file = Kept(), Kept()
+    shared.addFilter(console._NoticeToLogFile())
+    saved = root.level, root.handlers[:], ray_logger.handlers[:], ray_logger.propagate
+    root.handlers[:], ray_logger.handlers[:], ray_logger.propagate = [shared, log_file], [shared], True
+    root.setLevel(logging.INFO)
+    try:
+        ray_logger.warning("Token authentication is enabled for this Ray cluster. Set RAY_AUTH_MODE=disabled")
+        ray_logger.warning("another warning")
+    finally:
+        root.setLevel(saved[0])
+        root.handlers[:], ray_logger.handlers[:], ray_logger.propagate = saved[1], saved[2], saved[3]
+    assert [r.getMessage() for r in shared.records] == ["another warning"] * 2  # Ray's handler, then root's
+    noted = {(r.name, r.levelname) for r in log_file.records if "Token authentication" in r.getMessage()}
+    assert (console.NOTICE_LOGGER, "INFO") in noted
