@@ -135,10 +135,11 @@ class _NoticeToLogFile(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
         if any(n in message for n in RAY_NOTICES):
-            # INFO: the log file only. Logged again once: where a handler with this filter also takes
-            # NOTICE_LOGGER's records (one shared with the root logger), its copy is dropped there, not
-            # logged again without end.
-            if record.name != NOTICE_LOGGER:
+            # INFO: the log file only. Logged again once, however many handlers with this filter the record
+            # passes (one shared with the root logger also takes NOTICE_LOGGER's copy: dropped there, not
+            # logged again without end).
+            if record.name != NOTICE_LOGGER and not getattr(record, "alignflow_noted", False):
+                record.alignflow_noted = True
                 logging.getLogger(NOTICE_LOGGER).info("%s", message)
             return False
         return True

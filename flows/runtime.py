@@ -43,9 +43,16 @@ def _server_signals():
       job step at once, and a server gone with the CLI's first breath would leave the stop unrecorded (the
       flow run, the stopped stages' task runs) and each call of the stop path retrying for a minute. The mask
       survives exec; the CLI ends it with SERVER_STOP once it is done.
+    - SERVER_STOP's default action is restored: a CLI started in the background by a shell without job
+      control (`cmd &`, a batch script) has SIGINT ignored, which a child would inherit, and then nothing
+      but SIGKILL would stop it until uvicorn sets its handlers.
+    The server is one process (uvicorn, one worker): no child of its own would wait out a SIGTERM.
     Built before the fork: the hook itself only makes system calls.
     """
-    block = lambda: signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # noqa: E731
+    def block() -> None:
+        signal.signal(SERVER_STOP, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+
     if not sys.platform.startswith("linux"):
         return block
     import ctypes

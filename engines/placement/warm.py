@@ -170,7 +170,8 @@ def end(actor: Any, *, failed: bool = False) -> None:
     left in doubt, its reset and a place among the idle ones."""
     import ray
 
-    key = _active.disown(actor) if _active is not None else None
+    pool = _active
+    key = pool.disown(actor) if pool is not None else None
     if key is None or failed or not keep(key, Idle([actor])):
         ray.kill(actor)
 

@@ -28,7 +28,6 @@ import json
 import queue
 import re
 import secrets
-import select
 import socket
 import threading
 import time
@@ -75,11 +74,13 @@ class EngineLoop:
         self._inbox.put((None, None, future))  # the engine's thread drops it
         return True
 
-    def _settle(self, future: Future, result=None, error: BaseException | None = None) -> None:
+    def _settle(self, future: Future, result=None, error: BaseException | None = None) -> bool:
+        """Whether it was settled: not where it was given up meanwhile (its drop is queued behind)."""
         with self._lock:
-            if future.cancelled():  # given up meanwhile: its drop is queued behind
-                return
+            if future.cancelled():
+                return False
             future.set_exception(error) if error is not None else future.set_result(result)
+            return True
 
     def run(self, done, deadline: float) -> None:
         """Serve until `done()` or the monotonic `deadline`."""
@@ -104,8 +105,7 @@ class EngineLoop:
                 pass
             if self.engine.busy():
                 for key, ids, logprobs, eos in self.engine.step():
-                    self.counts["answered"] += 1
-                    self._settle(self._waiting.pop(key), (ids, logprobs, eos))
+                    self.counts["answered"] += self._settle(self._waiting.pop(key), (ids, logprobs, eos))
 
     def close(self) -> None:
         """Requests still queued or generating are dropped from the engine, their callers told; later ones are
@@ -188,10 +188,12 @@ class ChatEndpoint:
                     self._send(400, {"error": {"message": f"{type(e).__name__}: {e}", "type": "invalid_request"}})
 
             def _gone(self) -> bool:
-                """The client closed its connection (its own timeout, or it stopped): the socket reads as ended."""
+                """The client closed its connection (its own timeout, or it stopped): the socket reads as ended.
+                (So does one that only shut down its sending side to wait for the answer, as `nc -N` does.)"""
                 try:
-                    readable, _, _ = select.select([self.connection], [], [], 0)
-                    return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
+                    return self.connection.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+                except BlockingIOError:  # nothing to read: still there
+                    return False
                 except OSError:  # reset by the client
                     return True
 

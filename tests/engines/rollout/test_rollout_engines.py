@@ -181,7 +181,8 @@ def _given_up_mid_sequence(self, prompts):
 
 def test_a_request_given_up_mid_sequence_leaves_vllm_at_once(vllm_actor, prompts):
     """The agent endpoint gives up a request whose client left (engines/rollout/endpoint.py): vLLM aborts it
-    mid-sequence, with 200 tokens asked and a few made, and serves the next request."""
+    mid-sequence (200 tokens asked; given up once the request added beside it has made its 4), and serves the
+    next request."""
     given_up, cancelled, short, left, after, counts = ray.get(
         vllm_actor.__ray_call__.remote(_given_up_mid_sequence, prompts))
     assert given_up and cancelled and short == 4 and after == 3
