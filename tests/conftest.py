@@ -217,9 +217,7 @@ def kill_at_checkpoint(args: list[str], *, env: dict[str, str], cwd: Path, check
         # sessions (the CLI's Prefect server).
         tree = process_tree(proc.pid)
         if every_process:  # as systemd's and Slurm's stops do: every process of the unit or job step at once
-            for pid in tree:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signum)
+            kill_tree(tree, signum)
         else:
             os.killpg(proc.pid, signum)
         proc.wait(timeout=30 if signum == signal.SIGKILL else 180)  # a stop ends its runs and servers first

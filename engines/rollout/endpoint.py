@@ -221,7 +221,7 @@ class ChatEndpoint:
         with self._lock:
             lock = self._episode_locks.setdefault(episode, threading.Lock())
             stats = self.stats.setdefault(episode, {"turns": 0, "cut_turns": 0, "restarts": 0, "tool_calls": 0,
-                                                    "invalid_calls": 0})
+                                                    "invalid_calls": 0, "abandoned": 0})
         with lock:
             messages, tools = list(body["messages"]), body.get("tools") or None
             tokens, said = EpisodeTokens(self.tokenizer, tools), _said(messages)
@@ -250,7 +250,7 @@ class ChatEndpoint:
                 ids, logprobs, eos = self._answer(future, gone)
             except Abandoned:
                 with self._lock:
-                    stats["abandoned"] = stats.get("abandoned", 0) + 1
+                    stats["abandoned"] += 1
                 raise
             text = self.decode(ids)
             calls = openai_tool_calls(text)
