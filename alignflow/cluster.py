@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from typing import Any
@@ -9,6 +10,8 @@ from typing import Any
 from alignflow.config import InfraConfig
 from alignflow.errors import ConfigError
 from alignflow.interrupts import sigterm_handler_kept
+
+log = logging.getLogger(__name__)
 
 # Set in the driver before Ray starts; Ray workers inherit them.
 PROCESS_ENV = {
@@ -138,13 +141,53 @@ def ray_init_kwargs(infra: InfraConfig) -> dict[str, Any]:
     }
 
 
+# A new local node's raylet has a fixed 30 s to register with its GCS (ray/_private/node.py), after which
+# `ray.init` raises, leaving the processes it started. Two cores that two other runs keep busy can take longer
+# (seen in CI); a second start, after ending what the first left, gets through.
+LOCAL_START_ATTEMPTS = 2
+START_TIMED_OUT = "timed out during startup"
+
+
 def init_ray(*args: Any, **kwargs: Any) -> Any:
     """`ray.init(*args, **kwargs)`, keeping this thread's SIGTERM handler: Ray sets its own (`sys.exit(15)`),
-    which would replace the CLI's (exit 143) and, inside a flow run, Prefect's (cancellation)."""
+    which would replace the CLI's (exit 143) and, inside a flow run, Prefect's (cancellation). A new local Ray
+    (address "local") that times out starting is ended and started once more, with a warning."""
     import ray
 
+    attempts = LOCAL_START_ATTEMPTS if kwargs.get("address") == "local" else 1
     with sigterm_handler_kept():
-        return ray.init(*args, **kwargs)
+        for attempt in range(1, attempts + 1):
+            before = _children()
+            try:
+                return ray.init(*args, **kwargs)
+            except Exception as err:
+                if attempt == attempts or START_TIMED_OUT not in str(err):
+                    raise
+                ended = _end_children_since(before)
+                log.warning("a local Ray did not start in the 30 s Ray gives its node (a busy machine?): ended the "
+                            "%d processes it left and starting it again (attempt %d of %d)", ended, attempt + 1,
+                            attempts)
+    raise AssertionError("unreachable")
+
+
+def _children() -> set[int]:
+    import psutil
+
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def _end_children_since(before: set[int]) -> int:
+    """SIGKILL this process's descendants that are not in `before` (what a failed start left); their number."""
+    import psutil
+
+    left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    for proc in left:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(left, timeout=10)
+    return len(left)
 
 
 def ensure_ray(infra: InfraConfig) -> None:
