@@ -154,7 +154,8 @@ def init_ray(*args: Any, **kwargs: Any) -> Any:
     (address "local") that times out starting is ended and started once more, with a warning."""
     import ray
 
-    attempts = LOCAL_START_ATTEMPTS if kwargs.get("address") == "local" else 1
+    address = args[0] if args else kwargs.get("address")
+    attempts = LOCAL_START_ATTEMPTS if address == "local" else 1
     with sigterm_handler_kept():
         for attempt in range(1, attempts + 1):
             before = _children()

@@ -259,13 +259,13 @@ def ray_local(request):
     import ray
     import ray.cloudpickle
 
-    from alignflow.cluster import ray_init_kwargs
+    from alignflow.cluster import init_ray, ray_init_kwargs
     from alignflow.config import InfraConfig
 
     if ray.is_initialized():  # one an in-process flow of an earlier module started (a stage's ensure_ray)
         ray.shutdown()
     ray.cloudpickle.register_pickle_by_value(request.module)
-    ray.init(**ray_init_kwargs(InfraConfig()))
+    init_ray(**ray_init_kwargs(InfraConfig()))  # started again if its node times out starting
     try:
         yield ray
     finally:

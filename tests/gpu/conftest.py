@@ -34,10 +34,10 @@ def ray_gpu():
     """A local Ray that sees the machine's GPUs, started as the pipeline starts it."""
     import ray
 
-    from alignflow.cluster import ray_init_kwargs
+    from alignflow.cluster import init_ray, ray_init_kwargs
     from alignflow.config import InfraConfig
 
-    ray.init(**ray_init_kwargs(InfraConfig()))
+    init_ray(**ray_init_kwargs(InfraConfig()))  # started again if its node times out starting
     assert ON_CPU or ray.cluster_resources().get("GPU", 0) >= 1, ray.cluster_resources()
     try:
         yield ray
