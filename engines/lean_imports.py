@@ -1,5 +1,6 @@
 """A shorter start for every process that loads a model: transformers without scikit-learn and scipy,
-vLLM without scipy and OpenCV, and a trainer's DeepSpeed without MLflow.
+vLLM without scipy and OpenCV, a trainer's DeepSpeed without MLflow, and no DeepSpeed at all where a
+process that never trained saves a model.
 
 transformers imports scikit-learn (and with it scipy and pandas) whenever the
 package is installed, for one feature alignflow never calls: the dynamic
@@ -23,6 +24,13 @@ alignflow never autotunes, and its trainers log nothing to MLflow (the stage's
 task does). That import was about half of `import deepspeed` in each trainer
 rank: 4 s of 8 s of CPU on the same machine. `import_deepspeed()` loads
 DeepSpeed with MLflow hidden.
+
+`model.save_pretrained` unwraps the model through accelerate, which imports all of
+DeepSpeed to ask whether the model is a `DeepSpeedEngine`
+(accelerate/utils/other.py: extract_model_from_parallel). A process that has not
+loaded DeepSpeed holds no such engine: `deepspeed_left_unloaded()` makes the
+check say no there, and the stage that builds or copies the base model saves it
+without 3-4 s of CPU importing DeepSpeed (and, through its autotuner, MLflow).
 
 Nothing else changes: a module hidden is hidden only while the import runs, so
 `import scipy`, `import sklearn` or `import mlflow` in a user's reward function
@@ -99,3 +107,11 @@ def import_deepspeed():
     import deepspeed
 
     return deepspeed
+
+
+@contextlib.contextmanager
+def deepspeed_left_unloaded() -> Iterator[None]:
+    """Inside, a process that has not loaded DeepSpeed finds it absent (accelerate's availability check
+    included), so a model saved there does not load it; where DeepSpeed is loaded, nothing changes."""
+    with _hidden("deepspeed"):
+        yield

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from engines.lean_imports import lean_transformers
+from engines.lean_imports import deepspeed_left_unloaded, lean_transformers
 
 lean_transformers()  # before transformers loads its model code
 
@@ -132,7 +132,8 @@ def build_tiny_model(cfg: TinyModelConfig, seed: int, out_dir: str | Path, corpu
 def save_pretrained(model: PreTrainedModel, tokenizer, out_dir: str | Path) -> Path:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir, safe_serialization=True)
+    with deepspeed_left_unloaded():  # transformers' unwrap would import DeepSpeed (engines/lean_imports.py)
+        model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
     return out_dir
 

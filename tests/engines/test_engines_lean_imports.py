@@ -92,3 +92,22 @@ def test_with_mlflow_already_loaded_deepspeed_loads_as_ever():
                "print(json.dumps({'autotuner_mlflow': autotuner.has_mlflow,\n"
                "                  'mlflow': sys.modules['mlflow'] is mlflow}))")
     assert got == {"autotuner_mlflow": True, "mlflow": True}
+
+
+def test_a_process_that_never_trained_saves_a_model_without_loading_deepspeed(tmp_path):
+    """The base-model stage's save (transformers' unwrap asks accelerate, which imported all of DeepSpeed to
+    look for a DeepSpeedEngine): DeepSpeed stays unloaded, the model loads back as saved, and DeepSpeed imports
+    right after for whoever wants it."""
+    got = _run("import sys, json, torch\n"
+               "from transformers import AutoModelForCausalLM\n"
+               "from engines.models import build_tiny_model\n"
+               "from alignflow.config import TinyModelConfig\n"
+               "cfg = TinyModelConfig(hidden_size=32, num_layers=1, intermediate_size=64)\n"
+               f"path = build_tiny_model(cfg, seed=0, out_dir={str(tmp_path / 'model')!r})\n"
+               "loaded = 'deepspeed' in sys.modules\n"
+               "model = AutoModelForCausalLM.from_pretrained(path)\n"
+               "import deepspeed\n"
+               "print(json.dumps({'loaded': loaded, 'layers': model.config.num_hidden_layers,\n"
+               "                  'finite': all(torch.isfinite(p).all().item() for p in model.parameters()),\n"
+               "                  'engine': hasattr(deepspeed, 'DeepSpeedEngine')}))")
+    assert got == {"loaded": False, "layers": 1, "finite": True, "engine": True}
