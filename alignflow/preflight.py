@@ -3,7 +3,8 @@
 local one parses (of a remote one, the first `data.preflight_rows`: alignflow/data/checks.py); model.base,
 a distillation round's teacher and a judge load; explicit lengths, and a judge engine's max_model_len, fit
 their model's positions; rule rewards, the checker and environments (with their tools' schemas) import;
-remote reward services answer; the storage root takes a probe; a local Ray can place each stage.
+remote reward services answer; the storage root, and a SQLite tracking file's directory, take a probe; a local
+Ray can place each stage.
 
 Every problem is collected, naming its field and where its value came from (the file, or a
 command-line override), into one ConfigError. Heavy imports (transformers) stay inside checks.
@@ -62,6 +63,7 @@ def preflight(cfg: PipelineConfig, overrides: list[str] | None = None, config_pa
         _lengths(cfg, positions, found)
     _rewards(cfg, found)
     _storage(cfg, found)
+    _tracking_store(cfg, found)
     check_slots(cfg, found)
     return found
 
@@ -242,18 +244,42 @@ def _rewards(cfg: PipelineConfig, found: Findings) -> None:
                 found.fail(*str(err).split(": ", 1))
 
 
+def _probe_dir(path: Path) -> OSError | None:
+    """The error writing a probe file into `path` (made if missing); None where it took one. The probe, and
+    the directories made for it, are removed again."""
+    created = [p for p in (path, *path.parents) if not p.exists()]  # deepest first
+    probe = path / f".preflight-{uuid.uuid4().hex}"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"ok")
+        probe.unlink()
+        for p in created:
+            p.rmdir()
+    except OSError as err:
+        return err
+    return None
+
+
+def _tracking_store(cfg: PipelineConfig, found: Findings) -> None:
+    """A SQLite tracking file's directory takes a probe (MLflow makes the file and its tables as the run
+    starts). A tracking server, or another database, is the flow's to open: its errors are the run's."""
+    field, uri, prefix = "infra.mlflow_tracking_uri", cfg.infra.mlflow_tracking_uri, "sqlite:///"
+    if not uri.startswith(prefix):
+        return
+    path = local_path(uri.removeprefix(prefix))
+    if path.exists() and not path.is_file():
+        return found.fail(field, f"{uri}: {path} is not a file")
+    if err := _probe_dir(path.parent):
+        at = f" ({err.filename})" if err.filename and str(err.filename) != str(path.parent) else ""
+        return found.fail(field, f"{uri}: its directory {path.parent} is not writable: {err.strerror or err}{at}")
+    found.ok()
+
+
 def _storage(cfg: PipelineConfig, found: Findings) -> None:
     field, root, probe = "infra.storage.root", cfg.infra.storage.root, f".preflight-{uuid.uuid4().hex}"
     if is_local_uri(root):
         path = local_path(root)
-        created = [p for p in (path, *path.parents) if not p.exists()]  # removed again after the probe
-        try:
-            path.mkdir(parents=True, exist_ok=True)
-            (path / probe).write_bytes(b"ok")
-            (path / probe).unlink()
-            for p in created:
-                p.rmdir()
-        except OSError as err:
+        if err := _probe_dir(path):
             at = f" ({err.filename})" if err.filename and str(err.filename) != str(path) else ""
             return found.fail(field, f"{root} is not writable: {err.strerror or err}{at}")
         return found.ok()

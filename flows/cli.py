@@ -18,6 +18,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections import Counter
@@ -70,8 +71,9 @@ def print_plan(cfg: PipelineConfig, plan: Plan) -> dict[str, StageState]:
 
 
 def _warm_up(cfg: PipelineConfig, verbose: bool) -> None:
-    """Start Ray and import the flows while the Prefect API starts (the task
-    runner reuses an initialised Ray, and shuts it down only if it started it)."""
+    """Start Ray and make the flow ready while the Prefect API starts (the task runner reuses an initialised
+    Ray, and shuts it down only if it started it). Ray's start mostly waits on the processes it starts, so the
+    flow's preparation (`_prepare_flow`) runs beside it, in a thread; its error is raised here."""
     import ray
 
     from alignflow.cluster import init_ray, ray_init_kwargs
@@ -81,6 +83,9 @@ def _warm_up(cfg: PipelineConfig, verbose: bool) -> None:
     kwargs = ray_init_kwargs(cfg.infra)
     if not verbose:
         console.quiet_ray_notices()
+    failed: list[BaseException] = []
+    helper = threading.Thread(target=_prepare_flow, args=(cfg, failed), name="alignflow-prepare", daemon=True)
+    helper.start()
     try:
         init_ray(**kwargs, logging_level=logging.INFO if verbose else logging.WARNING)
     except Exception as err:
@@ -89,10 +94,29 @@ def _warm_up(cfg: PipelineConfig, verbose: bool) -> None:
         raise StartError(f"{where} did not start: {type(err).__name__}: {err} (Ray's logs: {logs})") from err
     try:
         check_api_reachable(cfg.infra)
+        helper.join()
+        if failed:
+            raise failed[0]
     except BaseException:
         ray.shutdown()  # leave the cluster before the CLI exits on the error
         raise
-    import flows.pipeline  # noqa: F401  (prefect, mlflow, torch: seconds of imports)
+
+
+def _prepare_flow(cfg: PipelineConfig, failed: list[BaseException]) -> None:
+    """What the flow needs in this process before its first stage: the flows imported (Prefect, MLflow), the
+    run's MLflow store opened where it is a SQLite file (a new file's tables made, 3-4 s of CPU: the flow's
+    parent run, flows/report.py open_run, then finds it open), and the modules the run's engine host is
+    started with (torch). A server's store is left to the flow, which reports its errors as the run's."""
+    try:
+        import flows.pipeline  # noqa: F401  (prefect, mlflow: seconds of imports)
+        from tasks.context import RunContext
+
+        if cfg.infra.mlflow_tracking_uri.startswith("sqlite:"):
+            RunContext(infra=cfg.infra).tracker()
+        import engines.placement.devices  # noqa: F401  (torch)
+        import engines.rollout.host  # noqa: F401
+    except BaseException as err:  # raised in the main thread (_warm_up)
+        failed.append(err)
 
 
 def _run(cfg: PipelineConfig, target: str | None, verbose: bool = False, all_cached: bool = False) -> int:

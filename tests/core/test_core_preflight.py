@@ -386,6 +386,25 @@ def test_a_writable_storage_root_is_left_as_it_was(tmp_path):
     assert list(tmp_path.iterdir()) == []  # the probe, and the directories it made, are gone
 
 
+def test_a_sqlite_tracking_file_that_cannot_be_made_names_the_field(tmp_path):
+    (tmp_path / "file").write_text("x")
+    uri = f"sqlite:///{tmp_path / 'file' / 'runs' / 'mlflow.db'}"  # its directory under a regular file
+    root = f"infra.storage.root={tmp_path / 'artifacts'}"
+    assert problems(None, root, f"infra.mlflow_tracking_uri={uri}") == [
+        f"infra.mlflow_tracking_uri: {uri}: its directory {tmp_path / 'file' / 'runs'} is not writable: Not a "
+        f"directory (from the command line: infra.mlflow_tracking_uri={uri})"]
+    (tmp_path / "dir.db").mkdir()
+    uri = f"sqlite:///{tmp_path / 'dir.db'}"
+    assert problems(None, root, f"infra.mlflow_tracking_uri={uri}") == [
+        f"infra.mlflow_tracking_uri: {uri}: {tmp_path / 'dir.db'} is not a file (from the command line: "
+        f"infra.mlflow_tracking_uri={uri})"]
+    # A new file's directory, made for the probe, is gone again; a server is not probed here.
+    uri = f"sqlite:///{tmp_path / 'new' / 'mlflow.db'}"
+    assert problems(None, root, f"infra.mlflow_tracking_uri={uri}") == []
+    assert problems(None, root, "infra.mlflow_tracking_uri=http://127.0.0.1:9") == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dir.db", "file"]
+
+
 def test_s3_storage_root_takes_a_probe_object(moto_s3):
     root = f"s3://{moto_s3.bucket}/preflight-probe"
     assert problems(None, f"infra.storage.root={root}", f"infra.storage.endpoint_url={moto_s3.endpoint_url}") == []
@@ -471,8 +490,9 @@ def test_the_default_config_passes(tmp_path):
     cfg = resolve_paths(load_config(), tmp_path)
     found = preflight(cfg)
     assert found.problems == []
-    # lengths: 2 rounds, evaluation, the limits; the checker; storage; slots: 2 rounds, sft, reward model, eval
-    assert found.checks == 11
+    # lengths: 2 rounds, evaluation, the limits; the checker; storage; the MLflow file's directory; slots: 2 rounds,
+    # sft, reward model, eval
+    assert found.checks == 12
     assert not (tmp_path / "artifacts").exists()
 
 
