@@ -106,7 +106,8 @@ def _prepare_flow(cfg: PipelineConfig, failed: list[BaseException]) -> None:
     """What the flow needs in this process before its first stage: the flows imported (Prefect, MLflow), the
     run's MLflow store opened where it is a SQLite file (a new file's tables made, 3-4 s of CPU: the flow's
     parent run, flows/report.py open_run, then finds it open), and the modules the run's engine host is
-    started with (torch). A server's store is left to the flow, which reports its errors as the run's."""
+    started with (torch) and its curves are drawn with. A server's store is left to the flow, which reports
+    its errors as the run's."""
     try:
         import flows.pipeline  # noqa: F401  (prefect, mlflow: seconds of imports)
         from tasks.context import RunContext
@@ -115,6 +116,7 @@ def _prepare_flow(cfg: PipelineConfig, failed: list[BaseException]) -> None:
             RunContext(infra=cfg.infra).tracker()
         import engines.placement.devices  # noqa: F401  (torch)
         import engines.rollout.host  # noqa: F401
+        import matplotlib.figure  # noqa: F401  (the learning curves, drawn as the run ends: flows/curves.py)
     except BaseException as err:  # raised in the main thread (_warm_up)
         failed.append(err)
 
