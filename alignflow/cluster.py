@@ -162,9 +162,11 @@ def init_ray(*args: Any, **kwargs: Any) -> Any:
             try:
                 return ray.init(*args, **kwargs)
             except Exception as err:
-                if attempt == attempts or START_TIMED_OUT not in str(err):
+                if START_TIMED_OUT not in str(err):
                     raise
-                ended = _end_children_since(before)
+                ended = _end_rays_since(before)  # the last attempt's too: none outlives the error
+                if attempt == attempts:
+                    raise
                 log.warning("a local Ray did not start in the 30 s Ray gives its node (a busy machine?): ended the "
                             "%d processes it left and starting it again (attempt %d of %d)", ended, attempt + 1,
                             attempts)
@@ -177,11 +179,21 @@ def _children() -> set[int]:
     return {p.pid for p in psutil.Process().children(recursive=True)}
 
 
-def _end_children_since(before: set[int]) -> int:
-    """SIGKILL this process's descendants that are not in `before` (what a failed start left); their number."""
+def _end_rays_since(before: set[int]) -> int:
+    """SIGKILL what a failed start left: this process's children not in `before` that run Ray's programs (its
+    package's binaries and scripts: GCS, raylet, monitors), with their descendants (workers, agents). Any
+    other child (the CLI's Prefect server) is left alone. Their number."""
     import psutil
+    import ray
 
-    left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    home = os.path.dirname(ray.__file__)
+    left = []
+    for child in psutil.Process().children():
+        try:
+            if child.pid not in before and any(home in arg for arg in child.cmdline()):
+                left += [child, *child.children(recursive=True)]
+        except psutil.Error:
+            continue
     for proc in left:
         try:
             proc.kill()
