@@ -18,7 +18,6 @@ import os
 import shutil
 import sys
 import tempfile
-import threading
 import time
 import traceback
 from collections import Counter
@@ -71,9 +70,9 @@ def print_plan(cfg: PipelineConfig, plan: Plan) -> dict[str, StageState]:
 
 
 def _warm_up(cfg: PipelineConfig, verbose: bool) -> None:
-    """Start Ray and make the flow ready while the Prefect API starts (the task runner reuses an initialised
-    Ray, and shuts it down only if it started it). Ray's start mostly waits on the processes it starts, so the
-    flow's preparation (`_prepare_flow`) runs beside it, in a thread; its error is raised here."""
+    """Start Ray and make the flow ready (`_prepare_flow`) while the Prefect API starts (the task runner reuses
+    an initialised Ray, and shuts it down only if it started it). One after the other: on a busy machine Ray's
+    node has a fixed 30 s to start (alignflow/cluster.py `init_ray`), so nothing of this process competes."""
     import ray
 
     from alignflow.cluster import init_ray, ray_init_kwargs
@@ -83,9 +82,6 @@ def _warm_up(cfg: PipelineConfig, verbose: bool) -> None:
     kwargs = ray_init_kwargs(cfg.infra)
     if not verbose:
         console.quiet_ray_notices()
-    failed: list[BaseException] = []
-    helper = threading.Thread(target=_prepare_flow, args=(cfg, failed), name="alignflow-prepare", daemon=True)
-    helper.start()
     try:
         init_ray(**kwargs, logging_level=logging.INFO if verbose else logging.WARNING)
     except Exception as err:
@@ -94,31 +90,31 @@ def _warm_up(cfg: PipelineConfig, verbose: bool) -> None:
         raise StartError(f"{where} did not start: {type(err).__name__}: {err} (Ray's logs: {logs})") from err
     try:
         check_api_reachable(cfg.infra)
-        helper.join()
-        if failed:
-            raise failed[0]
+        _prepare_flow(cfg)
     except BaseException:
         ray.shutdown()  # leave the cluster before the CLI exits on the error
         raise
 
 
-def _prepare_flow(cfg: PipelineConfig, failed: list[BaseException]) -> None:
-    """What the flow needs in this process before its first stage: the flows imported (Prefect, MLflow), the
-    run's MLflow store opened where it is a SQLite file (a new file's tables made, 3-4 s of CPU: the flow's
-    parent run, flows/report.py open_run, then finds it open), and the modules the run's engine host is
-    started with (torch) and its curves are drawn with. A server's store is left to the flow, which reports
-    its errors as the run's."""
-    try:
-        import flows.pipeline  # noqa: F401  (prefect, mlflow: seconds of imports)
-        from tasks.context import RunContext
+def _prepare_flow(cfg: PipelineConfig) -> None:
+    """What the flow needs in this process before its first stage, done before the flow starts (while the
+    Prefect API may still be starting): the flows imported (Prefect, MLflow), the run's MLflow store opened
+    where it is a SQLite file (a new file's tables made, 3-4 s of CPU: the flow's parent run, flows/report.py
+    open_run, then finds it open), and the modules the run's engine host is started with (torch) and its
+    curves are drawn with. A server's store is left to the flow, which reports its errors as the run's."""
+    import flows.pipeline  # noqa: F401  (prefect, mlflow: seconds of imports)
+    from tasks.context import RunContext
+    from tasks.eval_engine import load_host_modules
 
-        if cfg.infra.mlflow_tracking_uri.startswith("sqlite:"):
+    uri = cfg.infra.mlflow_tracking_uri
+    if uri.startswith("sqlite:"):
+        try:
             RunContext(infra=cfg.infra).tracker()
-        import engines.placement.devices  # noqa: F401  (torch)
-        import engines.rollout.host  # noqa: F401
-        import matplotlib.figure  # noqa: F401  (the learning curves, drawn as the run ends: flows/curves.py)
-    except BaseException as err:  # raised in the main thread (_warm_up)
-        failed.append(err)
+        except Exception as err:  # preflight probed its directory: not a database, locked, a newer schema
+            first = (str(err).strip().splitlines() or [""])[0]  # SQLAlchemy's run on for lines
+            raise StartError(f"the MLflow store {uri} did not open: {type(err).__name__}: {first}") from err
+    load_host_modules()  # torch
+    import matplotlib.figure  # noqa: F401  (the learning curves, drawn as the run ends: flows/curves.py)
 
 
 def _run(cfg: PipelineConfig, target: str | None, verbose: bool = False, all_cached: bool = False) -> int:

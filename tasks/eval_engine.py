@@ -57,6 +57,14 @@ def engine_host(plan: Plan, ctx: RunContext) -> Iterator[RunContext]:
         ray.kill(host)
 
 
+def load_host_modules() -> None:
+    """Import what `engine_host` starts the host with (torch among them): the CLI does it beside Ray's start,
+    so the flow's first stages are not submitted after seconds of imports."""
+    import engines.placement.devices  # noqa: F401
+    import engines.rollout.host  # noqa: F401
+    import engines.rollout.vllm_engine  # noqa: F401
+
+
 def _find_host(name: str, stage: str):
     import ray
 

@@ -86,13 +86,19 @@ def test_bad_config_value_fails_fast_naming_the_field(cli_env, alignflow_cli, tm
     assert not (tmp_path / "artifacts").exists()
 
 
-@pytest.mark.parametrize("broken", ["prefect", "ray"])
+@pytest.mark.parametrize("broken", ["prefect", "ray", "mlflow"])
 def test_a_service_that_does_not_start_is_one_error_line(broken, small_pipeline_args, cli_env, alignflow_cli,
                                                          tmp_path):
-    """The Prefect server the CLI starts exits at once (its database cannot be opened), or the local Ray
-    cannot (its socket paths, under a long TMPDIR, pass the 107 bytes AF_UNIX allows): one `error:` line
-    naming what failed and its log, exit status 1, no traceback, and no scratch directory left."""
-    if broken == "prefect":
+    """The Prefect server the CLI starts exits at once (its database cannot be opened), the local Ray
+    cannot (its socket paths, under a long TMPDIR, pass the 107 bytes AF_UNIX allows), or the MLflow SQLite
+    file is not a database (preflight sees a writable file): one `error:` line naming what failed (and its
+    log), exit status 1, no traceback, and no scratch directory left."""
+    args = small_pipeline_args(tmp_path)
+    if broken == "mlflow":
+        tmp = Path(tempfile.mkdtemp(prefix="af-", dir="/tmp"))
+        (tmp_path / "mlflow.db").write_bytes(b"not a database, " * 64)
+        env = cli_env(TMPDIR=str(tmp))
+    elif broken == "prefect":
         tmp = Path(tempfile.mkdtemp(prefix="af-", dir="/tmp"))
         env = cli_env(PREFECT_API_DATABASE_CONNECTION_URL=f"sqlite+aiosqlite:///{tmp_path}/no/such/dir/prefect.db",
                       TMPDIR=str(tmp))
@@ -101,8 +107,7 @@ def test_a_service_that_does_not_start_is_one_error_line(broken, small_pipeline_
         tmp.mkdir()
         env = cli_env(TMPDIR=str(tmp))
     try:
-        res = alignflow_cli(["run", *small_pipeline_args(tmp_path)], env=env, cwd=tmp_path / "cwd", timeout=300,
-                            verbose=False)
+        res = alignflow_cli(["run", *args], env=env, cwd=tmp_path / "cwd", timeout=300, verbose=False)
         left = sorted(p.name for p in tmp.glob("alignflow-*"))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -116,8 +121,11 @@ def test_a_service_that_does_not_start_is_one_error_line(broken, small_pipeline_
         # Ray starts beside the server (quiet console): its token notice, where Ray got as far before the
         # server's exit ended the run (on a loaded machine it may not), goes to the log file, not the console.
         assert "Token authentication" not in res.stderr, res.describe()
-    else:
+    elif broken == "ray":
         assert last.startswith("error: a local Ray did not start: OSError: ") and "(Ray's logs: " in last, \
+            res.describe()
+    else:
+        assert last.startswith(f"error: the MLflow store sqlite:///{tmp_path / 'mlflow.db'} did not open: "), \
             res.describe()
     assert "Traceback" not in res.stderr, res.describe()
     assert left == [], left
