@@ -12,6 +12,7 @@ command-line override), into one ConfigError. Heavy imports (transformers) stay 
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
@@ -244,44 +245,45 @@ def _rewards(cfg: PipelineConfig, found: Findings) -> None:
                 found.fail(*str(err).split(": ", 1))
 
 
-def _probe_dir(path: Path) -> OSError | None:
-    """The error writing a probe file into `path` (made if missing); None where it took one. The probe, and
-    the directories made for it, are removed again."""
-    created = [p for p in (path, *path.parents) if not p.exists()]  # deepest first
-    probe = path / f".preflight-{uuid.uuid4().hex}"
+def _unwritable(path: Path) -> str | None:
+    """Why a probe file cannot be written into `path` (made if missing); None where it can. The probe, and the
+    directories made for it, are removed again."""
+    created: list[Path] = []
     try:
+        created = [p for p in (path, *path.parents) if not p.exists()]  # deepest first
         path.mkdir(parents=True, exist_ok=True)
-        probe.write_bytes(b"ok")
+        (probe := path / f".preflight-{uuid.uuid4().hex}").write_bytes(b"ok")
         probe.unlink()
+    except OSError as err:  # a directory on the way that is a file, or that cannot be entered
+        at = f" ({err.filename})" if err.filename and str(err.filename) != str(path) else ""
+        return f"{err.strerror or err}{at}"
+    finally:
         for p in created:
-            p.rmdir()
-    except OSError as err:
-        return err
+            with contextlib.suppress(OSError):
+                p.rmdir()
     return None
 
 
 def _tracking_store(cfg: PipelineConfig, found: Findings) -> None:
-    """A SQLite tracking file's directory takes a probe (MLflow makes the file and its tables as the run
-    starts). A tracking server, or another database, is the flow's to open: its errors are the run's."""
+    """A SQLite tracking file's directory takes a probe, and the file, where it exists, is a writable file
+    (MLflow makes the file and its tables as the run starts). A tracking server, or another database, is the
+    flow's to open: its errors are the run's."""
     field, uri, prefix = "infra.mlflow_tracking_uri", cfg.infra.mlflow_tracking_uri, "sqlite:///"
     if not uri.startswith(prefix):
         return
     path = local_path(uri.removeprefix(prefix))
-    if path.exists() and not path.is_file():
-        return found.fail(field, f"{uri}: {path} is not a file")
-    if err := _probe_dir(path.parent):
-        at = f" ({err.filename})" if err.filename and str(err.filename) != str(path.parent) else ""
-        return found.fail(field, f"{uri}: its directory {path.parent} is not writable: {err.strerror or err}{at}")
+    if why := _unwritable(path.parent):
+        return found.fail(field, f"{uri}: its directory {path.parent} is not writable: {why}")
+    if path.exists() and not (path.is_file() and os.access(path, os.W_OK)):
+        return found.fail(field, f"{uri}: {path} is not a writable file")
     found.ok()
 
 
 def _storage(cfg: PipelineConfig, found: Findings) -> None:
     field, root, probe = "infra.storage.root", cfg.infra.storage.root, f".preflight-{uuid.uuid4().hex}"
     if is_local_uri(root):
-        path = local_path(root)
-        if err := _probe_dir(path):
-            at = f" ({err.filename})" if err.filename and str(err.filename) != str(path) else ""
-            return found.fail(field, f"{root} is not writable: {err.strerror or err}{at}")
+        if why := _unwritable(local_path(root)):
+            return found.fail(field, f"{root} is not writable: {why}")
         return found.ok()
     protocol, uri, options = root.split("://", 1)[0], f"{root.rstrip('/')}/{probe}", {}
     if protocol == "s3":  # as alignflow/storage.py Storage._fs, with short timeouts and one retry

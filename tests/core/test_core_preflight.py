@@ -396,7 +396,7 @@ def test_a_sqlite_tracking_file_that_cannot_be_made_names_the_field(tmp_path):
     (tmp_path / "dir.db").mkdir()
     uri = f"sqlite:///{tmp_path / 'dir.db'}"
     assert problems(None, root, f"infra.mlflow_tracking_uri={uri}") == [
-        f"infra.mlflow_tracking_uri: {uri}: {tmp_path / 'dir.db'} is not a file (from the command line: "
+        f"infra.mlflow_tracking_uri: {uri}: {tmp_path / 'dir.db'} is not a writable file (from the command line: "
         f"infra.mlflow_tracking_uri={uri})"]
     # A new file's directory, made for the probe, is gone again; a server is not probed here.
     uri = f"sqlite:///{tmp_path / 'new' / 'mlflow.db'}"
