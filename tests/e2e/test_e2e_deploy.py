@@ -292,10 +292,14 @@ def _wait_final(env: dict[str, str], run_id: str, timeout: float = 900) -> dict:
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        res = httpx.get(f"{env['PREFECT_API_URL']}/flow_runs/{run_id}", timeout=30)
-        res.raise_for_status()
-        if res.json()["state_name"] in ("Completed", "Failed", "Crashed", "Cancelled"):
-            break
+        try:
+            res = httpx.get(f"{env['PREFECT_API_URL']}/flow_runs/{run_id}", timeout=30)
+            res.raise_for_status()
+        except httpx.HTTPError as err:  # a busy server's slow or 5xx answer: asked again (the probe says why)
+            print(f"state poll: {type(err).__name__}: {err}")
+        else:
+            if res.json()["state_name"] in ("Completed", "Failed", "Crashed", "Cancelled"):
+                break
         time.sleep(2)
     return _probe(env, run_id)
 

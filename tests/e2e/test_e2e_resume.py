@@ -81,6 +81,7 @@ def test_failed_stage_fixed_and_rerun_runs_alone(small_pipeline_args, cli_env, s
     for name in UPSTREAM:
         if name != "data":
             assert stages[name] == ("Cached", committed[name]), f"{name}: {stages[name]}"
+    assert stages["eval_base"][0] == stages["eval_sft"][0] == "Completed", stages
     for name, (state, _) in stages.items():
         if name == "eval_reward_model":  # independent of the checker: it may have finished in the failed run
             assert state in ("Cached", "Completed"), f"{name}: {state}"
