@@ -187,7 +187,7 @@ real, nodes, failure, bystanders = node_mod.Node.__init__, [], sys.argv[1], []
 def fails(self, *args, **kwargs):
     real(self, *args, **kwargs)
     nodes.append(self)
-    bystanders.append(subprocess.Popen(["sleep", "120"]))
+    bystanders.append(subprocess.Popen(["sleep", "120"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     if len(nodes) == 1 or failure == "always":
         raise (ValueError("a node that does not start for another reason") if failure == "other" else
                Exception("The current node timed out during startup. This could happen because some of the "
@@ -207,6 +207,8 @@ ours = [[info.process.pid for infos in n.all_processes.values() for info in info
 result.update(nodes=len(nodes), started=[len(p) for p in ours], alive=[alive(p) for p in ours],
               bystanders=len(alive([b.pid for b in bystanders])))
 print(json.dumps(result), flush=True)
+for b in bystanders:
+    b.kill()
 ray.shutdown()
 """
 
