@@ -58,7 +58,7 @@ def engine_host(plan: Plan, ctx: RunContext) -> Iterator[RunContext]:
 
 
 def load_host_modules() -> None:
-    """Import what `engine_host` starts the host with (torch among them): the CLI does it beside Ray's start,
+    """Import what `engine_host` starts the host with (torch among them): the CLI does it before the flow starts,
     so the flow's first stages are not submitted after seconds of imports."""
     import engines.placement.devices  # noqa: F401
     import engines.rollout.host  # noqa: F401
