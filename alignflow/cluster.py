@@ -176,7 +176,7 @@ def init_ray(*args: Any, **kwargs: Any) -> Any:
 def _children() -> set[int]:
     import psutil
 
-    return {p.pid for p in psutil.Process().children(recursive=True)}
+    return {p.pid for p in psutil.Process().children()}
 
 
 def _end_rays_since(before: set[int]) -> int:

@@ -46,10 +46,17 @@ def _fit(value: str) -> str:
 DATABASE_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql")
 
 
+def sqlite_file(tracking_uri: str) -> Path | None:
+    """The SQLite file a tracking URI names (`sqlite:///rel.db`, `sqlite:////abs.db`) as written; None for
+    anything else (a server, another database, an in-memory SQLite)."""
+    prefix = "sqlite:///"
+    return Path(tracking_uri.removeprefix(prefix)) if tracking_uri.startswith(prefix) else None
+
+
 def artifact_location(tracking_uri: str, artifact_root: str | None) -> str | None:
     """Where a new experiment of a database store keeps its artifacts: `mlflow-artifacts` beside a SQLite
     file, else `artifact_root`; None (the store's own choice) for a server or a file store."""
+    if (file := sqlite_file(tracking_uri)) is not None:
+        return (file.resolve().parent / "mlflow-artifacts").as_uri()
     scheme = tracking_uri.split(":", 1)[0].split("+", 1)[0]
-    if scheme == "sqlite" and tracking_uri.startswith("sqlite:///"):
-        return (Path(tracking_uri.removeprefix("sqlite:///")).resolve().parent / "mlflow-artifacts").as_uri()
     return artifact_root if scheme in DATABASE_SCHEMES else None

@@ -29,6 +29,7 @@ from alignflow.config import PipelineConfig
 from alignflow.config.loading import ConfigSources, config_sources
 from alignflow.data.checks import check_files
 from alignflow.errors import ConfigError
+from alignflow.mlflow_inputs import sqlite_file
 from alignflow.redact import redact_url
 from alignflow.slots import check_slots
 from alignflow.storage import is_local_uri, local_path
@@ -268,10 +269,10 @@ def _tracking_store(cfg: PipelineConfig, found: Findings) -> None:
     """A SQLite tracking file's directory takes a probe, and the file, where it exists, is a writable file
     (MLflow makes the file and its tables as the run starts). A tracking server, or another database, is the
     flow's to open: its errors are the run's."""
-    field, uri, prefix = "infra.mlflow_tracking_uri", cfg.infra.mlflow_tracking_uri, "sqlite:///"
-    if not uri.startswith(prefix):
+    field, uri = "infra.mlflow_tracking_uri", cfg.infra.mlflow_tracking_uri
+    if (file := sqlite_file(uri)) is None:
         return
-    path = local_path(uri.removeprefix(prefix))
+    path = local_path(str(file))
     if why := _unwritable(path.parent):
         return found.fail(field, f"{uri}: its directory {path.parent} is not writable: {why}")
     if path.exists() and not (path.is_file() and os.access(path, os.W_OK)):

@@ -103,11 +103,12 @@ def _prepare_flow(cfg: PipelineConfig) -> None:
     open_run, then finds it open), and the modules the run's engine host is started with (torch) and its
     curves are drawn with. A server's store is left to the flow, which reports its errors as the run's."""
     import flows.pipeline  # noqa: F401  (prefect, mlflow: seconds of imports)
+    from alignflow.mlflow_inputs import sqlite_file
     from tasks.context import RunContext
     from tasks.eval_engine import load_host_modules
 
     uri = cfg.infra.mlflow_tracking_uri
-    if uri.startswith("sqlite:"):
+    if sqlite_file(uri) is not None:
         try:
             RunContext(infra=cfg.infra).tracker()
         except Exception as err:  # preflight probed its directory: not a database, locked, a newer schema
