@@ -21,7 +21,6 @@ PROCESS_ENV = {
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
     # vLLM in-process inside its Ray actor: 3-5 s start instead of ~30 s.
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
     # The first logprobs request would otherwise JIT-compile for 12-15 s. A GPU engine's process drops
     # it again: there vLLM compiles and captures CUDA graphs (engines/rollout/actors.py).

@@ -163,7 +163,8 @@ class VLLMConfig(Section):
     enable_prefix_caching: bool | None = Field(None, description="None: vLLM's default")
     max_num_seqs: int | None = Field(None, ge=1, description="sequences per engine step; None: vLLM's default")
     max_num_batched_tokens: int | None = Field(None, ge=1, description="tokens per engine step; None: vLLM's")
-    kv_cache_gib: float = Field(1.0, gt=0, description="KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE)")
+    kv_cache_gib: float = Field(1.0, gt=0, description="KV cache of a CPU engine in GiB, at most what max_num_seqs "
+                                "sequences of its max_model_len fill; on GPUs: what gpu_memory_utilization leaves")
 
 
 class GenerationConfig(Section):

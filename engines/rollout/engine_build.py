@@ -55,7 +55,7 @@ def build_engine(backend: str, model_path: str, *, dtype: str = "float32", seed:
         opts = vllm or VLLMConfig()
         args = vllm_engine_args(opts, model_path=model_path, dtype=dtype, seed=seed, max_model_len=max_model_len,
                                 on_gpu=on_gpu, sleep_mode=sleep_mode)
-        return VLLMEngine(model_path, engine_args=args, kv_cache_gib=opts.kv_cache_gib)
+        return VLLMEngine(model_path, engine_args=args)
     if backend == "hf":
         return HFEngine(model_path, dtype=dtype, seed=seed, attn_implementation=attn_implementation)
     raise ValueError(f"unknown rollout backend {backend!r}; valid: {sorted(BACKENDS)}")

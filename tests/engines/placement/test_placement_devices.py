@@ -16,7 +16,7 @@ from alignflow.errors import InsufficientResourcesError
 from engines.batches import in_micro_batches, micro_batches
 from engines.placement.devices import local_rank, placement_device, to_cpu, to_device
 from engines.rl.round_placement import colocated_bundles, gpu_share, round_resources
-from engines.rollout.vllm_engine import vllm_engine_args
+from engines.rollout.vllm_engine import cpu_kv_cache_bytes, vllm_engine_args, warn_kv_cache_env
 
 # ---- which device a placement gives -----------------------------------------------------
 
@@ -125,8 +125,52 @@ def test_every_vllm_option_reaches_the_engine():
                 "enable_prefix_caching": False, "max_num_seqs": 48, "max_num_batched_tokens": 4096,
                 "distributed_executor_backend": "ray", "enable_sleep_mode": True}
     assert {k: args[k] for k in expected} == expected
-    # Every option of the section but the CPU KV-cache size is an engine argument.
+    # Every option of the section but the CPU KV-cache size is an engine argument; that one is on the CPU.
     assert set(VLLMConfig.model_fields) - {"kv_cache_gib"} <= set(args)
+    assert "kv_cache_memory_bytes" not in args
+    assert _args(VLLMConfig(kv_cache_gib=0.25), on_gpu=False)["kv_cache_memory_bytes"] == 2**28  # no config.json
+
+
+def _model_dir(tmp_path, **fields) -> str:
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 2, "num_attention_heads": 4,
+                                                      "num_key_value_heads": 2, "hidden_size": 128, **fields}))
+    return str(tmp_path)
+
+
+def test_a_cpu_kv_cache_is_what_the_config_asks_up_to_what_the_engine_can_fill(tmp_path):
+    path = _model_dir(tmp_path)
+    # A token's K and V: 2 layers x 2 x 2 KV heads x 32 (128 / 4 heads) x 4 bytes (float32) = 1 KiB;
+    # 256 sequences (vLLM's CPU default) of 100 tokens, each in whole blocks of 128: 32 MiB.
+    assert cpu_kv_cache_bytes(VLLMConfig(), model_path=path, dtype="float32", max_model_len=100) == 32 * 2**20
+    assert cpu_kv_cache_bytes(VLLMConfig(), model_path=path, dtype="bfloat16", max_model_len=129) == 32 * 2**20
+    assert cpu_kv_cache_bytes(VLLMConfig(max_num_seqs=8), model_path=path, dtype="float32",
+                              max_model_len=256) == 2 * 2**20
+    # Less than that is what the config says, to the byte (no whole GiB as VLLM_CPU_KVCACHE_SPACE has it).
+    assert cpu_kv_cache_bytes(VLLMConfig(kv_cache_gib=0.01), model_path=path, dtype="float32",
+                              max_model_len=100) == int(0.01 * 2**30)
+    # head_dim where the config gives it; a multimodal model's text_config.
+    assert cpu_kv_cache_bytes(VLLMConfig(max_num_seqs=1), model_path=_model_dir(tmp_path, head_dim=64),
+                              dtype="float32", max_model_len=128) == 2 * 2 * 2 * 64 * 4 * 128
+    (tmp_path / "config.json").write_text('{"text_config": {"num_hidden_layers": 1, "num_attention_heads": 2, '
+                                          '"hidden_size": 16}}')
+    assert cpu_kv_cache_bytes(VLLMConfig(max_num_seqs=1), model_path=str(tmp_path), dtype="float32",
+                              max_model_len=128) == 1 * 2 * 2 * 8 * 4 * 128
+    # A config that does not say: the config's size as it is.
+    (tmp_path / "config.json").write_text('{"model_type": "something"}')
+    assert cpu_kv_cache_bytes(VLLMConfig(), model_path=str(tmp_path), dtype="float32", max_model_len=100) == 2**30
+
+
+def test_vllm_cpu_kvcache_space_in_the_environment_is_said_to_override_the_config(monkeypatch, caplog):
+    args = {"kv_cache_memory_bytes": 2**29}
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    warn_kv_cache_env(args)
+    assert not caplog.records
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "4")
+    warn_kv_cache_env(args)
+    (record,) = caplog.records
+    assert "VLLM_CPU_KVCACHE_SPACE=4" in record.message and "kv_cache_gib=0.5" in record.message
 
 
 def test_sleep_mode_only_on_gpus():

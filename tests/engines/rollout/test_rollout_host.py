@@ -43,6 +43,13 @@ def test_host_samples_as_an_engine_of_its_own_would(ray_local, backend, tiny_mod
                                                          max_model_len=MAX_MODEL_LEN)))
                   for m, s in calls]
         assert ray.get(host.stats.remote()) == {"engines_built": 3}
+        if backend == "vllm":
+            seen = ray.get(host.__ray_call__.remote(_a_build_seen_from_inside, str(tiny_model)))
+            # Garbage from before the build is not what the build's collections scan; closing frees it.
+            assert seen["old_garbage_during_build"] == "alive" and seen["old_garbage_after_close"] == "collected"
+            # The KV cache holds vLLM's default 256 sequences of MAX_MODEL_LEN (in whole blocks of 128), by
+            # vLLM's own count of its blocks: not the 1 GiB vllm.kv_cache_gib allows.
+            assert seen["kv_tokens"] == 256 * 128, seen
     finally:
         ray.kill(host)
     # The second engine is the one that could inherit the first's state; a fresh process draws the reference.
@@ -55,6 +62,36 @@ def test_host_samples_as_an_engine_of_its_own_would(ray_local, backend, tiny_mod
     assert hosted[1] == own
     assert hosted[2] == hosted[0]
     assert hosted[1] != hosted[0]  # the comparison can tell models apart
+
+
+def _a_build_seen_from_inside(host: EngineHost, model_path: str) -> dict:
+    """In the host's process: a cycle that became garbage before an engine's build, looked at as the engine
+    samples and after it closed; and the KV cache's size in tokens as vLLM counts it."""
+    import gc
+
+    class Cycle:
+        def __init__(self, flag: list):
+            self.me, self.flag = self, flag
+
+        def __del__(self):
+            self.flag.append("collected")
+
+    flag: list[str] = []
+    seen = {}
+    gc.disable()  # only the build's own collections (vLLM's gc.collect calls) may find it
+    try:
+        Cycle(flag)
+
+        def use(engine):
+            cache = engine.llm.llm_engine.vllm_config.cache_config
+            seen["kv_tokens"] = cache.num_gpu_blocks * cache.block_size
+            seen["old_garbage_during_build"] = flag[0] if flag else "alive"
+
+        host._on_fresh_engine("vllm", model_path, {"max_model_len": MAX_MODEL_LEN}, use)
+        seen["old_garbage_after_close"] = flag[0] if flag else "alive"
+    finally:
+        gc.enable()
+    return seen
 
 
 # ---- the run's host as the flow starts it and the evaluations find it (tasks/eval_engine.py) --------
