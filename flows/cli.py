@@ -89,8 +89,12 @@ def _warm_up(cfg: PipelineConfig, verbose: bool) -> None:
         logs = Path(tempfile.gettempdir()) / "ray" / "session_latest" / "logs"
         raise StartError(f"{where} did not start: {type(err).__name__}: {err} (Ray's logs: {logs})") from err
     try:
+        from flows.stage_tasks import wait_for_stage_worker, warm_a_stage_worker
+
+        warming = warm_a_stage_worker()
         check_api_reachable(cfg.infra)
         _prepare_flow(cfg)
+        wait_for_stage_worker(warming)
     except BaseException:
         ray.shutdown()  # leave the cluster before the CLI exits on the error
         raise

@@ -56,6 +56,38 @@ class StageTasks:
         return futures
 
 
+@ray.remote(num_cpus=0)
+def _load_stage_modules() -> int:
+    """Most of what a stage worker imports before its first stage computes (Prefect's task engine, torch and
+    transformers; MLflow, which only alignflow/tracking.py imports, comes with the stage), in the worker;
+    its pid."""
+    import os
+
+    import prefect.task_engine  # noqa: F401
+    import tasks.base_model  # noqa: F401  (engines.models: torch, transformers)
+
+    return os.getpid()
+
+
+def warm_a_stage_worker() -> ray.ObjectRef:
+    """Start the run's first stage worker now, its imports (~10 s of CPU on 2 cores) beside what this process
+    does before the flow starts; `wait_for_stage_worker` before the first stage is submitted, and Ray gives
+    it the idle worker this left (a job's tasks reuse its workers). A worker still busy importing is not
+    idle: the stage would take a fresh one and import all of it again."""
+    return _load_stage_modules.remote()
+
+
+def wait_for_stage_worker(ref: ray.ObjectRef, timeout: float = 120.0) -> None:
+    """Wait for `warm_a_stage_worker`'s worker to be idle. One that fails or takes longer is left to the
+    stages, which report their own errors (a log line says so)."""
+    try:
+        pid = ray.get(ref, timeout=timeout)
+        log.info("stage worker pid %d has the stages' modules loaded: the first stage runs in it", pid)
+    except Exception as err:  # noqa: BLE001  (GetTimeoutError, an import error on a cluster's node)
+        log.info("the first stage worker was not ready (%s: %s): the stages start their own",
+                 type(err).__name__, str(err).splitlines()[0] if str(err) else "")
+
+
 def evaluations_take_turns(ctx: RunContext) -> bool:
     """Whether the run's evaluations run one at a time: where they share the run's engine host (no GPU for
     their engine, tasks/eval_engine.py), on a Ray this run started (it has one EVALUATION_TURN).

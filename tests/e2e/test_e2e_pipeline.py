@@ -159,6 +159,12 @@ def test_pipeline_completes_on_s3(s3_run, moto_s3):
         assert not fs.exists(f"{uri}/checkpoints"), name
     assert fs.find(f"{s3_run.root}/prefect-results"), "no Prefect result records on S3"
     assert not (s3_run.base / "cwd" / "artifacts").exists(), "artifacts were written locally"
+    # The CLI had a stage worker import the stages' modules while the flow started (flows/stage_tasks.py):
+    # the first stages ran in it, not in a fresh worker that imports them all again.
+    output = s3_run.result.output
+    warmed = re.search(r"stage worker pid (\d+) has the stages' modules loaded", output)
+    assert warmed, output
+    assert re.search(rf"\((base_model|data) pid={warmed[1]}\)", output), output
 
 
 def test_second_identical_run_is_all_cached(s3_run, s3_cached_run, moto_s3):
