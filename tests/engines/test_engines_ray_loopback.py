@@ -151,6 +151,9 @@ def test_local_ray_listens_onloopback_only(process_tools, tmp_path):
 
         names = set(found.values())
         assert {"gcs_server", "raylet"} <= names, f"no listener of gcs_server and raylet among {sorted(names)}"
+        # Only actors were started: a worker that ran none is one Ray started ahead for tasks of no
+        # runtime_env, which a run's tasks (they have one) never take (alignflow/cluster.py: prestart off).
+        assert not {n for n in names if "IDLE" in n}, sorted(names)
         assert any(pid == actor_pid for pid, *_ in found), f"the actor ({actor_pid}) has no listener: {found}"
         # The process groups' members were looked at: both trainer ranks (rank 0 serves both stores) and the engine.
         trainers = {pid for (pid, *_), name in found.items() if "TrainWorker" in name}
