@@ -140,10 +140,10 @@ class RoundConfig(Section):
     @property
     def uses_reference(self) -> bool:
         """The spec has a reference and its update reads it (online DPO), or a KL term needs it (a coefficient
-        > 0, or the adaptive controller, which may raise one from 0), or a teacher sits where it would.
-        Otherwise no reference model is started or run."""
+        > 0; the adaptive controller starts from one), or a teacher sits where it would. Otherwise no
+        reference model is started or run."""
         s = self.spec
-        return s.teacher or (s.reference and (s.reference_in_update or self.kl.coef > 0 or self.kl.adaptive))
+        return s.teacher or (s.reference and (s.reference_in_update or self.kl.coef > 0))
 
     @property
     def needs_reward_model(self) -> bool:

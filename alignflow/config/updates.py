@@ -23,6 +23,15 @@ class KLConfig(Section):
     clamp: float | None = Field(10.0, gt=0, description="log-ratio clamp [-clamp, clamp] in KL estimates; None: off")
     budget: float = Field(3.0, gt=0, description="max acceptable held-out KL to the reference")
 
+    @model_validator(mode="after")
+    def _adaptive_from_a_start(self) -> KLConfig:
+        # The controller multiplies the coefficient (algos/kl.py AdaptiveKLController): from 0 it stays 0.
+        if self.adaptive and self.coef == 0:
+            raise ValueError("kl.adaptive scales kl.coef by (1 + error x steps / horizon) each step, so from "
+                             "kl.coef: 0 it stays 0 and the round has no KL term: give the start (e.g. 0.05), or "
+                             "adaptive: false for none")
+        return self
+
 
 class PPOConfig(Section):
     """Update settings: PPO epochs over minibatches, clipping, value loss."""

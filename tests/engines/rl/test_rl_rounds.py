@@ -523,7 +523,10 @@ def test_round_resources_count_every_actor():
     # no KL term (coefficient 0, fixed): the reference is neither started nor run
     assert grpo.uses_reference and not _round("grpo", kl=KLConfig(coef=0.0)).uses_reference
     assert round_resources(_round("grpo", kl=KLConfig(coef=0.0))) == {"CPU": 1 + 1, "GPU": 0.0}
-    assert _round("ppo", kl=KLConfig(coef=0.0, adaptive=True)).uses_reference  # the controller may raise it
+    assert _round("ppo", kl=KLConfig(coef=0.01, adaptive=True)).uses_reference
+    # The adaptive controller multiplies the coefficient: from 0 it would stay 0, and is refused.
+    with pytest.raises(ValueError, match="from kl.coef: 0 it stays 0"):
+        KLConfig(coef=0.0, adaptive=True)
 
 
 def test_custom_resources_pin_actors_and_are_counted():
