@@ -25,7 +25,7 @@ from tasks.context import RunContext, StageOutput, compute_stage
 from tasks.data import load_split
 from tasks.plan import PlannedStage
 from tasks.registry import JudgeEvalInputs, JudgeEvalStage, TrainInputs
-from tasks.train import train_stage
+from tasks.train import causal_lm_objective, train_stage
 
 VERDICT_TOKENS = 4  # room for a verdict word and EOS
 
@@ -56,8 +56,9 @@ def judge(stage: PlannedStage, inputs: TrainInputs, ctx: RunContext) -> StageRes
         return batches.sft_tensors(tokenizer, verdict_records(records, template), positions - VERDICT_TOKENS,
                                    VERDICT_TOKENS)
 
-    return train_stage(stage, inputs, ctx, kind="causal", split="preference", objective=objectives.causal_lm_objective,
-                       weigh=objectives.response_tokens, paired=False, to_tensors=to_tensors)
+    return train_stage(stage, inputs, ctx, kind="causal", split="preference",
+                       objective=causal_lm_objective(stage.config.train), weigh=objectives.response_tokens,
+                       paired=False, to_tensors=to_tensors)
 
 
 def evaluate_judge(stage: PlannedStage, inputs: JudgeEvalInputs, ctx: RunContext) -> StageResult:

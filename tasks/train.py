@@ -89,11 +89,16 @@ def train_stage(stage: PlannedStage, inputs: TrainInputs | PreferenceInputs, ctx
     return compute_stage(ctx, stage, compute)
 
 
+def causal_lm_objective(train) -> Callable:
+    """The next-token loss of an SFT-like stage (SFT, the judge): packed rows where `train.packing` says."""
+    return (functools.partial(packed_objectives.packed_causal_lm_objective, max_tokens=train.packing_max_tokens)
+            if train.packing else objectives.causal_lm_objective)
+
+
 def sft(stage: PlannedStage, inputs: TrainInputs, ctx: RunContext) -> StageResult:
     """Supervised fine-tuning of the base model on demonstrations."""
     train = stage.config.train
-    objective = (functools.partial(packed_objectives.packed_causal_lm_objective, max_tokens=train.packing_max_tokens)
-                 if train.packing else objectives.causal_lm_objective)
+    objective = causal_lm_objective(train)
     tensors = functools.partial(batches.sft_tensors, assistant_turns=train.train_on == "assistant_turns")
     return train_stage(stage, inputs, ctx, kind="causal", split="sft", objective=objective,
                        weigh=objectives.response_tokens, paired=False, to_tensors=_limited(tensors))

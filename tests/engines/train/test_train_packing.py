@@ -137,6 +137,22 @@ def test_packed_sft_loss_and_gradients_equal_unpacked(policy, tokenizer, wider):
         torch.testing.assert_close(packed_grads[k], plain[k], rtol=1e-4, atol=1e-6, msg=k)
 
 
+def test_the_judge_trains_packed_where_its_config_says(policy, tokenizer):
+    """judge.packing takes the packed next-token loss (tasks/train.py causal_lm_objective, which the judge stage
+    and SFT share); the judge used to train unpacked whatever it said."""
+    from alignflow.config import JudgeConfig
+    from engines.train.packed_objectives import packed_causal_lm_objective
+    from tasks.train import causal_lm_objective
+
+    batch = _batch(tokenizer)
+    width = batch["input_ids"].shape[1]
+    packed = causal_lm_objective(JudgeConfig(packing=True, packing_max_tokens=3 * width))
+    assert packed.func is packed_causal_lm_objective and packed.keywords == {"max_tokens": 3 * width}
+    with torch.no_grad():
+        (loss, _), (plain, _) = packed(policy, batch), causal_lm_objective(JudgeConfig())(policy, batch)
+    assert abs(loss.item() - plain.item()) < 1e-5
+
+
 def test_packed_token_and_sequence_logps_equal_unpacked(policy, tokenizer):
     from engines.train.logits import masked_next_token_logprobs, scatter
     from engines.train.packed_objectives import packed_sequence_logps, packed_token_logprobs
