@@ -24,6 +24,7 @@ running reward statistics (reward.normalize), the step.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -45,6 +46,8 @@ from engines.rl.scoring import collect_scores, scorers_ahead, submit_scores
 from engines.rl.updates import UPDATES
 from engines.rollout.base import Rollout, Sampling
 from engines.train.supervised import Schedule
+
+log = logging.getLogger("alignflow")
 
 
 @dataclass(frozen=True)
@@ -101,7 +104,11 @@ class RLRound:
         judge_tokenizer = (load_tokenizer(local_dir(setup.judge_path, skip=WEIGHT_FILES))
                            if cfg.reward.uses_judge else None)
         n = len(setup.prompts)
-        self.schedule = Schedule(rows=n, batch_size=min(cfg.prompts_per_step, n), total_steps=cfg.steps,
+        if n < cfg.prompts_per_step:  # every step takes all n; the updates (and the LR schedule) count as many
+            log.warning("prompts_per_step is %d but the round has %d prompts (after overlong ones were left out): "
+                        "each step takes all %d", cfg.prompts_per_step, n, n)
+            self.cfg = cfg = cfg.model_copy(update={"prompts_per_step": n})
+        self.schedule = Schedule(rows=n, batch_size=cfg.prompts_per_step, total_steps=cfg.steps,
                                  seed=derive_seed(setup.seed, "prompts"))
         update_cls = UPDATES[cfg.spec.update]
         self.models = start_round_models(cfg, setup, update_cls.updates_per_step(cfg), update_cls.rows_per_update(cfg))

@@ -574,6 +574,21 @@ def test_round_that_cannot_be_placed_fails_fast(ray_local, tiny_model, prompts):
             num_samples=4, placement={"num_gpus": 1})), tiny_model, prompts)
 
 
+def test_fewer_prompts_than_a_step_takes_are_said_and_counted(ray_local, tiny_model, prompts, caplog):
+    """A round left with fewer prompts than prompts_per_step (overlong ones out) takes them all each step and
+    says so (before any actor starts: this round cannot be placed); its updates, and the LR schedule, then
+    count the prompts it has."""
+    from alignflow.config import PPOConfig
+    from alignflow.errors import InsufficientResourcesError
+
+    cfg = _round("ppo", prompts_per_step=64, ppo=PPOConfig(minibatch_size=4, epochs=1, tis_cap=None),
+                 num_rollout_engines=int(ray_local.cluster_resources()["CPU"]) + 1)
+    caplog.set_level("WARNING", logger="alignflow")
+    with pytest.raises(InsufficientResourcesError):
+        _start(cfg, tiny_model, prompts[:6])
+    assert any("prompts_per_step is 64 but the round has 6 prompts" in r.message for r in caplog.records), caplog.text
+
+
 def test_tied_embeddings_sync_into_vllm(ray_local, tiny_model, prompts, tmp_path):
     """A model whose output layer is tied to its input embeddings: after a
     training step, the weights pushed into vLLM are accepted (the tied weight
