@@ -90,5 +90,6 @@ def prefect_task(kind: StageKind):
     return task(
         run_stage, name=kind.name, task_run_name="{stage.name}", cache_key_fn=stage_cache_key, persist_result=True,
         result_serializer="json", retries=2, retry_delay_seconds=2.0,
+        # Each retry waits a random delay up to 1.5x retry_delay_seconds (Prefect's server draws it).
         retry_jitter_factor=0.5, retry_condition_fn=retry_unless_user_error,
     )

@@ -133,7 +133,8 @@ class InfraConfig(Section):
     prefect_api_url: str | None = Field(None, description="None: the CLI starts a local API")
     task_retries: int = Field(2, ge=0, description="retries of a failed stage (not for config/data errors); 0: none")
     retry_delay_seconds: float = Field(
-        2.0, ge=0, description="seconds between a failed stage and its retry, the same for every retry")
+        2.0, ge=0, description="seconds between a failed stage and its retry, on average: Prefect draws each "
+        "delay at random, at most 1.5x it, so that stages failed together do not retry together")
     torch_threads: int = Field(
         2, ge=1, description="torch/OpenMP threads per process, where a placement sets no cpu_cores")
     allocator: Literal["glibc_retain", "jemalloc", "system"] = Field(
