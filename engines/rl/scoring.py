@@ -171,6 +171,10 @@ def scoring(reference_path: Source | None, reward_path: Source | None, *, num_cp
         if cpu_cores:
             log.warning("placement.cpu_cores %s of a scorer is not applied: without GPUs it scores in the task's "
                         "own process, which is not pinned (the scorer's num_gpus > 0 gives it a process)", cpu_cores)
+        if resources:
+            log.warning("placement.resources %s of a scorer is not applied: without GPUs it scores in the task's "
+                        "own process, on the node the task runs on (the scorer's num_gpus > 0 gives it a process "
+                        "placed by them)", resources)
         local = ScorerActor(reference_path, reward_path, **kwargs)
         yield lambda method, *args: getattr(local, method)(*args)
         return

@@ -77,19 +77,21 @@ def test_a_core_the_node_lacks_is_named(ray_local, tiny_model):
     ray.kill(scorer)
 
 
-def test_a_scorer_without_gpus_says_its_cpu_cores_are_not_applied(tiny_model, caplog):
+def test_a_scorer_without_gpus_says_its_cpu_cores_and_resources_are_not_applied(tiny_model, caplog):
     # Without GPUs the scorer runs in the task's process: pinning it would pin that process for good.
     from engines.rl.scoring import scoring
 
     threads = torch.get_num_threads()
     with caplog.at_level("WARNING", logger="alignflow"):
-        with scoring(str(tiny_model), None, num_cpus=1, num_gpus=0, cpu_cores=[0], dtype="float32",
-                     torch_threads=1) as call:
+        with scoring(str(tiny_model), None, num_cpus=1, num_gpus=0, cpu_cores=[0], resources={"node:a": 0.01},
+                     dtype="float32", torch_threads=1) as call:
             assert call("device_report")
     torch.set_num_threads(threads)  # the in-process scorer set this process's
     assert [r.getMessage() for r in caplog.records] == [
         "placement.cpu_cores [0] of a scorer is not applied: without GPUs it scores in the task's own process, "
-        "which is not pinned (the scorer's num_gpus > 0 gives it a process)"]
+        "which is not pinned (the scorer's num_gpus > 0 gives it a process)",
+        "placement.resources {'node:a': 0.01} of a scorer is not applied: without GPUs it scores in the task's own "
+        "process, on the node the task runs on (the scorer's num_gpus > 0 gives it a process placed by them)"]
     assert os.sched_getaffinity(0) != {0} or os.cpu_count() == 1
 
 
