@@ -210,7 +210,15 @@ def read_config_file(path: str | Path | None = None) -> tuple[Path, dict[str, An
         raise ConfigError(f"{path}: not UTF-8 text: {err}") from None
     if not isinstance(tree, dict):
         raise ConfigError(f"{path}: top level must be a mapping, got {type(tree).__name__}")
-    return path, tree
+    return path, _unshared(tree)
+
+
+def _unshared(node: Any) -> Any:
+    """A copy in which a YAML alias (`- *round`) is a mapping of its own at each place it is used: the
+    loader gives every use the same object, so `rounds.1.steps=5` would have set round 0's too."""
+    if isinstance(node, dict):
+        return {k: _unshared(v) for k, v in node.items()}
+    return [_unshared(v) for v in node] if isinstance(node, list) else node
 
 
 def config_sources(path: str | Path | None = None, overrides: list[str] | None = None) -> ConfigSources:

@@ -261,8 +261,8 @@ class RoundConfig(Section):
                              "weights between whole episodes: leave partial_rollouts out")
         if not self.async_rollouts and (self.max_staleness > 1 or self.partial_rollouts):
             raise ValueError("max_staleness and partial_rollouts shape asynchronous rollouts: set async_rollouts")
-        if self.colocate_all:
-            n = self.actor.num_workers
+        if self.colocate_all:  # every model and engine gets a share of the actor's GPUs (gpu_share)
+            n, gpus = self.actor.num_workers, self.actor.placement.num_gpus
             if self.num_rollout_engines != n:
                 raise ValueError(f"colocate_all puts one rollout engine beside each actor worker: "
                                  f"num_rollout_engines must equal actor.num_workers ({n})")
@@ -288,10 +288,13 @@ class RoundConfig(Section):
                     and "gpu_memory_utilization" not in j.vllm.model_fields_set):
                 raise ValueError("colocate_all: the judge's vLLM engine shares the GPU too: set "
                                  "reward.judge.generation.vllm.gpu_memory_utilization to its share")
-            pinned = [name for name, p in (("generation.placement", self.generation.placement),
-                                           ("critic.placement", self.critic.placement),
-                                           ("scorer_placement", self.scorer_placement)) if p.resources]
-            if pinned:
+            places = (("generation.placement", self.generation.placement), ("scorer_placement", self.scorer_placement),
+                      ("critic.placement", self.critic.placement), ("reward.judge.generation.placement", j.placement))
+            if pinned := [name for name, p in places if p.resources]:
                 raise ValueError(f"colocate_all places every actor in the actor workers' bundles: set custom "
                                  f"resources in actor.placement.resources, not in {', '.join(pinned)}")
+            if other := [f"{name}.num_gpus: {p.num_gpus}" for name, p in places
+                         if "num_gpus" in p.model_fields_set and p.num_gpus != gpus]:
+                raise ValueError(f"colocate_all shares actor.placement.num_gpus ({gpus}) among every model and "
+                                 f"engine: {', '.join(other)} would not hold; set {gpus} or leave it out")
         return self

@@ -660,7 +660,8 @@ def test_a_tensor_parallel_evaluation_engine_cannot_live_for_the_run():
         (["model.attn_implementation=flash_attention_2", "model.dtype=bfloat16", "evaluation.scorer_placement.num_gpus=0"],
          "(num_gpus: 0): evaluation.scorer_placement;", "flash_attention_2 runs on GPUs only"),
         (["model.attn_implementation=flash_attention_2", "model.dtype=bfloat16", "rounds.1.generation.backend=hf",
-          "rounds.1.generation.placement.num_gpus=0"], "rounds.1.generation.placement;", "runs on GPUs only"),
+          "rounds.1.colocate_all=false", "rounds.1.generation.placement.num_gpus=0"], "rounds.1.generation.placement;",
+         "runs on GPUs only"),
     ],
 )
 def test_gpu_placements_nccl_or_the_kernels_would_refuse(overrides, field, says):
@@ -672,9 +673,10 @@ def test_gpu_placements_nccl_or_the_kernels_would_refuse(overrides, field, says)
     # the neighbours of each refused value stay valid
     load_config(gpu_small, ["model.attn_implementation=flash_attention_2", "model.dtype=bfloat16",
                             "sft.placement.num_gpus=0.5", "sft.num_workers=1", "reward_model.num_workers=2"])
-    # vLLM engines run their own attention: on the CPU beside flash-attn models they are no problem
+    # vLLM engines run their own attention: on the CPU beside flash-attn models they are no problem (not
+    # colocated: colocate_all gives every engine a share of the actor's GPUs)
     load_config(gpu_small, ["model.attn_implementation=flash_attention_2", "model.dtype=bfloat16",
-                            "rounds.1.generation.placement.num_gpus=0", "rounds.1.generation.vllm.gpu_memory_utilization=0.9"])
+                            "rounds.1.colocate_all=false", "rounds.1.generation.placement.num_gpus=0"])
 
 
 def test_colocated_vllm_on_gpus_needs_its_memory_share_set(tmp_path):
@@ -690,9 +692,29 @@ def test_colocated_vllm_on_gpus_needs_its_memory_share_set(tmp_path):
                                "rounds.1.generation.vllm.gpu_memory_utilization=0.25"]).rounds[1].generation.vllm \
         .gpu_memory_utilization == 0.25  # set, even to the default: the user's choice
     # without GPUs (a CPU run of the same config) there is no memory to share, and the HF backend takes no share
-    load_config(unset, ["rounds.0.actor.placement.num_gpus=0", "rounds.0.generation.placement.num_gpus=0",
-                        "rounds.1.actor.placement.num_gpus=0", "rounds.1.generation.placement.num_gpus=0"])
+    load_config(unset, [f"rounds.{i}.{p}.num_gpus=0" for i in (0, 1) for p in
+                        ("actor.placement", "generation.placement", "critic.placement", "scorer_placement")])
     load_config(unset, ["rounds.0.generation.backend=hf", "rounds.1.generation.backend=hf"])
+
+
+def test_an_override_of_one_use_of_a_yaml_alias_sets_that_use_only(tmp_path):
+    """configs/gpu-small.yaml writes its second round as `- *round`: an override of rounds.1 is of round 2."""
+    cfg = load_config(REPO / "configs" / "gpu-small.yaml", ["rounds.1.steps=7"])
+    assert [r.steps for r in cfg.rounds] == [load_config(REPO / "configs" / "gpu-small.yaml").rounds[0].steps, 7]
+
+
+def test_colocated_placements_that_colocation_would_override_are_refused():
+    """colocate_all gives every model and engine a share of the actor's GPUs (engines/rl/round_placement.py
+    gpu_share): a num_gpus set otherwise elsewhere in the round would not hold, and is refused."""
+    gpu_small = REPO / "configs" / "gpu-small.yaml"
+    for place in ("generation.placement", "critic.placement", "scorer_placement"):
+        with pytest.raises(ConfigError, match=re.escape(f"{place}.num_gpus: 0.0 would not hold; set 1.0")):
+            load_config(gpu_small, [f"rounds.0.{place}.num_gpus=0"])
+    # the actor on the CPU, the engine asked onto a GPU: it would run on the CPU
+    with pytest.raises(ConfigError, match=re.escape("generation.placement.num_gpus: 1.0 would not hold; set 0")):
+        load_config(None, ['rounds=[{"colocate_all": true, "generation": {"placement": {"num_gpus": 1}, '
+                           '"vllm": {"gpu_memory_utilization": 0.3}}}]'])
+    load_config(None, ['rounds=[{"colocate_all": true}]'])  # left out: the share, as documented
 
 
 # ---- mixed reward sources ---------------------------------------------------------------------------
