@@ -42,6 +42,9 @@ class EnvironmentConfig(Section):
         if (self.name is None) == (self.agent is None):
             raise ValueError("give name (an environment class) or agent (a module:function driving the endpoint), "
                              "one of them")
+        if self.agent is not None and self.kwargs:
+            raise ValueError("kwargs are the environment class's (name); an agent function takes (client, sample) "
+                             "only: leave kwargs out, or read your settings in the agent's module")
         return self
 
     @field_validator("max_turns")

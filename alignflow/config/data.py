@@ -22,7 +22,8 @@ class SyntheticTaskConfig(Section):
     task: Literal["largest_digit", "boxes"] = Field(
         "largest_digit", description="largest_digit: the default; boxes: the agent task, answerable only through a "
         "tool (alignflow/data/agent_task.py, environment boxes)")
-    num_digits: int = Field(5, ge=2, le=10, description="distinct digits in each prompt")
+    num_digits: int = Field(5, ge=2, le=10, description="distinct digits in each prompt (largest_digit; the boxes "
+                            "task's prompts are its own)")
     num_sft: int = Field(2000, ge=1, description="SFT demonstrations")
     num_preference: int = Field(2000, ge=1, description="preference pairs (correct answer chosen)")
     num_rl_prompts: int = Field(512, ge=1, description="RL prompts, with answers")

@@ -12,7 +12,9 @@ from alignflow.config.base import Section
 class TinyModelConfig(Section):
     """Shape of the locally built Qwen2-family model and its tokenizer."""
 
-    vocab_size: int = Field(320, ge=264, description="byte-level BPE: 256 bytes + specials + merges")
+    vocab_size: int = Field(320, ge=264, description="byte-level BPE: 256 bytes + specials + merges, at most: "
+                            "merges stop where the corpus has no pair left to merge (the bundled task's: 281 "
+                            "tokens), and the model's vocabulary is the tokenizer's")
     hidden_size: int = Field(128, ge=16, description="model width (divisible by num_heads)")
     num_layers: int = Field(2, ge=1, description="transformer layers")
     num_heads: int = Field(4, ge=1, description="attention (query) heads")

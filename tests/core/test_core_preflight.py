@@ -236,6 +236,8 @@ def test_agent_config_problems_are_each_named_with_their_field_before_anything_s
     assert len(found) == 4, found
     with pytest.raises(ConfigError, match="give name .* or agent .*, one of them"):
         load_config(None, ['rounds=[{"environment": {"name": "boxes", "agent": "m:f"}}]'])
+    with pytest.raises(ConfigError, match=r"rounds\.0\.environment: .*kwargs are the environment class's"):
+        load_config(None, ['rounds=[{"environment": {"agent": "m:f", "kwargs": {"k": 1}}}]'])
     with pytest.raises(ConfigError, match=r"rounds\.0\.environment\.max_turns[\s\S]*must be at least 1"):
         load_config(None, ['rounds=[{"environment": {"name": "boxes", "max_turns": 0}}]'])
     with pytest.raises(ConfigError, match="reward.source environment rewards episodes' returns: give the round"):
