@@ -37,12 +37,21 @@ def check_template(template: str) -> str:
     return template
 
 
+def _unanswered(template: str) -> str:
+    if "{answer}" in template:
+        raise ValueError("the judge stage trains on the preference pairs, which carry no answer: {answer} would be "
+                         "empty in every prompt it trains on, and filled in every one it judges in a round. Leave it "
+                         "out, or judge with a model trained elsewhere (reward.judge.model), whose template may use it")
+    return template
+
+
 class JudgeConfig(TrainConfig):
     """The judge stage: SFT of the SFT policy (or the base model) on verdicts of the preference pairs."""
 
-    template: str = Field(JUDGE_TEMPLATE, description="the judge's prompt: {prompt}, {response}, {answer}")
+    template: str = Field(JUDGE_TEMPLATE, description="the judge's prompt: {prompt} and {response} (it trains on "
+                          "preference pairs, which carry no {answer})")
 
-    _template = field_validator("template")(classmethod(lambda cls, v: check_template(v)))
+    _template = field_validator("template")(classmethod(lambda cls, v: _unanswered(check_template(v))))
 
 
 class JudgeGeneration(GenerationConfig):

@@ -13,6 +13,7 @@ from alignflow.errors import DataError
 from alignflow.storage import is_local_uri, local_path
 
 MAX_BAD_ROWS = 10  # listed per file; the rest are counted
+MATH_RULE = "alignflow.rewards:math_equal"
 
 
 def check_files(cfg: PipelineConfig, found) -> None:
@@ -36,8 +37,9 @@ def check_files(cfg: PipelineConfig, found) -> None:
             found.fail(field, f"{path} does not exist")
             continue
         limit = None if is_local_uri(path) else cfg.data.preflight_rows
+        math = [reader for reader, rule in _readers(cfg, name) if rule == MATH_RULE]
         try:
-            n, bad, unanswered = _rows(src, kind, limit)
+            n, bad, unanswered, unreadable = _rows(src, kind, limit, math=bool(math))
         except Exception as err:  # noqa: BLE001  (a corrupt Parquet file, a bad encoding, ...)
             found.fail(field, f"{path} cannot be read: {type(err).__name__}: {err}")
             continue
@@ -52,22 +54,33 @@ def check_files(cfg: PipelineConfig, found) -> None:
             _answers_read(cfg, name, f"data.{name}.answer_key", f"{path}: {len(unanswered)} of {n} rows have no "
                           f"{src.answer_key!r} (rows {shown})" if src.answer_key else
                           f"{path}: data.{name}.answer_key is None, so no row has an answer", found)
+        if unreadable and not bad:
+            shown = "; ".join(f"row {r}: {a[:40]!r}" for r, a in unreadable[:3]) + "; ..." * (len(unreadable) > 3)
+            found.fail(f"data.{name}.answer_key", f"{path}: {len(unreadable)} of {n} rows have an answer that "
+                       f"{math[0]} ({MATH_RULE}) cannot read as a number or expression ({shown}), so every response "
+                       "to them would score 0: give the final answer alone (GSM8K's is what follows '####')",
+                       also=tuple(math))
         if limit is not None and n == limit:
             found.notes.append(f"data.{name}: {path} is remote, so its first {limit} rows were checked "
                                "(data.preflight_rows); the data stage checks the rest")
 
 
-def _answers_read(cfg: PipelineConfig, split: str, field: str, why: str, found) -> None:
-    """Rows of `split` without an answer, where something scores against answers: alignflow's own
-    checker, rule reward or math verifier would score every such response wrong (a problem); a user's
-    function may not read the answer (a note)."""
+def _readers(cfg: PipelineConfig, split: str) -> list[tuple[str, str]]:
+    """(field, module:function) of what scores a response against its row's answer in `split`."""
     readers = []
     if split == "eval" and cfg.evaluation is not None and cfg.evaluation.environment is None:
         readers.append(("evaluation.checker", cfg.evaluation.checker))
     if split == "prompts":
         readers += [(f"{f}.rule", c.rule) for i, r in enumerate(cfg.rounds) if r.environment is None
                     for f, c in r.reward.source_fields(f"rounds.{i}.reward") if c.source == "rule"]
-    for reader, path in readers:
+    return readers
+
+
+def _answers_read(cfg: PipelineConfig, split: str, field: str, why: str, found) -> None:
+    """Rows of `split` without an answer, where something scores against answers: alignflow's own
+    checker, rule reward or math verifier would score every such response wrong (a problem); a user's
+    function may not read the answer (a note)."""
+    for reader, path in _readers(cfg, split):
         if path.startswith("alignflow."):
             found.fail(field, f"{why}; {reader} ({path}) scores every response against its row's answer, so "
                               f"each of them would score as wrong: give every row an answer", also=(reader,))
@@ -75,17 +88,26 @@ def _answers_read(cfg: PipelineConfig, split: str, field: str, why: str, found) 
             found.notes.append(f"{field}: {why}; {reader} ({path}) gets answer=None for them")
 
 
-def _rows(src: DatasetSource, kind: str, limit: int | None) -> tuple[int, list[str], list[int]]:
-    """(rows read, one message per bad row, the rows without an answer): every row, or the first `limit`.
-    A row that is not JSON ends the file's reading (the next rows cannot be told apart)."""
-    rows, bad, unanswered, n = read_rows(src), [], [], 0
+def _rows(src: DatasetSource, kind: str, limit: int | None, math: bool = False
+          ) -> tuple[int, list[str], list[int], list[tuple[int, str]]]:
+    """(rows read, one message per bad row, the rows without an answer, (row, answer) of those whose answer
+    `math_equal` cannot parse where `math`): every row, or the first `limit`. A row that is not JSON ends the
+    file's reading (the next rows cannot be told apart)."""
+    if math:
+        from alignflow.rewards.math import parse_math  # sympy: only where a math rule reads the answers
+
+    rows, bad, unanswered, unreadable, n = read_rows(src), [], [], [], 0
     try:
         for n, row in enumerate(islice(rows, limit) if limit else rows, start=1):
             try:
-                if normalize_row(row, kind, src, where=f"{src.path}, row {n}").get("answer", "") is None:
-                    unanswered.append(n)
+                answer = normalize_row(row, kind, src, where=f"{src.path}, row {n}").get("answer", "")
             except DataError as err:
                 bad.append(str(err))
+                continue
+            if answer is None:
+                unanswered.append(n)
+            elif math and answer and parse_math(answer) is None:
+                unreadable.append((n, answer))
     except DataError as err:  # from read_rows: not JSON, not a list
         bad.append(str(err))
-    return n, bad, unanswered
+    return n, bad, unanswered, unreadable

@@ -178,7 +178,9 @@ class PolicyGradientUpdate:
         ranks = math.lcm(*(g.world_size for g, *_ in steps))  # rows split evenly across every group's ranks
         gen = torch.Generator().manual_seed(derive_seed(self.seed, f"minibatches/{step}"))
         chunks = minibatches(len(exp), p.minibatch_size, epochs=p.epochs, generator=gen, multiple_of=ranks)
-        return train_minibatches(exp.tensors(), chunks, steps)
+        # Each pass's remainder (and each chunk's cut to the ranks) is left out of it: counted, as rs/ and dpo/ do.
+        left_out = float(len(exp) - rows_per_pass(len(exp), p.minibatch_size, ranks))
+        return {**train_minibatches(exp.tensors(), chunks, steps), "rows_left_out": left_out}
 
     def state(self) -> dict[str, float]:
         return {"kl_coef": self.kl_ctl.value}

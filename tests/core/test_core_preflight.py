@@ -96,6 +96,23 @@ def test_rule_rewards_need_answers_on_the_rl_prompts(files, tmp_path, monkeypatc
         "rounds.0.reward.rule (my_rules:score) gets answer=None for them"]
 
 
+def test_answers_the_math_rule_cannot_read_fail_naming_their_rows(files, tmp_path):
+    """GSM8K's answer column is the worked solution ending in '#### 72': math_equal reads no number in it, and
+    every response to such a row would score 0."""
+    prompts = _jsonl(tmp_path / "gsm.jsonl", [{"prompt": "p1", "answer": "3/4"},
+                                             {"prompt": "p2", "answer": "She sells 16 - 3 - 4 = 9 eggs. #### 9"},
+                                             {"prompt": "p3", "answer": "\\frac{1}{2}"}])
+    rule = 'rounds=[{"algorithm": "grpo", "reward": {"source": "rule", "rule": "alignflow.rewards:math_equal"}}]'
+    [problem] = problems(files, rule, f"data.prompts.path={prompts}")
+    assert problem.startswith(
+        f"data.prompts.answer_key: {prompts}: 1 of 3 rows have an answer that rounds.0.reward.rule "
+        "(alignflow.rewards:math_equal) cannot read as a number or expression (row 2: 'She sells 16 - 3 - 4 = 9 "
+        "eggs. #### 9'), so every response to them would score 0"), problem
+    # The synthetic task's own rule reads any answer: not checked.
+    assert problems(files, rule.replace(', "rule": "alignflow.rewards:math_equal"', ""),
+                    f"data.prompts.path={prompts}") == []
+
+
 def test_missing_data_path_names_the_field_and_the_command_line(files, tmp_path):
     missing = tmp_path / "nope" / "sft.jsonl"
     assert problems(files, f"data.sft.path={missing}") == [

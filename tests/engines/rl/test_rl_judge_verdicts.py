@@ -79,6 +79,10 @@ def test_a_round_asking_the_pipelines_judge_needs_one_trained_with_its_template(
         load_config(None, ['judge={"template": "{prompt} = {response}?"}', rounds])
     own = 'rounds=[{"algorithm": "grpo", "reward": {"source": "judge", "judge": {"model": "/some/judge"}}}]'
     assert load_config(None, [own]).judge is None  # a judge of the user's needs no judge stage
+    # The judge stage trains on preference pairs, which have no answer; a judge of the user's may read one.
+    with pytest.raises(ConfigError, match=r"judge\.template: .*\{answer\} would be empty in every prompt it trains on"):
+        load_config(None, ['judge={"template": "{prompt} = {response}? ({answer})"}'])
+    load_config(None, [own.replace('"/some/judge"', '"/some/judge", "template": "{prompt} {response} {answer}"')])
     # The pipeline's judge answers "yes" / "no" (what it trains on): a parser that reads them alike, or not at
     # all, would give every response one score.
     for judge, read in (('{"parse": "json"}', "None and None"), ('{"scores": {"correct": 1.0, "incorrect": 0.0}}',

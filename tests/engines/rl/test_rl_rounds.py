@@ -125,6 +125,18 @@ def test_step_moves_policy_toward_advantage(ray_local, tiny_model, prompts, algo
         rl.shutdown()
 
 
+def test_rows_a_pass_of_minibatches_leaves_out_are_counted(ray_local, tiny_model, prompts):
+    """8 prompts x 4 samples in minibatches of 12: a pass trains 2 x 12 rows and leaves 8 out (rl/rows_left_out)."""
+    from alignflow.config import PPOConfig
+
+    rl = _start(_round("grpo", steps=1, ppo=PPOConfig(minibatch_size=12, epochs=1, tis_cap=None)), tiny_model, prompts)
+    try:
+        out = rl.step(0)
+        assert len(out.trained_rows) == 32 and out.metrics["rows_left_out"] == 32 - 2 * 12
+    finally:
+        rl.shutdown()
+
+
 MAX_NEW_RS = 48
 
 
@@ -577,7 +589,7 @@ def test_round_that_cannot_be_placed_fails_fast(ray_local, tiny_model, prompts):
 def test_fewer_prompts_than_a_step_takes_are_said_and_counted(ray_local, tiny_model, prompts, caplog):
     """A round left with fewer prompts than prompts_per_step (overlong ones out) takes them all each step and
     says so (before any actor starts: this round cannot be placed); its updates, and the LR schedule, then
-    count the prompts it has."""
+    count the prompts it has. One whose epochs leave prompts out says how many."""
     from alignflow.config import PPOConfig
     from alignflow.errors import InsufficientResourcesError
 
@@ -587,6 +599,12 @@ def test_fewer_prompts_than_a_step_takes_are_said_and_counted(ray_local, tiny_mo
     with pytest.raises(InsufficientResourcesError):
         _start(cfg, tiny_model, prompts[:6])
     assert any("prompts_per_step is 64 but the round has 6 prompts" in r.message for r in caplog.records), caplog.text
+    # 10 prompts in steps of 4 over 3 steps: each epoch takes 2 whole steps and leaves 2 out; said.
+    caplog.clear()
+    with pytest.raises(InsufficientResourcesError):
+        _start(cfg.model_copy(update={"prompts_per_step": 4}), tiny_model, prompts[:10])
+    assert any(r.message.startswith("each epoch of the round's 10 prompts takes 2 whole steps of 4, leaving 2 out")
+               for r in caplog.records), caplog.text
 
 
 def test_tied_embeddings_sync_into_vllm(ray_local, tiny_model, prompts, tmp_path):
