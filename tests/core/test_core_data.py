@@ -218,6 +218,28 @@ def test_parquet_prompts_with_integer_answers(tmp_path):
     ]
 
 
+def test_prompt_rows_keep_their_other_columns_for_environments_and_agents(tmp_path, caplog):
+    """An environment's reset(sample) gets the prompt's whole row (README: `self.sample["table"]`), an agent its
+    `tools`; an SFT row keeps `tools` (rendered by the chat template) and nothing else. A value JSON cannot
+    hold is left out, and said."""
+    import datetime
+
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+    path = _parquet(tmp_path / "p.parquet", [
+        {"question": "p1", "answer": 7, "table": {"a": "1"}, "tools": tools, "prompt": "not the prompt",
+         "when": datetime.datetime(2026, 1, 1)},
+        {"question": "p2", "answer": 3, "table": {"a": "2"}, "tools": tools, "prompt": "no",
+         "when": datetime.datetime(2026, 1, 2)}])
+    with caplog.at_level("WARNING", logger="alignflow"):
+        out = load_records(DatasetSource(path=path, prompt_key="question"), "prompts")
+    assert out == [{"prompt": "p1", "answer": "7", "table": {"a": "1"}, "tools": tools},
+                   {"prompt": "p2", "answer": "3", "table": {"a": "2"}, "tools": tools}]
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{path}: columns ['when'] are not JSON values (first in rows [1]) and are not kept with the records"]
+    sft = _jsonl(tmp_path / "sft.jsonl", [{"prompt": "p", "response": "r", "tools": tools, "extra": 1}])
+    assert load_records(DatasetSource(path=sft), "sft") == [{"prompt": "p", "response": "r", "tools": tools}]
+
+
 def test_json_list(tmp_path):
     path = tmp_path / "pref.json"
     path.write_text(json.dumps([{"prompt": "p", "chosen": "good", "rejected": "bad"}]))
