@@ -99,10 +99,10 @@ def agent_episodes(engine, tokenizer, records: list[dict], n: int, sampling: Sam
     rollouts = []
     for i, name in enumerate(names):
         reward, error = outcomes[name]
-        seq = sequences.get(name)
-        if seq is None:  # the agent asked for nothing
+        seq, silent = sequences.get(name), name not in sequences and error is None
+        if seq is None:  # the agent asked for nothing (counted where it returned a reward all the same)
             seq = ServedSequence([], EpisodeTokens(tokenizer).start([{"role": "user", "content": ""}]))
-        stats = {k: 0 for k in EPISODE_STATS} | all_stats.get(name, {})
+        stats = {k: 0 for k in EPISODE_STATS} | all_stats.get(name, {}) | {"no_requests": int(silent)}
         # A limit refused a request (stats["truncated"]): the episode is truncated, not failed, even where the
         # agent raised at the refusal (its return is then failure_reward; the error stays in its transcript).
         limited = bool(stats.get("truncated", 0))

@@ -35,7 +35,7 @@ log = logging.getLogger("alignflow")
 
 # What every episode reports (Rollout.episode), summed or averaged into agent/* and eval/* metrics.
 EPISODE_STATS = ("turns", "cut_turns", "tool_calls", "invalid_calls", "tool_errors", "truncated", "failed", "success",
-                 "return", "restarts", "abandoned")
+                 "return", "restarts", "abandoned", "no_requests")
 
 
 @dataclass(frozen=True)
@@ -230,7 +230,10 @@ def report_failures(rollouts: list[Rollout], where: str) -> None:
     episodes = [r.episode for r in rollouts if r.episode is not None]
     errors = [e["error"] for e in episodes if e.get("error")]
     unstarted = [e["truncated_by"] for e in episodes if e.get("truncated_by") and not e["turns"]]
-    for what, reasons in (("failed", errors), ("were truncated before their first turn", unstarted)):
+    silent = ["the agent returned without a request to the endpoint: its return counts in its group, over no "
+              "tokens"] * sum(e.get("no_requests", 0) for e in episodes)
+    kinds = (("failed", errors), ("were truncated before their first turn", unstarted), ("sampled nothing", silent))
+    for what, reasons in kinds:
         if reasons:
             log.warning("%s: %d of %d episodes %s: %s", where, len(reasons), len(rollouts), what,
                         "; ".join(list(dict.fromkeys(reasons))[:3]))
@@ -247,6 +250,7 @@ def episode_metrics(rollouts: list[Rollout], prefix: str = "agent") -> dict[str,
     stats = [r.episode for r in rollouts if r.episode is not None]
     if not stats:
         return {}
-    names = {"success": "success_rate", "truncated": "truncated_fraction", "failed": "failed_fraction"}
+    names = {"success": "success_rate", "truncated": "truncated_fraction", "failed": "failed_fraction",
+             "no_requests": "no_requests_fraction"}
     name = lambda k: names.get(k, k if k == "return" else k + "_per_episode")  # noqa: E731
     return {f"{prefix}/{name(k)}": sum(s[k] for s in stats) / len(stats) for k in EPISODE_STATS}

@@ -121,6 +121,23 @@ def test_a_rewritten_conversation_restarts_and_failing_agents_are_counted(engine
         STUCK.set()
     assert stuck.episode["failed"] == 1 and "step_timeout_s=0.5" in stuck.episode["error"]
     assert stuck.token_ids == [] and stuck.prompt_ids  # nothing to train on, a prompt to batch with
+    assert stuck.episode["no_requests"] == 0  # failed, and said so as that
+
+
+def test_an_agent_that_returns_without_asking_the_endpoint_is_counted_and_said(engine, caplog):
+    """Its reward still enters its group (moving the others' baseline) over no tokens: agent/no_requests_fraction
+    and a warning say so, not a quiet empty episode."""
+    from engines.rollout.episodes import episode_metrics, report_failures
+
+    silent = run(engine, lambda client, sample: 1.0, records(1), n=2)
+    assert [(r.episode["no_requests"], r.episode["failed"], r.token_ids) for r in silent] == [(1, 0, [])] * 2
+    mixed = run(engine, two_questions, records(1), n=2) + silent
+    assert episode_metrics(mixed)["agent/no_requests_fraction"] == 0.5
+    with caplog.at_level("WARNING", logger="alignflow"):
+        report_failures(mixed, "round_1 step 3")
+    assert [r.getMessage() for r in caplog.records] == [
+        "round_1 step 3: 2 of 4 episodes sampled nothing: the agent returned without a request to the endpoint: "
+        "its return counts in its group, over no tokens"]
 
 
 def test_an_agents_episode_keeps_to_max_turns_and_max_episode_tokens_and_is_then_truncated(engine):
