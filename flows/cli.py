@@ -91,10 +91,12 @@ def _warm_up(cfg: PipelineConfig, verbose: bool) -> None:
     try:
         from flows.stage_tasks import wait_for_stage_worker, warm_a_stage_worker
 
-        warming = warm_a_stage_worker()
+        # On a cluster (infra.ray_address) a no-CPU task may land on any node, not where the stages will run.
+        warming = None if cfg.infra.ray_address else warm_a_stage_worker()
         check_api_reachable(cfg.infra)
         _prepare_flow(cfg)
-        wait_for_stage_worker(warming)
+        if warming is not None:
+            wait_for_stage_worker(warming)
     except BaseException:
         ray.shutdown()  # leave the cluster before the CLI exits on the error
         raise

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from alignflow.config import DataConfig
 from alignflow.errors import ConfigError, DataError
-from alignflow.data import agent_task, formats, synthetic
+from alignflow.data import agent_task, load, synthetic
 from alignflow.records import StageResult
 from tasks.context import RunContext, StageOutput, compute_stage
 from tasks.plan import PlannedStage
@@ -24,7 +24,7 @@ def build_splits(cfg: DataConfig, seed: int) -> tuple[dict[str, list[dict]], dic
     if cfg.source == "synthetic":
         task = agent_task if cfg.synthetic.task == "boxes" else synthetic
         return {**task.generate(cfg.synthetic, seed), "preference_unpaired": []}, {}
-    preference = formats.load_records(cfg.preference, "preference")
+    preference = load.load_records(cfg.preference, "preference")
     pairs = [r for r in preference if "label" not in r]
     # A pair whose two replies are the same text teaches nothing (DPO's gradient and a reward model's margin
     # are zero on it) and is a miss in held-out accuracy: Anthropic HH holds some. They are left out, counted.
@@ -36,16 +36,17 @@ def build_splits(cfg: DataConfig, seed: int) -> tuple[dict[str, list[dict]], dic
             raise DataError(f"{cfg.preference.path}: every preference pair ({ties}) has the same chosen and "
                             "rejected reply")
     splits = {
-        "sft": formats.load_records(cfg.sft, "sft"),
+        "sft": load.load_records(cfg.sft, "sft"),
         # Unpaired rows (data.preference.label_key) are KTO's; pairs serve every preference stage.
         "preference": [r for r in pairs if r["chosen"] != r["rejected"]],
         "preference_unpaired": [r for r in preference if "label" in r],
-        "eval": formats.load_records(cfg.eval, "prompts"),
+        "eval": load.load_records(cfg.eval, "prompts"),
     }
     # RL prompts: their own source, else the SFT prompts (never the held-out
     # eval prompts). Without answers a rule reward gets answer=None.
-    splits["prompts"] = (formats.load_records(cfg.prompts, "prompts") if cfg.prompts
-                         else [{"prompt": r["prompt"], "answer": None} for r in splits["sft"]])
+    splits["prompts"] = (load.load_records(cfg.prompts, "prompts") if cfg.prompts
+                         else [{"prompt": r["prompt"], "answer": None, **{k: r[k] for k in ("tools",) if k in r}}
+                               for r in splits["sft"]])
     # Held-out pairs for reward-model accuracy: the last 10% of the pairs.
     n_held = max(1, len(splits["preference"]) // 10) if splits["preference"] else 0
     splits["eval_preference"] = splits["preference"][len(splits["preference"]) - n_held:]
@@ -70,7 +71,7 @@ def prepare_data(stage: PlannedStage, inputs: DataInputs, ctx: RunContext) -> St
         for line in lengths.describe(measured, limits):
             log.info("%s", line)
         for name in SPLITS:
-            formats.write_jsonl(splits[name], str(out / f"{name}.jsonl"))
+            load.write_jsonl(splits[name], str(out / f"{name}.jsonl"))
         metrics = {f"data/{name}_rows": float(len(splits[name])) for name in SPLITS}
         metrics.update({f"data/{name}_left_out": float(n) for name, n in left_out.items()})
         metrics.update({f"data/{name}_{k}": float(v) for name, m in measured.items() for k, v in m.stats().items()})
@@ -115,4 +116,4 @@ def token_limits(data: StageResult) -> TokenLimits:
 
 
 def load_split(data: StageResult, ctx: RunContext, name: str) -> list[dict]:
-    return formats.read_jsonl(str(ctx.storage().fetch(data.uri) / f"{name}.jsonl"))
+    return load.read_jsonl(str(ctx.storage().fetch(data.uri) / f"{name}.jsonl"))

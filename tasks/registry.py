@@ -210,7 +210,7 @@ def register_stage(kind: StageKind) -> StageKind:
 
 
 register_stage(StageKind(
-    "data", "data", DataStage, DataInputs, "6", "tasks.data:prepare_data",
+    "data", "data", DataStage, DataInputs, "7", "tasks.data:prepare_data",
     "the bundled task or user data as canonical JSONL splits, measured in tokens"))
 register_stage(StageKind(
     "base_model", "base_model", BaseModelStage, NoInputs, "3", "tasks.base_model:base_model",
@@ -222,7 +222,7 @@ register_stage(StageKind(
     "reward_model", "reward_model", RewardModelStage, TrainInputs, "3", "tasks.train:reward_model",
     "Bradley-Terry reward model on preference pairs (DeepSpeed)"))
 register_stage(StageKind(
-    "judge", "judge", JudgeStage, TrainInputs, "2", "tasks.judge:judge",
+    "judge", "judge", JudgeStage, TrainInputs, "3", "tasks.judge:judge",
     "a generative judge: SFT on yes/no verdicts of the preference pairs (DeepSpeed)"))
 register_stage(StageKind(
     "distill_teacher", "distill", DistillTeacherStage, DistillTeacherInputs, "3", "tasks.distill:distill_teacher",
@@ -237,7 +237,7 @@ register_stage(StageKind(
     "preference", "preference", PreferenceStage, PreferenceInputs, "2", "tasks.preference:preference",
     "DPO / IPO / cDPO / KTO on preference pairs against the cached reference (DeepSpeed)"))
 register_stage(StageKind(
-    "rl_round", "rl", RoundStage, RoundInputs, "3", "tasks.rl_round:rl_round",
+    "rl_round", "rl", RoundStage, RoundInputs, "4", "tasks.rl_round:rl_round",
     "one RL round of any registered algorithm (vLLM rollouts, DeepSpeed updates)"))
 register_stage(StageKind(
     "evaluate_policy", "evaluation", PolicyEvalStage, PolicyEvalInputs, "4", "tasks.evaluate:evaluate_policy",

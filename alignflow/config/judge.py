@@ -38,7 +38,7 @@ def check_template(template: str) -> str:
 
 
 def _unanswered(template: str) -> str:
-    if "{answer}" in template:
+    if "answer" in (f for _, f, _, _ in string.Formatter().parse(template)):  # {answer}, {answer!r}; not {{answer}}
         raise ValueError("the judge stage trains on the preference pairs, which carry no answer: {answer} would be "
                          "empty in every prompt it trains on, and filled in every one it judges in a round. Leave it "
                          "out, or judge with a model trained elsewhere (reward.judge.model), whose template may use it")

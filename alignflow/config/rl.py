@@ -262,7 +262,8 @@ class RoundConfig(Section):
         if not self.async_rollouts and (self.max_staleness > 1 or self.partial_rollouts):
             raise ValueError("max_staleness and partial_rollouts shape asynchronous rollouts: set async_rollouts")
         if self.colocate_all:  # every model and engine gets a share of the actor's GPUs (gpu_share)
-            n, gpus = self.actor.num_workers, self.actor.placement.num_gpus
+            n, gpus, scored = self.actor.num_workers, self.actor.placement.num_gpus, self.uses_reference or \
+                self.reward.uses_model
             if self.num_rollout_engines != n:
                 raise ValueError(f"colocate_all puts one rollout engine beside each actor worker: "
                                  f"num_rollout_engines must equal actor.num_workers ({n})")
@@ -273,9 +274,8 @@ class RoundConfig(Section):
                                  "colocate with one GPU per engine, or give tensor-parallel engines GPUs of "
                                  "their own (colocate_all: false)")
             if self.async_rollouts:
-                raise ValueError("async_rollouts needs the rollout engines awake while the models train: "
-                                 "it cannot be combined with colocate_all")
-            on_gpu = self.actor.placement.num_gpus > 0 or self.generation.placement.num_gpus > 0
+                raise ValueError("async_rollouts keeps the engines awake while the models train: not with colocate_all")
+            on_gpu = gpus > 0  # the actor's GPUs are every model's and engine's (another num_gpus is refused below)
             if (on_gpu and self.generation.backend == "vllm"
                     and "gpu_memory_utilization" not in self.generation.vllm.model_fields_set):
                 raise ValueError(
@@ -288,13 +288,13 @@ class RoundConfig(Section):
                     and "gpu_memory_utilization" not in j.vllm.model_fields_set):
                 raise ValueError("colocate_all: the judge's vLLM engine shares the GPU too: set "
                                  "reward.judge.generation.vllm.gpu_memory_utilization to its share")
-            places = (("generation.placement", self.generation.placement), ("scorer_placement", self.scorer_placement),
-                      ("critic.placement", self.critic.placement), ("reward.judge.generation.placement", j.placement))
-            if pinned := [name for name, p in places if p.resources]:
+            places = (("generation.placement", self.generation.placement, True), ("reward.judge.generation.placement",
+                      j.placement, self.reward.uses_judge), ("critic.placement", self.critic.placement,
+                      self.spec.critic), ("scorer_placement", self.scorer_placement, scored))
+            if pinned := [name for name, p, _ in places if p.resources]:
                 raise ValueError(f"colocate_all places every actor in the actor workers' bundles: set custom "
                                  f"resources in actor.placement.resources, not in {', '.join(pinned)}")
-            if other := [f"{name}.num_gpus: {p.num_gpus}" for name, p in places
-                         if "num_gpus" in p.model_fields_set and p.num_gpus != gpus]:
-                raise ValueError(f"colocate_all shares actor.placement.num_gpus ({gpus}) among every model and "
-                                 f"engine: {', '.join(other)} would not hold; set {gpus} or leave it out")
+            if other := [f"{k}.num_gpus: {p.num_gpus}" for k, p, use in places if use and p.num_gpus not in (0, gpus)]:
+                raise ValueError(f"colocate_all shares actor.placement.num_gpus ({gpus}) among the models and engines "
+                                 f"it starts: {', '.join(other)} would not hold; set {gpus}, or 0 (the default) for it")
         return self

@@ -13,7 +13,8 @@ from alignflow.errors import DataError
 from alignflow.storage import is_local_uri, local_path
 
 MAX_BAD_ROWS = 10  # listed per file; the rest are counted
-MATH_RULE = "alignflow.rewards:math_equal"
+MATH_RULES = ("alignflow.rewards:math_equal", "alignflow.rewards.math:math_equal")
+MATH_CHECK_ROWS = 1000  # answers the math rule's parser reads in preflight (sympy: about 1 ms each)
 
 
 def check_files(cfg: PipelineConfig, found) -> None:
@@ -37,9 +38,10 @@ def check_files(cfg: PipelineConfig, found) -> None:
             found.fail(field, f"{path} does not exist")
             continue
         limit = None if is_local_uri(path) else cfg.data.preflight_rows
-        math = [reader for reader, rule in _readers(cfg, name) if rule == MATH_RULE]
+        math = [reader for reader, rule in _readers(cfg, name) if rule in MATH_RULES]
+        math_rows = min(k for k in (limit, MATH_CHECK_ROWS) if k) if math else 0
         try:
-            n, bad, unanswered, unreadable = _rows(src, kind, limit, math=bool(math))
+            n, bad, unanswered, unreadable = _rows(src, kind, limit, math_rows)
         except Exception as err:  # noqa: BLE001  (a corrupt Parquet file, a bad encoding, ...)
             found.fail(field, f"{path} cannot be read: {type(err).__name__}: {err}")
             continue
@@ -54,12 +56,16 @@ def check_files(cfg: PipelineConfig, found) -> None:
             _answers_read(cfg, name, f"data.{name}.answer_key", f"{path}: {len(unanswered)} of {n} rows have no "
                           f"{src.answer_key!r} (rows {shown})" if src.answer_key else
                           f"{path}: data.{name}.answer_key is None, so no row has an answer", found)
-        if unreadable and not bad:
+        if unreadable and not bad:  # every one: a problem; some (an interval, a variable): a note
             shown = "; ".join(f"row {r}: {a[:40]!r}" for r, a in unreadable[:3]) + "; ..." * (len(unreadable) > 3)
-            found.fail(f"data.{name}.answer_key", f"{path}: {len(unreadable)} of {n} rows have an answer that "
-                       f"{math[0]} ({MATH_RULE}) cannot read as a number or expression ({shown}), so every response "
-                       "to them would score 0: give the final answer alone (GSM8K's is what follows '####')",
-                       also=tuple(math))
+            checked = min(n, math_rows)
+            text = (f"{path}: {len(unreadable)} of the first {checked} rows have an answer that {math[0]} "
+                    f"({MATH_RULES[0]}) cannot read as a number or expression ({shown}), so every response to them "
+                    "would score 0: give the final answer alone (GSM8K's is what follows '####')")
+            if len(unreadable) == checked - sum(r <= checked for r in unanswered):
+                found.fail(f"data.{name}.answer_key", text, also=tuple(math))
+            else:
+                found.notes.append(f"data.{name}.answer_key: {text}")
         if limit is not None and n == limit:
             found.notes.append(f"data.{name}: {path} is remote, so its first {limit} rows were checked "
                                "(data.preflight_rows); the data stage checks the rest")
@@ -88,12 +94,12 @@ def _answers_read(cfg: PipelineConfig, split: str, field: str, why: str, found) 
             found.notes.append(f"{field}: {why}; {reader} ({path}) gets answer=None for them")
 
 
-def _rows(src: DatasetSource, kind: str, limit: int | None, math: bool = False
+def _rows(src: DatasetSource, kind: str, limit: int | None, math_rows: int = 0
           ) -> tuple[int, list[str], list[int], list[tuple[int, str]]]:
-    """(rows read, one message per bad row, the rows without an answer, (row, answer) of those whose answer
-    `math_equal` cannot parse where `math`): every row, or the first `limit`. A row that is not JSON ends the
-    file's reading (the next rows cannot be told apart)."""
-    if math:
+    """(rows read, one message per bad row, the rows without an answer, (row, answer) of those among the first
+    `math_rows` whose answer `math_equal` cannot parse): every row, or the first `limit`. A row that is not
+    JSON ends the file's reading (the next rows cannot be told apart)."""
+    if math_rows:
         from alignflow.rewards.math import parse_math  # sympy: only where a math rule reads the answers
 
     rows, bad, unanswered, unreadable, n = read_rows(src), [], [], [], 0
@@ -106,7 +112,7 @@ def _rows(src: DatasetSource, kind: str, limit: int | None, math: bool = False
                 continue
             if answer is None:
                 unanswered.append(n)
-            elif math and answer and parse_math(answer) is None:
+            elif n <= math_rows and answer and parse_math(answer) is None:
                 unreadable.append((n, answer))
     except DataError as err:  # from read_rows: not JSON, not a list
         bad.append(str(err))

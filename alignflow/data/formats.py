@@ -35,14 +35,12 @@ A row that fits none fails with the key it lacks, what to set, and its keys.
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import Iterable
 from typing import Any, Literal
 
 from alignflow.config import DatasetSource
 from alignflow.errors import DataError
 
-log = logging.getLogger("alignflow")
 
 Kind = Literal["sft", "preference", "prompts"]
 
@@ -261,39 +259,3 @@ def normalize_row(row: Any, kind: Kind, src: DatasetSource, where: str) -> dict[
                                                      f"or set response_key under {section}")}
     answer = row.get(src.answer_key) if src.answer_key else None
     return {"prompt": prompt, "answer": None if answer is None else str(answer)}
-
-
-def load_records(src: DatasetSource, kind: Kind) -> list[dict[str, Any]]:
-    """All rows of `src` as canonical records; fails on the first bad row or if empty. A prompt row keeps its
-    other columns (an environment reads its sample; an agent its `tools`), an SFT row its `tools` (the chat
-    template renders them). A value JSON cannot hold (a Parquet timestamp) is left out, and said."""
-    records, unkept, used = [], {}, {src.prompt_key, src.messages_key, src.answer_key}
-    for i, row in enumerate(read_rows(src), start=1):
-        record = normalize_row(row, kind, src, where=f"{src.path}, row {i}")
-        kept = ([k for k in row if k not in used] if kind == "prompts"
-                else ["tools"] if kind == "sft" and "tools" in row else [])
-        for key, value in ((k, row[k]) for k in kept):
-            try:
-                json.dumps(value)
-            except (TypeError, ValueError):
-                unkept.setdefault(key, i)
-                continue
-            record.setdefault(key, value)
-        records.append(record)
-    if not records:
-        raise DataError(f"{src.path}: dataset is empty")
-    if unkept:
-        log.warning("%s: columns %s are not JSON values (first in rows %s) and are not kept with the records",
-                    src.path, sorted(unkept), sorted(set(unkept.values())))
-    return records
-
-
-def write_jsonl(records: list[dict], path: str) -> None:
-    with open(path, "w") as f:
-        for r in records:
-            f.write(json.dumps(r) + "\n")
-
-
-def read_jsonl(path: str) -> list[dict]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]

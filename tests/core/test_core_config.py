@@ -704,17 +704,22 @@ def test_an_override_of_one_use_of_a_yaml_alias_sets_that_use_only(tmp_path):
 
 
 def test_colocated_placements_that_colocation_would_override_are_refused():
-    """colocate_all gives every model and engine a share of the actor's GPUs (engines/rl/round_placement.py
-    gpu_share): a num_gpus set otherwise elsewhere in the round would not hold, and is refused."""
+    """colocate_all gives every model and engine it starts a share of the actor's GPUs (engines/rl/round_placement.py
+    gpu_share): another num_gpus in a placement it uses would not hold, and is refused; 0, the default, is the
+    share's to set, and a resolved config dumped whole (every field set) loads again."""
+    from alignflow.config.loading import validate_config
+
     gpu_small = REPO / "configs" / "gpu-small.yaml"
     for place in ("generation.placement", "critic.placement", "scorer_placement"):
-        with pytest.raises(ConfigError, match=re.escape(f"{place}.num_gpus: 0.0 would not hold; set 1.0")):
-            load_config(gpu_small, [f"rounds.0.{place}.num_gpus=0"])
+        with pytest.raises(ConfigError, match=re.escape(f"{place}.num_gpus: 0.5 would not hold; set 1.0")):
+            load_config(gpu_small, [f"rounds.0.{place}.num_gpus=0.5"])
+        load_config(gpu_small, [f"rounds.0.{place}.num_gpus=0"])
     # the actor on the CPU, the engine asked onto a GPU: it would run on the CPU
     with pytest.raises(ConfigError, match=re.escape("generation.placement.num_gpus: 1.0 would not hold; set 0")):
-        load_config(None, ['rounds=[{"colocate_all": true, "generation": {"placement": {"num_gpus": 1}, '
-                           '"vllm": {"gpu_memory_utilization": 0.3}}}]'])
-    load_config(None, ['rounds=[{"colocate_all": true}]'])  # left out: the share, as documented
+        load_config(None, ['rounds=[{"colocate_all": true, "generation": {"placement": {"num_gpus": 1}}}]'])
+    # a placement the round does not use is not its business (GRPO has no critic)
+    load_config(gpu_small, ["rounds.0.algorithm=grpo", "rounds.0.critic.placement.num_gpus=0.5"])
+    validate_config(load_config(gpu_small).model_dump(mode="json"))
 
 
 # ---- mixed reward sources ---------------------------------------------------------------------------

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 
 from alignflow.config import DatasetSource, SyntheticTaskConfig
-from alignflow.data import formats, synthetic
-from alignflow.data.formats import DataError, load_records
+from alignflow.data import formats, load, synthetic
+from alignflow.data.formats import DataError
+from alignflow.data.load import load_records
 
 QUESTION = "Which digit is largest?"
 
@@ -236,8 +238,16 @@ def test_prompt_rows_keep_their_other_columns_for_environments_and_agents(tmp_pa
                    {"prompt": "p2", "answer": "3", "table": {"a": "2"}, "tools": tools}]
     assert [r.getMessage() for r in caplog.records] == [
         f"{path}: columns ['when'] are not JSON values (first in rows [1]) and are not kept with the records"]
-    sft = _jsonl(tmp_path / "sft.jsonl", [{"prompt": "p", "response": "r", "tools": tools, "extra": 1}])
-    assert load_records(DatasetSource(path=sft), "sft") == [{"prompt": "p", "response": "r", "tools": tools}]
+    sft = _jsonl(tmp_path / "sft.jsonl", [{"prompt": "p", "response": "r", "tools": tools, "extra": 1},
+                                          {"prompt": "p", "response": "r", "tools": json.dumps(tools)}])
+    assert load_records(DatasetSource(path=sft), "sft") == [{"prompt": "p", "response": "r", "tools": tools}] * 2
+    # tools the chat template could not render: the row and the key, before anything trains
+    for bad, says in (("lookup(key)", "'tools' is text that is not JSON"),
+                      ({"name": "lookup"}, "'tools' must be a list of tool schemas (objects), got dict")):
+        path = _jsonl(tmp_path / "bad.jsonl", [{"prompt": "p", "response": "r"}, {"prompt": "p", "response": "r",
+                                                                                 "tools": bad}])
+        with pytest.raises(DataError, match=re.escape(f"{path}, row 2: {says}")):
+            load_records(DatasetSource(path=path), "sft")
 
 
 def test_json_list(tmp_path):
@@ -635,8 +645,8 @@ def test_datasets_source_bad_row_names_the_source(offline_datasets):
 def test_write_and_read_jsonl(tmp_path):
     records = [{"prompt": CHAT[:2], "response": "é"}, {"prompt": "p", "answer": None}]
     path = tmp_path / "out.jsonl"
-    formats.write_jsonl(records, str(path))
-    assert formats.read_jsonl(str(path)) == records
+    load.write_jsonl(records, str(path))
+    assert load.read_jsonl(str(path)) == records
     assert len(path.read_text().splitlines()) == 2
 
 
@@ -646,7 +656,7 @@ def test_synthetic_splits_are_valid_canonical_records(tmp_path, splits):
              "eval_preference": "preference"}
     for name, kind in kinds.items():
         path = tmp_path / f"{name}.jsonl"
-        formats.write_jsonl(splits[name][:20], str(path))
+        load.write_jsonl(splits[name][:20], str(path))
         assert load_records(DatasetSource(path=str(path)), kind) == splits[name][:20]
 
 

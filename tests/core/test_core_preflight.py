@@ -98,16 +98,23 @@ def test_rule_rewards_need_answers_on_the_rl_prompts(files, tmp_path, monkeypatc
 
 def test_answers_the_math_rule_cannot_read_fail_naming_their_rows(files, tmp_path):
     """GSM8K's answer column is the worked solution ending in '#### 72': math_equal reads no number in it, and
-    every response to such a row would score 0."""
-    prompts = _jsonl(tmp_path / "gsm.jsonl", [{"prompt": "p1", "answer": "3/4"},
-                                             {"prompt": "p2", "answer": "She sells 16 - 3 - 4 = 9 eggs. #### 9"},
-                                             {"prompt": "p3", "answer": "\\frac{1}{2}"}])
+    every response to such a row would score 0. All of them: a problem; some (an interval): a note."""
+    gsm = [{"prompt": "p1", "answer": "She sells 16 - 3 - 4 = 9 eggs. #### 9"}, {"prompt": "p2", "answer": "#### 72"}]
+    prompts = _jsonl(tmp_path / "gsm.jsonl", gsm)
     rule = 'rounds=[{"algorithm": "grpo", "reward": {"source": "rule", "rule": "alignflow.rewards:math_equal"}}]'
     [problem] = problems(files, rule, f"data.prompts.path={prompts}")
     assert problem.startswith(
-        f"data.prompts.answer_key: {prompts}: 1 of 3 rows have an answer that rounds.0.reward.rule "
+        f"data.prompts.answer_key: {prompts}: 2 of the first 2 rows have an answer that rounds.0.reward.rule "
+        "(alignflow.rewards:math_equal) cannot read as a number or expression (row 1: 'She sells 16 - 3 - 4 = 9 "
+        "eggs. #### 9'; row 2: '#### 72'), so every response to them would score 0"), problem
+    mixed = _jsonl(tmp_path / "mixed.jsonl", [{"prompt": "p0", "answer": "3/4"}, *gsm,
+                                              {"prompt": "p3", "answer": "\\frac{1}{2}"}])
+    found = preflight(load_config(files, [rule, f"data.prompts.path={mixed}"]), [rule], files)
+    assert found.problems == [] and [n for n in found.notes if "math" in n] == [
+        f"data.prompts.answer_key: {mixed}: 2 of the first 4 rows have an answer that rounds.0.reward.rule "
         "(alignflow.rewards:math_equal) cannot read as a number or expression (row 2: 'She sells 16 - 3 - 4 = 9 "
-        "eggs. #### 9'), so every response to them would score 0"), problem
+        "eggs. #### 9'; row 3: '#### 72'), so every response to them would score 0: give the final answer alone "
+        "(GSM8K's is what follows '####')"]
     # The synthetic task's own rule reads any answer: not checked.
     assert problems(files, rule.replace(', "rule": "alignflow.rewards:math_equal"', ""),
                     f"data.prompts.path={prompts}") == []

@@ -142,21 +142,23 @@ def _model_dir(tmp_path, **fields) -> str:
 def test_a_cpu_kv_cache_is_what_the_config_asks_up_to_what_the_engine_can_fill(tmp_path):
     path = _model_dir(tmp_path)
     # A token's K and V: 2 layers x 2 x 2 KV heads x 32 (128 / 4 heads) x 4 bytes (float32) = 1 KiB;
-    # 256 sequences (vLLM's CPU default) of 100 tokens, each in whole blocks of 128: 32 MiB.
-    assert cpu_kv_cache_bytes(VLLMConfig(), model_path=path, dtype="float32", max_model_len=100) == 32 * 2**20
-    assert cpu_kv_cache_bytes(VLLMConfig(), model_path=path, dtype="bfloat16", max_model_len=129) == 32 * 2**20
+    # 256 sequences (vLLM's CPU default) of 100 tokens, each in whole blocks of 128, and the block vLLM keeps back.
+    fill = cpu_kv_cache_bytes(VLLMConfig(), model_path=path, dtype="float32", max_model_len=100)
+    assert fill == (256 + 1) * 128 * 2**10
+    fill = cpu_kv_cache_bytes(VLLMConfig(), model_path=path, dtype="bfloat16", max_model_len=129)
+    assert fill == (256 * 2 + 1) * 128 * 2**9  # two blocks a sequence, two bytes a value
     assert cpu_kv_cache_bytes(VLLMConfig(max_num_seqs=8), model_path=path, dtype="float32",
-                              max_model_len=256) == 2 * 2**20
+                              max_model_len=256) == (8 * 2 + 1) * 128 * 2**10
     # Less than that is what the config says, to the byte (no whole GiB as VLLM_CPU_KVCACHE_SPACE has it).
     assert cpu_kv_cache_bytes(VLLMConfig(kv_cache_gib=0.01), model_path=path, dtype="float32",
                               max_model_len=100) == int(0.01 * 2**30)
     # head_dim where the config gives it; a multimodal model's text_config.
     assert cpu_kv_cache_bytes(VLLMConfig(max_num_seqs=1), model_path=_model_dir(tmp_path, head_dim=64),
-                              dtype="float32", max_model_len=128) == 2 * 2 * 2 * 64 * 4 * 128
+                              dtype="float32", max_model_len=128) == 2 * 2 * 2 * 64 * 4 * 128 * 2
     (tmp_path / "config.json").write_text('{"text_config": {"num_hidden_layers": 1, "num_attention_heads": 2, '
                                           '"hidden_size": 16}}')
     assert cpu_kv_cache_bytes(VLLMConfig(max_num_seqs=1), model_path=str(tmp_path), dtype="float32",
-                              max_model_len=128) == 1 * 2 * 2 * 8 * 4 * 128
+                              max_model_len=128) == 1 * 2 * 2 * 8 * 4 * 128 * 2
     # A config that does not say: the config's size as it is.
     (tmp_path / "config.json").write_text('{"model_type": "something"}')
     assert cpu_kv_cache_bytes(VLLMConfig(), model_path=str(tmp_path), dtype="float32", max_model_len=100) == 2**30
@@ -170,7 +172,8 @@ def test_vllm_cpu_kvcache_space_in_the_environment_is_said_to_override_the_confi
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "4")
     warn_kv_cache_env(args)
     (record,) = caplog.records
-    assert "VLLM_CPU_KVCACHE_SPACE=4" in record.message and "kv_cache_gib=0.5" in record.message
+    assert record.message.startswith("VLLM_CPU_KVCACHE_SPACE=4 in the environment overrides the KV cache the config "
+                                     "gives this engine (512.0 MiB, from vllm.kv_cache_gib): it gets 4 GiB")
 
 
 def test_sleep_mode_only_on_gpus():
@@ -262,7 +265,7 @@ def test_colocation_on_cpus_has_no_gpu_share():
     (dict(critic=CriticConfig(num_workers=1)), "critic.num_workers"),
     (dict(generation=RolloutConfig(placement=Placement(num_gpus=1), vllm=VLLMConfig(tensor_parallel_size=2))),
      "tensor_parallel_size > 1 is not supported"),
-    (dict(async_rollouts=True), "cannot be combined with colocate_all"),
+    (dict(async_rollouts=True), "not with colocate_all"),
 ])
 def test_colocation_rejects_shapes_it_cannot_place(kw, words):
     base = dict(algorithm="ppo", colocate_all=True, num_rollout_engines=2,
