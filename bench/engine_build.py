@@ -5,9 +5,10 @@ run's evaluation host does for every evaluation (engines/rollout/host.py), varia
     .venv/bin/python bench/engine_build.py --rounds 3 --builds 5 --max-model-len 128
 
 Variants, each in a process of its own (vLLM, torch and transformers imported, ~670k objects tracked):
-- `as before`: no `gc.freeze()` before the build, and the KV cache `vllm.kv_cache_gib` (1 GiB) whole;
-- `now`: engines/rollout/vllm_engine.py as it is: the heap frozen before the build, the KV cache at most
-  what 256 sequences of max_model_len fill.
+- `as before`: no `gc.freeze()` before the build (nor the collection after a close that goes with it), and
+  the KV cache `vllm.kv_cache_gib` (1 GiB) whole;
+- `now`: engines/rollout/vllm_engine.py as it is: the heap frozen before the build, collected after the
+  close, the KV cache at most what 256 sequences of max_model_len fill.
 The processes alternate, their order reversed every other round (this machine is noisy). Printed: per
 variant the median CPU and wall seconds of a build and of a close (the first build of each process left
 out: it imports vLLM's worker), the ratio of `now` to `as before`, and the KV cache each one had.
@@ -38,7 +39,8 @@ def child(variant: str, model: str, builds: int, max_model_len: int) -> None:
     from engines.rollout.engine_build import build_engine, prepare_engine_process
 
     if variant == "as before":
-        vllm_engine.gc = type("NoFreeze", (), {"freeze": staticmethod(lambda: None)})
+        noop = staticmethod(lambda *a: None)  # no freeze before the build, no collection after the close
+        vllm_engine.gc = type("AsBefore", (), {"freeze": noop, "unfreeze": noop, "collect": noop})
         vllm_engine.cpu_kv_cache_bytes = lambda opts, **_: int(opts.kv_cache_gib * vllm_engine.GIB)
     prepare_engine_process(2, None)
     times = []
