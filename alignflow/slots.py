@@ -22,7 +22,7 @@ def _round_needs(r) -> tuple[float, float, str]:
     """(CPUs, GPUs, what asks) of a round's actors: as engines/rl/round_placement.py round_resources, which
     imports torch and Ray (~10 s); tests/core/test_core_preflight.py holds the two equal."""
     g = r.generation
-    scorers = int(r.spec.teacher or (r.spec.reference and (r.spec.reference_in_update or r.kl.coef > 0)))
+    scorers = int(r.uses_reference)
     scorers += int(r.reward.uses_model)
     scorers = min(scorers, 1) if r.colocate_reference_and_reward else scorers
     parts = [("actor", r.actor.placement.num_cpus, r.actor.placement.num_gpus, r.actor.num_workers),

@@ -64,7 +64,7 @@ def rl_round(stage: PlannedStage, inputs: RoundInputs, ctx: RunContext) -> Stage
         ensure_ray(ctx.infra)
         rl = RLRound(round_cfg, setup)
         run.log_metrics({"rl/prompts_left_per_epoch": float(rl.schedule.left_per_epoch),  # whole steps only
-                         "rl/prompts_never_sampled": float(rl.schedule.never_trained())})
+                         "rl/prompts_never_sampled": float(rl.never_sampled)})
         checkpoints = StageCheckpoints(storage, out.uri, stage.name, round_cfg.checkpoint_every)
         try:
             start = checkpoints.resume(rl.load_state, run, round_cfg.steps)

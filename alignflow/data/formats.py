@@ -41,7 +41,6 @@ from typing import Any, Literal
 from alignflow.config import DatasetSource
 from alignflow.errors import DataError
 
-
 Kind = Literal["sft", "preference", "prompts"]
 
 

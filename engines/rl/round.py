@@ -110,11 +110,11 @@ class RLRound:
             self.cfg = cfg = cfg.model_copy(update={"prompts_per_step": n})
         self.schedule = Schedule(rows=n, batch_size=cfg.prompts_per_step, total_steps=cfg.steps,
                                  seed=derive_seed(setup.seed, "prompts"))
-        sched = self.schedule
+        sched, self.never_sampled = self.schedule, self.schedule.never_trained()  # rl/prompts_never_sampled
         if sched.left_per_epoch and cfg.steps > sched.steps_per_epoch:  # past an epoch: its leftovers are cut
             log.warning("each epoch of the round's %d prompts takes %d whole steps of %d, leaving %d out (a different "
                         "set each epoch); over %d steps %d prompts are never sampled", n, sched.steps_per_epoch,
-                        cfg.prompts_per_step, sched.left_per_epoch, cfg.steps, sched.never_trained())
+                        cfg.prompts_per_step, sched.left_per_epoch, cfg.steps, self.never_sampled)
         update_cls = UPDATES[cfg.spec.update]
         self.models = start_round_models(cfg, setup, update_cls.updates_per_step(cfg), update_cls.rows_per_update(cfg))
         self.update = update_cls(cfg, self.models, setup.seed)
