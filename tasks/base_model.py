@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import shutil
 from pathlib import Path
 
@@ -12,6 +13,8 @@ from engines import models
 from tasks.context import RunContext, StageOutput, compute_stage
 from tasks.plan import PlannedStage
 from tasks.registry import BaseModelStage, NoInputs
+
+log = logging.getLogger("alignflow")
 
 
 def base_model(stage: PlannedStage, inputs: NoInputs, ctx: RunContext) -> StageResult:
@@ -31,9 +34,25 @@ def base_model(stage: PlannedStage, inputs: NoInputs, ctx: RunContext) -> StageR
         else:  # a hub id, where a hub is reachable (or its cache holds it), at model.revision
             models.save_pretrained(models.load_policy(model.base, model.dtype, revision=model.revision),
                                    models.load_tokenizer(model.base, model.revision), out)
+        say_padding(out, model.base)
         n_params = sum(p.numel() for p in models.load_policy(out).parameters())
         metrics = {"model/parameters": float(n_params)}
         run.log_metrics(metrics)
         return metrics
 
     return compute_stage(ctx, stage, compute)
+
+
+def say_padding(model_dir: Path, base: str) -> None:
+    """Say once, where the model enters the run, what every later stage does silently (`models.load_tokenizer`):
+    a tokenizer without a pad token pads with its EOS token."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    if tok.pad_token is None and tok.eos_token is None:
+        raise ConfigError(f"model.base {base}: its tokenizer has neither a pad token nor an EOS token; the run needs "
+                          f"one to pad batches and end responses (set pad_token in its tokenizer_config.json)")
+    if tok.pad_token is None:
+        log.warning("model.base %s: its tokenizer has no pad token, so the run pads with its EOS token %r (id %s); "
+                    "padding is masked out of every loss, and an EOS the model writes still ends its response",
+                    base, tok.eos_token, tok.eos_token_id)

@@ -42,7 +42,7 @@ def check_files(cfg: PipelineConfig, found) -> None:
         math_rows = min(k for k in (limit, MATH_CHECK_ROWS) if k) if math else 0
         try:
             n, bad, unanswered, unreadable = _rows(src, kind, limit, math_rows)
-        except Exception as err:  # noqa: BLE001  (a corrupt Parquet file, a bad encoding, ...)
+        except Exception as err:  # noqa: BLE001  (a filesystem failing mid-read, a `datasets` error, ...)
             found.fail(field, f"{path} cannot be read: {type(err).__name__}: {err}")
             continue
         for text in bad[:MAX_BAD_ROWS]:

@@ -51,31 +51,40 @@ def read_rows(src: DatasetSource) -> Iterable[dict[str, Any]]:
         import fsspec
 
         if path.endswith(".parquet"):
+            import pyarrow as pa
             import pyarrow.parquet as pq
 
             with fsspec.open(path, "rb") as f:
-                yield from pq.read_table(f).to_pylist()
-            return
-        with fsspec.open(path, "r") as f:
-            if path.endswith(".json"):
                 try:
-                    data = json.load(f, object_pairs_hook=_unique_keys)
-                except _DuplicateKey as err:
-                    raise DataError(f"{path}: a row gives the key {err.args[0]!r} twice (JSON keeps the last "
-                                    f"silently): give it once") from None
-                if not isinstance(data, list):
-                    raise DataError(f"{path}: a .json dataset must hold a list of rows")
-                yield from data
-                return
-            # Rows are counted as load_records counts them (blank lines skipped),
-            # so every error about one file numbers its rows the same way.
-            row = 0
-            for line in f:
-                if not line.strip():
+                    table = pq.read_table(f)
+                except pa.ArrowException as err:  # not Parquet, cut short, a codec it lacks
+                    raise DataError(f"{path}: not a Parquet file it can read ({type(err).__name__}: {err})") from None
+            yield from table.to_pylist()
+            return
+        if path.endswith(".json"):
+            with fsspec.open(path, "rb") as f:
+                raw = f.read()
+            try:
+                data = json.loads(_decoded(raw, path), object_pairs_hook=_unique_keys)
+            except json.JSONDecodeError as err:
+                raise DataError(f"{path}: not valid JSON ({err.msg}, line {err.lineno})") from None
+            except _DuplicateKey as err:
+                raise DataError(f"{path}: a row gives the key {err.args[0]!r} twice (JSON keeps the last "
+                                f"silently): give it once") from None
+            if not isinstance(data, list):
+                raise DataError(f"{path}: a .json dataset must hold a list of rows")
+            yield from data
+            return
+        # Rows are counted as load_records counts them (blank lines skipped), so every error about one file
+        # numbers its rows the same way. Each line is decoded alone: an encoding error names its row.
+        row = 0
+        with fsspec.open(path, "rb") as f:
+            for raw in f:
+                if not raw.strip():
                     continue
                 row += 1
                 try:
-                    yield json.loads(line, object_pairs_hook=_unique_keys)
+                    yield json.loads(_decoded(raw, f"{path}, row {row}"), object_pairs_hook=_unique_keys)
                 except json.JSONDecodeError as err:
                     raise DataError(f"{path}, row {row}: not valid JSON ({err.msg})") from None
                 except _DuplicateKey as err:
@@ -85,6 +94,14 @@ def read_rows(src: DatasetSource) -> Iterable[dict[str, Any]]:
     import datasets
 
     yield from datasets.load_dataset(path, src.name, split=src.split)
+
+
+def _decoded(raw: bytes, where: str) -> str:
+    """UTF-8 (a leading byte-order mark dropped), or a DataError naming where the bytes came from."""
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        raise DataError(f"{where}: not UTF-8 text (byte {raw[err.start]:#04x} at offset {err.start})") from None
 
 
 class _DuplicateKey(ValueError):

@@ -548,6 +548,35 @@ def test_non_json_line(tmp_path):
     assert "not valid JSON" in str(err.value)
 
 
+def test_a_file_that_cannot_be_decoded_is_named_with_its_row(tmp_path):
+    """Bytes that are not UTF-8 name the file and the row they are in (each line is decoded alone, not in the
+    chunks a text reader decodes ahead); a byte-order mark before the first row is not one of them; a file
+    that is not Parquet, or not JSON at all, is named too."""
+    rows = [json.dumps({"prompt": f"p{i}", "response": "r"}).encode() for i in range(300)]
+    rows[0] = b"\xef\xbb\xbf" + rows[0]  # a BOM
+    rows[201] = rows[201].replace(b'"r"', b'"caf\xe9"')  # Latin-1
+    path = tmp_path / "data.jsonl"
+    path.write_bytes(b"\n".join(rows) + b"\n")
+    with pytest.raises(DataError) as err:
+        load_records(DatasetSource(path=str(path)), "sft")
+    assert str(err.value).startswith(f"{path}, row 202: not UTF-8 text (byte 0xe9 at offset ")
+    path.write_bytes(b"\n".join(rows[:200]) + b"\n")
+    assert len(load_records(DatasetSource(path=str(path)), "sft")) == 200
+
+    listed = tmp_path / "data.json"
+    listed.write_bytes(b'[{"prompt": "p", "response": "caf\xe9"}]')
+    with pytest.raises(DataError, match=rf"^{re.escape(str(listed))}: not UTF-8 text"):
+        load_records(DatasetSource(path=str(listed)), "sft")
+    listed.write_text('[{"prompt": "p", "response": "r"},\n oops]')
+    with pytest.raises(DataError, match=rf"^{re.escape(str(listed))}: not valid JSON \(.*, line 2\)"):
+        load_records(DatasetSource(path=str(listed)), "sft")
+
+    table = tmp_path / "data.parquet"
+    table.write_bytes(path.read_bytes())  # JSONL under a Parquet name
+    with pytest.raises(DataError, match=rf"^{re.escape(str(table))}: not a Parquet file it can read \(Arrow"):
+        load_records(DatasetSource(path=str(table)), "sft")
+
+
 @pytest.mark.parametrize(
     "row, kind, key, text",
     [
