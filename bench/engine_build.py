@@ -5,10 +5,11 @@ run's evaluation host does for every evaluation (engines/rollout/host.py), varia
     .venv/bin/python bench/engine_build.py --rounds 3 --builds 5 --max-model-len 128
 
 Variants, each in a process of its own (vLLM, torch and transformers imported, ~670k objects tracked):
-- `as before`: no `gc.freeze()` before the build (nor the collection after a close that goes with it), and
-  the KV cache `vllm.kv_cache_gib` (1 GiB) whole;
-- `now`: engines/rollout/vllm_engine.py as it is: the heap frozen before the build, collected after the
-  close, the KV cache at most what 256 sequences of max_model_len fill.
+- `before`: as before 44ee5d7: the heap not frozen for the build (so its five collections scan all of it), vLLM's
+  two collections at close and none after, and the KV cache `vllm.kv_cache_gib` (1 GiB) whole;
+- `3 at close`: as 44ee5d7..e82f705: frozen for the build, the KV cache at most what 256 sequences of
+  max_model_len fill, and at close vLLM's two collections, then one more after the engine is dropped;
+- `now`: engines/heap.py as it is: frozen for the build, and vLLM's collections at close put off to one.
 The processes alternate, their order reversed every other round (this machine is noisy). Printed: per
 variant the median CPU and wall seconds of a build and of a close (the first build of each process left
 out: it imports vLLM's worker), the ratio of `now` to `as before`, and the KV cache each one had.
@@ -26,22 +27,29 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-VARIANTS = ("as before", "now")
+VARIANTS = ("before", "3 at close", "now")
 
 
 def child(variant: str, model: str, builds: int, max_model_len: int) -> None:
     """In a process of its own: `builds` engines built and closed; one JSON line of their times."""
     sys.path.insert(0, str(ROOT))
+    import contextlib
     import gc
 
     from alignflow.config import VLLMConfig
     from engines.rollout import vllm_engine
     from engines.rollout.engine_build import build_engine, prepare_engine_process
 
-    if variant == "as before":
-        noop = staticmethod(lambda *a: None)  # no freeze before the build, no collection after the close
-        vllm_engine.gc = type("AsBefore", (), {"freeze": noop, "unfreeze": noop, "collect": noop})
+    @contextlib.contextmanager
+    def collected_after():  # vLLM's own collections at close, then one more
+        yield
+        gc.collect()
+
+    if variant == "before":
+        vllm_engine.frozen_for_build = vllm_engine.one_collection_for_close = contextlib.nullcontext
         vllm_engine.cpu_kv_cache_bytes = lambda opts, **_: int(opts.kv_cache_gib * vllm_engine.GIB)
+    elif variant == "3 at close":
+        vllm_engine.one_collection_for_close = collected_after
     prepare_engine_process(2, None)
     times = []
     for _ in range(builds):
@@ -84,24 +92,24 @@ def main() -> None:
                 sys.exit(f"{variant} failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
             result = json.loads(line.removeprefix("RESULT "))
             got[variant] += result["times"][1:]
-            print(f"round {r + 1} {variant:9s}: {result['objects']} objects tracked; builds (CPU s) "
+            print(f"round {r + 1} {variant:10s}: {result['objects']} objects tracked; builds (CPU s) "
                   + " ".join(f"{t['build_cpu']:.2f}" for t in result["times"]), flush=True)
 
     def med(variant: str, key: str) -> float:
         return statistics.median(t[key] for t in got[variant])
 
     print(f"\nmedian of {len(got['now'])} builds per variant (a process's first left out), 2 torch threads")
-    print(f"| {'':9s} | build CPU | build wall | close CPU | close wall | build+close CPU | KV cache (tokens) |")
+    print(f"| {'':10s} | build CPU | build wall | close CPU | close wall | build+close CPU | KV cache (tokens) |")
     print("|---|---|---|---|---|---|---|")
     for v in VARIANTS:
         total = med(v, "build_cpu") + med(v, "close_cpu")
-        print(f"| {v:9s} | {med(v, 'build_cpu'):.2f} s | {med(v, 'build_wall'):.2f} s | {med(v, 'close_cpu'):.2f} s | "
-              f"{med(v, 'close_wall'):.2f} s | {total:.2f} s | {int(med(v, 'kv_tokens')):,} |")
-    ratio = {k: med("now", k) / med("as before", k) for k in ("build_cpu", "build_wall", "close_cpu")}
-    both = (med("now", "build_cpu") + med("now", "close_cpu")) / (med("as before", "build_cpu")
-                                                                 + med("as before", "close_cpu"))
-    print(f"now / as before: build CPU {ratio['build_cpu']:.2f}x, build wall {ratio['build_wall']:.2f}x, "
-          f"close CPU {ratio['close_cpu']:.2f}x, build+close CPU {both:.2f}x")
+        print(f"| {v:10s} | {med(v, 'build_cpu'):.2f} s | {med(v, 'build_wall'):.2f} s | {med(v, 'close_cpu'):.2f} s"
+              f" | {med(v, 'close_wall'):.2f} s | {total:.2f} s | {int(med(v, 'kv_tokens')):,} |")
+    for base in VARIANTS[:-1]:
+        ratio = {k: med("now", k) / med(base, k) for k in ("build_cpu", "close_cpu", "close_wall")}
+        both = (med("now", "build_cpu") + med("now", "close_cpu")) / (med(base, "build_cpu") + med(base, "close_cpu"))
+        print(f"now / {base}: build CPU {ratio['build_cpu']:.2f}x, close CPU {ratio['close_cpu']:.2f}x, "
+              f"close wall {ratio['close_wall']:.2f}x, build+close CPU {both:.2f}x")
 
 
 def _env() -> dict[str, str]:

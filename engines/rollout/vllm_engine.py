@@ -6,7 +6,6 @@ the worker extension that receives weights over the transport, sleep mode on GPU
 
 from __future__ import annotations
 
-import gc
 import json
 import logging
 import os
@@ -15,6 +14,7 @@ from typing import Any
 import torch
 
 from alignflow.config import VLLMConfig
+from engines.heap import frozen_for_build, one_collection_for_close
 from engines.rollout.base import Rollout, Sampling, SleepState
 from engines.rollout.texts import response_texts
 from engines.transport.wire import TransportGroup, check_specs, plan_buckets, receive_buckets, update_shapes
@@ -173,16 +173,9 @@ class VLLMEngine(SleepState):
             os.environ["VLLM_LOGGING_LEVEL"] = "ERROR"
         from vllm import LLM
 
-        # Every object this process holds so far (vLLM, torch and transformers as imported, another engine's
-        # leftovers) goes where the collector does not look: the build's own five full collections (vLLM frees
-        # transient tensors twice while loading, then freezes its heap) scan what the build makes, 1.4 s of CPU
-        # on 2 cores instead of 3.6 s (~670k objects). vLLM's shutdown unfreezes them again (close).
-        gc.freeze()
-        try:  # TQDM_DISABLE (the CLI's quiet console, flows/console.py): no weight-loading bar either.
+        # The build's five full collections scan only what it makes (engines/heap.py).
+        with frozen_for_build():  # TQDM_DISABLE (the CLI's quiet console, flows/console.py): no weight-loading bar
             self.llm = LLM(**{"use_tqdm_on_load": not os.environ.get("TQDM_DISABLE"), **engine_args})
-        except BaseException:
-            gc.unfreeze()  # a failed build leaves nothing frozen for good
-            raise
         self.sleep_mode = bool(engine_args.get("enable_sleep_mode"))
         self.tokenizer = self.llm.get_tokenizer()
         self._model_path = model_path
@@ -271,13 +264,11 @@ class VLLMEngine(SleepState):
         shutdown also ends vLLM's process-wide distributed state; a second in-process engine would hang on it."""
         from vllm.distributed.parallel_state import cleanup_dist_env_and_memory, model_parallel_is_initialized
 
-        self.llm.llm_engine.engine_core.shutdown()
-        del self.llm
-        if model_parallel_is_initialized():  # a vLLM whose shutdown left it (Ray, this actor's, stays up)
-            cleanup_dist_env_and_memory(shutdown_ray=False)
-        # The shutdown's collections ran while this engine was still held: what of it only cycles keep (on a
-        # GPU, device memory) goes now, before the next build would freeze it.
-        gc.collect()
+        with one_collection_for_close():  # its two, put off until the engine is dropped (engines/heap.py)
+            self.llm.llm_engine.engine_core.shutdown()
+            del self.llm
+            if model_parallel_is_initialized():  # a vLLM whose shutdown left it (Ray, this actor's, stays up)
+                cleanup_dist_env_and_memory(shutdown_ray=False)
 
     def sleep(self) -> None:
         """Release weights and KV cache (level 1: weights kept in CPU memory); without sleep mode (the CPU),

@@ -45,8 +45,10 @@ def test_host_samples_as_an_engine_of_its_own_would(ray_local, backend, tiny_mod
         assert ray.get(host.stats.remote()) == {"engines_built": 3}
         if backend == "vllm":
             seen = ray.get(host.__ray_call__.remote(_a_build_seen_from_inside, str(tiny_model)))
-            # Garbage from before the build is not what the build's collections scan; closing frees it.
+            # Garbage from before the build is not what the build's collections scan; closing frees it, in one
+            # full collection where vLLM's shutdown would make three (engines/heap.py).
             assert seen["old_garbage_during_build"] == "alive" and seen["old_garbage_after_close"] == "collected"
+            assert seen["full_collections_at_close"] == 1, seen
             # The KV cache holds vLLM's default 256 sequences of MAX_MODEL_LEN (in whole blocks of 128) and the
             # block vLLM keeps back, by vLLM's own count of its blocks: not the 1 GiB vllm.kv_cache_gib allows.
             assert seen["kv_tokens"] == (256 + 1) * 128, seen
@@ -66,7 +68,8 @@ def test_host_samples_as_an_engine_of_its_own_would(ray_local, backend, tiny_mod
 
 def _a_build_seen_from_inside(host: EngineHost, model_path: str) -> dict:
     """In the host's process: a cycle that became garbage before an engine's build, looked at as the engine
-    samples and after it closed; and the KV cache's size in tokens as vLLM counts it."""
+    samples and after it closed; how many full collections the close ran; and the KV cache's size in tokens as
+    vLLM counts it."""
     import gc
 
     class Cycle:
@@ -76,8 +79,12 @@ def _a_build_seen_from_inside(host: EngineHost, model_path: str) -> dict:
         def __del__(self):
             self.flag.append("collected")
 
+    def count(phase: str, info: dict) -> None:
+        if phase == "start" and info["generation"] == 2:
+            seen["full_collections_at_close"] += 1
+
     flag: list[str] = []
-    seen = {}
+    seen = {"full_collections_at_close": 0}
     gc.disable()  # only the build's own collections (vLLM's gc.collect calls) may find it
     try:
         Cycle(flag)
@@ -86,11 +93,14 @@ def _a_build_seen_from_inside(host: EngineHost, model_path: str) -> dict:
             cache = engine.llm.llm_engine.vllm_config.cache_config
             seen["kv_tokens"] = cache.num_gpu_blocks * cache.block_size
             seen["old_garbage_during_build"] = flag[0] if flag else "alive"
+            gc.callbacks.append(count)  # the close comes next
 
         host._on_fresh_engine("vllm", model_path, {"max_model_len": MAX_MODEL_LEN}, use)
         seen["old_garbage_after_close"] = flag[0] if flag else "alive"
     finally:
         gc.enable()
+        if count in gc.callbacks:
+            gc.callbacks.remove(count)
     return seen
 
 
