@@ -12,7 +12,7 @@ Variants, each in a process of its own (vLLM, torch and transformers imported, ~
 - `now`: engines/heap.py as it is: frozen for the build, and vLLM's collections at close put off to one.
 The processes alternate, their order reversed every other round (this machine is noisy). Printed: per
 variant the median CPU and wall seconds of a build and of a close (the first build of each process left
-out: it imports vLLM's worker), the ratio of `now` to `as before`, and the KV cache each one had.
+out: it imports vLLM's worker), the ratios of `now` to each of the others, and the KV cache each one had.
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ every evaluation (engines/rollout/host.py). bench/engine_build.py measures both.
 - `frozen_for_build()`: what the process holds before the build is frozen (`gc.freeze`), so the build's
   collections scan only what the build makes. vLLM's shutdown unfreezes it again.
 - `one_collection_for_close()`: the shutdown's collections are put off to one, after the engine is dropped;
-  they ran while it was still held, so they could not free it anyway. That one collection frees the engine's
+  they ran while it was still held, so they could not free it anyway (not for a sleep-mode engine, whose
+  shutdown needs its own). That one collection frees the engine's
   cycles and the garbage from before the build, and only then is the device's cached memory released, as
   vLLM's clean-up does after its own.
 """
@@ -34,22 +35,29 @@ def frozen_for_build() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def one_collection_for_close() -> Iterator[None]:
+def one_collection_for_close(put_off: bool = True) -> Iterator[None]:
     """Inside, `gc.collect()` collects nothing (the callers' module attribute is swapped: vLLM calls
-    `gc.collect()`); on the way out, one full collection, then the device's and pinned host memory's caches
-    emptied."""
-    collect = gc.collect
-    gc.collect = _put_off
+    `gc.collect()`); on the way out, one full collection, then on a GPU the device's and pinned host memory's
+    caches emptied. `put_off=False` leaves the collections inside as they are and collects once more after
+    them: a sleep-mode engine's shutdown frees its memory pools in an order that needs its own collection
+    between them (vLLM's CuMemAllocator.release_pools)."""
+    if put_off:
+        gc.collect = _put_off
     try:
         yield
     finally:
-        gc.collect = collect
-        gc.collect()
+        gc.collect = _COLLECT
+        _COLLECT()
         import torch
 
         if torch.cuda.is_available():  # what vLLM's clean-up empties after its collection (before it, here)
             torch.cuda.empty_cache()
-            torch.accelerator.empty_host_cache()  # pinned host memory (torch >= 2.9)
+            empty_host_cache = getattr(torch.accelerator, "empty_host_cache", None)  # pinned host memory
+            if empty_host_cache is not None:
+                empty_host_cache()
+
+
+_COLLECT = gc.collect  # restored as it was at import, however closes in two threads interleave
 
 
 def _put_off(generation: int = 2) -> int:

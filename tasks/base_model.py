@@ -30,11 +30,12 @@ def base_model(stage: PlannedStage, inputs: NoInputs, ctx: RunContext) -> StageR
             if model.revision is not None:  # preflight says so first; a stage run alone checks here
                 raise ConfigError(f"model.revision {model.revision!r} names a hub model's branch, tag or commit, "
                                   f"but model.base {model.base} is a local directory")
+            say_padding(model.base)
             shutil.copytree(model.base, out, dirs_exist_ok=True)
         else:  # a hub id, where a hub is reachable (or its cache holds it), at model.revision
+            say_padding(model.base, model.revision)
             models.save_pretrained(models.load_policy(model.base, model.dtype, revision=model.revision),
                                    models.load_tokenizer(model.base, model.revision), out)
-        say_padding(out, model.base)
         n_params = sum(p.numel() for p in models.load_policy(out).parameters())
         metrics = {"model/parameters": float(n_params)}
         run.log_metrics(metrics)
@@ -43,12 +44,13 @@ def base_model(stage: PlannedStage, inputs: NoInputs, ctx: RunContext) -> StageR
     return compute_stage(ctx, stage, compute)
 
 
-def say_padding(model_dir: Path, base: str) -> None:
-    """Say once, where the model enters the run, what every later stage does silently (`models.load_tokenizer`):
-    a tokenizer without a pad token pads with its EOS token."""
+def say_padding(base: str, revision: str | None = None) -> None:
+    """Say once, where a user's model enters the run (a directory, or a hub id at `revision`), what every later
+    stage does silently (`models.load_tokenizer`, which a hub model is saved through): a tokenizer without a pad
+    token pads with its EOS token. One with neither is refused before the model is copied."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    tok = AutoTokenizer.from_pretrained(base, revision=revision)
     if tok.pad_token is None and tok.eos_token is None:
         raise ConfigError(f"model.base {base}: its tokenizer has neither a pad token nor an EOS token; the run needs "
                           f"one to pad batches and end responses (set pad_token in its tokenizer_config.json)")

@@ -114,6 +114,6 @@ def _rows(src: DatasetSource, kind: str, limit: int | None, math_rows: int = 0
                 unanswered.append(n)
             elif n <= math_rows and answer and parse_math(answer) is None:
                 unreadable.append((n, answer))
-    except DataError as err:  # from read_rows: not JSON, not a list
+    except DataError as err:  # from read_rows: not JSON, not UTF-8, not Parquet, not a list
         bad.append(str(err))
     return n, bad, unanswered, unreadable

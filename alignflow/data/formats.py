@@ -34,6 +34,8 @@ A row that fits none fails with the key it lacks, what to set, and its keys.
 
 from __future__ import annotations
 
+import codecs
+import io
 import json
 from collections.abc import Iterable
 from typing import Any, Literal
@@ -65,7 +67,7 @@ def read_rows(src: DatasetSource) -> Iterable[dict[str, Any]]:
             with fsspec.open(path, "rb") as f:
                 raw = f.read()
             try:
-                data = json.loads(_decoded(raw, path), object_pairs_hook=_unique_keys)
+                data = json.loads(_decoded(raw, path, first=True), object_pairs_hook=_unique_keys)
             except json.JSONDecodeError as err:
                 raise DataError(f"{path}: not valid JSON ({err.msg}, line {err.lineno})") from None
             except _DuplicateKey as err:
@@ -76,32 +78,38 @@ def read_rows(src: DatasetSource) -> Iterable[dict[str, Any]]:
             yield from data
             return
         # Rows are counted as load_records counts them (blank lines skipped), so every error about one file
-        # numbers its rows the same way. Each line is decoded alone: an encoding error names its row.
+        # numbers its rows the same way. Each line is decoded alone: an encoding error names its row. (A
+        # remote file's own line iterator reads a whole block per line; a BufferedReader reads each once.)
         row = 0
         with fsspec.open(path, "rb") as f:
-            for raw in f:
+            for raw in io.BufferedReader(f):
                 if not raw.strip():
                     continue
                 row += 1
                 try:
-                    yield json.loads(_decoded(raw, f"{path}, row {row}"), object_pairs_hook=_unique_keys)
+                    record = json.loads(_decoded(raw, f"{path}, row {row}", first=row == 1),
+                                        object_pairs_hook=_unique_keys)
                 except json.JSONDecodeError as err:
                     raise DataError(f"{path}, row {row}: not valid JSON ({err.msg})") from None
                 except _DuplicateKey as err:
                     raise DataError(f"{path}, row {row}: the key {err.args[0]!r} is given twice (JSON keeps the "
                                     f"last silently): give it once") from None
+                yield record
         return
     import datasets
 
     yield from datasets.load_dataset(path, src.name, split=src.split)
 
 
-def _decoded(raw: bytes, where: str) -> str:
-    """UTF-8 (a leading byte-order mark dropped), or a DataError naming where the bytes came from."""
+def _decoded(raw: bytes, where: str, first: bool) -> str:
+    """UTF-8 (a byte-order mark before a file's first row dropped), or a DataError naming where the bytes came
+    from and the first one that is not, at its offset in `raw`."""
+    skip = len(codecs.BOM_UTF8) if first and raw.startswith(codecs.BOM_UTF8) else 0
     try:
-        return raw.decode("utf-8-sig")
+        return raw[skip:].decode("utf-8")
     except UnicodeDecodeError as err:
-        raise DataError(f"{where}: not UTF-8 text (byte {raw[err.start]:#04x} at offset {err.start})") from None
+        at = skip + err.start
+        raise DataError(f"{where}: not UTF-8 text (byte {raw[at]:#04x} at offset {at})") from None
 
 
 class _DuplicateKey(ValueError):

@@ -264,7 +264,10 @@ class VLLMEngine(SleepState):
         shutdown also ends vLLM's process-wide distributed state; a second in-process engine would hang on it."""
         from vllm.distributed.parallel_state import cleanup_dist_env_and_memory, model_parallel_is_initialized
 
-        with one_collection_for_close():  # its two, put off until the engine is dropped (engines/heap.py)
+        # Its two collections put off until the engine is dropped (engines/heap.py), but for an engine on vLLM's
+        # memory pools (sleep mode), whose release needs its own.
+        pools = getattr(self.llm.llm_engine.vllm_config.model_config, "enable_cumem_allocator", self.sleep_mode)
+        with one_collection_for_close(put_off=not pools):
             self.llm.llm_engine.engine_core.shutdown()
             del self.llm
             if model_parallel_is_initialized():  # a vLLM whose shutdown left it (Ray, this actor's, stays up)

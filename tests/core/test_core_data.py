@@ -563,9 +563,14 @@ def test_a_file_that_cannot_be_decoded_is_named_with_its_row(tmp_path):
     path.write_bytes(b"\n".join(rows[:200]) + b"\n")
     assert len(load_records(DatasetSource(path=str(path)), "sft")) == 200
 
+    path.write_bytes(rows[0].replace(b'"r"', b'"caf\xe9"') + b"\n")  # the BOM and the bad byte in one row
+    bad = rows[0].replace(b'"r"', b'"caf\xe9"').index(b"\xe9")
+    with pytest.raises(DataError, match=rf"row 1: not UTF-8 text \(byte 0xe9 at offset {bad}\)$"):
+        load_records(DatasetSource(path=str(path)), "sft")
+
     listed = tmp_path / "data.json"
-    listed.write_bytes(b'[{"prompt": "p", "response": "caf\xe9"}]')
-    with pytest.raises(DataError, match=rf"^{re.escape(str(listed))}: not UTF-8 text"):
+    listed.write_bytes(b'\xef\xbb\xbf[{"prompt": "p", "response": "caf\xe9"}]')
+    with pytest.raises(DataError, match=rf"^{re.escape(str(listed))}: not UTF-8 text \(byte 0xe9 at offset 36\)$"):
         load_records(DatasetSource(path=str(listed)), "sft")
     listed.write_text('[{"prompt": "p", "response": "r"},\n oops]')
     with pytest.raises(DataError, match=rf"^{re.escape(str(listed))}: not valid JSON \(.*, line 2\)"):
@@ -575,6 +580,22 @@ def test_a_file_that_cannot_be_decoded_is_named_with_its_row(tmp_path):
     table.write_bytes(path.read_bytes())  # JSONL under a Parquet name
     with pytest.raises(DataError, match=rf"^{re.escape(str(table))}: not a Parquet file it can read \(Arrow"):
         load_records(DatasetSource(path=str(table)), "sft")
+
+
+def test_a_remote_file_is_read_line_by_line_and_its_bad_row_named(moto_s3, monkeypatch):
+    """Over S3 (moto over HTTP) as from a local file: every row, in order, and a line that is not UTF-8 named by
+    its row."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_s3.endpoint_url)
+    rows = [json.dumps({"prompt": f"p{i}", "response": "r" * (1 + i % 50)}).encode() for i in range(3000)]
+    uri = f"s3://{moto_s3.bucket}/data-{id(rows)}.jsonl"
+    with moto_s3.fs().open(uri, "wb") as f:
+        f.write(b"\n".join(rows) + b"\n")
+    assert [r["prompt"] for r in load_records(DatasetSource(path=uri), "sft")] == [f"p{i}" for i in range(3000)]
+    rows[2500] = rows[2500].replace(b'"p2500"', b'"p\xff"')
+    with moto_s3.fs().open(uri, "wb") as f:
+        f.write(b"\n".join(rows) + b"\n")
+    with pytest.raises(DataError, match=rf"^{re.escape(uri)}, row 2501: not UTF-8 text \(byte 0xff"):
+        load_records(DatasetSource(path=uri), "sft")
 
 
 @pytest.mark.parametrize(

@@ -65,3 +65,22 @@ def test_what_a_build_finds_is_frozen_and_a_failed_build_unfreezes_it():
         raise ValueError("the build failed")
     assert gc.get_freeze_count() == 0
 
+
+
+def test_a_close_on_memory_pools_keeps_its_own_collections_and_adds_one():
+    """`put_off=False` (a sleep-mode engine, whose pools' release collects between two steps): the collections
+    inside run, and one more follows."""
+    flag: list[str] = []
+    runs, count = _full_collections()
+    gc.disable()
+    gc.callbacks.append(count)
+    try:
+        engine = Cycle(flag)
+        with one_collection_for_close(put_off=False):
+            del engine
+            gc.collect()
+            assert flag == ["collected"] and runs == [1]
+        assert runs == [1, 1]
+    finally:
+        gc.callbacks.remove(count)
+        gc.enable()

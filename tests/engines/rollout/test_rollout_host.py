@@ -46,7 +46,7 @@ def test_host_samples_as_an_engine_of_its_own_would(ray_local, backend, tiny_mod
         if backend == "vllm":
             seen = ray.get(host.__ray_call__.remote(_a_build_seen_from_inside, str(tiny_model)))
             # Garbage from before the build is not what the build's collections scan; closing frees it, in one
-            # full collection where vLLM's shutdown would make three (engines/heap.py).
+            # full collection, not three (vLLM's shutdown's two, then one more: engines/heap.py).
             assert seen["old_garbage_during_build"] == "alive" and seen["old_garbage_after_close"] == "collected"
             assert seen["full_collections_at_close"] == 1, seen
             # The KV cache holds vLLM's default 256 sequences of MAX_MODEL_LEN (in whole blocks of 128) and the
