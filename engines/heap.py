@@ -10,9 +10,8 @@ every evaluation (engines/rollout/host.py). bench/engine_build.py measures both.
   collections scan only what the build makes. vLLM's shutdown unfreezes it again.
 - `one_collection_for_close()`: the shutdown's collections are put off to one, after the engine is dropped;
   they ran while it was still held, so they could not free it anyway (not for a sleep-mode engine, whose
-  shutdown needs its own). That one collection frees the engine's
-  cycles and the garbage from before the build, and only then is the device's cached memory released, as
-  vLLM's clean-up does after its own.
+  shutdown needs its own). That one collection frees the engine's cycles and the garbage from before the
+  build, and only then is the device's cached memory released, as vLLM's clean-up does after its own.
 """
 
 from __future__ import annotations
@@ -50,7 +49,7 @@ def one_collection_for_close(put_off: bool = True) -> Iterator[None]:
         _COLLECT()
         import torch
 
-        if torch.cuda.is_available():  # what vLLM's clean-up empties after its collection (before it, here)
+        if torch.cuda.is_available():  # vLLM's clean-up emptied these while the engine was still held
             torch.cuda.empty_cache()
             empty_host_cache = getattr(torch.accelerator, "empty_host_cache", None)  # pinned host memory
             if empty_host_cache is not None:

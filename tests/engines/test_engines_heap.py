@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from collections.abc import Callable
+from collections.abc import Iterator
 
 import pytest
 
@@ -19,14 +19,23 @@ class Cycle:
         self.flag.append("collected")
 
 
-def _full_collections() -> tuple[list[int], Callable]:
+@contextlib.contextmanager
+def full_collections() -> Iterator[list[int]]:
+    """The full collections started inside, one entry each, with the automatic collector off (only explicit
+    calls collect)."""
     runs: list[int] = []
 
     def count(phase: str, info: dict) -> None:
         if phase == "start" and info["generation"] == 2:
             runs.append(1)
 
-    return runs, count
+    gc.disable()
+    gc.callbacks.append(count)
+    try:
+        yield runs
+    finally:
+        gc.callbacks.remove(count)
+        gc.enable()
 
 
 @pytest.mark.parametrize("fails", [False, True])
@@ -35,11 +44,8 @@ def test_a_close_collects_once_after_what_it_drops_whatever_it_calls_inside(fail
     nothing then; the engine's cycle goes in the one collection on the way out, a failing close included,
     and gc.collect is itself again."""
     flag: list[str] = []
-    runs, count = _full_collections()
     collect = gc.collect
-    gc.disable()
-    gc.callbacks.append(count)
-    try:
+    with full_collections() as runs:
         engine = Cycle(flag)
         with pytest.raises(RuntimeError) if fails else contextlib.nullcontext():
             with one_collection_for_close():
@@ -50,9 +56,6 @@ def test_a_close_collects_once_after_what_it_drops_whatever_it_calls_inside(fail
                     raise RuntimeError("the shutdown failed")
         assert flag == ["collected"] and runs == [1]
         assert gc.collect is collect
-    finally:
-        gc.callbacks.remove(count)
-        gc.enable()
 
 
 def test_what_a_build_finds_is_frozen_and_a_failed_build_unfreezes_it():
@@ -66,21 +69,14 @@ def test_what_a_build_finds_is_frozen_and_a_failed_build_unfreezes_it():
     assert gc.get_freeze_count() == 0
 
 
-
 def test_a_close_on_memory_pools_keeps_its_own_collections_and_adds_one():
     """`put_off=False` (a sleep-mode engine, whose pools' release collects between two steps): the collections
     inside run, and one more follows."""
     flag: list[str] = []
-    runs, count = _full_collections()
-    gc.disable()
-    gc.callbacks.append(count)
-    try:
+    with full_collections() as runs:
         engine = Cycle(flag)
         with one_collection_for_close(put_off=False):
             del engine
             gc.collect()
             assert flag == ["collected"] and runs == [1]
         assert runs == [1, 1]
-    finally:
-        gc.callbacks.remove(count)
-        gc.enable()
