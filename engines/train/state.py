@@ -88,14 +88,20 @@ def optimizer_state(engine, zero_stage: int) -> dict[str, Any]:
 
 def load_optimizer_state(engine, zero_stage: int, rank: int, world_size: int, directory: str | Path,
                          own: dict[str, Any]) -> None:
-    """Restore what `optimizer_state` saved; `own`: this rank's. ZeRO merges the fp32 partitions of
-    every saved rank (`trainer-rank{r}` in `directory`)."""
+    """Restore what `optimizer_state` saved; `own`: this rank's. ZeRO restores a rank from its own
+    partition alone, the list's `rank`-th entry (DeepSpeed's rigid checkpoints, its default). Only an
+    elastic one (`zero_optimization.elastic_checkpoint`, stages 1-2) merges every saved rank's, so only
+    then are the other ranks' files (`trainer-rank{r}` in `directory`) read: each holds a partition of the
+    fp32 master weights and Adam moments, and reading them all on every rank would hold the whole
+    optimizer state (12 bytes a parameter) in each rank's host memory."""
     if zero_stage == 0:
         engine.optimizer.load_state_dict(own)
         return
-    parts = [own if r == rank else load_state(directory, f"trainer-rank{r}")["optimizer"] for r in range(world_size)]
+    merged = getattr(engine.optimizer, "elastic_checkpoint", False)
+    parts = [own if r == rank or not merged else load_state(directory, f"trainer-rank{r}")["optimizer"]
+             for r in range(world_size)]
     scale = own.get("loss_scale", 1.0)
-    for part in parts:
+    for part in {id(p): p for p in parts}.values():
         part.pop("loss_scale", None)
         part["loss_scaler"] = engine.optimizer.loss_scaler
     engine.optimizer.load_state_dict(parts, load_optimizer_states=True, load_from_fp32_weights=True)

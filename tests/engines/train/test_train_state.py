@@ -158,3 +158,65 @@ def test_string_keys_that_look_like_markers_survive(tmp_path):
     state = {"__tensor__": "not a tensor", "__tuple__": [1], "__dict__": 3, "x": {"__tensor__": 1}}
     save_state(state, tmp_path, "s")
     assert load_state(tmp_path, "s") == state
+
+
+ZERO_RESTORE = """
+import json, sys, torch, deepspeed
+deepspeed.init_distributed("gloo")
+from engines.train.state import load_optimizer_state, load_state, optimizer_state, save_state
+stage, directory = int(sys.argv[1]), sys.argv[2]
+config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10 ** 9,
+          "zero_optimization": {"stage": stage}}
+
+def engine():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return deepspeed.initialize(model=model, optimizer=opt, config=config)[0]
+
+def step(e, seed):
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(seed))
+    e.backward(e(x).pow(2).mean())
+    e.step()
+
+def moments(e):
+    return [t.flatten().tolist() for s in e.optimizer.optimizer.state.values() for t in (s["exp_avg"], s["exp_avg_sq"])]
+
+first = engine()
+for seed in range(3):
+    step(first, seed)
+save_state({"optimizer": optimizer_state(first, stage)}, directory, "trainer-rank0")
+resumed = engine()
+resumed.module.load_state_dict(first.module.state_dict())  # the model's weights: a checkpoint's other file
+# Saved by a group of two: only trainer-rank0 is in the directory; rank 0 restores from its own file.
+load_optimizer_state(resumed, stage, 0, 2, directory, load_state(directory, "trainer-rank0")["optimizer"])
+same = moments(resumed) == moments(first)
+step(first, 3)
+step(resumed, 3)
+after = [p.detach().flatten().tolist() for p in first.module.parameters()] == \\
+    [p.detach().flatten().tolist() for p in resumed.module.parameters()]
+print(json.dumps({"moments": same, "after_a_step": after, "elastic": first.optimizer.elastic_checkpoint}))
+"""
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_restores_a_rank_from_its_own_file_alone(stage, tmp_path):
+    """DeepSpeed's rigid ZeRO checkpoints (its default) restore a rank from its own partition: restoring reads
+    no other rank's file, each of which holds a share of the fp32 masters and Adam moments (read on every rank,
+    they would put the whole optimizer state in each rank's host memory). A real ZeRO engine in a gloo group of
+    one, in a process of its own, restored as rank 0 of two from a directory holding trainer-rank0 alone: its
+    moments are the saved ones, and the next step matches the engine's that never stopped."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from alignflow.net import free_port
+
+    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port())}
+    out = subprocess.run([sys.executable, "-c", ZERO_RESTORE, str(stage), str(tmp_path)], capture_output=True, text=True,
+                         timeout=300, env=env, cwd=Path(__file__).resolve().parents[3])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"moments": True, "after_a_step": True,
+                                                               "elastic": False}
