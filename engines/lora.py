@@ -8,12 +8,11 @@
     weight_entries    the same tensors one at a time, for the weight transport's buckets
     save_adapter      adapter_model.safetensors + adapter_config.json in `adapter/`
     load_adapter      the adapter (and score head) back, exactly
-    load_weights      a full model's weights back (without LoRA: the trainer's resume)
     adapters_disabled the base model, for reference log-probabilities from the same weights
 
 Everything takes the module under the DeepSpeed engine (`engine.module`) and works without LoRA too
 (a plain HF model), so the trainer has one path. Under ZeRO-3 every rank must call the gathering
-functions (`full_state_dict`, `save_adapter`, `load_adapter`, `load_weights`).
+functions (`full_state_dict`, `save_adapter`, `load_adapter`; engines/train/state.py `load_weights`).
 """
 
 from __future__ import annotations
@@ -244,31 +243,6 @@ def save_adapter(module: torch.nn.Module, zero_stage: int, directory: str | Path
     if write:
         module.save_pretrained(str(Path(directory) / ADAPTER_DIR), state_dict=state, safe_serialization=True,
                                save_embedding_layers=False)
-
-
-def load_weights(module: torch.nn.Module, zero_stage: int, directory: str, rank: int = 0) -> None:
-    """A full model's weights from `directory`/model.safetensors into `module`. Tied output embeddings are
-    saved once; any other name missing or unexpected is an error. Under ZeRO-3 one weight at a time, gathered
-    on every rank and set by rank 0 alone from the file: no GPU holds the whole model (below stage 3 each rank
-    reads its own full copy)."""
-    from safetensors import safe_open
-
-    state = module.state_dict(keep_vars=True)
-    tied = set(getattr(module, "_tied_weights_keys", None) or [])
-    with safe_open(str(Path(directory) / "model.safetensors"), framework="pt") as f:
-        names = set(f.keys())
-        missing, unexpected = [k for k in state if k not in names and k not in tied], sorted(names - set(state))
-        if unexpected or missing:
-            raise RuntimeError(f"weights do not match the model: missing={missing} unexpected={unexpected}")
-        done: set[int] = set()
-        for key, t in state.items():
-            if key not in names or id(t) in done:
-                continue
-            done.add(id(t))
-            param = isinstance(t, torch.nn.Parameter)
-            with gathered([t] if param else [], zero_stage, modifier_rank=0):
-                if zero_stage < 3 or rank == 0 or not param:  # buffers are whole on every rank
-                    t.data.copy_(f.get_tensor(key))
 
 
 def load_adapter(module: torch.nn.Module, zero_stage: int, directory: str | Path) -> None:

@@ -1,4 +1,4 @@
-"""Nested training state <-> (safetensors file, JSON skeleton).
+"""Nested training state <-> (safetensors file, JSON skeleton); a checkpoint's model weights back.
 
 Optimizer and RNG states are nested dicts/lists of tensors and plain
 values. Tensors go into a safetensors file (never a pickle); everything else
@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from engines.lora import gathered
 
 _REF = "__tensor__"
 _TUPLE = "__tuple__"
@@ -124,3 +126,43 @@ def restore_rng(state: dict[str, Any], device: torch.device) -> None:
     random.setstate((python[0], tuple(state["python_rng"]), python[2]))
     if device.type == "cuda" and "cuda_rng" in state:
         torch.cuda.set_rng_state(state["cuda_rng"], device)
+
+
+def weight_files(directory: str | Path) -> dict[str, Path]:
+    """Each weight name of the HF model directory and the safetensors file holding it: `model.safetensors`, or
+    the shards `model.safetensors.index.json` maps (save_pretrained shards a model past its max_shard_size,
+    50 GB in transformers 5: a 14B model in fp32, a 32B one in bf16)."""
+    directory = Path(directory)
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        return {k: directory / f for k, f in json.loads(index.read_text())["weight_map"].items()}
+    from safetensors import safe_open
+
+    with safe_open(str(directory / "model.safetensors"), framework="pt") as f:
+        return dict.fromkeys(f.keys(), directory / "model.safetensors")
+
+
+def load_weights(module: torch.nn.Module, zero_stage: int, directory: str | Path, rank: int = 0) -> None:
+    """A full model's weights from the HF directory (one safetensors file, or its shards) into `module`: the
+    trainer's resume without LoRA. Tied output embeddings are saved once; any other name missing or unexpected
+    is an error. Under ZeRO-3 one weight at a time, gathered on every rank and set by rank 0 alone from the
+    file: no GPU holds the whole model (below stage 3 each rank reads its own full copy)."""
+    from safetensors import safe_open
+
+    state, files = module.state_dict(keep_vars=True), weight_files(directory)
+    tied = set(getattr(module, "_tied_weights_keys", None) or [])
+    missing, unexpected = [k for k in state if k not in files and k not in tied], sorted(set(files) - set(state))
+    if unexpected or missing:
+        raise RuntimeError(f"weights in {directory} do not match the model: missing={missing} unexpected={unexpected}")
+    done: set[int] = set()
+    for path in sorted(set(files.values())):
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                t = state[key]
+                if id(t) in done:
+                    continue
+                done.add(id(t))
+                param = isinstance(t, torch.nn.Parameter)
+                with gathered([t] if param else [], zero_stage, modifier_rank=0):
+                    if zero_stage < 3 or rank == 0 or not param:  # buffers are whole on every rank
+                        t.data.copy_(f.get_tensor(key))

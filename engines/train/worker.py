@@ -41,7 +41,8 @@ from engines.placement.devices import (actor_device, announce_cpu_accelerator, l
                                        cpu_report, placement_group_id, quiet_stdout, to_cpu, to_device)
 from engines.placement.rendezvous import init_training_group, reserve_address
 from engines.train.spec import EngineSpec, lr_lambda, make_optimizer, move_training_state
-from engines.train.state import load_optimizer_state, load_state, optimizer_state, restore_rng, rng_state, save_state
+from engines.train.state import (load_optimizer_state, load_state, load_weights, optimizer_state, restore_rng,
+                                rng_state, save_state)
 from engines.transport.sync import WeightSender
 
 
@@ -237,7 +238,7 @@ class TrainWorker:
     def load_state(self, source: Source) -> dict[str, Any]:
         directory = local_dir(source)  # a checkpoint ref: fetched on this node
         if self.spec.lora is None:
-            lora.load_weights(self.engine.module, self.spec.zero_stage, directory, self.rank)
+            load_weights(self.engine.module, self.spec.zero_stage, directory, self.rank)
         else:
             lora.load_adapter(self.engine.module, self.spec.zero_stage, directory)
         st = load_state(directory, f"trainer-rank{self.rank}")

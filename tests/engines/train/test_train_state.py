@@ -220,3 +220,39 @@ def test_zero_restores_a_rank_from_its_own_file_alone(stage, tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == {"moments": True, "after_a_step": True,
                                                                "elastic": False}
+
+
+@pytest.mark.parametrize("shard", ["40KB", None])
+def test_load_weights_reads_a_model_saved_whole_or_in_shards(tiny_model, tmp_path, shard):
+    """A model saved past save_pretrained's max_shard_size is several files and an index: a resume reads every
+    shard. Loaded into a model of other weights (ZeRO-0), every parameter is the saved one."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from engines.train.state import load_weights, weight_files
+
+    saved = AutoModelForCausalLM.from_pretrained(tiny_model)
+    saved.save_pretrained(tmp_path, **({"max_shard_size": shard} if shard else {}))
+    files = set(weight_files(tmp_path).values())
+    assert len(files) > 2 if shard else files == {tmp_path / "model.safetensors"}
+    torch.manual_seed(1)
+    fresh = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny_model))
+    assert not all(torch.equal(a, b) for a, b in zip(fresh.parameters(), saved.parameters()))
+    load_weights(fresh, 0, tmp_path)
+    for (name, a), b in zip(fresh.state_dict().items(), saved.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_load_weights_names_a_missing_weight(tiny_model, tmp_path):
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from engines.train.state import load_weights
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    model.save_pretrained(tmp_path)
+    weights = load_file(str(tmp_path / "model.safetensors"))
+    dropped = sorted(weights)[-1]  # a layer's, not the tied output layer's
+    save_file({k: v for k, v in weights.items() if k != dropped}, str(tmp_path / "model.safetensors"),
+              metadata={"format": "pt"})
+    with pytest.raises(RuntimeError, match=f"missing=\\['{dropped}'\\]"):
+        load_weights(model, 0, tmp_path)
