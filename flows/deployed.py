@@ -9,7 +9,7 @@ config file; `overrides` (`key.sub=value`, as on the command line) patch it.
 
 The flows validate the parameter themselves (validate_parameters=False), so
 an error names the parameter a value came from, and the file, the target
-and what the run needs from outside (alignflow/preflight.py) are checked
+and what the run needs from outside (alignflow/preflight/) are checked
 before anything runs. Then the pipeline (or one target of it) runs in this
 flow run: every stage is one of its task runs, on Ray
 (flows/stage_tasks.py PipelineTaskRunner), so Retry on a failed run's page

@@ -1,4 +1,4 @@
-"""Preflight's data checks (alignflow/preflight.py): each data file a config names exists, and every row
+"""Preflight's data checks (alignflow/preflight/): each data file a config names exists, and every row
 of a local one (of a remote one, the first `data.preflight_rows`) parses as its kind's row."""
 
 from __future__ import annotations

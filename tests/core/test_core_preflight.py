@@ -1,4 +1,4 @@
-"""Preflight (alignflow/preflight.py): data, model, lengths, rewards, storage and Ray slots checked
+"""Preflight (alignflow/preflight/): data, model, lengths, rewards, storage and Ray slots checked
 before anything starts, each problem naming its field and where its value came from.
 
 Nothing is mocked: data files, model directories and unwritable roots are real files, the

@@ -1,0 +1,130 @@
+"""Preflight's models: each model a config names loads (a directory, or a hub id), and what must fit its
+positions does."""
+
+from __future__ import annotations
+
+import os
+import urllib.error
+import urllib.parse
+import urllib.request
+
+from alignflow.config import PipelineConfig
+from alignflow.preflight.findings import Findings
+from alignflow.storage import is_local_uri, local_path
+
+
+def check_models(cfg: PipelineConfig, found: Findings) -> int | None:
+    """Every model the config names loads; the base model's positions (None where it does not load)."""
+    positions = _model(cfg, found)
+    _named_models(cfg, found, positions)
+    return positions
+
+
+def _model(cfg: PipelineConfig, found: Findings) -> int | None:
+    """The base model's positions (None when it cannot be loaded)."""
+    if cfg.model.base == "tiny":
+        return cfg.model.tiny.max_position_embeddings
+    return _model_at("model.base", cfg.model.base, found, cfg.model.revision)
+
+
+def _named_models(cfg: PipelineConfig, found: Findings, base: int | None) -> None:
+    """Models the config names by path: a distillation teacher that is no policy of the pipeline (a round's or
+    the distill stage's), a judge; and a judge engine's max_model_len against its model's positions (the
+    pipeline's own judge starts from the base model: `base`'s)."""
+    for i, r in enumerate(cfg.rounds):
+        if r.teacher and r.teacher not in cfg.policies_before(i):
+            _model_at(f"rounds.{i}.teacher", r.teacher, found, r.teacher_revision, f"rounds.{i}.teacher_revision")
+        j, field = r.reward.judge, f"rounds.{i}.reward.judge"
+        has = r.reward.uses_judge and (base if j.model is None else _model_at(f"{field}.model", j.model, found,
+                                                                               j.revision, f"{field}.revision"))
+        try:
+            if has:
+                j.generation.engine_positions(has)
+        except ValueError as err:
+            found.fail(f"{field}.generation.max_model_len", str(err))
+    if cfg.distill is not None and cfg.distill.teacher not in cfg.policies_before(len(cfg.rounds)):
+        _model_at("distill.teacher", cfg.distill.teacher, found, cfg.distill.teacher_revision,
+                  "distill.teacher_revision")
+
+
+def _model_at(field: str, base: str, found: Findings, revision: str | None = None,
+              revision_field: str = "model.revision") -> int | None:
+    """The positions of the model a field names (a directory, or a hub id at `revision`, which
+    `revision_field` sets); None when it cannot be loaded."""
+    path = local_path(base) if is_local_uri(base) else None  # as tasks/base_model.py: a directory, or a hub id
+    local = path is not None and (path.exists() or base.startswith(("/", ".", "~", "file://")))
+    if local and revision is not None:
+        return found.fail(revision_field, f"{revision!r} names a hub model's branch, tag or commit, but "
+                          f"{field} {base} is a local directory")
+    try:
+        if local:
+            problem = (f"{base} does not exist (a local model directory, or a hub id where a hub is reachable)"
+                       if not path.exists() else f"{base} is a file, not a model directory" if not path.is_dir()
+                       else None if (path / "config.json").is_file()
+                       else f"{base} holds no config.json (not a transformers model directory)")
+            if problem:
+                return found.fail(field, problem)
+            from transformers import AutoConfig, AutoTokenizer
+
+            config = AutoConfig.from_pretrained(str(path))
+            AutoTokenizer.from_pretrained(str(path))
+        else:
+            config = _hub_config(base, revision)
+    except Exception as err:  # noqa: BLE001  (whatever transformers raises, the user fixes the field)
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        what = ("its config or tokenizer does not load" if local else
+                f"is no local directory{f' (none at {path})' if path else ''} and does not load as a hub id"
+                f"{f' at revision {revision!r}' if revision else ''}")
+        return found.fail(field, f"{base} {what}: {first}")
+    found.ok()
+    names = ("max_position_embeddings", "n_positions", "max_sequence_length")  # as engines/models.py
+    return next((int(getattr(config, n)) for n in names if getattr(config, n, None)), None)
+
+
+def _hub_config(base: str, revision: str | None = None):
+    """A hub id's config at `revision`: from the local cache, else from a hub that answers within seconds
+    (transformers alone retries an unreachable hub for ~30 s)."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(base, local_files_only=True, revision=revision)
+    except OSError:
+        if os.environ.get("HF_HUB_OFFLINE", "0").lower() not in ("0", "false", "no", "off", ""):
+            raise OSError("not in the local cache, and HF_HUB_OFFLINE is set") from None
+    hub = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+    headers = {"Authorization": f"Bearer {os.environ['HF_TOKEN']}"} if os.environ.get("HF_TOKEN") else {}
+    at = f"/revision/{urllib.parse.quote(revision, safe='')}" if revision else ""
+    request = urllib.request.Request(f"{hub}/api/models/{base}{at}", headers=headers)
+    try:
+        urllib.request.urlopen(request, timeout=5).close()
+    except urllib.error.HTTPError as err:
+        raise OSError(f"{hub} has no model {base}{f' at revision {revision}' if revision else ''} (HTTP {err.code}; "
+                      "a gated or private one needs HF_TOKEN)") from None
+    except OSError as err:
+        raise OSError(f"the hub {hub} cannot be reached ({getattr(err, 'reason', err)})") from None
+    return AutoConfig.from_pretrained(base, revision=revision)
+
+
+def check_lengths(cfg: PipelineConfig, positions: int, found: Findings) -> None:
+    """Explicit limits and every generation's max_new_tokens against the model's positions."""
+    limit = "model.tiny.max_position_embeddings" if cfg.model.base == "tiny" else "model.base config.json"
+    have = f"the model has {positions} ({limit})"
+    prompt, response = cfg.data.max_prompt_tokens, cfg.data.max_response_tokens
+    gens = [(f"rounds.{i}.generation.max_new_tokens", r.generation.max_new_tokens) for i, r in enumerate(cfg.rounds)]
+    if cfg.evaluation is not None:
+        gens.append(("evaluation.generation.max_new_tokens", cfg.evaluation.generation.max_new_tokens))
+    for field, new in gens:
+        if prompt == "auto" and new >= positions:
+            found.fail(field, f"{new} new tokens leave no position for a prompt: {have}")
+        elif prompt != "auto" and prompt + new > positions:
+            found.fail(field, f"{new} new tokens after prompts of up to data.max_prompt_tokens={prompt} need "
+                              f"{prompt + new} positions; {have}", also=("data.max_prompt_tokens",))
+        else:
+            found.ok()
+    if prompt != "auto" and prompt >= positions:
+        found.fail("data.max_prompt_tokens", f"{prompt} leaves no position for a response: {have}")
+    elif prompt != "auto" and response != "auto" and prompt + response > positions:
+        found.fail("data.max_response_tokens", f"data.max_prompt_tokens={prompt} + data.max_response_tokens="
+                   f"{response} = {prompt + response} exceed the positions: {have}", also=("data.max_prompt_tokens",))
+    else:
+        found.ok()

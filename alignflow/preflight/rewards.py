@@ -1,0 +1,70 @@
+"""Preflight's code and services: rule rewards, the checker, agents and environments import; remote reward
+services answer a test request."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import urllib.error
+import urllib.request
+
+from alignflow.config import PipelineConfig
+from alignflow.preflight.findings import Findings
+from alignflow.redact import redact_url
+
+REMOTE_TIMEOUT_CAP_S = 10.0
+
+
+def _callable(field: str, path: str, found: Findings) -> None:
+    """`module:function` imports and is callable (as alignflow/config/loading.py load_callable loads it)."""
+    module, _, name = path.partition(":")
+    if not name:
+        return found.fail(field, f"{path!r} must be 'module:function'")
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except Exception as err:  # noqa: BLE001  (the module may fail in any way while importing)
+        return found.fail(field, f"{path!r} cannot be imported: {type(err).__name__}: {err}")
+    found.ok() if callable(fn) else found.fail(field, f"{path!r} is not callable")
+
+
+def _remote(field: str, url: str, timeout_s: float, found: Findings) -> None:
+    """One request in engines/rl/rewards.py RemoteReward's protocol (POST prompts/responses/answers -> rewards)."""
+    body = json.dumps({"prompts": ["preflight"], "responses": ["preflight"], "answers": [None]}).encode()
+    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    shown = redact_url(url)  # what the findings say: the URL without its credentials
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as resp:
+            rewards = json.loads(resp.read())["rewards"]
+        [value] = rewards  # ValueError unless exactly one
+        float(value)
+    except urllib.error.HTTPError as err:
+        return found.fail(field, f"{shown} answered a test request with HTTP {err.code}")
+    except OSError as err:  # URLError (refused, unknown host), a timeout
+        return found.fail(field, f"{shown} did not answer a test request (timeout {timeout_s:g} s): "
+                                 f"{getattr(err, 'reason', err)}")
+    except (ValueError, KeyError, TypeError) as err:
+        return found.fail(field, f"{shown} answered a test request without a list 'rewards' of one number: {err}")
+    found.ok()
+
+
+def check_rewards(cfg: PipelineConfig, found: Findings) -> None:
+    for i, r in enumerate(cfg.rounds):
+        for field, c in r.reward.source_fields(f"rounds.{i}.reward"):
+            if c.source == "rule":
+                _callable(f"{field}.rule", c.rule, found)
+            elif c.source == "remote":
+                _remote(f"{field}.url", c.url, min(c.timeout_s, REMOTE_TIMEOUT_CAP_S), found)
+    if cfg.evaluation is not None:
+        _callable("evaluation.checker", cfg.evaluation.checker, found)
+    envs = [(f"rounds.{i}.environment", r.environment) for i, r in enumerate(cfg.rounds)]
+    for field, env in envs + [("evaluation.environment", cfg.evaluation and cfg.evaluation.environment)]:
+        if env is not None and env.agent:
+            _callable(f"{field}.agent", env.agent, found)
+        elif env is not None:  # imports, is an environment, constructs, and its tools carry schemas
+            from alignflow.agents.environment import make_environment
+
+            try:
+                make_environment(env.name, env.kwargs, field)
+                found.ok()
+            except ValueError as err:
+                found.fail(*str(err).split(": ", 1))
