@@ -106,13 +106,16 @@ def _hub_config(base: str, revision: str | None = None):
 
 
 def check_lengths(cfg: PipelineConfig, positions: int, found: Findings) -> None:
-    """Explicit limits and every generation's max_new_tokens against the model's positions."""
+    """Explicit limits, and what every generation samples after its prompt (max_new_tokens; an environment's
+    max_episode_tokens), against the model's positions."""
     limit = "model.tiny.max_position_embeddings" if cfg.model.base == "tiny" else "model.base config.json"
     have = f"the model has {positions} ({limit})"
     prompt, response = cfg.data.max_prompt_tokens, cfg.data.max_response_tokens
-    gens = [(f"rounds.{i}.generation.max_new_tokens", r.generation.max_new_tokens) for i, r in enumerate(cfg.rounds)]
-    if cfg.evaluation is not None:
-        gens.append(("evaluation.generation.max_new_tokens", cfg.evaluation.generation.max_new_tokens))
+    sampled = [(f"rounds.{i}", r) for i, r in enumerate(cfg.rounds)] + [("evaluation", cfg.evaluation)] * bool(
+        cfg.evaluation)
+    # What follows a prompt: a response's new tokens; in an environment, an episode's (its turns and observations).
+    gens = [(f"{at}.environment.max_episode_tokens", c.environment.max_episode_tokens) if c.environment else
+            (f"{at}.generation.max_new_tokens", c.generation.max_new_tokens) for at, c in sampled]
     for field, new in gens:
         if prompt == "auto" and new >= positions:
             found.fail(field, f"{new} new tokens leave no position for a prompt: {have}")

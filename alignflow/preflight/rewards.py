@@ -4,6 +4,7 @@ services answer a test request."""
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 import urllib.error
 import urllib.request
@@ -15,8 +16,10 @@ from alignflow.redact import redact_url
 REMOTE_TIMEOUT_CAP_S = 10.0
 
 
-def _callable(field: str, path: str, found: Findings) -> None:
-    """`module:function` imports and is callable (as alignflow/config/loading.py load_callable loads it)."""
+def _callable(field: str, path: str, found: Findings, args: tuple[str, ...]) -> None:
+    """`module:function` imports, is callable (as alignflow/config/loading.py load_callable loads it), and takes
+    the positional arguments `args` it will be called with: a function of other arguments would raise its
+    TypeError only at run time, after generation (a rule's at a round's first step)."""
     module, _, name = path.partition(":")
     if not name:
         return found.fail(field, f"{path!r} must be 'module:function'")
@@ -24,7 +27,19 @@ def _callable(field: str, path: str, found: Findings) -> None:
         fn = getattr(importlib.import_module(module), name)
     except Exception as err:  # noqa: BLE001  (the module may fail in any way while importing)
         return found.fail(field, f"{path!r} cannot be imported: {type(err).__name__}: {err}")
-    found.ok() if callable(fn) else found.fail(field, f"{path!r} is not callable")
+    if not callable(fn):
+        return found.fail(field, f"{path!r} is not callable")
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin or extension function without one: called as it is
+        return found.ok()
+    try:
+        signature.bind(*args)
+    except TypeError as err:
+        bare = signature.replace(parameters=[p.replace(annotation=p.empty) for p in signature.parameters.values()],
+                                 return_annotation=signature.empty)
+        return found.fail(field, f"{path!r} is called as f({', '.join(args)}), but takes {bare}: {err}")
+    found.ok()
 
 
 def _remote(field: str, url: str, timeout_s: float, found: Findings) -> None:
@@ -51,15 +66,15 @@ def check_rewards(cfg: PipelineConfig, found: Findings) -> None:
     for i, r in enumerate(cfg.rounds):
         for field, c in r.reward.source_fields(f"rounds.{i}.reward"):
             if c.source == "rule":
-                _callable(f"{field}.rule", c.rule, found)
+                _callable(f"{field}.rule", c.rule, found, ("prompt", "response", "answer"))
             elif c.source == "remote":
                 _remote(f"{field}.url", c.url, min(c.timeout_s, REMOTE_TIMEOUT_CAP_S), found)
     if cfg.evaluation is not None:
-        _callable("evaluation.checker", cfg.evaluation.checker, found)
+        _callable("evaluation.checker", cfg.evaluation.checker, found, ("response", "answer"))
     envs = [(f"rounds.{i}.environment", r.environment) for i, r in enumerate(cfg.rounds)]
     for field, env in envs + [("evaluation.environment", cfg.evaluation and cfg.evaluation.environment)]:
         if env is not None and env.agent:
-            _callable(f"{field}.agent", env.agent, found)
+            _callable(f"{field}.agent", env.agent, found, ("client", "sample"))
         elif env is not None:  # imports, is an environment, constructs, and its tools carry schemas
             from alignflow.agents.environment import make_environment
 

@@ -248,7 +248,8 @@ def test_agent_config_problems_are_each_named_with_their_field_before_anything_s
                   '"no_such_module:Env"}}, {"algorithm": "grpo", "reward": {"source": "environment"}, '
                   '"environment": {"name": "user_envs:NoSchema"}}, {"algorithm": "grpo", "reward": {"source": '
                   '"environment"}, "environment": {"agent": "user_envs:no_agent"}}]')
-        found = problems(_write_config(tmp_path, "name: agent"), rounds, "evaluation.environment.name=boxes_typo")
+        found = problems(_write_config(tmp_path, "name: agent"), rounds, "evaluation.environment.name=boxes_typo",
+                         "model.tiny.max_position_embeddings=512")  # episodes of the default 256 tokens fit
     finally:
         sys.path.remove(str(tmp_path))
     assert found[0].startswith("rounds.0.environment.name: cannot import 'no_such_module:Env'")
@@ -287,6 +288,18 @@ def test_lengths_beyond_the_tiny_models_positions_name_the_round(tmp_path):
         "data.max_response_tokens=65; data.max_prompt_tokens: from the command line: data.max_prompt_tokens=64)"]
 
 
+def test_an_episode_longer_than_the_models_positions_names_its_environment(tmp_path):
+    """In an environment, what follows the prompt is an episode (its turns and observations), up to
+    environment.max_episode_tokens: that, not a turn's max_new_tokens, must leave the prompt a position."""
+    env = "{name: boxes, max_turns: 3, max_episode_tokens: %d}"
+    cfg = _write_config(tmp_path, f"rounds:\n  - {{algorithm: grpo, reward: {{source: environment}}, "
+                                  f"environment: {env % 200}}}\nevaluation: {{environment: {env % 96}}}")
+    assert problems(cfg) == [
+        "rounds.0.environment.max_episode_tokens: 200 new tokens leave no position for a prompt: the model has 128 "
+        f"(model.tiny.max_position_embeddings) (from {cfg})"]
+    assert problems(cfg, "rounds.0.environment.max_episode_tokens=96") == []
+
+
 def test_lengths_from_a_local_models_config_json(tmp_path):
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
@@ -311,6 +324,20 @@ def test_a_rule_that_does_not_import_names_the_round(tmp_path):
         f"rounds.0.reward.rule: 'no_such_mod_xq:score' cannot be imported: ModuleNotFoundError: No module named "
         f"'no_such_mod_xq' (from {cfg})",
         "evaluation.checker: 'json:decoder' is not callable (from the command line: evaluation.checker=json:decoder)"]
+
+
+def test_a_rule_or_checker_of_other_arguments_is_named_with_its_signature(tmp_path):
+    """The math rule (prompt, response, answer) named as the checker (called with response, answer), and the
+    exact-match checker named as a rule: each would raise its TypeError only after generation."""
+    cfg = _write_config(tmp_path, "rounds:\n  - {algorithm: grpo, reward: {source: rule, "
+                                  "rule: 'alignflow.data.synthetic:check_answer'}}")
+    assert problems(cfg, "evaluation.checker=alignflow.rewards:math_equal") == [
+        "rounds.0.reward.rule: 'alignflow.data.synthetic:check_answer' is called as f(prompt, response, answer), "
+        "but takes (response, answer): too many positional arguments "
+        f"(from {cfg})",
+        "evaluation.checker: 'alignflow.rewards:math_equal' is called as f(response, answer), but takes "
+        "(prompt, response, answer): missing a required argument: 'answer' (from the command line: evaluation.checker=alignflow.rewards:math_equal)"]
+    assert problems(cfg, "rounds.0.reward.rule=alignflow.rewards:math_equal") == []
 
 
 def test_a_rule_of_a_mix_that_does_not_import_names_its_component(tmp_path):
