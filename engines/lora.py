@@ -27,6 +27,7 @@ import torch
 
 from alignflow.config.base import LoraConfig
 from alignflow.errors import ConfigError
+from alignflow.lora_targets import layers_of, target_problem
 
 ADAPTER = "default"  # peft's name of the one adapter
 ADAPTER_DIR = "adapter"
@@ -44,21 +45,6 @@ def hf_model(module: torch.nn.Module) -> torch.nn.Module:
     return module.get_base_model() if is_lora(module) else module
 
 
-def linear_names(model: torch.nn.Module) -> list[str]:
-    """The last name part of every linear layer (what `target_modules` may name), sorted."""
-    return sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
-
-
-def _check_targets(model: torch.nn.Module, targets: tuple[str, ...], heads: list[str]) -> None:
-    names = [n for n, _ in model.named_modules() if n]
-    for t in targets:
-        hits = [n for n in names if n == t or n.endswith("." + t)]
-        if not hits or all(h in heads for h in hits):
-            why = "is the score head, which trains in full" if hits else "matches no module of the model"
-            layers = ", ".join(n for n in linear_names(model) if n not in heads)
-            raise ConfigError(f"lora.target_modules: {t!r} {why}; the model's linear layers: {layers} (or all-linear)")
-
-
 def apply(model: torch.nn.Module, cfg: LoraConfig, kind: str) -> torch.nn.Module:
     """`model` with LoRA adapters on `cfg.target_modules`, every base weight frozen; for a scalar model
     (kind != "causal") its head is a full trainable copy (peft `modules_to_save`)."""
@@ -68,8 +54,8 @@ def apply(model: torch.nn.Module, cfg: LoraConfig, kind: str) -> torch.nn.Module
     if kind != "causal" and not heads:
         raise ConfigError(f"lora: the scalar model {type(model).__name__} has no head named {' or '.join(HEADS)}")
     targets = cfg.target_modules
-    if targets != "all-linear":
-        _check_targets(model, targets, heads)
+    if targets != "all-linear" and (problem := target_problem(targets, *layers_of(model), tuple(heads))):
+        raise ConfigError(f"lora.target_modules: {problem}")
     config = peft.LoraConfig(
         r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
         target_modules=list(targets) if isinstance(targets, tuple) else targets,

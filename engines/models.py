@@ -97,22 +97,7 @@ def build_tiny_tokenizer(vocab_size: int, corpus: Iterable[str] | None = None) -
 
 def tiny_config(cfg: TinyModelConfig, tokenizer) -> Qwen2Config:
     """The Qwen2 config of the locally built model: `cfg`'s shape, `tokenizer`'s vocabulary and specials."""
-    return Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_kv_heads,
-        max_position_embeddings=cfg.max_position_embeddings,
-        # Untied by default; tied works too (the rollout engines' weight
-        # update repacks vLLM's CPU copy of a tied output layer: STACK.md).
-        tie_word_embeddings=cfg.tie_word_embeddings,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        torch_dtype="float32",
-    )
+    return cfg.hf_config(len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.bos_token_id)
 
 
 def build_tiny_model(cfg: TinyModelConfig, seed: int, out_dir: str | Path, corpus: Iterable[str] | None = None) -> Path:

@@ -26,6 +26,22 @@ class TinyModelConfig(Section):
     tie_word_embeddings: bool = Field(False, description="output layer shares the input embedding (as Qwen2 "
                                       "0.5B/1.5B, Llama 3.2 1B/3B and Gemma do)")
 
+    def hf_config(self, vocab_size: int | None = None, pad: int | None = None, eos: int | None = None,
+                  bos: int | None = None):
+        """This shape as the Qwen2 config of the locally built model, with its tokenizer's vocabulary size (its
+        length; None: vocab_size, the most it holds) and special token ids."""
+        from transformers import Qwen2Config
+
+        return Qwen2Config(
+            vocab_size=vocab_size or self.vocab_size, hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size, num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_heads, num_key_value_heads=self.num_kv_heads,
+            max_position_embeddings=self.max_position_embeddings,
+            # Untied by default; tied works too (the rollout engines' weight update repacks vLLM's CPU copy of a
+            # tied output layer: STACK.md).
+            tie_word_embeddings=self.tie_word_embeddings,
+            pad_token_id=pad, eos_token_id=eos, bos_token_id=bos, torch_dtype="float32")
+
     @model_validator(mode="after")
     def _heads_divide(self) -> TinyModelConfig:
         if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:

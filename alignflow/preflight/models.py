@@ -14,17 +14,51 @@ from alignflow.storage import is_local_uri, local_path
 
 
 def check_models(cfg: PipelineConfig, found: Findings) -> int | None:
-    """Every model the config names loads; the base model's positions (None where it does not load)."""
-    positions = _model(cfg, found)
+    """Every model the config names loads, and LoRA's target_modules name linear layers of the base model's;
+    the base model's positions (None where it does not load)."""
+    base = cfg.model.tiny.hf_config() if cfg.model.base == "tiny" else _model_at("model.base", cfg.model.base, found,
+                                                                                   cfg.model.revision)
+    positions = _positions(base)
     _named_models(cfg, found, positions)
+    if base is not None:
+        _lora_targets(cfg, base, found)
     return positions
 
 
-def _model(cfg: PipelineConfig, found: Findings) -> int | None:
-    """The base model's positions (None when it cannot be loaded)."""
-    if cfg.model.base == "tiny":
-        return cfg.model.tiny.max_position_embeddings
-    return _model_at("model.base", cfg.model.base, found, cfg.model.revision)
+def _lora_targets(cfg: PipelineConfig, base, found: Findings) -> None:
+    """Each LoRA config's target_modules against the modules of the models it adapts, every one of the base
+    model's architecture: a policy's (sft, preference, distill, judge, a round's actor) or a scalar model's (the
+    reward model, a critic), built on the meta device (no weights: seconds, whatever the model's size)."""
+    engines = [(name, c, "causal") for name, c in (("sft", cfg.sft), ("preference", cfg.preference),
+                                                   ("distill", cfg.distill), ("judge", cfg.judge))]
+    engines += [("reward_model", cfg.reward_model, "scalar")]
+    for i, r in enumerate(cfg.rounds):
+        engines += [(f"rounds.{i}.actor", r.actor, "causal")] + [(f"rounds.{i}.critic", r.critic, "scalar")] * bool(
+            r.spec.critic)
+    engines = [(field, c.lora, kind) for field, c, kind in engines if c is not None and c.lora is not None
+               and c.lora.target_modules != "all-linear"]
+    if not engines:
+        return
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from alignflow.lora_targets import layers_of, target_problem
+
+    models = {}
+    for field, lora, kind in engines:
+        if kind not in models:
+            with torch.device("meta"):
+                model = (AutoModelForCausalLM.from_config(base) if kind == "causal" else
+                         AutoModelForSequenceClassification.from_config(base))  # its head: "score"
+            models[kind] = (*layers_of(model), ("score", "classifier") if kind == "scalar" else ())
+        problem = target_problem(lora.target_modules, *models[kind])
+        found.fail(f"{field}.lora.target_modules", problem) if problem else found.ok()
+
+
+def _positions(config) -> int | None:
+    """A transformers config's positions (None: no config, or none it names)."""
+    names = ("max_position_embeddings", "n_positions", "max_sequence_length")  # as engines/models.py
+    return next((int(getattr(config, n)) for n in names if getattr(config, n, None)), None) if config else None
 
 
 def _named_models(cfg: PipelineConfig, found: Findings, base: int | None) -> None:
@@ -35,8 +69,8 @@ def _named_models(cfg: PipelineConfig, found: Findings, base: int | None) -> Non
         if r.teacher and r.teacher not in cfg.policies_before(i):
             _model_at(f"rounds.{i}.teacher", r.teacher, found, r.teacher_revision, f"rounds.{i}.teacher_revision")
         j, field = r.reward.judge, f"rounds.{i}.reward.judge"
-        has = r.reward.uses_judge and (base if j.model is None else _model_at(f"{field}.model", j.model, found,
-                                                                               j.revision, f"{field}.revision"))
+        has = r.reward.uses_judge and (base if j.model is None else _positions(
+            _model_at(f"{field}.model", j.model, found, j.revision, f"{field}.revision")))
         try:
             if has:
                 j.generation.engine_positions(has)
@@ -48,8 +82,8 @@ def _named_models(cfg: PipelineConfig, found: Findings, base: int | None) -> Non
 
 
 def _model_at(field: str, base: str, found: Findings, revision: str | None = None,
-              revision_field: str = "model.revision") -> int | None:
-    """The positions of the model a field names (a directory, or a hub id at `revision`, which
+              revision_field: str = "model.revision"):
+    """The transformers config of the model a field names (a directory, or a hub id at `revision`, which
     `revision_field` sets); None when it cannot be loaded."""
     path = local_path(base) if is_local_uri(base) else None  # as tasks/base_model.py: a directory, or a hub id
     local = path is not None and (path.exists() or base.startswith(("/", ".", "~", "file://")))
@@ -77,8 +111,7 @@ def _model_at(field: str, base: str, found: Findings, revision: str | None = Non
                 f"{f' at revision {revision!r}' if revision else ''}")
         return found.fail(field, f"{base} {what}: {first}")
     found.ok()
-    names = ("max_position_embeddings", "n_positions", "max_sequence_length")  # as engines/models.py
-    return next((int(getattr(config, n)) for n in names if getattr(config, n, None)), None)
+    return config
 
 
 def _hub_config(base: str, revision: str | None = None):

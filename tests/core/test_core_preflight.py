@@ -300,6 +300,27 @@ def test_an_episode_longer_than_the_models_positions_names_its_environment(tmp_p
     assert problems(cfg, "rounds.0.environment.max_episode_tokens=96") == []
 
 
+def test_lora_targets_are_matched_against_the_models_layers_before_anything_runs(tmp_path):
+    """A typo in a round's actor targets, the score head named for a critic (it trains in full), and the tied
+    output layer for SFT: each named with its field, from the base model built on the meta device; round 1's
+    critic is unchecked (GRPO has none), and all-linear needs no check."""
+    cfg = _write_config(tmp_path, "model: {tiny: {tie_word_embeddings: true}}\nsft: {lora: {target_modules: "
+                                  "[lm_head]}}\nrounds:\n  - {algorithm: ppo, actor: {lora: {target_modules: [q_projj]}},"
+                                  " critic: {lora: {target_modules: [score]}}}\n  - {algorithm: grpo, critic: {lora: "
+                                  "{target_modules: [nothing]}}, actor: {lora: {rank: 4}}}")
+    layers = "down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj (or all-linear)"
+    assert problems(cfg) == [
+        "sft.lora.target_modules: 'lm_head' matches the output layer lm_head, whose weight is the input embeddings' "
+        f"(tie_word_embeddings): merged, it would no longer be theirs; the model's linear layers: {layers} "
+        f"(from {cfg})",
+        f"rounds.0.actor.lora.target_modules: 'q_projj' matches no module of the model; the model's linear layers: "
+        f"{layers} (from {cfg})",
+        f"rounds.0.critic.lora.target_modules: 'score' is the score head, which trains in full; the model's linear "
+        f"layers: {layers} (from {cfg})"]
+    assert problems(cfg, "model.tiny.tie_word_embeddings=false", "sft.lora.target_modules=[q_proj, lm_head]",
+                    "rounds.0.actor.lora.target_modules=[q_proj]", "rounds.0.critic.lora.target_modules=[v_proj]") == []
+
+
 def test_lengths_from_a_local_models_config_json(tmp_path):
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel

@@ -217,6 +217,38 @@ def test_unknown_target_module_names_the_field_and_the_layers(tiny_model):
         lora.apply(models.load_scalar_model(tiny_model), LoraConfig(target_modules=("score",)), "scalar")
 
 
+def _on_meta(config):
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def test_embeddings_and_a_tied_output_layer_are_refused_as_targets():
+    """Adapters are merged into linear layers for the engines and the saved model: an embedding is refused, and
+    so is the output layer where it is the input embeddings' weight (tie_word_embeddings), whose merged weight
+    the engines could not load for both. Untied, the output layer may be adapted; GPT-2's Conv1D layers are
+    linear ones."""
+    from transformers import GPT2Config, Qwen2Config
+
+    from alignflow.lora_targets import layers_of, target_problem
+
+    shape = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+             "num_key_value_heads": 1, "vocab_size": 64}
+    tied, untied = (layers_of(_on_meta(Qwen2Config(**shape, tie_word_embeddings=t))) for t in (True, False))
+    assert tied[1] == "lm_head" and untied[1] is None
+    assert target_problem(("q_proj", "embed_tokens"), *tied) == (
+        "'embed_tokens' matches model.embed_tokens, an embedding: adapters are merged into linear layers only; the "
+        "model's linear layers: down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj (or all-linear)")
+    assert target_problem(("lm_head",), *tied).startswith(
+        "'lm_head' matches the output layer lm_head, whose weight is the input embeddings' (tie_word_embeddings)")
+    assert target_problem(("self_attn",), *tied).startswith("'self_attn' matches model.layers.0.self_attn, a "
+                                                            "Qwen2Attention: adapters")
+    assert target_problem(("q_proj", "lm_head"), *untied) is None
+    gpt2 = layers_of(_on_meta(GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=64, tie_word_embeddings=False)))
+    assert target_problem(("c_attn", "c_proj"), *gpt2) is None
+
+
 def test_merged_bf16_weights_are_rounded_once(tiny_model):
     """A bf16 LoRA layer's merged weight, in the saved checkpoint and in a weight update, is the bf16 value
     nearest W + (alpha/rank)·B·A: summed in float32 and rounded once, not the delta rounded and then summed."""
