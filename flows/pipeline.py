@@ -33,7 +33,9 @@ def deployment_config(config: PipelineConfig | dict[str, Any], overrides: list[s
     and where each value came from."""
     apply_process_env()
     quiet_deployed_run()
-    tree = config.model_dump(mode="json") if isinstance(config, PipelineConfig) else config
+    # A model as the fields its author set (defaults stay defaults): validated again, a full dump would read as
+    # settings the author never gave, which the config refuses where they do nothing (reward.sources' siblings).
+    tree = config.model_dump(mode="json", exclude_unset=True) if isinstance(config, PipelineConfig) else config
     cfg, sources = config_from_parameter(tree, overrides)
     return resolve_paths(cfg), sources
 

@@ -149,6 +149,9 @@ class TrainConfig(EngineConfig):
     def _packing_width_needs_packing(self) -> TrainConfig:
         if self.packing_max_tokens is not None and not self.packing:
             raise ValueError("packing_max_tokens is packing's row width: set packing: true, or leave it out")
+        if self.batch_size % self.num_workers:
+            raise ValueError(f"batch_size ({self.batch_size}) is split evenly across num_workers "
+                             f"({self.num_workers}): make it a multiple of {self.num_workers}")
         return self
 
 

@@ -20,7 +20,9 @@ SOURCE_SETTINGS = ("source", "rule", "url", "timeout_s", "max_retries")
 
 
 class SourceSettings(Section):
-    """What a source is and its own settings: shared by a mix's components and the one-source form."""
+    """What a source is and its own settings: shared by a mix's components and the one-source form. A setting
+    of another source than the one chosen is refused: `rule` beside `source: model` would score with the
+    reward model while the user meant the rule."""
 
     source: Source = Field(
         "model", description="model: the trained reward model; rule: `rule`; remote: the service at `url`; judge: "
@@ -32,6 +34,17 @@ class SourceSettings(Section):
     url: str | None = Field(None, description="reward service endpoint (source=remote)")
     timeout_s: float = Field(10.0, gt=0, description="seconds per reward-service request (source=remote)")
     max_retries: int = Field(3, ge=0, description="retries of a failed service request, with exponential backoff")
+
+    @model_validator(mode="after")
+    def _settings_of_the_source(self) -> SourceSettings:
+        # Changed from its default (a dumped config holds every default, and loads again).
+        owners = {"rule": "rule", "url": "remote", "timeout_s": "remote", "max_retries": "remote"}
+        fields = SourceSettings.model_fields
+        if unread := [k for k, owner in owners.items() if owner != self.source and getattr(self, k) != fields[k].default]:
+            raise ValueError(f"{' and '.join(unread)} {'is' if len(unread) == 1 else 'are'} source "
+                             f"{owners[unread[0]]}'s setting{'s' * (len(unread) > 1)}, and this source is "
+                             f"{self.source}: set source: {owners[unread[0]]}, or leave {' and '.join(unread)} out")
+        return self
 
 
 class RewardSourceConfig(SourceSettings):
@@ -78,7 +91,8 @@ class RewardConfig(SourceSettings):
             if self.source == "remote" and not self.url:
                 raise ValueError("reward.source='remote' needs reward.url")
             return self
-        both = sorted(set(SOURCE_SETTINGS) & self.model_fields_set)
+        fields = SourceSettings.model_fields  # changed from its default: a dumped config holds every default
+        both = [k for k in SOURCE_SETTINGS if getattr(self, k) != fields[k].default]
         if both:
             raise ValueError(f"reward.sources lists each source with its settings; leave out reward.{both[0]} "
                              f"(the one-source form)")

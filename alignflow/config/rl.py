@@ -10,6 +10,7 @@ from alignflow.algorithms import ALGORITHMS, AlgorithmSpec, get_algorithm
 from alignflow.config.base import EngineConfig, GenerationConfig, Placement, Section
 from alignflow.config.agent import EnvironmentConfig
 from alignflow.config.reward import RewardConfig
+from alignflow.config.round_checks import check_round
 from alignflow.config.updates import KLConfig, PPOConfig
 
 AlgorithmName = Literal[tuple(ALGORITHMS)]  # type: ignore[valid-type]  (the registry's names)
@@ -212,89 +213,5 @@ class RoundConfig(Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> RoundConfig:
-        if self.generation.num_samples < self.spec.min_samples:
-            raise ValueError(f"{self.algorithm} needs generation.num_samples >= {self.spec.min_samples} "
-                             f"(a group per prompt)")
-        low, high = self.ppo.clip_low or self.spec.clip_low, self.ppo.clip_high or self.spec.clip_high
-        if high < low:
-            raise ValueError(f"ppo.clip_high ({high}) must be >= ppo.clip_low ({low}); a value left out is "
-                             f"{self.algorithm}'s default ({self.spec.clip_low}, {self.spec.clip_high})")
-        if self.ppo.advantage_std_norm is not None and self.spec.group_std_norm is None:
-            raise ValueError(f"ppo.advantage_std_norm: {self.algorithm} has no group-normalised advantages "
-                             f"(no group std to switch); leave it out")
-        frozen = self.actor.freeze_steps
-        if frozen and not self.spec.critic:
-            raise ValueError(f"actor.freeze_steps trains the critic alone; {self.algorithm} has no critic")
-        if frozen >= self.steps:
-            raise ValueError(f"actor.freeze_steps ({frozen}) must be < steps ({self.steps}): the actor would "
-                             f"never train")
-        per_update = self.dpo.pairs_per_update or self.prompts_per_step
-        if self.spec.update == "online_dpo" and per_update % self.actor.num_workers:
-            raise ValueError(f"online_dpo splits each update's pairs across actor.num_workers="
-                             f"{self.actor.num_workers}: dpo.pairs_per_update (or prompts_per_step, without it) "
-                             f"must be a multiple of it, got {per_update}")
-        if self.spec.teacher and not self.teacher:
-            raise ValueError(f"{self.algorithm} needs a teacher: a policy of this pipeline (e.g. round_2) or a "
-                             f"model path")
-        if self.teacher_revision is not None and not self.teacher:
-            raise ValueError("teacher_revision pins the teacher's hub model: give the teacher")
-        if self.teacher and not self.spec.teacher:
-            raise ValueError(f"teacher is read by algorithm distill; this round's algorithm is {self.algorithm}")
-        if self.spec.teacher and (self.ppo.dynamic_sampling or self.ppo.dynamic_sampling_mean_range):
-            raise ValueError(f"{self.algorithm}'s signal is its teacher's, not the task reward's: ppo.dynamic_sampling "
-                             "would drop the groups whose (unused) rewards are all equal from distillation")
-        if self.spec.teacher and self.generation.top_p < 1:
-            raise ValueError(f"{self.algorithm} compares the engines' log-probs of the student's samples with the "
-                             f"teacher's at generation.temperature; with generation.top_p={self.generation.top_p} "
-                             "the engines' are of the renormalised nucleus, which shifts each token's pull by its "
-                             "own amount: sample with top_p 1")
-        if any(c.source == "environment" for c in self.reward.components) and self.environment is None:
-            raise ValueError("reward.source environment rewards episodes' returns: give the round an environment")
-        buffer, longest = self.reward.overlong_buffer, self.max_response_tokens
-        if buffer > longest:
-            where = ("min(environment.max_turns * per-turn tokens, environment.max_episode_tokens)"
-                     if self.environment is not None else "generation.max_new_tokens")
-            raise ValueError(f"reward.overlong_buffer ({buffer}) must be <= the longest response, {where} = "
-                             f"{longest}: the penalty ramps over the last overlong_buffer tokens before it")
-        if self.environment is not None and self.partial_rollouts:
-            raise ValueError("partial_rollouts writes single responses in pieces; an environment's episodes take "
-                             "weights between whole episodes: leave partial_rollouts out")
-        if not self.async_rollouts and (self.max_staleness > 1 or self.partial_rollouts):
-            raise ValueError("max_staleness and partial_rollouts shape asynchronous rollouts: set async_rollouts")
-        if self.colocate_all:  # every model and engine gets a share of the actor's GPUs (gpu_share)
-            n, gpus, scored = self.actor.num_workers, self.actor.placement.num_gpus, self.uses_reference or \
-                self.reward.uses_model
-            if self.num_rollout_engines != n:
-                raise ValueError(f"colocate_all puts one rollout engine beside each actor worker: "
-                                 f"num_rollout_engines must equal actor.num_workers ({n})")
-            if self.spec.critic and self.critic.num_workers != n:
-                raise ValueError(f"colocate_all: critic.num_workers must equal actor.num_workers ({n})")
-            if self.generation.vllm.tensor_parallel_size > 1:
-                raise ValueError("colocate_all with generation.vllm.tensor_parallel_size > 1 is not supported: "
-                                 "colocate with one GPU per engine, or give tensor-parallel engines GPUs of "
-                                 "their own (colocate_all: false)")
-            if self.async_rollouts:
-                raise ValueError("async_rollouts keeps the engines awake while the models train: not with colocate_all")
-            on_gpu = gpus > 0  # the actor's GPUs are every model's and engine's (another num_gpus is refused below)
-            if (on_gpu and self.generation.backend == "vllm"
-                    and "gpu_memory_utilization" not in self.generation.vllm.model_fields_set):
-                raise ValueError(
-                    "colocate_all: vLLM starts on GPUs where the actor, critic, reference and reward model already "
-                    "hold their memory, and refuses to start unless generation.vllm.gpu_memory_utilization (a "
-                    f"share of the whole GPU, {self.generation.vllm.gpu_memory_utilization} by default) is free: "
-                    "set it to the share vLLM may take for its weights and KV cache (configs/gpu-small.yaml: 0.3)")
-            j = self.reward.judge.generation
-            if (on_gpu and self.reward.uses_judge and j.backend == "vllm"
-                    and "gpu_memory_utilization" not in j.vllm.model_fields_set):
-                raise ValueError("colocate_all: the judge's vLLM engine shares the GPU too: set "
-                                 "reward.judge.generation.vllm.gpu_memory_utilization to its share")
-            places = (("generation.placement", self.generation.placement, True), ("reward.judge.generation.placement",
-                      j.placement, self.reward.uses_judge), ("critic.placement", self.critic.placement,
-                      self.spec.critic), ("scorer_placement", self.scorer_placement, scored))
-            if pinned := [name for name, p, _ in places if p.resources]:
-                raise ValueError(f"colocate_all places every actor in the actor workers' bundles: set custom "
-                                 f"resources in actor.placement.resources, not in {', '.join(pinned)}")
-            if other := [f"{k}.num_gpus: {p.num_gpus}" for k, p, use in places if use and p.num_gpus not in (0, gpus)]:
-                raise ValueError(f"colocate_all shares actor.placement.num_gpus ({gpus}) among the models and engines "
-                                 f"it starts: {', '.join(other)} would not hold; set {gpus}, or 0 (the default) for it")
+        check_round(self)
         return self

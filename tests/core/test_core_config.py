@@ -751,6 +751,48 @@ def test_a_wrong_mix_is_named(reward, message):
         load_config(None, [f'rounds=[{{"reward": {json.dumps(reward)}}}]'])
 
 
+@pytest.mark.parametrize("reward, message", [
+    ({"rule": "my.mod:score"}, "rule is source rule's setting, and this source is model: set source: rule"),
+    ({"source": "rule", "url": "http://x", "timeout_s": 3},
+     "url and timeout_s are source remote's settings, and this source is rule"),
+    ({"sources": [{"source": "judge", "rule": "my.mod:score"}]}, "rule is source rule's setting, and this source is "
+                                                                 "judge"),
+])
+def test_a_setting_of_another_source_is_refused_not_ignored(reward, message):
+    """`rule` beside the default source (model) scored with the reward model while the user meant the rule."""
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [f'rounds=[{{"algorithm": "grpo", "reward": {json.dumps(reward)}}}]'])
+
+
+def test_a_config_object_given_to_the_pipeline_keeps_what_its_author_set():
+    """A PipelineConfig passed to the pipeline flow from Python is validated again as the fields its author set,
+    as a mix of reward sources beside the one-source form's defaults (a dumped config loads too)."""
+    from flows.pipeline import deployment_config
+
+    mix = [RULE, {"source": "model", "weight": 0.5}]
+    cfg = load_config(None, [f'rounds=[{{"algorithm": "grpo", "reward": {{"sources": {json.dumps(mix)}}}}}]'])
+    again, _ = deployment_config(cfg)
+    assert again.rounds == cfg.rounds
+
+
+@pytest.mark.parametrize("override, message", [
+    ('rounds=[{"algorithm": "grpo", "generation": {"temperature": 0}}]',
+     "a prompt's 4 samples would be one response 4 times, and grpo learns from each one's reward against its "
+     "group's: nothing"),
+    ('rounds=[{"algorithm": "online_dpo", "generation": {"temperature": 0}}]', "online_dpo learns from pairs"),
+    ('rounds=[{"actor": {"num_workers": 3}}]', r"ppo.minibatch_size \(64\), an update's rows, is split evenly "
+                                               r"across actor.num_workers \(3\)"),
+    ('rounds=[{"critic": {"num_workers": 3}}]', r"across critic.num_workers \(3\)"),
+    ("sft.num_workers=3", r"sft: Value error, batch_size \(32\) is split evenly across num_workers \(3\)"),
+])
+def test_a_round_that_could_not_learn_or_split_its_rows_is_refused_up_front(override, message):
+    """Greedy samples of a group algorithm are all one response (every advantage 0), and an update's rows
+    split across ranks that do not divide them raised only when the round started, after SFT."""
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [override])
+    assert load_config(None, ['rounds=[{"algorithm": "ppo", "generation": {"temperature": 0}}]'])  # a critic's
+
+
 def test_a_mix_with_the_reward_model_needs_its_section():
     def rounds(mix):
         return f'rounds=[{{"algorithm": "grpo", "reward": {{"sources": {json.dumps(mix)}}}}}]'

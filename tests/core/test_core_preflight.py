@@ -493,15 +493,15 @@ def test_s3_storage_root_takes_a_probe_object(moto_s3):
 
 
 def test_too_many_cpus_asked_names_the_round(tmp_path):
-    cfg = _write_config(tmp_path, "rounds:\n  - {actor: {num_workers: 20}}")
+    cfg = _write_config(tmp_path, "rounds:\n  - {actor: {num_workers: 16}}")
     assert problems(cfg) == [
-        "rounds.0: its actors need 24 CPU slots at once (actors x CPUs: actor 20x1, scorer_placement 1x1, generation 1x1, "
+        "rounds.0: its actors need 20 CPU slots at once (actors x CPUs: actor 16x1, scorer_placement 1x1, generation 1x1, "
         "critic 1x1; the run's evaluation engine host 1x1); the local Ray gets 16 (infra.ray_num_cpus): lower the "
         f"placements or counts, or raise infra.ray_num_cpus (from {cfg}; infra.ray_num_cpus: the default, not set in {cfg})"]
-    assert problems(cfg, "infra.ray_num_cpus=24") == []
-    # Without the host (each evaluation's engine in a process of its own) the round alone needs 23.
-    assert problems(cfg, "infra.ray_num_cpus=23") != [] and problems(
-        cfg, "infra.ray_num_cpus=23", "evaluation.engine_lifetime=stage") == []
+    assert problems(cfg, "infra.ray_num_cpus=20") == []
+    # Without the host (each evaluation's engine in a process of its own) the round alone needs 19.
+    assert problems(cfg, "infra.ray_num_cpus=19") != [] and problems(
+        cfg, "infra.ray_num_cpus=19", "evaluation.engine_lifetime=stage") == []
     assert problems(cfg, "infra.ray_address=ray://cluster:10001") == []  # a cluster's own slots: checked there
     assert problems(None, f"infra.storage.root={tmp_path / 'a'}", "sft.num_workers=4", "sft.placement.num_cpus=5") == [
         "sft: its actors need 21 CPU slots at once (sft.num_workers=4 x sft.placement.num_cpus=5; the run's evaluation "
