@@ -10,7 +10,7 @@ import re
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from alignflow.config.judge import JudgeRewardConfig
+    from alignflow.config.round.judge import JudgeRewardConfig
 
 
 def parse_verdict(text: str, cfg: JudgeRewardConfig) -> float | None:

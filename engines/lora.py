@@ -27,7 +27,7 @@ import torch
 
 from alignflow.config.base import LoraConfig
 from alignflow.errors import ConfigError
-from alignflow.lora_targets import layers_of, target_problem
+from alignflow.config.lora_targets import layers_of, target_problem
 
 ADAPTER = "default"  # peft's name of the one adapter
 ADAPTER_DIR = "adapter"

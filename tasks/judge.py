@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 
 from alignflow.cluster import ensure_ray
-from alignflow.config.judge import VERDICTS
+from alignflow.config.round.judge import VERDICTS
 from alignflow.records import StageResult
 from alignflow.seeds import derive_seed
 from alignflow.verdicts import parse_verdict

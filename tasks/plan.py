@@ -36,7 +36,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, SerializeAsAny
 
 from alignflow.config import DataConfig, EnvironmentConfig, PipelineConfig, Section, cache_relevant
-from alignflow.config.judge import JudgeGeneration, JudgeRewardConfig
+from alignflow.config.round.judge import JudgeGeneration, JudgeRewardConfig
 from alignflow.errors import ConfigError
 from alignflow.fingerprint import Fingerprints, module_source
 from alignflow.seeds import derive_seed

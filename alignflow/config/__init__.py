@@ -33,11 +33,11 @@ from alignflow.config.pipeline import (
     SFTConfig,
     StorageConfig,
 )
-from alignflow.config.agent import EnvironmentConfig
+from alignflow.config.round.agent import EnvironmentConfig
 from alignflow.config.distill import OfflineDistillConfig
-from alignflow.config.judge import JudgeConfig, JudgeRewardConfig
+from alignflow.config.round.judge import JudgeConfig, JudgeRewardConfig
 from alignflow.config.preference import PreferenceConfig
-from alignflow.config.rl import (
+from alignflow.config.round.rl import (
     ActorConfig,
     OnlineDPOConfig,
     CriticConfig,

@@ -23,11 +23,11 @@ from pydantic import Field, field_validator, model_validator
 from alignflow.config.base import GenerationConfig, Placement, Section, TrainConfig
 from alignflow.config.data import DataConfig
 from alignflow.config.distill import OfflineDistillConfig
-from alignflow.config.judge import VERDICTS, JudgeConfig
+from alignflow.config.round.judge import VERDICTS, JudgeConfig
 from alignflow.config.model import ModelConfig
 from alignflow.config.preference import PreferenceConfig, PreferenceLoss
-from alignflow.config.agent import EnvironmentConfig
-from alignflow.config.rl import ActorConfig, RoundConfig
+from alignflow.config.round.agent import EnvironmentConfig
+from alignflow.config.round.rl import ActorConfig, RoundConfig
 from alignflow.verdicts import parse_verdict
 
 

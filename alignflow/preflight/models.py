@@ -42,7 +42,7 @@ def _lora_targets(cfg: PipelineConfig, base, found: Findings) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    from alignflow.lora_targets import layers_of, target_problem
+    from alignflow.config.lora_targets import layers_of, target_problem
 
     models = {}
     for field, lora, kind in engines:

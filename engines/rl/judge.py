@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from alignflow.config.judge import JudgeRewardConfig
+from alignflow.config.round.judge import JudgeRewardConfig
 from alignflow.errors import ConfigError
 from alignflow.verdicts import parse_verdict
 from engines.batches import render_prompt

@@ -231,7 +231,7 @@ def test_embeddings_and_a_tied_output_layer_are_refused_as_targets():
     linear ones."""
     from transformers import GPT2Config, Qwen2Config
 
-    from alignflow.lora_targets import layers_of, target_problem
+    from alignflow.config.lora_targets import layers_of, target_problem
 
     shape = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
              "num_key_value_heads": 1, "vocab_size": 64}

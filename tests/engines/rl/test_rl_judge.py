@@ -54,7 +54,7 @@ def expected_scores(cfg, verdicts: list[str]) -> tuple[list[float], int]:
 
 
 def test_the_judge_scores_what_its_model_answers(ray_local, tiny_model, tokenizer, prompts):
-    from alignflow.config.judge import JudgeRewardConfig
+    from alignflow.config.round.judge import JudgeRewardConfig
     from engines.models import load_tokenizer
     from engines.rl.judge import Judge
     from engines.rl.rewards import ScoredText

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from alignflow.config import ConfigError, load_config
-from alignflow.config.judge import JUDGE_TEMPLATE, JudgeRewardConfig
+from alignflow.config.round.judge import JUDGE_TEMPLATE, JudgeRewardConfig
 from alignflow.verdicts import parse_verdict
 from engines.rl.judge import judge_messages, judge_positions
 from engines.rl.rewards import prompt_text
@@ -99,7 +99,7 @@ def test_a_round_asking_the_pipelines_judge_needs_one_trained_with_its_template(
 def test_the_judge_engine_holds_the_positions_asked_for_and_no_more_than_the_model_has():
     """vLLM reserves KV cache for one sequence of max_model_len to start: a long-context judge on a shared
     GPU is given fewer positions than its model's, and more than the model's are refused, by name."""
-    from alignflow.config.judge import JudgeGeneration
+    from alignflow.config.round.judge import JudgeGeneration
 
     field = "rounds.1.reward.judge.generation.max_model_len"
     assert judge_positions(131072, JudgeGeneration(), field) == 131072  # None: the model's own

@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from alignflow.config.rl import RoundConfig
-
-
-def check_round(r: RoundConfig) -> None:
-    """Raise ValueError naming the settings that disagree."""
+def check_round(r) -> None:
+    """Raise ValueError naming the settings of the RoundConfig `r` that disagree."""
     if r.generation.num_samples < r.spec.min_samples:
         raise ValueError(f"{r.algorithm} needs generation.num_samples >= {r.spec.min_samples} "
                          f"(a group per prompt)")

@@ -11,7 +11,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from alignflow.config.base import Section
-from alignflow.config.judge import JudgeRewardConfig
+from alignflow.config.round.judge import JudgeRewardConfig
 
 Source = Literal["model", "rule", "remote", "judge", "environment"]
 # Metric names the reward shaping already logs under reward/ (engines/rl/experience.py, engines/rl/round.py).

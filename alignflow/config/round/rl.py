@@ -8,10 +8,10 @@ from pydantic import Field, ValidationError, model_validator
 
 from alignflow.algorithms import ALGORITHMS, AlgorithmSpec, get_algorithm
 from alignflow.config.base import EngineConfig, GenerationConfig, Placement, Section
-from alignflow.config.agent import EnvironmentConfig
-from alignflow.config.reward import RewardConfig
-from alignflow.config.round_checks import check_round
-from alignflow.config.updates import KLConfig, PPOConfig
+from alignflow.config.round.agent import EnvironmentConfig
+from alignflow.config.round.reward import RewardConfig
+from alignflow.config.round.checks import check_round
+from alignflow.config.round.updates import KLConfig, PPOConfig
 
 AlgorithmName = Literal[tuple(ALGORITHMS)]  # type: ignore[valid-type]  (the registry's names)
 
