@@ -19,6 +19,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import fsspec
@@ -76,17 +77,13 @@ class Storage:
             return fsspec.filesystem("file")
         protocol = self.root.split("://", 1)[0]
         options: dict[str, Any] = {}
-        if protocol == "s3":
+        if protocol == "s3":  # skip_instance_cache: a fresh listing matters more than fsspec's cached instance
             endpoint = self.endpoint_url or os.environ.get("AWS_ENDPOINT_URL")
-            if endpoint:
-                options["client_kwargs"] = {"endpoint_url": endpoint}
-            options["skip_instance_cache"] = True  # a fresh listing matters more than fsspec's cached instance
+            options = {"skip_instance_cache": True, **({"client_kwargs": {"endpoint_url": endpoint}} if endpoint else {})}
         return fsspec.filesystem(protocol, **options)
 
     def _root(self) -> str:
-        if self.is_local:
-            return str(local_path(self.root))
-        return self.root.rstrip("/")
+        return str(local_path(self.root)) if self.is_local else self.root.rstrip("/")
 
     def uri(self, *parts: str) -> str:
         return "/".join([self._root(), *parts])
@@ -105,6 +102,13 @@ class Storage:
 
     def is_committed(self, uri: str) -> bool:
         return self._fs().exists(f"{uri}/{MANIFEST}")
+
+    def unstored(self, uri: str, which: Callable[[str], bool] = lambda rel: True) -> list[str]:
+        """The files of committed `uri`'s manifest (those `which` selects) not stored at their size: one listing."""
+        fs = self._fs()
+        prefix = fs._strip_protocol(uri).rstrip("/") + "/"
+        sizes = {p.removeprefix(prefix): i["size"] for p, i in fs.find(uri, detail=True).items()}
+        return [r for r, f in self.read_manifest(uri)["files"].items() if which(r) and sizes.get(r) != f["size"]]
 
     def set_aside(self, uri: str) -> str:
         """Uncommit `uri`, its files kept for a look: its manifest becomes `manifest.corrupt.json` (returned)."""
@@ -126,14 +130,12 @@ class Storage:
         files = sorted(p for p in local_dir.rglob("*") if p.is_file() and p.name != MANIFEST)
         fs = self._fs()
         fs.makedirs(uri, exist_ok=True)
-        entries = {}
-        for p in files:
-            rel = p.relative_to(local_dir).as_posix()
-            entries[rel] = {"size": p.stat().st_size, "sha256": file_digest(p)}
-            target = f"{uri}/{rel}"
+        entries = {(rel := p.relative_to(local_dir).as_posix()): {"size": p.stat().st_size, "sha256": file_digest(p)}
+                   for p in files}
+        for rel in entries:
             if "/" in rel:
-                fs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)
-            fs.put_file(str(p), target)
+                fs.makedirs(f"{uri}/{rel}".rsplit("/", 1)[0], exist_ok=True)
+            fs.put_file(str(local_dir / rel), f"{uri}/{rel}")
         return entries
 
     def commit(self, local_dir: str | Path | None, uri: str, meta: dict[str, Any] | None = None,
@@ -153,11 +155,9 @@ class Storage:
         try:  # removed on every path, a meta that is not JSON included
             with os.fdopen(fd, "w") as f:
                 json.dump(manifest, f, indent=1, sort_keys=True)
-            if self.is_local:
-                # A local copy is not atomic: copy beside, then rename into place,
-                # so a crash never leaves a truncated manifest that looks committed.
+            if self.is_local:  # a local copy is not atomic: copied beside, then renamed into place, a crash
                 fs.put_file(tmp, f"{uri}/{MANIFEST}.partial")
-                os.replace(f"{uri}/{MANIFEST}.partial", f"{uri}/{MANIFEST}")
+                os.replace(f"{uri}/{MANIFEST}.partial", f"{uri}/{MANIFEST}")  # never leaves a truncated one
             else:  # an object-store PUT appears whole or not at all
                 fs.put_file(tmp, f"{uri}/{MANIFEST}")
         finally:
@@ -200,7 +200,10 @@ class Storage:
             fs = self._fs()
             for rel in files:
                 (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
-                fs.get_file(f"{uri}/{rel}", str(tmp / rel))
+                try:
+                    fs.get_file(f"{uri}/{rel}", str(tmp / rel))
+                except FileNotFoundError:  # lost after the commit (a lifecycle rule, a cleanup): corrupt, as locally
+                    raise CorruptArtifact(f"{uri}: files do not match the manifest: {rel} (not stored)") from None
             if local.exists() and not _matches(local, files, check_digest=True):
                 shutil.rmtree(local, ignore_errors=True)  # a stale or broken copy
             try:
@@ -249,10 +252,7 @@ class Storage:
         for step, uri in self.committed_checkpoints(stage_uri):
             try:
                 local = self.fetch(uri, verify=True, skip=skip)
-                fs, files = self._fs(), self.read_manifest(uri)["files"]
-                bad = [rel for rel, f in files.items() if _skipped(rel, skip)
-                       and (not fs.exists(f"{uri}/{rel}") or fs.size(f"{uri}/{rel}") != f["size"])]
-                if bad:
+                if bad := self.unstored(uri, lambda rel: _skipped(rel, skip)):
                     raise CorruptArtifact(f"{uri}: stored files missing or of the wrong size: {', '.join(bad)}")
                 return step, uri, local
             except (StorageError, ValueError, KeyError) as err:  # ValueError: a manifest that is not JSON

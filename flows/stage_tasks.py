@@ -16,6 +16,7 @@ from prefect_ray.context import remote_options
 
 from alignflow.cluster import EVALUATION_TURN, init_ray, ray_init_kwargs
 from alignflow.config import InfraConfig
+from alignflow.storage import Storage
 from flows.runtime import result_storage, warn_local_root_on_cluster
 from tasks.context import RunContext
 from tasks.plan import Plan
@@ -47,13 +48,25 @@ class StageTasks:
             # `evaluate_policy-97b`, and one that runs is `eval_round_1`.
             # Prefect's cache answers for a stage whose artifact is gone (a bucket's lifecycle rule, a cleanup)
             # without running it, and every later run would hand on a URI to nothing: such a stage is run.
-            gone = not storage.is_committed(storage.stage_uri(stage.name, stage.key))
+            gone = lost_artifact(storage, storage.stage_uri(stage.name, stage.key))
             task = self.tasks[stage.kind].with_options(name=stage.name, task_run_name=stage.name, tags={stage.kind},
                                                        refresh_cache=gone)
             taking_turns = turns and STAGE_KINDS[stage.kind].target == "evaluation"
             with remote_options(**({"resources": {EVALUATION_TURN: 1}} if taking_turns else {})):
                 futures[stage.name] = task.submit(stage=stage, inputs=upstream, ctx=ctx)
         return futures
+
+
+def lost_artifact(storage: Storage, uri: str) -> bool:
+    """Whether a stage's artifact is not there to reuse: never committed, or committed with files lost since (the
+    listing of one prefix). Such an artifact is set aside (its manifest renamed, its files kept), and its stage
+    runs again: downstream stages would fail on it at every retry."""
+    if not storage.is_committed(uri):
+        return True
+    if lost := storage.unstored(uri):
+        aside = storage.set_aside(uri)
+        log.warning("%s lost %s since its commit: set aside (%s), its stage runs again", uri, ", ".join(lost), aside)
+    return bool(lost)
 
 
 @ray.remote(num_cpus=0)

@@ -189,3 +189,34 @@ def test_processes_of_one_node_download_a_shared_artifact_once(s3, tmp_path, mon
         t.join()
     assert len(set(results)) == 1 and len(results) == 4
     assert sorted(gets) == sorted(f"{uri}/{rel}" for rel in FILES), gets
+
+
+def test_a_checkpoint_that_lost_a_file_on_s3_is_skipped_for_the_one_before(s3, tmp_path, monkeypatch, caplog):
+    """A committed checkpoint's small file deleted from the bucket (a lifecycle rule, a cleanup): the task's
+    download found no object and raised FileNotFoundError at every retry; it is a checkpoint that fails
+    verification, skipped with a warning for the one before it, as on a local root."""
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "node"))
+    older, newest = _checkpoint(s3, 4, tmp_path), _checkpoint(s3, 8, tmp_path)
+    s3._fs().rm(f"{newest.uri}/round.json")
+    assert s3.unstored(newest.uri) == ["round.json"] and s3.unstored(older.uri) == []
+    with caplog.at_level("WARNING", logger="alignflow"):
+        assert s3.latest_valid_checkpoint(s3.stage_uri("round_1", "k"), skip=WEIGHT_FILES)[:2] == (4, older.uri)
+    assert "round.json (not stored)" in caplog.text
+    s3._fs().rm(f"{older.uri}/critic/model.safetensors")  # a weight, checked by its stored size
+    assert s3.unstored(older.uri) == ["critic/model.safetensors"]
+    assert s3.latest_valid_checkpoint(s3.stage_uri("round_1", "k"), skip=WEIGHT_FILES) is None
+
+
+def test_a_stage_artifact_that_lost_a_file_is_set_aside_and_run_again(s3, tmp_path):
+    """Prefect's cache would answer for a committed stage whose files were lost since, and every stage that
+    reads it would fail at each retry: the plan's submission sets it aside (its files kept) and runs it."""
+    from flows.stage_tasks import lost_artifact
+
+    uri = s3.stage_uri("sft", "k")
+    _write(tmp_path / "sft", {"model.safetensors": os.urandom(64), "config.json": b"{}"})
+    s3.commit(tmp_path / "sft", uri)
+    assert not lost_artifact(s3, uri) and s3.is_committed(uri)
+    s3._fs().rm(f"{uri}/config.json")
+    assert lost_artifact(s3, uri) and not s3.is_committed(uri)
+    assert s3._fs().exists(f"{uri}/manifest.corrupt.json") and s3._fs().exists(f"{uri}/model.safetensors")
+    assert lost_artifact(s3, s3.stage_uri("sft", "never"))
