@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 
@@ -63,3 +64,31 @@ def test_a_tokenizer_with_neither_pad_nor_eos_is_refused_naming_the_model(tmp_pa
     _tokenizer_without(tmp_path, "pad_token", "eos_token")
     with pytest.raises(ConfigError, match=rf"model.base {tmp_path}: its tokenizer has neither a pad token nor an EOS"):
         say_padding(str(tmp_path))
+
+
+def test_a_model_directory_named_as_a_file_uri_with_pickled_weights_is_committed_as_safetensors(tmp_path):
+    """model.base as file://… (or ~/…) is the directory preflight and the plan's fingerprint read, not a hub
+    id; a directory holding pytorch_model.bin alone is committed as safetensors, with the same weights."""
+    import torch
+    from safetensors.torch import load_file
+
+    from alignflow.config import TinyModelConfig, load_config
+    from engines.models import build_tiny_model, load_policy
+    from tasks.context import RunContext
+    from tasks.plan import plan_pipeline
+    from tasks.runner import run_stage
+
+    user = build_tiny_model(TinyModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                                            intermediate_size=64), seed=0, out_dir=tmp_path / "user")
+    weights = load_file(str(user / "model.safetensors"))
+    (user / "model.safetensors").unlink()
+    torch.save(weights, user / "pytorch_model.bin")
+    cfg = load_config(None, [f"model.base=file://{user}", f"infra.storage.root={tmp_path / 'artifacts'}",
+                             f"infra.storage.cache_dir={tmp_path / 'cache'}",
+                             f"infra.mlflow_tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}"])
+    model = run_stage(plan_pipeline(cfg).stages["base_model"], {}, RunContext(infra=cfg.infra))
+    committed = sorted(p.name for p in Path(model.uri).iterdir())
+    assert "model.safetensors" in committed and not [n for n in committed if n.endswith((".bin", ".pt"))], committed
+    loaded = load_policy(model.uri).state_dict()
+    for name, value in weights.items():
+        assert torch.equal(loaded[name], value), name
