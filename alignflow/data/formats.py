@@ -282,4 +282,7 @@ def normalize_row(row: Any, kind: Kind, src: DatasetSource, where: str) -> dict[
         return {"prompt": prompt, "response": _text(row, src.response_key, where,
                                                      f"or set response_key under {section}")}
     answer = row.get(src.answer_key) if src.answer_key else None
+    if answer is not None and not isinstance(answer, (str, int, float)):  # str() of a list matches no response
+        raise DataError(f"{where}: key {src.answer_key!r} must be a string or a number (the checker and a rule "
+                        f"reward get it as text), got {type(answer).__name__}")
     return {"prompt": prompt, "answer": None if answer is None else str(answer)}

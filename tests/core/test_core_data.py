@@ -607,6 +607,8 @@ def test_a_remote_file_is_read_line_by_line_and_its_bad_row_named(moto_s3, monke
         ({"prompt": "  ", "response": "r"}, "sft", "prompt", "is an empty string"),
         ({"prompt": [], "response": "r"}, "sft", "prompt", "got list"),
         ({"prompt": "p", "chosen": "c", "rejected": {"x": 1}}, "preference", "rejected", "must be a string, got dict"),
+        ({"prompt": "p", "answer": ["6", "six"]}, "prompts", "answer", "must be a string or a number (the checker "
+                                                                        "and a rule reward get it as text), got list"),
     ],
 )
 def test_wrong_type(tmp_path, row, kind, key, text):
