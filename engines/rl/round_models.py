@@ -201,7 +201,7 @@ def start_round_models(cfg: RoundConfig, setup: RoundSetup, updates_per_step: in
     on failure, kill what was started (the caller's process lives on)."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    check_resources(cfg)
+    check_resources(cfg, setup)
     spec, models = cfg.spec, RoundModels(colocated=cfg.colocate_all, offload=cfg.colocate_offload,
                                          publishes=cfg.async_rollouts)
     models.bucket_bytes = int(cfg.generation.weight_bucket_mb * 2**20)
@@ -222,7 +222,7 @@ def start_round_models(cfg: RoundConfig, setup: RoundSetup, updates_per_step: in
 
     try:
         if cfg.colocate_all:
-            models.placement_group = ray.util.placement_group(colocated_bundles(cfg), strategy="PACK")
+            models.placement_group = ray.util.placement_group(colocated_bundles(cfg, setup), strategy="PACK")
             wait_placement_group(models.placement_group, f"round ({cfg.algorithm}) colocate_all", "PACK")
         n = cfg.actor.num_workers
         models.actor = TrainerGroup(engine(cfg.actor, setup.policy_path, "causal", "actor",

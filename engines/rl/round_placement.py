@@ -30,16 +30,17 @@ def _scorers(cfg: RoundConfig, setup: RoundSetupLike | None = None) -> int:
     return min(wanted, 1) if cfg.colocate_reference_and_reward else wanted
 
 
-def round_resources(cfg: RoundConfig) -> dict[str, float]:
+def round_resources(cfg: RoundConfig, setup: RoundSetupLike | None = None) -> dict[str, float]:
     """Total CPU/GPU slots (and custom resources) of a round's actors (trainers, scorers, rollout
-    engines). Colocated, the GPUs are the bundles' (one per actor worker), whatever the shares."""
+    engines). Colocated, the GPUs are the bundles' (one per actor worker), whatever the shares. `setup`: the
+    round's inputs, where known (a reference that is the actor's own base starts no scorer)."""
     g = cfg.generation
     if cfg.colocate_all:
-        parts = [({"GPU": 0.0, **b}, 1) for b in colocated_bundles(cfg)]
+        parts = [({"GPU": 0.0, **b}, 1) for b in colocated_bundles(cfg, setup)]
     else:
         j = cfg.reward.judge.generation
         parts = [(_slots(cfg.actor.placement), cfg.actor.num_workers),
-                 (_slots(cfg.scorer_placement), _scorers(cfg)),
+                 (_slots(cfg.scorer_placement), _scorers(cfg, setup)),
                  ({**_slots(g.placement), "GPU": g.gpus_per_engine}, cfg.num_rollout_engines),
                  ({**_slots(j.placement), "GPU": j.gpus_per_engine}, int(cfg.reward.uses_judge))]
         if cfg.spec.critic:
@@ -55,22 +56,22 @@ def _slots(p) -> dict[str, float]:
     return {"CPU": p.num_cpus, "GPU": p.num_gpus, **p.resources}
 
 
-def _kinds_on_bundle(cfg: RoundConfig, index: int) -> list[tuple[str, float]]:
+def _kinds_on_bundle(cfg: RoundConfig, index: int, setup: RoundSetupLike | None = None) -> list[tuple[str, float]]:
     """(kind, CPUs) of the actors that colocation puts on bundle `index` (the scorers and the judge's engine on 0)."""
     kinds = [("actor", cfg.actor.placement.num_cpus), ("engine", cfg.generation.placement.num_cpus)]
     if cfg.spec.critic:
         kinds.append(("critic", cfg.critic.placement.num_cpus))
     if index == 0:
-        kinds += [("scorer", cfg.scorer_placement.num_cpus)] * _scorers(cfg)
+        kinds += [("scorer", cfg.scorer_placement.num_cpus)] * _scorers(cfg, setup)
         kinds += [("judge", cfg.reward.judge.generation.placement.num_cpus)] * int(cfg.reward.uses_judge)
     return kinds
 
 
-def colocated_bundles(cfg: RoundConfig) -> list[dict[str, float]]:
+def colocated_bundles(cfg: RoundConfig, setup: RoundSetupLike | None = None) -> list[dict[str, float]]:
     """One bundle per actor worker: the CPUs of everything placed on it, and one GPU when the
     actor's placement asks for GPUs (on a CPU-only cluster the bundles hold CPUs alone)."""
     gpu = {"GPU": 1.0} if cfg.actor.placement.num_gpus > 0 else {}
-    return [{"CPU": sum(c for _, c in _kinds_on_bundle(cfg, i)), **gpu, **cfg.actor.placement.resources}
+    return [{"CPU": sum(c for _, c in _kinds_on_bundle(cfg, i, setup)), **gpu, **cfg.actor.placement.resources}
             for i in range(cfg.actor.num_workers)]
 
 
@@ -87,10 +88,10 @@ def engines_share_a_gpu(cfg: RoundConfig) -> bool:
     return cfg.colocate_all or any(0 < p.num_gpus < 1 for p in places)
 
 
-def check_resources(cfg: RoundConfig) -> None:
+def check_resources(cfg: RoundConfig, setup: RoundSetupLike | None = None) -> None:
     """Fail before starting anything: an actor Ray cannot place would wait forever."""
     total = ray.cluster_resources()
-    need = round_resources(cfg)
+    need = round_resources(cfg, setup)
     short = {k: (v, total.get(k, 0.0)) for k, v in need.items() if v > total.get(k, 0.0)}
     if short:
         detail = ", ".join(f"{k}: needs {v:g}, cluster has {have:g}" for k, (v, have) in short.items())

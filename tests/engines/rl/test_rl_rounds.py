@@ -224,6 +224,23 @@ def test_only_a_lora_round_that_starts_from_its_reference_uses_the_actor_as_refe
     assert not reference_is_actor(cfg, None)
 
 
+def test_a_round_is_sized_without_the_scorer_it_does_not_start():
+    """A LoRA round whose reference is the actor's own base (with a rule reward) starts no scorer: the check
+    before the start counted one anyway, and refused a cluster with exactly the slots the round takes (with
+    scorer_placement.num_gpus 1, as configs/gpu-small.yaml sets it, a GPU the round never asks for)."""
+    from engines.rl.round_models import RoundSetup
+    from engines.rl.round_placement import colocated_bundles, round_resources
+
+    cfg = _round("grpo", kl=KLConfig(coef=0.05), actor={"lora": {"rank": 4}}, reward={"source": "rule"},
+                 scorer_placement={"num_cpus": 1, "num_gpus": 1})
+    setup = RoundSetup(policy_path="/sft", reference_path="/sft", reward_path=None, prompts=[], dtype="float32",
+                       torch_threads=1, max_model_len=80, seed=0)
+    assert round_resources(cfg)["GPU"] == 1 and round_resources(cfg, setup)["GPU"] == 0  # not known: counted
+    assert round_resources(cfg)["CPU"] - round_resources(cfg, setup)["CPU"] == 1
+    colocated = cfg.model_copy(update={"colocate_all": True})
+    assert colocated_bundles(colocated)[0]["CPU"] - colocated_bundles(colocated, setup)[0]["CPU"] == 1
+
+
 def test_a_lora_round_trains_adapters_against_its_own_frozen_base(ray_local, tiny_model, prompts):
     """actor.lora: under 5 % of the parameters train, no reference scorer starts (the actor with its
     adapters disabled is the reference: the start policy's numbers), and the step still moves the
