@@ -5,8 +5,7 @@
     WeightSync           the driver's side: groups made once per round, then `push` per update
     push_state(...)      a state dict from this process into rollout actors (tests, checkpoints)
 
-The wire format and the groups are engines/transport/wire.py; the engines' receiving side is
-engines/rollout/vllm_engine.py (`prepare_weights`, `join_transport`, `receive_weights`).
+The wire format and the groups: engines/transport/wire.py; the receiving side: engines/rollout/vllm_engine.py.
 """
 
 from __future__ import annotations
@@ -18,8 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from engines.transport.wire import (Bucket, TensorSpec, TransportGroup, WeightSyncError, pack, plan_buckets,
-                                    send_buckets)
+from engines.transport.wire import Bucket, TensorSpec, TransportGroup, WeightSyncError, pack, plan_buckets, send_buckets
 
 __all__ = ["WeightSender", "WeightSync", "choose_backend", "default_bucket_bytes", "gpu_id", "push_state"]
 
@@ -112,7 +110,8 @@ def publish(group: TransportGroup, version: int, buckets: Sequence[Bucket], pack
             if device.type == "cuda":
                 torch.cuda.set_device(device)
             wait_for_takers(group.store, version, group.world_size - 1)
-            send_buckets(group, buckets, lambda b, out: packed.pop(id(b)))
+            send_buckets(group, buckets, lambda b, out: packed.pop(id(b)).to(device, non_blocking=True)
+                         if group.backend == "nccl" else packed.pop(id(b)))  # a snapshot in host memory: to the GPU
         except BaseException as err:  # raised by the sender's next `sent`
             errors.append(err)
 
@@ -152,11 +151,10 @@ class WeightSender:
     def send(self, background: bool = False, version: int = 0) -> int:
         """One update: every bucket, in order. Bytes sent (0 on a rank that only gathers).
 
-        `background` (asynchronous rounds, over gloo or nccl): every bucket is packed now, a snapshot of
-        the weights as they are (one copy of them on the sending device), and published as `version` (the
-        engines' count of updates once they take it): a thread of this process sends it once the engines
-        take it (`publish`), while the caller goes on training. An update waits for the one before it
-        (`sent`); the driver has waited for the engines to take that one already (WeightSync.push)."""
+        `background` (asynchronous rounds, over gloo or nccl): every bucket is packed now, a snapshot of the
+        weights (on the sending GPU where half its free memory holds it, else in pinned host memory), published
+        as `version` (the engines' count of updates once they take it): a thread of this process sends it once
+        the engines take it (`publish`), while the caller trains on. An update waits for the one before it."""
         from engines.lora import gathered
 
         self.sent()
@@ -178,7 +176,9 @@ class WeightSender:
         if background:
             if self.group.backend == "ipc":
                 raise WeightSyncError(IPC_UNPUBLISHED)
-            packed = {id(b): pack_bucket(b, None) for b in self.buckets}
+            on_host = device != "cpu" and torch.cuda.mem_get_info(device)[0] < 2 * sum(b.nbytes for b in self.buckets)
+            packed = {id(b): pack_bucket(b, torch.empty(b.nbytes, dtype=torch.uint8, pin_memory=True) if on_host
+                                         else None) for b in self.buckets}
             if self.group.device.type == "cuda":
                 torch.cuda.current_stream(self.group.device).synchronize()  # packed before the thread sends it
             self._sending = publish(self.group, version, self.buckets, packed)
