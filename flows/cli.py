@@ -13,6 +13,7 @@ flows/runtime.py). `plan` starts neither Prefect nor Ray.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import shutil
@@ -27,6 +28,7 @@ from alignflow.cluster import SCRATCH_ENV, apply_process_env
 from alignflow.config import PipelineConfig, load_config, resolve_paths
 from alignflow.errors import ConfigError, StartError, UserError
 from alignflow.interrupts import Terminated, install_sigterm_handler
+from alignflow.redact import redact, redact_url
 from alignflow.storage import is_local_uri, local_path
 from flows import console
 from flows.planview import StageState, format_plan, plan_states
@@ -56,7 +58,7 @@ def cmd_validate(cfg: PipelineConfig, path: str | None = None, overrides: list[s
     from alignflow.preflight import check  # data, model, lengths, rewards, storage, Ray slots: seconds
 
     found = check(cfg, overrides, path)
-    print(cfg.model_dump_json(indent=2))
+    print(json.dumps(redact(cfg.model_dump(mode="json")), indent=2))  # a URL's credentials never printed
     print("config is valid", file=sys.stderr)
     print(f"preflight: {found.checks} checks passed", file=sys.stderr)
     return 0
@@ -190,11 +192,12 @@ def _print_report(report, elapsed: float, verbose: bool = False) -> None:
         print(f"stages:     {', '.join(f'{n} {state}' for state, n in counts.items())}; each under "
               f"<artifacts>/<stage>/<key> (keys in the plan above; -v lists them)")
     print(f"artifacts:  {report.storage_root}")
-    print(f"MLflow:     {report.mlflow_tracking_uri}  (parent run {report.mlflow_run_id})")
+    tracking = redact_url(report.mlflow_tracking_uri)  # a database URI's password stays out of the job's log
+    print(f"MLflow:     {tracking}  (parent run {report.mlflow_run_id})")
     if report.mlflow_served:
         print(f"            {report.mlflow_link()}")
     else:
-        print(f"            mlflow ui --backend-store-uri {report.mlflow_tracking_uri}, then {report.mlflow_link()}")
+        print(f"            mlflow ui --backend-store-uri {tracking}, then {report.mlflow_link()}")
     if report.curves_uri:
         print(f"curves:     {report.curves_uri}  (loss, rounds, eval .png)")
     print(f"wall time:  {elapsed:.1f} s")

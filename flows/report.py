@@ -9,6 +9,7 @@ from pydantic import BaseModel
 from alignflow.config import PipelineConfig
 from alignflow.interrupts import DeferredSignals, end_status
 from alignflow.records import StageResult
+from alignflow.redact import redact_url
 from flows.curves import publish_curves
 from flows.stage_tasks import cancel_task_runs, settled, stop_unfinished
 from tasks.context import RunContext
@@ -57,7 +58,7 @@ class PipelineReport(BaseModel):
         experiment on its GenAI overview unless the link (or the user's own toggle) asks for
         `workflowType=machine_learning`. A tracking server is its own UI; a database is shown by
         `mlflow ui` at `ui`."""
-        base = self.mlflow_tracking_uri if self.mlflow_served else ui
+        base = redact_url(self.mlflow_tracking_uri) if self.mlflow_served else ui  # printed: no credentials
         return f"{base.rstrip('/')}/#/experiments/{self.mlflow_experiment_id}/runs?workflowType=machine_learning"
 
     def columns(self) -> list[tuple[str, str]]:

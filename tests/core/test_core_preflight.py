@@ -603,6 +603,17 @@ def test_cli_reports_preflight_problems_before_prefect_starts(command, tmp_path,
         assert re.search(r"^  data +data +model=base_model +[0-9a-f]{20}  will run", proc.stdout, re.M), proc.stdout
 
 
+def test_validate_prints_the_config_without_a_urls_credentials(tmp_path, capsys):
+    """`alignflow validate` prints the config it checked: a tracking server's password, or a reward service's
+    api_key, stays out of the job's log (as out of MLflow's params and the plan)."""
+    from flows.cli import cmd_validate
+
+    overrides = [f"infra.storage.root={tmp_path / 'a'}", "infra.mlflow_tracking_uri=http://me:s3cr3t@127.0.0.1:1/"]
+    assert cmd_validate(load_config(None, overrides), None, overrides) == 0
+    shown = capsys.readouterr().out
+    assert json.loads(shown)["infra"]["mlflow_tracking_uri"] == "http://127.0.0.1:1/" and "s3cr3t" not in shown
+
+
 def _hub_cache(cache: Path) -> dict[str, str]:
     """A hub cache as huggingface_hub lays it out, holding `alignflow/tiny` at two commits: main (the tiny
     model of seed 0, 128 positions) and the branch v2 (seed 1, 256 positions). Name -> commit."""
