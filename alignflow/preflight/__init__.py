@@ -5,7 +5,8 @@
                  judge engine's max_model_len fit their model's positions; LoRA targets name layers it can adapt
     rewards.py   rule rewards, the checker and environments (with their tools' schemas) import and take the
                  arguments they are given; remote reward services answer
-    stores.py    the storage root, and a SQLite tracking file's directory, take a probe
+    stores.py    the storage root, and a SQLite tracking file's directory, take a probe; on a Ray cluster, the
+                 local paths a run reads and writes are said
     alignflow/data/checks.py   data files exist and every row of a local one parses (of a remote one, the
                  first `data.preflight_rows`)
     alignflow/slots.py         a local Ray can place each stage
@@ -26,7 +27,7 @@ from alignflow.errors import ConfigError
 from alignflow.preflight.findings import Findings
 from alignflow.preflight.models import check_lengths, check_models
 from alignflow.preflight.rewards import check_rewards
-from alignflow.preflight.stores import check_storage, check_tracking_store
+from alignflow.preflight.stores import check_storage, check_tracking_store, note_local_paths_on_cluster
 from alignflow.slots import check_slots
 
 __all__ = ["Findings", "check", "preflight"]
@@ -44,6 +45,7 @@ def preflight(cfg: PipelineConfig, overrides: list[str] | None = None, config_pa
     check_rewards(cfg, found)
     check_storage(cfg, found)
     check_tracking_store(cfg, found)
+    note_local_paths_on_cluster(cfg, found)
     check_slots(cfg, found)
     return found
 

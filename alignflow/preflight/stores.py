@@ -1,5 +1,5 @@
 """Preflight's stores: the storage root takes a probe object, and a SQLite tracking file's directory a probe
-file."""
+file; on a Ray cluster, the local paths a run reads and writes are said."""
 
 from __future__ import annotations
 
@@ -68,3 +68,27 @@ def check_storage(cfg: PipelineConfig, found: Findings) -> None:
     except Exception as err:  # noqa: BLE001  (credentials, endpoint, bucket: the user's to fix)
         return found.fail(field, f"{root} does not take a probe object: {type(err).__name__}: {err}")
     found.ok()
+
+
+def note_local_paths_on_cluster(cfg: PipelineConfig, found: Findings) -> None:
+    """On a Ray cluster (infra.ray_address) a stage, and each of its actors, may run on another node than this
+    one, where a local path a run reads (a data file, a model directory) or writes (a SQLite tracking file) is
+    another file, or none: said, as the run's start says it of a local storage root. Not refused: a filesystem
+    every node mounts at the same path serves."""
+    if not cfg.infra.ray_address:
+        return
+    d = cfg.data
+    named = [(f"data.{k}.path", src.path) for k in ("sft", "preference", "prompts", "eval")
+             if d.source == "files" and (src := getattr(d, k)) is not None]
+    named += [("model.base", cfg.model.base)] * (cfg.model.base != "tiny")
+    named += [(f"rounds.{i}.teacher", r.teacher) for i, r in enumerate(cfg.rounds) if r.teacher]
+    named += [(f"rounds.{i}.reward.judge.model", r.reward.judge.model) for i, r in enumerate(cfg.rounds)
+              if r.reward.uses_judge and r.reward.judge.model]
+    named += [("distill.teacher", cfg.distill.teacher)] if cfg.distill is not None else []
+    local = [f"{field} ({path})" for field, path in named if is_local_uri(path) and local_path(path).exists()]
+    if (file := sqlite_file(cfg.infra.mlflow_tracking_uri)) is not None:
+        local.append(f"infra.mlflow_tracking_uri ({file}: one SQLite database per node)")
+    if local:
+        found.notes.append(f"infra.ray_address {cfg.infra.ray_address}: stages and actors run on any node of the "
+                           f"cluster, where these local paths must be the same files (a filesystem every node "
+                           f"mounts), or be in an object store or on a tracking server: {'; '.join(local)}")

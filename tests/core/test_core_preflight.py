@@ -614,6 +614,21 @@ def test_validate_prints_the_config_without_a_urls_credentials(tmp_path, capsys)
     assert json.loads(shown)["infra"]["mlflow_tracking_uri"] == "http://127.0.0.1:1/" and "s3cr3t" not in shown
 
 
+def test_local_inputs_and_a_sqlite_tracking_file_are_said_on_a_cluster(files, tmp_path):
+    """With infra.ray_address a stage may run on another node: the local data files and the SQLite tracking
+    file are named (not refused: a filesystem every node mounts serves); a hub dataset's name and the local Ray
+    say nothing."""
+    cluster = ["infra.ray_address=ray://cluster:10001", f"infra.mlflow_tracking_uri=sqlite:///{tmp_path / 'm.db'}"]
+    found = preflight(load_config(files, cluster), cluster, files)
+    assert found.problems == [] and len(found.notes) == 1
+    assert found.notes[0].startswith("infra.ray_address ray://cluster:10001: stages and actors run on any node")
+    for field, name in (("data.sft.path", "sft.jsonl"), ("data.preference.path", "pref.jsonl"),
+                        ("data.eval.path", "eval.jsonl")):
+        assert f"{field} ({tmp_path / name})" in found.notes[0]
+    assert f"infra.mlflow_tracking_uri ({tmp_path / 'm.db'}: one SQLite database per node)" in found.notes[0]
+    assert not [n for n in preflight(load_config(files, cluster[1:]), cluster[1:], files).notes if "ray_address" in n]
+
+
 def _hub_cache(cache: Path) -> dict[str, str]:
     """A hub cache as huggingface_hub lays it out, holding `alignflow/tiny` at two commits: main (the tiny
     model of seed 0, 128 positions) and the branch v2 (seed 1, 256 positions). Name -> commit."""
