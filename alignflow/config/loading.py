@@ -24,11 +24,16 @@ DEFAULT_CONFIG = "tiny"
 
 # Fields that place work on the cluster, or trade memory for time, without
 # changing what it computes, or that only say how much is checked up front
-# (preflight_rows): left out of cache keys, so moving a stage to other
-# hardware reuses its result.
+# (preflight_rows), how often a stage saves or logs, or how an engine holds its
+# memory and batches (vLLM's memory and batching, weight buckets): left out of
+# cache keys, so moving a stage to other hardware, or checkpointing it more
+# often after a crash, reuses its result.
 RESOURCE_FIELDS = frozenset({"placement", "scorer_placement", "reference_placement", "reference_micro_batch_size",
                              "colocate_all", "offload", "gradient_checkpointing", "engine_lifetime",
-                             "preflight_rows", "scoring_micro_batch_size", "scoring_micro_batch_tokens"})
+                             "preflight_rows", "scoring_micro_batch_size", "scoring_micro_batch_tokens",
+                             "checkpoint_every", "log_every", "colocate_offload", "weight_bucket_mb",
+                             "gpu_memory_utilization", "kv_cache_gib", "max_num_seqs", "max_num_batched_tokens",
+                             "enforce_eager"})
 
 
 def cache_relevant(cfg: BaseModel) -> dict[str, Any]:

@@ -152,6 +152,17 @@ def test_resource_settings_do_not_change_cache_keys():
         "evaluation.engine_lifetime=stage",  # where the engine runs, not what it samples
     ))
     assert moved == base
+    # How often a stage saves and logs (checkpointing more often after a crash), and how an engine holds its
+    # memory and batches: a stage run with them changed reuses what it committed, and its checkpoints.
+    saved = _keys(_plan(
+        "sft.checkpoint_every=7", "sft.log_every=3", "reward_model.checkpoint_every=5",
+        'rounds=[{"checkpoint_every": 2, "generation": {"weight_bucket_mb": 16, "vllm": {"kv_cache_gib": 2, '
+        '"max_num_seqs": 8, "max_num_batched_tokens": 512, "enforce_eager": true}}}, '
+        '{"actor": {"freeze_steps": 3}, "colocate_offload": "always"}]',
+        "evaluation.generation.vllm.gpu_memory_utilization=0.5",
+    ))
+    assert saved == base
+    assert _keys(_plan("sft.learning_rate=0.01"))["sft"] != base["sft"]  # what it computes still does
 
 
 def test_the_seed_reaches_every_stage():
