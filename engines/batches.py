@@ -102,6 +102,8 @@ def filter_prompts(
 ) -> tuple[list[tuple[list[int], dict]], LengthReport]:
     """(prompt ids, record) for every record whose prompt fits; counts the rest. `render`: a record's prompt
     ids, where they are not its prompt and "tools" through the chat template (an environment's episodes)."""
+    if not records:  # e.g. data.preference holding unpaired (KTO) rows alone, where a stage trains on pairs
+        raise DataError(f"{split}: the split holds no rows")
     kept = []
     for r in records:
         ids = render(r) if render else render_prompt(tokenizer, r["prompt"], r.get("tools"))

@@ -17,10 +17,28 @@ MATH_RULES = ("alignflow.rewards:math_equal", "alignflow.rewards.math:math_equal
 MATH_CHECK_ROWS = 1000  # answers the math rule's parser reads in preflight (sympy: about 1 ms each)
 
 
+def check_batches(cfg: PipelineConfig, found, sft_rows: int | None) -> None:
+    """A training stage's batch against the rows it can have at most: the synthetic task's counts, or a local SFT
+    file's rows (`sft_rows`; prompts too long for data.max_prompt_tokens are left out of them later)."""
+    counts = {}
+    if cfg.data.source == "synthetic":
+        s = cfg.data.synthetic
+        counts = {"sft": (s.num_sft, "data.synthetic.num_sft"), "reward_model": (s.num_preference,
+                  "data.synthetic.num_preference"), "preference": (s.num_preference, "data.synthetic.num_preference")}
+    elif sft_rows is not None:
+        counts = {"sft": (sft_rows, "data.sft.path")}
+    for stage, (rows, source) in counts.items():
+        train = getattr(cfg, stage)
+        if train is not None and (stage != "reward_model" or cfg.trains_reward_model) and rows < train.batch_size:
+            found.fail(f"{stage}.batch_size", f"{train.batch_size} is more than the {rows} "
+                       f"{'rows' if stage == 'sft' else 'pairs'} it can train on", also=(source,))
+
+
 def check_files(cfg: PipelineConfig, found) -> None:
     """The data files, into preflight's `found` (a Findings)."""
     if cfg.data.source != "files":
-        return
+        return check_batches(cfg, found, None)
+    sft_rows = None
     if cfg.data.prompts is None:  # the RL prompts are the SFT prompts, without answers
         _answers_read(cfg, "prompts", "data.prompts", "no data.prompts is given, so the RL prompts are the SFT "
                       "prompts, without answers", found)
@@ -66,9 +84,12 @@ def check_files(cfg: PipelineConfig, found) -> None:
                 found.fail(f"data.{name}.answer_key", text, also=tuple(math))
             else:
                 found.notes.append(f"data.{name}.answer_key: {text}")
+        if name == "sft" and limit is None and not bad:
+            sft_rows = n
         if limit is not None and n == limit:
             found.notes.append(f"data.{name}: {path} is remote, so its first {limit} rows were checked "
                                "(data.preflight_rows); the data stage checks the rest")
+    check_batches(cfg, found, sft_rows)
 
 
 def _readers(cfg: PipelineConfig, split: str) -> list[tuple[str, str]]:

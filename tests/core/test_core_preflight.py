@@ -43,7 +43,8 @@ def files(tmp_path):
     ev = _jsonl(tmp_path / "eval.jsonl", [{"prompt": "1 2", "answer": "2"}] * 3)
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text(f"data:\n  source: files\n  sft: {{path: {sft}}}\n  preference: {{path: {pref}}}\n"
-                   f"  eval: {{path: {ev}}}\ninfra:\n  storage: {{root: {tmp_path / 'artifacts'}}}\n")
+                   f"  eval: {{path: {ev}}}\nsft: {{batch_size: 2}}\n"
+                   f"infra:\n  storage: {{root: {tmp_path / 'artifacts'}}}\n")
     return cfg
 
 
@@ -62,6 +63,19 @@ def problems(path: Path | None, *overrides: str) -> list[str]:
 
 def test_good_data_files_pass(files):
     assert problems(files) == []
+
+
+def test_a_batch_larger_than_the_rows_a_stage_can_have_names_both(files, tmp_path):
+    """A reward model's batch beyond the synthetic task's pairs, an SFT batch beyond a local file's rows: each
+    raised only when its stage started (the reward model's after SFT), and was retried."""
+    root = f"infra.storage.root={tmp_path / 'a'}"
+    assert problems(None, root, "data.synthetic.num_preference=20") == [
+        "reward_model.batch_size: 32 is more than the 20 pairs it can train on (from alignflow/configs/tiny.yaml; "
+        "data.synthetic.num_preference: from the command line: "
+        "data.synthetic.num_preference=20)"]
+    assert problems(files, "sft.batch_size=4") == [
+        f"sft.batch_size: 4 is more than the 3 rows it can train on (from the command line: sft.batch_size=4; "
+        f"data.sft.path: from {files})"]
 
 
 def test_eval_rows_without_answers_fail_where_the_bundled_checker_reads_them(files, tmp_path):
