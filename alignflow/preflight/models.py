@@ -7,6 +7,8 @@ import os
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Callable
+from typing import Any
 
 from alignflow.config import PipelineConfig
 from alignflow.preflight.findings import Findings
@@ -16,16 +18,18 @@ from alignflow.storage import is_local_uri, local_path
 def check_models(cfg: PipelineConfig, found: Findings) -> int | None:
     """Every model the config names loads, and LoRA's target_modules name linear layers of the base model's;
     the base model's positions (None where it does not load)."""
-    base = cfg.model.tiny.hf_config() if cfg.model.base == "tiny" else _model_at("model.base", cfg.model.base, found,
-                                                                                   cfg.model.revision)
-    positions = _positions(base)
+    if cfg.model.base == "tiny":  # its transformers config (an import of seconds) only where LoRA targets need it
+        positions, base = cfg.model.tiny.max_position_embeddings, cfg.model.tiny.hf_config
+    else:
+        config = _model_at("model.base", cfg.model.base, found, cfg.model.revision)
+        positions, base = _positions(config), config and (lambda: config)
     _named_models(cfg, found, positions)
-    if base is not None:
+    if base:
         _lora_targets(cfg, base, found)
     return positions
 
 
-def _lora_targets(cfg: PipelineConfig, base, found: Findings) -> None:
+def _lora_targets(cfg: PipelineConfig, base: Callable[[], Any], found: Findings) -> None:
     """Each LoRA config's target_modules against the modules of the models it adapts, every one of the base
     model's architecture: a policy's (sft, preference, distill, judge, a round's actor) or a scalar model's (the
     reward model, a critic), built on the meta device (no weights: seconds, whatever the model's size)."""
@@ -48,8 +52,8 @@ def _lora_targets(cfg: PipelineConfig, base, found: Findings) -> None:
     for field, lora, kind in engines:
         if kind not in models:
             with torch.device("meta"):
-                model = (AutoModelForCausalLM.from_config(base) if kind == "causal" else
-                         AutoModelForSequenceClassification.from_config(base))  # its head: "score"
+                model = (AutoModelForCausalLM.from_config(base()) if kind == "causal" else
+                         AutoModelForSequenceClassification.from_config(base()))  # its head: "score"
             models[kind] = (*layers_of(model), ("score", "classifier") if kind == "scalar" else ())
         problem = target_problem(lora.target_modules, *models[kind])
         found.fail(f"{field}.lora.target_modules", problem) if problem else found.ok()

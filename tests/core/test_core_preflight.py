@@ -715,3 +715,14 @@ def test_a_revision_of_a_local_directory_or_the_tiny_model_is_refused(tmp_path):
     [found] = [p for p in problems(None, rounds, f"infra.storage.root={tmp_path}") if "revision" in p]
     assert found.startswith(f"rounds.0.teacher_revision: 'v2' names a hub model's branch, tag or commit, but "
                             f"rounds.0.teacher {teacher} is a local directory")
+
+
+def test_preflight_of_the_default_config_imports_no_model_library(tmp_path):
+    """The README's "under a second on the default config": the tiny model's checks read its config fields, so
+    neither transformers (seconds of imports) nor torch is imported; a LoRA target check builds the model."""
+    script = ("import sys\nfrom alignflow.config import load_config\nfrom alignflow.preflight import check\n"
+              f"check(load_config(None, ['infra.storage.root={tmp_path / 'a'}']))\n"
+              "print(sorted(m for m in ('transformers', 'torch') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert out.returncode == 0 and out.stdout.strip().splitlines()[-1] == "[]", out.stderr[-2000:]
