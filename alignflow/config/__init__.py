@@ -3,7 +3,8 @@
     base.py      the config base, placement, training engines, sampling
     data.py      data sources          model.py   the base policy
     preference.py  DPO / IPO / cDPO / KTO
-    rl.py        one RL round          pipeline.py  which stages exist, infra
+    round/       one RL round: its checks, rewards, judge, updates, environment
+    pipeline.py  which stages exist, infra     lora_targets.py  what LoRA may adapt
     loading.py   YAML + overrides -> a validated PipelineConfig
 
 Unknown keys are errors, so a typo never silently falls back to a default.

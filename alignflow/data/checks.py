@@ -20,18 +20,21 @@ MATH_CHECK_ROWS = 1000  # answers the math rule's parser reads in preflight (sym
 def check_batches(cfg: PipelineConfig, found, sft_rows: int | None) -> None:
     """A training stage's batch against the rows it can have at most: the synthetic task's counts, or a local SFT
     file's rows (`sft_rows`; prompts too long for data.max_prompt_tokens are left out of them later)."""
-    counts = {}
+    counts = {}  # stage -> (the most it trains on, in what, the field that sets it)
     if cfg.data.source == "synthetic":
-        s = cfg.data.synthetic
-        counts = {"sft": (s.num_sft, "data.synthetic.num_sft"), "reward_model": (s.num_preference,
-                  "data.synthetic.num_preference"), "preference": (s.num_preference, "data.synthetic.num_preference")}
+        s, kto = cfg.data.synthetic, cfg.preference is not None and cfg.preference.loss == "kto"
+        pairs = (s.num_preference, "pairs", "data.synthetic.num_preference")
+        kto_rows = (2 * s.num_preference, "rows (KTO's: each pair's two replies)", pairs[2])
+        counts = {"reward_model": pairs, "preference": kto_rows if kto else pairs}
+        if s.task == "largest_digit":  # the boxes task writes two rows of some traces
+            counts["sft"] = (s.num_sft, "rows", "data.synthetic.num_sft")
     elif sft_rows is not None:
-        counts = {"sft": (sft_rows, "data.sft.path")}
-    for stage, (rows, source) in counts.items():
+        counts = {"sft": (sft_rows, "rows", "data.sft.path")}
+    for stage, (most, unit, source) in counts.items():
         train = getattr(cfg, stage)
-        if train is not None and (stage != "reward_model" or cfg.trains_reward_model) and rows < train.batch_size:
-            found.fail(f"{stage}.batch_size", f"{train.batch_size} is more than the {rows} "
-                       f"{'rows' if stage == 'sft' else 'pairs'} it can train on", also=(source,))
+        if train is not None and (stage != "reward_model" or cfg.trains_reward_model) and most < train.batch_size:
+            found.fail(f"{stage}.batch_size", f"{train.batch_size} is more than the {most} {unit} it can train on",
+                       also=(source,))
 
 
 def check_files(cfg: PipelineConfig, found) -> None:

@@ -51,10 +51,17 @@ def _lora_targets(cfg: PipelineConfig, base: Callable[[], Any], found: Findings)
     models = {}
     for field, lora, kind in engines:
         if kind not in models:
-            with torch.device("meta"):
-                model = (AutoModelForCausalLM.from_config(base()) if kind == "causal" else
-                         AutoModelForSequenceClassification.from_config(base()))  # its head: "score"
-            models[kind] = (*layers_of(model), ("score", "classifier") if kind == "scalar" else ())
+            try:
+                with torch.device("meta"):
+                    model = (AutoModelForCausalLM.from_config(base()) if kind == "causal" else
+                             AutoModelForSequenceClassification.from_config(base()))  # its head: "score"
+                models[kind] = (*layers_of(model), ("score", "classifier") if kind == "scalar" else ())
+            except Exception as err:  # noqa: BLE001  (an architecture that does not build so: the trainer's to say)
+                models[kind] = None
+                found.notes.append(f"{field}.lora.target_modules: not checked, the model does not build on the "
+                                   f"meta device ({type(err).__name__}: {err})")
+        if models[kind] is None:
+            continue
         problem = target_problem(lora.target_modules, *models[kind])
         found.fail(f"{field}.lora.target_modules", problem) if problem else found.ok()
 

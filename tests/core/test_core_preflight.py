@@ -73,6 +73,10 @@ def test_a_batch_larger_than_the_rows_a_stage_can_have_names_both(files, tmp_pat
         "reward_model.batch_size: 32 is more than the 20 pairs it can train on (from alignflow/configs/tiny.yaml; "
         "data.synthetic.num_preference: from the command line: "
         "data.synthetic.num_preference=20)"]
+    # KTO trains on each pair's two replies as rows; the boxes task writes two SFT rows of some traces.
+    assert problems(None, root, "preference={loss: kto, batch_size: 4000}") == []
+    assert problems(Path(__file__).resolve().parents[2] / "configs" / "agent.yaml", root, "data.synthetic.num_sft=20",
+                    "sft.batch_size=24") == []
     assert problems(files, "sft.batch_size=4") == [
         f"sft.batch_size: 4 is more than the 3 rows it can train on (from the command line: sft.batch_size=4; "
         f"data.sft.path: from {files})"]

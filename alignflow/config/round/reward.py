@@ -37,10 +37,13 @@ class SourceSettings(Section):
 
     @model_validator(mode="after")
     def _settings_of_the_source(self) -> SourceSettings:
+        if getattr(self, "sources", None) is not None:  # a mix: its own check says to leave these out
+            return self
         # Changed from its default (a dumped config holds every default, and loads again).
         owners = {"rule": "rule", "url": "remote", "timeout_s": "remote", "max_retries": "remote"}
         fields = SourceSettings.model_fields
-        if unread := [k for k, owner in owners.items() if owner != self.source and getattr(self, k) != fields[k].default]:
+        unread = [k for k, owner in owners.items() if owner != self.source and getattr(self, k) != fields[k].default]
+        if unread:
             raise ValueError(f"{' and '.join(unread)} {'is' if len(unread) == 1 else 'are'} source "
                              f"{owners[unread[0]]}'s setting{'s' * (len(unread) > 1)}, and this source is "
                              f"{self.source}: set source: {owners[unread[0]]}, or leave {' and '.join(unread)} out")
