@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ import algos
 from alignflow.artifacts import WEIGHT_FILES, Entries, Source, child, local_dir, merge_entries, writing
 from alignflow.config import RoundConfig
 from alignflow.seeds import derive_seed
+from engines.batches import rows_per_pass
 from engines.rl import experience
 from engines.rollout.episodes import episode_metrics, report_failures
 from engines.rl.experience import Experience
@@ -115,6 +117,12 @@ class RLRound:
             log.warning("each epoch of the round's %d prompts takes %d whole steps of %d, leaving %d out (a different "
                         "set each epoch); over %d steps %d prompts are never sampled", n, sched.steps_per_epoch,
                         cfg.prompts_per_step, sched.left_per_epoch, cfg.steps, self.never_sampled)
+        rollouts, p = cfg.prompts_per_step * cfg.generation.num_samples, cfg.ppo
+        ranks = math.lcm(cfg.actor.num_workers, cfg.critic.num_workers if cfg.spec.critic else 1)
+        fixed = cfg.spec.update == "policy_gradient" and not (p.dynamic_sampling or p.dynamic_sampling_mean_range)
+        if fixed and (left := rollouts - rows_per_pass(rollouts, p.minibatch_size, ranks)):  # rl/rows_left_out
+            log.warning("each step's %d rollouts (prompts_per_step x generation.num_samples) leave %d out of every "
+                        "pass of ppo.minibatch_size=%d (a different set each pass)", rollouts, left, p.minibatch_size)
         update_cls = UPDATES[cfg.spec.update]
         self.models = start_round_models(cfg, setup, update_cls.updates_per_step(cfg), update_cls.rows_per_update(cfg))
         self.update = update_cls(cfg, self.models, setup.seed)

@@ -606,7 +606,8 @@ def test_round_that_cannot_be_placed_fails_fast(ray_local, tiny_model, prompts):
 def test_fewer_prompts_than_a_step_takes_are_said_and_counted(ray_local, tiny_model, prompts, caplog):
     """A round left with fewer prompts than prompts_per_step (overlong ones out) takes them all each step and
     says so (before any actor starts: this round cannot be placed); its updates, and the LR schedule, then
-    count the prompts it has. One whose epochs leave prompts out says how many."""
+    count the prompts it has. One whose epochs leave prompts out says how many, and one whose minibatches leave
+    rollouts out of each pass says how many (they were only counted, in rl/rows_left_out)."""
     from alignflow.config import PPOConfig
     from alignflow.errors import InsufficientResourcesError
 
@@ -622,6 +623,14 @@ def test_fewer_prompts_than_a_step_takes_are_said_and_counted(ray_local, tiny_mo
         _start(cfg.model_copy(update={"prompts_per_step": 4}), tiny_model, prompts[:10])
     assert any(r.message.startswith("each epoch of the round's 10 prompts takes 2 whole steps of 4, leaving 2 out")
                for r in caplog.records), caplog.text
+    assert not any("rollouts (prompts_per_step" in r.message for r in caplog.records)  # 16 in minibatches of 4
+    # 4 prompts x 4 samples in minibatches of 6: two per pass, 4 rollouts left out of each.
+    caplog.clear()
+    with pytest.raises(InsufficientResourcesError):
+        odd = PPOConfig(minibatch_size=6, epochs=1, tis_cap=None)
+        _start(cfg.model_copy(update={"prompts_per_step": 4, "ppo": odd}), tiny_model, prompts[:8])
+    assert any(r.message.startswith("each step's 16 rollouts (prompts_per_step x generation.num_samples) leave 4 "
+                                    "out of every pass of ppo.minibatch_size=6") for r in caplog.records), caplog.text
 
 
 def test_tied_embeddings_sync_into_vllm(ray_local, tiny_model, prompts, tmp_path):
