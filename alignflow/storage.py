@@ -17,9 +17,9 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Callable
 from typing import Any
 
 import fsspec
@@ -79,7 +79,7 @@ class Storage:
         options: dict[str, Any] = {}
         if protocol == "s3":  # skip_instance_cache: a fresh listing matters more than fsspec's cached instance
             endpoint = self.endpoint_url or os.environ.get("AWS_ENDPOINT_URL")
-            options = {"skip_instance_cache": True, **({"client_kwargs": {"endpoint_url": endpoint}} if endpoint else {})}
+            options = {"skip_instance_cache": True, "client_kwargs": {"endpoint_url": endpoint} if endpoint else {}}
         return fsspec.filesystem(protocol, **options)
 
     def _root(self) -> str:
@@ -104,11 +104,11 @@ class Storage:
         return self._fs().exists(f"{uri}/{MANIFEST}")
 
     def unstored(self, uri: str, which: Callable[[str], bool] = lambda rel: True) -> list[str]:
-        """The files of committed `uri`'s manifest (those `which` selects) not stored at their size: one listing."""
-        fs = self._fs()
-        prefix = fs._strip_protocol(uri).rstrip("/") + "/"
-        sizes = {p.removeprefix(prefix): i["size"] for p, i in fs.find(uri, detail=True).items()}
-        return [r for r, f in self.read_manifest(uri)["files"].items() if which(r) and sizes.get(r) != f["size"]]
+        """The files of committed `uri`'s manifest (those `which` selects) not stored at their size: one listing.
+        StorageError where `uri` was never committed."""
+        files = self.read_manifest(uri)["files"]
+        sizes = {self._normalize(p): i["size"] for p, i in self._fs().find(uri, detail=True).items()}
+        return [r for r, f in files.items() if which(r) and sizes.get(f"{uri}/{r}") != f["size"]]
 
     def set_aside(self, uri: str) -> str:
         """Uncommit `uri`, its files kept for a look: its manifest becomes `manifest.corrupt.json` (returned)."""
@@ -155,9 +155,9 @@ class Storage:
         try:  # removed on every path, a meta that is not JSON included
             with os.fdopen(fd, "w") as f:
                 json.dump(manifest, f, indent=1, sort_keys=True)
-            if self.is_local:  # a local copy is not atomic: copied beside, then renamed into place, a crash
+            if self.is_local:  # a copy is not atomic: copied beside, then renamed, never a truncated manifest
                 fs.put_file(tmp, f"{uri}/{MANIFEST}.partial")
-                os.replace(f"{uri}/{MANIFEST}.partial", f"{uri}/{MANIFEST}")  # never leaves a truncated one
+                os.replace(f"{uri}/{MANIFEST}.partial", f"{uri}/{MANIFEST}")
             else:  # an object-store PUT appears whole or not at all
                 fs.put_file(tmp, f"{uri}/{MANIFEST}")
         finally:

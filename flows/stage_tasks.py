@@ -16,7 +16,7 @@ from prefect_ray.context import remote_options
 
 from alignflow.cluster import EVALUATION_TURN, init_ray, ray_init_kwargs
 from alignflow.config import InfraConfig
-from alignflow.storage import Storage
+from alignflow.storage import Storage, StorageError
 from flows.runtime import result_storage, warn_local_root_on_cluster
 from tasks.context import RunContext
 from tasks.plan import Plan
@@ -61,9 +61,11 @@ def lost_artifact(storage: Storage, uri: str) -> bool:
     """Whether a stage's artifact is not there to reuse: never committed, or committed with files lost since (the
     listing of one prefix). Such an artifact is set aside (its manifest renamed, its files kept), and its stage
     runs again: downstream stages would fail on it at every retry."""
-    if not storage.is_committed(uri):
+    try:
+        lost = storage.unstored(uri)
+    except StorageError:  # never committed
         return True
-    if lost := storage.unstored(uri):
+    if lost:
         aside = storage.set_aside(uri)
         log.warning("%s lost %s since its commit: set aside (%s), its stage runs again", uri, ", ".join(lost), aside)
     return bool(lost)
