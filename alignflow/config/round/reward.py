@@ -21,8 +21,8 @@ SOURCE_SETTINGS = ("source", "rule", "url", "timeout_s", "max_retries")
 
 class SourceSettings(Section):
     """What a source is and its own settings: shared by a mix's components and the one-source form. A setting
-    of another source than the one chosen is refused: `rule` beside `source: model` would score with the
-    reward model while the user meant the rule."""
+    of another source than the one chosen is refused (`check_own_settings`): `rule` beside `source: model` would
+    score with the reward model while the user meant the rule."""
 
     source: Source = Field(
         "model", description="model: the trained reward model; rule: `rule`; remote: the service at `url`; judge: "
@@ -35,19 +35,18 @@ class SourceSettings(Section):
     timeout_s: float = Field(10.0, gt=0, description="seconds per reward-service request (source=remote)")
     max_retries: int = Field(3, ge=0, description="retries of a failed service request, with exponential backoff")
 
-    @model_validator(mode="after")
-    def _settings_of_the_source(self) -> SourceSettings:
-        if getattr(self, "sources", None) is not None:  # a mix: its own check says to leave these out
-            return self
-        # Changed from its default (a dumped config holds every default, and loads again).
+    def changed(self, keys: tuple[str, ...] = SOURCE_SETTINGS) -> list[str]:
+        """Which of the settings `keys` differ from their defaults: what the user gave (a dumped config holds every
+        default, and loads again)."""
+        return [k for k in keys if getattr(self, k) != SourceSettings.model_fields[k].default]
+
+    def check_own_settings(self) -> None:
+        """Raise ValueError where a setting of another source than this one is given."""
         owners = {"rule": "rule", "url": "remote", "timeout_s": "remote", "max_retries": "remote"}
-        fields = SourceSettings.model_fields
-        unread = [k for k, owner in owners.items() if owner != self.source and getattr(self, k) != fields[k].default]
-        if unread:
+        if unread := [k for k in self.changed(tuple(owners)) if owners[k] != self.source]:
             raise ValueError(f"{' and '.join(unread)} {'is' if len(unread) == 1 else 'are'} source "
                              f"{owners[unread[0]]}'s setting{'s' * (len(unread) > 1)}, and this source is "
                              f"{self.source}: set source: {owners[unread[0]]}, or leave {' and '.join(unread)} out")
-        return self
 
 
 class RewardSourceConfig(SourceSettings):
@@ -62,6 +61,7 @@ class RewardSourceConfig(SourceSettings):
 
     @model_validator(mode="after")
     def _remote_has_url(self) -> RewardSourceConfig:
+        self.check_own_settings()
         if self.source == "remote" and not self.url:
             raise ValueError("source 'remote' needs url")
         return self
@@ -91,12 +91,11 @@ class RewardConfig(SourceSettings):
     @model_validator(mode="after")
     def _sources(self) -> RewardConfig:
         if self.sources is None:
+            self.check_own_settings()
             if self.source == "remote" and not self.url:
                 raise ValueError("reward.source='remote' needs reward.url")
             return self
-        fields = SourceSettings.model_fields  # changed from its default: a dumped config holds every default
-        both = [k for k in SOURCE_SETTINGS if getattr(self, k) != fields[k].default]
-        if both:
+        if both := self.changed():
             raise ValueError(f"reward.sources lists each source with its settings; leave out reward.{both[0]} "
                              f"(the one-source form)")
         if not self.sources:
