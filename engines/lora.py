@@ -26,12 +26,11 @@ from typing import Any
 import torch
 
 from alignflow.config.base import LoraConfig
+from alignflow.config.lora_targets import HEADS, layers_of, target_problem
 from alignflow.errors import ConfigError
-from alignflow.config.lora_targets import layers_of, target_problem
 
 ADAPTER = "default"  # peft's name of the one adapter
 ADAPTER_DIR = "adapter"
-HEADS = ("score", "classifier")  # scalar heads (reward model, critic): trained in full, not adapted
 
 
 def is_lora(module: torch.nn.Module) -> bool:

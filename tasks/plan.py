@@ -35,7 +35,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, SerializeAsAny
 
-from alignflow.config import DataConfig, EnvironmentConfig, PipelineConfig, Section, cache_relevant
+from alignflow.config import EnvironmentConfig, PipelineConfig, Section, cache_relevant
 from alignflow.config.round.judge import JudgeGeneration, JudgeRewardConfig
 from alignflow.errors import ConfigError
 from alignflow.fingerprint import Fingerprints, module_source
@@ -142,7 +142,7 @@ def plan_pipeline(cfg: PipelineConfig) -> Plan:
     base = b.add("base_model", "base_model", r.BaseModelStage(model=cfg.model, seed=seed("base_model")),
                  external={} if cfg.model.base == "tiny" else {"model.base": prints.of(cfg.model.base)})
     data = b.add("data", "data", r.DataStage(data=cfg.data, seed=seed("data")), model=base,
-                 external={f: prints.of(p) for f, p in data_sources(cfg.data).items()})
+                 external={f: prints.of(p) for f, p in cfg.data.sources().items()})
     reference = base
     if cfg.sft is not None:
         reference = b.add("sft", "sft", r.SFTStage(train=cfg.sft, io=io, seed=seed("sft")), data=data, init=base)
@@ -235,14 +235,6 @@ def plan_pipeline(cfg: PipelineConfig) -> Plan:
                   data=data, reward=reward)
     prints.save()
     return Plan(stages=b.stages, skipped=b.skipped)
-
-
-def data_sources(data: DataConfig) -> dict[str, str]:
-    """Config field -> the path or name of every user source a data config reads."""
-    if data.source != "files":
-        return {}
-    return {f"data.{k}.path": src.path for k in ("sft", "preference", "prompts", "eval")
-            if (src := getattr(data, k)) is not None}
 
 
 def _code(field: str, import_path: str, prints: Fingerprints) -> dict[str, str]:

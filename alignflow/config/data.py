@@ -107,6 +107,13 @@ class DataConfig(Section):
         10000, ge=1, description="rows of a remote data file that preflight parses before anything starts "
         "(every row of a local file is parsed); the data stage checks the rest")
 
+    def sources(self) -> dict[str, str]:
+        """Config field -> the path or name of every user source this config reads (none: the bundled task)."""
+        if self.source != "files":
+            return {}
+        return {f"data.{k}.path": src.path for k in ("sft", "preference", "prompts", "eval")
+                if (src := getattr(self, k)) is not None}
+
     @model_validator(mode="after")
     def _labels_only_on_preference(self) -> DataConfig:
         labelled = [k for k in ("sft", "prompts", "eval") if (src := getattr(self, k)) and src.label_key]

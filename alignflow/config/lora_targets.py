@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+HEADS = ("score", "classifier")  # scalar heads (reward model, critic): trained in full, not adapted
+
 
 def layers_of(model: Any) -> tuple[dict[str, str], str | None]:
     """(each named module -> "linear", "embedding" or its class name; the output layer's name where it is

@@ -46,7 +46,7 @@ def _lora_targets(cfg: PipelineConfig, base: Callable[[], Any], found: Findings)
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    from alignflow.config.lora_targets import layers_of, target_problem
+    from alignflow.config.lora_targets import HEADS, layers_of, target_problem
 
     models = {}
     for field, lora, kind in engines:
@@ -55,7 +55,7 @@ def _lora_targets(cfg: PipelineConfig, base: Callable[[], Any], found: Findings)
                 with torch.device("meta"):
                     model = (AutoModelForCausalLM.from_config(base()) if kind == "causal" else
                              AutoModelForSequenceClassification.from_config(base()))  # its head: "score"
-                models[kind] = (*layers_of(model), ("score", "classifier") if kind == "scalar" else ())
+                models[kind] = (*layers_of(model), HEADS if kind == "scalar" else ())
             except Exception as err:  # noqa: BLE001  (an architecture that does not build so: the trainer's to say)
                 models[kind] = None
                 found.notes.append(f"{field}.lora.target_modules: not checked, the model does not build on the "

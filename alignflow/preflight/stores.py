@@ -77,9 +77,7 @@ def note_local_paths_on_cluster(cfg: PipelineConfig, found: Findings) -> None:
     every node mounts at the same path serves."""
     if not cfg.infra.ray_address:
         return
-    d = cfg.data
-    named = [(f"data.{k}.path", src.path) for k in ("sft", "preference", "prompts", "eval")
-             if d.source == "files" and (src := getattr(d, k)) is not None]
+    named = list(cfg.data.sources().items())
     named += [("model.base", cfg.model.base)] * (cfg.model.base != "tiny")
     named += [(f"rounds.{i}.teacher", r.teacher) for i, r in enumerate(cfg.rounds) if r.teacher]
     named += [(f"rounds.{i}.reward.judge.model", r.reward.judge.model) for i, r in enumerate(cfg.rounds)
