@@ -14,7 +14,6 @@ import logging
 from collections.abc import Callable
 
 from alignflow.cluster import ensure_ray
-from alignflow.errors import ConfigError
 from alignflow.records import StageResult
 from alignflow.seeds import derive_seed
 from engines import batches, models
@@ -47,12 +46,10 @@ def train_stage(stage: PlannedStage, inputs: TrainInputs | PreferenceInputs, ctx
             check_fits(tensors, train.packing_max_tokens, f"{stage.name}.packing_max_tokens")
         run.log_metrics(report.as_metrics(split))
         n_rows = tensors["input_ids"].shape[0] // (2 if paired else 1)
-        if n_rows < train.batch_size:  # what the user fixes: not retried
-            raise ConfigError(f"{stage.name}.batch_size: {train.batch_size} is more than the {n_rows} "
-                              f"{'pairs' if paired else 'rows'} it trains on (the {split} split, less those left "
-                              f"out: data/{split}_overlong_prompts); lower it, or give it more data")
         schedule = supervised.plan(n_rows, train.batch_size, train.epochs, train.max_steps,
-                                   seed=derive_seed(cfg.seed, "data_order"))
+                                   seed=derive_seed(cfg.seed, "data_order"), field=f"{stage.name}.batch_size",
+                                   what=f"{'pairs' if paired else 'rows'} it trains on (the {split} split, less "
+                                        f"those left out: data/{split}_overlong_prompts)")
         unseen = schedule.never_trained()
         if unseen:
             log.warning("%s: %s (epochs %g, max_steps %s)", stage.name, schedule.left_out("pairs" if paired else "rows",

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from alignflow.errors import ConfigError
 from engines.batches import shard, split_pairs, take
 from engines.train.group import TrainerGroup
 
@@ -56,10 +57,12 @@ class Schedule:
                 f"over {self.total_steps} steps")
 
 
-def plan(rows: int, batch_size: int, epochs: float, max_steps: int | None, seed: int) -> Schedule:
-    """Steps for `epochs` passes (at least 1), capped by `max_steps`."""
+def plan(rows: int, batch_size: int, epochs: float, max_steps: int | None, seed: int,
+         field: str = "batch_size", what: str = "training rows") -> Schedule:
+    """Steps for `epochs` passes (at least 1), capped by `max_steps`. Fewer `rows` than a batch is the user's
+    to fix (not retried): a ConfigError naming the config `field` and the rows (`what`)."""
     if rows < batch_size:
-        raise ValueError(f"{rows} training rows are fewer than batch_size={batch_size}")
+        raise ConfigError(f"{field}: {batch_size} is more than the {rows} {what}; lower it, or give it more data")
     total = max(1, int(epochs * (rows // batch_size)))
     if max_steps is not None:
         total = min(total, max_steps)

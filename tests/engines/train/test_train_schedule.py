@@ -43,3 +43,11 @@ def test_each_epoch_is_its_own_permutation_so_leftovers_differ():
     assert len({frozenset(s) for s in left}) > 1
     assert all(sorted(p.tolist()) == list(range(10)) for p in epochs)
     assert torch.equal(schedule.indices(4), epochs[2][:4])  # step 4 is epoch 2's first batch
+
+
+def test_fewer_rows_than_a_batch_is_the_users_error_naming_the_field():
+    """Not retried (a ConfigError is a user error), and it names the config field and the rows it counted."""
+    from alignflow.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^sft.batch_size: 4 is more than the 3 rows it trains on; lower it"):
+        plan(3, 4, 1, None, seed=0, field="sft.batch_size", what="rows it trains on")
