@@ -104,14 +104,14 @@ def publish(group: TransportGroup, version: int, buckets: Sequence[Bucket], pack
     group.store.set(PUBLISHED, str(version))
     errors: list[BaseException] = []
     device = group.device
+    wire = device if group.backend == "nccl" else torch.device("cpu")  # a snapshot in host memory goes to the GPU
 
     def on_the_wire() -> None:
         try:
             if device.type == "cuda":
                 torch.cuda.set_device(device)
             wait_for_takers(group.store, version, group.world_size - 1)
-            send_buckets(group, buckets, lambda b, out: packed.pop(id(b)).to(device, non_blocking=True)
-                         if group.backend == "nccl" else packed.pop(id(b)))  # a snapshot in host memory: to the GPU
+            send_buckets(group, buckets, lambda b, out: packed.pop(id(b)).to(wire, non_blocking=True))
         except BaseException as err:  # raised by the sender's next `sent`
             errors.append(err)
 
