@@ -213,11 +213,13 @@ def start_round_models(cfg: RoundConfig, setup: RoundSetup, updates_per_step: in
                                       torch_threads=setup.torch_threads, seed=derive_seed(setup.seed, purpose),
                                       attn_implementation=setup.attn_implementation)
 
+    share = gpu_share(cfg, setup)  # each colocated actor's (0 where the actors have no GPUs)
+
     def on_bundle(i: int, num_cpus: float) -> dict:
         """Placement of one colocated actor on bundle i (None when not colocated)."""
         if models.placement_group is None:
             return {}
-        return {"num_cpus": num_cpus, "num_gpus": gpu_share(cfg), "scheduling_strategy":
+        return {"num_cpus": num_cpus, "num_gpus": share, "scheduling_strategy":
                 PlacementGroupSchedulingStrategy(models.placement_group, placement_group_bundle_index=i)}
 
     try:
@@ -258,7 +260,7 @@ def start_round_models(cfg: RoundConfig, setup: RoundSetup, updates_per_step: in
         if cfg.reward.uses_judge:
             j, strategies = cfg.reward.judge.generation, None
             if cfg.colocate_all:  # beside the scorers on bundle 0, awake throughout (its weights never change)
-                j = j.model_copy(update={"placement": j.placement.model_copy(update={"num_gpus": gpu_share(cfg)})})
+                j = j.model_copy(update={"placement": j.placement.model_copy(update={"num_gpus": share})})
                 strategies = [on_bundle(0, j.placement.num_cpus)["scheduling_strategy"]]
             models.judge = start_engines(
                 j, setup.judge_path, count=1, seeds=[derive_seed(setup.seed, "judge")], dtype=setup.dtype,
@@ -267,7 +269,7 @@ def start_round_models(cfg: RoundConfig, setup: RoundSetup, updates_per_step: in
         g, count = cfg.generation, cfg.num_rollout_engines
         placements = None
         if cfg.colocate_all:
-            g = g.model_copy(update={"placement": g.placement.model_copy(update={"num_gpus": gpu_share(cfg)})})
+            g = g.model_copy(update={"placement": g.placement.model_copy(update={"num_gpus": share})})
             placements = [on_bundle(i, g.placement.num_cpus)["scheduling_strategy"] for i in range(count)]
         models.engines = start_engines(
             g, setup.policy_path, count=count, seeds=[derive_seed(setup.seed, f"rollout/{i}") for i in range(count)],

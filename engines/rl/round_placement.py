@@ -75,10 +75,10 @@ def colocated_bundles(cfg: RoundConfig, setup: RoundSetupLike | None = None) -> 
             for i in range(cfg.actor.num_workers)]
 
 
-def gpu_share(cfg: RoundConfig) -> float:
+def gpu_share(cfg: RoundConfig, setup: RoundSetupLike | None = None) -> float:
     """The GPU fraction of each colocated actor: the bundle's GPU split evenly among the most
     crowded bundle's actors (bundle 0, which also holds the scorers); 0 without GPUs."""
-    return 1.0 / len(_kinds_on_bundle(cfg, 0)) if cfg.actor.placement.num_gpus > 0 else 0.0
+    return 1.0 / len(_kinds_on_bundle(cfg, 0, setup)) if cfg.actor.placement.num_gpus > 0 else 0.0
 
 
 def engines_share_a_gpu(cfg: RoundConfig) -> bool:

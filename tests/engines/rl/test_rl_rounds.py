@@ -229,7 +229,7 @@ def test_a_round_is_sized_without_the_scorer_it_does_not_start():
     before the start counted one anyway, and refused a cluster with exactly the slots the round takes (with
     scorer_placement.num_gpus 1, as configs/gpu-small.yaml sets it, a GPU the round never asks for)."""
     from engines.rl.round_models import RoundSetup
-    from engines.rl.round_placement import colocated_bundles, round_resources
+    from engines.rl.round_placement import colocated_bundles, gpu_share, round_resources
 
     cfg = _round("grpo", kl=KLConfig(coef=0.05), actor={"lora": {"rank": 4}}, reward={"source": "rule"},
                  scorer_placement={"num_cpus": 1, "num_gpus": 1})
@@ -239,6 +239,9 @@ def test_a_round_is_sized_without_the_scorer_it_does_not_start():
     assert round_resources(cfg)["CPU"] - round_resources(cfg, setup)["CPU"] == 1
     colocated = cfg.model_copy(update={"colocate_all": True})
     assert colocated_bundles(colocated)[0]["CPU"] - colocated_bundles(colocated, setup)[0]["CPU"] == 1
+    on_gpus = colocated.model_copy(update={"actor": colocated.actor.model_copy(update={
+        "placement": colocated.actor.placement.model_copy(update={"num_gpus": 1})})})
+    assert gpu_share(on_gpus) == 1 / 3 and gpu_share(on_gpus, setup) == 1 / 2  # actor, engine (and the scorer)
 
 
 def test_a_lora_round_trains_adapters_against_its_own_frozen_base(ray_local, tiny_model, prompts):
@@ -563,7 +566,7 @@ def test_custom_resources_pin_actors_and_are_counted():
     from alignflow.config import ActorConfig, KLConfig, Placement, RolloutConfig
     from alignflow.errors import ConfigError
     from engines.placement.devices import actor_options
-    from engines.rl.round_placement import colocated_bundles, round_resources
+    from engines.rl.round_placement import colocated_bundles, gpu_share, round_resources
 
     pinned = _round("grpo", colocate_reference_and_reward=False, kl=KLConfig(coef=0.05),
                     actor=ActorConfig(num_workers=2, placement=Placement(resources={"big_node": 0.5})),
