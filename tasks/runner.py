@@ -8,6 +8,7 @@ data) are not retried: the same input would fail the same way.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from alignflow.errors import UserError
@@ -16,20 +17,37 @@ from tasks.context import RunContext
 from tasks.plan import PlannedStage
 from tasks.registry import STAGE_KINDS, StageKind
 
+log = logging.getLogger("alignflow")
+
 
 def run_stage(stage: PlannedStage, inputs: dict[str, StageResult], ctx: RunContext) -> StageResult:
     """The stage's result; in a Prefect task run that resumed from a checkpoint, a Completed state whose
     message says from where (the result is its data)."""
+    from engines.placement import warm
+
     kind = STAGE_KINDS[stage.kind]
+    pool = warm.between_stages(ctx.infra.keep_warm_s)  # the processes an earlier stage here left, where they fit
+    reused = pool.counts.reused if pool is not None else 0
     try:
         result = kind.runner()(stage, kind.inputs.model_validate(inputs), ctx)
     finally:
         message = _resumed.pop(_task_run_id(), None)  # a stage that failed after resuming leaves nothing behind
+        if pool is not None and pool.counts.reused > reused:
+            _task_log().info("%s took %d process(es) an earlier stage left (infra.keep_warm_s)", stage.name,
+                             pool.counts.reused - reused)
     if message is None:
         return result
     from prefect.states import Completed
 
     return Completed(message=message, data=result)
+
+
+def _task_log() -> logging.Logger | logging.LoggerAdapter:
+    """The Prefect task run's logger (its log in the UI), in one; else alignflow's."""
+    from prefect.context import TaskRunContext
+    from prefect.logging import get_run_logger
+
+    return get_run_logger() if TaskRunContext.get() is not None else log
 
 
 _resumed: dict[str, str] = {}  # task run id -> "resumed from step S of T", until its task returns

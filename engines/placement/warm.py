@@ -14,6 +14,13 @@ matches takes it instead of a new process:
   arguments: `RolloutActor.reset` builds its engine again from them (the weights and sampling seed it
   started with); a scorer holds frozen models only, and is taken as it is.
 
+A run's stage worker (tasks/runner.py) keeps trainer ranks and scorers the same way from one stage to the next
+(`between_stages`): SFT's ranks train the reward model, and those the actor of a round, and every evaluation of a
+run scores with the scorer the first one started, where placements match. There nothing closes the pool: an
+actor idle for `infra.keep_warm_s` seconds is ended, so what it holds goes to whatever else waits for it (a
+stage in another worker, on a GPU another stage's engine). Rollout engines are not kept there: one is reset by
+building its engine again, for a start with its own model, which a run's next stage never has.
+
 What is not kept: actors placed by their caller (a colocated round's bundles, a tensor-parallel engine's
 group), an actor whose calls failed where that may have left it mid-transfer (`taint`), and one whose reset
 failed or left its model alive; those end as outside. Idle actors hold their Ray resources, so a start that
@@ -27,9 +34,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
+
+log = logging.getLogger("alignflow")
 
 RESET_TIMEOUT_S = 120.0  # an actor still busy (a collective waiting for a peer that failed) is ended instead
 
@@ -48,16 +59,44 @@ class Idle:
     actors: list  # handles (a trainer's ranks in rank order)
     placement_group: Any = None  # theirs, or None
     master: Any = None  # a trainer's rank 0 rendezvous address (setup's argument; its group exists already)
+    since: float = 0.0  # time.monotonic() as it was left idle
 
 
 class WarmActors:
-    """Idle actors by key (its first item the kind: "trainer", "rollout", "scorer"), one group per key."""
+    """Idle actors by key (its first item the kind: "trainer", "rollout", "scorer"), one group per key.
 
-    def __init__(self):
+    `kinds`: the kinds kept (None: all); `idle_s`: where set, an actor idle that long is ended (a thread looks
+    every second or so), as none may close the pool."""
+
+    def __init__(self, *, kinds: frozenset[str] | None = None, idle_s: float | None = None):
         self.idle: dict[tuple, Idle] = {}
         self.counts = Counts()
+        self.kinds, self.idle_s = kinds, idle_s
         self._owned: dict[Any, tuple] = {}  # single actors `start` made or took, by handle: their keys
         self._lock = threading.Lock()
+        if idle_s is not None:
+            threading.Thread(target=self._end_idle_forever, name="alignflow-warm-idle", daemon=True).start()
+
+    def keeps(self, kind: str) -> bool:
+        return self.kinds is None or kind in self.kinds
+
+    def end_idle_since(self, moment: float) -> int:
+        """End the groups left idle at or before `moment` (time.monotonic()); how many actors ended."""
+        with self._lock:
+            old = [k for k, idle in self.idle.items() if idle.since <= moment]
+            ending = [self.idle.pop(k) for k in old]
+        for idle in ending:
+            self._end(idle)
+        return sum(len(idle.actors) for idle in ending)
+
+    def _end_idle_forever(self) -> None:
+        while True:
+            time.sleep(min(1.0, self.idle_s / 4))
+            try:
+                if ended := self.end_idle_since(time.monotonic() - self.idle_s):
+                    log.debug("ended %d actor(s) idle for %.0f s", ended, self.idle_s)
+            except Exception as err:  # noqa: BLE001  (Ray shut down under the thread: the process is ending)
+                log.debug("could not end idle actors: %s", err)
 
     def take(self, key: tuple, size: int) -> Idle | None:
         """The idle group of `key`, or None, having ended the idle ones of its kind (theirs may be the
@@ -88,6 +127,7 @@ class WarmActors:
                 self.counts.not_kept += len(idle.actors)
                 return False
             previous = self.idle.pop(key, None)
+            idle.since = time.monotonic()
             self.idle[key] = idle
             self.counts.kept += len(idle.actors)
         if previous is not None:
@@ -140,22 +180,30 @@ def trainer_shape(num_workers: int, options: dict[str, Any], torch_threads: int,
             tuple(cpu_cores) if cpu_cores is not None else None)
 
 
+def _pool(kind: str) -> WarmActors | None:
+    """The pool active now, where it keeps actors of `kind`."""
+    pool = _active
+    return pool if pool is not None and pool.keeps(kind) else None
+
+
 def take(key: tuple, size: int) -> Idle | None:
     """Inside `keep_warm()`, the idle group of `key` (`WarmActors.take`); None there too where there is none,
     and always outside."""
-    return _active.take(key, size) if _active is not None else None
+    pool = _pool(key[0])
+    return pool.take(key, size) if pool is not None else None
 
 
 def keep(key: tuple, idle: Idle) -> bool:
     """Inside `keep_warm()` (the one active now, not the one a group was taken from), reset the actors and keep
     them idle under `key` (`WarmActors.give`); False, and the caller ends them, outside or where that failed."""
-    return _active is not None and _active.give(key, idle)
+    pool = _pool(key[0])
+    return pool is not None and pool.give(key, idle)
 
 
 def start(kind: str, arguments: dict[str, Any], make: Callable[[], Any]) -> Any:
     """`make()`, or inside `keep_warm()` the idle actor of `kind` started with the same `arguments` (every
     argument of its start, placement included); the actor is remembered for `end`."""
-    pool = _active
+    pool = _pool(kind)
     if pool is None:
         return make()
     key = (kind, repr(sorted(arguments.items())))
@@ -177,6 +225,27 @@ def end(actor: Any, *, failed: bool = False) -> None:
 
 
 _active: WarmActors | None = None
+_activating = threading.Lock()
+
+STAGE_KINDS = frozenset({"trainer", "scorer"})  # what a run's stages hand on (module docstring)
+
+
+def between_stages(idle_s: float) -> WarmActors | None:
+    """In a Ray worker that runs a run's stages, the pool its stages share (made by the first; not closed:
+    an actor idle `idle_s` seconds ends); None, and nothing kept, for `idle_s` 0, outside a Ray worker (a
+    driver: a test, a notebook), or where `keep_warm()` is active."""
+    global _active
+    import ray
+
+    if idle_s <= 0 or not ray.is_initialized() or ray.get_runtime_context().worker.mode != ray.WORKER_MODE:
+        return None
+    with _activating:
+        if _active is None:
+            _active = WarmActors(kinds=STAGE_KINDS, idle_s=idle_s)
+        elif _active.idle_s is None:  # keep_warm()'s
+            return None
+        _active.idle_s = idle_s
+        return _active
 
 
 @contextlib.contextmanager

@@ -159,6 +159,47 @@ def test_reward_model_with_margin_on_gpu(ray_gpu, gpu_model, gpu_tokenizer, task
         group.shutdown()
 
 
+def _gpu_bytes(worker) -> int:
+    """In a TrainWorker: what torch's allocator holds on its GPU (0 on the CPU)."""
+    return torch.cuda.memory_allocated() if worker.device.type == "cuda" else 0
+
+
+def test_a_rank_kept_warm_on_the_gpu_frees_its_model_and_takes_the_next_stage(ray_gpu, gpu_model, gpu_tokenizer,
+                                                                              task_data):
+    """What a run's stage worker does between SFT and the reward model (engines/placement/warm.py): SFT's rank at
+    ZeRO-2 reset, its model and optimizer off the GPU, then the reward model at ZeRO-3 set up in the same process,
+    on the GPU, and training."""
+    import ray
+
+    from engines.batches import pair_tensors, sft_tensors, shard, split_pairs, take
+    from engines.placement.warm import keep_warm
+    from engines.train import objectives
+
+    sft, _ = sft_tensors(gpu_tokenizer, task_data["sft"], 64, 16)
+    pairs, _ = pair_tensors(gpu_tokenizer, task_data["preference"], 64, 16)
+    pid = lambda g: ray.get(g.workers[0].__ray_call__.remote(lambda self: os.getpid()))  # noqa: E731
+    with keep_warm() as pool:
+        group = _gpu_engine(gpu_model, "causal", zero=2, lr=3e-3)
+        first = pid(group)
+        group.train_step(shard(take(sft, torch.arange(16)), 1), objectives.causal_lm_objective,
+                         weigh=objectives.response_tokens)
+        worker = group.workers[0]
+        group.shutdown()
+        assert pool.counts.kept == 1, pool.counts  # reset: its model freed
+        left = ray.get(worker.__ray_call__.remote(_gpu_bytes))
+        assert left < 1 << 20, f"{left} bytes still allocated on the GPU after the reset"
+        group = _gpu_engine(gpu_model, "scalar", zero=3, lr=3e-3)
+        try:
+            assert pid(group) == first and pool.counts.reused == 1, pool.counts
+            _on_device(group.device_reports()[0], "bfloat16")
+            batch = split_pairs(pairs, torch.arange(16), pairs["input_ids"].shape[0] // 2)
+            out = [group.train_step(shard(batch, 1, paired=True), objectives.pairwise_objective, paired=True,
+                                    weigh=objectives.per_row) for _ in range(4)]
+            assert out[-1]["loss"] < out[0]["loss"], [m["loss"] for m in out]
+        finally:
+            group.shutdown()
+
+
 def _round(cfg, model, prompts, reward_path=None):
     from engines.rl.round import RLRound
     from engines.rl.round_models import RoundSetup

@@ -148,7 +148,7 @@ def test_resource_settings_do_not_change_cache_keys():
         "sft.placement.num_cpus=2", "reward_model.placement.num_gpus=1",
         'rounds=[{"actor": {"placement": {"num_cpus": 3}}, "scorer_placement": {"num_cpus": 2}}, '
         '{"actor": {"freeze_steps": 3}}]',  # the default round 2's one setting
-        "infra.torch_threads=1", "infra.storage.root=/elsewhere",
+        "infra.torch_threads=1", "infra.keep_warm_s=0", "infra.storage.root=/elsewhere",
         "evaluation.engine_lifetime=stage",  # where the engine runs, not what it samples
     ))
     assert moved == base

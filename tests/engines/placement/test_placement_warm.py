@@ -10,6 +10,8 @@
   update moved its weights, the next start like its own samples exactly what it first sampled; engines a
   failed transfer tainted end.
 - A scorer is taken again only by a start with its own arguments.
+- A run's stages, one after another in a Ray worker (`between_stages`), hand their ranks and scorers on; an
+  actor left idle `infra.keep_warm_s` ends with no one closing the pool, and no rollout engine is kept there.
 """
 
 from __future__ import annotations
@@ -210,3 +212,45 @@ def test_a_scorer_is_taken_again_only_by_a_start_like_its_own(ray_local, tiny_mo
         assert _actor_pid(scorer) != pid and _ended([pid])
         warm.end(scorer, failed=True)
         assert pool.counts == warm.Counts(started=2, reused=1, kept=2, ended=1, not_kept=0) and pool.idle == {}
+
+
+def stages_in_a_worker(model_path: str, idle_s: float) -> dict:
+    """In a Ray worker, as tasks/runner.py runs a run's stages: two trainer groups of one shape one after the
+    other (two stages), a rollout engine's start, then the idle ranks left alone for twice `idle_s`."""
+    import ray
+
+    from alignflow.config import EngineConfig
+    from engines.placement import warm
+    from engines.train.group import TrainerGroup
+    from engines.train.spec import EngineSpec
+
+    pool = warm.between_stages(idle_s)
+    assert pool is not None and warm.between_stages(idle_s) is pool  # the next stage's call: the same pool
+    spec = EngineSpec.from_config(EngineConfig(learning_rate=1e-2, warmup_steps=0), model_path=model_path,
+                                  kind="causal", total_steps=10, global_batch=8, dtype="float32", torch_threads=1,
+                                  seed=0)
+    pids = []
+    for _ in range(2):
+        group = TrainerGroup(spec, 1)
+        pids += ray.get([w.__ray_call__.remote(lambda self: os.getpid()) for w in group.workers])
+        group.shutdown()
+    kept_then = dict(vars(pool.counts))
+    marker = object()
+    rollout = warm.start("rollout", {"model": model_path}, lambda: marker)  # not kept: never taken or owned
+    time.sleep(2 * idle_s + 1.5)
+    return {"pids": pids, "kept": kept_then, "after": dict(vars(pool.counts)), "idle": len(pool.idle),
+            "rollout_made": rollout is marker and not pool._owned, "kinds": sorted(pool.kinds)}
+
+
+def test_a_runs_stages_in_one_worker_hand_on_their_ranks_and_idle_ones_end_alone(ray_local, tiny_model):
+    from engines.placement import warm
+
+    assert warm.between_stages(1.0) is None, "a driver (this test's process) got a pool that nothing closes"
+    task = ray_local.remote(num_cpus=0)(stages_in_a_worker)
+    seen = ray_local.get(task.remote(str(tiny_model), 1.0), timeout=300)
+    first, second = seen["pids"]
+    assert first == second, "the second stage started a rank of its own"
+    assert seen["kept"] == {"started": 1, "reused": 1, "kept": 2, "ended": 0, "not_kept": 0}, seen
+    assert seen["after"]["ended"] == 1 and seen["idle"] == 0, seen  # ended alone, idle past keep_warm_s
+    assert _ended([first], timeout_s=30), "the idle rank's process outlived keep_warm_s"
+    assert seen["rollout_made"] and seen["kinds"] == ["scorer", "trainer"], seen
