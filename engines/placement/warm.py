@@ -63,13 +63,14 @@ class Idle:
 
 
 class WarmActors:
-    """Idle actors by key (its first item the kind: "trainer", "rollout", "scorer"), one group per key.
+    """Idle actors by key (its first item the kind: "trainer", "rollout", "scorer"): the groups left under each,
+    oldest first (a round's actor and critic of one shape are two).
 
     `kinds`: the kinds kept (None: all); `idle_s`: where set, an actor idle that long is ended (a thread looks
     every second or so), as none may close the pool."""
 
     def __init__(self, *, kinds: frozenset[str] | None = None, idle_s: float | None = None):
-        self.idle: dict[tuple, Idle] = {}
+        self.idle: dict[tuple, list[Idle]] = {}
         self.counts = Counts()
         self.kinds, self.idle_s = kinds, idle_s
         self._owned: dict[Any, tuple] = {}  # single actors `start` made or took, by handle: their keys
@@ -83,8 +84,9 @@ class WarmActors:
     def end_idle_since(self, moment: float) -> int:
         """End the groups left idle at or before `moment` (time.monotonic()); how many actors ended."""
         with self._lock:
-            old = [k for k, idle in self.idle.items() if idle.since <= moment]
-            ending = [self.idle.pop(k) for k in old]
+            ending = [idle for groups in self.idle.values() for idle in groups if idle.since <= moment]
+            self.idle = {k: kept for k, groups in self.idle.items()
+                         if (kept := [idle for idle in groups if idle.since > moment])}
         for idle in ending:
             self._end(idle)
         return sum(len(idle.actors) for idle in ending)
@@ -99,23 +101,26 @@ class WarmActors:
                 log.debug("could not end idle actors: %s", err)
 
     def take(self, key: tuple, size: int) -> Idle | None:
-        """The idle group of `key`, or None, having ended the idle ones of its kind (theirs may be the
+        """An idle group of `key` (the last one left), or None, having ended the idle ones of its kind (theirs may be the
         resources the new one needs)."""
         with self._lock:
-            found = self.idle.pop(key, None)
-            if found is not None:
+            groups = self.idle.get(key)
+            if groups:
+                found = groups.pop()  # the latest: the others may reach their idle_s first
+                if not groups:
+                    del self.idle[key]
                 self.counts.reused += size
                 return found
             self.counts.started += size
             others = [k for k in self.idle if k[0] == key[0]]
-            ending = [self.idle.pop(k) for k in others]
+            ending = [idle for k in others for idle in self.idle.pop(k)]
         for idle in ending:
             self._end(idle)
         return None
 
     def give(self, key: tuple, idle: Idle) -> bool:
         """Reset the actors and keep them idle; False (the caller ends them) where a reset failed or did not
-        free its model. A group already idle under `key` is ended for them."""
+        free its model."""
         import ray
 
         try:
@@ -126,12 +131,9 @@ class WarmActors:
             if not all(released):
                 self.counts.not_kept += len(idle.actors)
                 return False
-            previous = self.idle.pop(key, None)
             idle.since = time.monotonic()
-            self.idle[key] = idle
+            self.idle.setdefault(key, []).append(idle)
             self.counts.kept += len(idle.actors)
-        if previous is not None:
-            self._end(previous)
         return True
 
     def own(self, actor: Any, key: tuple) -> None:
@@ -157,7 +159,7 @@ class WarmActors:
 
     def close(self) -> None:
         with self._lock:
-            ending, self.idle = list(self.idle.values()), {}
+            ending, self.idle = [idle for groups in self.idle.values() for idle in groups], {}
         for idle in ending:
             self._end(idle)
 
@@ -187,7 +189,7 @@ def _pool(kind: str) -> WarmActors | None:
 
 
 def take(key: tuple, size: int) -> Idle | None:
-    """Inside `keep_warm()`, the idle group of `key` (`WarmActors.take`); None there too where there is none,
+    """Inside `keep_warm()`, an idle group of `key` (`WarmActors.take`); None there too where there is none,
     and always outside."""
     pool = _pool(key[0])
     return pool.take(key, size) if pool is not None else None

@@ -215,8 +215,9 @@ def test_a_scorer_is_taken_again_only_by_a_start_like_its_own(ray_local, tiny_mo
 
 
 def stages_in_a_worker(model_path: str, idle_s: float) -> dict:
-    """In a Ray worker, as tasks/runner.py runs a run's stages: two trainer groups of one shape one after the
-    other (two stages), a rollout engine's start, then the idle ranks left alone for twice `idle_s`."""
+    """In a Ray worker, as tasks/runner.py runs a run's stages: a trainer group (SFT), then two of its shape at
+    once (a round's actor and critic), twice; a rollout engine's start; then the idle ranks left alone for twice
+    `idle_s`."""
     import ray
 
     from alignflow.config import EngineConfig
@@ -224,22 +225,24 @@ def stages_in_a_worker(model_path: str, idle_s: float) -> dict:
     from engines.train.group import TrainerGroup
     from engines.train.spec import EngineSpec
 
-    pool = warm.between_stages(idle_s)
-    assert pool is not None and warm.between_stages(idle_s) is pool  # the next stage's call: the same pool
     spec = EngineSpec.from_config(EngineConfig(learning_rate=1e-2, warmup_steps=0), model_path=model_path,
                                   kind="causal", total_steps=10, global_batch=8, dtype="float32", torch_threads=1,
                                   seed=0)
-    pids = []
-    for _ in range(2):
-        group = TrainerGroup(spec, 1)
-        pids += ray.get([w.__ray_call__.remote(lambda self: os.getpid()) for w in group.workers])
-        group.shutdown()
-    kept_then = dict(vars(pool.counts))
+    pids, counts = [], []
+    for groups in (1, 2, 2):  # a stage each
+        pool = warm.between_stages(idle_s)
+        started = [TrainerGroup(spec, 1) for _ in range(groups)]
+        pids.append(sorted(p for g in started for p in ray.get(
+            [w.__ray_call__.remote(lambda self: os.getpid()) for w in g.workers])))
+        for g in started:
+            g.shutdown()
+        counts.append(dict(vars(pool.counts)))
     marker = object()
     rollout = warm.start("rollout", {"model": model_path}, lambda: marker)  # not kept: never taken or owned
     time.sleep(2 * idle_s + 1.5)
-    return {"pids": pids, "kept": kept_then, "after": dict(vars(pool.counts)), "idle": len(pool.idle),
-            "rollout_made": rollout is marker and not pool._owned, "kinds": sorted(pool.kinds)}
+    return {"pids": pids, "counts": counts, "after": dict(vars(pool.counts)), "idle": len(pool.idle),
+            "same_pool": warm.between_stages(idle_s) is pool, "rollout_made": rollout is marker and not pool._owned,
+            "kinds": sorted(pool.kinds)}
 
 
 def test_a_runs_stages_in_one_worker_hand_on_their_ranks_and_idle_ones_end_alone(ray_local, tiny_model):
@@ -248,9 +251,11 @@ def test_a_runs_stages_in_one_worker_hand_on_their_ranks_and_idle_ones_end_alone
     assert warm.between_stages(1.0) is None, "a driver (this test's process) got a pool that nothing closes"
     task = ray_local.remote(num_cpus=0)(stages_in_a_worker)
     seen = ray_local.get(task.remote(str(tiny_model), 1.0), timeout=300)
-    first, second = seen["pids"]
-    assert first == second, "the second stage started a rank of its own"
-    assert seen["kept"] == {"started": 1, "reused": 1, "kept": 2, "ended": 0, "not_kept": 0}, seen
-    assert seen["after"]["ended"] == 1 and seen["idle"] == 0, seen  # ended alone, idle past keep_warm_s
-    assert _ended([first], timeout_s=30), "the idle rank's process outlived keep_warm_s"
-    assert seen["rollout_made"] and seen["kinds"] == ["scorer", "trainer"], seen
+    sft, round_1, round_2 = seen["pids"]
+    assert sft[0] in round_1 and round_2 == round_1, seen["pids"]  # SFT's rank, then both of round 1's
+    assert seen["counts"] == [{"started": 1, "reused": 0, "kept": 1, "ended": 0, "not_kept": 0},
+                              {"started": 2, "reused": 1, "kept": 3, "ended": 0, "not_kept": 0},
+                              {"started": 2, "reused": 3, "kept": 5, "ended": 0, "not_kept": 0}], seen["counts"]
+    assert seen["after"]["ended"] == 2 and seen["idle"] == 0, seen  # ended alone, idle past keep_warm_s
+    assert _ended(round_2, timeout_s=30), "idle ranks' processes outlived keep_warm_s"
+    assert seen["same_pool"] and seen["rollout_made"] and seen["kinds"] == ["scorer", "trainer"], seen
