@@ -66,6 +66,7 @@ def rl_round(stage: PlannedStage, inputs: RoundInputs, ctx: RunContext) -> Stage
         run.log_metrics({"rl/prompts_left_per_epoch": float(rl.schedule.left_per_epoch),  # whole steps only
                          "rl/prompts_never_sampled": float(rl.never_sampled)})
         checkpoints = StageCheckpoints(storage, out.uri, stage.name, round_cfg.checkpoint_every)
+        failed = True  # until the round is done: what raised may have left an actor's call running
         try:
             start = checkpoints.resume(rl.load_state, run, round_cfg.steps)
             run.set_tag("alignflow.total_steps", str(round_cfg.steps))  # the CLI's progress display
@@ -76,8 +77,9 @@ def rl_round(stage: PlannedStage, inputs: RoundInputs, ctx: RunContext) -> Stage
                     checkpoints.save(step + 1, lambda ref: rl.save_state(ref, step + 1))
             out.add(rl.save_policy(out.ref))  # uploaded by the actor's rank 0, from its node
             sleeps = rl.engine_sleeps()
+            failed = False
         finally:
-            rl.shutdown()
+            rl.shutdown(failed=failed)
         summary = {"rl/steps": float(round_cfg.steps), "rl/steps_run": float(round_cfg.steps - start),
                    "rl/resumed_from_step": float(start), "rl/final_reward_mean": metrics["reward/mean"],
                    "rl/engine_sleeps": float(sleeps)}

@@ -63,6 +63,7 @@ def train_stage(stage: PlannedStage, inputs: TrainInputs | PreferenceInputs, ctx
                                       attn_implementation=io.attn_implementation)
         group = TrainerGroup(spec, train.num_workers)
         checkpoints = StageCheckpoints(storage, out.uri, stage.name, train.checkpoint_every)
+        failed = True  # until the model is saved: what raised may have left a rank's call running
         try:
             start = checkpoints.resume(lambda ref: int(group.load_state(ref)["step"]), run, schedule.total_steps)
             run.set_tag("alignflow.total_steps", str(schedule.total_steps))  # the CLI's progress display
@@ -79,8 +80,9 @@ def train_stage(stage: PlannedStage, inputs: TrainInputs | PreferenceInputs, ctx
             steps_run = supervised.fit(group, tensors, schedule, objective, weigh, paired=paired, start_step=start,
                                        after_step=after_step)
             out.add(group.save_hf(out.ref))  # uploaded by rank 0, from its node
+            failed = False
         finally:
-            group.shutdown()
+            group.shutdown(failed=failed)
         tail = history[-min(len(history), 10):] or [{}]
         summary = {f"train/final_{k}": sum(h[k] for h in tail) / len(tail) for k in tail[0]}
         summary.update({"train/steps": float(schedule.total_steps), "train/steps_run": float(steps_run),

@@ -136,9 +136,10 @@ class InfraConfig(Section):
         2.0, ge=0, description="seconds between a failed stage and its retry, on average: Prefect draws each "
         "delay at random, at most 1.5x it, so that stages failed together do not retry together")
     keep_warm_s: float = Field(
-        30.0, ge=0, description="seconds a stage's trainer ranks and scorers, once it ends, stay idle in their "
-        "processes for the run's next stage in the same worker to take, where its placement matches, instead of "
-        "starting processes of its own (engines/placement/warm.py); Ray resources stay held meanwhile. 0: none kept")
+        30.0, ge=0, description="seconds a stage's trainer ranks and scorers that hold no GPU, once it ends, stay "
+        "idle in their processes for the run's next stage in the same worker to take, where its placement matches, "
+        "instead of starting processes of its own (engines/placement/warm.py); Ray resources stay held meanwhile. "
+        "0: none kept")
     torch_threads: int = Field(
         2, ge=1, description="torch/OpenMP threads per process, where a placement sets no cpu_cores")
     allocator: Literal["glibc_retain", "jemalloc", "system"] = Field(

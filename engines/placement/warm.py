@@ -14,12 +14,17 @@ matches takes it instead of a new process:
   arguments: `RolloutActor.reset` builds its engine again from them (the weights and sampling seed it
   started with); a scorer holds frozen models only, and is taken as it is.
 
-A run's stage worker (tasks/runner.py) keeps trainer ranks and scorers the same way from one stage to the next
-(`between_stages`): SFT's ranks train the reward model, and those the actor of a round, and every evaluation of a
-run scores with the scorer the first one started, where placements match. There nothing closes the pool: an
-actor idle for `infra.keep_warm_s` seconds is ended, so what it holds goes to whatever else waits for it (a
-stage in another worker, on a GPU another stage's engine). Rollout engines are not kept there: one is reset by
-building its engine again, for a start with its own model, which a run's next stage never has.
+A run's stage worker (tasks/runner.py) keeps trainer ranks and scorers that hold no GPU the same way from one
+stage to the next (`between_stages`): SFT's ranks train the reward model, those the actor of a round, and a
+round's actor, critic and scorer serve the next round, where placements match. There nothing closes the pool: an
+actor idle for `infra.keep_warm_s` seconds is ended, so what it holds goes to whatever else waits for it (a stage
+in another worker). Not kept there:
+- rollout engines: one is reset by building its engine again, for a start with its own model, which a run's next
+  stage never has;
+- actors that hold GPUs: an idle one would hold its GPU from every stage that starts something it does not take
+  (an engine, a colocated round's bundles) until its idle time ran out, at every stage change of a one-GPU run;
+  an idle scorer's models would sit in the memory a fractional-GPU engine sizes its cache by; and an offloading
+  rank's pinned host memory outlives its reset.
 
 What is not kept: actors placed by their caller (a colocated round's bundles, a tensor-parallel engine's
 group), an actor whose calls failed where that may have left it mid-transfer (`taint`), and one whose reset
@@ -66,20 +71,20 @@ class WarmActors:
     """Idle actors by key (its first item the kind: "trainer", "rollout", "scorer"): the groups left under each,
     oldest first (a round's actor and critic of one shape are two).
 
-    `kinds`: the kinds kept (None: all); `idle_s`: where set, an actor idle that long is ended (a thread looks
-    every second or so), as none may close the pool."""
+    `kinds`: the kinds kept (None: all); `gpus`: whether actors that hold GPUs are; `idle_s`: where set, an actor
+    idle that long is ended (a thread looks every second or so), as none may close the pool."""
 
-    def __init__(self, *, kinds: frozenset[str] | None = None, idle_s: float | None = None):
+    def __init__(self, *, kinds: frozenset[str] | None = None, gpus: bool = True, idle_s: float | None = None):
         self.idle: dict[tuple, list[Idle]] = {}
         self.counts = Counts()
-        self.kinds, self.idle_s = kinds, idle_s
+        self.kinds, self.gpus, self.idle_s = kinds, gpus, idle_s
         self._owned: dict[Any, tuple] = {}  # single actors `start` made or took, by handle: their keys
         self._lock = threading.Lock()
         if idle_s is not None:
             threading.Thread(target=self._end_idle_forever, name="alignflow-warm-idle", daemon=True).start()
 
-    def keeps(self, kind: str) -> bool:
-        return self.kinds is None or kind in self.kinds
+    def keeps(self, kind: str, gpus: float) -> bool:
+        return (self.kinds is None or kind in self.kinds) and (self.gpus or not gpus)
 
     def end_idle_since(self, moment: float) -> int:
         """End the groups left idle at or before `moment` (time.monotonic()); how many actors ended."""
@@ -101,8 +106,8 @@ class WarmActors:
                 log.debug("could not end idle actors: %s", err)
 
     def take(self, key: tuple, size: int) -> Idle | None:
-        """An idle group of `key` (the last one left), or None, having ended the idle ones of its kind (theirs may be the
-        resources the new one needs)."""
+        """An idle group of `key` (the last one left), or None, having ended the idle ones of its kind (theirs
+        may be the resources the new one needs)."""
         with self._lock:
             groups = self.idle.get(key)
             if groups:
@@ -176,36 +181,38 @@ class WarmActors:
 
 def trainer_shape(num_workers: int, options: dict[str, Any], torch_threads: int,
                   cpu_cores: tuple[int, ...] | None) -> tuple:
-    """A trainer group's key: what its ranks were started with (TrainerGroup's own placement, not a caller's)."""
+    """A trainer group's key: what its ranks were started with (TrainerGroup's own placement, not a caller's);
+    its item 3 the GPUs of each rank."""
     resources = tuple(sorted((options.get("resources") or {}).items()))
     return ("trainer", num_workers, options.get("num_cpus"), options.get("num_gpus"), resources, torch_threads,
             tuple(cpu_cores) if cpu_cores is not None else None)
 
 
-def _pool(kind: str) -> WarmActors | None:
-    """The pool active now, where it keeps actors of `kind`."""
+def _pool(kind: str, gpus: float) -> WarmActors | None:
+    """The pool active now, where it keeps actors of `kind` holding `gpus` each."""
     pool = _active
-    return pool if pool is not None and pool.keeps(kind) else None
+    return pool if pool is not None and pool.keeps(kind, gpus) else None
 
 
 def take(key: tuple, size: int) -> Idle | None:
-    """Inside `keep_warm()`, an idle group of `key` (`WarmActors.take`); None there too where there is none,
-    and always outside."""
-    pool = _pool(key[0])
+    """Inside `keep_warm()`, an idle group of the trainer shape `key` (`WarmActors.take`); None there too where
+    there is none, and always outside."""
+    pool = _pool(key[0], key[3])
     return pool.take(key, size) if pool is not None else None
 
 
 def keep(key: tuple, idle: Idle) -> bool:
     """Inside `keep_warm()` (the one active now, not the one a group was taken from), reset the actors and keep
-    them idle under `key` (`WarmActors.give`); False, and the caller ends them, outside or where that failed."""
-    pool = _pool(key[0])
+    them idle under `key` (a trainer shape, or `start`'s key) (`WarmActors.give`); False, and the caller ends
+    them, outside or where that failed."""
+    pool = _pool(key[0], key[3] if key[0] == "trainer" else 0)  # `start` kept only what its pool keeps
     return pool is not None and pool.give(key, idle)
 
 
 def start(kind: str, arguments: dict[str, Any], make: Callable[[], Any]) -> Any:
     """`make()`, or inside `keep_warm()` the idle actor of `kind` started with the same `arguments` (every
     argument of its start, placement included); the actor is remembered for `end`."""
-    pool = _pool(kind)
+    pool = _pool(kind, arguments.get("num_gpus") or 0)
     if pool is None:
         return make()
     key = (kind, repr(sorted(arguments.items())))
@@ -229,21 +236,26 @@ def end(actor: Any, *, failed: bool = False) -> None:
 _active: WarmActors | None = None
 _activating = threading.Lock()
 
-STAGE_KINDS = frozenset({"trainer", "scorer"})  # what a run's stages hand on (module docstring)
+STAGE_KINDS = frozenset({"trainer", "scorer"})  # what a run's stages hand on, holding no GPU (module docstring)
 
 
 def between_stages(idle_s: float) -> WarmActors | None:
     """In a Ray worker that runs a run's stages, the pool its stages share (made by the first; not closed:
-    an actor idle `idle_s` seconds ends); None, and nothing kept, for `idle_s` 0, outside a Ray worker (a
-    driver: a test, a notebook), or where `keep_warm()` is active."""
+    an actor idle `idle_s` seconds ends); None, and nothing kept, for `idle_s` 0 (a pool an earlier stage
+    made is closed), outside a Ray worker (a driver: a test, a notebook), or where `keep_warm()` is active."""
     global _active
     import ray
 
-    if idle_s <= 0 or not ray.is_initialized() or ray.get_runtime_context().worker.mode != ray.WORKER_MODE:
+    if not ray.is_initialized() or ray.get_runtime_context().worker.mode != ray.WORKER_MODE:
         return None
     with _activating:
+        if idle_s <= 0:
+            if _active is not None and _active.idle_s is not None:
+                _active, pool = None, _active
+                pool.close()
+            return None
         if _active is None:
-            _active = WarmActors(kinds=STAGE_KINDS, idle_s=idle_s)
+            _active = WarmActors(kinds=STAGE_KINDS, gpus=False, idle_s=idle_s)
         elif _active.idle_s is None:  # keep_warm()'s
             return None
         _active.idle_s = idle_s

@@ -284,5 +284,6 @@ class RLRound:
         self.models.settle()  # the round's last published update taken, or its failure raised
         return self.models.actor.save_hf(target)
 
-    def shutdown(self) -> None:
-        self.models.shutdown()
+    def shutdown(self, failed: bool = False) -> None:
+        """End the round's actors (`failed`: the round raised; none is kept warm)."""
+        self.models.shutdown(failed=failed)

@@ -184,13 +184,15 @@ class RoundModels:
         if self.weight_sync is not None:
             self.weight_sync.settle()
 
-    def shutdown(self) -> None:
+    def shutdown(self, failed: bool = False) -> None:
+        """End every actor; outside a failed round (`failed`) each is reset and kept where a warm pool keeps its
+        kind (engines/placement/warm.py), not where a call of theirs may still be running."""
         for group in self._trainers():
-            group.shutdown()
+            group.shutdown(failed=failed)
         for a in {id(x): x for x in (self.reference, self.rewarder) if x is not None}.values():
-            warm.end(a)  # ray.kill, or kept for the next start inside keep_warm()
-        self.engines.shutdown()
-        self.judge.shutdown()
+            warm.end(a, failed=failed)  # ray.kill, or kept for the next start inside keep_warm()
+        self.engines.shutdown(failed=failed)
+        self.judge.shutdown(failed=failed)
         if self.placement_group is not None:
             ray.util.remove_placement_group(self.placement_group)
             self.placement_group = None
@@ -281,6 +283,6 @@ def start_round_models(cfg: RoundConfig, setup: RoundSetup, updates_per_step: in
             models.weight_sync = WeightSync(models.actor, models.engines, bucket_bytes=models.bucket_bytes,
                                             publish=True)
     except BaseException:
-        models.shutdown()
+        models.shutdown(failed=True)
         raise
     return models

@@ -182,7 +182,9 @@ def scoring(reference_path: Source | None, reward_path: Source | None, *, num_cp
 
     actor = start_scorer(reference_path, reward_path, num_cpus=num_cpus, num_gpus=num_gpus, resources=resources,
                          cpu_cores=cpu_cores, **kwargs)
+    failed = True  # until the block is done: a call of the actor's may still be running
     try:
         yield lambda method, *args: ray.get(getattr(actor, method).remote(*args))
+        failed = False
     finally:
-        warm.end(actor)
+        warm.end(actor, failed=failed)

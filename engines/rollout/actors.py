@@ -221,9 +221,11 @@ class RolloutEngines:
         """Each engine's SleepState.events: what it was asked to do, in order, and counted."""
         return ray.get([e.events.remote() for e in self.actors])
 
-    def shutdown(self) -> None:
+    def shutdown(self, failed: bool = False) -> None:
+        """End the engines, or inside keep_warm() keep them where no transfer tainted them and their caller's work
+        did not fail (`failed`)."""
         for a in self.actors:
-            warm.end(a, failed=self.failed)  # ray.kill, or kept for the next start inside keep_warm()
+            warm.end(a, failed=self.failed or failed)  # ray.kill, or kept for the next start inside keep_warm()
         for pg in self.placement_groups:
             ray.util.remove_placement_group(pg)
         self.actors, self.placement_groups = [], []

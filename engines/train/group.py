@@ -132,8 +132,10 @@ class TrainerGroup:
             self._failed = True
             raise
 
-    def shutdown(self) -> None:
-        """Ends the ranks, or inside warm.keep_warm() leaves them reset and idle where every call succeeded."""
+    def shutdown(self, failed: bool = False) -> None:
+        """Ends the ranks, or inside warm.keep_warm() leaves them reset and idle where every call succeeded and
+        the caller's work with them did not fail (`failed`: it may have left a call of theirs running)."""
+        self._failed = self._failed or failed
         workers, self.workers = self.workers, []
         if workers and self._shape is not None and not self._failed and not self._pending_setup:
             if warm.keep(self._shape, warm.Idle(workers, self.placement_group, self._master)):

@@ -164,11 +164,11 @@ def _gpu_bytes(worker) -> int:
     return torch.cuda.memory_allocated() if worker.device.type == "cuda" else 0
 
 
-def test_a_rank_kept_warm_on_the_gpu_frees_its_model_and_takes_the_next_stage(ray_gpu, gpu_model, gpu_tokenizer,
-                                                                              task_data):
-    """What a run's stage worker does between SFT and the reward model (engines/placement/warm.py): SFT's rank at
-    ZeRO-2 reset, its model and optimizer off the GPU, then the reward model at ZeRO-3 set up in the same process,
-    on the GPU, and training."""
+def test_a_rank_kept_warm_on_the_gpu_frees_its_model_and_takes_the_next_engine(ray_gpu, gpu_model, gpu_tokenizer,
+                                                                               task_data):
+    """What `keep_warm()` does on a GPU between a driver's engines (engines/placement/warm.py; a run's stages keep
+    no GPU rank): an SFT rank at ZeRO-2 reset, its model and optimizer off the GPU, then a reward model at ZeRO-3
+    set up in the same process, on the GPU, and training."""
     import ray
 
     from engines.batches import pair_tensors, sft_tensors, shard, split_pairs, take

@@ -216,8 +216,8 @@ def test_a_scorer_is_taken_again_only_by_a_start_like_its_own(ray_local, tiny_mo
 
 def stages_in_a_worker(model_path: str, idle_s: float) -> dict:
     """In a Ray worker, as tasks/runner.py runs a run's stages: a trainer group (SFT), then two of its shape at
-    once (a round's actor and critic), twice; a rollout engine's start; then the idle ranks left alone for twice
-    `idle_s`."""
+    once (a round's actor and critic), twice; a stage that fails with one; starts that hold GPUs and a rollout
+    engine's; the idle ranks left alone for twice `idle_s`; a stage of a run that keeps nothing."""
     import ray
 
     from alignflow.config import EngineConfig
@@ -228,21 +228,36 @@ def stages_in_a_worker(model_path: str, idle_s: float) -> dict:
     spec = EngineSpec.from_config(EngineConfig(learning_rate=1e-2, warmup_steps=0), model_path=model_path,
                                   kind="causal", total_steps=10, global_batch=8, dtype="float32", torch_threads=1,
                                   seed=0)
-    pids, counts = [], []
-    for groups in (1, 2, 2):  # a stage each
+
+    def pids(groups: list) -> list[int]:
+        return sorted(p for g in groups for p in ray.get([w.__ray_call__.remote(lambda self: os.getpid())
+                                                          for w in g.workers]))
+
+    seen: dict = {"pids": [], "counts": []}
+    for size in (1, 2, 2):  # a stage each
         pool = warm.between_stages(idle_s)
-        started = [TrainerGroup(spec, 1) for _ in range(groups)]
-        pids.append(sorted(p for g in started for p in ray.get(
-            [w.__ray_call__.remote(lambda self: os.getpid()) for w in g.workers])))
-        for g in started:
+        groups = [TrainerGroup(spec, 1) for _ in range(size)]
+        seen["pids"].append(pids(groups))
+        for g in groups:
             g.shutdown()
-        counts.append(dict(vars(pool.counts)))
+        seen["counts"].append(dict(vars(pool.counts)))
+    seen["same_pool"] = warm.between_stages(idle_s) is pool
+    group = TrainerGroup(spec, 1)  # a stage that fails: its rank ends
+    seen["failed_pid"] = pids([group])[0]
+    group.shutdown(failed=True)
+    before = dict(vars(pool.counts))
     marker = object()
-    rollout = warm.start("rollout", {"model": model_path}, lambda: marker)  # not kept: never taken or owned
+    made = [warm.take(warm.trainer_shape(1, {"num_cpus": 1, "num_gpus": 1}, 1, None), 1),
+            warm.start("scorer", {"num_cpus": 1, "num_gpus": 0.5}, lambda: marker),
+            warm.start("rollout", {"model": model_path}, lambda: marker)]
+    seen["not_this_pools"] = made == [None, marker, marker] and not pool._owned and vars(pool.counts) == before
     time.sleep(2 * idle_s + 1.5)
-    return {"pids": pids, "counts": counts, "after": dict(vars(pool.counts)), "idle": len(pool.idle),
-            "same_pool": warm.between_stages(idle_s) is pool, "rollout_made": rollout is marker and not pool._owned,
-            "kinds": sorted(pool.kinds)}
+    seen.update(after=dict(vars(pool.counts)), idle=len(pool.idle))
+    group = TrainerGroup(spec, 1)
+    warm.between_stages(0)  # a stage of a run with infra.keep_warm_s=0: the pool closed, nothing kept after
+    group.shutdown()
+    seen.update(closed=warm._active is None, last=dict(vars(pool.counts)))
+    return seen
 
 
 def test_a_runs_stages_in_one_worker_hand_on_their_ranks_and_idle_ones_end_alone(ray_local, tiny_model):
@@ -252,10 +267,13 @@ def test_a_runs_stages_in_one_worker_hand_on_their_ranks_and_idle_ones_end_alone
     task = ray_local.remote(num_cpus=0)(stages_in_a_worker)
     seen = ray_local.get(task.remote(str(tiny_model), 1.0), timeout=300)
     sft, round_1, round_2 = seen["pids"]
-    assert sft[0] in round_1 and round_2 == round_1, seen["pids"]  # SFT's rank, then both of round 1's
+    assert sft[0] in round_1 and round_2 == round_1 and seen["same_pool"], seen  # SFT's rank, then round 1's two
     assert seen["counts"] == [{"started": 1, "reused": 0, "kept": 1, "ended": 0, "not_kept": 0},
                               {"started": 2, "reused": 1, "kept": 3, "ended": 0, "not_kept": 0},
                               {"started": 2, "reused": 3, "kept": 5, "ended": 0, "not_kept": 0}], seen["counts"]
-    assert seen["after"]["ended"] == 2 and seen["idle"] == 0, seen  # ended alone, idle past keep_warm_s
+    assert seen["failed_pid"] in round_2 and _ended([seen["failed_pid"]], timeout_s=30), "a failed stage kept its rank"
+    assert seen["not_this_pools"], "a start that holds a GPU, or a rollout engine's, went through the stage pool"
+    # The rank left idle ended on its own, past keep_warm_s; then a run that keeps nothing closed the pool.
+    assert seen["after"] == {"started": 2, "reused": 4, "kept": 5, "ended": 1, "not_kept": 0} and seen["idle"] == 0
     assert _ended(round_2, timeout_s=30), "idle ranks' processes outlived keep_warm_s"
-    assert seen["same_pool"] and seen["rollout_made"] and seen["kinds"] == ["scorer", "trainer"], seen
+    assert seen["closed"] and seen["last"]["kept"] == 5 and seen["last"]["started"] == 3, seen

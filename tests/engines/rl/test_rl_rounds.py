@@ -819,6 +819,33 @@ def test_a_round_asks_for_all_its_actors_before_waiting_for_its_trainers(ray_loc
     assert {s for _, s in started()} == {"DEAD"}, started()
 
 
+def test_a_round_that_raised_keeps_none_of_its_actors_warm(ray_local, warm_actors, tiny_model, prompts):
+    """tasks/rl_round.py ends a round that raised with `shutdown(failed=True)`: inside a warm pool (a run's stage
+    worker keeps trainers and scorers between stages) none is reset and kept, since a call of theirs may still be
+    running (an async round's scorer queued behind generations, a publish waiting for engines); all end."""
+    import time
+
+    from ray._private import state
+
+    from engines.rl.round import RLRound
+    from engines.rl.round_models import RoundSetup
+
+    path = str(tiny_model)
+    rl = RLRound(_round("ppo", reward=RewardConfig(source="model")),
+                 RoundSetup(policy_path=path, reference_path=path, reward_path=path, prompts=prompts, dtype="float32",
+                            torch_threads=1, max_model_len=80, seed=0))
+    mine = {a._actor_id.hex() for g in rl.models._trainers() for a in g.workers}
+    mine |= {a._actor_id.hex() for a in (rl.models.reference, rl.models.rewarder) if a is not None}
+    kept = warm_actors.counts.kept
+    rl.shutdown(failed=True)
+    assert warm_actors.counts.kept == kept and not any(  # nothing of this round's idle in the pool
+        a._actor_id.hex() in mine for groups in warm_actors.idle.values() for idle in groups for a in idle.actors)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and any(state.actors()[i]["State"] != "DEAD" for i in mine):
+        time.sleep(0.5)
+    assert {state.actors()[i]["State"] for i in mine} == {"DEAD"}, {i: state.actors()[i]["State"] for i in mine}
+
+
 def test_engines_wait_for_the_trainers_only_where_they_may_share_a_gpu():
     from alignflow.config import ActorConfig, Placement
     from engines.rl.round_placement import engines_share_a_gpu
