@@ -16,7 +16,7 @@ from alignflow.config.round.judge import JudgeRewardConfig
 from alignflow.errors import ConfigError
 from alignflow.verdicts import parse_verdict
 from engines.batches import render_prompt
-from engines.rl.rewards import ScoredText, prompt_text
+from engines.rl.rewards import ScoredText
 from engines.rollout.base import Sampling
 
 
