@@ -203,9 +203,9 @@ def take(key: tuple, size: int) -> Idle | None:
 
 def keep(key: tuple, idle: Idle) -> bool:
     """Inside `keep_warm()` (the one active now, not the one a group was taken from), reset the actors and keep
-    them idle under `key` (a trainer shape, or `start`'s key) (`WarmActors.give`); False, and the caller ends
-    them, outside or where that failed."""
-    pool = _pool(key[0], key[3] if key[0] == "trainer" else 0)  # `start` kept only what its pool keeps
+    them idle under the trainer shape `key` (`WarmActors.give`); False, and the caller ends them, outside or
+    where that failed."""
+    pool = _pool(key[0], key[3])
     return pool is not None and pool.give(key, idle)
 
 
@@ -228,8 +228,8 @@ def end(actor: Any, *, failed: bool = False) -> None:
     import ray
 
     pool = _active
-    key = pool.disown(actor) if pool is not None else None
-    if key is None or failed or not keep(key, Idle([actor])):
+    key = pool.disown(actor) if pool is not None else None  # only an actor this pool keeps was owned by it
+    if key is None or failed or not pool.give(key, Idle([actor])):
         ray.kill(actor)
 
 
