@@ -13,7 +13,10 @@ them, so the actor's first GPU is `cuda:0` and its LOCAL_RANK is 0. Where
 isolation is turned off (`RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES`, as
 when several ranks must address each other's GPUs), the process sees every
 GPU and its own is found by position in `CUDA_VISIBLE_DEVICES` (or by its
-physical id when that variable is unset).
+physical id when that variable is unset). A vLLM engine is the exception: with one GPU
+it always takes `cuda:0`, so its process is narrowed to its own GPU first
+(`isolate_engine_gpus`); the CUDA IPC transport maps a handle to the
+receiver's numbering (engines/transport/wire.py).
 """
 
 from __future__ import annotations
@@ -66,6 +69,41 @@ def actor_device() -> torch.device:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     return device
+
+
+def engine_visible_devices(gpu_ids: Sequence[str | int], cuda_visible_devices: str | None) -> str | None:
+    """The CUDA_VISIBLE_DEVICES that shows an engine's process only the GPUs Ray assigned it, where Ray left
+    more visible (`RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES`); None where nothing need change: no GPU of its
+    own (a tensor-parallel engine's GPUs are its vLLM workers'), or exactly its own already visible. Ray's ids
+    are entries of the node's CUDA_VISIBLE_DEVICES where that is set, so they are written back as they are."""
+    if not gpu_ids:
+        return None
+    wanted = [str(g) for g in gpu_ids]
+    if cuda_visible_devices is not None:
+        visible = [d.strip() for d in cuda_visible_devices.split(",") if d.strip()]
+        if visible == wanted:
+            return None
+        hidden = [g for g in wanted if g not in visible]
+        if hidden:
+            raise InsufficientResourcesError(
+                f"Ray assigned GPUs {wanted} but CUDA_VISIBLE_DEVICES={cuda_visible_devices!r} hides {hidden}")
+    return ",".join(wanted)
+
+
+def isolate_engine_gpus() -> str | None:
+    """Narrow this process to the GPUs Ray assigned it (`engine_visible_devices`), before CUDA starts in it:
+    vLLM's single-GPU executor puts its model on `cuda:0`, which under NOSET is the node's first GPU, whoever
+    holds it. What it set CUDA_VISIBLE_DEVICES to; None where it changed nothing."""
+    import ray
+
+    gpu_ids = ray.get_gpu_ids() if ray.is_initialized() else []
+    value = engine_visible_devices(gpu_ids, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    if value is None:
+        return None
+    if torch.cuda.is_initialized():
+        raise RuntimeError(f"CUDA already started in this engine process: it cannot be narrowed to GPUs {value}")
+    os.environ["CUDA_VISIBLE_DEVICES"] = value
+    return value
 
 
 def local_rank(device: torch.device) -> int:

@@ -13,7 +13,7 @@ import torch
 from alignflow.config import VLLMConfig
 from alignflow.errors import ConfigError
 from engines.lean_imports import import_vllm, lean_transformers
-from engines.placement.devices import pin_cpu_cores
+from engines.placement.devices import isolate_engine_gpus, pin_cpu_cores
 from engines.rollout.hf_engine import HFEngine
 from engines.rollout.vllm_engine import VLLMEngine, vllm_build_mismatch, vllm_engine_args
 
@@ -27,13 +27,15 @@ def prepare_engine_process(torch_threads: int, cpu_cores: list[int] | None, *, o
     both cores stay with the model. transformers loads without scikit-learn or scipy (engines/lean_imports.py).
     On a GPU (`on_gpu`) the engine compiles: the TORCH_COMPILE_DISABLE every process of a run inherits
     (alignflow/cluster.py, for the CPU) would turn off vLLM's torch.compile and with it its piecewise
-    CUDA graphs; `vllm.enforce_eager: true` is the switch for an eager GPU engine.
+    CUDA graphs; `vllm.enforce_eager: true` is the switch for an eager GPU engine. Its process sees only its
+    own GPUs, also where Ray leaves them all visible (engines/placement/devices.py: isolate_engine_gpus).
     """
     lean_transformers()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     if on_gpu:
         os.environ.pop("TORCH_COMPILE_DISABLE", None)
+        isolate_engine_gpus()
     # Else vLLM drops torch to one thread "for serving": in-process, that thread also runs the model.
     torch_threads = pin_cpu_cores(cpu_cores, torch_threads)
     os.environ["OMP_NUM_THREADS"] = str(torch_threads)

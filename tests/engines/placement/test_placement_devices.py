@@ -14,7 +14,7 @@ from alignflow.config import (ActorConfig, CriticConfig, EngineConfig, Generatio
                               RoundConfig, VLLMConfig)
 from alignflow.errors import InsufficientResourcesError
 from engines.batches import in_micro_batches, micro_batches
-from engines.placement.devices import local_rank, placement_device, to_cpu, to_device
+from engines.placement.devices import engine_visible_devices, local_rank, placement_device, to_cpu, to_device
 from engines.rl.round_placement import colocated_bundles, gpu_share, round_resources
 from engines.rollout.vllm_engine import cpu_kv_cache_bytes, vllm_engine_args, warn_kv_cache_env
 
@@ -47,6 +47,72 @@ def test_local_rank_is_the_visible_index():
 def test_impossible_placement_is_a_clear_error(gpu_ids, visible, count, words):
     with pytest.raises(InsufficientResourcesError, match=words):
         placement_device(gpu_ids, visible, count)
+
+
+@pytest.mark.parametrize("gpu_ids, visible, expected", [
+    ([], "0,1,2,3", None),  # no GPU of its own (a tensor-parallel engine's are its workers'): left as it is
+    (["2"], "2", None),  # Ray's isolation: already its own
+    (["2"], None, "2"),  # NOSET, nothing hidden: every GPU visible, vLLM would take the node's first
+    (["3"], "2,3", "3"),  # NOSET on a node narrowed to 2,3: Ray's ids are the node's entries
+    (["1", "0"], "0,1", "1,0"),  # in Ray's order
+])
+def test_an_engine_process_sees_only_its_own_gpus(gpu_ids, visible, expected):
+    assert engine_visible_devices(gpu_ids, visible) == expected
+
+
+def test_an_engine_on_a_gpu_the_node_hides_is_a_clear_error():
+    with pytest.raises(InsufficientResourcesError, match=r"hides \['4'\]"):
+        engine_visible_devices(["4"], "0,1")
+
+
+NOSET_PROBE = """
+import json, os, sys
+import ray
+ray.init(address="local", num_cpus=2, num_gpus=2, include_dashboard=False, _node_ip_address="127.0.0.1")
+
+@ray.remote(num_gpus=1, num_cpus=0)
+class Probe:  # an engine's process: alive, holding its GPU, while the other starts
+    def run(self):
+        from engines.placement.devices import isolate_engine_gpus
+        before = os.environ.get("CUDA_VISIBLE_DEVICES")
+        return {"gpu_ids": [str(g) for g in ray.get_gpu_ids()], "before": before, "set": isolate_engine_gpus(),
+                "after": os.environ.get("CUDA_VISIBLE_DEVICES")}
+
+def env(noset):
+    return {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": noset, "CUDA_VISIBLE_DEVICES": "0,1",
+                         "PYTHONPATH": os.getcwd()}}
+
+out = {}
+for noset in ("1", "0"):
+    actors = [Probe.options(runtime_env=env(noset)).remote() for _ in range(2)]
+    out[noset] = ray.get([a.run.remote() for a in actors])
+    for a in actors:
+        ray.kill(a)
+print(json.dumps(out))
+"""
+
+
+def test_a_ray_worker_holding_a_gpu_is_narrowed_to_it_where_ray_left_all_visible(tmp_path):
+    """In real Ray processes (GPUs declared, none present): under NOSET a task holding one GPU sees both, and is
+    narrowed to the one Ray gave it; with Ray's isolation it is left as Ray set it."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "probe.py"
+    script.write_text(NOSET_PROBE)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                         cwd=os.getcwd(), env={**os.environ, "RAY_ADDRESS": ""})
+    assert out.returncode == 0, out.stderr[-3000:]
+    modes = json.loads(out.stdout.strip().splitlines()[-1])
+    for noset, runs in modes.items():
+        assert sorted(r["gpu_ids"][0] for r in runs) == ["0", "1"]  # two at once: one GPU each
+        for run in runs:
+            if noset == "1":
+                assert run["before"] == "0,1" and run["set"] == run["after"] == run["gpu_ids"][0]
+            else:
+                assert run["before"] == run["after"] == run["gpu_ids"][0] and run["set"] is None
 
 
 def test_tensors_cross_boundaries_on_the_cpu():
