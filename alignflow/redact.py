@@ -2,12 +2,19 @@
 and error messages. A credential reaches a config in two ways: under a key that names one (`api_key:`,
 `hf_token:`) or inside a URL, as `user:pass@` or as a query parameter (`?api_key=...`, a presigned
 `X-Amz-Signature`). Both are taken out here, at any depth of a config tree.
+
+A config never holds one written out: it is kept with every flow run, in Prefect's database and UI, which
+no redaction reaches. `written_credentials` finds them when a config loads (alignflow/config/loading.py),
+and each is refused with where its client reads it from the environment instead. A reward service's URL
+may name environment variables, `?api_key=${RM_API_KEY}`, which `expand_env` fills in where it is called.
 """
 
 from __future__ import annotations
 
+import base64
+import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
@@ -65,3 +72,95 @@ def redact(tree: Any) -> Any:
     if isinstance(tree, (list, tuple)):
         return [redact(v) for v in tree]
     return redact_url(tree) if isinstance(tree, str) else tree
+
+
+# Keys refused with a value (an environment's or agent's own settings): narrower than SECRET_NAME, which only
+# hides values, so that `pad_token: "<pad>"` stays a setting.
+_CREDENTIAL_KEY = re.compile(r"(secret|password|passwd|credential|access_key|api_key|apikey|auth_token|access_token"
+                             r"|hf_token|private_key)", re.I)
+ENV_REFERENCE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+# Fields whose URL alignflow itself requests, filling in `${NAME}` from the environment (expand_env).
+EXPANDED_URL = re.compile(r"^rounds\.\d+\.reward\.(sources\.\d+\.)?url$")
+# Where the client of each other URL-valued field reads its credentials from the environment.
+_ENV_HINTS = {
+    "infra.mlflow_tracking_uri": "MLflow reads MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or "
+    "MLFLOW_TRACKING_TOKEN) for a tracking server, and a database's driver reads its own (PGPASSWORD or ~/.pgpass "
+    "for PostgreSQL, MYSQL_PWD for MySQL)",
+    "infra.prefect_api_url": "Prefect reads PREFECT_API_KEY (Prefect Cloud) or PREFECT_API_AUTH_STRING (a server "
+    "with basic auth)",
+    "infra.storage": "s3fs reads AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE)",
+}
+
+
+def written_credentials(text: str, *, references: bool = False) -> list[str]:
+    """What a URL holds written out that is a credential: its password, and each credential-like query
+    parameter with a value (`references`: a value that is wholly `${NAME}` is not). [] for text that is not a URL."""
+    if not isinstance(text, str) or "://" not in text:
+        return []
+    try:
+        parts = urlsplit(text)
+        password = parts.password
+    except ValueError:
+        return []
+
+    def written(value: str | None) -> bool:
+        return bool(value) and not (references and ENV_REFERENCE.fullmatch(value))
+
+    found = ["a password"] if written(password) else []
+    return found + [f"query parameter {k!r}" for k, v in parse_qsl(parts.query, keep_blank_values=True)
+                    if _secret_query(k) and written(v)]
+
+
+def config_credentials(tree: Any, path: str = "") -> Iterator[tuple[str, str]]:
+    """(field, why it is refused) for every credential a raw config tree holds written out."""
+    if isinstance(tree, Mapping):
+        for key, value in tree.items():
+            field = f"{path}.{key}" if path else str(key)
+            if _CREDENTIAL_KEY.search(str(key)) and isinstance(value, str) and value:
+                yield field, f"{field} names a credential: {_instead(field)}"
+            else:
+                yield from config_credentials(value, field)
+    elif isinstance(tree, (list, tuple)):
+        for i, value in enumerate(tree):
+            yield from config_credentials(value, f"{path}.{i}")
+    elif isinstance(tree, str):
+        found = written_credentials(tree, references=bool(EXPANDED_URL.match(path)))
+        if found:
+            yield path, f"{path}: {redact_url(tree)} holds {' and '.join(found)} written out: {_instead(path)}"
+
+
+def _instead(field: str) -> str:
+    stored = "a config is kept with every flow run, in Prefect's database and UI, so it takes none"
+    if EXPANDED_URL.match(field):
+        return (f"{stored}; write ${{NAME}} in its place (?api_key=${{RM_API_KEY}}, https://${{RM_USER}}:"
+                f"${{RM_PASSWORD}}@host/...) and set NAME in the environment the run starts in (and a cluster's "
+                "nodes): it is read where the service is called")
+    hint = next((h for prefix, h in _ENV_HINTS.items() if field.startswith(prefix)), None)
+    return f"{stored}; {hint}" if hint else f"{stored}; give it to its client through the environment"
+
+
+def expand_env(text: str, field: str) -> str:
+    """`text` with every `${NAME}` replaced by the environment's NAME: where a URL is requested, so the config,
+    and everything made from it, holds only the name. A ConfigError naming `field` and NAME where it is unset."""
+    from alignflow.errors import ConfigError
+
+    missing = [name for name in ENV_REFERENCE.findall(text) if name not in os.environ]
+    if missing:
+        raise ConfigError(f"{field}: {redact_url(text)} names {', '.join(missing)}, which the environment of "
+                          f"this process does not set")
+    return ENV_REFERENCE.sub(lambda m: os.environ[m.group(1)], text)
+
+
+def request_target(url: str, field: str) -> tuple[str, dict[str, str]]:
+    """(the URL to request, its headers): `${NAME}`s filled in, and a `user:password@` taken out of the URL
+    into an Authorization header (basic auth), which urllib does not do from the URL itself."""
+    url = expand_env(url, field)
+    parts = urlsplit(url)
+    if parts.username is None:
+        return url, {}
+    token = base64.b64encode(f"{parts.username}:{parts.password or ''}".encode()).decode()
+    host = parts.hostname or ""
+    netloc = f"[{host}]" if ":" in host else host
+    netloc += f":{parts.port}" if parts.port else ""
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment)), {
+        "Authorization": f"Basic {token}"}

@@ -10,7 +10,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 class Section(BaseModel):
     """Base of every config model: frozen, no unknown keys (a typo is an error, not a default)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # An error's text quotes no input: one may hold a credential (alignflow/redact.py); loading.py says what it got.
+    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
 
 
 class Placement(Section):

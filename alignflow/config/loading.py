@@ -18,6 +18,7 @@ from pydantic import BaseModel, ValidationError
 
 from alignflow.config.pipeline import PipelineConfig
 from alignflow.errors import ConfigError
+from alignflow.redact import config_credentials, redact
 from alignflow.storage import is_local_uri, local_path
 
 DEFAULT_CONFIG = "tiny"
@@ -131,13 +132,15 @@ class ConfigSources:
     name: str | None = None
     overrides_from: str = "the command line"
 
-    def of(self, field: str) -> str:
+    def of(self, field: str, quote: bool = True) -> str:
         """`from the command line: k=v`, `from PATH`, `from PATH and the command line: ...`,
-        or `the default, not set in PATH` for a dotted field (list items by index: rounds.0.x)."""
+        or `the default, not set in PATH` for a dotted field (list items by index: rounds.0.x).
+        `quote=False`: an override's key, not its value (`k=...`)."""
         fields = override_fields(self.overrides)
         setting = [t for k, t in fields.items() if field == k or field.startswith(k + ".")]
         if setting:
-            return f"from {self.overrides_from}: {_short(setting[-1])}"
+            said = _short(setting[-1]) if quote else setting[-1].split("=", 1)[0] + "=..."
+            return f"from {self.overrides_from}: {said}"
         path = self.name or (_display(self.path) if self.path is not None else "the config")
         inside = [t for k, t in fields.items() if k.startswith(field + ".")]
         if inside:
@@ -172,13 +175,19 @@ def _format_errors(err: ValidationError, source: str, sources: ConfigSources | N
         if e["type"] == "extra_forbidden" and field.split(".")[-1] == "seed":
             hint = "; seeds derive from the one top-level `seed` (alignflow/seeds.py)"
         origin = f" ({sources.of(field)})" if sources is not None else ""
-        lines.append(f"  {field}: {e['msg']} (got {e.get('input')!r}){hint}{origin}")
+        lines.append(f"  {field}: {e['msg']} (got {redact(e.get('input'))!r}){hint}{origin}")
     return "\n".join(lines)
 
 
 def validate_config(tree: dict[str, Any], source: str = "<dict>",
                     sources: ConfigSources | None = None) -> PipelineConfig:
-    """Validate a raw tree; errors name every offending field (and, given `sources`, where it was set)."""
+    """Validate a raw tree; errors name every offending field (and, given `sources`, where it was set). A
+    credential written out is refused first (alignflow/redact.py), and no error repeats one."""
+    written = list(config_credentials(tree))
+    if written:  # said without the overrides' values, which hold them
+        lines = [f"  {why}" + (f" ({sources.of(field, quote=False)})" if sources is not None else "")
+                 for field, why in written]
+        raise ConfigError("\n".join(["invalid pipeline config: a credential written out", *lines]))
     try:
         return PipelineConfig.model_validate(tree)
     except ValidationError as err:

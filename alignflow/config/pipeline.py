@@ -2,14 +2,11 @@
 
     data -> base model -> [sft] -> [reward model] -> [preference] -> rounds 1..R -> [evaluation]
 
-A section set to null is not planned. SFT absent: rounds start from the base
-model, which is then also the reference. A preference section (DPO, IPO,
-cDPO, KTO; off by default) trains after SFT; rounds then start from it.
-The reward model is trained when a
-round scores with it or starts its critic from it, or when there are no
-rounds and no preference stage (it is then a product of the run); otherwise
-it is skipped: with a preference stage and no rounds, the pipeline is SFT,
-preference, evaluation.
+A section set to null is not planned. SFT absent: rounds start from the base model, which is then also
+the reference. A preference section (DPO, IPO, cDPO, KTO; off by default) trains after SFT; rounds then
+start from it. The reward model is trained when a round scores with it or starts its critic from it, or
+when there are no rounds and no preference stage (it is then a product of the run); otherwise it is
+skipped: with a preference stage and no rounds, the pipeline is SFT, preference, evaluation.
 """
 
 from __future__ import annotations
@@ -28,6 +25,7 @@ from alignflow.config.model import ModelConfig
 from alignflow.config.preference import PreferenceConfig, PreferenceLoss
 from alignflow.config.round.agent import EnvironmentConfig
 from alignflow.config.round.rl import ActorConfig, RoundConfig
+from alignflow.redact import config_credentials
 from alignflow.verdicts import parse_verdict
 
 
@@ -234,6 +232,13 @@ class PipelineConfig(Section):
         """The policy round `index` (0-based) starts from."""
         given = self.rounds[index].start_from
         return given or (f"round_{index}" if index else self.policies_before(0)[-1])
+
+    @model_validator(mode="after")
+    def _no_credentials(self) -> PipelineConfig:
+        """A config made in Python is checked as a file is: a flow run keeps it (alignflow/redact.py)."""
+        if written := [why for _, why in config_credentials(self.model_dump(mode="json", exclude_unset=True))]:
+            raise ValueError("; ".join(written))
+        return self
 
     @model_validator(mode="after")
     def _policy_names(self) -> PipelineConfig:

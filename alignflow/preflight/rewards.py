@@ -11,7 +11,8 @@ import urllib.request
 
 from alignflow.config import PipelineConfig
 from alignflow.preflight.findings import Findings
-from alignflow.redact import redact_url
+from alignflow.errors import ConfigError
+from alignflow.redact import redact_url, request_target
 
 REMOTE_TIMEOUT_CAP_S = 10.0
 
@@ -45,8 +46,12 @@ def _callable(field: str, path: str, found: Findings, args: tuple[str, ...]) -> 
 def _remote(field: str, url: str, timeout_s: float, found: Findings) -> None:
     """One request in engines/rl/rewards.py RemoteReward's protocol (POST prompts/responses/answers -> rewards)."""
     body = json.dumps({"prompts": ["preflight"], "responses": ["preflight"], "answers": [None]}).encode()
-    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
     shown = redact_url(url)  # what the findings say: the URL without its credentials
+    try:
+        target, headers = request_target(url, field)
+    except ConfigError as err:  # a `${NAME}` the environment does not set
+        return found.fail(field, str(err).removeprefix(f"{field}: "))
+    request = urllib.request.Request(target, data=body, headers={"Content-Type": "application/json", **headers})
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as resp:
             rewards = json.loads(resp.read())["rewards"]

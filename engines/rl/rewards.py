@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from alignflow.config.loading import load_callable
-from alignflow.redact import redact_url
+from alignflow.redact import redact_url, request_target
 
 
 class RewardServiceError(RuntimeError):
@@ -56,8 +56,10 @@ class RemoteReward:
     4xx answer or a malformed body is not retried.
     """
 
-    def __init__(self, url: str, timeout_s: float, max_retries: int, backoff_s: float = 0.5):
-        self.url, self.timeout_s, self.max_retries, self.backoff_s = url, timeout_s, max_retries, backoff_s
+    def __init__(self, url: str, timeout_s: float, max_retries: int, backoff_s: float = 0.5, field: str = "reward.url"):
+        # `${NAME}`s filled in from this process's environment, a `user:password@` sent as basic auth.
+        self.url, self.headers = request_target(url, field)
+        self.timeout_s, self.max_retries, self.backoff_s = timeout_s, max_retries, backoff_s
         self.name = f"reward service {redact_url(url)}"  # what errors say: the URL without its credentials
 
     def __call__(self, items: list[ScoredText]) -> list[float]:
@@ -70,7 +72,8 @@ class RemoteReward:
         for attempt in range(self.max_retries + 1):
             if attempt:
                 time.sleep(self.backoff_s * 2 ** (attempt - 1))
-            request = urllib.request.Request(self.url, data=body, headers={"Content-Type": "application/json"})
+            request = urllib.request.Request(self.url, data=body,
+                                             headers={"Content-Type": "application/json", **self.headers})
             try:
                 with urllib.request.urlopen(request, timeout=self.timeout_s) as resp:
                     return self._parse(resp.read(), len(items))

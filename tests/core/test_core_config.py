@@ -232,6 +232,65 @@ def test_a_staleness_bound_belongs_to_an_asynchronous_round():
         load_config(overrides=["rounds.1.async_rollouts=true", "rounds.1.max_staleness=0"])
 
 
+# ---- credentials ---------------------------------------------------------------------
+
+WRITTEN_OUT = {  # an override holding a credential -> (what the refusal names, where its client reads it instead)
+    "infra.mlflow_tracking_uri=http://me:s3cr3t@127.0.0.1:1/":
+        ("infra.mlflow_tracking_uri: http://127.0.0.1:1/ holds a password written out", "MLFLOW_TRACKING_PASSWORD"),
+    "infra.mlflow_tracking_uri=postgresql://me:s3cr3t@db/mlflow":
+        ("infra.mlflow_tracking_uri: postgresql://db/mlflow holds a password", "PGPASSWORD"),
+    "infra.prefect_api_url=https://u:s3cr3t@prefect.example/api":
+        ("infra.prefect_api_url: https://prefect.example/api holds a password", "PREFECT_API_AUTH_STRING"),
+    "infra.storage.endpoint_url=http://127.0.0.1:9000/?X-Amz-Signature=s3cr3t":
+        ("infra.storage.endpoint_url: http://127.0.0.1:9000/?X-Amz-Signature=*** holds query parameter "
+         "'X-Amz-Signature'", "AWS_SECRET_ACCESS_KEY"),
+    'rounds=[{"algorithm": "grpo", "reward": {"source": "remote", "url": "https://rm.example/s?api_key=s3cr3t"}}]':
+        ("rounds.0.reward.url: https://rm.example/s?api_key=*** holds query parameter 'api_key'",
+         "write ${NAME} in its place"),
+    'rounds=[{"algorithm": "grpo", "environment": {"name": "m:Env", "kwargs": {"api_key": "s3cr3t"}}}]':
+        ("rounds.0.environment.kwargs.api_key names a credential", "through the environment"),
+}
+
+
+@pytest.mark.parametrize("override", list(WRITTEN_OUT))
+def test_a_credential_written_into_the_config_is_refused_saying_where_it_belongs(override):
+    """A flow run keeps its config in Prefect's database and shows it in the UI, where no redaction reaches: a
+    credential written out is refused when the config loads, before the flow starts, with the environment
+    variable its client reads instead. The refusal quotes neither it nor the override that gave it."""
+    where, instead = WRITTEN_OUT[override]
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    text = str(err.value)
+    assert where in text and instead in text and "from the command line" in text
+    assert "s3cr3t" not in text
+
+
+def test_a_credential_is_refused_from_a_file_from_a_deployment_parameter_and_from_python(tmp_path):
+    from alignflow.config.loading import config_from_parameter
+
+    path = _write(tmp_path, "infra:\n  mlflow_tracking_uri: postgresql://me:s3cr3t@db/mlflow\n")
+    with pytest.raises(ConfigError, match=rf"holds a password written out: .* \(from {re.escape(str(path))}\)"):
+        load_config(path)
+    with pytest.raises(ConfigError, match=r"holds a password .*\(from the deployment parameter `config`\)") as err:
+        config_from_parameter({"infra": {"mlflow_tracking_uri": "postgresql://me:s3cr3t@db/mlflow"}})
+    with pytest.raises(ValidationError, match="holds a password written out") as made:
+        PipelineConfig(infra={"mlflow_tracking_uri": "postgresql://me:s3cr3t@db/mlflow"})
+    assert "s3cr3t" not in str(err.value) and "s3cr3t" not in str(made.value)
+
+
+def test_what_is_not_a_credential_written_out_is_accepted():
+    """A user name alone; a reward URL's `${NAME}`s (filled in where the service is called, test_rl_rewards);
+    a token that is a setting. A `${NAME}` elsewhere is refused: nothing would fill it in."""
+    cfg = load_config(None, [
+        "infra.mlflow_tracking_uri=postgresql://me@db/mlflow",
+        'rounds=[{"algorithm": "grpo", "reward": {"source": "remote", '
+        '"url": "https://${RM_USER}:${RM_PASSWORD}@rm.example/s?api_key=${RM_API_KEY}"}}]'])
+    assert cfg.rounds[0].reward.url == "https://${RM_USER}:${RM_PASSWORD}@rm.example/s?api_key=${RM_API_KEY}"
+    load_config(None, ['rounds=[{"algorithm": "grpo", "environment": {"name": "m:Env", "kwargs": {"pad_token": "x"}}}]'])
+    with pytest.raises(ConfigError, match="MLFLOW_TRACKING_PASSWORD"):
+        load_config(None, ["infra.mlflow_tracking_uri=http://me:${PW}@127.0.0.1:1/"])
+
+
 # ---- files -------------------------------------------------------------------------
 
 

@@ -432,11 +432,18 @@ def test_a_reward_url_where_nothing_listens_fails_fast_naming_the_url_field(tmp_
                      f"[Errno 111] Connection refused (from {cfg})"]
 
 
-def test_a_reward_url_that_fails_is_named_without_its_credentials(tmp_path):
+def test_a_reward_url_that_fails_is_named_without_its_credentials(tmp_path, monkeypatch):
+    """A reward URL's `${NAME}`s are filled in for the test request, and the finding shows neither them nor their
+    values; a name the environment does not set is a finding of its own, before any request."""
     url = f"http://127.0.0.1:{free_port()}/score"
-    found = problems(_remote_round(tmp_path, url + "?api_key=s3cr3t"))
+    monkeypatch.setenv("RM_API_KEY", "s3cr3t")
+    found = problems(_remote_round(tmp_path, url + "?api_key=${RM_API_KEY}"))
     assert len(found) == 1 and "s3cr3t" not in found[0]
     assert found[0].startswith(f"rounds.0.reward.url: {url}?api_key=*** did not answer a test request")
+    monkeypatch.delenv("RM_API_KEY")
+    found = problems(_remote_round(tmp_path, url + "?api_key=${RM_API_KEY}"))
+    assert found[0].startswith(f"rounds.0.reward.url: {url}?api_key=*** names RM_API_KEY, which the environment "
+                               "of this process does not set")
 
 
 def test_a_reward_service_that_answers_passes(tmp_path):
@@ -621,15 +628,22 @@ def test_cli_reports_preflight_problems_before_prefect_starts(command, tmp_path,
         assert re.search(r"^  data +data +model=base_model +[0-9a-f]{20}  will run", proc.stdout, re.M), proc.stdout
 
 
-def test_validate_prints_the_config_without_a_urls_credentials(tmp_path, capsys):
-    """`alignflow validate` prints the config it checked: a tracking server's password, or a reward service's
-    api_key, stays out of the job's log (as out of MLflow's params and the plan)."""
+def test_validate_prints_the_config_it_checked_with_its_reward_urls_names_unfilled(tmp_path, capsys, monkeypatch):
+    """`alignflow validate` prints the config as it holds it: a reward URL's `${NAME}`, never its value."""
     from flows.cli import cmd_validate
 
-    overrides = [f"infra.storage.root={tmp_path / 'a'}", "infra.mlflow_tracking_uri=http://me:s3cr3t@127.0.0.1:1/"]
-    assert cmd_validate(load_config(None, overrides), None, overrides) == 0
+    monkeypatch.setenv("RM_API_KEY", "s3cr3t")
+    service = RewardService()  # preflight sends it a test request, the key filled in
+    try:
+        overrides = [f"infra.storage.root={tmp_path / 'a'}",
+                     'rounds=[{"algorithm": "grpo", "reward": {"source": "remote", '
+                     f'"url": "{service.url}?api_key=${{RM_API_KEY}}"}}}}]']
+        assert cmd_validate(load_config(None, overrides), None, overrides) == 0
+    finally:
+        service.close()
     shown = capsys.readouterr().out
-    assert json.loads(shown)["infra"]["mlflow_tracking_uri"] == "http://127.0.0.1:1/" and "s3cr3t" not in shown
+    assert json.loads(shown)["rounds"][0]["reward"]["url"] == f"{service.url}?api_key=***"
+    assert "s3cr3t" not in shown and len(service.requests) == 1
 
 
 def test_local_inputs_and_a_sqlite_tracking_file_are_said_on_a_cluster(files, tmp_path):

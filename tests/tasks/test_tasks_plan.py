@@ -247,14 +247,18 @@ def test_the_plan_never_shows_a_credential_in_a_url(tmp_path):
         return (f'rounds=[{{"algorithm": "grpo", "reward": {{"source": "remote", '
                 f'"url": "https://rm.example/{path}?api_key={key}"}}}}]')
 
-    first = _plan(remote("OLDKEY"))
-    _commit(storage, first.stages["round_1"], tmp_path)  # an old manifest: the URL as written
-    rotated = plan_states(_plan(remote("NEWKEY")), storage)["round_1"]
-    assert rotated.why == ("not committed under this key (a credential in the config may have changed: "
-                           "none is recorded)")
-    moved = plan_states(_plan(remote("NEWKEY", path="v2/score")), storage)["round_1"].why
+    # A manifest committed before configs refused a credential written out holds the URL as written.
+    cfg = load_config(None, [remote("${RM_API_KEY}")])
+    reward = cfg.rounds[0].reward.model_copy(update={"url": "https://rm.example/score?api_key=OLDKEY"})
+    first = plan_pipeline(cfg.model_copy(update={"rounds": [cfg.rounds[0].model_copy(update={"reward": reward})]}))
+    _commit(storage, first.stages["round_1"], tmp_path)
+    named = plan_states(_plan(remote("${RM_API_KEY}")), storage)["round_1"]
+    assert named.why == ("not committed under this key (a credential in the config may have changed: "
+                         "none is recorded)")
+    moved = plan_states(_plan(remote("${RM_API_KEY}", path="v2/score")), storage)["round_1"].why
     assert moved == ("config changed: round.reward.url 'https://rm.example/score?api_key=***' -> "
                      "'https://rm.example/v2/score?api_key=***'")
+    assert "OLDKEY" not in moved
 
 
 DISTILL = '{"algorithm": "distill", "teacher": "round_2", "start_from": "sft", "reward": {"source": "rule"}}'

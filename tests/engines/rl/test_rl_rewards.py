@@ -15,6 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from alignflow.errors import ConfigError
 from engines.rl.rewards import RemoteReward, RewardServiceError, RuleReward, ScoredText
 
 ITEMS = [ScoredText("p1", "7", "7"), ScoredText("p2", "3", "9")]
@@ -26,12 +27,14 @@ class ScriptedService:
     def __init__(self, script: list[str]):
         self.script = list(script)
         self.requests: list[dict] = []
+        self.seen: list[dict] = []  # each request's path and Authorization header
         service = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self):  # noqa: N802 (http.server's naming)
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 service.requests.append(body)
+                service.seen.append({"path": self.path, "authorization": self.headers.get("Authorization")})
                 action = service.script.pop(0) if service.script else "ok"
                 if action == "hang":
                     time.sleep(2.0)
@@ -131,6 +134,26 @@ def test_remote_reward_errors_name_the_service_without_its_credentials(service):
     text = str(err.value)
     assert "s3cr3t" not in text and "hunter2" not in text
     assert f"{service.url}?api_key=***&model=rm-v2" in text
+
+
+@pytest.mark.parametrize("service", [["ok"]], indirect=True)
+def test_a_reward_url_takes_its_credentials_from_the_environment_where_it_is_called(service, monkeypatch):
+    """`${NAME}`s are filled in from the environment of the process that calls the service, and a
+    `user:password@` goes as basic auth; a name the environment lacks is a ConfigError naming the field."""
+    import base64
+
+    monkeypatch.setenv("RM_USER", "bob")
+    monkeypatch.setenv("RM_PASSWORD", "hunter2")
+    monkeypatch.setenv("RM_API_KEY", "s3cr3t")
+    url = service.url.replace("http://", "http://${RM_USER}:${RM_PASSWORD}@") + "?api_key=${RM_API_KEY}&model=rm-v2"
+    reward = RemoteReward(url, timeout_s=5, max_retries=0)
+    assert reward(ITEMS) == [1.0, 1.0]
+    assert service.seen == [{"path": "/score?api_key=s3cr3t&model=rm-v2",
+                             "authorization": "Basic " + base64.b64encode(b"bob:hunter2").decode()}]
+    assert "hunter2" not in reward.name and "s3cr3t" not in reward.name
+    monkeypatch.delenv("RM_API_KEY")
+    with pytest.raises(ConfigError, match=r"rounds.0.reward.url: .* names RM_API_KEY, which the environment"):
+        RemoteReward(url, timeout_s=5, max_retries=0, field="rounds.0.reward.url")
 
 
 def test_rule_reward_by_import_path():
