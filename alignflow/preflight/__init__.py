@@ -9,6 +9,7 @@
                  local paths a run reads and writes are said
     alignflow/data/checks.py   data files exist and every row of a local one parses (of a remote one, the
                  first `data.preflight_rows`)
+    unused.py    settings nothing reads (a critic under GRPO, vLLM's under backend hf) are said
     alignflow/slots.py         a local Ray can place each stage
 
 Every problem is collected, naming its field and where its value came from (the file, or a
@@ -28,6 +29,7 @@ from alignflow.preflight.findings import Findings
 from alignflow.preflight.models import check_lengths, check_models
 from alignflow.preflight.rewards import check_rewards
 from alignflow.preflight.stores import check_storage, check_tracking_store, note_local_paths_on_cluster
+from alignflow.preflight.unused import note_unused_settings
 from alignflow.slots import check_slots
 
 __all__ = ["Findings", "check", "preflight"]
@@ -46,6 +48,7 @@ def preflight(cfg: PipelineConfig, overrides: list[str] | None = None, config_pa
     check_storage(cfg, found)
     check_tracking_store(cfg, found)
     note_local_paths_on_cluster(cfg, found)
+    note_unused_settings(cfg, found)
     check_slots(cfg, found)
     return found
 

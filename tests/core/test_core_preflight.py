@@ -744,3 +744,21 @@ def test_preflight_of_the_default_config_imports_no_model_library(tmp_path):
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
                          cwd=Path(__file__).resolve().parents[2])
     assert out.returncode == 0 and out.stdout.strip().splitlines()[-1] == "[]", out.stderr[-2000:]
+
+
+def test_settings_no_part_of_the_run_reads_are_said_not_refused(tmp_path):
+    """A switch of algorithm or backend by override, on a file written for another, leaves sections nothing
+    reads: said, field by field and where each was set, and the run goes on. The default config says none."""
+    path = _write_config(tmp_path, "rounds:\n  - {algorithm: ppo, critic: {learning_rate: 5.0e-6, micro_batch_size: 2},"
+                                   " generation: {vllm: {enable_prefix_caching: true}}}")
+    overrides = ["rounds.0.algorithm=grpo", "rounds.0.generation.backend=hf", "rounds.0.partial_tokens=8"]
+    found = preflight(load_config(path, overrides), overrides, path)
+    assert found.problems == []
+    assert found.notes == [
+        f"rounds.0.critic.learning_rate, rounds.0.critic.micro_batch_size: not used (grpo has no critic) (from {path})",
+        "rounds.0.partial_tokens: not used (it sizes partial_rollouts' pieces, which are off) (from the command "
+        "line: rounds.0.partial_tokens=8)",
+        f"rounds.0.generation.vllm.enable_prefix_caching: not used (generation.backend is hf, not vllm) (from {path})"]
+    as_written = preflight(load_config(path), [], path)
+    assert as_written.problems == [] and as_written.notes == []
+    assert preflight(load_config(None), [], None).notes == []

@@ -1,0 +1,47 @@
+"""Settings a run will not read, said as preflight notes: a section of the config that its round's algorithm
+or engine has no use for, left in by a switch of `algorithm` or `backend` (an override on a file written for
+another). Not refused: the switch is the user's, and what it leaves unread is harmless, but never silent."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel
+
+from alignflow.config import PipelineConfig
+from alignflow.preflight.findings import Findings
+
+
+def changed(given: BaseModel, default: BaseModel, prefix: str) -> list[str]:
+    """The dotted fields (under `prefix`) where `given` differs from `default`."""
+
+    def walk(a: Any, b: Any, at: str) -> list[str]:
+        if isinstance(a, dict) and isinstance(b, dict):
+            return [f for k in a if k in b for f in walk(a[k], b[k], f"{at}.{k}")]
+        return [at] if a != b else []
+
+    return walk(given.model_dump(mode="json"), default.model_dump(mode="json"), prefix)
+
+
+def note_unused_settings(cfg: PipelineConfig, found: Findings) -> None:
+    unused: list[tuple[list[str], str]] = []
+    for i, r in enumerate(cfg.rounds):
+        at = f"rounds.{i}"
+        if not r.spec.critic:
+            unused.append((changed(r.critic, type(r.critic)(), f"{at}.critic"), f"{r.algorithm} has no critic"))
+        if not r.partial_rollouts:
+            default = type(r).model_fields["partial_tokens"].default
+            unused.append(([f"{at}.partial_tokens"] * (r.partial_tokens != default),
+                           "it sizes partial_rollouts' pieces, which are off"))
+        unused.append(_vllm(r.generation, f"{at}.generation"))
+    if cfg.evaluation is not None:
+        unused.append(_vllm(cfg.evaluation.generation, "evaluation.generation"))
+    for fields, why in unused:
+        if fields:
+            found.notes.append(f"{', '.join(fields)}: not used ({why}) ({found.sources.of(fields[0])})")
+
+
+def _vllm(generation, at: str) -> tuple[list[str], str]:
+    if generation.backend == "vllm":
+        return [], ""
+    return changed(generation.vllm, type(generation.vllm)(), f"{at}.vllm"), "generation.backend is hf, not vllm"
