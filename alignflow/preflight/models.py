@@ -18,12 +18,13 @@ from alignflow.storage import is_local_uri, local_path
 def check_models(cfg: PipelineConfig, found: Findings) -> int | None:
     """Every model the config names loads, and LoRA's target_modules name linear layers of the base model's;
     the base model's positions (None where it does not load)."""
+    config = None
     if cfg.model.base == "tiny":  # its transformers config (an import of seconds) only where LoRA targets need it
         positions, base = cfg.model.tiny.max_position_embeddings, cfg.model.tiny.hf_config
     else:
         config = _model_at("model.base", cfg.model.base, found, cfg.model.revision)
         positions, base = _positions(config), config and (lambda: config)
-    _named_models(cfg, found, positions)
+    _named_models(cfg, found, positions, config)
     if base:
         _lora_targets(cfg, base, found)
     return positions
@@ -72,13 +73,16 @@ def _positions(config) -> int | None:
     return next((int(getattr(config, n)) for n in names if getattr(config, n, None)), None) if config else None
 
 
-def _named_models(cfg: PipelineConfig, found: Findings, base: int | None) -> None:
+def _named_models(cfg: PipelineConfig, found: Findings, base: int | None, base_config=None) -> None:
     """Models the config names by path: a distillation teacher that is no policy of the pipeline (a round's or
-    the distill stage's), a judge; and a judge engine's max_model_len against its model's positions (the
-    pipeline's own judge starts from the base model: `base`'s)."""
+    the distill stage's, with its vocabulary against the student's), a judge; and a judge engine's max_model_len
+    against its model's positions (the pipeline's own judge starts from the base model: `base`'s)."""
     for i, r in enumerate(cfg.rounds):
         if r.teacher and r.teacher not in cfg.policies_before(i):
-            _model_at(f"rounds.{i}.teacher", r.teacher, found, r.teacher_revision, f"rounds.{i}.teacher_revision")
+            field = f"rounds.{i}.teacher"
+            teacher = _model_at(field, r.teacher, found, r.teacher_revision, f"{field}_revision")
+            _teacher_vocabulary(cfg, field, (r.teacher, r.teacher_revision), (teacher, base_config), found,
+                                sampled=True)
         j, field = r.reward.judge, f"rounds.{i}.reward.judge"
         has = r.reward.uses_judge and (base if j.model is None else _positions(
             _model_at(f"{field}.model", j.model, found, j.revision, f"{field}.revision")))
@@ -88,8 +92,50 @@ def _named_models(cfg: PipelineConfig, found: Findings, base: int | None) -> Non
         except ValueError as err:
             found.fail(f"{field}.generation.max_model_len", str(err))
     if cfg.distill is not None and cfg.distill.teacher not in cfg.policies_before(len(cfg.rounds)):
-        _model_at("distill.teacher", cfg.distill.teacher, found, cfg.distill.teacher_revision,
-                  "distill.teacher_revision")
+        d = cfg.distill
+        teacher = _model_at("distill.teacher", d.teacher, found, d.teacher_revision, "distill.teacher_revision")
+        _teacher_vocabulary(cfg, "distill.teacher", (d.teacher, d.teacher_revision), (teacher, base_config), found,
+                            sampled=False)
+
+
+def _teacher_vocabulary(cfg: PipelineConfig, field: str, named: tuple[str, str | None], configs: tuple,
+                        found: Findings, *, sampled: bool) -> None:
+    """A teacher scores the student's token ids: its tokenizer must number every token as model.base's does, and
+    (`sampled`: it scores ids the student's engines sample) its output layer have as many rows. Checked here where
+    both tokenizers are on this machine (directories, the hub cache); else when its stage starts (tasks/).
+    `named`: the teacher's path and revision; `configs`: its transformers config and model.base's."""
+    teacher_config, base_config = configs
+    if teacher_config is None:
+        return  # its own finding already
+    teacher = _tokenizer_at(*named)
+    student = None if cfg.model.base == "tiny" else _tokenizer_at(cfg.model.base, cfg.model.revision)
+    if teacher is None or student is None:
+        why = ("the tiny model's tokenizer is built by the base_model stage" if cfg.model.base == "tiny" else
+               "a tokenizer is not on this machine yet")
+        found.notes.append(f"{field}: its tokenizer is compared with the student's when its stage starts ({why})")
+        return
+    if teacher.get_vocab() != student.get_vocab():
+        return found.fail(field, f"its tokenizer is not model.base's ({len(teacher)} against {len(student)} tokens, "
+                                 f"or the same count numbered differently); distillation scores the student's "
+                                 f"token ids with it")
+    rows, student_rows = getattr(teacher_config, "vocab_size", None), getattr(base_config, "vocab_size", None)
+    if sampled and rows and student_rows and rows < student_rows:
+        return found.fail(field, f"the teacher's output layer has {rows} rows, model.base's {student_rows}: the "
+                                 f"student may sample an id past the teacher's, which it cannot score")
+    found.ok()
+
+
+def _tokenizer_at(base: str, revision: str | None):
+    """The tokenizer of a model directory, or of a hub id in the local cache; None where neither loads."""
+    from transformers import AutoTokenizer
+
+    path = local_path(base) if is_local_uri(base) else None
+    try:
+        if path is not None and path.is_dir():
+            return AutoTokenizer.from_pretrained(str(path))
+        return AutoTokenizer.from_pretrained(base, local_files_only=True, revision=revision)
+    except Exception:  # noqa: BLE001  (not cached, or not loadable: the stage that fetches it says why)
+        return None
 
 
 def _model_at(field: str, base: str, found: Findings, revision: str | None = None,

@@ -762,3 +762,40 @@ def test_settings_no_part_of_the_run_reads_are_said_not_refused(tmp_path):
     as_written = preflight(load_config(path), [], path)
     assert as_written.problems == [] and as_written.notes == []
     assert preflight(load_config(None), [], None).notes == []
+
+
+def test_a_teachers_vocabulary_is_compared_with_the_students_before_the_run(tmp_path):
+    """A distillation teacher given as a directory numbers tokens as model.base does, or the run is refused before
+    SFT trains (it used to be found when the round started); a round's teacher, which scores the ids the student
+    samples, also needs as many output rows. A tiny base's tokenizer is built by the run: said, compared later."""
+    import json
+    import shutil
+
+    from alignflow.config import TinyModelConfig
+    from engines.models import build_tiny_model, load_tokenizer
+
+    student = build_tiny_model(TinyModelConfig(), 0, tmp_path / "student")
+    same = build_tiny_model(TinyModelConfig(), 1, tmp_path / "same")  # another model, the same tokenizer
+    other = shutil.copytree(same, tmp_path / "other")
+    tok = load_tokenizer(other)
+    tok.add_tokens(["<tool>"])
+    tok.save_pretrained(other)
+    fewer = shutil.copytree(same, tmp_path / "fewer")
+    config = json.loads((fewer / "config.json").read_text())
+    (fewer / "config.json").write_text(json.dumps({**config, "vocab_size": config["vocab_size"] - 8}))
+
+    def found(teacher, base=student):
+        rounds = f'rounds=[{{"algorithm": "distill", "teacher": "{teacher}", "reward": {{"source": "rule"}}}}]'
+        overrides = [f"model.base={base}", rounds, f"infra.storage.root={tmp_path / 'a'}"]
+        return preflight(load_config(None, overrides), overrides, None)
+
+    assert found(same).problems == []
+    [mismatch] = found(other).problems
+    assert mismatch.startswith(f"rounds.0.teacher: its tokenizer is not model.base's ({len(tok)} against "
+                               f"{len(tok) - 1} tokens")
+    [rows] = found(fewer).problems
+    assert rows.startswith(f"rounds.0.teacher: the teacher's output layer has {config['vocab_size'] - 8} rows, "
+                           f"model.base's {config['vocab_size']}")
+    tiny = found(other, base="tiny")
+    assert tiny.problems == [] and "rounds.0.teacher: its tokenizer is compared with the student's when its stage " \
+        "starts (the tiny model's tokenizer is built by the base_model stage)" in tiny.notes
