@@ -48,6 +48,18 @@ from typing import Any
 log = logging.getLogger("alignflow")
 
 RESET_TIMEOUT_S = 120.0  # an actor still busy (a collective waiting for a peer that failed) is ended instead
+ANSWER_TIMEOUT_S = 10.0  # an idle actor runs nothing: one round trip, unless its node is gone
+
+
+def _answer(actors: list) -> bool:
+    """Whether every actor answers a call (Ray's own no-op): an idle one that died raises at once."""
+    import ray
+
+    try:
+        ray.get([a.__ray_ready__.remote() for a in actors], timeout=ANSWER_TIMEOUT_S)
+        return True
+    except Exception:  # noqa: BLE001  (RayActorError, a timeout: not an actor to hand on)
+        return False
 
 
 @dataclasses.dataclass
@@ -106,16 +118,25 @@ class WarmActors:
                 log.debug("could not end idle actors: %s", err)
 
     def take(self, key: tuple, size: int) -> Idle | None:
-        """An idle group of `key` (the last one left), or None, having ended the idle ones of its kind (theirs
-        may be the resources the new one needs)."""
-        with self._lock:
-            groups = self.idle.get(key)
-            if groups:
+        """An idle group of `key` (the last one left) whose actors all answer, or None, having ended the idle ones
+        of its kind (theirs may be the resources the new one needs). A group with an actor that died idle (its
+        node lost, Ray's memory monitor) is ended, not handed on to fail its taker's start."""
+        while True:
+            with self._lock:
+                groups = self.idle.get(key)
+                if not groups:
+                    break
                 found = groups.pop()  # the latest: the others may reach their idle_s first
                 if not groups:
                     del self.idle[key]
-                self.counts.reused += size
+            if _answer(found.actors):
+                with self._lock:
+                    self.counts.reused += size
                 return found
+            log.warning("an idle %s of %d process(es) had died; it is ended, and another taken or started",
+                        key[0], len(found.actors))
+            self._end(found)
+        with self._lock:
             self.counts.started += size
             others = [k for k in self.idle if k[0] == key[0]]
             ending = [idle for k in others for idle in self.idle.pop(k)]

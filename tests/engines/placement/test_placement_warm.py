@@ -214,6 +214,39 @@ def test_a_scorer_is_taken_again_only_by_a_start_like_its_own(ray_local, tiny_mo
         assert pool.counts == warm.Counts(started=2, reused=1, kept=2, ended=1, not_kept=0) and pool.idle == {}
 
 
+class Resettable:
+    """The least a kept actor is: one whose reset frees what it held."""
+
+    def reset(self) -> bool:
+        return True
+
+
+def test_an_actor_that_died_idle_is_ended_not_handed_on(ray_local):
+    """An idle actor killed from outside (its node lost, Ray's memory monitor) is found on the next take, ended,
+    and a process started for the taker, which used to get the dead one and fail at its first call."""
+    import signal
+
+    import ray
+
+    from engines.placement import warm
+
+    make = ray.remote(num_cpus=0)(Resettable).remote
+    with warm.keep_warm() as pool:
+        first = warm.start("scorer", {"n": 1}, make)
+        pid = _actor_pid(first)
+        warm.end(first)
+        assert pool.counts == warm.Counts(started=1, kept=1)
+        os.kill(pid, signal.SIGKILL)
+        assert _ended([pid])
+        second = warm.start("scorer", {"n": 1}, make)
+        assert _actor_pid(second) != pid  # answers: a live process, not the dead one
+        assert pool.counts == warm.Counts(started=2, kept=1, ended=1) and pool.idle == {}
+        warm.end(second)
+        third = warm.start("scorer", {"n": 1}, make)  # a live idle one is still taken
+        assert third == second and pool.counts.reused == 1
+        warm.end(third, failed=True)
+
+
 def stages_in_a_worker(model_path: str, idle_s: float) -> dict:
     """In a Ray worker, as tasks/runner.py runs a run's stages: a trainer group (SFT), then two of its shape at
     once (a round's actor and critic), twice; a stage that fails with one; starts that hold GPUs and a rollout
