@@ -89,15 +89,17 @@ def optimizer_state(engine, zero_stage: int) -> dict[str, Any]:
 
 
 def load_optimizer_state(engine, zero_stage: int, rank: int, world_size: int, directory: str | Path,
-                         own: dict[str, Any]) -> None:
+                         own: dict[str, Any] | None) -> None:
     """Restore what `optimizer_state` saved; `own`: this rank's. ZeRO restores a rank from its own
     partition alone, the list's `rank`-th entry (DeepSpeed's rigid checkpoints, its default). Only an
     elastic one (`zero_optimization.elastic_checkpoint`, stages 1-2) merges every saved rank's, so only
     then are the other ranks' files (`trainer-rank{r}` in `directory`) read: each holds a partition of the
     fp32 master weights and Adam moments, and reading them all on every rank would hold the whole
-    optimizer state (12 bytes a parameter) in each rank's host memory."""
+    optimizer state (12 bytes a parameter) in each rank's host memory. Without ZeRO the state is whole and the
+    same on every rank: rank 0's file holds it, the others' `own` is None."""
     if zero_stage == 0:
-        engine.optimizer.load_state_dict(own)
+        whole = own if own is not None else load_state(directory, "trainer-rank0")["optimizer"]
+        engine.optimizer.load_state_dict(whole)
         return
     merged = getattr(engine.optimizer, "elastic_checkpoint", False)
     parts = [own if r == rank or not merged else load_state(directory, f"trainer-rank{r}")["optimizer"]

@@ -223,13 +223,15 @@ class TrainWorker:
         self.sender.sent()
 
     def save_state(self, target: Source, extra: dict[str, Any]) -> Entries:
-        """Model (rank 0, HF; LoRA: the adapter alone) + this rank's optimizer/scheduler/RNG state."""
+        """Model (rank 0, HF; LoRA: the adapter alone) + this rank's optimizer/scheduler/RNG state. Without ZeRO
+        every rank's optimizer state is the same (all-reduced gradients): rank 0's alone is saved, and read by all."""
         with writing(target) as (directory, uploaded):
             if self.spec.lora is None:
                 self.save_hf(str(directory))
             else:  # the frozen base is the spec's model
                 lora.save_adapter(self.engine.module, self.spec.zero_stage, str(directory), write=self.rank == 0)
-            save_state({"optimizer": optimizer_state(self.engine, self.spec.zero_stage),
+            shared = self.spec.zero_stage == 0 and self.rank > 0
+            save_state({"optimizer": None if shared else optimizer_state(self.engine, self.spec.zero_stage),
                         "scheduler": self.scheduler.state_dict(), "step": self.step, **rng_state(self.device),
                         "extra": extra},
                        directory, f"trainer-rank{self.rank}")

@@ -176,9 +176,10 @@ def test_batch_must_divide_across_workers(tiny_model):
 
 
 # ZeRO-2 saves and loads its state through the same DeepSpeed code as ZeRO-1 (stage_1_and_2).
-@pytest.mark.parametrize("zero_stage", [1, 3])
+@pytest.mark.parametrize("zero_stage", [0, 1, 3])
 def test_resume_is_exact_under_zero_with_two_workers(ray_local, tiny_model, sft_data, tmp_path, zero_stage):
-    """Two ranks (gloo), sharded optimizer state: save, restore into a fresh group, continue identically."""
+    """Two ranks (gloo), sharded optimizer state (ZeRO-0: whole on each rank, saved by rank 0 alone): save,
+    restore into a fresh group, continue identically."""
     schedule = plan(sft_data["input_ids"].shape[0], BATCH, epochs=100, max_steps=20, seed=0)
     spec = _spec(tiny_model, "causal", zero_stage=zero_stage, total_steps=20)
     first = TrainerGroup(spec, num_workers=2)
@@ -188,6 +189,10 @@ def test_resume_is_exact_under_zero_with_two_workers(ray_local, tiny_model, sft_
             first.train_step(batches.shard(_batch(sft_data, schedule, step), 2), objectives.causal_lm_objective,
                              weigh=objectives.response_tokens)
         first.save_state(str(tmp_path), {"step": 3})
+        from engines.train.state import load_state
+
+        saved = [load_state(tmp_path, f"trainer-rank{r}")["optimizer"] for r in (0, 1)]
+        assert (saved[1] is None) == (zero_stage == 0) and saved[0] is not None
         resumed = TrainerGroup(spec, num_workers=2)
         assert resumed.load_state(str(tmp_path)) == {"step": 3}
         for step in (3, 4):
