@@ -92,6 +92,7 @@ class WarmActors:
         self.kinds, self.gpus, self.idle_s = kinds, gpus, idle_s
         self._owned: dict[Any, tuple] = {}  # single actors `start` made or took, by handle: their keys
         self._lock = threading.Lock()
+        self._stop = threading.Event()  # set as the pool is dropped: its idle-ending thread returns
         if idle_s is not None:
             threading.Thread(target=self._end_idle_forever, name="alignflow-warm-idle", daemon=True).start()
 
@@ -109,8 +110,7 @@ class WarmActors:
         return sum(len(idle.actors) for idle in ending)
 
     def _end_idle_forever(self) -> None:
-        while True:
-            time.sleep(min(1.0, self.idle_s / 4))
+        while not self._stop.wait(min(1.0, self.idle_s / 4)):
             try:
                 if ended := self.end_idle_since(time.monotonic() - self.idle_s):
                     log.debug("ended %d actor(s) idle for %.0f s", ended, self.idle_s)
@@ -273,6 +273,7 @@ def between_stages(idle_s: float) -> WarmActors | None:
         if idle_s <= 0:
             if _active is not None and _active.idle_s is not None:
                 _active, pool = None, _active
+                pool._stop.set()
                 pool.close()
             return None
         if _active is None:

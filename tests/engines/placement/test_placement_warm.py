@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import pytest
@@ -289,7 +290,9 @@ def stages_in_a_worker(model_path: str, idle_s: float) -> dict:
     group = TrainerGroup(spec, 1)
     warm.between_stages(0)  # a stage of a run with infra.keep_warm_s=0: the pool closed, nothing kept after
     group.shutdown()
-    seen.update(closed=warm._active is None, last=dict(vars(pool.counts)))
+    time.sleep(0.5)
+    reapers = [t for t in threading.enumerate() if t.name == "alignflow-warm-idle"]
+    seen.update(closed=warm._active is None and not reapers, last=dict(vars(pool.counts)))
     return seen
 
 
