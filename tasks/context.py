@@ -67,9 +67,15 @@ class RunContext(BaseModel):
         s = self.infra.storage
         return Storage(root=s.root, endpoint_url=s.endpoint_url, cache_dir=s.cache_dir)
 
+    def uri(self, result: StageResult) -> str:
+        """Where a committed input is under this run's storage root: from its stage and key, not the URI it was
+        committed at, which a cached result (Prefect's) keeps though the root moved or another host mounts it
+        at another path."""
+        return self.storage().stage_uri(result.stage, result.key)
+
     def ref(self, result: StageResult | None) -> ArtifactRef | None:
         """A committed input as actors receive it: each fetches it on its own node (alignflow/artifacts.py)."""
-        return ArtifactRef(result.uri, self.storage()) if result is not None else None
+        return ArtifactRef(self.uri(result), self.storage()) if result is not None else None
 
     def tokenizer_dir(self, result: StageResult) -> str:
         """A committed model's tokenizer and config, without its weights, on this task's node."""

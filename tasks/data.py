@@ -116,4 +116,4 @@ def token_limits(data: StageResult) -> TokenLimits:
 
 
 def load_split(data: StageResult, ctx: RunContext, name: str) -> list[dict]:
-    return load.read_jsonl(str(ctx.storage().fetch(data.uri) / f"{name}.jsonl"))
+    return load.read_jsonl(str(ctx.storage().fetch(ctx.uri(data)) / f"{name}.jsonl"))

@@ -133,7 +133,7 @@ def distill(stage: PlannedStage, inputs: OfflineDistillInputs, ctx: RunContext) 
 
     def to_tensors(tokenizer, records, limits):
         tensors, report = batches.sft_tensors(tokenizer, records, limits.prompt, limits.response)
-        cached = load_file(str(ctx.storage().fetch(inputs.teacher.uri) / TEACHER_FILE))
+        cached = load_file(str(ctx.storage().fetch(ctx.uri(inputs.teacher)) / TEACHER_FILE))
         return with_teacher(tensors, cached, models.output_rows(ctx.tokenizer_dir(inputs.init)), stage.name), report
 
     return train_stage(stage, inputs, ctx, kind="causal", split="sft", objective=objectives.topk_distill_objective,

@@ -108,7 +108,7 @@ def preference(stage: PlannedStage, inputs: PreferenceInputs, ctx: RunContext) -
 
     cfg: PreferenceStage = stage.config
     train = cfg.train
-    reference = load_file(str(ctx.storage().fetch(inputs.reference.uri) / REFERENCE_FILE))
+    reference = load_file(str(ctx.storage().fetch(ctx.uri(inputs.reference)) / REFERENCE_FILE))
     kto = train.loss == "kto"
     packing = train.packing_max_tokens if train.packing else False
     if kto:

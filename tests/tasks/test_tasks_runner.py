@@ -87,6 +87,26 @@ def test_run_stage_commits_with_its_plan_record_and_is_idempotent(ctx, tmp_path)
     assert (tmp_path / "artifacts" / "data" / stage.key / "sft.jsonl").stat().st_mtime_ns == mtime
 
 
+def test_a_result_cached_before_the_root_moved_is_read_from_where_the_root_is_now(ctx, tmp_path):
+    """A cached StageResult (Prefect's results travel with the root) keeps the URI it was committed at; after
+    the root moves, or on a host that mounts it at another path, its inputs are read under the root as it is."""
+    import shutil
+
+    from tasks.context import RunContext
+    from tasks.data import load_split
+
+    plan = plan_pipeline(load_config(None, SMALL))
+    model = run_stage(plan.stages["base_model"], {}, ctx)
+    data = run_stage(plan.stages["data"], {"model": model}, ctx)
+    rows = load_split(data, ctx, "sft")
+    moved = tmp_path / "bigger-disk" / "artifacts"
+    shutil.move(str(tmp_path / "artifacts"), str(moved))
+    there = RunContext(infra=ctx.infra.model_copy(update={"storage": ctx.infra.storage.model_copy(
+        update={"root": str(moved)})}))
+    assert data.uri.startswith(str(tmp_path / "artifacts")) and load_split(data, there, "sft") == rows
+    assert there.ref(model).uri == str(moved / "base_model" / model.key)
+
+
 def test_run_stage_rejects_missing_inputs_before_any_work(ctx, tmp_path):
     stage = plan_pipeline(load_config(None, SMALL)).stages["sft"]
     data = StageResult(stage="data", key="k", uri=str(tmp_path / "nowhere"))
