@@ -88,9 +88,11 @@ class TokenLimits:
     response: int
 
     def for_generation(self, max_new_tokens: int, model_path: str, where: str,
-                       field: str = "generation.max_new_tokens") -> tuple[int, int]:
+                       field: str = "generation.max_new_tokens", schemas: int = 0) -> tuple[int, int]:
         """(prompt limit, vLLM max_model_len) for generating `max_new_tokens` after each prompt (`field` names
-        the setting: an episode's tokens are environment.max_episode_tokens).
+        the setting: an episode's tokens are environment.max_episode_tokens). `schemas`: the tokens an
+        environment's tool schemas add to every prompt the data stage measured (agentic.py schema_tokens),
+        on top of its limit.
 
         Prompts longer than the model's positions leave room for are left out
         (counted by the caller's filter, with a warning here); none fitting is
@@ -100,13 +102,17 @@ class TokenLimits:
         from engines.models import max_positions
 
         positions = max_positions(model_path)
-        prompt = min(self.prompt, positions - max_new_tokens)
+        wanted = self.prompt + schemas
+        prompt = min(wanted, positions - max_new_tokens)
         if prompt < 1:
             raise ConfigError(f"{where}{field}={max_new_tokens} leaves no room for a prompt: "
                               f"the model has {positions} positions")
-        if prompt < self.prompt:
+        if schemas:
+            log.info("%sprompts take up to %d tokens: the data's %d and the environment's tool schemas' %d",
+                     where, wanted, self.prompt, schemas)
+        if prompt < wanted:
             log.warning("%s%s=%d: prompts over %d tokens (of up to %d) are left out; the model has %d positions",
-                        where, field, max_new_tokens, prompt, self.prompt, positions)
+                        where, field, max_new_tokens, prompt, wanted, positions)
         return prompt, prompt + max_new_tokens
 
 

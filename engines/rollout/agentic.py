@@ -60,6 +60,19 @@ def episode_start(tokenizer, env) -> Callable[[dict], list[int]]:
     return start
 
 
+def schema_tokens(tokenizer, env, records: list[dict]) -> int:
+    """How much longer an environment's episodes start than the prompts the data stage measured (each record's
+    own "tools"): its tool schemas, listed in every prompt. The most any record grows; 0 for an agent's episodes,
+    which start with the record's own tools. The prompt limit the data stage settled (`auto`: its longest
+    prompt) would otherwise leave out every prompt within that many tokens of it."""
+    from engines.batches import render_prompt
+
+    if env.agent:
+        return 0
+    start = episode_start(tokenizer, env)
+    return max([len(start(r)) - len(render_prompt(tokenizer, r["prompt"], r.get("tools"))) for r in records] + [0])
+
+
 def agent_episodes(engine, tokenizer, records: list[dict], n: int, sampling: Sampling, agent, decode,
                    limits: EpisodeLimits) -> list[Rollout]:
     """`n` episodes of each record, each `agent(client, record)` against this engine's endpoint; grouped per

@@ -289,3 +289,28 @@ def test_a_prompt_limit_measures_the_prompt_an_environments_episode_starts_with(
     assert measure(record) == started and len(started) > len(render_prompt(tok, record["prompt"]))
     kept, report = filter_prompts(tok, [record, {**record, "prompt": "x"}], len(started) - 1, "prompts", measure)
     assert [r["prompt"] for _, r in kept] == ["x"] and report.overlong == 1
+
+
+def test_an_environments_tool_schemas_widen_the_prompt_limit_the_data_settled(tok, box_model):
+    """The data stage measures prompts with their own tools; an environment lists its tools' schemas in every
+    prompt. With the data's limit alone (`auto`: its longest prompt) every episode's prompt was left out and the
+    round failed: the limit now takes the schemas' tokens on top."""
+    from alignflow.config import EnvironmentConfig
+    from alignflow.errors import PromptTooLongError
+    from engines.batches import filter_prompts, render_prompt
+    from engines.rollout.agentic import episode_start, schema_tokens
+    from tasks.data import TokenLimits
+
+    records = [{"prompt": agent_task.question(i), "answer": "1", "boxes": {}} for i in (7, 42, 1234)]
+    env = EnvironmentConfig(name="boxes")
+    measure = episode_start(tok, env)
+    data_limit = max(len(render_prompt(tok, r["prompt"])) for r in records)  # what `auto` settles
+    grown = [len(measure(r)) - len(render_prompt(tok, r["prompt"])) for r in records]
+    assert schema_tokens(tok, env, records) == max(grown) > 0
+    with pytest.raises(PromptTooLongError):
+        filter_prompts(tok, records, data_limit, "prompts", measure)
+    prompt, model_len = TokenLimits(data_limit, 8).for_generation(16, str(box_model), "round_1: ",
+                                                                  schemas=max(grown))
+    kept, report = filter_prompts(tok, records, prompt, "prompts", measure)
+    assert len(kept) == 3 and report.overlong == 0 and prompt == data_limit + max(grown) and model_len == prompt + 16
+    assert schema_tokens(tok, EnvironmentConfig(agent="my_agent:run"), records) == 0
