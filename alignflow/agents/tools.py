@@ -170,9 +170,12 @@ exec(compile(code, "<tool>", "exec"), {"__name__": "__tool__"})
 
 def _tool_env(home: str) -> dict[str, str]:
     """The environment the model's code gets: what a Python needs to run, none of this process's credentials
-    (HF_TOKEN, cloud keys, the endpoint's), which its output would carry into observations and transcripts."""
+    (HF_TOKEN, cloud keys, the endpoint's), which its output would carry into observations and transcripts. Its
+    math libraries take one thread: OpenBLAS and OpenMP otherwise start one per core as numpy loads, whose stacks
+    on a many-core GPU node pass the address-space limit, and the import fails."""
     keep = ("PATH", "LANG", "LC_ALL", "TZ", "SYSTEMROOT")
-    return {k: os.environ[k] for k in keep if k in os.environ} | {"HOME": home, "TMPDIR": home}
+    one = {k: "1" for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
+    return {k: os.environ[k] for k in keep if k in os.environ} | {"HOME": home, "TMPDIR": home} | one
 
 
 def python(code: str, *, timeout_s: float = 5.0, memory_mb: int = 512, max_output: int = 2000) -> str:

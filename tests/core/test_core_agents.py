@@ -112,6 +112,8 @@ def test_python_runs_in_a_fresh_temporary_directory_under_time_and_memory_limits
     finally:
         del os.environ["ALIGNFLOW_TEST_SECRET"]
     assert "s3cr3t" not in seen and "ALIGNFLOW_TEST_SECRET" not in seen and "PATH" in seen
+    # One thread per math library: one per core, as numpy loads, passes the address-space limit on a big node.
+    assert python("import os; print(*(os.environ[k] for k in ('OMP_NUM_THREADS', 'OPENBLAS_NUM_THREADS')))") == "1 1\n"
 
 
 class Lookup(ToolEnvironment):
