@@ -1,6 +1,7 @@
 """Settings a run will not read, said as preflight notes: a section of the config that its round's algorithm
 or engine has no use for, left in by a switch of `algorithm` or `backend` (an override on a file written for
-another). Not refused: the switch is the user's, and what it leaves unread is harmless, but never silent."""
+another). Not refused: the switch is the user's, and what it leaves unread is harmless, but never silent.
+Likewise a correction turned off where a round needs it: stale asynchronous samples without ppo.tis_cap."""
 
 from __future__ import annotations
 
@@ -39,6 +40,12 @@ def note_unused_settings(cfg: PipelineConfig, found: Findings) -> None:
     for fields, why in unused:
         if fields:
             found.notes.append(f"{', '.join(fields)}: not used ({why}) ({found.sources.of(fields[0])})")
+    for i, r in enumerate(cfg.rounds):
+        if r.async_rollouts and r.ppo.tis_cap is None:
+            found.notes.append(
+                f"rounds.{i}.ppo.tis_cap: null: async_rollouts trains on samples up to max_staleness={r.max_staleness} "
+                f"update(s) old with no importance-sampling correction for the policy that sampled them "
+                f"({found.sources.of(f'rounds.{i}.ppo.tis_cap')})")
 
 
 def _vllm(generation, at: str) -> tuple[list[str], str]:

@@ -759,6 +759,10 @@ def test_settings_no_part_of_the_run_reads_are_said_not_refused(tmp_path):
         "rounds.0.partial_tokens: not used (it sizes partial_rollouts' pieces, which are off) (from the command "
         "line: rounds.0.partial_tokens=8)",
         f"rounds.0.generation.vllm.enable_prefix_caching: not used (generation.backend is hf, not vllm) (from {path})"]
+    stale = ['rounds=[{"algorithm": "grpo", "async_rollouts": true, "max_staleness": 2, "ppo": {"tis_cap": null}}]']
+    assert preflight(load_config(None, stale), stale, None).notes == [
+        "rounds.0.ppo.tis_cap: null: async_rollouts trains on samples up to max_staleness=2 update(s) old with no "
+        f"importance-sampling correction for the policy that sampled them (from the command line: {stale[0][:57]}...)"]
     as_written = preflight(load_config(path), [], path)
     assert as_written.problems == [] and as_written.notes == []
     assert preflight(load_config(None), [], None).notes == []
