@@ -12,6 +12,7 @@ from alignflow.cluster import ensure_ray
 from alignflow.errors import ConfigError
 from alignflow.records import StageResult
 from engines import batches, models
+from engines.placement.groups import TIMEOUT_S as NODES_WAIT_S
 from engines.rl.judge import judge_positions
 from engines.rl.round import RLRound
 from engines.rl.round_models import RoundSetup
@@ -55,6 +56,7 @@ def rl_round(stage: PlannedStage, inputs: RoundInputs, ctx: RunContext) -> Stage
             prompts=prompts, dtype=io.dtype, torch_threads=ctx.infra.torch_threads,
             attn_implementation=io.attn_implementation,
             max_model_len=model_len, seed=cfg.seed,
+            nodes_wait_s=NODES_WAIT_S if ctx.infra.ray_address else 0.0,  # a cluster may grow; a local Ray cannot
             judge_path=ctx.ref(inputs.judge),
             judge_max_model_len=judge_positions(
                 models.max_positions(ctx.tokenizer_dir(inputs.judge)), round_cfg.reward.judge.generation,

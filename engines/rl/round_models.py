@@ -65,6 +65,9 @@ class RoundSetup:
     attn_implementation: str = "sdpa"  # model.attn_implementation
     judge_path: Source | None = None  # the generative judge (a judge reward source)
     judge_max_model_len: int | None = None  # the judge's positions
+    # On a cluster that may grow (infra.ray_address: an autoscaler, spot nodes coming back), how long a round short
+    # of resources waits for nodes before it refuses; 0 on a local Ray, which cannot grow (preflight checked it).
+    nodes_wait_s: float = 0.0
 
 
 @dataclass
@@ -203,7 +206,7 @@ def start_round_models(cfg: RoundConfig, setup: RoundSetup, updates_per_step: in
     on failure, kill what was started (the caller's process lives on)."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    check_resources(cfg, setup)
+    check_resources(cfg, setup, wait_s=setup.nodes_wait_s)
     spec, models = cfg.spec, RoundModels(colocated=cfg.colocate_all, offload=cfg.colocate_offload,
                                          publishes=cfg.async_rollouts)
     models.bucket_bytes = int(cfg.generation.weight_bucket_mb * 2**20)

@@ -4,12 +4,16 @@ importing this)."""
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import Any
 
 import ray
 
 from alignflow.config import RoundConfig
 from alignflow.errors import InsufficientResourcesError
+
+log = logging.getLogger("alignflow")
 
 RoundSetupLike = Any  # engines/rl/round_models.py RoundSetup (its policy_path and reference_path): not imported,
 # as round_models imports this module
@@ -88,13 +92,27 @@ def engines_share_a_gpu(cfg: RoundConfig) -> bool:
     return cfg.colocate_all or any(0 < p.num_gpus < 1 for p in places)
 
 
-def check_resources(cfg: RoundConfig, setup: RoundSetupLike | None = None) -> None:
-    """Fail before starting anything: an actor Ray cannot place would wait forever."""
-    total = ray.cluster_resources()
-    need = round_resources(cfg, setup)
-    short = {k: (v, total.get(k, 0.0)) for k, v in need.items() if v > total.get(k, 0.0)}
-    if short:
+def check_resources(cfg: RoundConfig, setup: RoundSetupLike | None = None, *, wait_s: float = 0.0,
+                    poll_s: float = 10.0) -> None:
+    """Fail before starting anything: an actor Ray cannot place would wait forever. Where the cluster may grow,
+    wait up to `wait_s` for nodes first (as a placement group waits for an autoscaler: engines/placement/
+    groups.py), saying so: a GPU node preempted under the last attempt, or a node group scaled to zero."""
+    need, start, said = round_resources(cfg, setup), time.monotonic(), None
+    while True:
+        total = ray.cluster_resources()
+        short = {k: (v, total.get(k, 0.0)) for k, v in need.items() if v > total.get(k, 0.0)}
+        if not short:
+            return
         detail = ", ".join(f"{k}: needs {v:g}, cluster has {have:g}" for k, (v, have) in short.items())
-        raise InsufficientResourcesError(
-            f"round ({cfg.algorithm}) cannot be placed on this Ray cluster ({detail}); lower the placements "
-            f"(actor/critic/generation/scorer_placement), the worker or engine counts, or infra.ray_num_cpus")
+        waited = time.monotonic() - start
+        if waited >= wait_s:
+            break
+        if said is None or waited - said >= 60:
+            said = waited
+            log.warning("round (%s): waiting up to %.0f s for the cluster to grow (%s)", cfg.algorithm, wait_s,
+                        detail)
+        time.sleep(min(poll_s, wait_s - waited))
+    raise InsufficientResourcesError(
+        f"round ({cfg.algorithm}) cannot be placed on this Ray cluster ({detail}"
+        f"{f'; waited {waited:.0f} s for nodes' if wait_s else ''}); lower the placements "
+        f"(actor/critic/generation/scorer_placement), the worker or engine counts, or infra.ray_num_cpus")

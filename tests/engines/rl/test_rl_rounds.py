@@ -14,6 +14,8 @@ functions applied independently to the same tensors.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -604,6 +606,21 @@ def test_round_that_cannot_be_placed_fails_fast(ray_local, tiny_model, prompts):
     with pytest.raises(InsufficientResourcesError, match="GPU"):
         _start(_round("grpo", generation=RolloutConfig(
             num_samples=4, placement={"num_gpus": 1})), tiny_model, prompts)
+
+
+def test_a_round_short_of_resources_on_a_cluster_that_may_grow_waits_for_nodes_then_refuses(ray_local, caplog):
+    """With infra.ray_address (an autoscaler; a preempted GPU node coming back for the retry) a round short of
+    resources waits for nodes, as a placement group does, before the refusal, which is never retried."""
+    from alignflow.errors import InsufficientResourcesError
+    from engines.rl.round_placement import check_resources
+
+    cfg = _round("grpo", generation=RolloutConfig(num_samples=4, placement={"num_gpus": 1}))
+    t0 = time.monotonic()
+    with caplog.at_level("WARNING", logger="alignflow"):
+        with pytest.raises(InsufficientResourcesError, match=r"GPU: needs 1, cluster has 0; waited 1 s for nodes"):
+            check_resources(cfg, wait_s=1.0, poll_s=0.3)
+    assert time.monotonic() - t0 >= 1.0
+    assert "round (grpo): waiting up to 1 s for the cluster to grow (GPU: needs 1, cluster has 0)" in caplog.text
 
 
 def test_fewer_prompts_than_a_step_takes_are_said_and_counted(ray_local, tiny_model, prompts, caplog):
