@@ -20,7 +20,7 @@ from alignflow.config.loading import ConfigSources
 from alignflow.records import StageResult
 from flows.console import quiet_deployed_run
 from flows.planview import publish_plan
-from flows.report import PipelineReport, build_report, close_run, open_run, wait_all
+from flows.report import PipelineReport, build_report, close_run, open_run, parent_closed_on_error, wait_all
 from flows.stage_tasks import PipelineTaskRunner, StageTasks, join_ray
 from tasks.eval_engine import engine_host
 from tasks.plan import plan_pipeline
@@ -45,11 +45,12 @@ def run_all(config: PipelineConfig) -> PipelineReport:
     join_ray(config.infra)
     plan = plan_pipeline(config)
     ctx = open_run(config, plan)
-    publish_plan(plan, ctx)
-    with engine_host(plan, ctx) as ctx:
-        results, states = wait_all(ctx, StageTasks(config.infra).submit_plan(plan, ctx))
-    report = build_report(ctx, plan, results, states)
-    close_run(ctx, report)
+    with parent_closed_on_error(ctx):
+        publish_plan(plan, ctx)
+        with engine_host(plan, ctx) as ctx:
+            results, states = wait_all(ctx, StageTasks(config.infra).submit_plan(plan, ctx))
+        report = build_report(ctx, plan, results, states)
+        close_run(ctx, report)
     return report
 
 
@@ -59,10 +60,11 @@ def run_target(config: PipelineConfig, target: str) -> StageResult:
     full = plan_pipeline(config)
     plan = full.upto(target)
     ctx = open_run(config, plan)
-    publish_plan(plan, ctx)
-    with engine_host(plan, ctx) as ctx:
-        results, _ = wait_all(ctx, StageTasks(config.infra).submit_plan(plan, ctx))
-    close_run(ctx)
+    with parent_closed_on_error(ctx):
+        publish_plan(plan, ctx)
+        with engine_host(plan, ctx) as ctx:
+            results, _ = wait_all(ctx, StageTasks(config.infra).submit_plan(plan, ctx))
+        close_run(ctx)
     return results[full.resolve(target)[-1]]
 
 

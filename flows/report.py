@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 from pydantic import BaseModel
@@ -179,6 +181,18 @@ def build_report(ctx: RunContext, plan: Plan, results: dict[str, StageResult],
         judge=results[judge_eval[0].name].metrics if judge_eval else {},
         kl_budgets={s.name: s.config.round.kl.budget for s in plan.of_kind("rl_round") if s.name in policies},
     )
+
+
+@contextlib.contextmanager
+def parent_closed_on_error(ctx: RunContext) -> Iterator[None]:
+    """The MLflow parent run ended FAILED (KILLED on Ctrl-C, SIGTERM or a cancel) where anything between its
+    opening and its closing raises: publishing the plan, the engine host's start, the report, the curves. Only
+    the wait for the stages ended it, and a parent left RUNNING is reaped only by a later run on this host."""
+    try:
+        yield
+    except BaseException as exc:
+        ctx.tracker().finish(ctx.parent_run_id, status=end_status(exc))
+        raise
 
 
 def close_run(ctx: RunContext, report: PipelineReport | None = None) -> None:

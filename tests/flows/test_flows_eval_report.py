@@ -3,6 +3,8 @@ metrics through a real MLflow SQLite store (stage run and parent run): names MLf
 
 from __future__ import annotations
 
+import pytest
+
 from alignflow.config.pipeline import InfraConfig, StorageConfig
 from flows.report import PipelineReport, close_run, compared
 from tasks.context import RunContext
@@ -97,3 +99,21 @@ def test_policies_evaluated_as_agents_get_their_episode_columns_and_others_a_das
     assert rows["sft"]["turns"] == "-"
     assert "turns" not in _report({"sft": {"eval/accuracy": 0.17}}).table()
     assert compared("eval/tool_calls_per_episode") and not compared("eval/cut_turns_per_episode")
+
+
+@pytest.mark.parametrize("raised, status", [(RuntimeError("the engine host did not start"), "FAILED"),
+                                            (KeyboardInterrupt(), "KILLED")])
+def test_a_parent_run_is_ended_by_whatever_raises_between_its_opening_and_closing(tracker, tmp_path, raised, status):
+    """Outside the wait for the stages (publishing the plan, the engine host, the report, the curves) a failure
+    or a stop left the parent run RUNNING, reaped only by a later run on the same host."""
+    from mlflow import MlflowClient
+
+    from flows.report import parent_closed_on_error
+
+    parent = tracker.start_parent("pipeline", {})
+    infra = InfraConfig(mlflow_tracking_uri=tracker.tracking_uri, mlflow_experiment=EXPERIMENT,
+                        storage=StorageConfig(root=str(tmp_path)))
+    with pytest.raises(type(raised)):
+        with parent_closed_on_error(RunContext(infra=infra, parent_run_id=parent)):
+            raise raised
+    assert MlflowClient(tracking_uri=tracker.tracking_uri).get_run(parent).info.status == status
