@@ -2,7 +2,8 @@
 
 Every `every` steps the stage's full state is committed under
 `{stage_uri}/checkpoints/step-N` (manifest last, like any artifact) and older
-ones are dropped; a retried task resumes from the newest committed one. What
+ones are dropped but the one before it; a retried task resumes from the newest
+committed one that verifies. What
 the state is (trainer group, RL round) is the caller's: it passes `save` and
 `load` functions over the checkpoint's ArtifactRef, which its actors write
 to and read from on their own nodes (alignflow/artifacts.py); the manifest
@@ -58,7 +59,7 @@ class StageCheckpoints:
 
     def save(self, step: int, save: Callable[[ArtifactRef], Entries]) -> None:
         """Commit the state `save(ref)` uploads (returning its manifest entries) as the checkpoint of
-        `step`; drop older ones."""
+        `step`; drop older ones but the newest committed before it (a fallback where this one fails to verify)."""
         uri = self.storage.checkpoint_uri(self.stage_uri, step)
         self.storage.commit(None, uri, meta={"stage": self.stage, "step": step},
                             uploaded=save(ArtifactRef(uri, self.storage)))

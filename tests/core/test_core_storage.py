@@ -243,13 +243,17 @@ def test_latest_checkpoint_compares_steps_as_numbers(storage, src):
 def test_prune_checkpoints(storage, src):
     stage = storage.stage_uri("sft", "k")
     storage.prune_checkpoints(stage)  # nothing there: no error
-    for step in (10, 20, 30):
+    for step in (10, 20, 30, 40):
         storage.commit(src, storage.checkpoint_uri(stage, step))
+    (Path(storage.checkpoint_uri(stage, 25)) / "half-written.bin").parent.mkdir()  # a save cut off: no manifest
     storage.commit(src, stage)  # the stage's own output must survive pruning
-    storage.prune_checkpoints(stage, keep_step=20)
+    storage.prune_checkpoints(stage, keep_step=30)
     remaining = sorted(p.name for p in (Path(stage) / "checkpoints").iterdir())
-    assert remaining == ["step-00000020"]
-    assert storage.committed_checkpoints(stage)[0][0] == 20
+    assert remaining == ["step-00000020", "step-00000030"]  # and the committed one before, to fall back to
+    assert [s for s, _ in storage.committed_checkpoints(stage)] == [30, 20]
+    (Path(storage.checkpoint_uri(stage, 30)) / "manifest.json").unlink()  # 30 set aside: 20 is all there is
+    storage.prune_checkpoints(stage, keep_step=50)
+    assert [s for s, _ in storage.committed_checkpoints(stage)] == [20]
     storage.prune_checkpoints(stage)
     assert list((Path(stage) / "checkpoints").iterdir()) == []
     assert storage.committed_checkpoints(stage) == []
