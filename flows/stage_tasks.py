@@ -52,9 +52,17 @@ class StageTasks:
             task = self.tasks[stage.kind].with_options(name=stage.name, task_run_name=stage.name, tags={stage.kind},
                                                        refresh_cache=gone)
             taking_turns = turns and STAGE_KINDS[stage.kind].target == "evaluation"
-            with remote_options(**({"resources": {EVALUATION_TURN: 1}} if taking_turns else {})):
+            with remote_options(**stage_remote_options(ctx.infra, taking_turns)):
                 futures[stage.name] = task.submit(stage=stage, inputs=upstream, ctx=ctx)
         return futures
+
+
+def stage_remote_options(infra: InfraConfig, taking_turns: bool) -> dict[str, Any]:
+    """The Ray options of a stage's task. Where its worker dies (the OOM killer, a lost node) Prefect's retries
+    never run, the task run having crashed with it: Ray runs the task again, resuming from its checkpoint, 3 times
+    by default whatever the config says. As many times as infra.task_retries, as for an error. `taking_turns`: an
+    evaluation that waits for the run's one engine-host turn (EVALUATION_TURN)."""
+    return {"max_retries": infra.task_retries, **({"resources": {EVALUATION_TURN: 1}} if taking_turns else {})}
 
 
 def lost_artifact(storage: Storage, uri: str) -> bool:

@@ -45,3 +45,58 @@ def test_evaluations_sharing_the_engine_host_run_one_at_a_time_in_one_process(ra
 
     meet = ray_local.remote(_meet)  # three that can only end once all three run at once
     assert len(set(ray_local.get([meet.remote(str(tmp_path), 2) for _ in range(3)]))) == 3
+
+
+CRASH_PROBE = """
+import os, pathlib, sys
+from prefect import flow, task
+from prefect_ray import RayTaskRunner
+from prefect_ray.context import remote_options
+from alignflow.config import InfraConfig
+from flows.stage_tasks import stage_remote_options
+
+marks = pathlib.Path(sys.argv[1])
+
+@task(retries=0)
+def dies_once(room: str) -> int:
+    done = len(os.listdir(room))
+    pathlib.Path(room, str(done)).touch()
+    if done == 0:
+        os._exit(1)  # the worker dies under the task, as the OOM killer would have it
+    return done + 1
+
+def outcome(future, room: pathlib.Path) -> str:
+    try:
+        return f"ran {future.result()} times"
+    except BaseException as err:  # noqa: BLE001
+        return f"{type(err).__name__} after {len(os.listdir(room))} run"
+
+@flow(task_runner=RayTaskRunner(init_kwargs={"num_cpus": 2, "include_dashboard": False,
+                                             "_node_ip_address": "127.0.0.1"}))
+def run() -> str:
+    futures = {}
+    for retries in (1, 0):
+        (room := marks / str(retries)).mkdir()
+        with remote_options(**stage_remote_options(InfraConfig(task_retries=retries), False)):
+            futures[retries] = (dies_once.submit(str(room)), room)
+    return " | ".join(outcome(*futures[r]) for r in (1, 0))
+
+print("RESULT", run())
+"""
+
+
+def test_a_stage_whose_worker_dies_runs_again_as_often_as_task_retries_allows(tmp_path, shared_prefect_api):
+    """A real Prefect flow on a Ray task runner: a task whose worker dies (os._exit) crashes its task run, where
+    Prefect's retries never act; Ray runs it again, and with stage_remote_options as often as infra.task_retries
+    says (Ray's default was 3 whatever it said): once for 1, never for 0."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "crash.py"
+    script.write_text(CRASH_PROBE)
+    env = {**os.environ, "PREFECT_API_URL": shared_prefect_api(), "RAY_ADDRESS": "", "PYTHONPATH": os.getcwd()}
+    out = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=300,
+                         cwd=os.getcwd(), env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    [line] = [x for x in out.stdout.splitlines() if x.startswith("RESULT")]
+    assert line == "RESULT ran 2 times | WorkerCrashedError after 1 run", line
