@@ -188,7 +188,7 @@ def with_advantages(exp: Experience, *, estimator: str, whiten: bool, group_size
     else:  # the sequence reward at the last token alone
         zeros = torch.zeros_like(mask, dtype=torch.float32)
         token_rewards = algos.kl_penalized_rewards(exp.rewards, zeros, zeros, mask, kl_coef=0.0)
-    if exp.turn_rewards is not None:
+    if exp.turn_rewards is not None and not teacher:  # a teacher's pull holds no sequence reward to move
         token_rewards = algos.rewards_at_turns(token_rewards, exp.turn_rewards, mask)
     options = {} if std_norm is None else {"std_norm": std_norm}
     out = algos.get_advantage_estimator(estimator)(

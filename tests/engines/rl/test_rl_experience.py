@@ -85,6 +85,24 @@ REF = [[-1.5, -1.0, 0.0], [-0.5, 0.0, 0.0], [-2.0, -1.0, -0.5], [-1.0, 0.0, 0.0]
 LENGTHS = [2, 1, 3, 1]
 
 
+def test_a_distillation_steps_token_rewards_are_the_teachers_pull_alone_in_an_environment(exp):
+    """An environment's intermediate rewards are moved to their turns from the sequence reward at the row's end;
+    a distillation step has none there (its signal is the teacher's pull), so moving them would leave +r at a
+    turn's end and -r at the row's: they are not added."""
+    import algos
+
+    turns = torch.zeros(4, 3)
+    turns[0, 0], turns[2, 1] = 1.0, 2.0  # rows 0 and 2: a rewarded turn before the end
+    filled = _filled(exp, [1.0, 0.0, 0.5, 0.5], OLD, REF).with_(turn_rewards=turns)
+    out = experience.with_advantages(filled, estimator="per_token", whiten=False, group_size=2, gamma=1.0, lam=1.0,
+                                     kl_coef=0.0, kl_estimator="k1", kl_clamp=None, teacher=True)
+    pull = algos.distillation_token_rewards(torch.tensor(OLD), torch.tensor(REF), exp.action_mask)
+    assert torch.equal(out.token_rewards, pull)
+    plain = experience.with_advantages(filled, estimator="grpo", whiten=False, group_size=2, gamma=1.0, lam=1.0,
+                                       kl_coef=0.0, kl_estimator="k1", kl_clamp=None)
+    assert plain.token_rewards[0, 0] == 1.0 + 0.0 and plain.token_rewards[0, 1] == 1.0 - 1.0  # moved, sum kept
+
+
 def test_kl_in_the_reward_then_grpo(exp):
     coef = 0.1
     out = experience.with_advantages(_filled(exp, [1.0, 0.0, 0.5, 0.5], OLD, REF), estimator="grpo", whiten=False,
