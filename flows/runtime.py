@@ -155,7 +155,7 @@ def check_api_reachable(infra: InfraConfig) -> None:
 
     from alignflow.errors import ConfigError
 
-    if not infra.ray_address:
+    if not infra.ray_address or not os.environ.get("PREFECT_API_URL"):  # no API of a server's: nothing to reach
         return
     nodes = [n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]]
     own = {a.address.split("%")[0] for addrs in psutil.net_if_addrs().values() for a in addrs}

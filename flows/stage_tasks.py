@@ -17,7 +17,7 @@ from prefect_ray.context import remote_options
 from alignflow.cluster import EVALUATION_TURN, init_ray, ray_init_kwargs
 from alignflow.config import InfraConfig
 from alignflow.storage import Storage, StorageError
-from flows.runtime import result_storage, warn_local_root_on_cluster
+from flows.runtime import check_api_reachable, result_storage, warn_local_root_on_cluster
 from tasks.context import RunContext
 from tasks.plan import Plan
 from tasks.registry import STAGE_KINDS
@@ -150,6 +150,9 @@ class PipelineTaskRunner(RayTaskRunner):
         self.init_kwargs = {"namespace": "prefect", **kwargs}
         self._owns_ray = True
         self._ray_context = init_ray(self.address, **self.init_kwargs)  # Prefect's SIGTERM handler kept
+        # A deployed run on a cluster, as the CLI's: nodes that cannot reach the Prefect API are refused up front
+        # (a server bound to 127.0.0.1, prefect.yaml's default), not found by stages that lose their task runs.
+        check_api_reachable(infra)
 
     def submit(self, task, parameters, wait_for=None, dependencies=None):
         if not ray.is_initialized():
