@@ -38,7 +38,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from alignflow.agents.tools import openai_tool_calls
 from engines.rollout.base import Sampling
-from engines.rollout.episode_tokens import EpisodeTokens, ServedSequence
+from engines.rollout.episode_tokens import EpisodeTokens, ServedSequence, continues, flat, said
 from engines.rollout.episodes import EpisodeLimits
 
 PATH = re.compile(r"^/e/([A-Za-z0-9_-]+)/v1/chat/completions$")
@@ -118,10 +118,6 @@ class EngineLoop:
         for future in self._waiting.values():
             self._settle(future, error=RuntimeError("the generation these episodes belonged to has ended"))
         self._waiting = {}
-
-
-def _said(messages: list[dict]) -> list[tuple[str, str]]:
-    return [(m.get("role"), m.get("content") or "") for m in messages]
 
 
 # Request fields the endpoint cannot honour and keep the turn on-policy and recorded: refused, not ignored.
@@ -223,17 +219,17 @@ class ChatEndpoint:
             stats = self.stats.setdefault(episode, {"turns": 0, "cut_turns": 0, "restarts": 0, "tool_calls": 0,
                                                     "invalid_calls": 0, "abandoned": 0})
         with lock:
-            messages, tools = list(body["messages"]), body.get("tools") or None
-            tokens, said = EpisodeTokens(self.tokenizer, tools), _said(messages)
+            messages, tools = [flat(m) for m in body["messages"]], body.get("tools") or None
+            tokens, spoken = EpisodeTokens(self.tokenizer, tools), said(messages)
             seq = self.sequences.get(episode)
-            extends = seq is not None and said[: len(seq.messages)] == seq.messages and len(said) > len(seq.messages)
+            extends = seq is not None and continues(seq.messages, messages)
             if extends:
                 more = tokens.observation(messages[len(seq.messages):],
                                           seq.tokens[-1] if seq.tokens and not seq.last_cut else None)
-                base = ServedSequence(said, seq.prompt_ids, seq.tokens + more, seq.logprobs + [0.0] * len(more),
-                                 seq.sampled + [0] * len(more))
+                base = ServedSequence(seq.messages + spoken[len(seq.messages):], seq.prompt_ids, seq.tokens + more,
+                                      seq.logprobs + [0.0] * len(more), seq.sampled + [0] * len(more))
             else:
-                base = ServedSequence(said, tokens.start(messages))
+                base = ServedSequence(spoken, tokens.start(messages))
             context = base.prompt_ids + base.tokens
             left, over = self.limits.turn_budget(stats["turns"], len(base.prompt_ids), len(base.tokens))
             if over:  # the episode is truncated (what the agent returns is still its reward)
@@ -257,7 +253,7 @@ class ChatEndpoint:
             with self._lock:
                 stats["restarts"] += int(seq is not None and not extends)
                 self.sequences[episode] = ServedSequence(
-                    said + [("assistant", text)], base.prompt_ids, base.tokens + ids, base.logprobs + logprobs,
+                    base.messages + [("assistant", text)], base.prompt_ids, base.tokens + ids, base.logprobs + logprobs,
                     base.sampled + [1] * len(ids), last_cut=not eos, last_text=text)
                 stats["turns"] += 1
                 stats["cut_turns"] += int(not eos)

@@ -11,7 +11,10 @@ once another message follows), and tokenised alone.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+
+from alignflow.agents.tools import CALL, openai_tool_calls
 
 PROBE = "\x00alignflow-turn\x00"
 
@@ -52,10 +55,56 @@ class EpisodeTokens:
 class ServedSequence:
     """One episode's tokens as the agent endpoint (engines/rollout/endpoint.py) served them."""
 
-    messages: list[tuple[str, str]]  # (role, content) of the conversation so far, its answers included
+    messages: list[tuple[str, str]]  # (role, content) of the conversation so far, its answers included (`said`)
     prompt_ids: list[int]
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     sampled: list[int] = field(default_factory=list)
     last_cut: bool = False
     last_text: str = ""
+
+
+def flat(message: dict) -> dict:
+    """A chat message with its content as one string: OpenAI's list of parts (`[{"type": "text", "text": ...}]`)
+    joined, as vLLM's server does, where chat templates (Qwen2.5's) take a string."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    text = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+    return {**message, "content": text}
+
+
+def said(messages: list[dict]) -> list[tuple[str, str]]:
+    """(role, content) of each message, as a conversation is compared with the one served so far."""
+    return [(m.get("role"), m.get("content") or "") for m in map(flat, messages)]
+
+
+def _calls(message: dict) -> list[tuple[str, object]]:
+    out = []
+    for call in message.get("tool_calls") or []:
+        fn = call.get("function") or {}
+        args = fn.get("arguments")
+        try:
+            args = json.loads(args) if isinstance(args, str) else args
+        except ValueError:
+            pass
+        out.append((fn.get("name"), args))
+    return out
+
+
+def continues(served: list[tuple[str, str]], messages: list[dict]) -> bool:
+    """Whether `messages` extend the conversation `served` so far (and add to it). An assistant turn matches the
+    text it was served as, or, as agents echo a turn back through OpenAI's client or vLLM's tool parser, the same
+    tool calls with its content empty or the served text outside them."""
+    if len(messages) <= len(served):
+        return False
+    for (role, text), message in zip(served, map(flat, messages)):
+        content = message.get("content") or ""
+        if (message.get("role"), content) == (role, text):
+            continue
+        if role != "assistant" or message.get("role") != "assistant" or not message.get("tool_calls"):
+            return False
+        served_calls = _calls({"tool_calls": openai_tool_calls(text)})
+        if _calls(message) != served_calls or content.strip() not in ("", CALL.sub("", text).strip()):
+            return False
+    return True

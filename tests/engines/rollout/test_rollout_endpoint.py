@@ -108,6 +108,47 @@ def test_an_openai_clients_episodes_train_on_exactly_the_tokens_the_engine_sampl
     torch.testing.assert_close(trainer_logprobs(engine, exp)[mask], exp.rollout_logprobs[mask], atol=1e-4, rtol=0)
 
 
+def in_parts(client, sample):
+    """Writes every message's content as OpenAI's list of parts, its answers echoed back so."""
+    def parts(text):
+        return [{"type": "text", "text": text}]
+
+    messages = [{"role": "user", "content": parts(sample["prompt"][0]["content"])}]
+    first = client.chat.completions.create(model="p", messages=messages, max_tokens=6)
+    messages += [{"role": "assistant", "content": parts(first.choices[0].message.content)},
+                 {"role": "tool", "content": parts(sample["answer"])}]
+    client.chat.completions.create(model="p", messages=messages, max_tokens=6)
+    return 1.0
+
+
+def test_content_in_parts_is_served_as_text_and_continues_the_episode(engine):
+    """Chat templates (Qwen2.5's) join a string content; a list of parts used to fail the request (400) and with
+    it the episode. Joined as vLLM's server joins them, the second request continues the first's sequence."""
+    [r] = run(engine, in_parts, records(1), n=1)
+    assert r.episode["turns"] == 2 and r.episode["restarts"] == 0 and r.episode.get("failed", 0) == 0
+
+
+def test_an_assistant_turn_echoed_as_its_tool_calls_continues_the_conversation():
+    """Agents echo a turn back as OpenAI's client or vLLM's tool parser give it: content None (or the text outside
+    the calls) beside `tool_calls`. That is the turn served, not a rewritten conversation: a restart would keep
+    only the last turn sampled and mask the others as prompt."""
+    from engines.rollout.episode_tokens import continues, said
+
+    served_text = 'Let me look.<tool_call>{"name": "open_box", "arguments": {"box": 7}}</tool_call>'
+    first = [{"role": "user", "content": "What is in box 7?"}]
+    served = said(first) + [("assistant", served_text)]
+    call = {"id": "call_0", "type": "function", "function": {"name": "open_box", "arguments": '{"box": 7}'}}
+    tool = {"role": "tool", "content": "4242"}
+    for content in (served_text, None, "", "Let me look."):
+        assert continues(served, first + [{"role": "assistant", "content": content, "tool_calls": [call]}, tool])
+    other = {**call, "function": {"name": "open_box", "arguments": '{"box": 8}'}}
+    for echoed in ({"role": "assistant", "content": None, "tool_calls": [other]},  # another call
+                   {"role": "assistant", "content": "Something else.", "tool_calls": [call]},
+                   {"role": "assistant", "content": None}):
+        assert not continues(served, first + [echoed, tool])
+    assert not continues(served, first + [{"role": "assistant", "content": served_text}])  # adds nothing
+
+
 def test_a_rewritten_conversation_restarts_and_failing_agents_are_counted(engine):
     restarted = run(engine, rewriting, records(1), n=1)[0]
     assert restarted.episode["restarts"] == 1 and restarted.episode["turns"] == 2
