@@ -7,8 +7,9 @@ user's agent driving them through the endpoint of engines/rollout/endpoint.py:
         return reward
 
 Each episode runs `agent(client, sample)` in a thread of its own, beside the others, with a client of its own
-episode's URL. An agent that raises or runs past `step_timeout_s` fails its episode (counted,
-`failure_reward`); its reward is otherwise the episode's return. One that raises at a refusal of the limits
+episode's URL. An agent that raises or spends more than `step_timeout_s` of its own time (outside its requests,
+whose wait for a busy engine is not the agent's) fails its episode (counted, `failure_reward`); its reward is
+otherwise the episode's return. One that raises at a refusal of the limits
 gets failure_reward, truncated still, not failed.
 """
 
@@ -40,6 +41,9 @@ def episodes_on(engine, records: list[dict], sampling: Sampling, env, max_model_
                               decode, limits)
     return run_episodes(engine, tok, records, sampling.n, sampling, lambda: make_environment(env.name, env.kwargs),
                         limits, decode)
+
+
+REQUEST_TIMEOUT_S = 600.0  # an agent's client's wait for one completion: only a stuck engine reaches it
 
 
 def episode_start(tokenizer, env) -> Callable[[dict], list[int]]:
@@ -77,7 +81,8 @@ def agent_episodes(engine, tokenizer, records: list[dict], n: int, sampling: Sam
                    limits: EpisodeLimits) -> list[Rollout]:
     """`n` episodes of each record, each `agent(client, record)` against this engine's endpoint; grouped per
     record, in order, as `run_episodes` returns them. A request the limits leave no turn for is refused and
-    truncates its episode; `limits.step_timeout_s` bounds a whole episode."""
+    truncates its episode; `limits.step_timeout_s` bounds the agent's own time in it (episodes.py RequestClock),
+    and a request's wait for the engine REQUEST_TIMEOUT_S (a safety net: a turn is bounded by its tokens)."""
     import openai
 
     timeout_s, failure_reward = limits.step_timeout_s, limits.failure_reward
@@ -88,19 +93,24 @@ def agent_episodes(engine, tokenizer, records: list[dict], n: int, sampling: Sam
     try:
         # trust_env=False: an HTTP(S)_PROXY of the cluster's would take the loopback requests (and the key) away
         clients.update({name: openai.OpenAI(base_url=endpoint.url(name), api_key=endpoint.key, max_retries=0,
-                                            timeout=timeout_s, http_client=openai.DefaultHttpxClient(trust_env=False))
+                                            timeout=REQUEST_TIMEOUT_S,
+                                            http_client=openai.DefaultHttpxClient(trust_env=False))
                         for name in names})
+        started = time.monotonic()
         runs = {name: in_thread(agent, clients[name], records[i // n]) for i, name in enumerate(names)}
-        deadline = time.monotonic() + timeout_s
-        loop.run(lambda: all(f.done() for f in runs.values()), deadline)
+
+        def over(name: str) -> bool:
+            return endpoint.clock.agent_seconds(name, started) > timeout_s
+
+        loop.run(lambda: all(f.done() or over(name) for name, f in runs.items()))
         outcomes = {}
         for name, future in runs.items():
             try:
-                reward = float(future.result(timeout=max(0.0, deadline - time.monotonic())))
+                reward = float(future.result(timeout=0.0))
                 outcomes[name] = (reward, None) if math.isfinite(reward) else \
                     (failure_reward, f"agent returned a reward of {reward}")  # NaN would spread to the whole step
-            except Exception as e:  # raised, or still running at the deadline (its thread is left behind)
-                why = f"agent ran past step_timeout_s={timeout_s:g}" if not future.done() else \
+            except Exception as e:  # raised, or still running past its time (its thread is left behind)
+                why = f"agent ran past step_timeout_s={timeout_s:g} of its own time" if not future.done() else \
                     f"agent raised {type(e).__name__}: {e}"
                 outcomes[name] = (failure_reward, why)
     finally:

@@ -8,9 +8,9 @@ at the round's temperature and top_p, whatever the agent asks (the samples stay 
 `max_tokens` may only shorten a turn below max_tokens_per_turn. Requests of one episode are answered one
 at a time. A request past the episode's `max_turns` completions, or with no tokens left of
 `max_episode_tokens` or of the engine's context, is refused (400, saying which) and the episode counts as
-truncated, as an environment's does. A request whose client leaves before its answer (closes its
-connection: its own timeout, or it stopped), or that runs past `step_timeout_s` (504), is given up: the
-engine drops it, and it is counted (`abandoned`).
+truncated, as an environment's does. A request whose client leaves before its answer (its own timeout, or it
+stopped) is given up: the engine drops it, and it is counted (`abandoned`). An episode's time in its requests is
+kept: step_timeout_s bounds the rest, its agent's own (RequestClock), not a busy engine's answers.
 
 What trains is what was sampled. The endpoint keeps each episode's token sequence: when a request's
 messages extend the conversation it served before (role and content alike), only the new messages are
@@ -39,7 +39,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from alignflow.agents.tools import openai_tool_calls
 from engines.rollout.base import Sampling
 from engines.rollout.episode_tokens import EpisodeTokens, ServedSequence, continues, flat, said
-from engines.rollout.episodes import EpisodeLimits
+from engines.rollout.episodes import EpisodeLimits, RequestClock
 
 PATH = re.compile(r"^/e/([A-Za-z0-9_-]+)/v1/chat/completions$")
 
@@ -82,8 +82,8 @@ class EngineLoop:
             future.set_exception(error) if error is not None else future.set_result(result)
             return True
 
-    def run(self, done, deadline: float) -> None:
-        """Serve until `done()` or the monotonic `deadline`."""
+    def run(self, done, deadline: float = float("inf")) -> None:
+        """Serve until `done()` (or the monotonic `deadline`: tests' bound)."""
         while not done() and time.monotonic() < deadline:
             try:
                 while True:
@@ -132,7 +132,7 @@ def _unserved(body: dict) -> str | None:
 
 
 class Abandoned(RuntimeError):
-    """A request given up before its answer: its client left, or step_timeout_s passed."""
+    """A request given up before its answer: its client left."""
 
 
 # How often a waiting request checks that its client is still there: a client that left costs at most this
@@ -148,11 +148,12 @@ class _Server(ThreadingHTTPServer):
 class ChatEndpoint:
     def __init__(self, loop: EngineLoop, tokenizer, decode, limits: EpisodeLimits, *, temperature: float,
                  top_p: float):
-        """`limits`: an environment's (EpisodeLimits.turn_budget); its step_timeout_s bounds each request."""
+        """`limits`: an environment's (EpisodeLimits.turn_budget)."""
         self.loop, self.tokenizer, self.decode, self.limits = loop, tokenizer, decode, limits
         self.temperature, self.top_p, self.key = temperature, top_p, secrets.token_urlsafe(24)
         self.sequences: dict[str, ServedSequence] = {}
         self.stats: dict[str, dict[str, int]] = {}
+        self.clock = RequestClock()  # each episode's time in its requests, and its agent's own
         self._lock = threading.Lock()  # the dicts above
         self._episode_locks: dict[str, threading.Lock] = {}  # one request of an episode at a time
         endpoint = self
@@ -177,9 +178,7 @@ class ChatEndpoint:
                         raise ValueError(why)
                     self._send(200, endpoint.complete(match.group(1), body, gone=self._gone))
                 except Abandoned as e:
-                    if not self._gone():  # past step_timeout_s; a client that left is told nothing
-                        self._send(504, {"error": {"message": str(e), "type": "timeout"}})
-                    self.close_connection = True
+                    self.close_connection = True  # a client that left is told nothing
                 except Exception as e:  # the agent's bad request is its episode's problem, told to it
                     self._send(400, {"error": {"message": f"{type(e).__name__}: {e}", "type": "invalid_request"}})
 
@@ -212,8 +211,12 @@ class ChatEndpoint:
         """One completion of `episode`'s conversation. Requests of one episode are answered one at a time, and
         its sequence changes only once the completion is in: a refused request leaves it as it was. Sampling is
         the round's (temperature, top_p: on-policy, whatever the agent asks); `max_tokens` may only shorten a
-        turn. A request whose client is `gone()` before its answer, or that runs past step_timeout_s, is given
-        up (`Abandoned`, counted): the engine drops it, and the episode stays as it was."""
+        turn. A request whose client is `gone()` before its answer is given up (`Abandoned`, counted): the engine
+        drops it, and the episode stays as it was. Its time is the engine's, not the agent's (RequestClock)."""
+        with self.clock.request(episode):
+            return self._complete(episode, body, gone)
+
+    def _complete(self, episode: str, body: dict, gone: Callable[[], bool]) -> dict:
         with self._lock:
             lock = self._episode_locks.setdefault(episode, threading.Lock())
             stats = self.stats.setdefault(episode, {"turns": 0, "cut_turns": 0, "restarts": 0, "tool_calls": 0,
@@ -270,19 +273,14 @@ class ChatEndpoint:
                           "total_tokens": len(context) + len(ids)}}
 
     def _answer(self, future: Future, gone: Callable[[], bool]) -> tuple[list[int], list[float], bool]:
-        deadline = time.monotonic() + self.limits.step_timeout_s
+        """The engine's answer; a generation is bounded by its tokens (the turn's budget), so the wait is given
+        up only where the client left."""
         while True:
             try:
                 return future.result(timeout=GONE_POLL_S)
             except concurrent.futures.TimeoutError:
-                if gone():
-                    why = "its client closed the connection"
-                elif time.monotonic() > deadline:
-                    why = f"no completion within step_timeout_s={self.limits.step_timeout_s:g}"
-                else:
-                    continue
-                if self.loop.cancel(future):  # else the answer came meanwhile: taken at the next turn round
-                    raise Abandoned(f"request given up: {why}") from None
+                if gone() and self.loop.cancel(future):  # else the answer came meanwhile: taken at the next round
+                    raise Abandoned("request given up: its client closed the connection") from None
 
     def snapshot(self) -> tuple[dict, dict]:
         """(sequences, stats) as they stand, copied under the lock: late requests cannot tear them."""

@@ -20,11 +20,12 @@ A single-turn round is the case of an environment that is done after the first t
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 
@@ -99,6 +100,38 @@ def in_thread(fn: Callable, *args) -> Future:
 
     threading.Thread(target=run, daemon=True, name="alignflow-env-step").start()
     return future
+
+
+class RequestClock:
+    """Each episode's seconds in its requests to the engine, and so the rest: its agent's own, which
+    step_timeout_s bounds (engines/rollout/agentic.py). A busy engine's answers are not the agent's time."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._open: dict[str, tuple[int, float]] = {}  # requests in flight, and since when (monotonic)
+        self._served: dict[str, float] = {}  # seconds in requests that ended
+
+    @contextlib.contextmanager
+    def request(self, episode: str) -> Iterator[None]:
+        with self._lock:
+            n, since = self._open.get(episode, (0, time.monotonic()))
+            self._open[episode] = (n + 1, since)
+        try:
+            yield
+        finally:
+            with self._lock:
+                n, since = self._open.pop(episode)
+                if n > 1:  # an agent asking twice at once: the episode is in a request until both end
+                    self._open[episode] = (n - 1, since)
+                else:
+                    self._served[episode] = self._served.get(episode, 0.0) + time.monotonic() - since
+
+    def agent_seconds(self, episode: str, started: float) -> float:
+        """Seconds since `started` (monotonic) that `episode` spent outside its requests."""
+        now = time.monotonic()
+        with self._lock:
+            since = self._open.get(episode, (0, now))[1]
+            return now - started - self._served.get(episode, 0.0) - (now - since)
 
 
 def _checked_step(result) -> tuple[list[dict], float, bool, dict]:

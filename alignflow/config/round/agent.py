@@ -16,7 +16,8 @@ class EnvironmentConfig(Section):
                              "whose reset(sample) -> messages and step(message) -> (observation, reward, done, info)")
     agent: str | None = Field(None, description="instead of name: module:function(client, sample) -> reward, the "
                               "user's agent driving each episode through an OpenAI client of the engine's endpoint "
-                              "(engines/rollout/agentic.py, endpoint.py); step_timeout_s bounds a whole episode")
+                              "(engines/rollout/agentic.py, endpoint.py); step_timeout_s bounds its own time in "
+                              "an episode, outside its requests (their wait for the engine is not counted)")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of the class")
     max_turns: int = Field(4, description="model turns per episode (an agent's completions); an episode not done "
                            "by then is truncated")
