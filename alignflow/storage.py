@@ -231,11 +231,9 @@ class Storage:
 
     def committed_checkpoints(self, stage_uri: str) -> list[tuple[int, str]]:
         """Every committed mid-stage checkpoint as (step, uri), highest step first."""
-        fs = self._fs()
-        base = f"{stage_uri}/checkpoints"
+        fs, base, found = self._fs(), f"{stage_uri}/checkpoints", []
         if not fs.exists(base):
             return []
-        found = []
         for entry in fs.ls(base, detail=False):
             m = _CHECKPOINT_DIR.search(entry.rstrip("/"))
             if m and fs.exists(f"{entry.rstrip('/')}/{MANIFEST}"):
@@ -262,12 +260,10 @@ class Storage:
     def prune_checkpoints(self, stage_uri: str, keep_step: int | None = None) -> None:
         """Remove mid-stage checkpoints: all, or all but `keep_step` and the newest committed one before it, which
         a resume falls back to where `keep_step`'s fails verification (a lost or corrupted file)."""
-        fs = self._fs()
-        base = f"{stage_uri}/checkpoints"
+        fs, base = self._fs(), f"{stage_uri}/checkpoints"
         if not fs.exists(base):
             return
-        before = [step for step, _ in self.committed_checkpoints(stage_uri)
-                  if keep_step is not None and step < keep_step][:1]
+        before = [s for s, _ in self.committed_checkpoints(stage_uri) if keep_step is not None and s < keep_step][:1]
         for entry in fs.ls(base, detail=False):
             m = _CHECKPOINT_DIR.search(entry.rstrip("/"))
             if m and int(m.group(1)) not in (keep_step, *before):
