@@ -4,7 +4,7 @@ Counted without importing the engines (torch and Ray take ~10 s): a round's
 actors as engines/rl/round_placement.py round_resources counts them, a training
 stage's workers, an evaluation's engine and scorers; and, where the
 evaluations keep their engine for the run (`evaluation.keeps_engine`), the
-run's engine host beside every stage (tasks/eval_engine.py). An evaluation
+run's engine host beside every stage (tasks/stages/eval_engine.py). An evaluation
 with an engine of its own ends it before its scorer starts: it needs the
 larger of the two, not both (one GPU serves configs/gpu-small.yaml).
 """
@@ -69,7 +69,7 @@ def check_slots(cfg: PipelineConfig, found) -> None:
         what = f"actors x CPUs: generation 1x{g.placement.num_cpus:g}, scorer_placement {n}x{s.num_cpus:g}"
         if cfg.evaluation.keeps_engine:  # the host keeps its slots while the scorer runs
             stages.append(("evaluation", g.placement.num_cpus + s.num_cpus * n, g.gpus_per_engine + s.num_gpus, what))
-        else:  # an engine of its own, gone before the scorer starts (tasks/eval_engine.py): one after the other
+        else:  # an engine of its own, gone before the scorer starts (tasks/stages/eval_engine.py): one after the other
             stages.append(("evaluation", max(g.placement.num_cpus, s.num_cpus * n), max(g.gpus_per_engine, s.num_gpus),
                            f"{what}, one after the other"))
     slots, gpus = cfg.infra.ray_num_cpus, _gpus() if any(s[2] > 0 for s in stages) else 0

@@ -2,7 +2,7 @@
 
 The data stage measures every split with the base model's tokenizer and
 settles the two limits once, for every later stage (generation may lower
-the prompt limit further to leave room for its new tokens, tasks/data.py):
+the prompt limit further to leave room for its new tokens, tasks/stages/data.py):
 
     max_prompt_tokens   = the config's value, or ("auto") the longest prompt
                           of any split, at most `positions - 1`

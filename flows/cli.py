@@ -113,7 +113,7 @@ def _prepare_flow(cfg: PipelineConfig) -> None:
     import flows.pipeline  # noqa: F401  (prefect, mlflow: seconds of imports)
     from alignflow.mlflow_inputs import sqlite_file
     from tasks.context import RunContext
-    from tasks.eval_engine import load_host_modules
+    from tasks.stages.eval_engine import load_host_modules
 
     uri = cfg.infra.mlflow_tracking_uri
     if sqlite_file(uri) is not None:

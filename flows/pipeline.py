@@ -22,7 +22,7 @@ from flows.console import quiet_deployed_run
 from flows.planview import publish_plan
 from flows.report import PipelineReport, build_report, close_run, open_run, parent_closed_on_error, wait_all
 from flows.stage_tasks import PipelineTaskRunner, StageTasks, join_ray
-from tasks.eval_engine import engine_host
+from tasks.stages.eval_engine import engine_host
 from tasks.plan import plan_pipeline
 
 

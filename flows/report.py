@@ -15,7 +15,7 @@ from alignflow.redact import redact_url
 from flows.curves import publish_curves
 from flows.stage_tasks import cancel_task_runs, settled, stop_unfinished
 from tasks.context import RunContext
-from tasks.eval_metrics import (MAJORITY_ACCURACY, PASS_AT_PREFIX, RM_ACCURACY_PREFIX, RM_COUNT_PREFIX, pass_at_key,
+from tasks.stages.eval_metrics import (MAJORITY_ACCURACY, PASS_AT_PREFIX, RM_ACCURACY_PREFIX, RM_COUNT_PREFIX, pass_at_key,
                                 pass_at_ks)
 from tasks.plan import Plan
 

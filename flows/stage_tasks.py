@@ -87,7 +87,7 @@ def _load_stage_modules() -> int:
     import os
 
     import prefect.task_engine  # noqa: F401
-    import tasks.base_model  # noqa: F401  (engines.models: torch, transformers)
+    import tasks.stages.base_model  # noqa: F401  (engines.models: torch, transformers)
 
     return os.getpid()
 
@@ -113,7 +113,7 @@ def wait_for_stage_worker(ref: ray.ObjectRef, timeout: float = 120.0) -> None:
 
 def evaluations_take_turns(ctx: RunContext) -> bool:
     """Whether the run's evaluations run one at a time: where they share the run's engine host (no GPU for
-    their engine, tasks/eval_engine.py), on a Ray this run started (it has one EVALUATION_TURN).
+    their engine, tasks/stages/eval_engine.py), on a Ray this run started (it has one EVALUATION_TURN).
 
     Their generation runs one at a time in that host anyway, and on the CPU their scoring shares its cores.
     Taking turns, they queue in Ray's scheduler rather than each in a worker process of its own: the next

@@ -61,7 +61,7 @@ class RunContext(BaseModel):
 
     infra: InfraConfig
     parent_run_id: str | None = None
-    engine_host: str | None = None  # the run's evaluation engine process, a named Ray actor (tasks/eval_engine.py)
+    engine_host: str | None = None  # the run's evaluation engine process, a named Ray actor (tasks/stages/eval_engine.py)
 
     def storage(self) -> Storage:
         s = self.infra.storage

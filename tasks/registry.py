@@ -210,43 +210,43 @@ def register_stage(kind: StageKind) -> StageKind:
 
 
 register_stage(StageKind(
-    "data", "data", DataStage, DataInputs, "7", "tasks.data:prepare_data",
+    "data", "data", DataStage, DataInputs, "7", "tasks.stages.data:prepare_data",
     "the bundled task or user data as canonical JSONL splits, measured in tokens"))
 register_stage(StageKind(
-    "base_model", "base_model", BaseModelStage, NoInputs, "3", "tasks.base_model:base_model",
+    "base_model", "base_model", BaseModelStage, NoInputs, "3", "tasks.stages.base_model:base_model",
     "the tiny local model, or the user's HF model, committed to storage"))
 register_stage(StageKind(
-    "sft", "sft", SFTStage, TrainInputs, "3", "tasks.train:sft",
+    "sft", "sft", SFTStage, TrainInputs, "3", "tasks.stages.train:sft",
     "supervised fine-tuning on demonstrations (DeepSpeed)"))
 register_stage(StageKind(
-    "reward_model", "reward_model", RewardModelStage, TrainInputs, "3", "tasks.train:reward_model",
+    "reward_model", "reward_model", RewardModelStage, TrainInputs, "3", "tasks.stages.train:reward_model",
     "Bradley-Terry reward model on preference pairs (DeepSpeed)"))
 register_stage(StageKind(
-    "judge", "judge", JudgeStage, TrainInputs, "3", "tasks.judge:judge",
+    "judge", "judge", JudgeStage, TrainInputs, "3", "tasks.stages.judge:judge",
     "a generative judge: SFT on yes/no verdicts of the preference pairs (DeepSpeed)"))
 register_stage(StageKind(
-    "distill_teacher", "distill", DistillTeacherStage, DistillTeacherInputs, "3", "tasks.distill:distill_teacher",
+    "distill_teacher", "distill", DistillTeacherStage, DistillTeacherInputs, "3", "tasks.stages.distill:distill_teacher",
     "the teacher's top-k next-token log-probs at every response position of the SFT rows, once"))
 register_stage(StageKind(
-    "offline_distill", "distill", OfflineDistillStage, OfflineDistillInputs, "2", "tasks.distill:distill",
+    "offline_distill", "distill", OfflineDistillStage, OfflineDistillInputs, "2", "tasks.stages.distill:distill",
     "SFT trained toward the teacher's cached distributions: KL from its renormalised top-k (DeepSpeed)"))
 register_stage(StageKind(
     "preference_reference", "preference", PreferenceReferenceStage, PreferenceReferenceInputs, "2",
-    "tasks.preference:preference_reference", "the reference's log-probabilities of every preference row, once"))
+    "tasks.stages.preference:preference_reference", "the reference's log-probabilities of every preference row, once"))
 register_stage(StageKind(
-    "preference", "preference", PreferenceStage, PreferenceInputs, "2", "tasks.preference:preference",
+    "preference", "preference", PreferenceStage, PreferenceInputs, "2", "tasks.stages.preference:preference",
     "DPO / IPO / cDPO / KTO on preference pairs against the cached reference (DeepSpeed)"))
 register_stage(StageKind(
-    "rl_round", "rl", RoundStage, RoundInputs, "4", "tasks.rl_round:rl_round",
+    "rl_round", "rl", RoundStage, RoundInputs, "4", "tasks.stages.rl_round:rl_round",
     "one RL round of any registered algorithm (vLLM rollouts, DeepSpeed updates)"))
 register_stage(StageKind(
-    "evaluate_policy", "evaluation", PolicyEvalStage, PolicyEvalInputs, "4", "tasks.evaluate:evaluate_policy",
+    "evaluate_policy", "evaluation", PolicyEvalStage, PolicyEvalInputs, "4", "tasks.stages.evaluate:evaluate_policy",
     "held-out accuracy, reward, length and KL of one policy"))
 register_stage(StageKind(
     "evaluate_reward_model", "evaluation", RewardModelEvalStage, RewardModelEvalInputs, "3",
-    "tasks.evaluate:evaluate_reward_model", "held-out pairwise accuracy of the reward model"))
+    "tasks.stages.evaluate:evaluate_reward_model", "held-out pairwise accuracy of the reward model"))
 register_stage(StageKind(
-    "evaluate_judge", "evaluation", JudgeEvalStage, JudgeEvalInputs, "2", "tasks.judge:evaluate_judge",
+    "evaluate_judge", "evaluation", JudgeEvalStage, JudgeEvalInputs, "2", "tasks.stages.judge:evaluate_judge",
     "held-out verdict accuracy of the judge (both responses of each pair, greedy)"))
 
 

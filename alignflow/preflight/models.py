@@ -142,7 +142,7 @@ def _model_at(field: str, base: str, found: Findings, revision: str | None = Non
               revision_field: str = "model.revision"):
     """The transformers config of the model a field names (a directory, or a hub id at `revision`, which
     `revision_field` sets); None when it cannot be loaded."""
-    path = local_path(base) if is_local_uri(base) else None  # as tasks/base_model.py: a directory, or a hub id
+    path = local_path(base) if is_local_uri(base) else None  # as tasks/stages/base_model.py: a directory, or a hub id
     local = path is not None and (path.exists() or base.startswith(("/", ".", "~", "file://")))
     if local and revision is not None:
         return found.fail(revision_field, f"{revision!r} names a hub model's branch, tag or commit, but "

@@ -4,7 +4,7 @@ A pipeline evaluates every policy it makes (base, SFT, each round), each
 with a rollout engine of its own. On a CPU most of such an engine's start is
 the process, not the model: a new Ray actor, then `import vllm` (~6 s on 2
 cores), before `LLM()` builds the engine in ~1-2 s. An `EngineHost` is one
-Ray actor, started by the flow (tasks/eval_engine.py) while the first stages
+Ray actor, started by the flow (tasks/stages/eval_engine.py) while the first stages
 train; each `generate` call builds a fresh engine in it for the model and seed
 it names, samples, and tears the engine down. A fresh engine means the same
 samples as an engine in a process of its own

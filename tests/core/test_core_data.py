@@ -714,7 +714,7 @@ def test_synthetic_splits_are_valid_canonical_records(tmp_path, splits):
 
 def test_unpaired_kto_rows_beside_pairs_go_to_their_own_split(tmp_path):
     from alignflow.config import DataConfig
-    from tasks.data import build_splits
+    from tasks.stages.data import build_splits
 
     pairs = [{"prompt": f"p{i}", "chosen": f"c{i}", "rejected": f"r{i}"} for i in range(10)]
     unpaired = [{"prompt": "u1", "completion": "good", "thumbs_up": True},
@@ -736,7 +736,7 @@ def test_unpaired_kto_rows_beside_pairs_go_to_their_own_split(tmp_path):
 
 def test_a_single_preference_pair_trained_on_and_held_out_is_said(tmp_path, caplog):
     from alignflow.config import DataConfig
-    from tasks.data import build_splits
+    from tasks.stages.data import build_splits
 
     sft = _jsonl(tmp_path / "sft.jsonl", SFT_ROWS)
     one = _jsonl(tmp_path / "pref.jsonl", [{"prompt": "p", "chosen": "c", "rejected": "r"}])
@@ -754,7 +754,7 @@ def test_a_single_preference_pair_trained_on_and_held_out_is_said(tmp_path, capl
 
 def test_identical_preference_pairs_are_left_out_counted_and_said(tmp_path, caplog):
     from alignflow.config import DataConfig
-    from tasks.data import build_splits
+    from tasks.stages.data import build_splits
 
     sft = _jsonl(tmp_path / "sft.jsonl", SFT_ROWS)
     pairs = [{"prompt": f"p{i}", "chosen": f"c{i}", "rejected": f"c{i}" if i in (2, 5) else f"r{i}"}

@@ -151,6 +151,9 @@ def test_each_engine_room_holds_at_most_a_dozen_modules():
     assert (REPO / "engines" / "__init__.py").exists()
     rooms = {p.name for p in (REPO / "engines").iterdir() if (p / "__init__.py").exists()}
     assert rooms == set(ENGINE_ROOMS), f"engines/ has rooms {sorted(rooms)}; the rule above knows {sorted(ENGINE_ROOMS)}"
+    for room in (REPO / "flows", REPO / "tasks", REPO / "tasks" / "stages"):  # the systems above the engines
+        modules = [p for p in room.glob("*.py") if p.name != "__init__.py"]
+        assert 0 < len(modules) <= 12, (room.relative_to(REPO).as_posix(), len(modules))
 
 
 def test_test_files_are_named_for_their_folder_and_unique():

@@ -310,7 +310,7 @@ def test_mlflow_parent_and_child_runs(s3_run, moto_s3):
             assert any(k.startswith("rl/") for k in run.data.metrics), f"{name}: {sorted(run.data.metrics)}"
         if name.startswith("eval_") and name != "eval_reward_model":
             assert f"{name.removeprefix('eval_')}/accuracy" in parent.data.metrics, name
-            # On CPUs every evaluation's engine is built in the run's one engine host (tasks/eval_engine.py).
+            # On CPUs every evaluation's engine is built in the run's one engine host (tasks/stages/eval_engine.py).
             assert run.data.tags.get("alignflow.engine_process") == "run host", name
 
     every = client.search_runs([experiment_id(client)], max_results=1000)

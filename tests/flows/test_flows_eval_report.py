@@ -8,7 +8,7 @@ import pytest
 from alignflow.config.pipeline import InfraConfig, StorageConfig
 from flows.report import PipelineReport, close_run, compared
 from tasks.context import RunContext
-from tasks.eval_metrics import margin_metrics, sample_metrics
+from tasks.stages.eval_metrics import margin_metrics, sample_metrics
 
 EXPERIMENT = "alignflow-test"  # the shared `tracker` fixture's (tests/conftest.py)
 

@@ -50,7 +50,7 @@ def test_a_model_whose_tokenizer_has_no_pad_token_is_said_to_pad_with_its_eos(tm
 
 
 def test_a_tokenizer_with_a_pad_token_is_not_mentioned(tmp_path, caplog):
-    from tasks.base_model import say_padding
+    from tasks.stages.base_model import say_padding
 
     _tokenizer_without(tmp_path)
     with caplog.at_level(logging.WARNING, logger="alignflow"):
@@ -59,7 +59,7 @@ def test_a_tokenizer_with_a_pad_token_is_not_mentioned(tmp_path, caplog):
 
 
 def test_a_tokenizer_with_neither_pad_nor_eos_is_refused_naming_the_model(tmp_path):
-    from tasks.base_model import say_padding
+    from tasks.stages.base_model import say_padding
 
     _tokenizer_without(tmp_path, "pad_token", "eos_token")
     with pytest.raises(ConfigError, match=rf"model.base {tmp_path}: its tokenizer has neither a pad token nor an EOS"):

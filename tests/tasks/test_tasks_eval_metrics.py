@@ -1,8 +1,8 @@
-"""The evaluation stages' pass@k, majority-vote and score-gap metrics (tasks/eval_metrics.py), by hand."""
+"""The evaluation stages' pass@k, majority-vote and score-gap metrics (tasks/stages/eval_metrics.py), by hand."""
 
 import pytest
 
-from tasks.eval_metrics import margin_metrics, pass_at_ks, sample_metrics
+from tasks.stages.eval_metrics import margin_metrics, pass_at_ks, sample_metrics
 
 # 3 prompts x 3 samples, interleaved as engines may return them
 PROMPTS = [0, 1, 2, 0, 1, 2, 0, 1, 2]

@@ -77,7 +77,7 @@ def test_auto_keeps_every_pair_whole_and_reports_the_lengths(files):
 
 
 def test_generation_leaves_out_prompts_with_no_room_for_the_new_tokens(files, caplog):
-    from tasks.data import TokenLimits
+    from tasks.stages.data import TokenLimits
 
     model, _ = _data_stage(files)
     limits = TokenLimits(prompt=100, response=4)  # the tiny model has 128 positions

@@ -318,7 +318,7 @@ def test_a_wrong_teacher_or_start_is_named_with_its_field(rounds, message):
 def test_a_teacher_with_another_vocabulary_is_refused_naming_its_field(tmp_path):
     from alignflow.config import TinyModelConfig
     from engines.models import build_tiny_model, load_tokenizer
-    from tasks.rl_round import same_vocabulary
+    from tasks.stages.rl_round import same_vocabulary
 
     student = load_tokenizer(build_tiny_model(TinyModelConfig(), seed=0, out_dir=tmp_path / "s"))
     same_vocabulary(student, load_tokenizer(build_tiny_model(TinyModelConfig(), seed=5, out_dir=tmp_path / "t")),
@@ -336,7 +336,7 @@ def test_a_teacher_that_cannot_score_the_students_sequences_is_refused_naming_it
 
     from alignflow.config import TinyModelConfig
     from engines.models import build_tiny_model
-    from tasks.rl_round import teacher_fits
+    from tasks.stages.rl_round import teacher_fits
 
     student = build_tiny_model(TinyModelConfig(), seed=0, out_dir=tmp_path / "s")
     teacher = build_tiny_model(TinyModelConfig(max_position_embeddings=64), seed=1, out_dir=tmp_path / "t")

@@ -93,7 +93,7 @@ def test_a_result_cached_before_the_root_moved_is_read_from_where_the_root_is_no
     import shutil
 
     from tasks.context import RunContext
-    from tasks.data import load_split
+    from tasks.stages.data import load_split
 
     plan = plan_pipeline(load_config(None, SMALL))
     model = run_stage(plan.stages["base_model"], {}, ctx)

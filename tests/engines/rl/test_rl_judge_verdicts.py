@@ -11,7 +11,7 @@ from alignflow.verdicts import parse_verdict
 from engines.rl.judge import judge_messages, judge_positions
 from engines.rl.rewards import prompt_text
 from engines.rl.rewards import ScoredText
-from tasks.judge import judged_pairs, verdict_records
+from tasks.stages.judge import judged_pairs, verdict_records
 
 
 @pytest.mark.parametrize("text, score", [

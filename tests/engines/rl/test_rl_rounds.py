@@ -837,7 +837,7 @@ def test_a_round_asks_for_all_its_actors_before_waiting_for_its_trainers(ray_loc
 
 
 def test_a_round_that_raised_keeps_none_of_its_actors_warm(ray_local, warm_actors, tiny_model, prompts):
-    """tasks/rl_round.py ends a round that raised with `shutdown(failed=True)`: inside a warm pool (a run's stage
+    """tasks/stages/rl_round.py ends a round that raised with `shutdown(failed=True)`: inside a warm pool (a run's stage
     worker keeps trainers and scorers between stages) none is reset and kept, since a call of theirs may still be
     running (an async round's scorer queued behind generations, a publish waiting for engines); all end."""
     import time

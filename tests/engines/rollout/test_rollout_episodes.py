@@ -299,7 +299,7 @@ def test_an_environments_tool_schemas_widen_the_prompt_limit_the_data_settled(to
     from alignflow.errors import PromptTooLongError
     from engines.batches import filter_prompts, render_prompt
     from engines.rollout.agentic import episode_start, schema_tokens
-    from tasks.data import TokenLimits
+    from tasks.stages.data import TokenLimits
 
     records = [{"prompt": agent_task.question(i), "answer": "1", "boxes": {}} for i in (7, 42, 1234)]
     env = EnvironmentConfig(name="boxes")

@@ -104,7 +104,7 @@ def _a_build_seen_from_inside(host: EngineHost, model_path: str) -> dict:
     return seen
 
 
-# ---- the run's host as the flow starts it and the evaluations find it (tasks/eval_engine.py) --------
+# ---- the run's host as the flow starts it and the evaluations find it (tasks/stages/eval_engine.py) --------
 
 
 def _plan_and_ctx(tmp_path, **evaluation):
@@ -117,7 +117,7 @@ def _plan_and_ctx(tmp_path, **evaluation):
 
 
 def _named(name: str):
-    from tasks.eval_engine import NAMESPACE
+    from tasks.stages.eval_engine import NAMESPACE
 
     try:
         return ray.get_actor(name, namespace=NAMESPACE)
@@ -129,7 +129,7 @@ def test_the_flows_host_serves_evaluations_ends_with_the_flow_and_a_lost_one_is_
         ray_local, tiny_model, prompts, tmp_path, caplog):
     import time
 
-    from tasks.eval_engine import OWN_ACTOR, RUN_HOST, engine_host, generate, host_name
+    from tasks.stages.eval_engine import OWN_ACTOR, RUN_HOST, engine_host, generate, host_name
 
     cfg, plan, ctx = _plan_and_ctx(tmp_path, generation={"backend": "hf"})
     g, kwargs = cfg.evaluation.generation, dict(seed=3, dtype="float32", max_model_len=MAX_MODEL_LEN,
@@ -150,7 +150,7 @@ def test_the_flows_host_serves_evaluations_ends_with_the_flow_and_a_lost_one_is_
 
 
 def test_no_host_where_evaluations_keep_no_engine_or_none_will_compute(ray_local, tmp_path):
-    from tasks.eval_engine import engine_host, host_name
+    from tasks.stages.eval_engine import engine_host, host_name
 
     _, plan, ctx = _plan_and_ctx(tmp_path, engine_lifetime="stage")
     with engine_host(plan, ctx) as same:

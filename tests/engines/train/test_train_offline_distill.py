@@ -147,7 +147,7 @@ def test_teacher_tokens_past_the_students_rows_are_left_out_counted_and_renormal
     drops such entries and counts them, and the loss is the KL from the rest of the top-k, renormalised."""
     from engines.models import load_policy
     from engines.train.objectives import topk_distill_objective
-    from tasks.distill import drop_ids_past
+    from tasks.stages.distill import drop_ids_past
 
     student = load_policy(tiny_model)
     vocab = student.config.vocab_size
@@ -191,7 +191,7 @@ def test_a_cached_pass_read_back_checks_its_rows_and_leaves_emptied_positions_ou
     from alignflow.errors import ConfigError
     from engines.models import load_policy
     from engines.train.objectives import loss_columns, topk_distill_objective
-    from tasks.distill import with_teacher
+    from tasks.stages.distill import with_teacher
 
     student = load_policy(tiny_model)
     vocab = student.config.vocab_size

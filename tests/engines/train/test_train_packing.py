@@ -138,11 +138,11 @@ def test_packed_sft_loss_and_gradients_equal_unpacked(policy, tokenizer, wider):
 
 
 def test_the_judge_trains_packed_where_its_config_says(policy, tokenizer):
-    """judge.packing takes the packed next-token loss (tasks/train.py causal_lm_objective, which the judge stage
+    """judge.packing takes the packed next-token loss (tasks/stages/train.py causal_lm_objective, which the judge stage
     and SFT share); the judge used to train unpacked whatever it said."""
     from alignflow.config import JudgeConfig
     from engines.train.packed_objectives import packed_causal_lm_objective
-    from tasks.train import causal_lm_objective
+    from tasks.stages.train import causal_lm_objective
 
     batch = _batch(tokenizer)
     width = batch["input_ids"].shape[1]

@@ -3,7 +3,7 @@
 preference_reference scores every preference row (and KTO's mismatched rows)
 with the frozen reference once: `reference_logps.safetensors`, keyed by the
 data and the reference only, so changing β or the loss reuses it. The
-preference stage then trains like SFT (tasks/train.py: DeepSpeed, mid-stage
+preference stage then trains like SFT (tasks/stages/train.py: DeepSpeed, mid-stage
 checkpoints, resume) with the cached log-probabilities riding in each batch.
 """
 
@@ -22,10 +22,10 @@ from engines.rl.scoring import scoring
 from engines.train import objectives
 from engines.train import preference as pref
 from tasks.context import RunContext, StageOutput, compute_stage
-from tasks.data import TokenLimits, load_split, token_limits
+from tasks.stages.data import TokenLimits, load_split, token_limits
 from tasks.plan import PlannedStage
 from tasks.registry import PreferenceInputs, PreferenceReferenceInputs, PreferenceReferenceStage, PreferenceStage
-from tasks.train import train_stage
+from tasks.stages.train import train_stage
 
 REFERENCE_FILE = "reference_logps.safetensors"
 log = logging.getLogger("alignflow")

@@ -23,11 +23,11 @@ from engines import batches, models
 from engines.rl.scoring import scoring
 from engines.train import objectives
 from tasks.context import RunContext, StageOutput, compute_stage
-from tasks.data import load_split, token_limits
+from tasks.stages.data import load_split, token_limits
 from tasks.plan import PlannedStage
 from tasks.registry import DistillTeacherInputs, DistillTeacherStage, OfflineDistillInputs
-from tasks.rl_round import same_vocabulary, teacher_fits
-from tasks.train import train_stage
+from tasks.stages.rl_round import same_vocabulary, teacher_fits
+from tasks.stages.train import train_stage
 
 log = logging.getLogger("alignflow")
 

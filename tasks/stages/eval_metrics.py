@@ -1,4 +1,4 @@
-"""The evaluation stages' sample statistics, named as MLflow metrics (tasks/evaluate.py logs them).
+"""The evaluation stages' sample statistics, named as MLflow metrics (tasks/stages/evaluate.py logs them).
 
 Policy (every prompt sampled `evaluation.generation.num_samples` = n times):
   eval/pass_at_<k>      for k = 1..n: the unbiased pass@k (Chen et al. 2021), mean over prompts;

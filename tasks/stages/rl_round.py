@@ -19,7 +19,7 @@ from engines.rl.round_models import RoundSetup
 from engines.rollout.agentic import episode_start, schema_tokens
 from tasks.checkpoints import StageCheckpoints
 from tasks.context import RunContext, StageOutput, compute_stage
-from tasks.data import load_split, token_limits
+from tasks.stages.data import load_split, token_limits
 from tasks.plan import PlannedStage
 from tasks.registry import RoundInputs, RoundStage
 

@@ -1,4 +1,4 @@
-"""sft, reward_model (and preference, tasks/preference.py): DeepSpeed training stages that resume mid-way.
+"""sft, reward_model (and preference, tasks/stages/preference.py): DeepSpeed training stages that resume mid-way.
 
 Each tokenizes their split, start a TrainerGroup on Ray, and step through a
 deterministic schedule. Every `checkpoint_every` steps the full training
@@ -23,7 +23,7 @@ from engines.train.packing import check_fits
 from engines.train.spec import EngineSpec
 from tasks.checkpoints import StageCheckpoints
 from tasks.context import RunContext, StageOutput, compute_stage
-from tasks.data import load_split, token_limits
+from tasks.stages.data import load_split, token_limits
 from tasks.plan import PlannedStage
 from tasks.registry import PreferenceInputs, PreferenceStage, RewardModelStage, SFTStage, TrainInputs
 

@@ -22,10 +22,10 @@ from engines.rl.rewards import ScoredText, prompt_text
 from engines.rollout.actors import start_engines
 from engines.train import objectives
 from tasks.context import RunContext, StageOutput, compute_stage
-from tasks.data import load_split
+from tasks.stages.data import load_split
 from tasks.plan import PlannedStage
 from tasks.registry import JudgeEvalInputs, JudgeEvalStage, TrainInputs
-from tasks.train import causal_lm_objective, train_stage
+from tasks.stages.train import causal_lm_objective, train_stage
 
 VERDICT_TOKENS = 4  # room for a verdict word and EOS
 

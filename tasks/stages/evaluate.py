@@ -7,7 +7,7 @@ compares them side by side):
                         pipeline trains a reward model)
   eval/response_length  mean response length in tokens
   eval/kl_to_reference  mean over responses of Σ_t (log π − log π_ref)
-  eval/pass_at_<k>      unbiased pass@k for k = 1..num_samples; eval/majority_accuracy (tasks/eval_metrics.py)
+  eval/pass_at_<k>      unbiased pass@k for k = 1..num_samples; eval/majority_accuracy (tasks/stages/eval_metrics.py)
 Reward-model metrics: eval/rm_pairwise_accuracy on held-out pairs, and per score-gap bin of
 `evaluation.rm_margin_bins` eval/rm_accuracy_margin_<lo>_<hi> and eval/rm_count_margin_<lo>_<hi>.
 """
@@ -30,10 +30,10 @@ from engines.rl import experience
 from alignflow.config.loading import load_callable
 from engines.rl.scoring import scoring
 from engines.rollout.base import Sampling
-from tasks import eval_engine
+from tasks.stages import eval_engine
 from tasks.context import RunContext, StageOutput, compute_stage
-from tasks.data import load_split, token_limits
-from tasks.eval_metrics import margin_metrics, sample_metrics
+from tasks.stages.data import load_split, token_limits
+from tasks.stages.eval_metrics import margin_metrics, sample_metrics
 from tasks.plan import PlannedStage
 from tasks.registry import PolicyEvalInputs, PolicyEvalStage, RewardModelEvalInputs, RewardModelEvalStage
 
