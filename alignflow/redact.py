@@ -14,9 +14,9 @@ from __future__ import annotations
 import base64
 import os
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit, urlunsplit
 
 # `token` but not `tokens`/`tokenizer`: max_new_tokens etc. are settings, not credentials.
 SECRET_NAME = re.compile(r"(secret|password|passwd|token(?!s|izer)|credential|access_key|api_key|apikey|private)",
@@ -74,10 +74,11 @@ def redact(tree: Any) -> Any:
     return redact_url(tree) if isinstance(tree, str) else tree
 
 
-# Keys refused with a value (an environment's or agent's own settings): narrower than SECRET_NAME, which only
-# hides values, so that `pad_token: "<pad>"` stays a setting.
-_CREDENTIAL_KEY = re.compile(r"(secret|password|passwd|credential|access_key|api_key|apikey|auth_token|access_token"
-                             r"|hf_token|private_key)", re.I)
+# Keys refused with a value (an environment's or agent's own settings): a key that ends in a credential's name.
+# Narrower than SECRET_NAME, which only hides values: `pad_token: "<pad>"` stays a setting, and so do keys that
+# name where a credential is (`api_key_env: OPENAI_API_KEY`, `credentials_file`, `secret_name`).
+_CREDENTIAL_KEY = re.compile(r"(^|_)(secret|password|passwd|credentials?|access_key|api_key|apikey|auth_token"
+                             r"|access_token|hf_token|private_key)$", re.I)
 ENV_REFERENCE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 # Fields whose URL alignflow itself requests, filling in `${NAME}` from the environment (expand_env).
 EXPANDED_URL = re.compile(r"^rounds\.\d+\.reward\.(sources\.\d+\.)?url$")
@@ -139,28 +140,33 @@ def _instead(field: str) -> str:
     return f"{stored}; {hint}" if hint else f"{stored}; give it to its client through the environment"
 
 
-def expand_env(text: str, field: str) -> str:
-    """`text` with every `${NAME}` replaced by the environment's NAME: where a URL is requested, so the config,
-    and everything made from it, holds only the name. A ConfigError naming `field` and NAME where it is unset."""
+def expand_env(text: str, field: str, quote: Callable[[str], str] = lambda v: v) -> str:
+    """`text` with every `${NAME}` replaced by the environment's NAME (through `quote`: a URL part's encoding):
+    where a URL is requested, so the config, and everything made from it, holds only the name. A ConfigError
+    naming `field` and NAME where it is unset."""
     from alignflow.errors import ConfigError
 
     missing = [name for name in ENV_REFERENCE.findall(text) if name not in os.environ]
     if missing:
         raise ConfigError(f"{field}: {redact_url(text)} names {', '.join(missing)}, which the environment of "
                           f"this process does not set")
-    return ENV_REFERENCE.sub(lambda m: os.environ[m.group(1)], text)
+    return ENV_REFERENCE.sub(lambda m: quote(os.environ[m.group(1)]), text)
 
 
 def request_target(url: str, field: str) -> tuple[str, dict[str, str]]:
-    """(the URL to request, its headers): `${NAME}`s filled in, and a `user:password@` taken out of the URL
-    into an Authorization header (basic auth), which urllib does not do from the URL itself."""
-    url = expand_env(url, field)
+    """(the URL to request, its headers): the URL split as written, then each part's `${NAME}`s filled in and
+    encoded for that part (a value with `@`, `/`, `&` or a space stays inside it), and a `user:password@` taken
+    out into an Authorization header (basic auth), which urllib does not do from the URL itself."""
     parts = urlsplit(url)
+
+    def filled(text: str | None, safe: str = "") -> str:
+        return expand_env(text or "", field, lambda v: quote(v, safe=safe))
+
+    host = expand_env(parts.hostname or "", field)
+    netloc = (f"[{host}]" if ":" in host else host) + (f":{parts.port}" if parts.port else "")
+    query = urlencode([(k, expand_env(v, field)) for k, v in parse_qsl(parts.query, keep_blank_values=True)])
+    target = urlunsplit((parts.scheme, netloc, filled(parts.path, "/"), query, filled(parts.fragment)))
     if parts.username is None:
-        return url, {}
-    token = base64.b64encode(f"{parts.username}:{parts.password or ''}".encode()).decode()
-    host = parts.hostname or ""
-    netloc = f"[{host}]" if ":" in host else host
-    netloc += f":{parts.port}" if parts.port else ""
-    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment)), {
-        "Authorization": f"Basic {token}"}
+        return target, {}
+    user, password = (unquote(expand_env(x or "", field)) for x in (parts.username, parts.password))
+    return target, {"Authorization": "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()}

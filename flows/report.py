@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,9 +16,11 @@ from alignflow.redact import redact_url
 from flows.curves import publish_curves
 from flows.stage_tasks import cancel_task_runs, settled, stop_unfinished
 from tasks.context import RunContext
-from tasks.stages.eval_metrics import (MAJORITY_ACCURACY, PASS_AT_PREFIX, RM_ACCURACY_PREFIX, RM_COUNT_PREFIX, pass_at_key,
-                                pass_at_ks)
+from tasks.stages.eval_metrics import (MAJORITY_ACCURACY, PASS_AT_PREFIX, RM_ACCURACY_PREFIX, RM_COUNT_PREFIX,
+                                       pass_at_key, pass_at_ks)
 from tasks.plan import Plan
+
+log = logging.getLogger("alignflow")
 
 POLICY_METRICS = ("eval/accuracy", "eval/reward", "eval/kl_to_reference", "eval/response_length")
 FLOW_RUN_TAG = "alignflow.prefect_flow_run_id"
@@ -174,7 +177,7 @@ def build_report(ctx: RunContext, plan: Plan, results: dict[str, StageResult],
         mlflow_tracking_uri=ctx.infra.mlflow_tracking_uri,
         mlflow_experiment_id=ctx.tracker().experiment_id,
         storage_root=ctx.storage().uri(),
-        stage_uris={name: r.uri for name, r in results.items()},
+        stage_uris={name: ctx.uri(r) for name, r in results.items()},  # under the root as it is now
         stage_states=states,
         policies=policies,
         reward_model=results[rm_eval[0].name].metrics if rm_eval else {},
@@ -191,7 +194,10 @@ def parent_closed_on_error(ctx: RunContext) -> Iterator[None]:
     try:
         yield
     except BaseException as exc:
-        ctx.tracker().finish(ctx.parent_run_id, status=end_status(exc))
+        try:
+            ctx.tracker().finish(ctx.parent_run_id, status=end_status(exc))
+        except Exception as err:  # noqa: BLE001  (MLflow may be what failed: the first error is the one to raise)
+            log.warning("could not end the MLflow parent run %s: %s", ctx.parent_run_id, err)
         raise
 
 

@@ -225,7 +225,8 @@ register_stage(StageKind(
     "judge", "judge", JudgeStage, TrainInputs, "3", "tasks.stages.judge:judge",
     "a generative judge: SFT on yes/no verdicts of the preference pairs (DeepSpeed)"))
 register_stage(StageKind(
-    "distill_teacher", "distill", DistillTeacherStage, DistillTeacherInputs, "3", "tasks.stages.distill:distill_teacher",
+    "distill_teacher", "distill", DistillTeacherStage, DistillTeacherInputs, "3",
+    "tasks.stages.distill:distill_teacher",
     "the teacher's top-k next-token log-probs at every response position of the SFT rows, once"))
 register_stage(StageKind(
     "offline_distill", "distill", OfflineDistillStage, OfflineDistillInputs, "2", "tasks.stages.distill:distill",
@@ -237,10 +238,10 @@ register_stage(StageKind(
     "preference", "preference", PreferenceStage, PreferenceInputs, "2", "tasks.stages.preference:preference",
     "DPO / IPO / cDPO / KTO on preference pairs against the cached reference (DeepSpeed)"))
 register_stage(StageKind(
-    "rl_round", "rl", RoundStage, RoundInputs, "4", "tasks.stages.rl_round:rl_round",
+    "rl_round", "rl", RoundStage, RoundInputs, "5", "tasks.stages.rl_round:rl_round",
     "one RL round of any registered algorithm (vLLM rollouts, DeepSpeed updates)"))
 register_stage(StageKind(
-    "evaluate_policy", "evaluation", PolicyEvalStage, PolicyEvalInputs, "4", "tasks.stages.evaluate:evaluate_policy",
+    "evaluate_policy", "evaluation", PolicyEvalStage, PolicyEvalInputs, "5", "tasks.stages.evaluate:evaluate_policy",
     "held-out accuracy, reward, length and KL of one policy"))
 register_stage(StageKind(
     "evaluate_reward_model", "evaluation", RewardModelEvalStage, RewardModelEvalInputs, "3",

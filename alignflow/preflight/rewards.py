@@ -3,6 +3,7 @@ services answer a test request."""
 
 from __future__ import annotations
 
+import http.client
 import importlib
 import inspect
 import json
@@ -59,6 +60,8 @@ def _remote(field: str, url: str, timeout_s: float, found: Findings) -> None:
         float(value)
     except urllib.error.HTTPError as err:
         return found.fail(field, f"{shown} answered a test request with HTTP {err.code}")
+    except http.client.HTTPException as err:  # named only: its text may quote the URL, credentials filled in
+        return found.fail(field, f"{shown} answered a test request malformed ({type(err).__name__})")
     except OSError as err:  # URLError (refused, unknown host), a timeout
         return found.fail(field, f"{shown} did not answer a test request (timeout {timeout_s:g} s): "
                                  f"{getattr(err, 'reason', err)}")

@@ -7,6 +7,7 @@ scores token sequences instead and runs in a ScorerActor (engines/rl/scoring.py)
 
 from __future__ import annotations
 
+import http.client
 import json
 import time
 import urllib.error
@@ -83,6 +84,8 @@ class RemoteReward:
                 last = err
             except (urllib.error.URLError, TimeoutError, ConnectionError) as err:
                 last = err
+            except http.client.HTTPException as err:  # a malformed answer; its text may quote the URL: named only
+                last = type(err).__name__
         raise RewardServiceError(
             f"{self.name} failed after {self.max_retries + 1} attempts "
             f"(timeout {self.timeout_s}s each): {last}"

@@ -94,9 +94,10 @@ def engines_share_a_gpu(cfg: RoundConfig) -> bool:
 
 def check_resources(cfg: RoundConfig, setup: RoundSetupLike | None = None, *, wait_s: float = 0.0,
                     poll_s: float = 10.0) -> None:
-    """Fail before starting anything: an actor Ray cannot place would wait forever. Where the cluster may grow,
-    wait up to `wait_s` for nodes first (as a placement group waits for an autoscaler: engines/placement/
-    groups.py), saying so: a GPU node preempted under the last attempt, or a node group scaled to zero."""
+    """Fail before starting anything: an actor Ray cannot place would wait forever. On a cluster whose nodes may
+    come back (`wait_s`: a preempted spot node replaced, a worker restarted, as under the last attempt), wait up
+    to `wait_s` for them first, saying so. It asks no autoscaler for nodes (no demand is pending while it
+    waits): a node group scaled to zero needs its minimum raised."""
     need, start, said = round_resources(cfg, setup), time.monotonic(), None
     while True:
         total = ray.cluster_resources()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from alignflow.agents.tools import CALL, openai_tool_calls
+from alignflow.agents.tools import CALL, OPEN_CALL, openai_tool_calls
 
 PROBE = "\x00alignflow-turn\x00"
 
@@ -66,11 +66,11 @@ class ServedSequence:
 
 def flat(message: dict) -> dict:
     """A chat message with its content as one string: OpenAI's list of parts (`[{"type": "text", "text": ...}]`)
-    joined, as vLLM's server does, where chat templates (Qwen2.5's) take a string."""
+    joined by newlines, as vLLM's server joins them, where chat templates (Qwen2.5's) take a string."""
     content = message.get("content")
     if not isinstance(content, list):
         return message
-    text = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+    text = "\n".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
     return {**message, "content": text}
 
 
@@ -95,7 +95,7 @@ def _calls(message: dict) -> list[tuple[str, object]]:
 def continues(served: list[tuple[str, str]], messages: list[dict]) -> bool:
     """Whether `messages` extend the conversation `served` so far (and add to it). An assistant turn matches the
     text it was served as, or, as agents echo a turn back through OpenAI's client or vLLM's tool parser, the same
-    tool calls with its content empty or the served text outside them."""
+    tool calls with its content empty, the served text outside them, or (vLLM's hermes parser) before them."""
     if len(messages) <= len(served):
         return False
     for (role, text), message in zip(served, map(flat, messages)):
@@ -105,6 +105,7 @@ def continues(served: list[tuple[str, str]], messages: list[dict]) -> bool:
         if role != "assistant" or message.get("role") != "assistant" or not message.get("tool_calls"):
             return False
         served_calls = _calls({"tool_calls": openai_tool_calls(text)})
-        if _calls(message) != served_calls or content.strip() not in ("", CALL.sub("", text).strip()):
+        if _calls(message) != served_calls or content.strip() not in ("", CALL.sub("", text).strip(),
+                                                                      text.split(OPEN_CALL, 1)[0].strip()):
             return False
     return True

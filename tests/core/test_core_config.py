@@ -286,7 +286,11 @@ def test_what_is_not_a_credential_written_out_is_accepted():
         'rounds=[{"algorithm": "grpo", "reward": {"source": "remote", '
         '"url": "https://${RM_USER}:${RM_PASSWORD}@rm.example/s?api_key=${RM_API_KEY}"}}]'])
     assert cfg.rounds[0].reward.url == "https://${RM_USER}:${RM_PASSWORD}@rm.example/s?api_key=${RM_API_KEY}"
-    load_config(None, ['rounds=[{"algorithm": "grpo", "environment": {"name": "m:Env", "kwargs": {"pad_token": "x"}}}]'])
+    load_config(None, ['rounds=[{"algorithm": "grpo", "environment": {"name": "m:Env", "kwargs": {"pad_token": "x", '
+                       '"api_key_env": "OPENAI_API_KEY", "credentials_file": "/etc/x.json", "secret_name": "prod/rm"}}}]'])
+    with pytest.raises(ConfigError, match=r"kwargs.openai_api_key names a credential"):
+        load_config(None, ['rounds=[{"algorithm": "grpo", "environment": {"name": "m:Env", "kwargs": '
+                           '{"openai_api_key": "sk-1"}}}]'])
     with pytest.raises(ConfigError, match="MLFLOW_TRACKING_PASSWORD"):
         load_config(None, ["infra.mlflow_tracking_uri=http://me:${PW}@127.0.0.1:1/"])
 

@@ -117,3 +117,15 @@ def test_a_parent_run_is_ended_by_whatever_raises_between_its_opening_and_closin
         with parent_closed_on_error(RunContext(infra=infra, parent_run_id=parent)):
             raise raised
     assert MlflowClient(tracking_uri=tracker.tracking_uri).get_run(parent).info.status == status
+
+
+def test_a_parent_run_that_cannot_be_ended_leaves_the_first_error_to_be_raised(tmp_path):
+    """Where MLflow is what failed, ending the parent run fails too: that is logged, and the error that stopped
+    the run (a stop included) is the one raised, not MLflow's."""
+    from flows.report import parent_closed_on_error
+
+    infra = InfraConfig(mlflow_tracking_uri=f"sqlite:///{tmp_path / 'no' / 'such' / 'dir' / 'mlflow.db'}",
+                        storage=StorageConfig(root=str(tmp_path)))
+    with pytest.raises(KeyboardInterrupt):
+        with parent_closed_on_error(RunContext(infra=infra, parent_run_id="0" * 32)):
+            raise KeyboardInterrupt

@@ -143,14 +143,14 @@ def test_a_reward_url_takes_its_credentials_from_the_environment_where_it_is_cal
     import base64
 
     monkeypatch.setenv("RM_USER", "bob")
-    monkeypatch.setenv("RM_PASSWORD", "hunter2")
-    monkeypatch.setenv("RM_API_KEY", "s3cr3t")
+    monkeypatch.setenv("RM_PASSWORD", "hun@ter/2#")  # characters that would end the userinfo, or the URL
+    monkeypatch.setenv("RM_API_KEY", "s3cr&t+x y")  # and the query parameter
     url = service.url.replace("http://", "http://${RM_USER}:${RM_PASSWORD}@") + "?api_key=${RM_API_KEY}&model=rm-v2"
     reward = RemoteReward(url, timeout_s=5, max_retries=0)
     assert reward(ITEMS) == [1.0, 1.0]
-    assert service.seen == [{"path": "/score?api_key=s3cr3t&model=rm-v2",
-                             "authorization": "Basic " + base64.b64encode(b"bob:hunter2").decode()}]
-    assert "hunter2" not in reward.name and "s3cr3t" not in reward.name
+    assert service.seen == [{"path": "/score?api_key=s3cr%26t%2Bx+y&model=rm-v2",
+                             "authorization": "Basic " + base64.b64encode(b"bob:hun@ter/2#").decode()}]
+    assert "hun@ter" not in reward.name and "s3cr" not in reward.name
     monkeypatch.delenv("RM_API_KEY")
     with pytest.raises(ConfigError, match=r"rounds.0.reward.url: .* names RM_API_KEY, which the environment"):
         RemoteReward(url, timeout_s=5, max_retries=0, field="rounds.0.reward.url")

@@ -139,7 +139,7 @@ def test_an_assistant_turn_echoed_as_its_tool_calls_continues_the_conversation()
     served = said(first) + [("assistant", served_text)]
     call = {"id": "call_0", "type": "function", "function": {"name": "open_box", "arguments": '{"box": 7}'}}
     tool = {"role": "tool", "content": "4242"}
-    for content in (served_text, None, "", "Let me look."):
+    for content in (served_text, None, "", "Let me look."):  # the last: the text outside (or before) the call
         assert continues(served, first + [{"role": "assistant", "content": content, "tool_calls": [call]}, tool])
     other = {**call, "function": {"name": "open_box", "arguments": '{"box": 8}'}}
     for echoed in ({"role": "assistant", "content": None, "tool_calls": [other]},  # another call
@@ -147,6 +147,13 @@ def test_an_assistant_turn_echoed_as_its_tool_calls_continues_the_conversation()
                    {"role": "assistant", "content": None}):
         assert not continues(served, first + [echoed, tool])
     assert not continues(served, first + [{"role": "assistant", "content": served_text}])  # adds nothing
+    # vLLM's hermes parser gives the text before the first call, where more text follows the calls
+    after = served_text + " Then I answer."
+    assert continues(said(first) + [("assistant", after)],
+                     first + [{"role": "assistant", "content": "Let me look.", "tool_calls": [call]}, tool])
+    # parts are joined by newlines, as vLLM's server joins them
+    parted = {"role": "user", "content": [{"type": "text", "text": "What is"}, {"type": "text", "text": "in box 7?"}]}
+    assert said([parted]) == [("user", "What is\nin box 7?")]
 
 
 class Busy:
