@@ -157,6 +157,7 @@ def request_target(url: str, field: str) -> tuple[str, dict[str, str]]:
     """(the URL to request, its headers): the URL split as written, then each part's `${NAME}`s filled in and
     encoded for that part (a value with `@`, `/`, `&` or a space stays inside it), and a `user:password@` taken
     out into an Authorization header (basic auth), which urllib does not do from the URL itself."""
+    expand_env(url, field)  # every name set, or one error naming the whole URL (without its credentials)
     parts = urlsplit(url)
 
     def filled(text: str | None, safe: str = "") -> str:
