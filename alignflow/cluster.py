@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import shutil
 import sys
+import tempfile
+from collections.abc import Iterator
 from typing import Any
 
 from alignflow.config import InfraConfig
@@ -216,10 +220,25 @@ def ensure_ray(infra: InfraConfig) -> None:
 SCRATCH_ENV = "ALIGNFLOW_SCRATCH"
 
 
+@contextlib.contextmanager
+def run_scratch() -> Iterator[str]:
+    """The scratch directory of one run's stages (ALIGNFLOW_SCRATCH, which the Ray it starts forwards), removed
+    however the run ends, and with it what a killed stage left (a base model's whole weights); where this
+    process has one already (the CLI's, around its flow), that one."""
+    if os.environ.get(SCRATCH_ENV):
+        yield os.environ[SCRATCH_ENV]
+        return
+    scratch = os.environ[SCRATCH_ENV] = tempfile.mkdtemp(prefix="alignflow-run-")
+    try:
+        yield scratch
+    finally:
+        os.environ.pop(SCRATCH_ENV, None)
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
 def scratch_dir() -> str | None:
-    """Where a stage writes its files before committing them: the run's scratch directory where the CLI made
-    one (ALIGNFLOW_SCRATCH; it removes it when it ends, interrupted or not, and with it what a killed stage
-    left), else the system's temporary directory (None). Made on this node if missing."""
+    """Where a stage writes its files before committing them: its run's scratch directory (`run_scratch`: the
+    CLI's and a deployed flow's), else the system's temporary directory (None). Made on this node if missing."""
     path = os.environ.get(SCRATCH_ENV)
     if path:
         os.makedirs(path, exist_ok=True)

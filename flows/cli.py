@@ -16,7 +16,6 @@ import argparse
 import json
 import logging
 import os
-import shutil
 import sys
 import tempfile
 import time
@@ -24,7 +23,7 @@ import traceback
 from collections import Counter
 from pathlib import Path
 
-from alignflow.cluster import SCRATCH_ENV, apply_process_env
+from alignflow.cluster import apply_process_env, run_scratch
 from alignflow.config import PipelineConfig, load_config, resolve_paths
 from alignflow.errors import ConfigError, StartError, UserError
 from alignflow.interrupts import Terminated, install_sigterm_handler
@@ -142,13 +141,8 @@ def _run(cfg: PipelineConfig, target: str | None, verbose: bool = False, all_cac
         Path(os.environ.get("XDG_STATE_HOME") or "~/.local/state").expanduser() / "alignflow" / "logs"
     log_file = console.log_to_file(log_dir)
     print(f"log: {log_file}", file=sys.stderr)
-    # The stages' scratch files, under one directory this process removes however the run ends.
-    scratch = tempfile.mkdtemp(prefix="alignflow-run-")
-    os.environ[SCRATCH_ENV] = scratch
-    try:
+    with run_scratch():  # the stages' scratch files, under one directory removed however the run ends
         result = _flow_run(cfg, target, log_dir, verbose)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
     elapsed = time.perf_counter() - t0
     if target:
         print(result.model_dump_json(indent=2))

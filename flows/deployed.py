@@ -27,6 +27,7 @@ from typing import Any
 
 from prefect import flow
 
+from alignflow.cluster import run_scratch
 from alignflow.config import PipelineConfig, load_config
 from alignflow.preflight import check
 from alignflow.records import StageResult
@@ -52,7 +53,8 @@ def run_pipeline(config: PipelineConfig, overrides: list[str] | None = None) -> 
     """The whole pipeline: `config` every section of it, `overrides` `key.sub=value` patches on top."""
     cfg, sources = deployment_config(config, overrides)
     check(cfg, sources=sources)  # data, model, lengths, rewards, storage: before any task
-    report = run_all(cfg)
+    with run_scratch():  # as the CLI's runs: a killed stage's files go with the flow run, not left in /tmp
+        report = run_all(cfg)
     print(report.table())
     return report
 
@@ -63,4 +65,5 @@ def run_stage(stage: str, config: PipelineConfig, overrides: list[str] | None = 
     cfg, sources = deployment_config(config, overrides)
     plan_pipeline(cfg).resolve(stage)  # an unknown target fails here, listing the valid ones
     check(cfg, sources=sources)
-    return run_target(cfg, stage)
+    with run_scratch():
+        return run_target(cfg, stage)

@@ -177,3 +177,27 @@ def test_a_stage_that_fails_after_its_pipeline_was_stopped_stays_killed(tracker)
             raise RuntimeError("a failure of its own")
     client = tracker._client
     assert [client.get_run(r.run_id).info.status for r in (run, failed)] == ["KILLED", "FAILED"]
+
+
+def test_a_runs_scratch_directory_goes_however_the_run_ends(monkeypatch, tmp_path):
+    """The CLI's runs and deployed flows alike: the stages write under one directory (ALIGNFLOW_SCRATCH, which the
+    run's Ray forwards to its workers), removed on success, error or stop, with what a killed stage left in it;
+    a run inside one (the CLI's flow) keeps the CLI's."""
+    from pathlib import Path
+
+    from alignflow.cluster import SCRATCH_ENV, run_scratch, scratch_dir
+
+    monkeypatch.delenv(SCRATCH_ENV, raising=False)
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    for stop in (None, RuntimeError("a stage failed"), KeyboardInterrupt()):
+        try:
+            with run_scratch() as scratch:
+                assert scratch_dir() == scratch == os.environ[SCRATCH_ENV] and scratch.startswith(str(tmp_path))
+                (Path(scratch) / "alignflow-base_model-x").mkdir()  # a killed stage's files
+                with run_scratch() as inner:
+                    assert inner == scratch  # the CLI's, around its flow
+                if stop is not None:
+                    raise stop
+        except (RuntimeError, KeyboardInterrupt):
+            pass
+        assert not Path(scratch).exists() and SCRATCH_ENV not in os.environ and scratch_dir() is None
