@@ -64,17 +64,20 @@ def episode_start(tokenizer, env) -> Callable[[dict], list[int]]:
     return start
 
 
-def schema_tokens(tokenizer, env, records: list[dict]) -> int:
-    """How much longer an environment's episodes start than the prompts the data stage measured (each record's
-    own "tools"): its tool schemas, listed in every prompt. The most any record grows; 0 for an agent's episodes,
-    which start with the record's own tools. The prompt limit the data stage settled (`auto`: its longest
-    prompt) would otherwise leave out every prompt within that many tokens of it."""
+def episode_prompts(tokenizer, env, records: list[dict]) -> tuple[Callable[[dict], list[int]], int]:
+    """(each record's prompt ids as its episodes start (`episode_start`), rendered once here; how much longer
+    they are than the prompts the data stage measured with each record's own "tools"): the second is the
+    environment's tool schemas, listed in every prompt, the most any record grows. The prompt limit the data
+    stage settled (`auto`: its longest prompt) would otherwise leave out every prompt within that many tokens of
+    it. An agent's episodes start with the record's own tools: 0."""
     from engines.batches import render_prompt
 
-    if env.agent:
-        return 0
     start = episode_start(tokenizer, env)
-    return max([len(start(r)) - len(render_prompt(tokenizer, r["prompt"], r.get("tools"))) for r in records] + [0])
+    if env.agent:
+        return start, 0
+    ids = {id(r): start(r) for r in records}  # the records stay alive in `records`: their ids are theirs
+    grown = [len(ids[id(r)]) - len(render_prompt(tokenizer, r["prompt"], r.get("tools"))) for r in records]
+    return (lambda r: ids[id(r)] if id(r) in ids else start(r)), max(grown + [0])
 
 
 def agent_episodes(engine, tokenizer, records: list[dict], n: int, sampling: Sampling, agent, decode,

@@ -91,7 +91,7 @@ class TokenLimits:
                        field: str = "generation.max_new_tokens", schemas: int = 0) -> tuple[int, int]:
         """(prompt limit, vLLM max_model_len) for generating `max_new_tokens` after each prompt (`field` names
         the setting: an episode's tokens are environment.max_episode_tokens). `schemas`: the tokens an
-        environment's tool schemas add to every prompt the data stage measured (agentic.py schema_tokens),
+        environment's tool schemas add to every prompt the data stage measured (agentic.py episode_prompts),
         on top of its limit.
 
         Prompts longer than the model's positions leave room for are left out

@@ -24,7 +24,7 @@ from alignflow.cluster import ensure_ray
 from alignflow.config import EvalConfig, Placement
 from alignflow.records import StageResult
 from engines import batches, models
-from engines.rollout.agentic import episode_start, schema_tokens
+from engines.rollout.agentic import episode_prompts
 from engines.rollout.episodes import episode_metrics, report_failures
 from engines.rl import experience
 from alignflow.config.loading import load_callable
@@ -76,12 +76,11 @@ def evaluate_policy(stage: PlannedStage, inputs: PolicyEvalInputs, ctx: RunConte
         records = load_split(inputs.data, ctx, "eval")[: cfg.num_prompts]
         limits = token_limits(inputs.data)
         env = cfg.environment  # an episode's tokens after its prompt: its turns and observations
+        render, schemas = episode_prompts(tokenizer, env, records) if env else (None, 0)
         prompt_limit, model_len = limits.for_generation(
             env.max_episode_tokens if env else cfg.generation.max_new_tokens, policy_dir, "evaluation.",
-            "environment.max_episode_tokens" if env else "generation.max_new_tokens",
-            schema_tokens(tokenizer, env, records) if env else 0)
-        kept, report = batches.filter_prompts(tokenizer, records, prompt_limit, "eval",
-                                              episode_start(tokenizer, env) if env else None)
+            "environment.max_episode_tokens" if env else "generation.max_new_tokens", schemas)
+        kept, report = batches.filter_prompts(tokenizer, records, prompt_limit, "eval", render)
         prompt_ids = [ids for ids, _ in kept]
 
         ensure_ray(ctx.infra)

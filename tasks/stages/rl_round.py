@@ -16,7 +16,7 @@ from engines.placement.groups import TIMEOUT_S as NODES_WAIT_S
 from engines.rl.judge import judge_positions
 from engines.rl.round import RLRound
 from engines.rl.round_models import RoundSetup
-from engines.rollout.agentic import episode_start, schema_tokens
+from engines.rollout.agentic import episode_prompts
 from tasks.checkpoints import StageCheckpoints
 from tasks.context import RunContext, StageOutput, compute_stage
 from tasks.stages.data import load_split, token_limits
@@ -37,16 +37,15 @@ def rl_round(stage: PlannedStage, inputs: RoundInputs, ctx: RunContext) -> Stage
         limits = token_limits(inputs.data)
         env = round_cfg.environment  # an episode's tokens after its prompt: its turns and observations
         records = load_split(inputs.data, ctx, "prompts")
+        render, schemas = episode_prompts(tokenizer, env, records) if env else (None, 0)
         prompt_limit, model_len = limits.for_generation(
             env.max_episode_tokens if env else round_cfg.generation.max_new_tokens, policy_dir, f"{stage.name}: ",
-            "environment.max_episode_tokens" if env else "generation.max_new_tokens",
-            schema_tokens(tokenizer, env, records) if env else 0)
+            "environment.max_episode_tokens" if env else "generation.max_new_tokens", schemas)
         if round_cfg.spec.teacher:  # before anything starts
             teacher_dir, where = ctx.tokenizer_dir(inputs.teacher), f"{field}.teacher ({round_cfg.teacher})"
             same_vocabulary(tokenizer, models.load_tokenizer(teacher_dir), where)
             teacher_fits(policy_dir, teacher_dir, model_len, where, sampled=True)
-        prompts, report = batches.filter_prompts(tokenizer, records, prompt_limit, "prompts",
-                                                 episode_start(tokenizer, env) if env else None)
+        prompts, report = batches.filter_prompts(tokenizer, records, prompt_limit, "prompts", render)
         run.log_metrics(report.as_metrics("prompts"))
         setup = RoundSetup(
             # A distillation round's frozen log-prob model is its teacher (alignflow/algorithms.py).

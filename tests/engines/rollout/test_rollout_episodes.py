@@ -298,7 +298,7 @@ def test_an_environments_tool_schemas_widen_the_prompt_limit_the_data_settled(to
     from alignflow.config import EnvironmentConfig
     from alignflow.errors import PromptTooLongError
     from engines.batches import filter_prompts, render_prompt
-    from engines.rollout.agentic import episode_start, schema_tokens
+    from engines.rollout.agentic import episode_prompts, episode_start
     from tasks.stages.data import TokenLimits
 
     records = [{"prompt": agent_task.question(i), "answer": "1", "boxes": {}} for i in (7, 42, 1234)]
@@ -306,11 +306,12 @@ def test_an_environments_tool_schemas_widen_the_prompt_limit_the_data_settled(to
     measure = episode_start(tok, env)
     data_limit = max(len(render_prompt(tok, r["prompt"])) for r in records)  # what `auto` settles
     grown = [len(measure(r)) - len(render_prompt(tok, r["prompt"])) for r in records]
-    assert schema_tokens(tok, env, records) == max(grown) > 0
+    render, schemas = episode_prompts(tok, env, records)
+    assert schemas == max(grown) > 0 and [render(r) for r in records] == [measure(r) for r in records]
     with pytest.raises(PromptTooLongError):
         filter_prompts(tok, records, data_limit, "prompts", measure)
     prompt, model_len = TokenLimits(data_limit, 8).for_generation(16, str(box_model), "round_1: ",
                                                                   schemas=max(grown))
     kept, report = filter_prompts(tok, records, prompt, "prompts", measure)
     assert len(kept) == 3 and report.overlong == 0 and prompt == data_limit + max(grown) and model_len == prompt + 16
-    assert schema_tokens(tok, EnvironmentConfig(agent="my_agent:run"), records) == 0
+    assert episode_prompts(tok, EnvironmentConfig(agent="my_agent:run"), records)[1] == 0
