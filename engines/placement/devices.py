@@ -33,6 +33,11 @@ import torch
 from alignflow.errors import ConfigError, InsufficientResourcesError
 
 
+def _visible(cuda_visible_devices: str) -> list[str]:
+    """CUDA_VISIBLE_DEVICES's entries, in order."""
+    return [d.strip() for d in cuda_visible_devices.split(",") if d.strip()]
+
+
 def placement_device(gpu_ids: Sequence[str | int], cuda_visible_devices: str | None, cuda_count: int) -> torch.device:
     """The device of an actor that Ray assigned `gpu_ids` (empty: none).
 
@@ -49,7 +54,7 @@ def placement_device(gpu_ids: Sequence[str | int], cuda_visible_devices: str | N
     if cuda_visible_devices is None:
         index = int(first)
     else:
-        visible = [d.strip() for d in cuda_visible_devices.split(",") if d.strip()]
+        visible = _visible(cuda_visible_devices)
         if first not in visible:
             raise InsufficientResourcesError(
                 f"Ray assigned GPU {first} but CUDA_VISIBLE_DEVICES={cuda_visible_devices!r} hides it")
@@ -80,7 +85,7 @@ def engine_visible_devices(gpu_ids: Sequence[str | int], cuda_visible_devices: s
         return None
     wanted = [str(g) for g in gpu_ids]
     if cuda_visible_devices is not None:
-        visible = [d.strip() for d in cuda_visible_devices.split(",") if d.strip()]
+        visible = _visible(cuda_visible_devices)
         if visible == wanted:
             return None
         hidden = [g for g in wanted if g not in visible]
