@@ -18,13 +18,13 @@ from alignflow.storage import is_local_uri, local_path
 def check_models(cfg: PipelineConfig, found: Findings) -> int | None:
     """Every model the config names loads, and LoRA's target_modules name linear layers of the base model's;
     the base model's positions (None where it does not load)."""
-    config = None
+    config, tokenizers = None, {}  # the tokenizers loaded, by path: each once, for the teachers' check too
     if cfg.model.base == "tiny":  # its transformers config (an import of seconds) only where LoRA targets need it
         positions, base = cfg.model.tiny.max_position_embeddings, cfg.model.tiny.hf_config
     else:
-        config = _model_at("model.base", cfg.model.base, found, cfg.model.revision)
+        config = _model_at("model.base", cfg.model.base, found, cfg.model.revision, tokenizers=tokenizers)
         positions, base = _positions(config), config and (lambda: config)
-    _named_models(cfg, found, positions, config)
+    _named_models(cfg, found, positions, config, tokenizers)
     if base:
         _lora_targets(cfg, base, found)
     return positions
@@ -73,16 +73,18 @@ def _positions(config) -> int | None:
     return next((int(getattr(config, n)) for n in names if getattr(config, n, None)), None) if config else None
 
 
-def _named_models(cfg: PipelineConfig, found: Findings, base: int | None, base_config=None) -> None:
+def _named_models(cfg: PipelineConfig, found: Findings, base: int | None, base_config=None,
+                  tokenizers: dict | None = None) -> None:
     """Models the config names by path: a distillation teacher that is no policy of the pipeline (a round's or
     the distill stage's, with its vocabulary against the student's), a judge; and a judge engine's max_model_len
     against its model's positions (the pipeline's own judge starts from the base model: `base`'s)."""
     for i, r in enumerate(cfg.rounds):
         if r.teacher and r.teacher not in cfg.policies_before(i):
             field = f"rounds.{i}.teacher"
-            teacher = _model_at(field, r.teacher, found, r.teacher_revision, f"{field}_revision")
+            teacher = _model_at(field, r.teacher, found, r.teacher_revision, f"{field}_revision",
+                                tokenizers=tokenizers)
             _teacher_vocabulary(cfg, field, (r.teacher, r.teacher_revision), (teacher, base_config), found,
-                                sampled=True)
+                                tokenizers, sampled=True)
         j, field = r.reward.judge, f"rounds.{i}.reward.judge"
         has = r.reward.uses_judge and (base if j.model is None else _positions(
             _model_at(f"{field}.model", j.model, found, j.revision, f"{field}.revision")))
@@ -93,22 +95,25 @@ def _named_models(cfg: PipelineConfig, found: Findings, base: int | None, base_c
             found.fail(f"{field}.generation.max_model_len", str(err))
     if cfg.distill is not None and cfg.distill.teacher not in cfg.policies_before(len(cfg.rounds)):
         d = cfg.distill
-        teacher = _model_at("distill.teacher", d.teacher, found, d.teacher_revision, "distill.teacher_revision")
+        teacher = _model_at("distill.teacher", d.teacher, found, d.teacher_revision, "distill.teacher_revision",
+                            tokenizers=tokenizers)
         _teacher_vocabulary(cfg, "distill.teacher", (d.teacher, d.teacher_revision), (teacher, base_config), found,
-                            sampled=False)
+                            tokenizers, sampled=False)
 
 
 def _teacher_vocabulary(cfg: PipelineConfig, field: str, named: tuple[str, str | None], configs: tuple,
-                        found: Findings, *, sampled: bool) -> None:
+                        found: Findings, tokenizers: dict | None = None, *, sampled: bool) -> None:
     """A teacher scores the student's token ids: its tokenizer must number every token as model.base's does, and
     (`sampled`: it scores ids the student's engines sample) its output layer have as many rows. Checked here where
     both tokenizers are on this machine (directories, the hub cache); else when its stage starts (tasks/).
-    `named`: the teacher's path and revision; `configs`: its transformers config and model.base's."""
+    `named`: the teacher's path and revision; `configs`: its transformers config and model.base's; `tokenizers`:
+    those loaded already, by path (`_model_at`'s)."""
     teacher_config, base_config = configs
     if teacher_config is None:
         return  # its own finding already
-    teacher = _tokenizer_at(*named)
-    student = None if cfg.model.base == "tiny" else _tokenizer_at(cfg.model.base, cfg.model.revision)
+    tokenizers = {} if tokenizers is None else tokenizers
+    teacher = _tokenizer_at(*named, tokenizers)
+    student = None if cfg.model.base == "tiny" else _tokenizer_at(cfg.model.base, cfg.model.revision, tokenizers)
     if teacher is None or student is None:
         why = ("the tiny model's tokenizer is built by the base_model stage" if cfg.model.base == "tiny" else
                "a tokenizer is not on this machine yet")
@@ -125,23 +130,26 @@ def _teacher_vocabulary(cfg: PipelineConfig, field: str, named: tuple[str, str |
     found.ok()
 
 
-def _tokenizer_at(base: str, revision: str | None):
-    """The tokenizer of a model directory, or of a hub id in the local cache; None where neither loads."""
+def _tokenizer_at(base: str, revision: str | None, tokenizers: dict):
+    """The tokenizer of a model directory, or of a hub id in the local cache; None where neither loads. Each is
+    loaded once, kept in `tokenizers` by path."""
     from transformers import AutoTokenizer
 
-    path = local_path(base) if is_local_uri(base) else None
-    try:
-        if path is not None and path.is_dir():
-            return AutoTokenizer.from_pretrained(str(path))
-        return AutoTokenizer.from_pretrained(base, local_files_only=True, revision=revision)
-    except Exception:  # noqa: BLE001  (not cached, or not loadable: the stage that fetches it says why)
-        return None
+    if base not in tokenizers:
+        path = local_path(base) if is_local_uri(base) else None
+        try:
+            tokenizers[base] = (AutoTokenizer.from_pretrained(str(path)) if path is not None and path.is_dir() else
+                                AutoTokenizer.from_pretrained(base, local_files_only=True, revision=revision))
+        except Exception:  # noqa: BLE001  (not cached, or not loadable: the stage that fetches it says why)
+            tokenizers[base] = None
+    return tokenizers[base]
 
 
 def _model_at(field: str, base: str, found: Findings, revision: str | None = None,
-              revision_field: str = "model.revision"):
+              revision_field: str = "model.revision", *, tokenizers: dict | None = None):
     """The transformers config of the model a field names (a directory, or a hub id at `revision`, which
-    `revision_field` sets); None when it cannot be loaded."""
+    `revision_field` sets); None when it cannot be loaded. A directory's tokenizer, loaded to check it, is kept
+    in `tokenizers` by path."""
     path = local_path(base) if is_local_uri(base) else None  # as tasks/stages/base_model.py: a directory, or a hub id
     local = path is not None and (path.exists() or base.startswith(("/", ".", "~", "file://")))
     if local and revision is not None:
@@ -158,7 +166,10 @@ def _model_at(field: str, base: str, found: Findings, revision: str | None = Non
             from transformers import AutoConfig, AutoTokenizer
 
             config = AutoConfig.from_pretrained(str(path))
-            AutoTokenizer.from_pretrained(str(path))
+            if tokenizers is None or tokenizers.get(base) is None:  # one another field named is loaded already
+                tokenizer = AutoTokenizer.from_pretrained(str(path))
+                if tokenizers is not None:
+                    tokenizers[base] = tokenizer
         else:
             config = _hub_config(base, revision)
     except Exception as err:  # noqa: BLE001  (whatever transformers raises, the user fixes the field)
