@@ -6,7 +6,7 @@ real response tokens. Group layouts are ``n_prompts * group_size`` rows with
 each prompt's samples contiguous.
 """
 
-from .advantages import (
+from .advantages.estimators import (
     ADVANTAGE_ESTIMATORS,
     AdvantageOutput,
     UnknownAdvantageEstimatorError,
@@ -14,10 +14,10 @@ from .advantages import (
     register_advantage_estimator,
     sequence_scores,
 )
-from .aggregate import LOSS_AGGREGATIONS, aggregate_loss, aggregate_weight
-from .dapo import dynamic_sampling_filter, group_mean_filter, overlong_penalty
-from .distill import distillation_token_rewards, reverse_kl_per_token, topk_forward_kl
-from .entropy import entropy_bonus_loss, entropy_from_logits
+from .losses.aggregate import LOSS_AGGREGATIONS, aggregate_loss, aggregate_weight
+from .advantages.dapo import dynamic_sampling_filter, group_mean_filter, overlong_penalty
+from .losses.distill import distillation_token_rewards, reverse_kl_per_token, topk_forward_kl
+from .losses.entropy import entropy_bonus_loss, entropy_from_logits
 from .evaluation import (
     MarginBin,
     accuracy_by_margin_bin,
@@ -26,15 +26,15 @@ from .evaluation import (
     pass_at_k,
     pass_at_k_curve,
 )
-from .group import (
+from .advantages.group import (
     constant_groups,
     group_centered_advantages,
     group_mean,
     group_normalized_advantages,
     leave_one_out_advantages,
 )
-from .gspo import gspo_policy_loss
-from .importance import TIS_MODES, rollout_importance_weights
+from .losses.gspo import gspo_policy_loss
+from .losses.importance import TIS_MODES, rollout_importance_weights
 from .kl import (
     KL_ESTIMATORS,
     AdaptiveKLController,
@@ -51,14 +51,14 @@ from .masked import (
     masked_whiten,
     place_at_last_token,
 )
-from .policy_loss import (
+from .losses.policy import (
     LOG_RATIO_CLAMP,
     PolicyLossOutput,
     ValueLossOutput,
     ppo_policy_loss,
     value_loss,
 )
-from .preference import (
+from .losses.preference import (
     DPO_LOSS_TYPES,
     KTOLossOutput,
     PreferenceLossOutput,
@@ -68,8 +68,8 @@ from .preference import (
     pairwise_reward_loss,
     sequence_logprobs,
 )
-from .returns import compute_gae, discounted_returns
-from .rewards import RunningMeanStd, clip_rewards, rewards_at_turns, truncation_penalty
+from .advantages.returns import compute_gae, discounted_returns
+from .advantages.shaping import RunningMeanStd, clip_rewards, rewards_at_turns, truncation_penalty
 
 __all__ = [
     "best_worst_pairs",

@@ -19,7 +19,7 @@ An RL round reads its algorithm's spec and never branches on the name:
   estimator has no group std to switch); a round's config may override each.
 - `teacher`: the round's frozen log-prob model is a teacher (`rounds[i].teacher`) instead of the
   reference, and each sampled token's advantage is its negative reverse KL to it (on-policy
-  distillation, `algos/distill.py`); there is no KL term besides.
+  distillation, `algos/losses/distill.py`); there is no KL term besides.
 - `policy_loss`: the surrogate (engines/train/objectives.py `POLICY_LOSSES`):
   "ppo_clip" (token ratios) or "gspo_clip" (sequence ratios).
 

@@ -44,7 +44,7 @@ FORWARDED_ENV = ("PREFECT_API_URL", "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION", "M
 
 
 # `infra.allocator`: the environment that chooses the CPU allocator of a new process. Measured
-# by bench/rl_step.py on the GRPO step (2 cores): glibc as it comes unmaps large freed blocks and
+# by bench/step/rl_step.py on the GRPO step (2 cores): glibc as it comes unmaps large freed blocks and
 # trims its heap at every free, so each step maps and faults the same pages again.
 JEMALLOC_PATHS = ("/usr/lib/x86_64-linux-gnu/libjemalloc.so.2", "/usr/lib/aarch64-linux-gnu/libjemalloc.so.2",
                   "/usr/lib64/libjemalloc.so.2", "/usr/lib/libjemalloc.so.2")

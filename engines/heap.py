@@ -4,7 +4,7 @@ vLLM collects the whole heap five times while it builds an engine (twice freeing
 the weights, three times as it freezes its heap: vllm/utils/gc_utils.py) and twice as it shuts one down (its
 engine core's, then its distributed clean-up's). A process that has torch, transformers and vLLM loaded holds
 some 700k objects: each full collection is 0.5-0.8 s of CPU on 2 cores, paid by the run's evaluation host at
-every evaluation (engines/rollout/host.py). bench/engine_build.py measures both.
+every evaluation (engines/rollout/host.py). bench/startup/engine_build.py measures both.
 
 - `frozen_for_build()`: what the process holds before the build is frozen (`gc.freeze`), so the build's
   collections scan only what the build makes. vLLM's shutdown unfreezes it again.

@@ -16,7 +16,7 @@ vLLM imports `scipy.signal` to resample audio and OpenCV to read video
 puts a placeholder in its place, which raises only if called. alignflow's
 rollouts are text. `import_vllm()` loads vLLM with both hidden. On a 2-core
 AMD EPYC the two were 1.5 s of a rollout engine's 17.7 s of imports, and
-scipy 0.6 s of a trainer's 10.4 s (`bench/imports.py`, median of 3).
+scipy 0.6 s of a trainer's 10.4 s (`bench/startup/imports.py`, median of 3).
 
 DeepSpeed's autotuner imports MLflow, when it is installed, as DeepSpeed itself
 loads (deepspeed/autotuning/autotuner.py), to log autotuning experiments;

@@ -28,7 +28,7 @@ from alignflow.config import PipelineConfig, load_config, resolve_paths
 from alignflow.errors import ConfigError, StartError, UserError
 from alignflow.interrupts import Terminated, install_sigterm_handler
 from alignflow.redact import redact, redact_url
-from alignflow.storage import is_local_uri, local_path
+from alignflow.store.storage import is_local_uri, local_path
 from flows import console
 from flows.planview import StageState, format_plan, plan_states
 from tasks.context import RunContext
@@ -110,7 +110,7 @@ def _prepare_flow(cfg: PipelineConfig) -> None:
     open_run, then finds it open), and the modules the run's engine host is started with (torch) and its
     curves are drawn with. A server's store is left to the flow, which reports its errors as the run's."""
     import flows.pipeline  # noqa: F401  (prefect, mlflow: seconds of imports)
-    from alignflow.mlflow_inputs import sqlite_file
+    from alignflow.tracking.params import sqlite_file
     from tasks.context import RunContext
     from tasks.stages.eval_engine import load_host_modules
 
@@ -256,7 +256,7 @@ def interrupted_line(cfg: PipelineConfig | None, command: str, target: str | Non
 
         parents = opened_parent_runs()
         if cfg is not None and parents:
-            from alignflow.tracking import Tracker
+            from alignflow.tracking.runs import Tracker
 
             runs = Tracker(cfg.infra.mlflow_tracking_uri, cfg.infra.mlflow_experiment).stage_runs(parents[-1])
             stopped = [r for r in runs if r["status"] == "KILLED"]

@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 from alignflow.cluster import scratch_dir
 
 if TYPE_CHECKING:
-    from alignflow.storage import Storage
-    from alignflow.tracking import Tracker
+    from alignflow.store.storage import Storage
+    from alignflow.tracking.runs import Tracker
 
 log = logging.getLogger("alignflow")
 

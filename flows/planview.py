@@ -9,7 +9,7 @@ from pydantic import BaseModel
 
 from alignflow.config import cache_relevant
 from alignflow.redact import redact
-from alignflow.storage import Storage
+from alignflow.store.storage import Storage
 from tasks.context import RunContext
 from tasks.plan import Plan, PlannedStage
 

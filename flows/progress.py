@@ -13,7 +13,7 @@ import os
 import threading
 from typing import Any
 
-from alignflow.tracking import Tracker
+from alignflow.tracking.runs import Tracker
 from flows.report import opened_parent_runs
 
 KEY_METRICS = (("train/loss", "loss"), ("rl/reward/mean", "reward"), ("rl/kl", "kl"),

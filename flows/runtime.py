@@ -24,7 +24,7 @@ from pathlib import Path
 from alignflow.config import InfraConfig
 from alignflow.errors import StartError
 from alignflow.net import server_port
-from alignflow.storage import is_local_uri, local_path
+from alignflow.store.storage import is_local_uri, local_path
 
 STARTUP_TIMEOUT_S = 120
 

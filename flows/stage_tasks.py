@@ -16,7 +16,7 @@ from prefect_ray.context import remote_options
 
 from alignflow.cluster import EVALUATION_TURN, init_ray, ray_init_kwargs
 from alignflow.config import InfraConfig
-from alignflow.storage import Storage, StorageError
+from alignflow.store.storage import Storage, StorageError
 from flows.runtime import check_api_reachable, result_storage, warn_local_root_on_cluster
 from tasks.context import RunContext
 from tasks.plan import Plan
@@ -82,7 +82,7 @@ def lost_artifact(storage: Storage, uri: str) -> bool:
 @ray.remote(num_cpus=0)
 def _load_stage_modules() -> int:
     """Most of what a stage worker imports before its first stage computes (Prefect's task engine, torch and
-    transformers; MLflow, which only alignflow/tracking.py imports, comes with the stage), in the worker;
+    transformers; MLflow, which only alignflow/tracking/runs.py imports, comes with the stage), in the worker;
     its pid."""
     import os
 

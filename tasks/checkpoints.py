@@ -6,7 +6,7 @@ ones are dropped but the one before it; a retried task resumes from the newest
 committed one that verifies. What
 the state is (trainer group, RL round) is the caller's: it passes `save` and
 `load` functions over the checkpoint's ArtifactRef, which its actors write
-to and read from on their own nodes (alignflow/artifacts.py); the manifest
+to and read from on their own nodes (alignflow/store/artifacts.py); the manifest
 is written here, last.
 """
 
@@ -15,9 +15,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from alignflow.artifacts import WEIGHT_FILES, ArtifactRef, Entries
-from alignflow.storage import CorruptArtifact, Storage
-from alignflow.tracking import StageRun
+from alignflow.store.artifacts import WEIGHT_FILES, ArtifactRef, Entries
+from alignflow.store.storage import CorruptArtifact, Storage
+from alignflow.tracking.runs import StageRun
 from tasks.runner import note_resumed
 
 log = logging.getLogger("alignflow")

@@ -23,13 +23,13 @@ from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict
 
-from alignflow.artifacts import WEIGHT_FILES, ArtifactRef, Entries, local_dir, merge_entries
+from alignflow.store.artifacts import WEIGHT_FILES, ArtifactRef, Entries, local_dir, merge_entries
 from alignflow.cluster import scratch_dir
 from alignflow.config import InfraConfig, cache_relevant
 from alignflow.records import StageResult
 from alignflow.redact import redact
-from alignflow.storage import Storage
-from alignflow.tracking import StageRun, Tracker
+from alignflow.store.storage import Storage
+from alignflow.tracking.runs import StageRun, Tracker
 
 if TYPE_CHECKING:
     from tasks.plan import PlannedStage
@@ -74,7 +74,7 @@ class RunContext(BaseModel):
         return self.storage().stage_uri(result.stage, result.key)
 
     def ref(self, result: StageResult | None) -> ArtifactRef | None:
-        """A committed input as actors receive it: each fetches it on its own node (alignflow/artifacts.py)."""
+        """A committed input as actors receive it: each fetches it on its own node (alignflow/store/artifacts.py)."""
         return ArtifactRef(self.uri(result), self.storage()) if result is not None else None
 
     def tokenizer_dir(self, result: StageResult) -> str:

@@ -22,7 +22,7 @@ the config names by path is committed by a base_model stage of its own.
 
 A stage's key digests its config, the keys of its inputs, the content
 fingerprints of the files, models and rule code its config names
-(alignflow/fingerprint.py) and its kind's code version: change a stage, or
+(alignflow/store/fingerprint.py) and its kind's code version: change a stage, or
 edit a file it reads, and it and everything downstream get new keys;
 nothing upstream does. Planning starts nothing and imports no engine.
 """
@@ -38,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, SerializeAsAny
 from alignflow.config import EnvironmentConfig, PipelineConfig, Section, cache_relevant
 from alignflow.config.round.judge import JudgeGeneration, JudgeRewardConfig
 from alignflow.errors import ConfigError
-from alignflow.fingerprint import Fingerprints, module_source
+from alignflow.store.fingerprint import Fingerprints, module_source
 from alignflow.seeds import derive_seed
 from tasks import registry as r
 

@@ -299,7 +299,7 @@ def tracker(tmp_path_factory):
         mp.delenv("MLFLOW_TRACKING_URI", raising=False)
         mp.delenv("MLFLOW_EXPERIMENT_ID", raising=False)
         mp.chdir(tmp_path)  # the default artifact location (./mlruns) stays in tmp_path
-        from alignflow.tracking import Tracker
+        from alignflow.tracking.runs import Tracker
 
         yield Tracker(f"sqlite:///{tmp_path / 'mlflow.db'}", "alignflow-test")
 
@@ -308,7 +308,7 @@ def tracker(tmp_path_factory):
 def mlflow_ui(tmp_path):
     """(the SQLite URI, the UI's base URL) of `mlflow ui` on a store of its own, started as the CLI's report
     tells a user to start it."""
-    from alignflow.tracking import Tracker
+    from alignflow.tracking.runs import Tracker
 
     uri, port = f"sqlite:///{tmp_path / 'mlflow.db'}", free_port()
     Tracker(uri, "alignflow")  # the store's tables, before the server reads it

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ValidationError
 from alignflow.config.pipeline import PipelineConfig
 from alignflow.errors import ConfigError
 from alignflow.redact import config_credentials, redact
-from alignflow.storage import is_local_uri, local_path
+from alignflow.store.storage import is_local_uri, local_path
 
 DEFAULT_CONFIG = "tiny"
 

@@ -26,7 +26,7 @@ from alignflow.config.preference import PreferenceConfig, PreferenceLoss
 from alignflow.config.round.agent import EnvironmentConfig
 from alignflow.config.round.rl import ActorConfig, RoundConfig
 from alignflow.redact import config_credentials
-from alignflow.verdicts import parse_verdict
+from alignflow.config.round.verdicts import parse_verdict
 
 
 # Names a policy of a pipeline can have (`rounds[i].teacher` / `start_from`); any other teacher is a model path.
@@ -143,7 +143,7 @@ class InfraConfig(Section):
     allocator: Literal["glibc_retain", "jemalloc", "system"] = Field(
         "glibc_retain", description="CPU memory allocator of every process Ray starts: glibc keeping freed "
         "memory for reuse instead of returning it to the kernel at every free (no extra library); jemalloc "
-        "(libjemalloc2, preloaded, no decay); or glibc as it comes. bench/rl_step.py measures them")
+        "(libjemalloc2, preloaded, no decay); or glibc as it comes. bench/step/rl_step.py measures them")
 
 
 class PipelineConfig(Section):

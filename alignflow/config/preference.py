@@ -10,7 +10,7 @@ from alignflow.config.base import Placement, TrainConfig
 
 PreferenceLoss = Literal["dpo", "ipo", "cdpo", "kto"]
 
-# The pure loss each name selects (algos/preference.py): dpo_loss's loss_type, or KTO.
+# The pure loss each name selects (algos/losses/preference.py): dpo_loss's loss_type, or KTO.
 DPO_LOSS_TYPE = {"dpo": "sigmoid", "ipo": "ipo", "cdpo": "cdpo"}
 
 

@@ -10,7 +10,7 @@ import fsspec
 from alignflow.config import DatasetSource, PipelineConfig
 from alignflow.data.formats import normalize_row, read_rows
 from alignflow.errors import DataError
-from alignflow.storage import is_local_uri, local_path
+from alignflow.store.storage import is_local_uri, local_path
 
 MAX_BAD_ROWS = 10  # listed per file; the rest are counted
 MATH_RULES = ("alignflow.rewards:math_equal", "alignflow.rewards.math:math_equal")

@@ -10,7 +10,7 @@
     alignflow/data/checks.py   data files exist and every row of a local one parses (of a remote one, the
                  first `data.preflight_rows`)
     unused.py    settings nothing reads (a critic under GRPO, vLLM's under backend hf) are said
-    alignflow/slots.py         a local Ray can place each stage
+    slots.py     a local Ray can place each stage
 
 Every problem is collected, naming its field and where its value came from (the file, or a
 command-line override), into one ConfigError. Heavy imports (transformers) stay inside checks.
@@ -30,7 +30,7 @@ from alignflow.preflight.models import check_lengths, check_models
 from alignflow.preflight.rewards import check_rewards
 from alignflow.preflight.stores import check_storage, check_tracking_store, note_local_paths_on_cluster
 from alignflow.preflight.unused import note_unused_settings
-from alignflow.slots import check_slots
+from alignflow.preflight.slots import check_slots
 
 __all__ = ["Findings", "check", "preflight"]
 

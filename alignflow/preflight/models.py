@@ -12,7 +12,7 @@ from typing import Any
 
 from alignflow.config import PipelineConfig
 from alignflow.preflight.findings import Findings
-from alignflow.storage import is_local_uri, local_path
+from alignflow.store.storage import is_local_uri, local_path
 
 
 def check_models(cfg: PipelineConfig, found: Findings) -> int | None:

@@ -8,12 +8,12 @@ import os
 import uuid
 from pathlib import Path
 
-import fsspec  # imported by alignflow.storage anyway
+import fsspec  # imported by alignflow.store.storage anyway
 
 from alignflow.config import PipelineConfig
-from alignflow.mlflow_inputs import sqlite_file
+from alignflow.tracking.params import sqlite_file
 from alignflow.preflight.findings import Findings
-from alignflow.storage import is_local_uri, local_path
+from alignflow.store.storage import is_local_uri, local_path
 
 
 def _unwritable(path: Path) -> str | None:
@@ -57,7 +57,7 @@ def check_storage(cfg: PipelineConfig, found: Findings) -> None:
             return found.fail(field, f"{root} is not writable: {why}")
         return found.ok()
     protocol, uri, options = root.split("://", 1)[0], f"{root.rstrip('/')}/{probe}", {}
-    if protocol == "s3":  # as alignflow/storage.py Storage._fs, with short timeouts and one retry
+    if protocol == "s3":  # as alignflow/store/storage.py Storage._fs, with short timeouts and one retry
         endpoint = cfg.infra.storage.endpoint_url or os.environ.get("AWS_ENDPOINT_URL")
         options = {"skip_instance_cache": True, "client_kwargs": {"endpoint_url": endpoint} if endpoint else {},
                    "config_kwargs": {"connect_timeout": 5, "read_timeout": 10, "retries": {"max_attempts": 2}}}

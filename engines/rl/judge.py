@@ -2,7 +2,7 @@
 the reference answer through `reward.judge.template`, and its verdict becomes a score.
 
 The judge runs in rollout engines of its own (vLLM or HF, engines/rollout/actors.py) whose weights
-never change. Verdicts are read by `alignflow.verdicts.parse_verdict`. A response none of whose verdicts
+never change. Verdicts are read by `alignflow.config.round.verdicts.parse_verdict`. A response none of whose verdicts
 parse scores `unparsed_reward`, and is counted: never a silent zero.
 """
 
@@ -14,7 +14,7 @@ import torch
 
 from alignflow.config.round.judge import JudgeRewardConfig
 from alignflow.errors import ConfigError
-from alignflow.verdicts import parse_verdict
+from alignflow.config.round.verdicts import parse_verdict
 from engines.batches import render_prompt
 from engines.rl.rewards import ScoredText
 from engines.rollout.base import Sampling

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 import algos
-from alignflow.artifacts import WEIGHT_FILES, Entries, Source, child, local_dir, merge_entries, writing
+from alignflow.store.artifacts import WEIGHT_FILES, Entries, Source, child, local_dir, merge_entries, writing
 from alignflow.config import RoundConfig
 from alignflow.seeds import derive_seed
 from engines.batches import rows_per_pass

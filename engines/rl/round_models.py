@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import ray
 import torch
 
-from alignflow.artifacts import Source
+from alignflow.store.artifacts import Source
 from alignflow.config import RoundConfig
 from alignflow.seeds import derive_seed
 from engines.placement import warm

@@ -1,5 +1,5 @@
 """Where a round's actors go: which of them start, the Ray slots they take, and how colocation shares
-its bundles (engines/rl/round_models.py starts them there; alignflow/slots.py counts the same slots without
+its bundles (engines/rl/round_models.py starts them there; alignflow/preflight/slots.py counts the same slots without
 importing this)."""
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from alignflow.artifacts import Source, local_dir
+from alignflow.store.artifacts import Source, local_dir
 from engines import models
 from engines.batches import in_micro_batches
 from engines.placement import warm
@@ -37,7 +37,7 @@ class ScorerActor:
         self.device = actor_device()
         self.micro_batch_size, self.micro_batch_tokens = micro_batch_size, micro_batch_tokens
         self.reference = self.reward = None
-        # Refs are fetched on this actor's node (alignflow/artifacts.py).
+        # Refs are fetched on this actor's node (alignflow/store/artifacts.py).
         if reference_path:
             self.reference = models.load_policy(local_dir(reference_path), dtype, attn_implementation).to(self.device).eval()
         if reward_path:

@@ -18,7 +18,7 @@ import ray
 import torch
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from alignflow.artifacts import Source, local_dir
+from alignflow.store.artifacts import Source, local_dir
 from alignflow.config import GenerationConfig, VLLMConfig
 from engines.placement import warm
 from engines.placement.devices import actor_options

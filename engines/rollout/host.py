@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from alignflow.artifacts import Source, local_dir
+from alignflow.store.artifacts import Source, local_dir
 from engines.lean_imports import import_vllm
 from engines.rollout.engine_build import build_engine, prepare_engine_process
 from engines.rollout.base import Rollout, Sampling

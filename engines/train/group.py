@@ -10,7 +10,7 @@ from typing import Any
 import ray
 import torch
 
-from alignflow.artifacts import Entries, Source, merge_entries
+from alignflow.store.artifacts import Entries, Source, merge_entries
 from engines.accumulate import combine_ranks, loss_scales
 from engines.batches import padded_shards, step_micro_batches
 from engines.placement import warm

@@ -11,10 +11,10 @@ from collections.abc import Callable
 
 import torch
 
-from algos.distill import topk_forward_kl
-from algos.gspo import gspo_policy_loss
-from algos.policy_loss import ppo_policy_loss
-from algos.preference import pairwise_reward_loss
+from algos.losses.distill import topk_forward_kl
+from algos.losses.gspo import gspo_policy_loss
+from algos.losses.policy import ppo_policy_loss
+from algos.losses.preference import pairwise_reward_loss
 from algos.sequence import sft_loss
 from engines.models import last_hidden
 from engines.train.logits import (final_hidden, logprobs_from_hidden, masked_next_token_logprobs, output_head,

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from algos.preference import pairwise_reward_loss
+from algos.losses.preference import pairwise_reward_loss
 from algos.sequence import sft_loss
 from engines.models import last_hidden
 from engines.train.logits import keep_last_logits, logprobs_from_hidden, output_head, unwrap

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from algos.preference import dpo_loss, kto_loss, sequence_logprobs
+from algos.losses.preference import dpo_loss, kto_loss, sequence_logprobs
 from engines.batches import LengthReport, encode_response, filter_prompts, pad_right, right_padded
 from engines.train.logits import masked_next_token_logprobs, response_logprobs_and_entropy
 
@@ -84,7 +84,7 @@ def preference_tensors(tokenizer, records: list[dict], max_prompt_tokens: int, m
 
 def sequence_logps(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """log π(y | x) = Σ_t loss_mask_t · log π(token_t | tokens_<t): (B,) float32 (the DPO sequence
-    log-likelihood, algos.preference.sequence_logprobs over the next-token layout)."""
+    log-likelihood, algos.losses.preference.sequence_logprobs over the next-token layout)."""
     mask = batch["loss_mask"][:, 1:]
     return sequence_logprobs(masked_next_token_logprobs(model, batch, batch["loss_mask"]), mask)
 
@@ -118,7 +118,7 @@ def _logps(model, batch: dict[str, torch.Tensor], rollouts: bool,
 def dpo_objective(model, batch: dict[str, torch.Tensor], *, loss_type: str, beta: float, label_smoothing: float,
                   rollouts: bool = False, packing_max_tokens: int | None | bool = False,
                   ) -> tuple[torch.Tensor, dict[str, float]]:
-    """DPO / IPO / cDPO (algos.preference.dpo_loss) on a batch [chosen..., rejected...] with `ref_logps`:
+    """DPO / IPO / cDPO (algos.losses.preference.dpo_loss) on a batch [chosen..., rejected...] with `ref_logps`:
     data rows (`loss_mask`), or with `rollouts` an online-DPO round's rollout rows (RL layout).
 
     Metrics: loss, accuracy (share of pairs whose implicit reward β(log π − log π_ref) ranks chosen
@@ -151,7 +151,7 @@ def kto_reference_point(model, micro_batches: list[dict[str, torch.Tensor]], dev
 def kto_objective(model, batch: dict[str, torch.Tensor], *, beta: float, desirable_weight: float,
                   undesirable_weight: float, packing_max_tokens: int | None | bool = False,
                   z0: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
-    """KTO (algos.preference.kto_loss) on examples with `desirable` (B,) bool and `ref_logps`, against
+    """KTO (algos.losses.preference.kto_loss) on examples with `desirable` (B,) bool and `ref_logps`, against
     the reference point `z0` (None: `kto_reference_point` of this batch alone)."""
     if z0 is None:
         z0 = kto_reference_point(model, [batch], batch["input_ids"].device, packing_max_tokens=packing_max_tokens)

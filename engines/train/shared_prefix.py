@@ -23,7 +23,7 @@ trusted), and only when it saves tokens. `supported` rules out what a cache cann
 twice: gradient checkpointing with gradients on (the recomputation would append to the cache
 again) and models whose forward takes no cache; and devices where it does not pay (`PAYS_ON`).
 
-Where it pays, measured by bench/shared_prefix.py (8 prompts x 8 samples, 26-token prompts, one
+Where it pays, measured by bench/step/shared_prefix.py (8 prompts x 8 samples, 26-token prompts, one
 micro-batch; plain / shared time, above 1: sharing pays): on 2 CPU cores with issue 14's 4.5M model in
 fp32, 1.29x for the training pass and 1.55x for the reference (32 new tokens); on an H100 with
 gpu-small's 0.48B model in bf16, 0.53x and 0.53x (32 new tokens), 0.62x and 0.58x (128). A GPU is not

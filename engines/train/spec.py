@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from alignflow.artifacts import Source
+from alignflow.store.artifacts import Source
 from alignflow.config import EngineConfig
 from alignflow.config.base import LoraConfig
 

@@ -32,7 +32,7 @@ from typing import Any
 import ray
 import torch
 
-from alignflow.artifacts import Entries, Source, local_dir, writing
+from alignflow.store.artifacts import Entries, Source, local_dir, writing
 from engines import lora, models
 from engines.accumulate import add_metrics, host_metrics
 from engines.batches import in_micro_batches
@@ -191,7 +191,7 @@ class TrainWorker:
 
     def save_hf(self, target: Source) -> Entries:
         """Rank 0 writes an HF directory (safetensors + tokenizer; LoRA: merged weights, and the adapter
-        in `adapter/`); all ranks gather. A ref: uploaded from this node (alignflow/artifacts.py)."""
+        in `adapter/`); all ranks gather. A ref: uploaded from this node (alignflow/store/artifacts.py)."""
         state = lora.full_state_dict(self.engine.module, self.spec.zero_stage, keep=self.rank == 0)  # LoRA: merged
         with writing(target) as (directory, uploaded):  # every gather before rank 0's writes: one that fails
             lora.save_adapter(self.engine.module, self.spec.zero_stage, str(directory), write=self.rank == 0)

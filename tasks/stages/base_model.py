@@ -8,7 +8,7 @@ import shutil
 from alignflow.data import agent_task
 from alignflow.errors import ConfigError
 from alignflow.records import StageResult
-from alignflow.storage import is_local_uri, local_path
+from alignflow.store.storage import is_local_uri, local_path
 from engines import models
 from tasks.context import RunContext, StageOutput, compute_stage
 from tasks.plan import PlannedStage

@@ -15,7 +15,7 @@ import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from alignflow.artifacts import ArtifactRef
+from alignflow.store.artifacts import ArtifactRef
 from alignflow.config import GenerationConfig
 from tasks.context import RunContext
 from tasks.plan import Plan

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from alignflow.artifacts import ArtifactRef
+from alignflow.store.artifacts import ArtifactRef
 from alignflow.cluster import ensure_ray
 from alignflow.config import EvalConfig, Placement
 from alignflow.records import StageResult

@@ -15,7 +15,7 @@ from alignflow.cluster import ensure_ray
 from alignflow.config.round.judge import VERDICTS
 from alignflow.records import StageResult
 from alignflow.seeds import derive_seed
-from alignflow.verdicts import parse_verdict
+from alignflow.config.round.verdicts import parse_verdict
 from engines import batches, models
 from engines.rl.judge import Judge, judge_messages
 from engines.rl.rewards import ScoredText, prompt_text

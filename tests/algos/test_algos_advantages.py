@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-import algos.advantages as adv_mod
-from algos.advantages import (
+import algos.advantages.estimators as adv_mod
+from algos.advantages.estimators import (
     ADVANTAGE_ESTIMATORS,
     AdvantageOutput,
     get_advantage_estimator,

@@ -5,7 +5,7 @@ import inspect
 import pytest
 
 import algos
-from algos.advantages import ADVANTAGE_ESTIMATORS
+from algos.advantages.estimators import ADVANTAGE_ESTIMATORS
 
 # registry plumbing: no formula / paper to cite
 NOT_MATH = {"get_advantage_estimator", "register_advantage_estimator"}

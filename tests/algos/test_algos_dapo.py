@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from algos.dapo import dynamic_sampling_filter, group_mean_filter, overlong_penalty
+from algos.advantages.dapo import dynamic_sampling_filter, group_mean_filter, overlong_penalty
 
 
 def test_dynamic_sampling_filter_drops_constant_groups():

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from algos.entropy import entropy_bonus_loss, entropy_from_logits
-from algos.policy_loss import entropy_from_logits as reexported
+from algos.losses.entropy import entropy_bonus_loss, entropy_from_logits
+from algos.losses.policy import entropy_from_logits as reexported
 
 
 def _py_entropy(logits):

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from algos.group import (
+from algos.advantages.group import (
     constant_groups,
     group_centered_advantages,
     group_mean,

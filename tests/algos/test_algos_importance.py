@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from algos.importance import rollout_importance_weights
-from algos.policy_loss import ppo_policy_loss
+from algos.losses.importance import rollout_importance_weights
+from algos.losses.policy import ppo_policy_loss
 
 G = 1e6
 # old - rollout = 0, ln 3, -ln 4, ln 1.5: ratios 1, 3, 0.25, 1.5; last column padding

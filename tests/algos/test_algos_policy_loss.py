@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from algos.aggregate import aggregate_weight
-from algos.policy_loss import aggregate_loss, ppo_policy_loss, value_loss
+from algos.losses.aggregate import aggregate_weight
+from algos.losses.policy import aggregate_loss, ppo_policy_loss, value_loss
 
 G = 1e6
 

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from algos.preference import (
+from algos.losses.preference import (
     DPO_LOSS_TYPES,
     dpo_loss,
     kto_loss,
@@ -157,7 +157,7 @@ def test_kto_extreme_finite():
 
 
 def test_best_worst_pairs_skip_and_count_tied_groups():
-    from algos.preference import best_worst_pairs
+    from algos.losses.preference import best_worst_pairs
 
     rewards = torch.tensor([0.1, 0.9, 0.5,   # best row 1, worst row 0
                             1.0, 1.0, 1.0,   # tied: no pair

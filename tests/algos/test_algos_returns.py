@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from algos.returns import compute_gae, discounted_returns
+from algos.advantages.returns import compute_gae, discounted_returns
 
 G = 1e6
 

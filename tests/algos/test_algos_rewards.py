@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from algos.rewards import RunningMeanStd, clip_rewards, truncation_penalty
+from algos.advantages.shaping import RunningMeanStd, clip_rewards, truncation_penalty
 
 
 def test_clip_rewards_counts_what_it_changes():

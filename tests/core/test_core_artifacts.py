@@ -1,4 +1,4 @@
-"""Artifacts across nodes (alignflow/artifacts.py): writers upload from their own node, the task commits
+"""Artifacts across nodes (alignflow/store/artifacts.py): writers upload from their own node, the task commits
 the manifest; readers fetch into their node's cache; over a real S3 endpoint (moto_server)."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from alignflow.artifacts import WEIGHT_FILES, ArtifactRef, child, local_dir, merge_entries, writing
-from alignflow.storage import CACHE_ENV, Storage, StorageError
+from alignflow.store.artifacts import WEIGHT_FILES, ArtifactRef, child, local_dir, merge_entries, writing
+from alignflow.store.storage import CACHE_ENV, Storage, StorageError
 
 FILES = {"config.json": b'{"model_type": "qwen2"}', "model.safetensors": os.urandom(4096),
          "tokenizer.json": b"{}", "adapter/adapter_model.safetensors": os.urandom(512)}

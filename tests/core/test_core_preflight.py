@@ -538,7 +538,7 @@ def test_too_many_cpus_asked_names_the_round(tmp_path):
 
 def test_round_slots_equal_the_engines_count(tmp_path):
     """preflight sums a round's slots without importing engines/rl/round_placement.py (torch, Ray: ~10 s)."""
-    from alignflow.slots import _round_needs
+    from alignflow.preflight.slots import _round_needs
     from engines.rl.round_placement import round_resources
 
     rounds = [{}, {"algorithm": "grpo", "reward": {"source": "rule"}},
@@ -568,16 +568,16 @@ def test_the_gpu_config_fits_one_gpu(tmp_path, monkeypatch):
     """configs/gpu-small.yaml is for one GPU. Its evaluations start an engine of their own (a GPU) and
     end it before their scorer (a GPU) starts: one GPU serves both. The machine's GPU count is the one
     thing this test sets (these machines have none)."""
-    import alignflow.slots
+    import alignflow.preflight.slots
 
     gpu_small, root = REPO / "configs" / "gpu-small.yaml", f"infra.storage.root={tmp_path / 'a'}"
-    monkeypatch.setattr(alignflow.slots, "_gpus", lambda: 1)
+    monkeypatch.setattr(alignflow.preflight.slots, "_gpus", lambda: 1)
     assert problems(gpu_small, root) == []
     # An engine kept for the run holds its GPU beside every stage's, the scorer's included.
     held = problems(gpu_small, root, "evaluation.engine_lifetime=run")
     assert [p.split(";")[0] for p in held if p.startswith("evaluation:")] == [
         "evaluation: its actors need 2 GPUs at once"]
-    monkeypatch.setattr(alignflow.slots, "_gpus", lambda: 0)
+    monkeypatch.setattr(alignflow.preflight.slots, "_gpus", lambda: 0)
     assert sorted(p.split(":")[0] for p in problems(gpu_small, root)) == [
         "evaluation", "reward_model", "rounds.0", "rounds.1", "sft"]
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from alignflow.config import SFTConfig
-from alignflow.storage import MANIFEST, Storage, StorageError
+from alignflow.store.storage import MANIFEST, Storage, StorageError
 from tasks.plan import content_key
 
 FILES = {

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from alignflow.config import load_config
-from alignflow.mlflow_inputs import flatten_params, param_values
-from alignflow.tracking import Tracker
+from alignflow.tracking.params import flatten_params, param_values
+from alignflow.tracking.runs import Tracker
 
 
 # ---- flatten_params ------------------------------------------------------------------------
@@ -279,7 +279,7 @@ def test_an_experiment_opens_on_its_runs_and_keeps_artifacts_beside_its_sqlite_f
     ("file:///srv/mlruns", None),
 ])
 def test_artifact_location_of_other_stores(uri, expected):
-    from alignflow.mlflow_inputs import artifact_location
+    from alignflow.tracking.params import artifact_location
 
     assert artifact_location(uri, "s3://bucket/root/mlflow-artifacts") == expected
 
@@ -372,7 +372,7 @@ def test_a_run_reopened_by_a_process_younger_than_it_is_not_reaped(tracker):
 STAGE_SCRIPT = """
 import sys, time
 from alignflow.interrupts import install_sigterm_handler
-from alignflow.tracking import Tracker
+from alignflow.tracking.runs import Tracker
 
 install_sigterm_handler()
 tracker = Tracker(sys.argv[1], "alignflow-test-sigterm")
@@ -470,8 +470,8 @@ def test_wait_all_closes_the_parent_killed_on_an_interrupt_failed_on_an_error(tr
 
 
 def test_resume_skips_a_corrupted_checkpoint_for_the_one_before(tracker, tmp_path):
-    from alignflow.artifacts import local_dir
-    from alignflow.storage import Storage
+    from alignflow.store.artifacts import local_dir
+    from alignflow.store.storage import Storage
     from tasks.checkpoints import StageCheckpoints
 
     storage = Storage(root=str(tmp_path / "root"))
@@ -490,8 +490,8 @@ def test_resume_skips_a_corrupted_checkpoint_for_the_one_before(tracker, tmp_pat
 
 def test_a_checkpoint_whose_weights_fail_where_they_load_is_set_aside_for_the_retry(tracker, tmp_path):
     # Weights are checked by size on the task's node; the actors that load them verify their digests.
-    from alignflow.artifacts import local_dir
-    from alignflow.storage import CorruptArtifact, Storage
+    from alignflow.store.artifacts import local_dir
+    from alignflow.store.storage import CorruptArtifact, Storage
     from tasks.checkpoints import StageCheckpoints
 
     storage = Storage(root=str(tmp_path / "root"))

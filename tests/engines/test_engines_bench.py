@@ -1,4 +1,4 @@
-"""bench/rl_step.py with a pipeline config, as the README's GPU command runs it: the round of
+"""bench/step/rl_step.py with a pipeline config, as the README's GPU command runs it: the round of
 configs/gpu-small.yaml (PPO with a critic, every model colocated, bf16) on a small shape and no GPU.
 Every phase prints its time and tokens/s, and the bench leaves no temporary directory behind."""
 
@@ -30,7 +30,7 @@ def test_the_bench_runs_the_gpu_configs_round_and_prints_tokens_per_second(gpu_c
     made = lambda: {p.name for p in tmp.glob("alignflow-*")}  # noqa: E731
     before = made()
     try:
-        res = subprocess.run([sys.executable, "bench/rl_step.py", "--config", str(config), "--runs", "1", "--steps",
+        res = subprocess.run([sys.executable, "bench/step/rl_step.py", "--config", str(config), "--runs", "1", "--steps",
                               "1"], cwd=REPO, capture_output=True, text=True, timeout=600,
                              env={**os.environ, "TMPDIR": str(tmp)})
         left = made() - before

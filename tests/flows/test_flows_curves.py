@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from alignflow.config.pipeline import InfraConfig, StorageConfig
-from alignflow.storage import Storage
-from alignflow.tracking import Tracker
+from alignflow.store.storage import Storage
+from alignflow.tracking.runs import Tracker
 from flows.curves import draw_curves, publish_curves, wanted
 from flows.report import PipelineReport, close_run
 from tasks.context import RunContext

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from alignflow.tracking import Tracker
+from alignflow.tracking.runs import Tracker
 from flows.report import PipelineReport
 
 pytestmark = pytest.mark.e2e

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from alignflow.config import cache_relevant, load_config, resolve_paths
-from alignflow.storage import Storage
+from alignflow.store.storage import Storage
 from tasks.plan import plan_pipeline
 
 REPO = Path(__file__).resolve().parents[2]

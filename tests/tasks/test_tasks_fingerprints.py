@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from alignflow.config import cache_relevant, load_config
-from alignflow.fingerprint import Fingerprints
-from alignflow.storage import Storage
+from alignflow.store.fingerprint import Fingerprints
+from alignflow.store.storage import Storage
 from flows.planview import plan_states
 from tasks.plan import plan_pipeline
 

@@ -14,7 +14,7 @@ import pytest
 
 from alignflow.config import load_config
 from alignflow.errors import ConfigError
-from alignflow.storage import Storage
+from alignflow.store.storage import Storage
 from flows.planview import plan_states
 from tasks.plan import plan_pipeline
 

@@ -47,7 +47,7 @@ def plain_verdicts(model_dir, template: str, items, max_new_tokens: int) -> list
 
 
 def expected_scores(cfg, verdicts: list[str]) -> tuple[list[float], int]:
-    from alignflow.verdicts import parse_verdict
+    from alignflow.config.round.verdicts import parse_verdict
 
     parsed = [parse_verdict(v, cfg) for v in verdicts]
     return [cfg.unparsed_reward if p is None else p for p in parsed], sum(p is None for p in parsed)

@@ -7,7 +7,7 @@ import pytest
 
 from alignflow.config import ConfigError, load_config
 from alignflow.config.round.judge import JUDGE_TEMPLATE, JudgeRewardConfig
-from alignflow.verdicts import parse_verdict
+from alignflow.config.round.verdicts import parse_verdict
 from engines.rl.judge import judge_messages, judge_positions
 from engines.rl.rewards import prompt_text
 from engines.rl.rewards import ScoredText

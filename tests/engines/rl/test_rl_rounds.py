@@ -276,8 +276,8 @@ def test_round_state_restores_actor_and_engine(ray_local, tiny_model, prompts, t
     `actor/` from the committed checkpoint's ref."""
     from safetensors.torch import load
 
-    from alignflow.artifacts import ArtifactRef
-    from alignflow.storage import Storage
+    from alignflow.store.artifacts import ArtifactRef
+    from alignflow.store.storage import Storage
 
     storage = Storage(root=str(tmp_path / "root"))
     ref = ArtifactRef(storage.checkpoint_uri(storage.stage_uri("round_1", "k"), 2), storage)

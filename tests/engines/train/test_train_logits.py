@@ -166,7 +166,7 @@ def test_a_micro_batch_without_a_wanted_token_gives_a_zero_loss_with_a_gradient(
 
 
 def test_a_policy_micro_batch_waits_for_the_device_once_beyond_the_model(tiny_model):
-    """What bench/launches.py counts, held: the policy objective's training pass on a GPU's path (no shared
+    """What bench/step/launches.py counts, held: the policy objective's training pass on a GPU's path (no shared
     prompt) makes the host wait for the device once more than the textbook pass (the response positions'
     nonzero: logits only there); its metrics stay on the device until the step's end (engines/batches.py
     host_metrics). Counted by the torch profiler."""
@@ -176,7 +176,7 @@ def test_a_policy_micro_batch_waits_for_the_device_once_beyond_the_model(tiny_mo
 
     from engines.models import load_policy
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))  # launches.py imports measure.py beside it
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench" / "step"))  # launches.py imports measure.py beside it
     try:
         import launches
 

@@ -187,7 +187,7 @@ def test_gradient_checkpointing_turns_sharing_off_while_gradients_flow(tiny_mode
 
 
 def test_sharing_runs_only_on_the_devices_where_it_pays(tiny_model):
-    """bench/shared_prefix.py: 1.3-1.6x on the CPU, 0.5-0.6x on an H100. A model on any other device (here
+    """bench/step/shared_prefix.py: 1.3-1.6x on the CPU, 0.5-0.6x on an H100. A model on any other device (here
     the meta device, which holds no data: a GPU's stand-in on a machine without one) takes the plain forward."""
     from engines.models import load_policy
     from engines.train import shared_prefix

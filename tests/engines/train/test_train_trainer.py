@@ -131,7 +131,7 @@ def test_save_hf_loads_with_transformers(sft_run, sft_data, tmp_path):
 
 
 def _pair_accuracy_and_loss(model, batch):
-    from algos.preference import pairwise_reward_loss
+    from algos.losses.preference import pairwise_reward_loss
 
     scores = objectives.scalar_scores(model, batch)
     n = scores.shape[0] // 2

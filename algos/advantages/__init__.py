@@ -1,0 +1,1 @@
+"""Advantages: the estimators (one registry), their group baselines and returns, reward shaping, DAPO filters."""

@@ -1,0 +1,75 @@
+"""Importance weights between the rollout engine and the trainer (TIS, IcePop).
+
+The rollout engine (vLLM) samples with its own kernels and precision, so its
+log-probabilities of the sampled tokens differ from the trainer's even for
+the same weights, and more so when rollouts run one update behind. The
+weights here correct (truncate) or drop (mask) the tokens on which the two
+disagree. Same conventions as :mod:`algos.losses.policy`: ``(B, T)`` tensors,
+log-ratios clamped to ``[-20, 20]`` before ``exp``, padding ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ..masked import _bool_mask, _check_same_shape
+
+#: Modes of :func:`rollout_importance_weights`.
+TIS_MODES = ("truncate", "mask")
+#: Log-ratios are clamped to [-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP] before exp (finite ratios).
+LOG_RATIO_CLAMP = 20.0
+
+
+def rollout_importance_weights(
+    old_logprobs: Tensor,
+    rollout_logprobs: Tensor,
+    action_mask: Tensor,
+    *,
+    cap: float,
+    low: Optional[float] = None,
+    mode: str = "truncate",
+) -> Tuple[Tensor, Tensor]:
+    """Importance weights between the trainer and the rollout engine, truncated or masked.
+
+    Formula, per valid token, ``rho_t = exp(clamp(old_logprobs - rollout_logprobs,
+    -20, 20))`` (trainer over sampler probability of the sampled token):
+
+    * ``mode="truncate"`` (TIS): ``w_t = min(rho_t, cap)``, and
+      ``w_t = max(w_t, low)`` when ``low`` is given;
+    * ``mode="mask"`` (IcePop): ``w_t = rho_t`` if ``low <= rho_t <= cap``
+      else ``0`` (``low`` None: no lower bound), i.e. tokens whose engines
+      disagree too much are masked out of the loss; they stay in the loss
+      aggregation's denominator, as in the IcePop objective.
+
+    Returns ``(weights, masked)``: detached weights (1 at padding) and the
+    bool flags of the valid tokens the mask mode zeroed (all False in
+    ``"truncate"`` mode).
+
+    Shapes: ``old_logprobs``, ``rollout_logprobs``, ``action_mask`` ``(B, T)``;
+    returns two ``(B, T)`` tensors.
+
+    Reference: TIS, Yao et al. 2025, "Your Efficient RL Framework Secretly
+    Brings You Off-Policy RL Training" (blog); IcePop, Ling Team 2025,
+    "Every Step Evolves: Scaling Reinforcement Learning for Trillion-Scale
+    Thinking Model", arXiv 2510.18855.
+    """
+    _check_same_shape(old_logprobs=old_logprobs, rollout_logprobs=rollout_logprobs, action_mask=action_mask)
+    if mode not in TIS_MODES:
+        raise ValueError(f"unknown TIS mode {mode!r}; valid: {', '.join(TIS_MODES)}")
+    if cap <= 0:
+        raise ValueError(f"tis_cap must be > 0, got {cap}")
+    if low is not None and not 0 <= low < cap:
+        raise ValueError(f"tis_low must satisfy 0 <= tis_low < tis_cap, got {low} and {cap}")
+    mask = _bool_mask(action_mask)
+    zeros = torch.zeros_like(old_logprobs)
+    diff = torch.where(mask, old_logprobs - rollout_logprobs, zeros).detach()
+    rho = torch.exp(diff.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    if mode == "truncate":
+        weight = rho.clamp(min=low, max=cap)
+        return torch.where(mask, weight, torch.ones_like(weight)), torch.zeros_like(mask)
+    masked = ((rho > cap) | (rho < (0.0 if low is None else low))) & mask
+    weight = torch.where(masked, zeros, rho)
+    return torch.where(mask, weight, torch.ones_like(weight)), masked

@@ -1,0 +1,1 @@
+"""Where a pipeline keeps what it makes: artifacts under one root URI (a directory or s3://), as actors see them on any node, and the content fingerprints of its inputs for cache keys."""
