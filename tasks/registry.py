@@ -210,7 +210,7 @@ def register_stage(kind: StageKind) -> StageKind:
 
 
 register_stage(StageKind(
-    "data", "data", DataStage, DataInputs, "7", "tasks.stages.data:prepare_data",
+    "data", "data", DataStage, DataInputs, "8", "tasks.stages.data:prepare_data",
     "the bundled task or user data as canonical JSONL splits, measured in tokens"))
 register_stage(StageKind(
     "base_model", "base_model", BaseModelStage, NoInputs, "3", "tasks.stages.base_model:base_model",

@@ -8,7 +8,8 @@ from itertools import islice
 import fsspec
 
 from alignflow.config import DatasetSource, PipelineConfig
-from alignflow.data.formats import normalize_row, read_rows
+from alignflow.data.formats import read_rows
+from alignflow.data.rows import normalize_row
 from alignflow.errors import DataError
 from alignflow.store.storage import is_local_uri, local_path
 

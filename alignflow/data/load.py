@@ -8,7 +8,8 @@ import logging
 from typing import Any
 
 from alignflow.config import DatasetSource
-from alignflow.data.formats import Kind, normalize_row, read_rows
+from alignflow.data.formats import Kind, read_rows
+from alignflow.data.rows import normalize_row
 from alignflow.errors import DataError
 
 log = logging.getLogger("alignflow")

@@ -809,3 +809,53 @@ def test_an_empty_reply_in_a_dialogue_is_an_error(tmp_path):
     path = _jsonl(tmp_path / "chat.jsonl", [{"messages": [*CHAT[:2], {"role": "assistant", "content": " "}]}])
     with pytest.raises(DataError, match=r"chat.jsonl, row 1: key 'messages' ends with an empty assistant message"):
         load_records(DatasetSource(path=path, messages_key="messages"), "sft")
+
+
+# ---- replies given as conversations must continue their prompt ----------------------------
+
+
+def test_ultrafeedback_pairs_take_the_conversation_as_their_prompt(tmp_path):
+    """UltraFeedback-binarized: a prompt string beside [user, assistant] replies. The prompt becomes the
+    messages, so the chat template renders it as it renders SFT and RL prompts (it was the raw string)."""
+    ask = [_turn("system", "Be brief."), _turn("user", "What is 2+2?")]
+    rows = [{"prompt": "What is 2+2?", "chosen": [*ask, _turn("assistant", "4")],
+             "rejected": [*ask, _turn("assistant", "5")]},
+            {"prompt": [_turn("user", "Hi?")], "chosen": [_turn("user", "Hi?"), _turn("assistant", "Hello.")],
+             "rejected": [_turn("assistant", "Go away.")]}]
+    path = _jsonl(tmp_path / "pref.jsonl", rows)
+    assert load_records(DatasetSource(path=path), "preference") == [
+        {"prompt": ask, "chosen": "4", "rejected": "5"},
+        {"prompt": [_turn("user", "Hi?")], "chosen": "Hello.", "rejected": "Go away."},
+    ]
+
+
+@pytest.mark.parametrize(
+    "row, text",
+    [
+        ({"prompt": "What is 2+2?", "chosen": [_turn("user", "Write a poem"), _turn("assistant", "4")],
+          "rejected": [_turn("assistant", "5")]},
+         "row 1: key 'chosen' continues a conversation that is not key 'prompt'"),
+        ({"prompt": "What is 2+2?", "chosen": [_turn("user", "What is 2+2?"), _turn("assistant", "4")],
+          "rejected": [_turn("user", "Say hi"), _turn("assistant", "5")]},
+         "row 1: keys 'chosen' and 'rejected' differ before their last message, so they answer different prompts"),
+        ({"prompt": [_turn("user", "a")], "chosen": [_turn("user", "b"), _turn("assistant", "c")],
+          "rejected": "r"},
+         "row 1: key 'chosen' continues a conversation that is not key 'prompt'"),
+        ({"chosen": [_turn("user", "a"), _turn("assistant", "b"), _turn("assistant", "c")],
+          "rejected": [_turn("user", "a"), _turn("assistant", "b"), _turn("assistant", "d")]},
+         "row 1: key 'chosen' has another assistant message right before its reply"),
+    ],
+)
+def test_pairs_whose_replies_answer_another_prompt_fail(tmp_path, row, text):
+    path = _jsonl(tmp_path / "pref.jsonl", [row])
+    with pytest.raises(DataError) as err:
+        load_records(DatasetSource(path=path), "preference")
+    assert str(err.value).startswith(f"{path}, {text}"), str(err.value)
+
+
+def test_a_conversations_prompt_ends_before_a_reply(tmp_path):
+    rows = [{"messages": [_turn("user", "a"), _turn("assistant", "b"), _turn("assistant", "c")]}]
+    path = _jsonl(tmp_path / "sft.jsonl", rows)
+    with pytest.raises(DataError, match=r"sft.jsonl, row 1: key 'messages' has another assistant message right "
+                                        r"before its reply"):
+        load_records(DatasetSource(path=path, messages_key="messages"), "sft")
