@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import collections
+import json
 import logging
+import random
 from dataclasses import dataclass
 
 from alignflow.config import DataConfig
 from alignflow.errors import ConfigError, DataError
 from alignflow.data import agent_task, load, synthetic
 from alignflow.records import StageResult
+from alignflow.seeds import derive_seed
 from tasks.context import RunContext, StageOutput, compute_stage
 from tasks.plan import PlannedStage
 from tasks.registry import DataInputs, DataStage
@@ -47,14 +51,36 @@ def build_splits(cfg: DataConfig, seed: int) -> tuple[dict[str, list[dict]], dic
     splits["prompts"] = (load.load_records(cfg.prompts, "prompts") if cfg.prompts
                          else [{"prompt": r["prompt"], "answer": None, **{k: r[k] for k in ("tools",) if k in r}}
                                for r in splits["sft"]])
-    # Held-out pairs for reward-model accuracy: the last 10% of the pairs.
-    n_held = max(1, len(splits["preference"]) // 10) if splits["preference"] else 0
-    splits["eval_preference"] = splits["preference"][len(splits["preference"]) - n_held:]
-    splits["preference"] = splits["preference"][: len(splits["preference"]) - n_held] or splits["eval_preference"]
-    if splits["preference"] is splits["eval_preference"] and n_held:
+    splits["preference"], splits["eval_preference"] = held_out_pairs(splits["preference"], seed)
+    return splits, {"preference_ties": ties}
+
+
+def held_out_pairs(pairs: list[dict], seed: int) -> tuple[list[dict], list[dict]]:
+    """(trained, held out): the pairs of about 10 % of the prompts, drawn by the seed, held out for the reward
+    model's accuracy; both keep the file's order. By prompt, so that no held-out prompt was trained on (HH and
+    SHP hold several pairs per prompt, side by side), and drawn, so that a file sorted by source holds out
+    every source. Where all pairs share one prompt, the last 10 % of them are held out, said."""
+    keys = [json.dumps(r["prompt"], sort_keys=True) for r in pairs]
+    sizes = collections.Counter(keys)
+    prompts = list(sizes)
+    random.Random(derive_seed(seed, "eval_preference")).shuffle(prompts)
+    held, count = set(), 0
+    for prompt in prompts[:-1]:  # one prompt at least is trained on
+        if count >= max(1, len(pairs) // 10):
+            break
+        held.add(prompt)
+        count += sizes[prompt]
+    if held:
+        return [r for r, k in zip(pairs, keys) if k not in held], [r for r, k in zip(pairs, keys) if k in held]
+    if len(pairs) == 1:
         log.warning("data.preference holds one pair: it is both trained on and held out, so the reward model's "
                     "held-out accuracy is its training accuracy")
-    return splits, {"preference_ties": ties}
+        return pairs, pairs
+    if pairs:
+        log.warning("data.preference's %d pairs share one prompt: the held-out pairs' prompt is trained on too",
+                    len(pairs))
+    n_held = max(1, len(pairs) // 10) if pairs else 0
+    return pairs[: len(pairs) - n_held], pairs[len(pairs) - n_held:]
 
 
 def prepare_data(stage: PlannedStage, inputs: DataInputs, ctx: RunContext) -> StageResult:

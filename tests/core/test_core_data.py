@@ -726,8 +726,8 @@ def test_unpaired_kto_rows_beside_pairs_go_to_their_own_split(tmp_path):
     splits, _ = build_splits(cfg, seed=0)
     assert splits["preference_unpaired"] == [{"prompt": "u1", "response": "good", "label": True},
                                              {"prompt": "u2", "response": "bad", "label": False}]
-    assert splits["preference"] + splits["eval_preference"] == pairs  # the last 10 % of the pairs held out
-    assert splits["eval_preference"] == pairs[-1:]
+    assert sorted(splits["preference"] + splits["eval_preference"], key=pairs.index) == pairs
+    assert len(splits["eval_preference"]) == 1  # 10 % of the pairs, by prompt
 
     bad = _jsonl(tmp_path / "bad.jsonl", [{"prompt": "u", "completion": "x", "thumbs_up": "yes"}])
     with pytest.raises(DataError, match=r"bad.jsonl, row 1: key 'thumbs_up' must be true/false"):
@@ -765,7 +765,7 @@ def test_identical_preference_pairs_are_left_out_counted_and_said(tmp_path, capl
     with caplog.at_level("WARNING", logger="alignflow"):
         splits, left_out = build_splits(cfg, seed=0)
     kept = [p for i, p in enumerate(pairs) if i not in (2, 5)]
-    assert splits["preference"] + splits["eval_preference"] == kept
+    assert sorted(splits["preference"] + splits["eval_preference"], key=pairs.index) == kept
     assert left_out == {"preference_ties": 2}
     assert any(f"{path}: 2 of 8 preference pairs have the same chosen and rejected reply" in r.getMessage()
                for r in caplog.records)
@@ -859,3 +859,28 @@ def test_a_conversations_prompt_ends_before_a_reply(tmp_path):
     with pytest.raises(DataError, match=r"sft.jsonl, row 1: key 'messages' has another assistant message right "
                                         r"before its reply"):
         load_records(DatasetSource(path=path, messages_key="messages"), "sft")
+
+
+def test_held_out_pairs_are_whole_prompts_drawn_by_the_seed(tmp_path, caplog):
+    """HH and SHP keep a prompt's pairs side by side: a cut by row trained on held-out prompts, and a file
+    sorted by source held out its last source only."""
+    from tasks.stages.data import held_out_pairs
+
+    pairs = [{"prompt": f"p{i // 2}", "chosen": f"c{i}", "rejected": f"r{i}"} for i in range(40)]  # 2 per prompt
+    pairs.append({"prompt": [_turn("user", "p0")], "chosen": "c", "rejected": "r"})  # messages: another prompt
+    draws = []
+    for seed in range(8):
+        trained, held = held_out_pairs(pairs, seed)
+        assert sorted(trained + held, key=pairs.index) == pairs and trained == sorted(trained, key=pairs.index)
+        assert not {json.dumps(r["prompt"]) for r in held} & {json.dumps(r["prompt"]) for r in trained}
+        assert 4 <= len(held) <= 5  # 10 % of the pairs, in whole prompts
+        assert held_out_pairs(pairs, seed) == (trained, held)  # the seed decides
+        draws.append({json.dumps(r["prompt"]) for r in held})
+    assert len({frozenset(d) for d in draws}) > 4 and set().union(*draws) - {'"p19"', '"p20"'}  # not the file's end
+
+    caplog.clear()
+    same = [{"prompt": "p", "chosen": f"c{i}", "rejected": "r"} for i in range(10)]
+    with caplog.at_level("WARNING", logger="alignflow"):
+        assert held_out_pairs(same, 0) == (same[:9], same[9:])
+    assert any("10 pairs share one prompt: the held-out pairs' prompt is trained on too" in r.getMessage()
+               for r in caplog.records)
