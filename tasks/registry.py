@@ -232,7 +232,7 @@ register_stage(StageKind(
     "offline_distill", "distill", OfflineDistillStage, OfflineDistillInputs, "2", "tasks.stages.distill:distill",
     "SFT trained toward the teacher's cached distributions: KL from its renormalised top-k (DeepSpeed)"))
 register_stage(StageKind(
-    "preference_reference", "preference", PreferenceReferenceStage, PreferenceReferenceInputs, "2",
+    "preference_reference", "preference", PreferenceReferenceStage, PreferenceReferenceInputs, "3",
     "tasks.stages.preference:preference_reference", "the reference's log-probabilities of every preference row, once"))
 register_stage(StageKind(
     "preference", "preference", PreferenceStage, PreferenceInputs, "2", "tasks.stages.preference:preference",

@@ -5,7 +5,7 @@ becomes two batches of 2N (+ M) right-padded rows each, laid out
 [chosen_0..chosen_{N-1}, rejected_0..rejected_{N-1}, unpaired...]:
 
     main  prompt_k + chosen_k       /  prompt_k + rejected_k
-    kl    prompt_k + chosen_{k+1}   /  prompt_k + rejected_{k+1}     (k + 1 mod N)
+    kl    prompt_k + chosen_j       /  prompt_k + rejected_j         (j: the next pair, mod N, of another prompt)
 
 with `loss_mask` over input_ids on the response tokens (EOS included). DPO
 trains on `main` as pairs; KTO takes its 2N rows as examples (chosen:
@@ -43,43 +43,59 @@ class PreferenceRows:
     pairs: int
     desirable: torch.Tensor
     reports: dict[str, LengthReport]  # split -> its prompt-length report
+    kl_own_prompt: int = 0  # `kl` rows whose response answers their own prompt (every row has one prompt)
 
     def metrics(self) -> dict[str, float]:
-        return {k: v for split, r in self.reports.items() for k, v in r.as_metrics(split).items()}
+        return {"preference/kl_rows_own_prompt": float(self.kl_own_prompt),
+                **{k: v for split, r in self.reports.items() for k, v in r.as_metrics(split).items()}}
 
 
-def _mismatched(n: int, k: int) -> int:
-    return (k + 1) % n
+def mismatched(prompts: list[list[int]]) -> list[int]:
+    """For each row k, the row whose response its `kl` row takes: the next row (mod n) whose prompt differs
+    from row k's, so that KTO's z0 is the KL on completions of other prompts, as Ethayarajh et al. 2024
+    estimate it. Pairs made into unpaired rows, and HH's several pairs per prompt, sit side by side: the next
+    row alone would answer row k's own prompt. Where every row has one prompt, the next row (k + 1 mod n).
+    O(n): the next different prompt after k is the first row past k's run of equal prompts (wrapping)."""
+    n = len(prompts)
+    keys = [tuple(p) for p in prompts]
+    if len(set(keys)) <= 1:
+        return [(k + 1) % n for k in range(n)]
+    out, nearest = [0] * n, None
+    for i in reversed(range(2 * n - 1)):  # twice round, for the rows whose run reaches the end
+        if keys[(i + 1) % n] != keys[i % n]:
+            nearest = (i + 1) % n
+        if i < n:
+            out[i] = nearest
+    return out
 
 
 def preference_tensors(tokenizer, records: list[dict], max_prompt_tokens: int, max_response_tokens: int,
                        unpaired: list[dict] = ()) -> PreferenceRows:
     """The rows of the module docstring, with the unpaired examples (KTO: prompt, response, label) after
-    the pairs; their `kl` rows pair prompt j with response j + 1 among the unpaired (mod M).
+    the pairs; their `kl` rows pair prompt j with the response of the next unpaired row of another prompt.
 
     Prompts over `max_prompt_tokens` are left out and counted (engines/batches.filter_prompts), the
     same way for the reference stage and the training stage, so their rows line up."""
     kept, report = filter_prompts(tokenizer, records, max_prompt_tokens, "preference") if records else ([], None)
     singles, single_report = (filter_prompts(tokenizer, list(unpaired), max_prompt_tokens, "preference_unpaired")
                               if unpaired else ([], None))
-    prompts, main, kl = [], [], []
-    for side in ("chosen", "rejected"):
-        replies = [encode_response(tokenizer, r[side], max_response_tokens) for _, r in kept]
-        for k, (ids, _) in enumerate(kept):
-            prompts.append(ids)
-            main.append(ids + replies[k])
-            kl.append(ids + replies[_mismatched(len(kept), k)])
-    replies = [encode_response(tokenizer, r["response"], max_response_tokens) for _, r in singles]
-    for j, (ids, _) in enumerate(singles):
-        prompts.append(ids)
-        main.append(ids + replies[j])
-        kl.append(ids + replies[_mismatched(len(singles), j)])
+    prompts, main, kl, own = [], [], [], 0
+    partners = mismatched([ids for ids, _ in kept]), mismatched([ids for ids, _ in singles])
+    for rows, sides, partner in ((kept, ("chosen", "rejected"), partners[0]), (singles, ("response",), partners[1])):
+        own += len(sides) * sum(rows[j][0] == ids for j, (ids, _) in zip(partner, rows))
+        for side in sides:
+            replies = [encode_response(tokenizer, r[side], max_response_tokens) for _, r in rows]
+            for k, (ids, _) in enumerate(rows):
+                prompts.append(ids)
+                main.append(ids + replies[k])
+                kl.append(ids + replies[partner[k]])
     n = len(kept)
     desirable = torch.tensor([True] * n + [False] * n + [r["label"] for _, r in singles], dtype=torch.bool)
     lens, pad = [len(p) for p in prompts], tokenizer.pad_token_id
     return PreferenceRows(main=_rows(main, lens, pad), kl=_rows(kl, lens, pad), pairs=n, desirable=desirable,
                           reports={name: r for name, r in (("preference", report),
-                                                           ("preference_unpaired", single_report)) if r})
+                                                           ("preference_unpaired", single_report)) if r},
+                          kl_own_prompt=own)
 
 
 def sequence_logps(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:

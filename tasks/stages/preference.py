@@ -77,6 +77,9 @@ def _with_reference(reference: dict[str, torch.Tensor], loss: str, inputs: Prefe
         if reference["main"].shape[0] != total:
             raise RuntimeError(f"the cached reference log-probabilities cover {reference['main'].shape[0]} rows, the "
                                f"preference split gives {total}: rerun the preference_reference stage")
+        if kto and rows.kl_own_prompt:
+            log.warning("preference: all examples share one prompt, so %d of KTO's KL rows (its reference point "
+                        "z0) pair it with its own completions, where z0 wants other prompts'", rows.kl_own_prompt)
         if kto:
             tensors = {**rows.main, "ref_logps": reference["main"], "desirable": rows.desirable,
                        **{f"kl_{k}": v for k, v in rows.kl.items()}, "ref_kl_logps": reference["kl"]}

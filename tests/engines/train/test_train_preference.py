@@ -215,3 +215,26 @@ def test_kto_reward_metrics_are_the_steps_whatever_its_micro_batches(policy, tok
         assert step["chosen_reward"] == pytest.approx(expected_chosen, abs=1e-4), size
         assert step["rejected_reward"] == pytest.approx(expected_rejected, abs=1e-4), size
         assert step["reward_margin"] == pytest.approx(expected_chosen - expected_rejected, abs=1e-4), size
+
+
+def test_kl_rows_take_a_response_to_another_prompt(tokenizer):
+    """KTO's z0 is the KL on completions of *other* prompts. Unpaired rows made from pairs, and HH's several
+    pairs per prompt, sit side by side: the next row (the old choice) answered the row's own prompt."""
+    from engines.train.preference import mismatched
+
+    assert mismatched([[1], [1], [2], [2], [3]]) == [2, 2, 4, 4, 0]
+    assert mismatched([[1], [2], [1]]) == [1, 2, 1]  # the first row of another prompt, wrapping
+    assert mismatched([[5], [5], [5]]) == [1, 2, 0] and mismatched([[5]]) == [0]  # one prompt: the next row
+
+    unpaired = [{"prompt": p, "response": r, "label": good} for p, pair in
+                (("Which digit is largest? 3 8", ("8", "3")), ("Which digit is largest? 6 1", ("6", "1")))
+                for r, good in zip(pair, (True, False))]
+    rows = preference_tensors(tokenizer, [], 64, 8, unpaired)
+    for i, record in enumerate(unpaired):
+        prompt, n = _ids(tokenizer, record["prompt"]), int(rows.kl["attention_mask"][i].sum())
+        other = [r for r in unpaired if r["prompt"] != record["prompt"]]
+        assert rows.kl["input_ids"][i, :n].tolist() in [prompt + _reply(tokenizer, r["response"]) for r in other]
+    assert rows.kl_own_prompt == 0 and rows.metrics()["preference/kl_rows_own_prompt"] == 0
+
+    one = preference_tensors(tokenizer, RECORDS[:1], 64, 8)  # a single pair: its own replies, counted
+    assert one.kl_own_prompt == 2 and torch.equal(one.kl["input_ids"], one.main["input_ids"])
