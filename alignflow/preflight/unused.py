@@ -1,7 +1,8 @@
 """Settings a run will not read, said as preflight notes: a section of the config that its round's algorithm
 or engine has no use for, left in by a switch of `algorithm` or `backend` (an override on a file written for
 another). Not refused: the switch is the user's, and what it leaves unread is harmless, but never silent.
-Likewise a correction turned off where a round needs it: stale asynchronous samples without ppo.tis_cap."""
+Likewise a correction turned off where a round needs it: stale asynchronous samples without ppo.tis_cap, and
+gradients summed in bf16 (ZeRO-0/1 in a half dtype)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from alignflow.config import PipelineConfig
+from alignflow.config import EngineConfig, PipelineConfig
 from alignflow.preflight.findings import Findings
 
 
@@ -46,6 +47,27 @@ def note_unused_settings(cfg: PipelineConfig, found: Findings) -> None:
                 f"rounds.{i}.ppo.tis_cap: null: async_rollouts trains on samples up to max_staleness={r.max_staleness} "
                 f"update(s) old with no importance-sampling correction for the policy that sampled them "
                 f"({found.sources.of(f'rounds.{i}.ppo.tis_cap')})")
+    idle = {f"rounds.{i}.critic" for i, r in enumerate(cfg.rounds) if not r.spec.critic}
+    if cfg.model.dtype != "float32" and (low := [at for at, e in engines(cfg, "") if e.zero_stage < 2
+                                                 and at not in idle]):
+        found.notes.append(
+            f"{', '.join(f'{at}.zero_stage' for at in low)}: under 2 with model.dtype {cfg.model.dtype}, a step's "
+            f"micro-batch gradients are summed in {cfg.model.dtype}, losing precision as micro-batches add up "
+            "(DeepSpeed sums them in fp32 at ZeRO-2 and 3, where alignflow asks it to; at 0 it cannot, and at 1 "
+            "it would take an optimizer alignflow does not drive): zero_stage 2 sums them in fp32, 4 bytes a "
+            f"parameter shared among the ranks ({found.sources.of(f'{low[0]}.zero_stage')})")
+
+
+def engines(model: BaseModel, at: str):
+    """(dotted field, EngineConfig) of every training engine set in `model`, its rounds' included."""
+    for name, value in model:
+        where = f"{at}{name}"
+        for i, item in enumerate(value if isinstance(value, list) else [value]):
+            field = f"{where}.{i}" if isinstance(value, list) else where
+            if isinstance(item, EngineConfig):
+                yield field, item
+            elif isinstance(item, BaseModel):
+                yield from engines(item, f"{field}.")
 
 
 def _vllm(generation, at: str) -> tuple[list[str], str]:

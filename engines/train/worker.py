@@ -158,10 +158,10 @@ class TrainWorker:
             grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
             sums["grad_norm"] = torch.nn.utils.get_total_norm(grads, foreach=True).float() if grads else 0.0
         scale = reported_norm_scale(self.engine.optimizer)  # the step's loss scale, before step() updates it
+        lr = self.scheduler.get_last_lr()[0]  # the rate this step takes: step() moves the schedule on
         self.engine.step()
         self.step += 1
-        metrics = {**host_metrics(sums), **self.param_metrics}
-        metrics["lr"] = self.scheduler.get_last_lr()[0]
+        metrics = {**host_metrics(sums), **self.param_metrics, "lr": lr}
         if (grad_norm := self.engine.get_global_grad_norm()) is not None:
             metrics["grad_norm"] = float(grad_norm) / scale
         return metrics

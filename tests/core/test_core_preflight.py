@@ -803,3 +803,25 @@ def test_a_teachers_vocabulary_is_compared_with_the_students_before_the_run(tmp_
     tiny = found(other, base="tiny")
     assert tiny.problems == [] and "rounds.0.teacher: its tokenizer is compared with the student's when its stage " \
         "starts (the tiny model's tokenizer is built by the base_model stage)" in tiny.notes
+
+
+def test_gradients_summed_in_half_precision_are_said(tmp_path):
+    """ZeRO-0/1 in bf16 sum a step's micro-batch gradients in bf16 (DeepSpeed gives fp32 sums at ZeRO-2/3 only):
+    said for each training engine that does, where its stage was set; a critic nothing trains is left out."""
+    from alignflow.preflight.unused import engines
+
+    half = ["model.dtype=bfloat16", "sft.zero_stage=2", "reward_model.zero_stage=3"]
+    notes = preflight(load_config(None, half), half, None).notes
+    [note] = [n for n in notes if "zero_stage" in n]
+    assert note.startswith("rounds.0.actor.zero_stage, rounds.0.critic.zero_stage, rounds.1.actor.zero_stage, "
+                           "rounds.1.critic.zero_stage: under 2 with model.dtype bfloat16, a step's micro-batch "
+                           "gradients are summed in bfloat16"), note
+    assert note.endswith("(the default, not set in alignflow/configs/tiny.yaml)")
+    grpo = [*half, 'rounds=[{"algorithm": "grpo"}]']  # its critic trains nothing: not said
+    [note] = [n for n in preflight(load_config(None, grpo), grpo, None).notes if "zero_stage" in n]
+    assert note.startswith("rounds.0.actor.zero_stage: under 2")
+    assert ("sft.zero_stage", 2) in [(f"{at}.zero_stage", e.zero_stage) for at, e in engines(load_config(None, half), "")]
+    full = ["model.dtype=bfloat16", "sft.zero_stage=2", "reward_model.zero_stage=2", "rounds.0.actor.zero_stage=3",
+            "rounds.1.actor.zero_stage=2", "rounds.0.critic.zero_stage=2", "rounds.1.critic.zero_stage=2"]
+    assert not [n for n in preflight(load_config(None, full), full, None).notes if "zero_stage" in n]
+    assert not [n for n in preflight(load_config(None), [], None).notes if "zero_stage" in n]  # float32
