@@ -59,7 +59,7 @@ def measure(tokenizer, splits: dict[str, list[dict]]) -> dict[str, SplitLengths]
     for name, records in splits.items():
         if not records:
             continue
-        prompts = [len(render_prompt(tokenizer, r["prompt"], r.get("tools"))) for r in records]
+        prompts = [len(_rendered(tokenizer, r, name, i)) for i, r in enumerate(records)]
         keys = RESPONSE_KEYS.get(name, ())
         responses = [0] * len(records)
         for key in keys:
@@ -68,6 +68,20 @@ def measure(tokenizer, splits: dict[str, list[dict]]) -> dict[str, SplitLengths]
             responses = [max(a, len(b) + 1) for a, b in zip(responses, ids)]  # + EOS
         out[name] = SplitLengths(prompts, responses)
     return out
+
+
+def _rendered(tokenizer, record: dict, split: str, i: int) -> list[int]:
+    """A record's prompt ids, or a DataError naming the split, record and first words where the chat template
+    refuses its messages (Gemma's refuses a system role; Llama-2's wants user and assistant in turn)."""
+    from jinja2.exceptions import TemplateError
+
+    try:
+        return render_prompt(tokenizer, record["prompt"], record.get("tools"))
+    except TemplateError as err:
+        first = record["prompt"][0] if isinstance(record["prompt"], list) else {}
+        said = f"{first.get('role')}: {str(first.get('content'))[:60]!r}" if first else ""
+        raise DataError(f"data split {split!r}, record {i + 1} (starting {said}): the tokenizer's chat template "
+                        f"refuses its messages: {err}") from None
 
 
 @dataclass(frozen=True)

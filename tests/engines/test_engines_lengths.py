@@ -100,3 +100,22 @@ def test_the_config_takes_auto_or_a_positive_count():
         DataConfig(max_response_tokens=0)
     with pytest.raises(ValueError):
         DataConfig(max_response_tokens="longest")
+
+
+def test_a_chat_template_refusing_a_record_names_it(tokenizer):
+    """Templates refuse some conversations (Gemma's a system role, Llama-2's turns out of order) with a bare
+    jinja TemplateError: the data stage, the first to render prompts, names the split and record instead."""
+    import copy
+
+    strict = copy.deepcopy(tokenizer)
+    strict.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}"
+                            "{{ raise_exception('System role not supported') }}{% endif %}{{ m['content'] }}{% endfor %}")
+    ok = {"prompt": [{"role": "user", "content": "2+2?"}], "response": "4"}
+    bad = {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}],
+           "response": "4"}
+    assert measure(strict, {"sft": [ok]})["sft"].prompt == [len(strict.apply_chat_template(
+        ok["prompt"], add_generation_prompt=True, tokenize=True)["input_ids"])]
+    with pytest.raises(DataError) as err:
+        measure(strict, {"sft": [ok, bad]})
+    assert str(err.value) == ("data split 'sft', record 2 (starting system: 'Be brief.'): the tokenizer's chat "
+                              "template refuses its messages: System role not supported")
