@@ -74,21 +74,23 @@ def normalize_response(text: str) -> str:
     return " ".join(text.split())
 
 
-def majority_vote_accuracy(responses: Sequence[Sequence[str]], correct: Sequence[Sequence[bool]]) -> float:
-    """Share of prompts whose most frequent (normalised) response is correct.
+def majority_vote_accuracy(responses: Sequence[Sequence[str | None]], correct: Sequence[Sequence[bool]]) -> float:
+    """Share of prompts whose most frequent (normalised) answer is correct.
 
-    Formula: for prompt ``p`` with responses ``y_p1 .. y_pn``, the vote
-    ``v_p = argmax_v |{i : norm(y_pi) = v}|`` (``norm``: ``normalize_response``);
-    ties go to the response value seen first (lowest ``i``). The vote is
-    correct when the first response carrying it (``y_pi``, smallest ``i``
-    with ``norm(y_pi) = v_p``) is; ``acc = (1/P) sum_p correct(v_p)``.
+    Formula: for prompt ``p`` with answers ``y_p1 .. y_pn`` (a response, or the final answer taken from
+    it; ``None``: the sample stated none and does not vote), the vote
+    ``v_p = argmax_v |{i : y_pi is not None, norm(y_pi) = v}|`` (``norm``: ``normalize_response``);
+    ties go to the value seen first (lowest ``i``). The vote is correct when the first sample carrying
+    it (``y_pi``, smallest ``i`` with ``norm(y_pi) = v_p``) is; a prompt where no sample votes is a
+    miss; ``acc = (1/P) sum_p correct(v_p)``.
 
     Shapes: ``responses`` and ``correct`` are ``P`` lists (one per prompt,
     ``P >= 1``), prompt ``p``'s two lists of the same length ``n_p >= 1``
     (``n_p`` may differ between prompts); returns a float in [0, 1].
 
     Reference: Wang et al. 2022, "Self-Consistency Improves Chain of Thought
-    Reasoning in Language Models", arXiv 2203.11171, sec. 2 (majority vote).
+    Reasoning in Language Models", arXiv 2203.11171, sec. 2 (majority vote
+    over the final answers, the reasoning paths marginalised out).
     """
     if len(responses) != len(correct):
         raise ValueError(f"{len(responses)} prompts of responses but {len(correct)} of correct flags")
@@ -101,10 +103,12 @@ def majority_vote_accuracy(responses: Sequence[Sequence[str]], correct: Sequence
                              f"(need the same number, at least one)")
         votes: dict[str, list] = {}  # value -> [count, first flag]; insertion order = first seen
         for text, flag in zip(texts, flags):
-            vote = votes.setdefault(normalize_response(text), [0, bool(flag)])
-            vote[0] += 1
-        best = max(vote[0] for vote in votes.values())
-        hits += next(flag for count, flag in votes.values() if count == best)
+            if text is not None:
+                vote = votes.setdefault(normalize_response(text), [0, bool(flag)])
+                vote[0] += 1
+        if votes:
+            best = max(vote[0] for vote in votes.values())
+            hits += next(flag for count, flag in votes.values() if count == best)
     return hits / len(responses)
 
 

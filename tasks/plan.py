@@ -218,7 +218,8 @@ def plan_pipeline(cfg: PipelineConfig) -> Plan:
     else:
         eval_cfg = r.PolicyEvalStage(evaluation=cfg.evaluation, io=io, seed=seed("evaluation"))
         checker = _code("evaluation.checker", cfg.evaluation.checker, prints) | _environment_code(
-            "evaluation.environment", cfg.evaluation.environment, prints)
+            "evaluation.environment", cfg.evaluation.environment, prints) | (
+            _code("evaluation.vote_on", cfg.evaluation.vote_on, prints) if cfg.evaluation.vote_on else {})
         for label, name in policies.items():
             b.add(f"eval_{label}", "evaluate_policy", eval_cfg, external=checker, data=data, policy=name,
                   reference=reference, reward=reward)
@@ -238,7 +239,7 @@ def plan_pipeline(cfg: PipelineConfig) -> Plan:
 
 
 def _code(field: str, import_path: str, prints: Fingerprints) -> dict[str, str]:
-    """The source of a `module:function` the config names (a rule reward, the eval checker), so
+    """The source of a `module:function` the config names (a rule reward, the eval checker and vote), so
     editing it reruns the stages that call it."""
     source = module_source(import_path.split(":", 1)[0])
     return {field: prints.of(source) if source else "module-not-found"}

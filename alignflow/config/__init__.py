@@ -2,7 +2,7 @@
 
     base.py      the config base, placement, training engines, sampling
     data.py      data sources          model.py   the base policy
-    preference.py  DPO / IPO / cDPO / KTO
+    preference.py  DPO / IPO / cDPO / KTO    evaluation.py  held-out evaluation
     round/       one RL round: its checks, rewards, judge, updates, environment
     pipeline.py  which stages exist, infra     lora_targets.py  what LoRA may adapt
     loading.py   YAML + overrides -> a validated PipelineConfig
@@ -26,8 +26,8 @@ from alignflow.config.loading import (
     validate_config,
 )
 from alignflow.config.model import ModelConfig, TinyModelConfig
+from alignflow.config.evaluation import EvalConfig
 from alignflow.config.pipeline import (
-    EvalConfig,
     InfraConfig,
     PipelineConfig,
     RewardModelConfig,

@@ -11,19 +11,18 @@ skipped: with a preference stage and no rounds, the pipeline is SFT, preference,
 
 from __future__ import annotations
 
-import math
 import re
 from typing import Literal, get_args
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
-from alignflow.config.base import GenerationConfig, Placement, Section, TrainConfig
+from alignflow.config.base import Placement, Section, TrainConfig
 from alignflow.config.data import DataConfig
+from alignflow.config.evaluation import EvalConfig
 from alignflow.config.distill import OfflineDistillConfig
 from alignflow.config.round.judge import VERDICTS, JudgeConfig
 from alignflow.config.model import ModelConfig
 from alignflow.config.preference import PreferenceConfig, PreferenceLoss
-from alignflow.config.round.agent import EnvironmentConfig
 from alignflow.config.round.rl import ActorConfig, RoundConfig
 from alignflow.redact import config_credentials
 from alignflow.config.round.verdicts import parse_verdict
@@ -59,55 +58,6 @@ class RewardModelConfig(TrainConfig):
     """Bradley-Terry pairwise reward model, initialised from SFT (or the base model)."""
 
     margin: float = Field(0.0, ge=0, description="added margin in -log sigmoid(c - r - m)")
-
-
-class EvalConfig(Section):
-    """Held-out evaluation of every policy checkpoint and of the reward model."""
-
-    generation: GenerationConfig = Field(GenerationConfig(), description="sampling of the held-out prompts")
-    scorer_placement: Placement = Field(default_factory=Placement,
-                                        description="the reference and reward models that score samples")
-    micro_batch_size: int | None = Field(64, ge=1, description="sequences per scoring forward; None: all at once")
-    num_prompts: int | None = Field(None, ge=1, description="cap on held-out prompts")
-    num_logged_samples: int = Field(20, ge=0, description="samples saved per evaluation (samples/<name>.json); 0: none")
-    checker: str = Field(
-        "alignflow.data.synthetic:check_answer",
-        description="import path of f(response, answer) -> bool",
-    )
-    environment: EnvironmentConfig | None = Field(
-        None, description="evaluate policies as agents: episodes in this environment, eval/accuracy their success "
-        "rate (the checker unused), with turns, tool calls, invalid calls, truncated and failed episodes")
-    engine_lifetime: Literal["auto", "stage", "run"] = Field(
-        "auto", description="run: one process hosts the rollout engine of every evaluation in a pipeline run (an "
-        "engine built fresh for each, the libraries loaded once: ~8 s less per evaluation on 2 CPU cores), and holds "
-        "generation.placement for the whole run; stage: a process per evaluation; auto: run where the engine takes "
-        "no GPU, stage where it does (a GPU held for the run would be taken from the rounds)")
-    rm_margin_bins: list[float] = Field(
-        default_factory=lambda: [0.0, 0.5, 1.0, 2.0],
-        description="edges of the reward model's |chosen - rejected| score-gap bins, its held-out pairwise accuracy "
-        "reported per bin: [0, 0.5, 1, 2] means [0,0.5), [0.5,1), [1,2), [2,inf); strictly increasing from 0")
-
-    @field_validator("rm_margin_bins")
-    @classmethod
-    def _margin_bins(cls, edges: list[float]) -> list[float]:
-        if not edges or edges[0] != 0.0 or any(b <= a for a, b in zip(edges, edges[1:])) \
-                or not all(math.isfinite(e) for e in edges):
-            raise ValueError(f"must be finite, strictly increasing and start at 0 (every gap in one bin), got {edges}")
-        return edges
-
-    @model_validator(mode="after")
-    def _lifetime(self) -> EvalConfig:
-        if self.engine_lifetime == "run" and self.generation.vllm.tensor_parallel_size > 1:
-            raise ValueError("engine_lifetime: run hosts one engine process; a tensor-parallel engine "
-                             "(generation.vllm.tensor_parallel_size > 1) needs a process group per evaluation: use stage")
-        return self
-
-    @property
-    def keeps_engine(self) -> bool:
-        """Whether the run's evaluations share one engine process (`engine_lifetime`, `auto` resolved)."""
-        if self.engine_lifetime == "auto":
-            return self.generation.placement.num_gpus == 0
-        return self.engine_lifetime == "run"
 
 
 class StorageConfig(Section):

@@ -3,6 +3,7 @@ its file, row and key."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from alignflow.config import DatasetSource
@@ -198,4 +199,6 @@ def normalize_row(row: Any, kind: Kind, src: DatasetSource, where: str) -> dict[
     if answer is not None and not isinstance(answer, (str, int, float)):  # str() of a list matches no response
         raise DataError(f"{where}: key {src.answer_key!r} must be a string or a number (the checker and a rule "
                         f"reward get it as text), got {type(answer).__name__}")
+    if isinstance(answer, float) and math.isnan(answer):  # a Parquet/pandas null in a float column
+        answer = None
     return {"prompt": prompt, "answer": None if answer is None else str(answer)}

@@ -79,6 +79,15 @@ def check_rewards(cfg: PipelineConfig, found: Findings) -> None:
                 _remote(f"{field}.url", c.url, min(c.timeout_s, REMOTE_TIMEOUT_CAP_S), found)
     if cfg.evaluation is not None:
         _callable("evaluation.checker", cfg.evaluation.checker, found, ("response", "answer"))
+        if cfg.evaluation.vote_on:
+            _callable("evaluation.vote_on", cfg.evaluation.vote_on, found, ("response",))
+        exact = type(cfg.evaluation).model_fields["checker"].default
+        if cfg.data.source == "files" and cfg.evaluation.checker == exact and cfg.evaluation.environment is None:
+            found.notes.append(
+                f"evaluation.checker: {exact} (the bundled tasks' check: the whole response equal to the answer) "
+                "scores your data; where responses reason before their answer, eval/accuracy and pass@k read near "
+                "0: alignflow.rewards:math_correct checks a final mathematical answer, or name your own "
+                f"({found.sources.of('evaluation.checker')})")
     envs = [(f"rounds.{i}.environment", r.environment) for i, r in enumerate(cfg.rounds)]
     for field, env in envs + [("evaluation.environment", cfg.evaluation and cfg.evaluation.environment)]:
         if env is not None and env.agent:

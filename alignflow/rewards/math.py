@@ -211,3 +211,9 @@ def math_equal(prompt: str, response: str, answer: str | None) -> float:
     if got is None:
         return 0.0
     return 1.0 if sympy.simplify(got - expected) == 0 else 0.0
+
+
+def math_correct(response: str, answer: str) -> bool:
+    """Whether the response's final answer equals `answer` (math_equal), as an evaluation checker
+    (`evaluation.checker: alignflow.rewards:math_correct`, with `vote_on: alignflow.rewards:final_answer`)."""
+    return math_equal("", response, answer) == 1.0

@@ -4,8 +4,9 @@ Policy (every prompt sampled `evaluation.generation.num_samples` = n times):
   eval/pass_at_<k>      for k = 1..n: the unbiased pass@k (Chen et al. 2021), mean over prompts;
                         pass_at_1 is eval/accuracy. (MLflow metric names may not hold '@'; the
                         comparison table shows them as pass@k.)
-  eval/majority_accuracy  share of prompts whose most frequent response (whitespace-normalised,
-                        ties to the first seen) the checker accepts
+  eval/majority_accuracy  share of prompts whose most frequent answer (`evaluation.vote_on` of each
+                        response, else the response; whitespace-normalised, ties to the first seen) the
+                        checker accepts
 Reward model (`evaluation.rm_margin_bins` edges e_0=0 < e_1 < ... < e_J-1, the last bin open):
   eval/rm_count_margin_<lo>_<hi>     held-out pairs with |chosen - rejected| score gap in [lo, hi)
   eval/rm_accuracy_margin_<lo>_<hi>  their pairwise accuracy; absent where the count is 0
@@ -39,11 +40,12 @@ def margin_label(lo: float, hi: float) -> str:
     return f"{lo:g}_{hi:g}"
 
 
-def sample_metrics(prompt_indices: Sequence[int], texts: Sequence[str], correct: Sequence[bool], *,
+def sample_metrics(prompt_indices: Sequence[int], texts: Sequence[str | None], correct: Sequence[bool], *,
                    num_prompts: int, num_samples: int) -> dict[str, float]:
     """pass@1..pass@n and majority-vote accuracy of checked samples, sample i answering prompt
-    `prompt_indices[i]`; every prompt 0..num_prompts-1 must have exactly `num_samples` samples
-    (anything else is an error, not a silently smaller k)."""
+    `prompt_indices[i]` with `texts[i]` (the answer the vote compares; None: none stated, no vote);
+    every prompt 0..num_prompts-1 must have exactly `num_samples` samples (anything else is an error,
+    not a silently smaller k)."""
     from algos.evaluation import majority_vote_accuracy, pass_at_k_curve
 
     if not len(prompt_indices) == len(texts) == len(correct):

@@ -71,6 +71,7 @@ def evaluate_policy(stage: PlannedStage, inputs: PolicyEvalInputs, ctx: RunConte
 
     def compute(output: StageOutput, run) -> dict[str, float]:
         checker = load_checker(cfg.checker)
+        vote_on = load_callable(cfg.vote_on, "evaluation.vote_on") if cfg.vote_on else None
         policy_dir = ctx.tokenizer_dir(inputs.policy)  # the engine fetches the weights on its node
         tokenizer = models.load_tokenizer(policy_dir)
         records = load_split(inputs.data, ctx, "eval")[: cfg.num_prompts]
@@ -109,7 +110,8 @@ def evaluate_policy(stage: PlannedStage, inputs: PolicyEvalInputs, ctx: RunConte
             **episode_metrics(rollouts, "eval"),
             "eval/kl_to_reference": sum(kls) / n,
             "eval/finished_fraction": sum(r.finished for r in rollouts) / n,
-            **sample_metrics([r.prompt_index for r in rollouts], [r.text for r in rollouts], correct,
+            **sample_metrics([r.prompt_index for r in rollouts],
+                             [vote_on(r.text) if vote_on else r.text for r in rollouts], correct,
                              num_prompts=len(kept), num_samples=cfg.generation.num_samples),
             **report.as_metrics("eval"),
         }

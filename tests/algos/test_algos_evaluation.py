@@ -116,3 +116,18 @@ def test_accuracy_by_margin_bin_rejects_unbinnable_scores():
         accuracy_by_margin_bin([1.0, 2.0], [0.0], [0.0])
     with pytest.raises(ValueError):
         accuracy_by_margin_bin([float("nan")], [0.0], [0.0])
+
+
+def test_majority_vote_over_final_answers_with_abstentions():
+    """Self-consistency votes on final answers: reasoning that differs in every sample must not split the
+    vote (evaluation.vote_on gives the answers). A sample stating no answer (None) does not vote; a prompt
+    where none votes is a miss."""
+    from alignflow.rewards import final_answer
+
+    sampled = [["so x = 3", "thus 3", "I get 7", "it is 7", "answer: 7"], ["a 3", "b 7", "c 7"], ["hmm", "no idea"]]
+    correct = [[False, False, True, True, True], [False, True, True], [False, False]]
+    assert majority_vote_accuracy(sampled, correct) == 0.0  # whole texts: every sample its own vote, the first wins
+    answers = [[final_answer(t) for t in texts] for texts in sampled]
+    assert answers == [["3", "3", "7", "7", "7"], ["3", "7", "7"], [None, None]]
+    assert majority_vote_accuracy(answers, correct) == pytest.approx(2 / 3)  # 7 and 7 win; the third abstains
+    assert majority_vote_accuracy([[None, "5", None]], [[True, False, True]]) == 0.0  # only "5" voted

@@ -884,3 +884,12 @@ def test_held_out_pairs_are_whole_prompts_drawn_by_the_seed(tmp_path, caplog):
         assert held_out_pairs(same, 0) == (same[:9], same[9:])
     assert any("10 pairs share one prompt: the held-out pairs' prompt is trained on too" in r.getMessage()
                for r in caplog.records)
+
+
+def test_a_null_float_answer_is_no_answer(tmp_path):
+    """A missing value in a float column reads as NaN (Parquet through pandas, JSON's NaN): no answer, not "nan",
+    which the checks for unanswered rows would miss and every checker would score as wrong."""
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "p", "answer": NaN}\n{"prompt": "q", "answer": 72.0}\n')
+    assert load_records(DatasetSource(path=str(path)), "prompts") == [{"prompt": "p", "answer": None},
+                                                                      {"prompt": "q", "answer": "72.0"}]

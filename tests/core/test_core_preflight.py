@@ -109,7 +109,7 @@ def test_rule_rewards_need_answers_on_the_rl_prompts(files, tmp_path, monkeypatc
     assert problems(files, rule, f"data.prompts.path={prompts}") == []
     found = preflight(load_config(files, [rule.replace('"rule"}', '"rule", "rule": "my_rules:score"}')]),
                       [rule], files)
-    assert found.problems == [] and found.notes == [
+    assert found.problems == [] and _besides_checker(found.notes) == [
         "data.prompts: no data.prompts is given, so the RL prompts are the SFT prompts, without answers; "
         "rounds.0.reward.rule (my_rules:score) gets answer=None for them"]
 
@@ -128,7 +128,7 @@ def test_answers_the_math_rule_cannot_read_fail_naming_their_rows(files, tmp_pat
     mixed = _jsonl(tmp_path / "mixed.jsonl", [{"prompt": "p0", "answer": "3/4"}, *gsm,
                                               {"prompt": "p3", "answer": "\\frac{1}{2}"}])
     found = preflight(load_config(files, [rule, f"data.prompts.path={mixed}"]), [rule], files)
-    assert found.problems == [] and [n for n in found.notes if "math" in n] == [
+    assert found.problems == [] and [n for n in _besides_checker(found.notes) if "math" in n] == [
         f"data.prompts.answer_key: {mixed}: 2 of the first 4 rows have an answer that rounds.0.reward.rule "
         "(alignflow.rewards:math_equal) cannot read as a number or expression (row 2: 'She sells 16 - 3 - 4 = 9 "
         "eggs. #### 9'; row 3: '#### 72'), so every response to them would score 0: give the final answer alone "
@@ -199,11 +199,11 @@ def test_a_remote_file_is_checked_up_to_the_budget_and_says_so(files, tmp_path, 
     args = [f"data.sft.path={uri}"]
     within = preflight(load_config(files, [*args, "data.preflight_rows=10"]), args, files)
     assert within.problems == []
-    assert within.notes == [f"data.sft: {uri} is remote, so its first 10 rows were checked (data.preflight_rows); "
+    assert _besides_checker(within.notes) == [f"data.sft: {uri} is remote, so its first 10 rows were checked (data.preflight_rows); "
                             "the data stage checks the rest"]
     whole = preflight(load_config(files, [*args, "data.preflight_rows=100"]), args, files)
     assert [p.split(": missing")[0] for p in whole.problems] == [f"data.sft: {uri}, row 11"]
-    assert whole.notes == []
+    assert _besides_checker(whole.notes) == []
 
 
 # ---- the base model and lengths -------------------------------------------------------------------
@@ -652,12 +652,12 @@ def test_local_inputs_and_a_sqlite_tracking_file_are_said_on_a_cluster(files, tm
     say nothing."""
     cluster = ["infra.ray_address=ray://cluster:10001", f"infra.mlflow_tracking_uri=sqlite:///{tmp_path / 'm.db'}"]
     found = preflight(load_config(files, cluster), cluster, files)
-    assert found.problems == [] and len(found.notes) == 1
-    assert found.notes[0].startswith("infra.ray_address ray://cluster:10001: stages and actors run on any node")
+    assert found.problems == [] and len(_besides_checker(found.notes)) == 1
+    assert _besides_checker(found.notes)[0].startswith("infra.ray_address ray://cluster:10001: stages and actors run on any node")
     for field, name in (("data.sft.path", "sft.jsonl"), ("data.preference.path", "pref.jsonl"),
                         ("data.eval.path", "eval.jsonl")):
-        assert f"{field} ({tmp_path / name})" in found.notes[0]
-    assert f"infra.mlflow_tracking_uri ({tmp_path / 'm.db'}: one SQLite database per node)" in found.notes[0]
+        assert f"{field} ({tmp_path / name})" in _besides_checker(found.notes)[0]
+    assert f"infra.mlflow_tracking_uri ({tmp_path / 'm.db'}: one SQLite database per node)" in _besides_checker(found.notes)[0]
     assert not [n for n in preflight(load_config(files, cluster[1:]), cluster[1:], files).notes if "ray_address" in n]
 
 
@@ -825,3 +825,25 @@ def test_gradients_summed_in_half_precision_are_said(tmp_path):
             "rounds.1.actor.zero_stage=2", "rounds.0.critic.zero_stage=2", "rounds.1.critic.zero_stage=2"]
     assert not [n for n in preflight(load_config(None, full), full, None).notes if "zero_stage" in n]
     assert not [n for n in preflight(load_config(None), [], None).notes if "zero_stage" in n]  # float32
+
+
+def test_the_vote_and_checker_of_user_data_are_checked_and_said(files):
+    """evaluation.vote_on is called with a response: named with its signature where it takes other arguments.
+    The bundled exact-match checker on user data is said (a reasoning policy's accuracy would read near 0)."""
+    assert problems(files, "evaluation.vote_on=alignflow.rewards:math_equal") == [
+        "evaluation.vote_on: 'alignflow.rewards:math_equal' is called as f(response), but takes (prompt, response, "
+        "answer): missing a required argument: 'response' (from the command line: "
+        "evaluation.vote_on=alignflow.rewards:math_equal)"]
+    notes = preflight(load_config(files), [], files).notes
+    assert [n for n in notes if n.startswith("evaluation.checker: alignflow.data.synthetic:check_answer (the bundled "
+                                             "tasks' check: the whole response equal to the answer) scores your data")]
+    mine = ["evaluation.checker=alignflow.rewards:math_correct", "evaluation.vote_on=alignflow.rewards:final_answer"]
+    found = preflight(load_config(files, mine), mine, files)
+    assert found.problems == [] and not [n for n in found.notes if n.startswith("evaluation.checker")]
+    assert not [n for n in preflight(load_config(None), [], None).notes if n.startswith("evaluation.checker")]
+
+
+def _besides_checker(notes: list[str]) -> list[str]:
+    """Preflight's notes but the one on the exact-match checker scoring user data (its own test above)."""
+    return [n for n in notes if not n.startswith("evaluation.checker: alignflow.data.synthetic:check_answer")]
+
