@@ -77,7 +77,7 @@ def generate(cfg: SyntheticTaskConfig, seed: int) -> dict[str, list[dict]]:
 
 def _pair(box: int, boxes: dict[str, int], rng: random.Random) -> dict:
     return {"prompt": [{"role": "user", "content": question(box)}], "chosen": call_text(box),
-            "rejected": str(rng.randrange(10, 100))}
+            "rejected": str(rng.randrange(10, 100)), "tools": [OPEN_BOX]}  # the prompt as the policy sees it
 
 
 def tokenizer_corpus(seed: int = 0, n: int = 2000) -> Iterator[str]:

@@ -241,6 +241,10 @@ def test_prompt_rows_keep_their_other_columns_for_environments_and_agents(tmp_pa
     sft = _jsonl(tmp_path / "sft.jsonl", [{"prompt": "p", "response": "r", "tools": tools, "extra": 1},
                                           {"prompt": "p", "response": "r", "tools": json.dumps(tools)}])
     assert load_records(DatasetSource(path=sft), "sft") == [{"prompt": "p", "response": "r", "tools": tools}] * 2
+    pref = _jsonl(tmp_path / "pref.jsonl", [{"prompt": [{"role": "user", "content": "p"}], "chosen": "c", "rejected": "r",
+                                             "tools": tools, "extra": 1}])  # rendered as the policy's prompt is
+    assert load_records(DatasetSource(path=pref), "preference") == [
+        {"prompt": [{"role": "user", "content": "p"}], "chosen": "c", "rejected": "r", "tools": tools}]
     # tools the chat template could not render: the row and the key, before anything trains
     for bad, says in (("lookup(key)", "'tools' is text that is not JSON"),
                       ({"name": "lookup"}, "'tools' must be a list of tool schemas (objects), got dict")):
