@@ -20,14 +20,16 @@ from tasks.registry import DataInputs, DataStage
 log = logging.getLogger("alignflow")
 
 SPLITS = ("sft", "preference", "preference_unpaired", "prompts", "eval", "eval_preference")
+REPLIES = {"answer", "response", "chosen", "rejected", "label"}  # what a record says besides its prompt
 
 
 def build_splits(cfg: DataConfig, seed: int) -> tuple[dict[str, list[dict]], dict[str, int]]:
-    """All splits, and the count of rows left out by kind; user data is validated row by row before anything
-    trains."""
+    """All splits, and what was counted on the way (metric name under data/ -> count: pairs left out, eval
+    prompts also trained on); user data is validated row by row before anything trains."""
     if cfg.source == "synthetic":
         task = agent_task if cfg.synthetic.task == "boxes" else synthetic
-        return {**task.generate(cfg.synthetic, seed), "preference_unpaired": []}, {}
+        splits = {**task.generate(cfg.synthetic, seed), "preference_unpaired": []}
+        return splits, {"eval_prompts_in_training": seen_in_training(splits)}
     preference = load.load_records(cfg.preference, "preference")
     pairs = [r for r in preference if "label" not in r]
     # A pair whose two replies are the same text teaches nothing (DPO's gradient and a reward model's margin
@@ -52,7 +54,23 @@ def build_splits(cfg: DataConfig, seed: int) -> tuple[dict[str, list[dict]], dic
                          else [{"prompt": r["prompt"], "answer": None, **{k: r[k] for k in ("tools",) if k in r}}
                                for r in splits["sft"]])
     splits["preference"], splits["eval_preference"] = held_out_pairs(splits["preference"], seed)
-    return splits, {"preference_ties": ties}
+    return splits, {"preference_ties_left_out": ties, "eval_prompts_in_training": seen_in_training(splits)}
+
+
+def seen_in_training(splits: dict[str, list[dict]]) -> int:
+    """Held-out eval prompts that a training split holds too (SFT, RL prompts, preference pairs or examples):
+    counted and said, since their accuracy is partly recall. Not removed: the split is the user's. A prompt is
+    its text with the row's other columns but its answer or replies: an environment's sample (the bundled boxes
+    task asks one question of different boxes) is the same prompt only with the same state."""
+    def key(record: dict) -> str:
+        return json.dumps({k: v for k, v in record.items() if k not in REPLIES}, sort_keys=True, default=str)
+
+    trained = {key(r) for name in ("sft", "prompts", "preference", "preference_unpaired") for r in splits[name]}
+    seen = [i for i, r in enumerate(splits["eval"], start=1) if key(r) in trained]
+    if seen:
+        log.warning("data.eval: %d of %d prompts are in a training split too (the first: eval rows %s); their "
+                    "accuracy measures recall as much as skill", len(seen), len(splits["eval"]), seen[:5])
+    return len(seen)
 
 
 def held_out_pairs(pairs: list[dict], seed: int) -> tuple[list[dict], list[dict]]:
@@ -90,7 +108,7 @@ def prepare_data(stage: PlannedStage, inputs: DataInputs, ctx: RunContext) -> St
         from engines import lengths, models
 
         out = output.dir
-        splits, left_out = build_splits(cfg.data, cfg.seed)
+        splits, counted = build_splits(cfg.data, cfg.seed)
         model_dir = ctx.tokenizer_dir(inputs.model)
         measured = lengths.measure(models.load_tokenizer(model_dir), splits)
         limits = lengths.resolve(cfg.data, measured, models.max_positions(model_dir))
@@ -99,7 +117,7 @@ def prepare_data(stage: PlannedStage, inputs: DataInputs, ctx: RunContext) -> St
         for name in SPLITS:
             load.write_jsonl(splits[name], str(out / f"{name}.jsonl"))
         metrics = {f"data/{name}_rows": float(len(splits[name])) for name in SPLITS}
-        metrics.update({f"data/{name}_left_out": float(n) for name, n in left_out.items()})
+        metrics.update({f"data/{name}": float(n) for name, n in counted.items()})
         metrics.update({f"data/{name}_{k}": float(v) for name, m in measured.items() for k, v in m.stats().items()})
         metrics.update(limits.metrics())
         run.log_metrics(metrics)

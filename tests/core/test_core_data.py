@@ -770,7 +770,7 @@ def test_identical_preference_pairs_are_left_out_counted_and_said(tmp_path, capl
         splits, left_out = build_splits(cfg, seed=0)
     kept = [p for i, p in enumerate(pairs) if i not in (2, 5)]
     assert sorted(splits["preference"] + splits["eval_preference"], key=pairs.index) == kept
-    assert left_out == {"preference_ties": 2}
+    assert left_out["preference_ties_left_out"] == 2
     assert any(f"{path}: 2 of 8 preference pairs have the same chosen and rejected reply" in r.getMessage()
                for r in caplog.records)
 
@@ -897,3 +897,27 @@ def test_a_null_float_answer_is_no_answer(tmp_path):
     path.write_text('{"prompt": "p", "answer": NaN}\n{"prompt": "q", "answer": 72.0}\n')
     assert load_records(DatasetSource(path=str(path)), "prompts") == [{"prompt": "p", "answer": None},
                                                                       {"prompt": "q", "answer": "72.0"}]
+
+
+def test_eval_prompts_also_trained_on_are_counted_and_said(tmp_path, caplog):
+    """Held-out prompts found in a training split: their accuracy is partly recall. Counted and said, not removed.
+    A prompt is its row but its answer and replies: another environment state is another prompt."""
+    from alignflow.config import DataConfig
+    from tasks.stages.data import build_splits, seen_in_training
+
+    sft = _jsonl(tmp_path / "sft.jsonl", [{"prompt": "2+2?", "response": "4"}, {"prompt": "3+3?", "response": "6"}])
+    ev = _jsonl(tmp_path / "eval.jsonl", [{"prompt": "5+5?", "answer": "10"}, {"prompt": "3+3?", "answer": "6"},
+                                          {"prompt": "2+2?", "answer": "4", "table": {"a": 1}}])
+    pref = _jsonl(tmp_path / "pref.jsonl", [{"prompt": "7+7?", "chosen": "14", "rejected": "15"}])
+    cfg = DataConfig(source="files", sft=DatasetSource(path=sft), eval=DatasetSource(path=ev),
+                     preference=DatasetSource(path=pref))
+    with caplog.at_level("WARNING", logger="alignflow"):
+        splits, counted = build_splits(cfg, seed=0)
+    assert counted == {"preference_ties_left_out": 0, "eval_prompts_in_training": 1}
+    assert [r["prompt"] for r in splits["eval"]] == ["5+5?", "3+3?", "2+2?"]  # kept
+    assert any("data.eval: 1 of 3 prompts are in a training split too (the first: eval rows [2])" in r.getMessage()
+               for r in caplog.records)
+    boxes = {"prompts": [{"prompt": "box 1?", "answer": "7", "boxes": {"1": 7}}], "sft": [], "preference": [],
+             "preference_unpaired": [], "eval": [{"prompt": "box 1?", "answer": "3", "boxes": {"1": 3}},
+                                                 {"prompt": "box 1?", "answer": "9", "boxes": {"1": 7}}]}
+    assert seen_in_training(boxes) == 1  # the same question of other boxes is another prompt
