@@ -152,8 +152,11 @@ def load_weights(module: torch.nn.Module, zero_stage: int, directory: str | Path
     from safetensors import safe_open
 
     state, files = module.state_dict(keep_vars=True), weight_files(directory)
-    tied = set(getattr(module, "_tied_weights_keys", None) or [])
-    missing, unexpected = [k for k in state if k not in files and k not in tied], sorted(set(files) - set(state))
+    # Tied: the very tensor of a saved name (transformers' class-level _tied_weights_keys names lm_head
+    # whether or not this model ties it, so an untied head missing from the files would pass by it).
+    saved = {id(state[k]) for k in files if k in state}
+    missing = [k for k in state if k not in files and id(state[k]) not in saved]
+    unexpected = sorted(set(files) - set(state))
     if unexpected or missing:
         raise RuntimeError(f"weights in {directory} do not match the model: missing={missing} unexpected={unexpected}")
     done: set[int] = set()

@@ -256,3 +256,25 @@ def test_load_weights_names_a_missing_weight(tiny_model, tmp_path):
               metadata={"format": "pt"})
     with pytest.raises(RuntimeError, match=f"missing=\\['{dropped}'\\]"):
         load_weights(model, 0, tmp_path)
+
+
+def test_an_untied_output_layer_missing_from_the_files_is_named(tmp_path):
+    """Qwen2's class names lm_head tied whether or not the model ties it: only a head that *is* the embedding
+    may be absent from the files; an untied one left out would keep the base model's head on resume."""
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from engines.train.state import load_weights
+
+    for tie in (True, False):
+        model = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                             num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=tie))
+        model.save_pretrained(tmp_path / str(tie))
+        weights = load_file(str(tmp_path / str(tie) / "model.safetensors"))
+        save_file({k: v for k, v in weights.items() if k != "lm_head.weight"},
+                  str(tmp_path / str(tie) / "model.safetensors"), metadata={"format": "pt"})
+        if tie:
+            load_weights(model, 0, tmp_path / str(tie))
+        else:
+            with pytest.raises(RuntimeError, match=r"missing=\['lm_head.weight'\]"):
+                load_weights(model, 0, tmp_path / str(tie))
