@@ -256,8 +256,11 @@ class VLLMEngine(SleepState):
     def receive_weights(self) -> None:
         self._awake("update weights", needs=("weights",))
         self.llm.collective_rpc("alignflow_receive", args=self._plan)
-        # Without this, prompts longer than one cache block reuse stale KV.
-        self.llm.reset_prefix_cache()
+        # Without this, prompts longer than one cache block reuse stale KV. vLLM declines (False) while a
+        # running request holds blocks, which then stay reusable: every caller aborts its requests first.
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM kept its prefix cache after a weight update: requests still running hold KV "
+                               "blocks computed with the old weights, which later prompts would reuse")
 
     def close(self) -> None:
         """Tear the engine down so this process can build another (engines/rollout/host.py). The engine's

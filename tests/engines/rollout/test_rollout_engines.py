@@ -368,3 +368,31 @@ def test_a_gpu_engines_own_ray_workers_compile_too(ray_local):
 
     cpu, gpu = (Engine.options(**compiling_env(on_gpu)).remote() for on_gpu in (False, True))
     assert ray.get([cpu.worker_env.remote(), gpu.worker_env.remote()]) == ["1", "0"]
+
+
+def test_a_prefix_cache_vllm_keeps_after_an_update_is_an_error():
+    """vLLM declines to reset its prefix cache (returns False) while a running request holds blocks: those
+    blocks, computed with the old weights, would serve later prompts. The update raises instead of going on.
+    (A request running through an update is what every caller prevents; a stand-in for vLLM shows the guard.)"""
+    from engines.rollout.vllm_engine import VLLMEngine
+
+    class Declining:
+        def __init__(self, ok: bool):
+            self.ok, self.calls = ok, []
+
+        def collective_rpc(self, method, args=()):
+            self.calls.append(method)
+
+        def reset_prefix_cache(self):
+            self.calls.append("reset")
+            return self.ok
+
+    for ok in (True, False):
+        engine = VLLMEngine.__new__(VLLMEngine)
+        engine.llm, engine._plan = Declining(ok), ([], 1)
+        if ok:
+            engine.receive_weights()
+        else:
+            with pytest.raises(RuntimeError, match="vLLM kept its prefix cache after a weight update"):
+                engine.receive_weights()
+        assert engine.llm.calls == ["alignflow_receive", "reset"]
