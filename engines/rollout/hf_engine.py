@@ -10,6 +10,34 @@ from engines.rollout.texts import response_texts
 from engines.transport.wire import TransportGroup, check_specs, plan_buckets, receive_buckets
 
 
+class PickedLogprobs:
+    """A logits processor, last in `generate`'s list, keeping the log-prob of each sampled token under the scores
+    it was drawn from (after temperature and top_p: vLLM's processed_logprobs, engines/rollout/vllm_engine.py).
+    One step's log-softmax is held until the next step shows the token it drew, so memory is one (rows, vocab)
+    matrix, where `output_scores` kept every step's scores (rows x new tokens x vocab floats: 40 GB for 512
+    rows of 128 tokens over Qwen's 151,936) and a log-softmax of them all beside it."""
+
+    def __init__(self):
+        self.last, self.picked = None, []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self._take(input_ids[:, -1])
+        self.last = torch.log_softmax(scores.float(), -1)
+        return scores
+
+    def _take(self, tokens: torch.Tensor) -> None:
+        if self.last is not None:
+            self.picked.append(self.last.gather(-1, tokens.unsqueeze(-1)).squeeze(-1))
+            self.last = None
+
+    def of(self, sequences: torch.Tensor) -> torch.Tensor:
+        """(rows, new tokens) log-probs of `sequences`, the generated tokens: the last step's token is drawn
+        now, unless generate undid steps it had run (its deferred stop checks), whose log-probs are dropped."""
+        if len(self.picked) < sequences.shape[1]:
+            self._take(sequences[:, -1])
+        return torch.stack(self.picked[: sequences.shape[1]], 1)
+
+
 class HFEngine(SleepState):
     """transformers `generate`: the baseline in benchmarks, a user-selectable fallback.
 
@@ -50,20 +78,22 @@ class HFEngine(SleepState):
         # Left padding so every prompt ends where generation starts.
         ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in prompt_ids], device=self.device)
         attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids], device=self.device)
-        out = self.model.generate(
+        from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
+
+        picked = PickedLogprobs()
+        warpers = [TemperatureLogitsWarper(sampling.temperature)] if 0 < sampling.temperature != 1 else []
+        warpers += [TopPLogitsWarper(sampling.top_p)] if sampling.temperature > 0 and sampling.top_p < 1 else []
+        seqs = self.model.generate(
             input_ids=ids, attention_mask=attn, do_sample=sampling.temperature > 0,
-            temperature=sampling.temperature or None, top_p=sampling.top_p,
+            # Temperature and top_p as processors of our own, ahead of `picked`: transformers puts a caller's
+            # processors before the warpers it makes itself, so `picked` would see the scores unwarped.
+            temperature=None, top_p=None, logits_processor=LogitsProcessorList([*warpers, picked]),
             top_k=0,  # transformers defaults to 50: sample the full distribution, as vLLM does
             max_new_tokens=sampling.max_new_tokens, num_return_sequences=sampling.n,
             min_new_tokens=sampling.max_new_tokens if sampling.ignore_eos else None,
-            output_scores=True, return_dict_in_generate=True, pad_token_id=tok.pad_token_id,
-            eos_token_id=self.eos_ids,
-        )
-        seqs = out.sequences[:, width:]
-        # The scores after temperature and top_p: log-probs of the distribution each token was drawn from, as
-        # vLLM's processed_logprobs (engines/rollout/vllm_engine.py).
-        logp = torch.stack([torch.log_softmax(s.float(), -1) for s in out.scores], 1)
-        picked = torch.gather(logp, -1, seqs.unsqueeze(-1)).squeeze(-1).cpu()
+            pad_token_id=tok.pad_token_id, eos_token_id=self.eos_ids,
+        )[:, width:]
+        picked = picked.of(seqs).cpu()
         seqs = seqs.cpu()
         rows = []
         for row in range(seqs.shape[0]):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 
+import math
+
 import pytest
 import ray
 import torch
@@ -396,3 +398,40 @@ def test_a_prefix_cache_vllm_keeps_after_an_update_is_an_error():
             with pytest.raises(RuntimeError, match="vLLM kept its prefix cache after a weight update"):
                 engine.receive_weights()
         assert engine.llm.calls == ["alignflow_receive", "reset"]
+
+
+def _top_p_logprobs(model_path, rollouts, temperature: float, top_p: float) -> list[list[float]]:
+    """Per-token log-probs of the distribution each token was drawn from, recomputed: logits / T, the smallest
+    set of most likely tokens whose probability reaches top_p kept, renormalised (Holtzman et al. 2020)."""
+    model = _hf_model(model_path)
+    out = []
+    with torch.no_grad():
+        for r in rollouts:
+            logits = model(input_ids=torch.tensor([r.prompt_ids + r.token_ids])).logits[0].double() / temperature
+            row = []
+            for i, t in enumerate(r.token_ids):
+                probs = torch.softmax(logits[len(r.prompt_ids) - 1 + i], -1)
+                order = torch.argsort(probs, descending=True)
+                before = torch.cumsum(probs[order], 0) - probs[order]  # mass of the more likely tokens
+                kept = order[before < top_p]
+                row.append(math.log(probs[t].item() / probs[kept].sum().item()) if t in kept.tolist() else -math.inf)
+            out.append(row)
+    return out
+
+
+def test_hf_logprobs_are_taken_step_by_step_after_temperature_and_top_p(policy, prompts):
+    """The HF engine keeps one step's log-softmax at a time (not every step's scores: 40 GB at 512 x 128 tokens
+    over a 152k vocabulary) and takes it after its own temperature and top_p, as vLLM's processed_logprobs."""
+    from engines.rollout.hf_engine import HFEngine, PickedLogprobs
+
+    engine = HFEngine(str(policy), seed=3)
+    for sampling in (Sampling(n=2, temperature=0.7, top_p=0.8, max_new_tokens=8),
+                     Sampling(n=1, temperature=0.0, max_new_tokens=8)):
+        out = engine.generate(prompts[:3], sampling)
+        reference = (_top_p_logprobs(policy, out, sampling.temperature, sampling.top_p) if sampling.temperature
+                     else _hf_logprobs(policy, out))
+        assert _max_diff(out, reference) <= 1e-4, sampling
+    picked = PickedLogprobs()  # generate undid a step it ran: the log-probs of the tokens it kept
+    for seen in ([5], [5, 1], [5, 1, 0]):  # three steps run: tokens 1, 0 and one more drawn, then undone
+        picked(torch.tensor([seen]), torch.log(torch.tensor([[0.25, 0.75]])))
+    assert picked.of(torch.tensor([[1, 0]])).tolist()[0] == pytest.approx([math.log(0.75), math.log(0.25)])
