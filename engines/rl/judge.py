@@ -16,7 +16,7 @@ from alignflow.config.round.judge import JudgeRewardConfig
 from alignflow.errors import ConfigError
 from alignflow.config.round.verdicts import parse_verdict
 from engines.batches import render_prompt
-from engines.rl.rewards import ScoredText
+from engines.rl.rewards import ScoredText, prompt_text
 from engines.rollout.base import Sampling
 
 
@@ -27,6 +27,27 @@ def judge_positions(model_positions: int, generation, field: str) -> int:
         return generation.engine_positions(model_positions)
     except ValueError as err:
         raise ConfigError(f"{field}: {err}") from None
+
+
+LONGEST_RENDERED = 256  # prompts rendered to find the longest judge prompt: the longest by characters
+
+
+def round_judge_positions(model_positions: int, cfg: JudgeRewardConfig, field: str, *, judge_tokenizer,
+                          policy_tokenizer, records: list[dict], response_tokens: int) -> int:
+    """A round's judge engine positions. `max_model_len` where set; else, where the judge reads the policy's
+    tokens (one vocabulary), what its prompts can need: the longest judge prompt of the round's prompts with an
+    empty response, plus `response_tokens` (a response's most: max_new_tokens, an episode's tokens) and a
+    tenth more for text retokenised at the template's seams, plus the verdict; at most the model's positions.
+    vLLM holds KV cache for one sequence of max_model_len to start: a long-context judge's whole context
+    (131072 for Llama 3.1) would not fit a shared GPU. A judge of another vocabulary counts a response's
+    tokens otherwise: it keeps the model's positions (longer prompts are counted as judge/overlong either way)."""
+    g = cfg.generation
+    if g.max_model_len is not None or judge_tokenizer.get_vocab() != policy_tokenizer.get_vocab():
+        return judge_positions(model_positions, g, field)
+    longest = sorted(records, key=lambda r: len(prompt_text(r["prompt"])) + len(r.get("answer") or ""))
+    items = [ScoredText(prompt_text(r["prompt"]), "", r.get("answer")) for r in longest[-LONGEST_RENDERED:]]
+    empty = max((len(ids) for ids in Judge.prompt_ids(judge_tokenizer, cfg, items)), default=0)
+    return min(model_positions, empty + response_tokens + -(-response_tokens // 10) + g.max_new_tokens)
 
 
 def judge_messages(template: str, item: ScoredText) -> list[dict]:

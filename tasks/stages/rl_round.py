@@ -13,7 +13,7 @@ from alignflow.errors import ConfigError
 from alignflow.records import StageResult
 from engines import batches, models
 from engines.placement.groups import TIMEOUT_S as NODES_WAIT_S
-from engines.rl.judge import judge_positions
+from engines.rl.judge import round_judge_positions
 from engines.rl.round import RLRound
 from engines.rl.round_models import RoundSetup
 from engines.rollout.agentic import episode_prompts
@@ -57,9 +57,12 @@ def rl_round(stage: PlannedStage, inputs: RoundInputs, ctx: RunContext) -> Stage
             max_model_len=model_len, seed=cfg.seed,
             nodes_wait_s=NODES_WAIT_S if ctx.infra.ray_address else 0.0,  # a cluster may grow; a local Ray cannot
             judge_path=ctx.ref(inputs.judge),
-            judge_max_model_len=judge_positions(
-                models.max_positions(ctx.tokenizer_dir(inputs.judge)), round_cfg.reward.judge.generation,
-                f"{field}.reward.judge.generation.max_model_len")
+            judge_max_model_len=round_judge_positions(
+                models.max_positions(ctx.tokenizer_dir(inputs.judge)), round_cfg.reward.judge,
+                f"{field}.reward.judge.generation.max_model_len",
+                judge_tokenizer=models.load_tokenizer(ctx.tokenizer_dir(inputs.judge)), policy_tokenizer=tokenizer,
+                records=[r for _, r in prompts],
+                response_tokens=env.max_episode_tokens if env else round_cfg.generation.max_new_tokens)
             if inputs.judge else None,
         )
         if setup.judge_max_model_len:  # the judge engine's positions: its prompts past them are rl/judge/overlong

@@ -63,8 +63,9 @@ class JudgeGeneration(GenerationConfig):
     max_model_len: int | None = Field(
         None, ge=2, description="positions the judge's engine holds, a judge prompt and its verdict together; "
         "vLLM needs KV cache for one such sequence to start, so lower it for a long-context judge on a shared "
-        "GPU. Longer judge prompts are counted (judge/overlong) and score unparsed_reward; None: the judge "
-        "model's max_position_embeddings")
+        "GPU. Longer judge prompts are counted (judge/overlong) and score unparsed_reward; None: in a round, what "
+        "its prompts can need (the longest with a response of the round's most tokens, a tenth more, and the "
+        "verdict) where the judge shares the policy's vocabulary, else the judge model's max_position_embeddings")
 
     def engine_positions(self, model_positions: int) -> int:
         """The judge engine's positions: max_model_len, or the model's own; more than the model has is a

@@ -114,3 +114,32 @@ def test_a_grpo_step_rewarded_by_the_judge(ray_local, tiny_model, tokenizer, pro
     torch.testing.assert_close(out.experience.task_rewards, torch.tensor(expected), rtol=0, atol=0)
     assert out.metrics["judge/unparsed"] == unparsed
     assert out.metrics["reward/judge"] == pytest.approx(sum(expected) / len(expected))
+
+
+def test_a_rounds_judge_engine_holds_what_its_prompts_can_need(tokenizer, prompts):
+    """Not the judge model's whole context (131072 for Llama 3.1, more KV cache than a shared GPU has for one
+    sequence): the longest judge prompt with an empty response, the round's most response tokens and a tenth
+    more, and the verdict. A judge of another vocabulary, or a max_model_len set, keeps the old answer."""
+    import copy
+
+    from alignflow.config.round.judge import JudgeRewardConfig
+    from engines.rl.judge import Judge, round_judge_positions
+    from engines.rl.rewards import ScoredText, prompt_text
+
+    cfg = JudgeRewardConfig(**JUDGE)
+    records = [r for _, r in prompts]
+    empty = max(len(ids) for ids in Judge.prompt_ids(tokenizer, cfg, [
+        ScoredText(prompt_text(r["prompt"]), "", r.get("answer")) for r in records]))
+    kw = dict(judge_tokenizer=tokenizer, policy_tokenizer=tokenizer, records=records, response_tokens=40)
+    assert round_judge_positions(131072, cfg, "f", **kw) == empty + 40 + 4 + 3
+    assert round_judge_positions(30, cfg, "f", **kw) == 30  # never past the model's
+    other = copy.deepcopy(tokenizer)
+    other.add_tokens(["<extra_judge_token>"])
+    assert round_judge_positions(131072, cfg, "f", **{**kw, "judge_tokenizer": other}) == 131072
+    capped = JudgeRewardConfig(**{**JUDGE, "generation": {**JUDGE["generation"], "max_model_len": 90}})
+    assert round_judge_positions(131072, capped, "f", **kw) == 90
+    # The bound holds: a response of 40 tokens, any of them, fits the longest prompt's judge prompt.
+    longest = max(records, key=lambda r: len(prompt_text(r["prompt"])))
+    response = tokenizer.decode(tokenizer(" 7 9 3" * 40, add_special_tokens=False)["input_ids"][:40])
+    [ids] = Judge.prompt_ids(tokenizer, cfg, [ScoredText(prompt_text(longest["prompt"]), response, longest["answer"])])
+    assert len(ids) + 3 <= round_judge_positions(131072, cfg, "f", **kw)
