@@ -6,7 +6,8 @@ keeps its top-k next-token log-probs at every response position, one column per 
 k, so that a change of the student's training settings does not run the teacher again. distill then
 fine-tunes SFT on the same rows toward them (engines/train/objectives.py topk_distill_objective). A
 teacher token the student's output layer has no row for (a larger, padded vocabulary) is left out of the
-top-k and counted, when the teacher's pass is kept and again when it is read.
+top-k and counted, when the teacher's pass is kept and again when it is read. The pass is written into its
+file piece by piece and read back mapped (engines/tensor_files.py): neither stage holds all of it in memory.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 from alignflow.cluster import ensure_ray
 from alignflow.errors import ConfigError
 from alignflow.records import StageResult
-from engines import batches, models
+from engines import batches, models, tensor_files
 from engines.rl.scoring import scoring
 from engines.train import objectives
 from tasks.context import RunContext, StageOutput, compute_stage
@@ -32,6 +33,7 @@ from tasks.stages.train import train_stage
 log = logging.getLogger("alignflow")
 
 TEACHER_FILE = "teacher_topk.safetensors"
+PIECE_BYTES = 2**28  # rows of the teacher's top-k computed, checked and written at a time (8 bytes an entry)
 # The log-prob given to a teacher's top-k token the student has no output row for: e^-10000 is 0 in
 # float32, so the renormalised top-k leaves it out, while the KL's q * (log q - s) stays finite (0).
 NO_STUDENT_ROW = -1e4
@@ -54,6 +56,21 @@ def drop_ids_past(logprobs: torch.Tensor, ids: torch.Tensor, rows: int) -> tuple
     return logprobs, ids, dropped
 
 
+def dropped_by_rows(logprobs: torch.Tensor, ids: torch.Tensor, rows: int) -> dict:
+    """drop_ids_past over pieces of rows (at most PIECE_BYTES of entries each), its results written back in
+    place: a whole cache's temporaries are never held at once, and a mapped cache (tensor_files.mapped)
+    keeps the file's pages where nothing is dropped. Returns what was dropped, as drop_ids_past."""
+    per, parts = max(1, PIECE_BYTES // max(1, ids[0].numel() * 8)), []
+    for i in range(0, len(ids), per):
+        new_logprobs, new_ids, dropped = drop_ids_past(logprobs[i:i + per], ids[i:i + per], rows)
+        if dropped["entries"]:
+            logprobs[i:i + per], ids[i:i + per] = new_logprobs, new_ids
+        parts.append(dropped)
+    return {"entries": sum(p["entries"] for p in parts), "mass": sum(p["mass"] for p in parts),
+            "positions": torch.cat([p["positions"] for p in parts]) if parts else torch.zeros(ids.shape[:2],
+                                                                                            dtype=torch.bool)}
+
+
 def _say_dropped(stage: str, dropped: dict, k: int) -> None:
     empty = int(dropped["positions"].sum())
     if dropped["entries"] or empty:
@@ -71,8 +88,6 @@ def distill_teacher(stage: PlannedStage, inputs: DistillTeacherInputs, ctx: RunC
     cfg: DistillTeacherStage = stage.config
 
     def compute(output: StageOutput, run) -> dict[str, float]:
-        from safetensors.torch import save_file
-
         student_dir = ctx.tokenizer_dir(inputs.student)
         student = models.load_tokenizer(student_dir)
         teacher_dir = ctx.tokenizer_dir(inputs.teacher)
@@ -84,23 +99,37 @@ def distill_teacher(stage: PlannedStage, inputs: DistillTeacherInputs, ctx: RunC
         p = cfg.placement
         if p.num_gpus:
             ensure_ray(ctx.infra)
+        # Written piece by piece into the file, which is the cache: the whole of it (rows x width x k x 8
+        # bytes, 13 GB at 20k rows of 4096 tokens and k = 20) is never in memory at once.
+        shape = (*columns.shape, cfg.top_k)
+        cache = tensor_files.create(output.dir / TEACHER_FILE, {"logprobs": (shape, torch.float32),
+                                                                "ids": (shape, torch.int32),
+                                                                "positions": (columns.shape, torch.int32)})
+        cache["positions"].copy_(columns)
+        per, rows = max(1, PIECE_BYTES // (shape[1] * shape[2] * 8)), models.output_rows(student_dir)
+        mass, dropped = 0.0, []
+        topk = functools.partial(objectives.topk_next_tokens, k=cfg.top_k, width=columns.shape[1])
         with scoring(ctx.ref(inputs.teacher), None, num_cpus=p.num_cpus, num_gpus=p.num_gpus, resources=p.resources,
                      cpu_cores=p.cpu_cores,
                      dtype=cfg.io.dtype, torch_threads=ctx.infra.torch_threads,
                      attn_implementation=cfg.io.attn_implementation, micro_batch_size=cfg.scoring_micro_batch_size,
                      micro_batch_tokens=cfg.scoring_micro_batch_tokens) as call:
-            top = call("reference_map", tensors, functools.partial(objectives.topk_next_tokens, k=cfg.top_k,
-                                                                    width=columns.shape[1]))
-        logprobs, ids, dropped = drop_ids_past(top[..., 0].float(), top[..., 1].to(torch.int32),
-                                               models.output_rows(student_dir))
+            for start in range(0, shape[0], per):
+                top = call("reference_map", batches.take(tensors, torch.arange(start, min(start + per, shape[0]))),
+                           topk)
+                logprobs, ids, piece = drop_ids_past(top[..., 0].float(), top[..., 1].to(torch.int32), rows)
+                dropped.append(piece)
+                cache["logprobs"][start:start + per], cache["ids"][start:start + per] = logprobs, ids
+                mass += float(logprobs.exp().sum(-1)[columns[start:start + per] >= 0].sum())
+        del cache
+        dropped = {"entries": sum(d["entries"] for d in dropped), "mass": sum(d["mass"] for d in dropped),
+                   "positions": torch.cat([d["positions"] for d in dropped])}
         _say_dropped(stage.name, dropped, cfg.top_k)
-        save_file({"logprobs": logprobs.contiguous(), "ids": ids.contiguous(), "positions": columns.to(torch.int32)},
-                  str(output.dir / TEACHER_FILE))
         mask = columns >= 0
-        kept = logprobs.exp().sum(-1)[mask]  # the teacher's probability mass in its top-k, per position
         metrics = {"distill/rows": float(mask.shape[0]), "distill/positions": float(mask.sum()),
                    "distill/teacher_ids_past_student": float(dropped["entries"]),
-                   "distill/teacher_topk_mass": kept.mean().item() if len(kept) else 0.0}
+                   # the teacher's probability mass in its top-k, the mean over positions
+                   "distill/teacher_topk_mass": mass / max(1, int(mask.sum()))}
         run.log_metrics(metrics)
         return metrics
 
@@ -118,7 +147,8 @@ def with_teacher(tensors: dict[str, torch.Tensor], cached: dict[str, torch.Tenso
     if kept_at is None or not torch.equal(kept_at.long(), columns):
         raise ConfigError(f"{where}: the teacher's cached response positions are not the SFT rows' "
                           f"({int((columns >= 0).sum())} in {len(columns)} rows); rerun distill_teacher")
-    logprobs, ids, dropped = drop_ids_past(cached["logprobs"], cached["ids"], output_rows)
+    logprobs, ids = cached["logprobs"], cached["ids"]
+    dropped = dropped_by_rows(logprobs, ids, output_rows)  # in place: a mapped cache's pages copied where changed
     _say_dropped(where, dropped, ids.shape[-1])
     loss_mask = tensors["loss_mask"].clone()
     empty = dropped["positions"]
@@ -129,11 +159,10 @@ def with_teacher(tensors: dict[str, torch.Tensor], cached: dict[str, torch.Tenso
 
 def distill(stage: PlannedStage, inputs: OfflineDistillInputs, ctx: RunContext) -> StageResult:
     """SFT's policy trained toward the cached teacher distributions, row for row."""
-    from safetensors.torch import load_file
-
     def to_tensors(tokenizer, records, limits):
         tensors, report = batches.sft_tensors(tokenizer, records, limits.prompt, limits.response)
-        cached = load_file(str(ctx.storage().fetch(ctx.uri(inputs.teacher)) / TEACHER_FILE))
+        # Mapped: each step reads its rows from the file (kept on local disk by the storage's fetch).
+        cached = tensor_files.mapped(ctx.storage().fetch(ctx.uri(inputs.teacher)) / TEACHER_FILE)
         return with_teacher(tensors, cached, models.output_rows(ctx.tokenizer_dir(inputs.init)), stage.name), report
 
     return train_stage(stage, inputs, ctx, kind="causal", split="sft", objective=objectives.topk_distill_objective,

@@ -232,3 +232,29 @@ def test_a_distillation_micro_batch_cut_to_its_rows_keeps_every_teacher_column(t
         cut = sum(topk_distill_objective(student, p)[0].item() * int(p["loss_mask"].sum()) for p in parts)
     assert cut == pytest.approx(whole, rel=1e-5)
     assert sum(int((p["teacher_positions"] >= 0).sum()) for p in parts) == int(batch["loss_mask"].sum())
+
+
+def test_a_mapped_cache_read_in_pieces_gives_what_the_whole_does(tiny_model, teacher, rows, tmp_path, monkeypatch):
+    """distill reads the teacher's file mapped (engines/tensor_files.py) and drops ids past the student's rows a
+    piece of rows at a time, in place: the same batch as the whole cache in memory, and the file unchanged."""
+    from safetensors.torch import load_file
+
+    from engines import tensor_files
+    from engines.train.objectives import loss_columns
+    from tasks.stages import distill
+
+    top = _top(teacher, rows)
+    columns = loss_columns(rows["loss_mask"])
+    whole = {"logprobs": top[..., 0].clone(), "ids": top[..., 1].to(torch.int32), "positions": columns.to(torch.int32)}
+    student_rows = int(whole["ids"].max())  # the top id is past the student's rows: dropped wherever it is
+    views = tensor_files.create(tmp_path / "t.safetensors", {k: (tuple(v.shape), v.dtype) for k, v in whole.items()})
+    for k, v in whole.items():
+        views[k].copy_(v)
+    del views
+    monkeypatch.setattr(distill, "PIECE_BYTES", 1)  # a row a piece
+    expected = distill.with_teacher(rows, {k: v.clone() for k, v in whole.items()}, student_rows, "distill")
+    got = distill.with_teacher(rows, tensor_files.mapped(tmp_path / "t.safetensors"), student_rows, "distill")
+    assert int(whole["ids"].eq(student_rows).sum()) > 0
+    for k in ("loss_mask", "teacher_ids", "teacher_logprobs", "teacher_positions"):
+        assert torch.equal(got[k], expected[k]), k
+    assert torch.equal(load_file(str(tmp_path / "t.safetensors"))["ids"], whole["ids"])  # the cache as written
