@@ -3,7 +3,8 @@
 The task body is the same for every kind: the upstream results arrive by
 input name (Prefect resolves the futures), become the kind's typed inputs
 object, and go to the kind's own function. User errors (wrong config or
-data) are not retried: the same input would fail the same way.
+data) are not retried: the same input would fail the same way; nor is an
+input found corrupt, which is set aside so that the next run computes it.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 
 from alignflow.errors import UserError
 from alignflow.records import StageResult
+from alignflow.store.faults import CORRUPT, CorruptInput, corrupt_artifacts
 from tasks.context import RunContext
 from tasks.plan import PlannedStage
 from tasks.registry import STAGE_KINDS, StageKind
@@ -30,6 +32,9 @@ def run_stage(stage: PlannedStage, inputs: dict[str, StageResult], ctx: RunConte
     reused = pool.counts.reused if pool is not None else 0
     try:
         result = kind.runner()(stage, kind.inputs.model_validate(inputs), ctx)
+    except Exception as err:
+        set_aside_corrupt_inputs(err, stage, inputs, ctx)
+        raise
     finally:
         message = _resumed.pop(_task_run_id(), None)  # a stage that failed after resuming leaves nothing behind
         if pool is not None and pool.counts.reused > reused:
@@ -40,6 +45,26 @@ def run_stage(stage: PlannedStage, inputs: dict[str, StageResult], ctx: RunConte
     from prefect.states import Completed
 
     return Completed(message=message, data=result)
+
+
+def set_aside_corrupt_inputs(err: Exception, stage: PlannedStage, inputs: dict[str, Any], ctx: RunContext) -> None:
+    """Where `err` comes of an input whose files no longer match its manifest (changed at the same size after
+    its commit: the cache's check before a stage runs compares sizes only), set that input aside and raise
+    CorruptInput, not retried: every retry would read the same files, and Prefect's cache would hand the
+    input on again at the next run. Set aside (uncommitted, its files kept), it is computed again then."""
+    found = corrupt_artifacts(err)
+    storage = ctx.storage()
+    for name, result in inputs.items():
+        if not found or not isinstance(result, StageResult):
+            continue
+        uri = ctx.uri(result)
+        bad = [c for c in found if c.uri == uri or c.uri.startswith(f"{uri}/")]
+        if bad:
+            aside = storage.set_aside(uri) if storage.is_committed(uri) else "set aside already"
+            raise CorruptInput(f"{stage.name}: its input {name!r} ({result.stage} at {uri}) no longer matches its "
+                               f"manifest ({str(bad[0]).split(CORRUPT, 1)[-1]}): set aside ({aside}); run the "
+                               f"pipeline again and {result.stage} is computed again, then the stages after it"
+                               ) from err
 
 
 def _task_log() -> logging.Logger | logging.LoggerAdapter:
@@ -92,7 +117,7 @@ def stage_cache_key(context: Any, parameters: dict[str, Any]) -> str:
 def retry_unless_user_error(task: Any, task_run: Any, state: Any) -> bool:
     try:
         state.result()
-    except UserError:
+    except (UserError, CorruptInput):
         return False
     except BaseException:
         return True

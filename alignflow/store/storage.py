@@ -25,18 +25,13 @@ from typing import Any
 import fsspec
 from filelock import FileLock
 
+# Raised here, and imported from here by the modules that catch them.
+from alignflow.store.faults import CORRUPT, CorruptArtifact, StorageError  # noqa: F401
+
 MANIFEST = "manifest.json"
 CACHE_ENV = "ALIGNFLOW_CACHE_DIR"  # a node's own cache directory (Storage.node_cache)
 log = logging.getLogger("alignflow")
 _CHECKPOINT_DIR = re.compile(r"step-(\d+)$")
-
-
-class StorageError(RuntimeError):
-    """A missing, uncommitted or corrupted artifact."""
-
-
-class CorruptArtifact(StorageError):
-    """A committed artifact whose files no longer match its manifest (changed or lost after the commit)."""
 
 
 def is_local_uri(uri: str) -> bool:
@@ -188,7 +183,7 @@ class Storage:
                     self._download(uri, files, local)
         bad = _mismatches(local, files) if verify and fresh else []
         if bad:
-            raise CorruptArtifact(f"{uri}: files do not match the manifest: {', '.join(bad)}")
+            raise CorruptArtifact(f"{uri}{CORRUPT}{', '.join(bad)}")
         return local
 
     def _download(self, uri: str, files: dict[str, Any], local: Path) -> None:
@@ -203,7 +198,7 @@ class Storage:
                 try:
                     fs.get_file(f"{uri}/{rel}", str(tmp / rel))
                 except FileNotFoundError:  # lost after the commit (a lifecycle rule, a cleanup): corrupt, as locally
-                    raise CorruptArtifact(f"{uri}: files do not match the manifest: {rel} (not stored)") from None
+                    raise CorruptArtifact(f"{uri}{CORRUPT}{rel} (not stored)") from None
             if local.exists() and not _matches(local, files, check_digest=True):
                 shutil.rmtree(local, ignore_errors=True)  # a stale or broken copy
             try:

@@ -127,3 +127,47 @@ def test_user_errors_are_not_retried():
     assert retry_unless_user_error(None, None, Failed(data=DataError("f.jsonl, row 3: missing key"))) is False
     assert retry_unless_user_error(None, None, Failed(data=ConfigError("reward.rule cannot be imported"))) is False
     assert retry_unless_user_error(None, None, Completed(data=1)) is True
+
+
+def test_an_input_corrupted_at_its_size_is_set_aside_and_not_retried(ctx, tmp_path, monkeypatch):
+    """The cache's check before a stage runs compares sizes (one listing): an input changed at the same size was
+    handed on, and its dependant failed reading it at every retry, and at every later run. Found where it is
+    read, the input is set aside (uncommitted, files kept) and the error is not retried; the next run's
+    lost_artifact sees it uncommitted, and its stage runs again."""
+    import tasks.stages.train as train
+    from prefect.states import Failed
+
+    from alignflow.store.faults import CorruptArtifact, CorruptInput, corrupt_artifacts
+    from flows.stage_tasks import lost_artifact
+
+    plan = plan_pipeline(load_config(None, SMALL))
+    model = run_stage(plan.stages["base_model"], {}, ctx)
+    data = run_stage(plan.stages["data"], {"model": model}, ctx)
+    sft = tmp_path / "artifacts" / "data" / data.key / "sft.jsonl"
+    text = sft.read_text()
+    sft.write_text(text.replace('"', "'", 1))  # one byte, the size unchanged
+
+    def reads_its_data(stage, inputs, ctx):  # a stage body's first act: its input, fetched and verified
+        ctx.storage().fetch(ctx.uri(inputs.data))
+
+    monkeypatch.setattr(train, "sft", reads_its_data)
+    with pytest.raises(CorruptInput) as err:
+        run_stage(plan.stages["sft"], {"data": data, "init": model}, ctx)
+    assert str(err.value).startswith(f"sft: its input 'data' (data at {sft.parent}) no longer matches its manifest "
+                                     "(sft.jsonl (sha256 mismatch)): set aside (")
+    assert (sft.parent / "manifest.corrupt.json").exists() and not (sft.parent / "manifest.json").exists()
+    assert sft.read_text() != text  # the files are kept for a look
+    assert retry_unless_user_error(None, None, Failed(data=err.value)) is False
+    assert lost_artifact(ctx.storage(), str(sft.parent)) is True  # the next run computes data again
+
+    class RayTaskError(Exception):  # Ray's shape: the task's own exception as `cause`, the message a traceback
+        def __init__(self, cause):
+            super().__init__(f"ray::TrainWorker.load() (pid=1)\n  ...\n{type(cause).__name__}: {cause}")
+            self.cause = cause
+
+    inner = CorruptArtifact(f"{sft.parent}/x: files do not match the manifest: a (missing or wrong size)")
+    try:
+        raise RuntimeError("the round failed") from RayTaskError(inner)
+    except RuntimeError as outer:
+        [found] = corrupt_artifacts(outer)
+    assert found is inner and found.uri == f"{sft.parent}/x"
