@@ -171,3 +171,31 @@ def test_an_input_corrupted_at_its_size_is_set_aside_and_not_retried(ctx, tmp_pa
     except RuntimeError as outer:
         [found] = corrupt_artifacts(outer)
     assert found is inner and found.uri == f"{sft.parent}/x"
+
+
+def test_a_failure_after_the_commit_leaves_the_stage_run_finished(ctx, monkeypatch, caplog):
+    """Committed, a stage is done (a retry finds it committed and starts no run): pruning its checkpoints failing
+    left its MLflow run FAILED beside a good artifact. Now said, and the run FINISHED."""
+    from mlflow import MlflowClient
+
+    from alignflow.store.storage import Storage
+    from tasks.context import compute_stage
+
+    def refused(self, uri, keep_step=None):
+        raise PermissionError("s3: AccessDenied on delete")
+
+    monkeypatch.setattr(Storage, "prune_checkpoints", refused)
+    stage = plan_pipeline(load_config(None, SMALL)).stages["data"]
+
+    def compute(out, run):
+        (out.dir / "sft.jsonl").write_text("{}\n")
+        return {"data/sft_rows": 1.0}
+
+    with caplog.at_level("WARNING", logger="alignflow"):
+        result = compute_stage(ctx, stage, compute)
+    assert ctx.storage().is_committed(result.uri) and result.metrics == {"data/sft_rows": 1.0}
+    client = MlflowClient(ctx.infra.mlflow_tracking_uri)
+    [run] = client.search_runs([client.get_experiment_by_name(ctx.infra.mlflow_experiment).experiment_id])
+    assert run.info.status == "FINISHED"
+    assert any(f"data: committed at {result.uri}, but what follows the commit failed (PermissionError: s3: "
+               "AccessDenied on delete)" in r.getMessage() for r in caplog.records)
