@@ -27,27 +27,26 @@ def changed(given: BaseModel, default: BaseModel, prefix: str) -> list[str]:
 
 def note_unused_settings(cfg: PipelineConfig, found: Findings) -> None:
     unused: list[tuple[list[str], str]] = []
+    stale, idle = [], set()  # async rounds without tis_cap; critics nothing trains
     for i, r in enumerate(cfg.rounds):
         at = f"rounds.{i}"
         if not r.spec.critic:
+            idle.add(f"{at}.critic")
             unused.append((changed(r.critic, type(r.critic)(), f"{at}.critic"), f"{r.algorithm} has no critic"))
         if not r.partial_rollouts:
             default = type(r).model_fields["partial_tokens"].default
             unused.append(([f"{at}.partial_tokens"] * (r.partial_tokens != default),
                            "it sizes partial_rollouts' pieces, which are off"))
         unused.append(_vllm(r.generation, f"{at}.generation"))
+        if r.async_rollouts and r.ppo.tis_cap is None:
+            stale.append(
+                f"{at}.ppo.tis_cap: null: async_rollouts trains on samples up to max_staleness={r.max_staleness} "
+                f"update(s) old with no importance-sampling correction for the policy that sampled them "
+                f"({found.sources.of(f'{at}.ppo.tis_cap')})")
     if cfg.evaluation is not None:
         unused.append(_vllm(cfg.evaluation.generation, "evaluation.generation"))
-    for fields, why in unused:
-        if fields:
-            found.notes.append(f"{', '.join(fields)}: not used ({why}) ({found.sources.of(fields[0])})")
-    for i, r in enumerate(cfg.rounds):
-        if r.async_rollouts and r.ppo.tis_cap is None:
-            found.notes.append(
-                f"rounds.{i}.ppo.tis_cap: null: async_rollouts trains on samples up to max_staleness={r.max_staleness} "
-                f"update(s) old with no importance-sampling correction for the policy that sampled them "
-                f"({found.sources.of(f'rounds.{i}.ppo.tis_cap')})")
-    idle = {f"rounds.{i}.critic" for i, r in enumerate(cfg.rounds) if not r.spec.critic}
+    found.notes += [f"{', '.join(fields)}: not used ({why}) ({found.sources.of(fields[0])})"
+                    for fields, why in unused if fields] + stale
     if cfg.model.dtype != "float32" and (low := [at for at, e in engines(cfg, "") if e.zero_stage < 2
                                                  and at not in idle]):
         found.notes.append(

@@ -258,10 +258,15 @@ class Storage:
         fs, base = self._fs(), f"{stage_uri}/checkpoints"
         if not fs.exists(base):
             return
-        before = [s for s, _ in self.committed_checkpoints(stage_uri) if keep_step is not None and s < keep_step][:1]
-        for entry in fs.ls(base, detail=False):
-            m = _CHECKPOINT_DIR.search(entry.rstrip("/"))
-            if m and int(m.group(1)) not in (keep_step, *before):
+        steps = {int(m.group(1)): e.rstrip("/") for e in fs.ls(base, detail=False)
+                 if (m := _CHECKPOINT_DIR.search(e.rstrip("/")))}
+        keep = {keep_step} if keep_step is not None else set()
+        for step in sorted((s for s in steps if keep_step is not None and s < keep_step), reverse=True):
+            if fs.exists(f"{steps[step]}/{MANIFEST}"):  # the newest committed one before it: one listing in all
+                keep.add(step)
+                break
+        for step, entry in steps.items():
+            if step not in keep:
                 fs.rm(entry, recursive=True)
 
     def _normalize(self, path: str) -> str:
