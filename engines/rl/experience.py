@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -18,6 +19,9 @@ from torch import Tensor
 import algos
 from engines.batches import right_padded
 from engines.rollout.base import Rollout
+
+if TYPE_CHECKING:
+    from alignflow.config import RoundConfig
 
 
 @dataclass(frozen=True)
@@ -234,3 +238,29 @@ def sft_batch(exp: Experience) -> dict[str, Tensor]:
     rows, t = exp.action_mask.nonzero(as_tuple=True)
     loss_mask[rows, exp.response_index[rows, t] + 1] = 1
     return {"input_ids": exp.input_ids, "attention_mask": exp.attention_mask, "loss_mask": loss_mask}
+
+
+def kept_rows(rewards: torch.Tensor, cfg: RoundConfig, task_rewards: torch.Tensor | None = None,
+              ) -> tuple[torch.Tensor, dict[str, float]]:
+    """The rows a policy-gradient step trains on, and how many groups each filter dropped.
+
+    Both filters read the task rewards (`task_rewards`: the rule's, reward model's or service's, before
+    normalising, clipping or penalties; `rewards` where none is given), as DAPO filters on accuracy: a group
+    whose answers are all right (or all wrong) is dropped though the overlong penalty spreads its rewards.
+    `ppo.dynamic_sampling` drops groups whose task rewards are all equal (`dynamic_sampling/dropped_groups`);
+    `ppo.dynamic_sampling_mean_range` then drops, of the groups left, those whose mean task reward lies
+    outside [low, high] (`dynamic_sampling/dropped_groups_mean_range`). Rows: (kept,) indices, in order.
+    """
+    n, p = cfg.generation.num_samples, cfg.ppo
+    task = rewards if task_rewards is None else task_rewards
+    keep, dropped, dropped_range = torch.ones(len(rewards), dtype=torch.bool), 0, 0
+    if p.dynamic_sampling:
+        keep, dropped = algos.dynamic_sampling_filter(task, n)
+    if p.dynamic_sampling_mean_range is not None:
+        low, high = p.dynamic_sampling_mean_range
+        in_range, _ = algos.group_mean_filter(task, n, low=low, high=high)
+        dropped_range = int((keep & ~in_range).sum().item()) // n
+        keep = keep & in_range
+    metrics = {"dynamic_sampling/dropped_groups": float(dropped),
+               "dynamic_sampling/dropped_groups_mean_range": float(dropped_range)}
+    return torch.arange(len(rewards))[keep], metrics

@@ -62,30 +62,13 @@ def train_minibatches(batch: dict[str, torch.Tensor], chunks, steps: list[tuple[
     return {k: v / n for k, v in sums.items()}
 
 
-def kept_rows(rewards: torch.Tensor, cfg: RoundConfig, task_rewards: torch.Tensor | None = None,
-              ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The rows a policy-gradient step trains on, and how many groups each filter dropped.
-
-    Both filters read the task rewards (`task_rewards`: the rule's, reward model's or service's, before
-    normalising, clipping or penalties; `rewards` where none is given), as DAPO filters on accuracy: a group
-    whose answers are all right (or all wrong) is dropped though the overlong penalty spreads its rewards.
-    `ppo.dynamic_sampling` drops groups whose task rewards are all equal (`dynamic_sampling/dropped_groups`);
-    `ppo.dynamic_sampling_mean_range` then drops, of the groups left, those whose mean task reward lies
-    outside [low, high] (`dynamic_sampling/dropped_groups_mean_range`). Rows: (kept,) indices, in order.
-    """
-    n, p = cfg.generation.num_samples, cfg.ppo
-    task = rewards if task_rewards is None else task_rewards
-    keep, dropped, dropped_range = torch.ones(len(rewards), dtype=torch.bool), 0, 0
-    if p.dynamic_sampling:
-        keep, dropped = algos.dynamic_sampling_filter(task, n)
-    if p.dynamic_sampling_mean_range is not None:
-        low, high = p.dynamic_sampling_mean_range
-        in_range, _ = algos.group_mean_filter(task, n, low=low, high=high)
-        dropped_range = int((keep & ~in_range).sum().item()) // n
-        keep = keep & in_range
-    metrics = {"dynamic_sampling/dropped_groups": float(dropped),
-               "dynamic_sampling/dropped_groups_mean_range": float(dropped_range)}
-    return torch.arange(len(rewards))[keep], metrics
+def schedules_on(groups, planned: int, taken: int) -> None:
+    """The learning-rate schedules of `groups` moved on by the updates a round step did not take: they are
+    sized for `planned` a step (updates_per_step), and a step with fewer rows than a full one (groups dropped by
+    dynamic sampling, prompts without a winner, tied groups without a pair) takes fewer; without this the
+    schedule would lag the round and never reach its floor."""
+    for group in groups:
+        group.skip_updates(planned - taken)
 
 
 class PolicyGradientUpdate:
@@ -135,13 +118,15 @@ class PolicyGradientUpdate:
             lap("critic")
         kl_in_reward = cfg.kl.apply_as == "reward"
         # The filters first: a whitened estimator's statistics are those of the rows trained on (DAPO's order).
-        rows, filtered = kept_rows(exp.rewards, cfg, task_rewards=exp.task_rewards)
+        rows, filtered = experience.kept_rows(exp.rewards, cfg, task_rewards=exp.task_rewards)
         exp = experience.with_advantages(
             exp, estimator=spec.advantage, whiten=spec.whiten, group_size=cfg.generation.num_samples,
             gamma=cfg.ppo.gamma, lam=cfg.ppo.lam, kl_coef=self.kl_ctl.value if kl_in_reward else 0.0,
             kl_estimator=cfg.kl.estimator, kl_clamp=cfg.kl.clamp, std_norm=cfg.ppo.advantage_std_norm,
             teacher=spec.teacher, rows=rows)
         metrics = self._train(exp.select(rows), step, frozen) if len(rows) else {}
+        trained_by = [g for g, *_ in self.objectives(frozen)]
+        schedules_on(trained_by, self.updates_per_step(cfg), metrics.pop("updates", 0))
         lap("train")
         # On policy, the KL of the trained rows as the training forward measured it; with none trained, the
         # sampler's (the policy's) against the reference, not a 0 the adaptive controller would act on.
@@ -177,10 +162,13 @@ class PolicyGradientUpdate:
         p, steps = self.cfg.ppo, self.objectives(frozen)
         ranks = math.lcm(*(g.world_size for g, *_ in steps))  # rows split evenly across every group's ranks
         gen = torch.Generator().manual_seed(derive_seed(self.seed, f"minibatches/{step}"))
-        chunks = minibatches(len(exp), p.minibatch_size, epochs=p.epochs, generator=gen, multiple_of=ranks)
+        chunks = list(minibatches(len(exp), p.minibatch_size, epochs=p.epochs, generator=gen, multiple_of=ranks))
         # Each pass's remainder (and each chunk's cut to the ranks) is left out of it: counted, as rs/ and dpo/ do.
         left_out = float(len(exp) - rows_per_pass(len(exp), p.minibatch_size, ranks))
-        return {**train_minibatches(exp.tensors(), chunks, steps), "rows_left_out": left_out}
+        return {**train_minibatches(exp.tensors(), chunks, steps), "rows_left_out": left_out, "updates": len(chunks)}
+        trained_by = [g for g, *_ in self.objectives(frozen)]
+        schedules_on(trained_by, self.updates_per_step(cfg), metrics.pop("updates", 0))
+
 
     def state(self) -> dict[str, float]:
         return {"kl_coef": self.kl_ctl.value}
@@ -208,17 +196,18 @@ class BestOfNSFTUpdate:
         rewards = exp.rewards[winners]
         metrics = {"rs/winners": float(len(winners)), "rs/winner_reward": rewards.mean().item() if len(winners) else 0.0,
                    "rs/winners_left_out": 0.0}
+        actor, chunks = self.models.actor, []
         if len(winners):
-            actor = self.models.actor
             gen = torch.Generator().manual_seed(derive_seed(self.seed, f"minibatches/{step}"))
             size = self.cfg.ppo.minibatch_size
             # Each pass's remainder (and each chunk's cut to the actor's ranks) is left out of it: counted.
             metrics["rs/winners_left_out"] = float(len(winners) - rows_per_pass(len(winners), size, actor.world_size))
-            chunks = minibatches(len(winners), size, epochs=self.cfg.rejection.epochs,
-                                 generator=gen, multiple_of=actor.world_size)
+            chunks = list(minibatches(len(winners), size, epochs=self.cfg.rejection.epochs,
+                                      generator=gen, multiple_of=actor.world_size))
             sft = train_minibatches(experience.sft_batch(exp.select(winners)), chunks,
                                     [(actor, objectives.causal_lm_objective, objectives.response_tokens)])
             metrics.update({f"sft_{k}": v for k, v in sft.items()})
+        schedules_on([actor], self.updates_per_step(self.cfg), len(chunks))
         lap("train")
         return Trained(exp, winners, metrics, actor_trained=bool(len(winners)))
 
@@ -262,6 +251,7 @@ class OnlineDPOUpdate:
                    "dpo/reward_gap": (exp.rewards[chosen] - exp.rewards[rejected]).mean().item() if n else 0.0}
         n -= n % actor.world_size  # pairs split evenly across the actor's ranks
         metrics["dpo/pairs_left_out"] = float(len(chosen) - n)
+        chunks = []
         if n:
             rows = torch.cat([chosen[:n], rejected[:n]])
             pairs = exp.select(rows)
@@ -275,9 +265,10 @@ class OnlineDPOUpdate:
             size = d.pairs_per_update or n
             # minibatches drops each pass's remainder when a pass makes more than one chunk: counted.
             metrics["dpo/pairs_left_out"] += float(n - rows_per_pass(n, size, actor.world_size))
-            chunks = minibatches(n, size, epochs=d.epochs, generator=gen, multiple_of=actor.world_size)
+            chunks = list(minibatches(n, size, epochs=d.epochs, generator=gen, multiple_of=actor.world_size))
             trained = train_minibatches(batch, chunks, [(actor, objective, objectives.per_row)], pairs=n)
             metrics.update({f"dpo/{k}": v for k, v in trained.items()})
+        schedules_on([actor], self.updates_per_step(self.cfg), len(chunks))
         lap("train")
         return Trained(exp, rows[: 2 * n], metrics, actor_trained=bool(n))
 

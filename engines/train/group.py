@@ -84,6 +84,12 @@ class TrainerGroup:
         summarize = getattr(objective, "summarize", None)  # metrics of the whole step (KTO's reward margin)
         return summarize(combine_ranks(results)) if summarize else combine_ranks(results)
 
+    def skip_updates(self, n: int) -> None:
+        """Move the learning-rate schedule on by `n` optimizer steps not taken (a round step whose dynamic
+        sampling left fewer minibatches than the schedule was sized for), so that it is where the round is."""
+        if n > 0:
+            self._get([w.skip_updates.remote(n) for w in self.workers])
+
     def evaluate(self, batch: dict[str, Any], fn: Callable, without_adapters: bool = False) -> Any:
         """`fn(model, batch)`, rank 0's result (every rank runs it: ZeRO-3 needs all in each forward);
         `without_adapters`: on the LoRA base model, the frozen reference (TrainWorker.evaluate)."""

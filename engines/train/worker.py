@@ -25,6 +25,7 @@ import gc
 import os
 import random
 import sys
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -165,6 +166,13 @@ class TrainWorker:
         if (grad_norm := self.engine.get_global_grad_norm()) is not None:
             metrics["grad_norm"] = float(grad_norm) / scale
         return metrics
+
+    def skip_updates(self, n: int) -> None:
+        """The schedule moved on by `n` steps with no optimizer step (TrainerGroup.skip_updates)."""
+        with warnings.catch_warnings():  # torch's "lr_scheduler.step() before optimizer.step()", where none was yet
+            warnings.simplefilter("ignore", UserWarning)
+            for _ in range(n):
+                self.scheduler.step()
 
     @torch.no_grad()
     def evaluate(self, batch: dict[str, Any], fn: Callable, without_adapters: bool = False) -> torch.Tensor:

@@ -15,7 +15,7 @@ import torch
 
 from alignflow.config import ConfigError, PPOConfig, RewardConfig, RolloutConfig, RoundConfig, load_config
 from engines.rl import experience
-from engines.rl.updates import kept_rows
+from engines.rl.experience import kept_rows
 from engines.rollout.base import Rollout
 from engines.train import objectives
 

@@ -253,6 +253,10 @@ def test_gspo_normalised_clipped_rewards_truncation_icepop_mean_range(ray_local,
     seen = {}
 
     def checkpoint_round_trip(rl, out):
+        import ray
+
+        seen["schedule"] = ray.get([w.__ray_call__.remote(lambda w: w.scheduler.last_epoch)
+                                    for w in rl.models.actor.workers])
         seen["records"] = rl._prompts(0)[1]  # the step's prompt records (their answers)
         seen["objective"] = rl.update.objectives()[0][1].func
         rl.save_state(str(tmp_path), 1)
@@ -294,6 +298,9 @@ def test_gspo_normalised_clipped_rewards_truncation_icepop_mean_range(ray_local,
     kept = [i for i in range(n) if not constant[i // 4] and in_range[i // 4]]
     assert 0 < len(kept) < n, "need kept and dropped groups"
     assert out.trained_rows.tolist() == kept
+    # Fewer rows, fewer minibatches of 8 than the 4 the schedule is sized for a step: it moves on by 4 all the
+    # same, so that it is where the round is (it lagged, and never reached its floor).
+    assert len(kept) < 32 and seen["schedule"] == [4]
     assert m["dynamic_sampling/dropped_groups"] == sum(constant)
     assert m["dynamic_sampling/dropped_groups_mean_range"] == sum(not c and not r for c, r in zip(constant, in_range))
 
