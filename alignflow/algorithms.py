@@ -111,10 +111,12 @@ register_algorithm(AlgorithmSpec(
     update="policy_gradient", advantage="rloo", min_samples=2))
 register_algorithm(AlgorithmSpec(
     "reinforce_pp", "REINFORCE++: return-to-go whitened over the batch (Hu 2025, arXiv 2501.03262)",
-    update="policy_gradient", advantage="reinforce_pp"))
+    # whiten: the estimator whitens over every row; again over the rows trained on (dynamic sampling drops
+    # some), which whitening's affine invariance makes the rows-trained-on statistics exactly.
+    update="policy_gradient", advantage="reinforce_pp", whiten=True))
 register_algorithm(AlgorithmSpec(
     "reinforce_pp_baseline", "REINFORCE++ with a group-mean baseline (Hu 2025, arXiv 2501.03262)",
-    update="policy_gradient", advantage="reinforce_pp_baseline", min_samples=2))
+    update="policy_gradient", advantage="reinforce_pp_baseline", whiten=True, min_samples=2))
 register_algorithm(AlgorithmSpec(
     "rejection_sampling", "best of n per prompt above a threshold, then SFT on those (Touvron et al. 2023)",
     update="best_of_n_sft", reference=False))

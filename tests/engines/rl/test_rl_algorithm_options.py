@@ -56,6 +56,8 @@ def test_defaults_of_the_other_algorithms_are_unchanged():
     ('{"algorithm": "grpo", "ppo": {"dynamic_sampling_mean_range": [0.9, 0.1]}}',
      r"rounds\.0\.ppo: .*dynamic_sampling_mean_range must be \[low, high\]"),
     ('{"algorithm": "grpo", "ppo": {"dynamic_sampling_mean_range": [0.1]}}', r"rounds\.0\.ppo\.dynamic_sampling_mean_range"),
+    ('{"algorithm": "ppo", "ppo": {"dynamic_sampling": true}, "generation": {"num_samples": 1}}',
+     r"rounds\.0: .*with generation\.num_samples 1 every group is one sample"),
     ('{"algorithm": "grpo", "reward": {"clip": 0}}', r"rounds\.0\.reward\.clip"),
     ('{"algorithm": "grpo", "reward": {"truncation_penalty": -1}}', r"rounds\.0\.reward\.truncation_penalty"),
 ])

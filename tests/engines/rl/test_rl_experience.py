@@ -156,10 +156,15 @@ def test_gae_whitened(exp):
 def test_whitening_takes_the_statistics_of_the_rows_trained_on(exp):
     """After dynamic sampling drops a group, a whitened estimator's mean and variance are those of the kept rows'
     tokens (DAPO filters before the advantages): their advantages have mean 0 and variance 1, the dropped rows 0."""
+    from alignflow.algorithms import get_algorithm
+
     filled = _filled(exp, [1.0, 0.0, 0.5, 0.5], OLD, REF)
     kept = torch.tensor([0, 1])
-    out = experience.with_advantages(filled, estimator="reinforce_pp", whiten=True, group_size=2, gamma=1.0,
-                                     lam=1.0, kl_coef=0.0, kl_estimator="k1", kl_clamp=None, rows=kept)
+    # The specs' own whiten (REINFORCE++'s was False, so the estimator's whitening over every row stood).
+    assert get_algorithm("reinforce_pp").whiten and get_algorithm("reinforce_pp_baseline").whiten
+    out = experience.with_advantages(filled, estimator="reinforce_pp", whiten=get_algorithm("reinforce_pp").whiten,
+                                     group_size=2, gamma=1.0, lam=1.0, kl_coef=0.0, kl_estimator="k1",
+                                     kl_clamp=None, rows=kept)
     # REINFORCE++ with gamma 1, no KL: each token's return-to-go is its row's reward
     raw = [[[1.0, 0.0][b]] * LENGTHS[b] for b in (0, 1)]
     flat = [a for row in raw for a in row]
@@ -231,3 +236,19 @@ def test_rejection_sampling_of_episodes_fine_tunes_on_the_sampled_turns_alone():
     assert winners.tolist() == [0]
     # input_ids [5, 6, 11, 12, 30, 31, 13]: the loss falls on 11, 12 (turn 1) and 13 (turn 2).
     assert experience.sft_batch(exp.select(winners))["loss_mask"].tolist() == [[0, 0, 1, 1, 0, 0, 1]]
+
+
+def test_reinforce_pp_baseline_whitens_over_the_kept_groups(exp):
+    """Dropped groups' zero returns inflated the kept advantages by 1/sqrt(kept fraction): the spec re-whitens
+    over the rows trained on, so the kept tokens' advantages have mean 0 and variance 1."""
+    from alignflow.algorithms import get_algorithm
+
+    filled = _filled(exp, [1.0, 1.0, 1.0, 0.0], OLD, REF)  # group 0 constant (dropped), group 1 informative
+    kept = torch.tensor([2, 3])
+    out = experience.with_advantages(filled, estimator="reinforce_pp_baseline",
+                                     whiten=get_algorithm("reinforce_pp_baseline").whiten, group_size=2,
+                                     gamma=1.0, lam=1.0, kl_coef=0.0, kl_estimator="k1", kl_clamp=None, rows=kept)
+    tokens = torch.cat([out.advantages[b, :LENGTHS[b]] for b in (2, 3)])
+    assert tokens.mean().item() == pytest.approx(0.0, abs=1e-5)
+    assert tokens.var(unbiased=False).item() == pytest.approx(1.0, rel=1e-4)
+
