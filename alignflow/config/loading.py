@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from alignflow.config.overrides import apply_overrides, override_fields, parse_override  # noqa: F401
 from alignflow.config.pipeline import PipelineConfig
 from alignflow.errors import ConfigError
 from alignflow.redact import config_credentials, redact
@@ -53,61 +55,6 @@ def cache_relevant(cfg: BaseModel) -> dict[str, Any]:
 def default_config_path() -> Path:
     """The embedded default pipeline config (shipped inside the package)."""
     return Path(__file__).parents[1] / "configs" / f"{DEFAULT_CONFIG}.yaml"
-
-
-def parse_override(text: str) -> tuple[list[str], Any]:
-    """`a.b.c=value` -> (["a", "b", "c"], yaml-parsed value)."""
-    if "=" not in text:
-        raise ConfigError(f"override {text!r} is not of the form key.sub=value")
-    key, raw = text.split("=", 1)
-    parts = key.strip().split(".")
-    if not all(parts):
-        raise ConfigError(f"override {text!r} has an empty key segment")
-    try:
-        return parts, yaml.safe_load(raw) if raw.strip() else None
-    except yaml.YAMLError as err:
-        raise ConfigError(f"override {text!r}: the value is not valid YAML: {err}") from None
-
-
-def _list_index(text: str, node: list, part: str) -> int:
-    if not part.isdigit() or int(part) >= len(node):
-        raise ConfigError(f"override {text!r}: {part!r} is not an item of a list of {len(node)} "
-                          f"(items by index: 0..{len(node) - 1})")
-    return int(part)
-
-
-def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Set each `key.sub=value` in a nested dict (creating levels as needed); an existing list's
-    items by index (`rounds.1.steps=5`)."""
-    for text in overrides:
-        parts, value = parse_override(text)
-        node: Any = tree
-        for part in parts[:-1]:
-            if isinstance(node, list):
-                child = node[_list_index(text, node, part)]
-            else:
-                child = node.get(part)
-                if child is None:
-                    child = node[part] = {}
-            if not isinstance(child, (dict, list)):
-                raise ConfigError(f"override {text!r}: {part!r} is a value, not a section")
-            node = child
-        if isinstance(node, list):
-            node[_list_index(text, node, parts[-1])] = value
-        else:
-            node[parts[-1]] = value
-    return tree
-
-
-def override_fields(overrides: list[str] | tuple[str, ...]) -> dict[str, str]:
-    """Dotted key -> the override text that set it last (`data.sft.path` -> `data.sft.path=/x.jsonl`)."""
-    fields: dict[str, str] = {}
-    for text in overrides:
-        parts, _ = parse_override(text)
-        key = ".".join(p.strip() for p in parts)
-        fields.pop(key, None)  # re-inserted: the order of the dict is the order that wins
-        fields[key] = text
-    return fields
 
 
 def _display(path: str | Path) -> str:
@@ -196,11 +143,19 @@ def validate_config(tree: dict[str, Any], source: str = "<dict>",
 
 class _UniqueKeyLoader(yaml.SafeLoader):
     """YAML's safe loader, refusing a key given twice in one mapping: the second would silently replace
-    the first (a whole section, when a file has two `sft:` blocks)."""
+    the first (a whole section, when a file has two `sft:` blocks). A merge key (`<<: *round`) brings an
+    anchored mapping's keys in, which the mapping's own then override, as YAML means. Booleans are YAML
+    1.2's, true and false: 1.1's yes/no/on/off stay words (a judge's verdict scores, `{yes: 1.0, no: 0.0}`,
+    were True and False; a bool field still reads "yes" as true)."""
+
+    yaml_implicit_resolvers = {k: [(tag, rx) for tag, rx in v if tag != "tag:yaml.org,2002:bool"]
+                               for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
 
     def construct_mapping(self, node, deep=False):
         seen: dict[Any, Any] = {}
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
             key = self.construct_object(key_node, deep=deep)
             if key in seen:
                 raise yaml.constructor.ConstructorError(
@@ -296,3 +251,8 @@ def load_callable(path: str, what: str) -> Callable:
     if not callable(fn):
         raise ConfigError(f"{what} {path!r} is not callable")
     return fn
+
+
+for _first in "tTfF":  # YAML 1.2's booleans only
+    _UniqueKeyLoader.yaml_implicit_resolvers.setdefault(_first, []).append(
+        ("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$")))

@@ -938,3 +938,50 @@ def test_a_lora_round_from_its_reference_needs_no_reference_scorer_placed():
     assert not load_config(overrides=[f"rounds={json.dumps([grpo])}"]).reference_is_actor(0)
     with_model = {**lora, "reward": {"source": "model"}}  # the reward model still needs the scorer
     assert "rounds.0.scorer_placement" in load_config(overrides=[f"rounds={json.dumps([with_model])}"]).hf_placements()
+
+
+def test_text_fields_keep_their_override_as_written():
+    """YAML would read an all-digit commit as a number (octal where it starts with 0), `a: b` as a mapping and
+    ` #...` as a comment: a field that takes text keeps the text; others still take YAML."""
+    cfg = load_config(None, ["model.base=org/model", "model.revision=0123456", "name=2024",
+                             'rounds=[{"algorithm": "grpo", "reward": {"source": "judge", "judge": {"model": "j"}}}]',
+                             "rounds.0.reward.judge.pattern=verdict: (yes|no)", "data.source=synthetic",
+                             "infra.mlflow_experiment=exp #1", "rounds.0.steps=7", "sft.gradient_checkpointing=yes"])
+    assert (cfg.model.revision, cfg.name, cfg.infra.mlflow_experiment) == ("0123456", "2024", "exp #1")
+    assert cfg.rounds[0].reward.judge.pattern == "verdict: (yes|no)"
+    assert cfg.rounds[0].steps == 7 and cfg.sft.gradient_checkpointing is True
+    assert load_config(None, ["model.base=org/m", "model.revision=null"]).model.revision is None
+    assert load_config(None, ["model.base=org/m", 'model.revision="v1"']).model.revision == "v1"
+
+
+def test_an_override_into_a_level_the_file_leaves_out_starts_from_its_default(tmp_path):
+    """A file without `rounds:` runs the default rounds: `rounds.1.steps=5` sets the default second round's steps
+    (it was a dict where a list belongs). A dict with a default (a judge's verdict scores) gets the key added,
+    not the whole dict replaced by it (the default `no` silently gone)."""
+    from alignflow.config import PipelineConfig
+
+    nightly = Path(__file__).resolve().parents[2] / "deployments" / "configs" / "nightly.yaml"
+    default = PipelineConfig().rounds
+    cfg = load_config(nightly, ["rounds.1.steps=5"])
+    assert len(cfg.rounds) == len(default) == 2 and cfg.rounds[1].steps == 5
+    assert cfg.rounds[0] == load_config(nightly).rounds[0] and cfg.rounds[1].actor == default[1].actor
+    judge = ['rounds=[{"algorithm": "grpo", "reward": {"source": "judge", "judge": {"model": "j"}}}]',
+             "rounds.0.reward.judge.scores.yes=2"]
+    assert load_config(None, judge).rounds[0].reward.judge.scores == {"yes": 2.0, "no": 0.0}
+    with pytest.raises(ConfigError, match=r"'0' is not an item of a list of 0 \(it is empty\)"):
+        load_config(None, ["rounds=[]", "rounds.0.steps=1"])
+
+
+def test_yaml_merge_keys_and_yaml_1_2_booleans_in_a_config_file(tmp_path):
+    """`<<: *round` is how a file says "round 2 is round 1 and ..." (it failed: no constructor for the merge tag);
+    `{yes: 1.0, no: 0.0}`, the README's verdict scores, were the booleans True and False (YAML 1.1)."""
+    path = tmp_path / "c.yaml"
+    path.write_text("rounds:\n  - &r {algorithm: grpo, steps: 5, reward: {source: judge, judge: {model: j, "
+                    "scores: {yes: 1.0, no: 0.0}}}}\n  - <<: *r\n    steps: 9\n"
+                    "sft: {gradient_checkpointing: yes}\n")
+    cfg = load_config(path)
+    assert [r.steps for r in cfg.rounds] == [5, 9] and cfg.rounds[1].reward.judge.scores == {"yes": 1.0, "no": 0.0}
+    assert cfg.sft.gradient_checkpointing is True  # a bool field reads the word as before
+    path.write_text("sft: {epochs: 1}\nsft: {epochs: 2}\n")
+    with pytest.raises(ConfigError, match="found the key 'sft' twice"):
+        load_config(path)

@@ -1,0 +1,136 @@
+"""`key.sub=value` overrides onto a config tree, read as the fields they set expect.
+
+A value is YAML (`5`, `true`, `[1, 2]`, `{"a": 1}`), except for a field that takes text: there the text
+is kept as written where YAML would read something else (`model.revision=0123456`, an all-digit commit,
+is not the octal number 42798; `name=2024` is a name; `reward.judge.pattern=verdict: (yes|no)` is not a
+mapping; `data.sft.path=runs/v2 #3.jsonl` keeps its ` #3.jsonl`, which YAML reads as a comment).
+
+A level the file does not write is filled with its default before the override goes into it, where that
+default holds something: `rounds.1.steps=5` on a file without `rounds:` sets the default second round's
+steps, and `rounds.0.reward.judge.scores.yes=2` keeps the default `no` beside the new `yes`.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any, Literal, Union, get_args, get_origin
+
+import yaml
+from pydantic import BaseModel
+
+from alignflow.errors import ConfigError
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`a.b.c=value` -> (["a", "b", "c"], yaml-parsed value)."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} is not of the form key.sub=value")
+    key, raw = text.split("=", 1)
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise ConfigError(f"override {text!r} has an empty key segment")
+    if takes_text(parts) and raw.strip():
+        try:
+            value = yaml.safe_load(raw)
+        except yaml.YAMLError:
+            return parts, raw.strip()
+        return parts, value if value is None or (isinstance(value, str) and " #" not in raw) else raw.strip()
+    try:
+        return parts, yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"override {text!r}: the value is not valid YAML: {err}") from None
+
+
+def _list_index(text: str, node: list, part: str) -> int:
+    if not part.isdigit() or int(part) >= len(node):
+        items = f"items by index: 0..{len(node) - 1}" if node else "it is empty"
+        raise ConfigError(f"override {text!r}: {part!r} is not an item of a list of {len(node)} ({items})")
+    return int(part)
+
+
+def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Set each `key.sub=value` in a nested dict (creating levels as needed, a level with a default that holds
+    something filled with it first); an existing list's items by index (`rounds.1.steps=5`)."""
+    for text in overrides:
+        parts, value = parse_override(text)
+        node: Any = tree
+        for i, part in enumerate(parts[:-1]):
+            if isinstance(node, list):
+                child = node[_list_index(text, node, part)]
+            else:
+                child = node.get(part)
+                if child is None:
+                    child = node[part] = default_of(parts[: i + 1])
+            if not isinstance(child, (dict, list)):
+                raise ConfigError(f"override {text!r}: {part!r} is a value, not a section")
+            node = child
+        if isinstance(node, list):
+            node[_list_index(text, node, parts[-1])] = value
+        else:
+            node[parts[-1]] = value
+    return tree
+
+
+def override_fields(overrides: list[str] | tuple[str, ...]) -> dict[str, str]:
+    """Dotted key -> the override text that set it last (`data.sft.path` -> `data.sft.path=/x.jsonl`)."""
+    fields: dict[str, str] = {}
+    for text in overrides:
+        parts, _ = parse_override(text)
+        key = ".".join(p.strip() for p in parts)
+        fields.pop(key, None)  # re-inserted: the order of the dict is the order that wins
+        fields[key] = text
+    return fields
+
+
+def _field(parts: list[str]) -> tuple[Any, Any] | None:
+    """(annotation, pydantic FieldInfo of the last named field) of the config field at `parts` (list items by
+    index, dict values by key), or None where the path leaves the typed fields."""
+    from alignflow.config.pipeline import PipelineConfig
+
+    annotation, info = PipelineConfig, None
+    for part in parts:
+        annotation = _one(annotation)
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            info = annotation.model_fields.get(part.strip())
+            if info is None:
+                return None
+            annotation = info.annotation
+        elif get_origin(annotation) in (list, tuple) and part.isdigit():
+            annotation, info = get_args(annotation)[0], None
+        elif get_origin(annotation) is dict:
+            annotation, info = get_args(annotation)[1], None
+        else:
+            return None
+    return annotation, info
+
+
+def _one(annotation: Any) -> Any:
+    """`X | None` -> X; any other annotation as it is."""
+    if get_origin(annotation) in (Union, types.UnionType):
+        kinds = [a for a in get_args(annotation) if a is not type(None)]
+        return kinds[0] if len(kinds) == 1 else annotation
+    return annotation
+
+
+def takes_text(parts: list[str]) -> bool:
+    """Whether the field at `parts` takes text: str, str | None, or a Literal of strings."""
+    found = _field(parts)
+    if found is None:
+        return False
+    annotation = _one(found[0])
+    return annotation is str or (get_origin(annotation) is Literal and all(isinstance(a, str)
+                                                                           for a in get_args(annotation)))
+
+
+def default_of(parts: list[str]) -> Any:
+    """The JSON of the default of the field at `parts` where it is a list or a mapping of values holding
+    something (the default rounds, a judge's verdict scores); else {} (a section's own defaults apply)."""
+    found = _field(parts)
+    if found is None or found[1] is None:
+        return {}
+    info = found[1]
+    default = info.default_factory() if info.default_factory is not None else info.default
+    if isinstance(default, BaseModel) or not isinstance(default, (list, dict)) or not default:
+        return {}
+    return [d.model_dump(mode="json", exclude_unset=True) if isinstance(d, BaseModel) else d for d in default] \
+        if isinstance(default, list) else dict(default)
