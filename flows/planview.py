@@ -9,7 +9,8 @@ from pydantic import BaseModel
 
 from alignflow.config import cache_relevant
 from alignflow.redact import redact
-from alignflow.store.storage import Storage
+from alignflow.errors import ConfigError
+from alignflow.store.storage import Storage, StorageError
 from tasks.context import RunContext
 from tasks.plan import Plan, PlannedStage
 
@@ -46,13 +47,23 @@ class StageState(BaseModel):
 
 
 def plan_states(plan: Plan, storage: Storage) -> dict[str, StageState]:
-    """For every stage: committed already (Cached), or what differs from its last commit."""
+    """For every stage: committed already (Cached), or what differs from its last commit. A storage root that
+    cannot be read (an endpoint down, credentials refused) is a ConfigError naming it: the plan reads it
+    before preflight's own check of the root would."""
     states = {}
-    for stage in plan.stages.values():
-        if storage.is_committed(storage.stage_uri(stage.name, stage.key)):
-            states[stage.name] = StageState(cached=True, why="")
-        else:
-            states[stage.name] = StageState(cached=False, why=_why(stage, storage.latest_commit(stage.name)))
+    try:
+        for stage in plan.stages.values():
+            if storage.is_committed(storage.stage_uri(stage.name, stage.key)):
+                states[stage.name] = StageState(cached=True, why="")
+            else:
+                states[stage.name] = StageState(cached=False, why=_why(stage, storage.latest_commit(stage.name)))
+    except StorageError:
+        raise
+    except Exception as err:  # noqa: BLE001  (fsspec's backends raise their own: botocore's, OSError, ...)
+        detail = str(err).splitlines()[0] if str(err) else ""
+        raise ConfigError(f"infra.storage.root {storage.uri()} cannot be read ({type(err).__name__}: {detail}): "
+                          "check the root, infra.storage.endpoint_url and the credentials the environment gives "
+                          "its client") from None
     return states
 
 

@@ -174,3 +174,21 @@ def test_a_cluster_of_other_machines_must_reach_the_prefect_api():
     assert unreachable_api("http://prefect.internal:4200/api", ["10.0.0.7"], own) is None
     assert unreachable_api("http://10.0.0.5:4200/api", ["10.0.0.7"], own) is None
     assert unreachable_api("http://127.0.0.1:4200/api", ["127.0.0.1", "10.0.0.5"], own) is None
+
+
+def test_a_storage_root_that_cannot_be_read_is_one_error_line(tmp_path):
+    """The plan reads the storage root before preflight checks it: an S3 endpoint nobody listens on was a
+    botocore traceback and exit 1, where a user error is one `error:` line naming the field, and exit 2."""
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = subprocess.run([sys.executable, "-m", "flows.cli", "plan", "infra.storage.root=s3://bucket/af",
+                          f"infra.storage.endpoint_url=http://127.0.0.1:{port}"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=120, env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path),
+                                                      "PYTHONPATH": str(REPO), "AWS_ACCESS_KEY_ID": "x",
+                                                      "AWS_SECRET_ACCESS_KEY": "y", "AWS_MAX_ATTEMPTS": "1"})
+    assert out.returncode == 2, out.stderr[-2000:]
+    [line] = [line for line in out.stderr.splitlines() if line.strip()]
+    assert line.startswith("error: infra.storage.root s3://bucket/af cannot be read (") and "Traceback" not in out.stderr
