@@ -8,7 +8,13 @@ cd "$(dirname "$0")"
 extras="cpu"
 [[ "${1:-}" == "--test" ]] && extras="cpu,test"
 PY="${PYTHON:-python3}"
-[[ -x .venv/bin/python ]] || "$PY" -m venv .venv
+if [[ ! -x .venv/bin/python ]]; then
+  # pyproject's requires-python, said before pip refuses the package after minutes of downloads
+  "$PY" -c 'import sys; sys.exit(not (3, 10) <= sys.version_info[:2] < (3, 13))' || {
+    echo "install.sh: $PY is Python $("$PY" -c 'import platform; print(platform.python_version())' 2>/dev/null \
+      || echo '?'); alignflow needs 3.10-3.12: PYTHON=python3.11 ./install.sh" >&2; exit 1; }
+  "$PY" -m venv .venv
+fi
 stamp=".venv/.alignflow-installed-$extras-$(cat pyproject.toml constraints.txt | sha256sum | cut -c1-16)"
 if [[ ! -f "$stamp" ]]; then
   .venv/bin/pip install --quiet --upgrade pip
