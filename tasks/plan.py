@@ -94,7 +94,8 @@ class Plan(BaseModel):
         kinds = {k.name for k in r.STAGE_KINDS.values() if k.target == target}
         names = [s.name for s in self.stages.values() if s.kind in kinds]
         if not names:
-            valid = sorted({*r.targets(), *self.stages})
+            present = {s.kind for s in self.stages.values()}  # targets this pipeline has a stage of
+            valid = sorted({*(k.target for k in r.STAGE_KINDS.values() if k.name in present), *self.stages})
             why = f" ({self.skipped[target]})" if target in self.skipped else ""
             raise ConfigError(f"no stage {target!r} in this pipeline{why}; valid: {', '.join(valid)}")
         return names

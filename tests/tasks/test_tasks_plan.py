@@ -197,6 +197,11 @@ def test_targets_resolve_to_stages_and_their_needs():
     no_rm = _plan(f"rounds=[{GRPO_RULE}]")
     with pytest.raises(ConfigError, match="no round scores with it"):
         no_rm.upto("reward_model")
+    dpo = _plan("rounds=[]", 'preference={"loss": "dpo"}')  # the targets offered are this pipeline's own
+    with pytest.raises(ConfigError) as err:
+        dpo.upto("sfft")
+    offered = str(err.value).split("valid: ")[1].split(", ")
+    assert "preference" in offered and "sft" in offered and not {"rl", "judge", "distill"} & set(offered)
 
 
 def test_planning_imports_no_engine():
