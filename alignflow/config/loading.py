@@ -114,15 +114,37 @@ def _present(node: Any, parts: list[str]) -> bool:
     return True
 
 
+# The names pydantic gives a union's members in an error's location (`max_prompt_tokens.constrained-int`,
+# `target_modules.tuple[str, ...]`), which are no fields: left out of the field an error names.
+_MEMBER_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "tuple", "none"})
+_FIELD_FIRST = re.compile(r"^(?:Value error, )?([A-Za-z_][\w]*(?:\.[\w]+)*): ")
+
+
+def _field_of(loc: tuple) -> str:
+    return ".".join(str(p) for p in loc if isinstance(p, int) or (p.isidentifier() and p not in _MEMBER_TAGS))
+
+
 def _format_errors(err: ValidationError, source: str, sources: ConfigSources | None = None) -> str:
-    lines = [f"invalid pipeline config ({source}):"]
+    """One line per field: its errors (a union's members' joined by "or"), the value given, and where it was
+    set. A check across fields (a model validator at the root) names its field in its message: that field's
+    origin is said, not the whole config as the value given."""
+    found: dict[str, list[str]] = {}
+    given: dict[str, Any] = {}
     for e in err.errors():
-        field = ".".join(str(p) for p in e["loc"]) or "<root>"
-        hint = ""
+        field, message = _field_of(e["loc"]), e["msg"]
+        if not field and (named := _FIELD_FIRST.match(message)):
+            field, message = named.group(1), message[named.end():]
+            given[field] = None  # the input is the whole config: not quoted
+        elif field not in given:
+            given[field] = e.get("input")
         if e["type"] == "extra_forbidden" and field.split(".")[-1] == "seed":
-            hint = "; seeds derive from the one top-level `seed` (alignflow/seeds.py)"
-        origin = f" ({sources.of(field)})" if sources is not None else ""
-        lines.append(f"  {field}: {e['msg']} (got {redact(e.get('input'))!r}){hint}{origin}")
+            message += "; seeds derive from the one top-level `seed` (alignflow/seeds.py)"
+        found.setdefault(field or "<root>", []).append(message)
+    lines = [f"invalid pipeline config ({source}):"]
+    for field, messages in found.items():
+        got = f" (got {redact(given[field])!r})" if given.get(field) is not None else ""
+        origin = f" ({sources.of(field)})" if sources is not None and field != "<root>" else ""
+        lines.append(f"  {field}: {'; or '.join(messages)}{got}{origin}")
     return "\n".join(lines)
 
 

@@ -985,3 +985,21 @@ def test_yaml_merge_keys_and_yaml_1_2_booleans_in_a_config_file(tmp_path):
     path.write_text("sft: {epochs: 1}\nsft: {epochs: 2}\n")
     with pytest.raises(ConfigError, match="found the key 'sft' twice"):
         load_config(path)
+
+
+def test_an_error_names_its_field_and_where_it_was_set(tmp_path):
+    """A union field's errors carried pydantic's member tags (`max_prompt_tokens.constrained-int`), so their
+    origin was looked up under a name nothing sets ("the default, not set in"); a check across fields reported
+    `<root>`, the whole config as the value given, and the file though the command line set the value."""
+    path = tmp_path / "union.yaml"
+    path.write_text("data: {max_prompt_tokens: 0}\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value).splitlines()[1:] == [
+        f"  data.max_prompt_tokens: Input should be greater than or equal to 1; or Input should be 'auto' (got 0) "
+        f"(from {path})"]
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["rounds.1.start_from=dpo"])
+    assert str(err.value).splitlines()[1:] == [
+        "  rounds.1.start_from: 'dpo' is no policy before round_2; valid: base, sft, round_1 (from the command line: "
+        "rounds.1.start_from=dpo)"]
