@@ -43,7 +43,9 @@ def test_the_config_parameter_is_the_pipeline_model_with_every_section(flow):
 def test_the_build_step_writes_what_the_file_sets_and_the_schema_accepts_it():
     out = config_parameter(str(REPO / "configs" / "dpo.yaml"))
     cfg = load_config(REPO / "configs" / "dpo.yaml")
-    assert out["config"] == cfg.model_dump(mode="json", exclude_unset=True)
+    written = cfg.model_dump(mode="json", exclude_unset=True)
+    assert {k: v for k, v in out["config"].items() if k in written} == {
+        **written, "evaluation": {**written["evaluation"], "rm_margin_bins": [0.0, 0.5, 1.0, 2.0]}}
     assert out["config"]["preference"]["loss"] == "dpo" and "desirable_weight" not in out["config"]["preference"]
     assert PipelineConfig.model_validate(out["config"]) == cfg  # what the form shows is what runs
     schema = _schema(run_pipeline)
@@ -104,3 +106,15 @@ def test_a_deployed_flow_loaded_as_prefect_loads_it_unpickles_where_its_file_is_
     res = subprocess.run([sys.executable, "-c", probe], input=data, capture_output=True, cwd="/", timeout=120)
     assert res.returncode == 0, res.stderr.decode()[-2000:]
     assert res.stdout.decode().strip() == flow.name
+
+
+def test_the_build_step_shows_defaults_a_factory_makes():
+    """The schema has no default for a field whose default a factory makes (the rounds, the reward model's
+    margin bins): the form showed nightly.yaml's rounds empty, though its run has the two default rounds."""
+    nightly = REPO / "deployments" / "configs" / "nightly.yaml"
+    assert "rounds:" not in nightly.read_text()
+    out = config_parameter(str(nightly))["config"]
+    assert len(out["rounds"]) == len(PipelineConfig().rounds) == 2
+    assert PipelineConfig.model_validate(out) == load_config(nightly)
+    assert validate({"config": out, "overrides": []}, _schema(run_pipeline), raise_on_error=False) == []
+
