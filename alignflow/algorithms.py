@@ -8,7 +8,8 @@ An RL round reads its algorithm's spec and never branches on the name:
   those: rejection sampling), or "online_dpo" (per prompt the best sample
   against the worst, then DPO steps against the round's reference).
 - `advantage`: an estimator of the `algos` advantage registry; `whiten`
-  whitens its output over the batch (PPO's GAE).
+  whitens its output over the rows the step trains on (PPO's GAE; REINFORCE++'s,
+  which its estimator whitens over every row, dynamic sampling's dropped ones too).
 - the models it needs: a critic (values for GAE), the reference policy
   (for the KL term), and whether rewards must come in groups of at least
   `min_samples` samples per prompt (group baselines).

@@ -77,11 +77,12 @@ def _rendered(tokenizer, record: dict, split: str, i: int) -> list[int]:
 
     try:
         return render_prompt(tokenizer, record["prompt"], record.get("tools"))
-    except TemplateError as err:
+    except (TemplateError, ValueError) as err:  # ValueError: a tokenizer without a chat template
         first = record["prompt"][0] if isinstance(record["prompt"], list) else {}
         said = f"{first.get('role')}: {str(first.get('content'))[:60]!r}" if first else ""
         raise DataError(f"data split {split!r}, record {i + 1} (starting {said}): the tokenizer's chat template "
-                        f"refuses its messages: {err}") from None
+                        f"refuses its messages: {str(err).splitlines()[0] if str(err) else type(err).__name__}"
+                        ) from None
 
 
 @dataclass(frozen=True)

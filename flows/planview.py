@@ -46,6 +46,9 @@ class StageState(BaseModel):
     why: str  # for a stage that will run
 
 
+STORAGE_CLIENTS = frozenset({"botocore", "aiobotocore", "s3fs", "fsspec", "gcsfs", "adlfs"})
+
+
 def plan_states(plan: Plan, storage: Storage) -> dict[str, StageState]:
     """For every stage: committed already (Cached), or what differs from its last commit. A storage root that
     cannot be read (an endpoint down, credentials refused) is a ConfigError naming it: the plan reads it
@@ -60,6 +63,8 @@ def plan_states(plan: Plan, storage: Storage) -> dict[str, StageState]:
     except StorageError:
         raise
     except Exception as err:  # noqa: BLE001  (fsspec's backends raise their own: botocore's, OSError, ...)
+        if not (isinstance(err, OSError) or type(err).__module__.split(".")[0] in STORAGE_CLIENTS):
+            raise  # not the root's to answer for (a bad manifest, a bug): as it is
         detail = str(err).splitlines()[0] if str(err) else ""
         raise ConfigError(f"infra.storage.root {storage.uri()} cannot be read ({type(err).__name__}: {detail}): "
                           "check the root, infra.storage.endpoint_url and the credentials the environment gives "

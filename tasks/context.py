@@ -114,12 +114,13 @@ def compute_stage(
             })
         # Only now: a failed final upload must still find the mid-stage checkpoints. Committed, the stage is done:
         # what fails after (pruning, a tag) is said, and leaves its MLflow run FINISHED, as its artifact is good.
-        try:
-            storage.prune_checkpoints(uri)
-            run.set_tag("alignflow.uri", uri)
-        except Exception as err:  # noqa: BLE001  (storage or tracking, any kind)
-            log.warning("%s: committed at %s, but what follows the commit failed (%s: %s): checkpoints under it "
-                        "may be left", stage.name, uri, type(err).__name__, err)
+        for what, after in (("pruning its checkpoints", lambda: storage.prune_checkpoints(uri)),
+                            ("tagging its MLflow run", lambda: run.set_tag("alignflow.uri", uri))):
+            try:
+                after()
+            except Exception as err:  # noqa: BLE001  (storage or tracking, any kind)
+                log.warning("%s: committed at %s, but %s failed (%s: %s)", stage.name, uri, what,
+                            type(err).__name__, err)
     log.info("%s: committed %s", stage.name, uri)
     return result.model_copy(update={"metrics": metrics})
 

@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from alignflow.config.overrides import apply_overrides, override_fields, parse_override  # noqa: F401
+from alignflow.config.overrides import ConfigLoader, apply_overrides, override_fields, parse_override  # noqa: F401
 from alignflow.config.pipeline import PipelineConfig
 from alignflow.errors import ConfigError
 from alignflow.redact import config_credentials, redact
@@ -163,38 +163,13 @@ def validate_config(tree: dict[str, Any], source: str = "<dict>",
         raise ConfigError(_format_errors(err, source, sources)) from None
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """YAML's safe loader, refusing a key given twice in one mapping: the second would silently replace
-    the first (a whole section, when a file has two `sft:` blocks). A merge key (`<<: *round`) brings an
-    anchored mapping's keys in, which the mapping's own then override, as YAML means. Booleans are YAML
-    1.2's, true and false: 1.1's yes/no/on/off stay words (a judge's verdict scores, `{yes: 1.0, no: 0.0}`,
-    were True and False; a bool field still reads "yes" as true)."""
-
-    yaml_implicit_resolvers = {k: [(tag, rx) for tag, rx in v if tag != "tag:yaml.org,2002:bool"]
-                               for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
-
-    def construct_mapping(self, node, deep=False):
-        seen: dict[Any, Any] = {}
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":
-                continue
-            key = self.construct_object(key_node, deep=deep)
-            if key in seen:
-                raise yaml.constructor.ConstructorError(
-                    "while constructing a mapping", node.start_mark,
-                    f"found the key {key!r} twice (first {seen[key]}); the second would replace the first",
-                    key_node.start_mark)
-            seen[key] = key_node.start_mark
-        return super().construct_mapping(node, deep=deep)
-
-
 def read_config_file(path: str | Path | None = None) -> tuple[Path, dict[str, Any]]:
     """(the path, its raw mapping); the default is the embedded tiny config."""
     path = Path(path) if path is not None else default_config_path()
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
     try:
-        tree = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader) or {}
+        tree = yaml.load(path.read_text(encoding="utf-8"), Loader=ConfigLoader) or {}
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: not valid YAML: {err}") from None
     except UnicodeDecodeError as err:
@@ -273,8 +248,3 @@ def load_callable(path: str, what: str) -> Callable:
     if not callable(fn):
         raise ConfigError(f"{what} {path!r} is not callable")
     return fn
-
-
-for _first in "tTfF":  # YAML 1.2's booleans only
-    _UniqueKeyLoader.yaml_implicit_resolvers.setdefault(_first, []).append(
-        ("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$")))

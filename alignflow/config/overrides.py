@@ -21,6 +21,37 @@ from pydantic import BaseModel
 from alignflow.errors import ConfigError
 
 
+class ConfigLoader(yaml.SafeLoader):
+    """YAML's safe loader for config files and override values. It refuses a key given twice in one mapping:
+    the second would silently replace the first (a whole section, when a file has two `sft:` blocks). A merge
+    key (`<<: *round`) brings an anchored mapping's keys in, which the mapping's own then override, as YAML
+    means. A mapping's key is never a YAML 1.1 boolean: `{yes: 1.0, no: 0.0}`, a judge's verdict scores, has
+    the keys "yes" and "no" (they were True and False); a value reads yes/no/on/off as booleans, as before."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict[Any, Any] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            if key_node.tag == BOOL and key_node.value.lower() not in ("true", "false"):
+                key_node.tag = "tag:yaml.org,2002:str"
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    "while constructing a mapping", node.start_mark,
+                    f"found the key {key!r} twice (first {seen[key]}); the second would replace the first",
+                    key_node.start_mark)
+            seen[key] = key_node.start_mark
+        return super().construct_mapping(node, deep=deep)
+
+
+BOOL = "tag:yaml.org,2002:bool"
+
+
+def _yaml(raw: str) -> Any:
+    return yaml.load(raw, Loader=ConfigLoader)
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """`a.b.c=value` -> (["a", "b", "c"], yaml-parsed value)."""
     if "=" not in text:
@@ -31,12 +62,14 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         raise ConfigError(f"override {text!r} has an empty key segment")
     if takes_text(parts) and raw.strip():
         try:
-            value = yaml.safe_load(raw)
+            value = _yaml(raw)
         except yaml.YAMLError:
             return parts, raw.strip()
-        return parts, value if value is None or (isinstance(value, str) and " #" not in raw) else raw.strip()
+        quoted = raw.strip()[:1] in ("'", '"')  # the user's own quotes: YAML's reading stands
+        return parts, value if value is None or (isinstance(value, str) and (" #" not in raw or quoted)) \
+            else raw.strip()
     try:
-        return parts, yaml.safe_load(raw) if raw.strip() else None
+        return parts, _yaml(raw) if raw.strip() else None
     except yaml.YAMLError as err:
         raise ConfigError(f"override {text!r}: the value is not valid YAML: {err}") from None
 

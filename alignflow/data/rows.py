@@ -95,21 +95,24 @@ def _split_messages(row: dict, src: DatasetSource, where: str, section: str) -> 
 
 
 def _paired(row: dict, src: DatasetSource, where: str, section: str) -> dict[str, Any]:
-    """A preference row with a prompt column: {"prompt", "chosen", "rejected"}.
-
-    A reply given as a conversation (UltraFeedback's `[user, assistant]` beside its prompt string) must
-    continue that prompt: the messages before it equal the prompt's messages, or end with a user message
-    whose text is the prompt string; the prompt is then those messages, so the chat template renders it as
-    it renders SFT and RL prompts. A conversation that continues another prompt, or the two replies
-    continuing different ones, is a DataError: the pair would train on replies to some other question.
-    """
+    """A preference row with a prompt column: {"prompt", "chosen", "rejected"} (`_continued`'s prompt)."""
     ck, rk, pk = src.chosen_key, src.rejected_key, src.prompt_key
     prompt = _prompt(_need(row, pk, where, f"or set prompt_key under {section}"), where, pk)
     chosen = _text(row, ck, where, f"or set chosen_key under {section}")
     rejected = _text(row, rk, where, f"or set rejected_key under {section}")
-    contexts = {key: row[key][:-1] for key in (ck, rk) if isinstance(row[key], list) and len(row[key]) > 1}
-    if len(contexts) == 2 and contexts[ck] != contexts[rk]:
-        raise DataError(f"{where}: keys {ck!r} and {rk!r} differ before their last message, "
+    return {"prompt": _continued(row, prompt, (ck, rk), pk, where), "chosen": chosen, "rejected": rejected}
+
+
+def _continued(row: dict, prompt: str | list[dict], keys: tuple[str, ...], pk: str, where: str) -> str | list[dict]:
+    """The prompt of replies given beside it (`keys`). A reply given as a conversation (UltraFeedback's
+    `[user, assistant]` beside its prompt string) must continue that prompt: the messages before it equal the
+    prompt's messages, or end with a user message whose text is the prompt string; the prompt is then those
+    messages, so the chat template renders it as it renders SFT and RL prompts. A conversation that continues
+    another prompt, or two replies continuing different ones, is a DataError: the row would train on replies
+    to some other question."""
+    contexts = {key: row[key][:-1] for key in keys if isinstance(row[key], list) and len(row[key]) > 1}
+    if len(set(map(repr, contexts.values()))) > 1:
+        raise DataError(f"{where}: keys {keys[0]!r} and {keys[1]!r} differ before their last message, "
                         "so they answer different prompts")
     for key, context in contexts.items():
         said = context[-1]["content"].strip() if context[-1]["role"] == "user" else None
@@ -117,7 +120,7 @@ def _paired(row: dict, src: DatasetSource, where: str, section: str) -> dict[str
             raise DataError(f"{where}: key {key!r} continues a conversation that is not key {pk!r}: the messages "
                             f"before its reply must be the prompt's, or end with a user message saying it")
         prompt = _before_reply(context, key, where)
-    return {"prompt": prompt, "chosen": chosen, "rejected": rejected}
+    return prompt
 
 
 def _shared_prompt(row: dict, src: DatasetSource, where: str) -> tuple[str | list[dict], str, str]:
@@ -163,12 +166,10 @@ def _unpaired(row: dict, src: DatasetSource, where: str, section: str) -> dict[s
     label = row[src.label_key]
     if not isinstance(label, bool) and label not in (0, 1):
         raise DataError(f"{where}: key {src.label_key!r} must be true/false (or 1/0), got {label!r}")
-    return {
-        "prompt": _prompt(_need(row, src.prompt_key, where, f"or set prompt_key under {section}"),
-                                where, src.prompt_key),
-        "response": _text(row, src.response_key, where, f"or set response_key under {section}"),
-        "label": bool(label),
-    }
+    pk, rk = src.prompt_key, src.response_key
+    prompt = _prompt(_need(row, pk, where, f"or set prompt_key under {section}"), where, pk)
+    response = _text(row, rk, where, f"or set response_key under {section}")
+    return {"prompt": _continued(row, prompt, (rk,), pk, where), "response": response, "label": bool(label)}
 
 
 def normalize_row(row: Any, kind: Kind, src: DatasetSource, where: str) -> dict[str, Any]:

@@ -166,9 +166,6 @@ class PolicyGradientUpdate:
         # Each pass's remainder (and each chunk's cut to the ranks) is left out of it: counted, as rs/ and dpo/ do.
         left_out = float(len(exp) - rows_per_pass(len(exp), p.minibatch_size, ranks))
         return {**train_minibatches(exp.tensors(), chunks, steps), "rows_left_out": left_out, "updates": len(chunks)}
-        trained_by = [g for g, *_ in self.objectives(frozen)]
-        schedules_on(trained_by, self.updates_per_step(cfg), metrics.pop("updates", 0))
-
 
     def state(self) -> dict[str, float]:
         return {"kl_coef": self.kl_ctl.value}

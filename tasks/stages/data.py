@@ -20,7 +20,6 @@ from tasks.registry import DataInputs, DataStage
 log = logging.getLogger("alignflow")
 
 SPLITS = ("sft", "preference", "preference_unpaired", "prompts", "eval", "eval_preference")
-REPLIES = {"answer", "response", "chosen", "rejected", "label"}  # what a record says besides its prompt
 
 
 def build_splits(cfg: DataConfig, seed: int) -> tuple[dict[str, list[dict]], dict[str, int]]:
@@ -28,8 +27,7 @@ def build_splits(cfg: DataConfig, seed: int) -> tuple[dict[str, list[dict]], dic
     prompts also trained on); user data is validated row by row before anything trains."""
     if cfg.source == "synthetic":
         task = agent_task if cfg.synthetic.task == "boxes" else synthetic
-        splits = {**task.generate(cfg.synthetic, seed), "preference_unpaired": []}
-        return splits, {"eval_prompts_in_training": seen_in_training(splits)}
+        return {**task.generate(cfg.synthetic, seed), "preference_unpaired": []}, {}
     preference = load.load_records(cfg.preference, "preference")
     pairs = [r for r in preference if "label" not in r]
     # A pair whose two replies are the same text teaches nothing (DPO's gradient and a reward model's margin
@@ -60,10 +58,11 @@ def build_splits(cfg: DataConfig, seed: int) -> tuple[dict[str, list[dict]], dic
 def seen_in_training(splits: dict[str, list[dict]]) -> int:
     """Held-out eval prompts that a training split holds too (SFT, RL prompts, preference pairs or examples):
     counted and said, since their accuracy is partly recall. Not removed: the split is the user's. A prompt is
-    its text with the row's other columns but its answer or replies: an environment's sample (the bundled boxes
-    task asks one question of different boxes) is the same prompt only with the same state."""
+    what the policy is shown: its text (or messages) and its tools; other columns (an id, a level, a
+    solution) are not compared. The bundled tasks build their splits apart and are not checked (the boxes
+    task asks one question of different boxes: the same text, another episode)."""
     def key(record: dict) -> str:
-        return json.dumps({k: v for k, v in record.items() if k not in REPLIES}, sort_keys=True, default=str)
+        return json.dumps([record["prompt"], record.get("tools")], sort_keys=True, default=str)
 
     trained = {key(r) for name in ("sft", "prompts", "preference", "preference_unpaired") for r in splits[name]}
     seen = [i for i, r in enumerate(splits["eval"], start=1) if key(r) in trained]
@@ -77,17 +76,21 @@ def held_out_pairs(pairs: list[dict], seed: int) -> tuple[list[dict], list[dict]
     """(trained, held out): the pairs of about 10 % of the prompts, drawn by the seed, held out for the reward
     model's accuracy; both keep the file's order. By prompt, so that no held-out prompt was trained on (HH and
     SHP hold several pairs per prompt, side by side), and drawn, so that a file sorted by source holds out
-    every source. Where all pairs share one prompt, the last 10 % of them are held out, said."""
+    every source. A prompt whose pairs would take the hold-out past twice its 10 % is passed over (a few
+    prompts of many pairs each would take half the data). Where no prompt fits (one prompt, or a few of many
+    pairs each), the last 10 % of the pairs are held out, and the prompts they share with training are said."""
     keys = [json.dumps(r["prompt"], sort_keys=True) for r in pairs]
     sizes = collections.Counter(keys)
     prompts = list(sizes)
     random.Random(derive_seed(seed, "eval_preference")).shuffle(prompts)
+    budget = max(1, len(pairs) // 10)
     held, count = set(), 0
     for prompt in prompts[:-1]:  # one prompt at least is trained on
-        if count >= max(1, len(pairs) // 10):
+        if count >= budget:
             break
-        held.add(prompt)
-        count += sizes[prompt]
+        if count + sizes[prompt] <= 2 * budget:
+            held.add(prompt)
+            count += sizes[prompt]
     if held:
         return [r for r, k in zip(pairs, keys) if k not in held], [r for r, k in zip(pairs, keys) if k in held]
     if len(pairs) == 1:
@@ -95,8 +98,9 @@ def held_out_pairs(pairs: list[dict], seed: int) -> tuple[list[dict], list[dict]
                     "held-out accuracy is its training accuracy")
         return pairs, pairs
     if pairs:
-        log.warning("data.preference's %d pairs share one prompt: the held-out pairs' prompt is trained on too",
-                    len(pairs))
+        log.warning("data.preference's %d pairs have %d prompt(s), none of whose pairs fit a 10 %% hold-out: the "
+                    "last 10 %% of the pairs are held out, and their prompts are trained on too", len(pairs),
+                    len(sizes))
     n_held = max(1, len(pairs) // 10) if pairs else 0
     return pairs[: len(pairs) - n_held], pairs[len(pairs) - n_held:]
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 
 import torch
 
@@ -60,7 +61,7 @@ def dropped_by_rows(logprobs: torch.Tensor, ids: torch.Tensor, rows: int) -> dic
     """drop_ids_past over pieces of rows (at most PIECE_BYTES of entries each), its results written back in
     place: a whole cache's temporaries are never held at once, and a mapped cache (tensor_files.mapped)
     keeps the file's pages where nothing is dropped. Returns what was dropped, as drop_ids_past."""
-    per, parts = max(1, PIECE_BYTES // max(1, ids[0].numel() * 8)), []
+    per, parts = max(1, PIECE_BYTES // max(1, math.prod(ids.shape[1:]) * 8)), []
     for i in range(0, len(ids), per):
         new_logprobs, new_ids, dropped = drop_ids_past(logprobs[i:i + per], ids[i:i + per], rows)
         if dropped["entries"]:
@@ -123,7 +124,8 @@ def distill_teacher(stage: PlannedStage, inputs: DistillTeacherInputs, ctx: RunC
                 mass += float(logprobs.exp().sum(-1)[columns[start:start + per] >= 0].sum())
         del cache
         dropped = {"entries": sum(d["entries"] for d in dropped), "mass": sum(d["mass"] for d in dropped),
-                   "positions": torch.cat([d["positions"] for d in dropped])}
+                   "positions": torch.cat([d["positions"] for d in dropped]) if dropped
+                   else torch.zeros(columns.shape, dtype=torch.bool)}
         _say_dropped(stage.name, dropped, cfg.top_k)
         mask = columns >= 0
         metrics = {"distill/rows": float(mask.shape[0]), "distill/positions": float(mask.sum()),

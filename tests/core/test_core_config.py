@@ -948,6 +948,7 @@ def test_text_fields_keep_their_override_as_written():
                              "rounds.0.reward.judge.pattern=verdict: (yes|no)", "data.source=synthetic",
                              "infra.mlflow_experiment=exp #1", "rounds.0.steps=7", "sft.gradient_checkpointing=yes"])
     assert (cfg.model.revision, cfg.name, cfg.infra.mlflow_experiment) == ("0123456", "2024", "exp #1")
+    assert load_config(None, ['name="a #b"']).name == "a #b"  # the user's own quotes stand
     assert cfg.rounds[0].reward.judge.pattern == "verdict: (yes|no)"
     assert cfg.rounds[0].steps == 7 and cfg.sft.gradient_checkpointing is True
     assert load_config(None, ["model.base=org/m", "model.revision=null"]).model.revision is None
@@ -981,7 +982,10 @@ def test_yaml_merge_keys_and_yaml_1_2_booleans_in_a_config_file(tmp_path):
                     "sft: {gradient_checkpointing: yes}\n")
     cfg = load_config(path)
     assert [r.steps for r in cfg.rounds] == [5, 9] and cfg.rounds[1].reward.judge.scores == {"yes": 1.0, "no": 0.0}
-    assert cfg.sft.gradient_checkpointing is True  # a bool field reads the word as before
+    assert cfg.sft.gradient_checkpointing is True  # a value reads the word as before
+    scores = load_config(None, ['rounds=[{"algorithm": "grpo", "reward": {"source": "judge", "judge": {"model": "j"}}}]',
+                                "rounds.0.reward.judge.scores={yes: 2, no: 0}"]).rounds[0].reward.judge.scores
+    assert scores == {"yes": 2.0, "no": 0.0}  # an override's mapping keys alike
     path.write_text("sft: {epochs: 1}\nsft: {epochs: 2}\n")
     with pytest.raises(ConfigError, match="found the key 'sft' twice"):
         load_config(path)

@@ -886,8 +886,17 @@ def test_held_out_pairs_are_whole_prompts_drawn_by_the_seed(tmp_path, caplog):
     same = [{"prompt": "p", "chosen": f"c{i}", "rejected": "r"} for i in range(10)]
     with caplog.at_level("WARNING", logger="alignflow"):
         assert held_out_pairs(same, 0) == (same[:9], same[9:])
-    assert any("10 pairs share one prompt: the held-out pairs' prompt is trained on too" in r.getMessage()
+    assert any("10 pairs have 1 prompt(s), none of whose pairs fit a 10 % hold-out" in r.getMessage()
                for r in caplog.records)
+    # Two prompts of 50 pairs: holding one out took half the data; no prompt fits, the last 10 % are held out.
+    two = [{"prompt": f"p{i // 50}", "chosen": f"c{i}", "rejected": "r"} for i in range(100)]
+    assert [len(s) for s in held_out_pairs(two, 0)] == [90, 10]
+    # A prompt of 90 pairs among ten of one: passed over, whatever the draw; the small ones make the 10 %.
+    big = [{"prompt": "big", "chosen": f"c{i}", "rejected": "r"} for i in range(90)] + [
+        {"prompt": f"s{i}", "chosen": "c", "rejected": "r"} for i in range(10)]
+    for seed in range(5):
+        trained, held = held_out_pairs(big, seed)
+        assert 9 <= len(held) <= 10 and all(r["prompt"] != "big" for r in held)  # one prompt always trains
 
 
 def test_a_null_float_answer_is_no_answer(tmp_path):
@@ -907,17 +916,30 @@ def test_eval_prompts_also_trained_on_are_counted_and_said(tmp_path, caplog):
 
     sft = _jsonl(tmp_path / "sft.jsonl", [{"prompt": "2+2?", "response": "4"}, {"prompt": "3+3?", "response": "6"}])
     ev = _jsonl(tmp_path / "eval.jsonl", [{"prompt": "5+5?", "answer": "10"}, {"prompt": "3+3?", "answer": "6"},
-                                          {"prompt": "2+2?", "answer": "4", "table": {"a": 1}}])
+                                          {"prompt": "2+2?", "answer": "4", "id": 17}])
     pref = _jsonl(tmp_path / "pref.jsonl", [{"prompt": "7+7?", "chosen": "14", "rejected": "15"}])
     cfg = DataConfig(source="files", sft=DatasetSource(path=sft), eval=DatasetSource(path=ev),
                      preference=DatasetSource(path=pref))
     with caplog.at_level("WARNING", logger="alignflow"):
         splits, counted = build_splits(cfg, seed=0)
-    assert counted == {"preference_ties_left_out": 0, "eval_prompts_in_training": 1}
+    assert counted == {"preference_ties_left_out": 0, "eval_prompts_in_training": 2}  # an id column aside
     assert [r["prompt"] for r in splits["eval"]] == ["5+5?", "3+3?", "2+2?"]  # kept
-    assert any("data.eval: 1 of 3 prompts are in a training split too (the first: eval rows [2])" in r.getMessage()
+    assert any("data.eval: 2 of 3 prompts are in a training split too (the first: eval rows [2, 3])" in r.getMessage()
                for r in caplog.records)
-    boxes = {"prompts": [{"prompt": "box 1?", "answer": "7", "boxes": {"1": 7}}], "sft": [], "preference": [],
-             "preference_unpaired": [], "eval": [{"prompt": "box 1?", "answer": "3", "boxes": {"1": 3}},
-                                                 {"prompt": "box 1?", "answer": "9", "boxes": {"1": 7}}]}
-    assert seen_in_training(boxes) == 1  # the same question of other boxes is another prompt
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    other = {"sft": [{"prompt": "q", "response": "r", "tools": tools}], "prompts": [], "preference": [],
+             "preference_unpaired": [], "eval": [{"prompt": "q", "answer": "a"}, {"prompt": "q", "tools": tools}]}
+    assert seen_in_training(other) == 1  # shown other tools, the same text is another prompt
+
+
+def test_an_unpaired_reply_given_as_a_conversation_continues_its_prompt(tmp_path):
+    """KTO's unpaired rows as pairs are: a conversation reply's context becomes the prompt, or fails the row."""
+    rows = [{"prompt": "Q?", "completion": [_turn("user", "Q?"), _turn("assistant", "A")], "ok": True},
+            {"prompt": "Q?", "completion": [_turn("user", "OTHER question"), _turn("assistant", "A")], "ok": False}]
+    path = _jsonl(tmp_path / "kto.jsonl", rows[:1])
+    src = DatasetSource(path=path, label_key="ok", response_key="completion")
+    assert load_records(src, "preference") == [{"prompt": [_turn("user", "Q?")], "response": "A", "label": True}]
+    bad = _jsonl(tmp_path / "bad.jsonl", rows[1:])
+    with pytest.raises(DataError, match=r"bad.jsonl, row 1: key 'completion' continues a conversation that is not "
+                                        r"key 'prompt'"):
+        load_records(DatasetSource(path=bad, label_key="ok", response_key="completion"), "preference")

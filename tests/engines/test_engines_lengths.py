@@ -119,3 +119,13 @@ def test_a_chat_template_refusing_a_record_names_it(tokenizer):
         measure(strict, {"sft": [ok, bad]})
     assert str(err.value) == ("data split 'sft', record 2 (starting system: 'Be brief.'): the tokenizer's chat "
                               "template refuses its messages: System role not supported")
+
+
+def test_a_tokenizer_without_a_chat_template_names_the_record(tokenizer):
+    import copy
+
+    bare = copy.deepcopy(tokenizer)
+    bare.chat_template = None
+    with pytest.raises(DataError, match=r"data split 'sft', record 1 \(starting user: '2\+2\?'\): the tokenizer's "
+                                        r"chat template refuses its messages: "):
+        measure(bare, {"sft": [{"prompt": [{"role": "user", "content": "2+2?"}], "response": "4"}]})

@@ -197,5 +197,6 @@ def test_a_failure_after_the_commit_leaves_the_stage_run_finished(ctx, monkeypat
     client = MlflowClient(ctx.infra.mlflow_tracking_uri)
     [run] = client.search_runs([client.get_experiment_by_name(ctx.infra.mlflow_experiment).experiment_id])
     assert run.info.status == "FINISHED"
-    assert any(f"data: committed at {result.uri}, but what follows the commit failed (PermissionError: s3: "
+    assert any(f"data: committed at {result.uri}, but pruning its checkpoints failed (PermissionError: s3: "
                "AccessDenied on delete)" in r.getMessage() for r in caplog.records)
+    assert run.data.tags["alignflow.uri"] == result.uri  # the tag after it is still set

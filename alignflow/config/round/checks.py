@@ -49,10 +49,10 @@ def check_round(r) -> None:
     if r.spec.teacher and (r.ppo.dynamic_sampling or r.ppo.dynamic_sampling_mean_range):
         raise ValueError(f"{r.algorithm}'s signal is its teacher's, not the task reward's: ppo.dynamic_sampling "
                          "would drop the groups whose (unused) rewards are all equal from distillation")
-    if r.generation.num_samples == 1 and (r.ppo.dynamic_sampling or r.ppo.dynamic_sampling_mean_range):
-        raise ValueError("ppo.dynamic_sampling filters groups of a prompt's samples; with generation.num_samples 1 "
-                         "every group is one sample, all equal (dynamic_sampling) or all of one mean, so every row "
-                         "would be dropped at every step: sample 2 or more")
+    if r.generation.num_samples == 1 and r.ppo.dynamic_sampling:  # (a mean range still filters single rows)
+        raise ValueError("ppo.dynamic_sampling drops the groups of a prompt's samples whose rewards are all equal; "
+                         "with generation.num_samples 1 every group is one sample, so every row would be dropped "
+                         "at every step: sample 2 or more")
     if r.spec.teacher and r.generation.top_p < 1:
         raise ValueError(f"{r.algorithm} compares the engines' log-probs of the student's samples with the "
                          f"teacher's at generation.temperature; with generation.top_p={r.generation.top_p} "

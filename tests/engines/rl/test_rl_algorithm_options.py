@@ -58,12 +58,23 @@ def test_defaults_of_the_other_algorithms_are_unchanged():
     ('{"algorithm": "grpo", "ppo": {"dynamic_sampling_mean_range": [0.1]}}', r"rounds\.0\.ppo\.dynamic_sampling_mean_range"),
     ('{"algorithm": "ppo", "ppo": {"dynamic_sampling": true}, "generation": {"num_samples": 1}}',
      r"rounds\.0: .*with generation\.num_samples 1 every group is one sample"),
+    ('{"algorithm": "ppo", "ppo": {"dynamic_sampling": true, "dynamic_sampling_mean_range": [-5, 5]}, '
+     '"generation": {"num_samples": 1}}', r"rounds\.0: .*with generation\.num_samples 1 every group is one sample"),
     ('{"algorithm": "grpo", "reward": {"clip": 0}}', r"rounds\.0\.reward\.clip"),
     ('{"algorithm": "grpo", "reward": {"truncation_penalty": -1}}', r"rounds\.0\.reward\.truncation_penalty"),
 ])
 def test_invalid_options_name_their_field(round_yaml, match):
     with pytest.raises(ConfigError, match=match):
         load_config(None, [f"rounds=[{round_yaml}]"])
+
+
+def test_a_mean_range_filters_single_samples():
+    """One sample a prompt: its group's mean is its own reward, so a mean range drops the rows outside it (a reward
+    model's outliers, say) and keeps the rest; only dynamic_sampling's all-equal groups would drop every row."""
+    cfg = load_config(None, ['rounds=[{"algorithm": "ppo", "ppo": {"dynamic_sampling_mean_range": [-5, 5]}, '
+                             '"generation": {"num_samples": 1}}]']).rounds[0]
+    rows, metrics = kept_rows(torch.tensor([0.5, 9.0, -1.0]), cfg)
+    assert rows.tolist() == [0, 2] and metrics["dynamic_sampling/dropped_groups_mean_range"] == 1.0
 
 
 def test_options_load_from_yaml():
