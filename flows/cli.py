@@ -197,19 +197,24 @@ def _print_report(report, elapsed: float, verbose: bool = False) -> None:
     print(f"wall time:  {elapsed:.1f} s")
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="alignflow", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    loud = "every log line on the console (default: alignflow's, and warnings once)"
+    parser.add_argument("-v", "--verbose", action="store_true", help=loud)  # before the command, or after it:
     sub = parser.add_subparsers(dest="command", required=True)
-    verbose = argparse.ArgumentParser(add_help=False)
-    verbose.add_argument("-v", "--verbose", action="store_true",
-                         help="every log line on the console (default: alignflow's, and warnings once)")
+    verbose = argparse.ArgumentParser(add_help=False)  # SUPPRESS: a command without -v keeps the one before it
+    verbose.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=loud)
     for name in ("run", "plan", "validate"):
         p = sub.add_parser(name, parents=[verbose])
         p.add_argument("args", nargs="*", help="[CONFIG.yaml] [key.sub=value ...]")
     p = sub.add_parser("stage", parents=[verbose], help="run one target (and, from cache, what it needs)")
     p.add_argument("name", help="a stage (sft, round_2, eval_sft, ...) or a target (data, sft, reward_model, rl, ...)")
     p.add_argument("args", nargs="*")
-    ns = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = parse_args(argv)
     install_sigterm_handler()  # SIGTERM raises Terminated: `finally` blocks end MLflow runs KILLED, drop scratch
     console.setup(ns.verbose)
     target = ns.name if ns.command == "stage" else None

@@ -192,3 +192,15 @@ def test_a_storage_root_that_cannot_be_read_is_one_error_line(tmp_path):
     assert out.returncode == 2, out.stderr[-2000:]
     [line] = [line for line in out.stderr.splitlines() if line.strip()]
     assert line.startswith("error: infra.storage.root s3://bucket/af cannot be read (") and "Traceback" not in out.stderr
+
+
+def test_verbose_goes_before_the_command_or_after_it(tmp_path):
+    """`alignflow -v validate` was an argparse error: -v was the commands' option alone."""
+    from flows.cli import parse_args
+
+    for args in (["-v", "validate", "a.b=1"], ["validate", "-v", "a.b=1"], ["validate", "a.b=1"],
+                 ["-v", "stage", "sft", "a.b=1"], ["stage", "sft", "a.b=1", "-v"], ["stage", "sft", "a.b=1"]):
+        ns = parse_args(args)
+        assert ns.verbose is ("-v" in args) and ns.command == args[args[0] == "-v"] and ns.args == ["a.b=1"], args
+    out = cli("-v", "validate", f"infra.storage.root={tmp_path / 'a'}", cwd=tmp_path)
+    assert out.returncode == 0 and "config is valid" in out.stderr, out.stderr[-1500:]
