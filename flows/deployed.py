@@ -26,11 +26,10 @@ from __future__ import annotations
 from typing import Any
 
 from prefect import flow
-from pydantic import BaseModel
-from pydantic_core import to_jsonable_python
 
 from alignflow.cluster import run_scratch
 from alignflow.config import PipelineConfig, load_config
+from alignflow.config.overrides import as_set_with_made_defaults
 from alignflow.preflight import check
 from alignflow.records import StageResult
 from flows.pipeline import deployment_config, run_all, run_target
@@ -50,33 +49,7 @@ def config_parameter(path: str, overrides: list[str] | None = None) -> dict[str,
     reward model's margin bins) beside what the file sets: the schema has no default for such a field, and
     the form would show it empty, though the run has it."""
     cfg = load_config(path, overrides or [])
-    return {"config": _with_made_defaults(cfg, cfg.model_dump(mode="json", exclude_unset=True))}
-
-
-def _json(value: Any) -> Any:
-    """A field's value as the parameter holds it: a model as its exclude_unset dump (made defaults added)."""
-    if isinstance(value, BaseModel):
-        return _with_made_defaults(value, value.model_dump(mode="json", exclude_unset=True))
-    if isinstance(value, (list, tuple)):
-        return [_json(v) for v in value]
-    return to_jsonable_python(value)
-
-
-def _with_made_defaults(model: BaseModel, dumped: dict[str, Any]) -> dict[str, Any]:
-    """`dumped` (model's exclude_unset dump) with the fields left out whose default a factory made, where it
-    holds something, at every level the dump has."""
-    for name, info in type(model).model_fields.items():
-        value = getattr(model, name)
-        if name not in dumped:
-            if info.default_factory is not None and value and not isinstance(value, BaseModel):  # a section's
-                dumped[name] = _json(value)  # own fields have their defaults in the schema
-        elif isinstance(value, BaseModel) and isinstance(dumped[name], dict):
-            _with_made_defaults(value, dumped[name])
-        elif isinstance(value, list) and isinstance(dumped[name], list):
-            for v, d in zip(value, dumped[name]):
-                if isinstance(v, BaseModel) and isinstance(d, dict):
-                    _with_made_defaults(v, d)
-    return dumped
+    return {"config": as_set_with_made_defaults(cfg)}
 
 
 @flow(name="alignflow-scheduled-pipeline", task_runner=PipelineTaskRunner(), log_prints=True,

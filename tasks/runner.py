@@ -14,7 +14,7 @@ from typing import Any
 
 from alignflow.errors import UserError
 from alignflow.records import StageResult
-from alignflow.store.faults import CORRUPT, CorruptInput, corrupt_artifacts
+from alignflow.store.faults import CorruptInput, corrupt_artifacts
 from tasks.context import RunContext
 from tasks.plan import PlannedStage
 from tasks.registry import STAGE_KINDS, StageKind
@@ -53,16 +53,18 @@ def set_aside_corrupt_inputs(err: Exception, stage: PlannedStage, inputs: dict[s
     CorruptInput, not retried: every retry would read the same files, and Prefect's cache would hand the
     input on again at the next run. Set aside (uncommitted, its files kept), it is computed again then."""
     found = corrupt_artifacts(err)
+    if not found:  # most failures: nothing to look up
+        return
     storage = ctx.storage()
     for name, result in inputs.items():
-        if not found or not isinstance(result, StageResult):
+        if not isinstance(result, StageResult):
             continue
         uri = ctx.uri(result)
         bad = [c for c in found if c.uri == uri or c.uri.startswith(f"{uri}/")]
         if bad:
             aside = storage.set_aside(uri) if storage.is_committed(uri) else "set aside already"
             raise CorruptInput(f"{stage.name}: its input {name!r} ({result.stage} at {uri}) no longer matches its "
-                               f"manifest ({str(bad[0]).split(CORRUPT, 1)[-1]}): set aside ({aside}); run the "
+                               f"manifest ({bad[0].detail}): set aside ({aside}); run the "
                                f"pipeline again and {result.stage} is computed again, then the stages after it"
                                ) from err
 

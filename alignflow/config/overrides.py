@@ -17,6 +17,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel
+from pydantic_core import to_jsonable_python
 
 from alignflow.errors import ConfigError
 
@@ -165,5 +166,37 @@ def default_of(parts: list[str]) -> Any:
     default = info.default_factory() if info.default_factory is not None else info.default
     if isinstance(default, BaseModel) or not isinstance(default, (list, dict)) or not default:
         return {}
-    return [d.model_dump(mode="json", exclude_unset=True) if isinstance(d, BaseModel) else d for d in default] \
-        if isinstance(default, list) else dict(default)
+    return as_json(default)
+
+
+def as_set_with_made_defaults(model: BaseModel) -> dict[str, Any]:
+    """A config as JSON the way it was set (its exclude_unset dump), with the defaults a factory made where
+    they hold something (the default rounds, a judge's verdict scores, the margin bins) at every level the dump
+    has: a JSON schema has no default for such a field, so a form built from it would show it empty."""
+    return _with_made_defaults(model, model.model_dump(mode="json", exclude_unset=True))
+
+
+def as_json(value: Any) -> Any:
+    """A config value as JSON: a model as_set_with_made_defaults, a list item by item."""
+    if isinstance(value, BaseModel):
+        return as_set_with_made_defaults(value)
+    if isinstance(value, (list, tuple)):
+        return [as_json(v) for v in value]
+    return to_jsonable_python(value)
+
+
+def _with_made_defaults(model: BaseModel, dumped: dict[str, Any]) -> dict[str, Any]:
+    """`dumped` (model's exclude_unset dump) with the fields left out whose default a factory made, where it
+    holds something, at every level the dump has."""
+    for name, info in type(model).model_fields.items():
+        value = getattr(model, name)
+        if name not in dumped:
+            if info.default_factory is not None and value and not isinstance(value, BaseModel):  # a section's
+                dumped[name] = as_json(value)  # own fields have their defaults in the schema
+        elif isinstance(value, BaseModel) and isinstance(dumped[name], dict):
+            _with_made_defaults(value, dumped[name])
+        elif isinstance(value, list) and isinstance(dumped[name], list):
+            for v, d in zip(value, dumped[name]):
+                if isinstance(v, BaseModel) and isinstance(d, dict):
+                    _with_made_defaults(v, d)
+    return dumped

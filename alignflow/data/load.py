@@ -18,7 +18,8 @@ log = logging.getLogger("alignflow")
 def load_records(src: DatasetSource, kind: Kind) -> list[dict[str, Any]]:
     """All rows of `src` as canonical records; fails on the first bad row or if empty. A prompt row keeps its
     other columns (an environment reads its sample; an agent its `tools`), an SFT or preference row its `tools`
-    (the chat template renders them, as it does for the policy's prompts). A value JSON cannot hold (a Parquet timestamp) is left out, and said."""
+    (the chat template renders them, as it does for the policy's prompts). A value JSON cannot hold (a Parquet
+    timestamp) is left out, and said."""
     records, unkept, used = [], {}, {src.prompt_key, src.messages_key, src.answer_key}
     for i, row in enumerate(read_rows(src), start=1):
         record = normalize_row(row, kind, src, where=f"{src.path}, row {i}")

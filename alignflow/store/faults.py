@@ -16,6 +16,11 @@ class CorruptArtifact(StorageError):
     def uri(self) -> str:
         return str(self).split(CORRUPT, 1)[0]
 
+    @property
+    def detail(self) -> str:
+        """The files that do not match, as the message lists them."""
+        return str(self).split(CORRUPT, 1)[-1]
+
 
 CORRUPT = ": files do not match the manifest: "
 

@@ -57,19 +57,29 @@ def drop_ids_past(logprobs: torch.Tensor, ids: torch.Tensor, rows: int) -> tuple
     return logprobs, ids, dropped
 
 
+def rows_a_piece(shape: tuple[int, ...]) -> int:
+    """Rows of a (rows, width, k) top-k of 8-byte entries that make at most PIECE_BYTES (at least one)."""
+    return max(1, PIECE_BYTES // max(1, math.prod(shape[1:]) * 8))
+
+
+def dropped_in_all(parts: list[dict], shape: tuple[int, ...]) -> dict:
+    """drop_ids_past's accounts of consecutive pieces of rows as one, for a top-k of `shape`."""
+    return {"entries": sum(p["entries"] for p in parts), "mass": sum(p["mass"] for p in parts),
+            "positions": torch.cat([p["positions"] for p in parts]) if parts else torch.zeros(shape[:2],
+                                                                                            dtype=torch.bool)}
+
+
 def dropped_by_rows(logprobs: torch.Tensor, ids: torch.Tensor, rows: int) -> dict:
-    """drop_ids_past over pieces of rows (at most PIECE_BYTES of entries each), its results written back in
-    place: a whole cache's temporaries are never held at once, and a mapped cache (tensor_files.mapped)
-    keeps the file's pages where nothing is dropped. Returns what was dropped, as drop_ids_past."""
-    per, parts = max(1, PIECE_BYTES // max(1, math.prod(ids.shape[1:]) * 8)), []
+    """drop_ids_past over pieces of rows (rows_a_piece), its results written back in place: a whole cache's
+    temporaries are never held at once, and a mapped cache (tensor_files.mapped) keeps the file's pages where
+    nothing is dropped. Returns what was dropped, as drop_ids_past."""
+    per, parts = rows_a_piece(ids.shape), []
     for i in range(0, len(ids), per):
         new_logprobs, new_ids, dropped = drop_ids_past(logprobs[i:i + per], ids[i:i + per], rows)
         if dropped["entries"]:
             logprobs[i:i + per], ids[i:i + per] = new_logprobs, new_ids
         parts.append(dropped)
-    return {"entries": sum(p["entries"] for p in parts), "mass": sum(p["mass"] for p in parts),
-            "positions": torch.cat([p["positions"] for p in parts]) if parts else torch.zeros(ids.shape[:2],
-                                                                                            dtype=torch.bool)}
+    return dropped_in_all(parts, ids.shape)
 
 
 def _say_dropped(stage: str, dropped: dict, k: int) -> None:
@@ -107,7 +117,7 @@ def distill_teacher(stage: PlannedStage, inputs: DistillTeacherInputs, ctx: RunC
                                                                 "ids": (shape, torch.int32),
                                                                 "positions": (columns.shape, torch.int32)})
         cache["positions"].copy_(columns)
-        per, rows = max(1, PIECE_BYTES // (shape[1] * shape[2] * 8)), models.output_rows(student_dir)
+        per, rows = rows_a_piece(shape), models.output_rows(student_dir)
         mass, dropped = 0.0, []
         topk = functools.partial(objectives.topk_next_tokens, k=cfg.top_k, width=columns.shape[1])
         with scoring(ctx.ref(inputs.teacher), None, num_cpus=p.num_cpus, num_gpus=p.num_gpus, resources=p.resources,
@@ -123,9 +133,7 @@ def distill_teacher(stage: PlannedStage, inputs: DistillTeacherInputs, ctx: RunC
                 cache["logprobs"][start:start + per], cache["ids"][start:start + per] = logprobs, ids
                 mass += float(logprobs.exp().sum(-1)[columns[start:start + per] >= 0].sum())
         del cache
-        dropped = {"entries": sum(d["entries"] for d in dropped), "mass": sum(d["mass"] for d in dropped),
-                   "positions": torch.cat([d["positions"] for d in dropped]) if dropped
-                   else torch.zeros(columns.shape, dtype=torch.bool)}
+        dropped = dropped_in_all(dropped, shape)
         _say_dropped(stage.name, dropped, cfg.top_k)
         mask = columns >= 0
         metrics = {"distill/rows": float(mask.shape[0]), "distill/positions": float(mask.sum()),
