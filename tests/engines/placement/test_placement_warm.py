@@ -251,7 +251,10 @@ def test_an_actor_that_died_idle_is_ended_not_handed_on(ray_local):
 def stages_in_a_worker(model_path: str, idle_s: float) -> dict:
     """In a Ray worker, as tasks/runner.py runs a run's stages: a trainer group (SFT), then two of its shape at
     once (a round's actor and critic), twice; a stage that fails with one; starts that hold GPUs and a rollout
-    engine's; the idle ranks left alone for twice `idle_s`; a stage of a run that keeps nothing."""
+    engine's; the idle ranks left alone for twice `idle_s`; a stage of a run that keeps nothing.
+
+    The stages keep their ranks for a minute: on a loaded machine starting one group of a stage took longer
+    than `idle_s`, and the reaper ended the rank its second group was to take. `idle_s` is set after them."""
     import ray
 
     from alignflow.config import EngineConfig
@@ -269,13 +272,13 @@ def stages_in_a_worker(model_path: str, idle_s: float) -> dict:
 
     seen: dict = {"pids": [], "counts": []}
     for size in (1, 2, 2):  # a stage each
-        pool = warm.between_stages(idle_s)
+        pool = warm.between_stages(60.0)
         groups = [TrainerGroup(spec, 1) for _ in range(size)]
         seen["pids"].append(pids(groups))
         for g in groups:
             g.shutdown()
         seen["counts"].append(dict(vars(pool.counts)))
-    seen["same_pool"] = warm.between_stages(idle_s) is pool
+    seen["same_pool"] = warm.between_stages(60.0) is pool
     group = TrainerGroup(spec, 1)  # a stage that fails: its rank ends
     seen["failed_pid"] = pids([group])[0]
     group.shutdown(failed=True)
@@ -285,6 +288,7 @@ def stages_in_a_worker(model_path: str, idle_s: float) -> dict:
             warm.start("scorer", {"num_cpus": 1, "num_gpus": 0.5}, lambda: marker),
             warm.start("rollout", {"model": model_path}, lambda: marker)]
     seen["not_this_pools"] = made == [None, marker, marker] and not pool._owned and vars(pool.counts) == before
+    assert warm.between_stages(idle_s) is pool  # a later stage's keep_warm_s holds from now on
     time.sleep(2 * idle_s + 1.5)
     seen.update(after=dict(vars(pool.counts)), idle=len(pool.idle))
     group = TrainerGroup(spec, 1)
