@@ -186,6 +186,14 @@ class GenerationConfig(Section):
                                     "update streams in buckets of this size (extra memory on each side)")
 
     @model_validator(mode="after")
+    def _greedy_once(self) -> GenerationConfig:
+        n = self.num_samples
+        if self.temperature == 0 and n > 1:  # vLLM and transformers' generate both refuse it, at the first batch
+            raise ValueError(f"temperature 0 samples greedily: a prompt's {n} samples (num_samples) would be one "
+                             f"response {n} times; set num_samples: 1, or sample with a temperature > 0")
+        return self
+
+    @model_validator(mode="after")
     def _tensor_parallel(self) -> GenerationConfig:
         tp = self.vllm.tensor_parallel_size
         if tp > 1 and self.backend != "vllm":

@@ -840,20 +840,24 @@ def test_a_config_object_given_to_the_pipeline_keeps_what_its_author_set():
 
 @pytest.mark.parametrize("override, message", [
     ('rounds=[{"algorithm": "grpo", "generation": {"temperature": 0}}]',
-     "a prompt's 4 samples would be one response 4 times, and grpo learns from each one's reward against its "
-     "group's: nothing"),
-    ('rounds=[{"algorithm": "online_dpo", "generation": {"temperature": 0}}]', "online_dpo learns from pairs"),
+     r"rounds.0.generation.*temperature 0 samples greedily: a prompt's 4 samples \(num_samples\) would be one "
+     r"response 4 times; set num_samples: 1"),
+    ('rounds=[{"algorithm": "grpo", "generation": {"temperature": 0, "num_samples": 1}}]',
+     "grpo needs generation.num_samples >= 2"),
+    ('rounds=[{"algorithm": "ppo", "generation": {"temperature": 0}}]', "would be one response 4 times"),
+    ("evaluation.generation.temperature=0", r"evaluation.generation.*a prompt's 4 samples"),
     ('rounds=[{"actor": {"num_workers": 3}}]', r"ppo.minibatch_size \(64\), an update's rows, is split evenly "
                                                r"across actor.num_workers \(3\)"),
     ('rounds=[{"critic": {"num_workers": 3}}]', r"across critic.num_workers \(3\)"),
     ("sft.num_workers=3", r"sft: Value error, batch_size \(32\) is split evenly across num_workers \(3\)"),
 ])
 def test_a_round_that_could_not_learn_or_split_its_rows_is_refused_up_front(override, message):
-    """Greedy samples of a group algorithm are all one response (every advantage 0), and an update's rows
-    split across ranks that do not divide them raised only when the round started, after SFT."""
+    """Several greedy samples of a prompt are one response (vLLM and transformers refuse them, at the first batch
+    of a round or evaluation), and an update's rows split across ranks that do not divide them raised only when
+    the round started, after SFT."""
     with pytest.raises(ConfigError, match=message):
         load_config(None, [override])
-    assert load_config(None, ['rounds=[{"algorithm": "ppo", "generation": {"temperature": 0}}]'])  # a critic's
+    assert load_config(None, ['rounds=[{"algorithm": "ppo", "generation": {"temperature": 0, "num_samples": 1}}]'])
 
 
 def test_a_mix_with_the_reward_model_needs_its_section():

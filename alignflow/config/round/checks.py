@@ -15,13 +15,7 @@ def check_round(r) -> None:
     if r.ppo.advantage_std_norm is not None and r.spec.group_std_norm is None:
         raise ValueError(f"ppo.advantage_std_norm: {r.algorithm} has no group-normalised advantages "
                          f"(no group std to switch); leave it out")
-    samples, update = r.generation.num_samples, r.spec.update
-    if r.generation.temperature == 0 and samples > 1 and (r.spec.min_samples > 1 or update == "best_of_n_sft"):
-        learns = {"online_dpo": "pairs of a better and a worse one", "best_of_n_sft": "the best of them"}.get(
-            update, "each one's reward against its group's")
-        raise ValueError(f"generation.temperature 0 samples greedily: a prompt's {samples} samples would be one "
-                         f"response {samples} times, and {r.algorithm} learns from {learns}: nothing; sample with a "
-                         f"temperature > 0")
+    update = r.spec.update
     if update in ("policy_gradient", "best_of_n_sft"):  # an update's rows split evenly across each group's ranks
         groups = [("actor", r.actor.num_workers)] + [("critic", r.critic.num_workers)] * bool(r.spec.critic)
         if uneven := [(g, n) for g, n in groups if r.ppo.minibatch_size % n]:
