@@ -233,7 +233,7 @@ def plan_pipeline(cfg: PipelineConfig) -> Plan:
         if reward:
             b.add("eval_reward_model", "evaluate_reward_model", r.RewardModelEvalStage(
                 io=io, scorer_placement=cfg.evaluation.scorer_placement,
-                micro_batch_size=cfg.evaluation.micro_batch_size, rm_margin_bins=cfg.evaluation.rm_margin_bins),
+                scoring_micro_batch_size=cfg.evaluation.micro_batch_size, rm_margin_bins=cfg.evaluation.rm_margin_bins),
                   data=data, reward=reward)
     prints.save()
     return Plan(stages=b.stages, skipped=b.skipped)

@@ -111,7 +111,7 @@ class PolicyEvalStage(Section):
 class RewardModelEvalStage(Section):
     io: ModelIO
     scorer_placement: Placement
-    micro_batch_size: int | None
+    scoring_micro_batch_size: int | None = Field(description="evaluation.micro_batch_size")
     rm_margin_bins: list[float] = Field(description="evaluation.rm_margin_bins")
 
 

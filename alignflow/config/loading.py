@@ -37,14 +37,18 @@ RESOURCE_FIELDS = frozenset({"placement", "scorer_placement", "reference_placeme
                              "checkpoint_every", "log_every", "colocate_offload", "weight_bucket_mb",
                              "gpu_memory_utilization", "kv_cache_gib", "max_num_seqs", "max_num_batched_tokens",
                              "enforce_eager"})
+# Resource-only under one section's name alone, where the same name elsewhere changes what is computed
+# (a trainer's micro_batch_size is its gradient accumulation): the evaluation's scoring forwards.
+RESOURCE_FIELDS_IN = {"evaluation": frozenset({"micro_batch_size"})}
 
 
 def cache_relevant(cfg: BaseModel) -> dict[str, Any]:
     """A config as JSON, without its resource-only fields (at any depth)."""
 
-    def strip(node: Any) -> Any:
+    def strip(node: Any, within: frozenset[str] = frozenset()) -> Any:
         if isinstance(node, dict):
-            return {k: strip(v) for k, v in node.items() if k not in RESOURCE_FIELDS}
+            return {k: strip(v, RESOURCE_FIELDS_IN.get(k, frozenset())) for k, v in node.items()
+                    if k not in RESOURCE_FIELDS and k not in within}
         if isinstance(node, list):
             return [strip(v) for v in node]
         return node

@@ -141,7 +141,7 @@ def evaluate_reward_model(stage: PlannedStage, inputs: RewardModelEvalInputs, ct
         tensors, report = batches.pair_tensors(models.load_tokenizer(ctx.tokenizer_dir(inputs.reward)), records,
                                                limits.prompt, limits.response)
         ensure_ray(ctx.infra)
-        _, rewards = _score(cfg.scorer_placement, cfg.micro_batch_size, io, ctx, tensors, reference=None,
+        _, rewards = _score(cfg.scorer_placement, cfg.scoring_micro_batch_size, io, ctx, tensors, reference=None,
                             reward=ctx.ref(inputs.reward), temperature=1.0)
         scores = rewards.tolist()
         n = len(scores) // 2

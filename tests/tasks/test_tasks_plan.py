@@ -150,6 +150,7 @@ def test_resource_settings_do_not_change_cache_keys():
         '{"actor": {"freeze_steps": 3}}]',  # the default round 2's one setting
         "infra.torch_threads=1", "infra.keep_warm_s=0", "infra.storage.root=/elsewhere",
         "evaluation.engine_lifetime=stage",  # where the engine runs, not what it samples
+        "evaluation.micro_batch_size=8",  # sequences per scoring forward
     ))
     assert moved == base
     # How often a stage saves and logs (checkpointing more often after a crash), and how an engine holds its
@@ -163,6 +164,8 @@ def test_resource_settings_do_not_change_cache_keys():
     ))
     assert saved == base
     assert _keys(_plan("sft.learning_rate=0.01"))["sft"] != base["sft"]  # what it computes still does
+    # A trainer's micro-batch is its gradient accumulation: the name kept out of keys under evaluation only
+    assert _keys(_plan("sft.micro_batch_size=2"))["sft"] != base["sft"]
 
 
 def test_the_seed_reaches_every_stage():
