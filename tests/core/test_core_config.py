@@ -805,6 +805,10 @@ def test_a_mix_of_reward_sources_and_its_one_source_short_form():
     ({"source": "rule", "sources": [RULE]}, "leave out reward.source (the one-source form)"),
     ({"sources": [RULE, RULE]}, "two components are named 'rule'; give each a `name`"),
     ({"sources": [{**RULE, "name": "mean"}]}, "name 'mean' is a reward metric of its own"),
+    ({"sources": [{**RULE, "name": "acc@1"}]}, "name 'acc@1' would make the metric reward/acc@1, which MLflow "
+                                               "refuses"),
+    ({"sources": [{**RULE, "name": ".."}]}, "name '..' would make the metric"),
+    ({"sources": [{**RULE, "name": "format/"}]}, "name 'format/' would make"),
     ({"sources": [{"source": "model"}, {"source": "model", "name": "again"}]}, "one reward model per round"),
     ({"sources": []}, "reward.sources is empty"),
     ({"sources": [{"source": "remote"}]}, "source 'remote' needs url"),

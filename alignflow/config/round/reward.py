@@ -6,9 +6,11 @@ sum of several (`reward.sources`), each component logged on its own (`reward/<na
 
 from __future__ import annotations
 
+import posixpath
+import re
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from alignflow.config.base import Section
 from alignflow.config.round.judge import JudgeRewardConfig
@@ -58,6 +60,17 @@ class RewardSourceConfig(SourceSettings):
     @property
     def label(self) -> str:
         return self.name or self.source
+
+    @field_validator("name")
+    @classmethod
+    def _a_metric_name(cls, name: str | None) -> str | None:
+        """MLflow's rule for a metric's name (letters, digits, / _ - . : and spaces, a path that normalises to
+        itself): the round's first log of reward/<name> raised, after a whole step's generation and training."""
+        metric = f"reward/{name}"
+        if name is not None and (not re.fullmatch(r"[\w/.\- :]+", name) or posixpath.normpath(metric) != metric):
+            raise ValueError(f"name {name!r} would make the metric {metric}, which MLflow refuses: use letters, "
+                             f"digits, spaces and _ - . : only, and / between parts that are not '.' or '..'")
+        return name
 
     @model_validator(mode="after")
     def _remote_has_url(self) -> RewardSourceConfig:
