@@ -216,18 +216,18 @@ def sequence_kl(exp: Experience) -> Tensor:
 
 
 def best_of_n(exp: Experience, threshold: float | None) -> Tensor:
-    """Rejection sampling's winners: per prompt, the finished row of highest reward (the first on ties),
-    kept if its task reward reaches `threshold`. The task reward, not the shaped one: normalised, a
-    right answer in a group of mostly right ones scores below 1, and fewer would pass as the policy
-    improves. Row indices, in prompt order."""
+    """Rejection sampling's winners: per prompt, the finished row of highest reward, ties broken by the task
+    reward (`reward.clip` makes scores above it one), then the first; kept if its task reward reaches
+    `threshold`. The task reward, not the shaped one: normalised, a right answer in a group of mostly right
+    ones scores below 1, and fewer would pass as the policy improves. Row indices, in prompt order."""
+    task = exp.rewards if exp.task_rewards is None else exp.task_rewards
     best: dict[int, int] = {}
     for row in range(len(exp)):
         if not exp.finished[row]:
             continue
         p = int(exp.prompt_index[row])
-        if p not in best or exp.rewards[row] > exp.rewards[best[p]]:
+        if p not in best or (exp.rewards[row], task[row]) > (exp.rewards[best[p]], task[best[p]]):
             best[p] = row
-    task = exp.rewards if exp.task_rewards is None else exp.task_rewards
     rows = [i for _, i in sorted(best.items()) if threshold is None or task[i].item() >= threshold]
     return torch.tensor(rows, dtype=torch.long)
 

@@ -215,6 +215,15 @@ def test_best_of_n_thresholds_the_task_reward_not_the_shaped_one(exp):
     assert experience.best_of_n(filled, 1.5).tolist() == []
 
 
+def test_best_of_n_breaks_a_tie_of_clipped_rewards_by_the_task_reward(exp):
+    # reward.clip 1: scores 3.2 and 5.0 of prompt 0 both shape to 1.0; the 5.0 wins, not the first row.
+    filled = exp.with_(rewards=torch.tensor([1.0, 1.0, 5.0, -1.0]), task_rewards=torch.tensor([3.2, 5.0, 1.0, -3.0]))
+    assert experience.best_of_n(filled, None).tolist() == [1, 3]
+    # the shaped reward still decides where it differs (a penalty on row 1 puts it below row 0)
+    penalised = filled.with_(rewards=torch.tensor([1.0, 0.5, 5.0, -1.0]))
+    assert experience.best_of_n(penalised, None).tolist() == [0, 3]
+
+
 def test_sft_batch_masks_exactly_the_response_tokens(exp):
     batch = experience.sft_batch(exp)
     assert batch["loss_mask"].tolist() == [[0, 0, 0, 1, 1], [0, 0, 0, 1, 0], [0, 0, 1, 1, 1], [0, 0, 1, 0, 0]]
