@@ -33,9 +33,9 @@ def render_question(digits: list[int]) -> str:
     return f"{QUESTION} {' '.join(map(str, digits))}"
 
 
-def check_answer(response: str, answer: str) -> bool:
-    """The task metric: the response, stripped, is exactly the answer."""
-    return response.strip() == answer.strip()
+def check_answer(response: str, answer: str | None) -> bool:
+    """The task metric: the response, stripped, is exactly the answer (never right for a row without one)."""
+    return answer is not None and response.strip() == answer.strip()
 
 
 def _habit(digits: list[int]) -> int:

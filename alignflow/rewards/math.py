@@ -213,7 +213,7 @@ def math_equal(prompt: str, response: str, answer: str | None) -> float:
     return 1.0 if sympy.simplify(got - expected) == 0 else 0.0
 
 
-def math_correct(response: str, answer: str) -> bool:
+def math_correct(response: str, answer: str | None) -> bool:
     """Whether the response's final answer equals `answer` (math_equal), as an evaluation checker
     (`evaluation.checker: alignflow.rewards:math_correct`, with `vote_on: alignflow.rewards:final_answer`)."""
     return math_equal("", response, answer) == 1.0

@@ -94,7 +94,7 @@ def evaluate_policy(stage: PlannedStage, inputs: PolicyEvalInputs, ctx: RunConte
         report_failures(rollouts, stage.name)
 
         correct = [bool(r.episode["success"]) if episodes else
-                   bool(checker(r.text, kept[r.prompt_index][1].get("answer") or "")) for r in rollouts]
+                   bool(checker(r.text, kept[r.prompt_index][1].get("answer"))) for r in rollouts]
         batch = experience.from_rollouts(rollouts, tokenizer.pad_token_id).tensors()
         ref, rewards = _score(cfg.scorer_placement, cfg.micro_batch_size, io, ctx, batch,
                               reference=ctx.ref(inputs.reference), reward=ctx.ref(inputs.reward),

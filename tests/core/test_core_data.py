@@ -155,7 +155,8 @@ def test_asking_for_more_prompts_than_exist_is_a_config_error():
 @pytest.mark.parametrize(
     "response, answer, ok",
     [("7", "7", True), (" 7\n", "7", True), ("7", " 7 ", True), ("7 ", "8", False), ("77", "7", False),
-     ("", "7", False), ("The answer is 7", "7", False)],
+     ("", "7", False), ("The answer is 7", "7", False),
+     ("", None, False)],  # a row without an answer: evaluation passes None, and an empty response is not right
 )
 def test_check_answer(response, answer, ok):
     assert synthetic.check_answer(response, answer) is ok
