@@ -126,7 +126,8 @@ class PolicyGradientUpdate:
             teacher=spec.teacher, rows=rows)
         metrics = self._train(exp.select(rows), step, frozen) if len(rows) else {}
         trained_by = [g for g, *_ in self.objectives(frozen)]
-        schedules_on(trained_by, self.updates_per_step(cfg), metrics.pop("updates", 0))
+        updates = metrics.pop("updates", 0)  # none where the kept rows are fewer than a minibatch's ranks
+        schedules_on(trained_by, self.updates_per_step(cfg), updates)
         lap("train")
         # On policy, the KL of the trained rows as the training forward measured it; with none trained, the
         # sampler's (the policy's) against the reference, not a 0 the adaptive controller would act on.
@@ -138,7 +139,7 @@ class PolicyGradientUpdate:
                         "advantage/mean": algos.masked_mean(trained.advantages, trained.action_mask).item()})
         if spec.teacher:  # per token, as the signal is taken: the sampled reverse KL to the teacher
             metrics["distill/reverse_kl_per_token"] = -metrics["advantage/mean"]
-        return Trained(exp, rows, metrics, actor_trained=bool(len(rows)) and not frozen)
+        return Trained(exp, rows, metrics, actor_trained=bool(updates) and not frozen)
 
     def objectives(self, frozen: bool = False) -> list[tuple[TrainerGroup, Callable, Callable]]:
         """(trainer group, objective, weigh) of one minibatch step, with this step's KL coefficient;
@@ -191,8 +192,11 @@ class BestOfNSFTUpdate:
     def __call__(self, exp: Experience, step: int, lap: Lap) -> Trained:
         winners = experience.best_of_n(exp, self.cfg.rejection.threshold)
         rewards = exp.rewards[winners]
+        prompts, finished = exp.prompt_index.unique(), exp.prompt_index[exp.finished.bool()].unique()
         metrics = {"rs/winners": float(len(winners)), "rs/winner_reward": rewards.mean().item() if len(winners) else 0.0,
-                   "rs/winners_left_out": 0.0}
+                   "rs/winners_left_out": 0.0,  # what best_of_n leaves out, prompt by prompt:
+                   "rs/prompts_unfinished": float(len(prompts) - len(finished)),  # no sample ended before the limit
+                   "rs/below_threshold": float(len(finished) - len(winners))}  # the best short of the threshold
         actor, chunks = self.models.actor, []
         if len(winners):
             gen = torch.Generator().manual_seed(derive_seed(self.seed, f"minibatches/{step}"))
@@ -206,7 +210,7 @@ class BestOfNSFTUpdate:
             metrics.update({f"sft_{k}": v for k, v in sft.items()})
         schedules_on([actor], self.updates_per_step(self.cfg), len(chunks))
         lap("train")
-        return Trained(exp, winners, metrics, actor_trained=bool(len(winners)))
+        return Trained(exp, winners, metrics, actor_trained=bool(chunks))
 
     def state(self) -> dict[str, float]:
         return {}
@@ -267,7 +271,7 @@ class OnlineDPOUpdate:
             metrics.update({f"dpo/{k}": v for k, v in trained.items()})
         schedules_on([actor], self.updates_per_step(self.cfg), len(chunks))
         lap("train")
-        return Trained(exp, rows[: 2 * n], metrics, actor_trained=bool(n))
+        return Trained(exp, rows[: 2 * n], metrics, actor_trained=bool(chunks))
 
     def state(self) -> dict[str, float]:
         return {}

@@ -165,6 +165,10 @@ def test_rejection_sampling_trains_only_on_winners(ray_local, tiny_model, prompt
         assert out.trained_rows.tolist() == [expected[p] for p in sorted(expected)]
         assert metrics["rs/winners"] == len(expected)
         assert metrics["rs/winners_left_out"] == 0  # one minibatch, one rank: every winner trains
+        # What it leaves out, prompt by prompt: no sample finished; the best finished one short of the threshold
+        prompts_seen = {r.prompt_index for r in rollouts}
+        assert (metrics["rs/prompts_unfinished"], metrics["rs/below_threshold"]) == (
+            len(prompts_seen) - len(best), len(best) - len(expected))
         assert rl.models.reference is None, "rejection sampling has no KL term: no reference model"
         # One minibatch: the trained response tokens are exactly the winners' tokens.
         n_tokens = sum(len(rollouts[i].token_ids) for i in expected.values())
