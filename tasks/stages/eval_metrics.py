@@ -18,7 +18,7 @@ so that the report (flows/report.py) can share the names without importing torch
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 PASS_AT_PREFIX = "eval/pass_at_"
 MAJORITY_ACCURACY = "eval/majority_accuracy"
@@ -38,6 +38,23 @@ def pass_at_ks(metrics: dict[str, float]) -> list[int]:
 
 def margin_label(lo: float, hi: float) -> str:
     return f"{lo:g}_{hi:g}"
+
+
+def answer_votes(vote_on: Callable[[str], str | None] | None, texts: Sequence[str], where: str
+                 ) -> list[str | None]:
+    """What each response votes for (`evaluation.vote_on`, named `where` in the error; else the response): a
+    str, or None for no vote. Anything else would fail inside the vote with no field named: a ConfigError."""
+    if vote_on is None:
+        return list(texts)
+    votes = [vote_on(t) for t in texts]
+    for text, vote in zip(texts, votes):
+        if vote is not None and not isinstance(vote, str):
+            from alignflow.errors import ConfigError
+
+            raise ConfigError(f"evaluation.vote_on ({where}) returned {type(vote).__name__} {vote!r} for the "
+                              f"response {text[:80]!r}; it must return the response's answer as a str, or None "
+                              f"for no answer")
+    return votes
 
 
 def sample_metrics(prompt_indices: Sequence[int], texts: Sequence[str | None], correct: Sequence[bool], *,

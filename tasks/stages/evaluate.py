@@ -33,7 +33,7 @@ from engines.rollout.base import Sampling
 from tasks.stages import eval_engine
 from tasks.context import RunContext, StageOutput, compute_stage
 from tasks.stages.data import load_split, token_limits
-from tasks.stages.eval_metrics import margin_metrics, sample_metrics
+from tasks.stages.eval_metrics import answer_votes, margin_metrics, sample_metrics
 from tasks.plan import PlannedStage
 from tasks.registry import PolicyEvalInputs, PolicyEvalStage, RewardModelEvalInputs, RewardModelEvalStage
 
@@ -111,7 +111,7 @@ def evaluate_policy(stage: PlannedStage, inputs: PolicyEvalInputs, ctx: RunConte
             "eval/kl_to_reference": sum(kls) / n,
             "eval/finished_fraction": sum(r.finished for r in rollouts) / n,
             **sample_metrics([r.prompt_index for r in rollouts],
-                             [vote_on(r.text) if vote_on else r.text for r in rollouts], correct,
+                             answer_votes(vote_on, [r.text for r in rollouts], str(cfg.vote_on)), correct,
                              num_prompts=len(kept), num_samples=cfg.generation.num_samples),
             **report.as_metrics("eval"),
         }

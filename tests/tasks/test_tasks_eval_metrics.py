@@ -2,7 +2,8 @@
 
 import pytest
 
-from tasks.stages.eval_metrics import margin_metrics, pass_at_ks, sample_metrics
+from alignflow.errors import ConfigError
+from tasks.stages.eval_metrics import answer_votes, margin_metrics, pass_at_ks, sample_metrics
 
 # 3 prompts x 3 samples, interleaved as engines may return them
 PROMPTS = [0, 1, 2, 0, 1, 2, 0, 1, 2]
@@ -50,3 +51,11 @@ def test_margin_metrics_names_counts_and_accuracies():
         "eval/rm_count_margin_1_2": 2.0, "eval/rm_accuracy_margin_1_2": 1.0,
         "eval/rm_count_margin_2_inf": 0.0,
     })
+
+
+def test_votes_are_the_vote_on_functions_answers_and_anything_but_a_str_is_refused_naming_it():
+    assert answer_votes(None, ["a", "b"], "-") == ["a", "b"]
+    assert answer_votes(lambda t: t.split()[-1] if t else None, ["x 4", ""], "m:f") == ["4", None]
+    # a float answer failed inside the vote ("'float' object has no attribute 'split'"), no field named
+    with pytest.raises(ConfigError, match=r"evaluation.vote_on \(m:f\) returned float 4.0 for the response 'x 4'"):
+        answer_votes(lambda t: 4.0, ["x 4"], "m:f")
