@@ -6,7 +6,10 @@ compares them side by side):
   eval/reward           mean reward-model score of the sampled responses (when the
                         pipeline trains a reward model)
   eval/response_length  mean response length in tokens
-  eval/kl_to_reference  mean over responses of Σ_t (log π − log π_ref)
+  eval/kl_to_reference  mean over responses of Σ_t (log π − log π_ref), both at the sampling temperature;
+                        log π the engines' where they sample the whole distribution, else (top_p < 1,
+                        whose engine log-probs are of the renormalised nucleus, log π − log Z ≥ log π) the
+                        policy's own, from one more forward
   eval/pass_at_<k>      unbiased pass@k for k = 1..num_samples; eval/majority_accuracy (tasks/stages/eval_metrics.py)
 Reward-model metrics: eval/rm_pairwise_accuracy on held-out pairs, and per score-gap bin of
 `evaluation.rm_margin_bins` eval/rm_accuracy_margin_<lo>_<hi> and eval/rm_count_margin_<lo>_<hi>.
@@ -101,7 +104,10 @@ def evaluate_policy(stage: PlannedStage, inputs: PolicyEvalInputs, ctx: RunConte
                               temperature=cfg.generation.logprob_temperature)
         scores: list[float | None] = rewards.tolist() if rewards is not None else [None] * len(rollouts)
         sampled = batch["action_mask"]  # an episode's observations are not the policy's: not in its KL
-        kls = ((batch["rollout_logprobs"] - ref) * sampled).sum(-1).tolist()
+        policy = batch["rollout_logprobs"] if cfg.generation.top_p == 1 else _score(
+            cfg.scorer_placement, cfg.micro_batch_size, io, ctx, batch, reference=ctx.ref(inputs.policy),
+            reward=None, temperature=cfg.generation.logprob_temperature)[0]
+        kls = ((policy - ref) * sampled).sum(-1).tolist()
         n = len(rollouts)
         metrics = {
             "eval/accuracy": sum(correct) / n,

@@ -368,6 +368,19 @@ def test_rule_reward_rounds_of_mixed_kinds_need_no_reward_model(small_pipeline_a
           f"offline distillation: {offline.seconds:.0f} s")
 
 
+def test_an_evaluation_sampling_a_nucleus_measures_its_kl_with_the_policys_own_log_probs(
+        small_pipeline_args, cli_env, shared_prefect_api, alignflow_cli, tmp_path):
+    """With top_p < 1 the engines' log-probs are of the renormalised nucleus (log pi - log Z, above log pi):
+    taken as the policy's, they put a policy's KL to itself near 5 nats here. Without SFT the base model is
+    both the evaluated policy and the reference, so the KL is 0."""
+    config = [*small_pipeline_args(tmp_path, rounds=0), "sft=null", "evaluation.generation.top_p=0.5"]
+    res = alignflow_cli(["stage", "eval_base", *config], env=cli_env(PREFECT_API_URL=shared_prefect_api()),
+                        cwd=tmp_path / "cwd")
+    assert res.returncode == 0, res.describe()
+    m = stage_runs(f"sqlite:///{tmp_path / 'mlflow.db'}")["eval_base"].data.metrics
+    assert m["eval/kl_to_reference"] == pytest.approx(0.0, abs=1e-4) and m["eval/response_length"] > 0, m
+
+
 def test_the_gpu_config_runs_end_to_end_on_the_cpu(gpu_config_on_cpu, cli_env, shared_prefect_api, alignflow_cli,
                                                    tmp_path):
     """configs/gpu-small.yaml at a small shape and without GPUs, up to its rounds (`alignflow stage rl`;
