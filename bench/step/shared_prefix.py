@@ -32,8 +32,12 @@ def main() -> None:
     import torch
 
     from engines.rl.experience import from_rollouts
+    from engines.train import shared_prefix
     from engines.train.objectives import response_logprobs
 
+    # The bench decides where sharing pays: here it runs on this device whatever PAYS_ON says (on a GPU,
+    # left as it is, "shared" would take the plain path too and read 1.00x).
+    shared_prefix.PAYS_ON = (args.device,)
     model, shape, dtype = bench_policy(args)
     vocab = model.config.vocab_size
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)

@@ -243,8 +243,15 @@ def main() -> None:
     results: dict[str, list[dict]] = {s: [] for s in sides}
     for i in range(args.runs):
         for side in sides:
-            results[side].append(run_side(side, args, str(texts_file)))
-            print(f"run {i + 1}/{args.runs} {side}: step {results[side][-1]['step']:.3f} s", flush=True)
+            try:  # a side that fails (or a limit that ends the bench) keeps what the runs before it measured
+                results[side].append(run_side(side, args, str(texts_file)))
+            except SystemExit as err:
+                print(f"run {i + 1}/{args.runs} {side}: FAILED: {err}", flush=True)
+                continue
+            print(f"run {i + 1}/{args.runs} {side}: step {results[side][-1]['step']:.3f} s; "
+                  f"{json.dumps(results[side][-1])}", flush=True)
+    if not (results := {s: r for s, r in results.items() if r}):
+        raise SystemExit("vs_trl: no side finished a run")
     report(args, shape, results, peak_tflops(args.device), *train_flops(args.model, args))
     if built:
         import shutil
