@@ -150,7 +150,7 @@ def ray_init_kwargs(infra: InfraConfig) -> dict[str, Any]:
 # A new local node's raylet has a fixed 30 s to register with its GCS (ray/_private/node.py), after which
 # `ray.init` raises, leaving the processes it started. Two cores that two other runs keep busy can take longer
 # (seen in CI); a second start, after ending what the first left, gets through.
-LOCAL_START_ATTEMPTS = 2
+LOCAL_START_ATTEMPTS = 3
 START_TIMED_OUT = "timed out during startup"
 
 

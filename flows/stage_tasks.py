@@ -100,9 +100,11 @@ def warm_a_stage_worker() -> ray.ObjectRef:
     return _load_stage_modules.remote()
 
 
-def wait_for_stage_worker(ref: ray.ObjectRef, timeout: float = 120.0) -> None:
+def wait_for_stage_worker(ref: ray.ObjectRef, timeout: float = 600.0) -> None:
     """Wait for `warm_a_stage_worker`'s worker to be idle. One that fails or takes longer is left to the
-    stages, which report their own errors (a log line says so)."""
+    stages, which report their own errors (a log line says so). Waiting is never the slower choice: a stage
+    submitted while it still imports would take a fresh worker and import it all again (on a busy 2-core
+    machine the imports took past 120 s)."""
     try:
         pid = ray.get(ref, timeout=timeout)
         log.info("stage worker pid %d has the stages' modules loaded: the first stage runs in it", pid)

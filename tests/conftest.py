@@ -27,7 +27,7 @@ from alignflow.net import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
-CLI_TIMEOUT_S = 900
+CLI_TIMEOUT_S = 1800  # a hang's guard: the small pipeline took 208-366 s; a loaded CI machine, several times that
 
 
 # ---- order: the longest files first ----------------------------------------------
@@ -571,7 +571,7 @@ def browser_page():
         browser = pw.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS)
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 900})
-            page.set_default_timeout(60_000)
+            page.set_default_timeout(180_000)  # a page and its form, on a loaded machine
             yield page
         finally:
             browser.close()

@@ -31,7 +31,7 @@ ROUND = {"algorithm": "grpo", "steps": 2, "prompts_per_step": 8, "reward": {"sou
 def two_nodes(moto_s3, tmp_path_factory):
     """(cluster address, head cache, worker cache). The nodes inherit this process's environment when
     they start (the S3 credentials moto_s3 set, and each its own cache directory)."""
-    from alignflow.cluster import loopback_only
+    from alignflow.cluster import START_TIMED_OUT, _children, _end_rays_since, loopback_only
 
     loopback_only()  # both nodes on 127.0.0.1
     from ray.cluster_utils import Cluster
@@ -39,18 +39,38 @@ def two_nodes(moto_s3, tmp_path_factory):
     base = tmp_path_factory.mktemp("two_nodes")
     head_cache, worker_cache = base / "head-cache", base / "worker-cache"
     saved = os.environ.get("ALIGNFLOW_CACHE_DIR")
-    try:
-        os.environ["ALIGNFLOW_CACHE_DIR"] = str(head_cache)
-        cluster = Cluster(initialize_head=True, head_node_args={
-            "num_cpus": 4, "node_ip_address": "127.0.0.1", "include_dashboard": False,
-            "object_store_memory": 256 * 2**20})
-        os.environ["ALIGNFLOW_CACHE_DIR"] = str(worker_cache)
-        cluster.add_node(num_cpus=0, resources={WORKER: 8}, node_ip_address="127.0.0.1",
-                         object_store_memory=256 * 2**20)
-    finally:
-        os.environ.pop("ALIGNFLOW_CACHE_DIR", None)
-        if saved is not None:
-            os.environ["ALIGNFLOW_CACHE_DIR"] = saved
+
+    def start() -> Cluster:
+        cluster, before = None, _children()
+        try:
+            os.environ["ALIGNFLOW_CACHE_DIR"] = str(head_cache)
+            cluster = Cluster(initialize_head=True, head_node_args={
+                "num_cpus": 4, "node_ip_address": "127.0.0.1", "include_dashboard": False,
+                "object_store_memory": 256 * 2**20})
+            os.environ["ALIGNFLOW_CACHE_DIR"] = str(worker_cache)
+            cluster.add_node(num_cpus=0, resources={WORKER: 8}, node_ip_address="127.0.0.1",
+                             object_store_memory=256 * 2**20, wait=False)
+            cluster.wait_for_nodes(timeout=300)
+            return cluster
+        except BaseException:
+            if cluster is not None:
+                cluster.shutdown()
+            _end_rays_since(before)  # what a node that did not start left (a head's, before Cluster returned)
+            raise
+        finally:
+            os.environ.pop("ALIGNFLOW_CACHE_DIR", None)
+            if saved is not None:
+                os.environ["ALIGNFLOW_CACHE_DIR"] = saved
+
+    # A node's raylet has a fixed 30 s to register (ray/_private/node.py), which a busy CI machine can miss:
+    # started again, as alignflow.cluster.init_ray starts a local Ray again.
+    for attempt in (1, 2, 3):
+        try:
+            cluster = start()
+            break
+        except Exception as err:
+            if attempt == 3 or not (START_TIMED_OUT in str(err) or isinstance(err, TimeoutError)):
+                raise
     try:
         yield cluster.address, head_cache, worker_cache
     finally:

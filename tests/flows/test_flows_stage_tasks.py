@@ -71,8 +71,7 @@ def outcome(future, room: pathlib.Path) -> str:
     except BaseException as err:  # noqa: BLE001
         return f"{type(err).__name__} after {len(os.listdir(room))} run"
 
-@flow(task_runner=RayTaskRunner(init_kwargs={"num_cpus": 2, "include_dashboard": False,
-                                             "_node_ip_address": "127.0.0.1"}))
+@flow(task_runner=RayTaskRunner())
 def run() -> str:
     futures = {}
     for retries in (1, 0):
@@ -81,6 +80,9 @@ def run() -> str:
             futures[retries] = (dies_once.submit(str(room)), room)
     return " | ".join(outcome(*futures[r]) for r in (1, 0))
 
+# The runner takes the Ray started here: init_ray starts it again where its node times out starting.
+from alignflow.cluster import init_ray
+init_ray(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1")
 print("RESULT", run())
 """
 

@@ -68,7 +68,8 @@ def test_an_engine_on_a_gpu_the_node_hides_is_a_clear_error():
 NOSET_PROBE = """
 import json, os, sys
 import ray
-ray.init(address="local", num_cpus=2, num_gpus=2, include_dashboard=False, _node_ip_address="127.0.0.1")
+from alignflow.cluster import init_ray  # started again where its node times out starting (a busy machine)
+init_ray(address="local", num_cpus=2, num_gpus=2, include_dashboard=False, _node_ip_address="127.0.0.1")
 
 @ray.remote(num_gpus=1, num_cpus=0)
 class Probe:  # an engine's process: alive, holding its GPU, while the other starts

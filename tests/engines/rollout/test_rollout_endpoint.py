@@ -157,13 +157,13 @@ def test_an_assistant_turn_echoed_as_its_tool_calls_continues_the_conversation()
 
 
 class Busy:
-    """An engine that takes a second per step: a GPU engine serving many episodes' turns at once."""
+    """An engine that takes 3 s per step: a GPU engine serving many episodes' turns at once."""
 
     def __init__(self, engine):
         self.engine = engine
 
     def step(self):
-        time.sleep(1.0)
+        time.sleep(3.0)
         return self.engine.step()
 
     def __getattr__(self, name):
@@ -171,13 +171,14 @@ class Busy:
 
 
 def test_an_agent_waiting_on_a_busy_engine_is_not_timed_out(engine):
-    """step_timeout_s bounds the agent's own time, not the engine's answers: two turns of a second's wait each,
-    under a step_timeout_s of half a second, end the episode as it would end on an idle engine. (It was one
+    """step_timeout_s bounds the agent's own time, not the engine's answers: two turns of 3 s's wait each,
+    under a step_timeout_s of 2 s (room for the agent's own time on a loaded machine), end the episode as it
+    would end on an idle engine. (It was one
     deadline for every episode from the step's start: on a busy GPU engine most episodes failed, the short ones
     surviving, and the policy learnt to call fewer tools.)"""
     busy = Busy(engine)
     [r] = agent_episodes(busy, engine.tokenizer, records(1), 1, Sampling(n=1, temperature=1.0), two_questions,
-                         lambda ids: engine.tokenizer.decode(ids, skip_special_tokens=True), limits(timeout_s=0.5))
+                         lambda ids: engine.tokenizer.decode(ids, skip_special_tokens=True), limits(timeout_s=2.0))
     assert r.episode["failed"] == 0 and r.episode["turns"] == 2 and r.episode["return"] == 1.0, r.episode
 
 
@@ -344,7 +345,7 @@ def test_a_request_its_client_gives_up_on_is_dropped_before_the_engine_generates
     import socket
 
     loop = EngineLoop(engine)
-    endpoint = ChatEndpoint(loop, engine.tokenizer, engine.tokenizer.decode, limits(max_tokens=4, timeout_s=0.5),
+    endpoint = ChatEndpoint(loop, engine.tokenizer, engine.tokenizer.decode, limits(max_tokens=4, timeout_s=2.0),
                             temperature=1.0, top_p=1.0)
     body = json.dumps({"model": "policy", "messages": [{"role": "user", "content": "hi"}]}).encode()
     url = endpoint.url("ep") + "/chat/completions"
@@ -362,13 +363,13 @@ def test_a_request_its_client_gives_up_on_is_dropped_before_the_engine_generates
         # answered then as its first would have been, the wait counted as the engine's, not the agent's.
         started = time.monotonic()
         asked = in_thread(send, url, endpoint.key, json.loads(body))
-        time.sleep(1.5)
-        assert not asked.done() and endpoint.clock.agent_seconds("ep", started) < 0.5
+        time.sleep(6.0)
+        assert not asked.done() and endpoint.clock.agent_seconds("ep", started) < 2.0
         loop.run(asked.done, time.monotonic() + 60)
         status, reply = asked.result()
         assert status == 200 and reply["usage"]["completion_tokens"] == len(endpoint.sequences["ep"].tokens) > 0
         assert endpoint.stats["ep"]["turns"] == 1 and loop.counts == {"answered": 1, "abandoned": 1}
-        assert endpoint.clock.agent_seconds("ep", started) < 0.5 < time.monotonic() - started - 1.0
+        assert endpoint.clock.agent_seconds("ep", started) < 2.0 < time.monotonic() - started - 3.5
     finally:
         endpoint.close()
         loop.close()

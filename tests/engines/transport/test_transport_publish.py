@@ -13,11 +13,12 @@ from engines.transport.sync import count_in, publish
 from engines.transport.wire import TransportGroup, pack, plan_buckets, receive_buckets
 
 STATE = {"embed": torch.randn(50, 16), "norm": torch.randn(16), "proj": torch.randn(16, 16)}
-TIMEOUT_S = 1.5  # the transport's timeout here; one engine generates for longer than it
+TIMEOUT_S = 5.0  # the transport's timeout here (rendezvous and every call, on a loaded machine); one engine
+GENERATING_S = 12.0  # generates for longer than it
 
 
 def test_an_engine_that_takes_an_update_early_waits_for_a_slower_engine_past_the_transport_timeout():
-    """Engine 1 is idle and takes the update at once; engine 2 is still generating for 4 s, more than the
+    """Engine 1 is idle and takes the update at once; engine 2 is still generating for 12 s, more than the
     group's timeout, and takes it after. Engine 1's receive must not begin before engine 2 counts itself in:
     begun at once, it would wait under the timeout for a sender that waits for engine 2, and fail."""
     specs = [(k, tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in STATE.items()]
@@ -37,7 +38,7 @@ def test_an_engine_that_takes_an_update_early_waits_for_a_slower_engine_past_the
         except BaseException as e:  # surfaced below
             errors.append(e)
 
-    engines = [threading.Thread(target=engine, args=(1, 0.0)), threading.Thread(target=engine, args=(2, 4.0))]
+    engines = [threading.Thread(target=engine, args=(1, 0.0)), threading.Thread(target=engine, args=(2, GENERATING_S))]
     for t in engines:
         t.start()
     sender = TransportGroup(address, 0, world, "gloo", timeout_s=TIMEOUT_S)
