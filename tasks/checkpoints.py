@@ -49,6 +49,7 @@ class StageCheckpoints:
                                   f"and is set aside ({aside}): a retry starts from the checkpoint before it, or "
                                   f"step 0. {err}") from err
         run.set_tag("alignflow.resumed_from_step", str(step))
+        run.take_history(step)  # a new pipeline run's stage run: the steps before, from the run it resumes
         log.info("%s: resuming at step %d of %d (%s)", self.stage, step, total, uri)
         note_resumed(step, total)
         return step

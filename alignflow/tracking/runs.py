@@ -25,6 +25,7 @@ from typing import Any
 
 from alignflow.interrupts import end_status, pid_alive
 from alignflow.tracking.params import artifact_location, param_values
+from alignflow.tracking.stage_run import StageRun
 
 log = logging.getLogger("alignflow")
 
@@ -270,31 +271,3 @@ OWNED_TAG = "alignflow.owned_since_ms"  # when `pid` took the run: a reopened ru
 
 def _owner_tags() -> dict[str, str]:
     return {PID_TAG: str(os.getpid()), HOST_TAG: socket.gethostname(), OWNED_TAG: str(int(time.time() * 1000))}
-
-
-class StageRun:
-    """Logging into one stage's child run."""
-
-    def __init__(self, client, run_id: str):
-        self.client = client
-        self.run_id = run_id
-
-    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
-        from mlflow.entities import Metric
-
-        now = int(time.time() * 1000)
-        batch = [Metric(k, float(v), now, step or 0) for k, v in metrics.items()]
-        if batch:
-            self.client.log_batch(self.run_id, metrics=batch)
-
-    def log_text(self, text: str, artifact_file: str) -> None:
-        self.client.log_text(self.run_id, text, artifact_file)
-
-    def log_artifact(self, local_path: str | Path, artifact_path: str | None = "curves") -> None:
-        self.client.log_artifact(self.run_id, str(local_path), artifact_path)
-
-    def log_dict(self, obj: Any, artifact_file: str) -> None:
-        self.client.log_dict(self.run_id, obj, artifact_file)
-
-    def set_tag(self, key: str, value: str) -> None:
-        self.client.set_tag(self.run_id, key, value)

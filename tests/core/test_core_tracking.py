@@ -222,6 +222,44 @@ def test_a_retried_flow_run_continues_its_parent_and_its_unfinished_stage_runs(t
     assert tracker.metric_histories(parent)["round_1"]["rl/loss"] == [(1, 2.0), (2, 1.5), (3, 1.0)]
 
 
+def test_a_stage_resumed_by_a_new_pipeline_run_takes_the_steps_before_its_checkpoint_from_the_run_it_resumes(
+        tracker, tmp_path):
+    """`alignflow run` after a stop: a new parent, and the stage's new run resumes from its step-4 checkpoint.
+    Its curve (in the MLflow UI, and the learning curves read from it) starts at step 1, not 5."""
+    from alignflow.store.artifacts import local_dir
+    from alignflow.store.storage import Storage
+    from tasks.checkpoints import StageCheckpoints
+
+    storage = Storage(root=str(tmp_path / "root"))
+    stage = storage.stage_uri("sft", "k")
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "step.txt").write_text("4")
+    storage.commit(tmp_path / "state", storage.checkpoint_uri(stage, 4))
+    client, tags = _client(tracker), {"alignflow.key": "k"}
+    first = tracker.start_parent("pipeline", {}, tags={"alignflow.key.sft": "k"})
+    with pytest.raises(KeyboardInterrupt):
+        with tracker.stage_run(first, "sft", {}, tags=tags) as run:
+            stopped = run.run_id
+            for step in range(1, 6):  # stopped in step 6, after the checkpoint at 4
+                run.log_metrics({"train/loss": 10.0 - step, "progress/step": step}, step=step)
+            raise KeyboardInterrupt
+    tracker.finish(first, status="KILLED")
+    second = tracker.start_parent("pipeline", {}, tags={"alignflow.key.sft": "k"})
+    with tracker.stage_run(second, "sft", {}, tags=tags) as run:
+        run.log_metrics({"data/rows": 3.0})  # before the resume, at step 0, as a round logs its prompts' counts
+        start = StageCheckpoints(storage, stage, "sft", every=2).resume(
+            lambda ref: int((Path(local_dir(ref)) / "step.txt").read_text()), run, total=6)
+        for step in range(start + 1, 7):
+            run.log_metrics({"train/loss": 20.0 - step, "progress/step": step}, step=step)
+        assert run.take_history(start) == 0  # a run with steps of its own (a retry continuing it) takes none
+    assert start == 4 and run.run_id != stopped
+    want = [(1, 9.0), (2, 8.0), (3, 7.0), (4, 6.0), (5, 15.0), (6, 14.0)]  # step 5 once: this run's
+    assert sorted((m.step, m.value) for m in client.get_metric_history(run.run_id, "train/loss")) == want
+    assert client.get_run(run.run_id).data.tags["alignflow.history_from"] == stopped
+    assert tracker.metric_histories(second)["sft"]["train/loss"] == want
+    assert [(m.step, m.value) for m in client.get_metric_history(run.run_id, "data/rows")] == [(0, 3.0)]
+
+
 def test_stage_run_without_parent_is_top_level(tracker):
     with tracker.stage_run(None, "evaluate", {}) as run:
         run_id = run.run_id

@@ -226,10 +226,15 @@ def test_round_stopped_by_sigterm_ends_killed_and_resumes_its_steps(small_pipeli
     assert 4 <= resumed <= int(stopped[1]) < total
     assert r.run.data.metrics["rl/steps"] == total
     assert r.run.data.metrics["rl/steps_run"] == total - resumed
-    # The resumed run logged exactly the remaining steps: resumed+1 .. total.
+    # The resumed run logged the remaining steps, resumed+1 .. total, and took 1 .. resumed from the stopped
+    # run (the rerun is a new pipeline run: a new parent), so its curve starts at step 1.
     client = mlflow_client(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    history = client.get_metric_history(r.run.info.run_id, "rl/reward/mean")
-    assert sorted(m.step for m in history) == list(range(resumed + 1, total + 1))
+    history = {m.step: m.value for m in client.get_metric_history(r.run.info.run_id, "rl/reward/mean")}
+    assert sorted(history) == list(range(1, total + 1)), sorted(history)
+    stopped_run = r.run.data.tags["alignflow.history_from"]
+    assert client.get_run(stopped_run).info.status == "KILLED"
+    assert {m.step: m.value for m in client.get_metric_history(stopped_run, "rl/reward/mean")
+            if m.step <= resumed} == {s: history[s] for s in range(1, resumed + 1)}
     runs = client.search_runs([experiment_id(client)])
     statuses = [(run.info.run_name, run.info.status) for run in runs]
     parents = [run.info.status for run in runs if "mlflow.parentRunId" not in run.data.tags]
