@@ -136,7 +136,7 @@ class RoundModels:
         if not self.colocated or self.offload == "never":
             self._timed_push(push)
             if self.colocated:
-                self.timings["rl/resident"] = 1.0
+                self.timings["resident"] = 1.0
             return
         start = time.perf_counter()
         if push and self.offload == "auto":
@@ -149,7 +149,7 @@ class RoundModels:
         self.timings["time/colocation/offload_and_wake"] = time.perf_counter() - start
         self._timed_push(push)
         self.engines.wake(["kv_cache"])
-        self.timings["rl/resident"] = float(self.offload == "never")
+        self.timings["resident"] = float(self.offload == "never")
 
     def _stay_resident(self) -> bool:
         """colocate_offload: auto, at the first update (the optimizer state exists by then): whether every
@@ -160,7 +160,7 @@ class RoundModels:
         fits = bool(reports) and all(r is not None and r["free"] - r["slept"] >= RESIDENT_HEADROOM * r["total"]
                                      for r in reports)
         if fits:
-            self.timings["rl/resident_spare_gib"] = min(r["free"] - r["slept"] for r in reports) / 2**30
+            self.timings["resident_spare_gib"] = min(r["free"] - r["slept"] for r in reports) / 2**30
         return fits
 
     def _timed_push(self, push: bool) -> None:

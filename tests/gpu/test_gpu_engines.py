@@ -328,7 +328,7 @@ def test_colocated_grpo_stays_on_the_gpu_where_it_fits_and_takes_each_update(ray
     rl = _round(_gpu_round_cfg("grpo", 1.0, colocate_all=True, steps=3, reward=rule), gpu_model,
                 _prompts(gpu_tokenizer, task_data))
     try:
-        resident = [rl.step(s).metrics["rl/resident"] for s in range(3)]
+        resident = [rl.step(s).metrics["resident"] for s in range(3)]
         [log] = rl.models.engines.events()
         worker = rl.models.actor.workers[0]
         optimizer_devices = ray.get(worker.__ray_call__.remote(_optimizer_state_devices))

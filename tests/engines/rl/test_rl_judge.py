@@ -114,6 +114,8 @@ def test_a_grpo_step_rewarded_by_the_judge(ray_local, tiny_model, tokenizer, pro
     torch.testing.assert_close(out.experience.task_rewards, torch.tensor(expected), rtol=0, atol=0)
     assert out.metrics["judge/unparsed"] == unparsed
     assert out.metrics["reward/judge"] == pytest.approx(sum(expected) / len(expected))
+    # The stage logs the step's metrics under rl/: one named rl/ here reached MLflow as rl/rl/...
+    assert not [k for k in out.metrics if k.startswith("rl/")] and ("resident" in out.metrics) == colocate_all
 
 
 def test_a_rounds_judge_engine_holds_what_its_prompts_can_need(tokenizer, prompts):
