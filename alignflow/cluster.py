@@ -149,7 +149,7 @@ def ray_init_kwargs(infra: InfraConfig) -> dict[str, Any]:
 
 # A new local node's raylet has a fixed 30 s to register with its GCS (ray/_private/node.py), after which
 # `ray.init` raises, leaving the processes it started. Two cores that two other runs keep busy can take longer
-# (seen in CI); a second start, after ending what the first left, gets through.
+# (seen in CI); another start, after ending what the last left, gets through.
 LOCAL_START_ATTEMPTS = 3
 START_TIMED_OUT = "timed out during startup"
 
@@ -157,7 +157,8 @@ START_TIMED_OUT = "timed out during startup"
 def init_ray(*args: Any, **kwargs: Any) -> Any:
     """`ray.init(*args, **kwargs)`, keeping this thread's SIGTERM handler: Ray sets its own (`sys.exit(15)`),
     which would replace the CLI's (exit 143) and, inside a flow run, Prefect's (cancellation). A new local Ray
-    (address "local") that times out starting is ended and started once more, with a warning."""
+    (address "local") that times out starting is ended and started again (LOCAL_START_ATTEMPTS in all), with a
+    warning."""
     import ray
 
     address = args[0] if args else kwargs.get("address")

@@ -4,7 +4,7 @@
 #
 #   ../shared/gpu/stage.sh && bash bench/stage_trl.sh     # .gpu/: Ray, DeepSpeed, pydantic; TRL's wheels
 #
-# then on the device, from the project root, with carry [".gpu"], one call each (timeout_s 450 and 380):
+# then on the device, from the project root, with carry [".gpu"], one call each (timeout_s 450 and 330):
 #
 #   source .gpu/activate.sh && bash bench/gpu_session.sh 1   # vs TRL at 32x8x32, the colocated GPU tests,
 #                                                            # one micro-batch's kernels (launches.py)
@@ -37,7 +37,7 @@ if [[ "$PART" == 1 ]]; then
   (cd bench/step && timeout -k 10 60 python3 launches.py --device cuda --model "$MODEL" 2>&1 | quiet \
     | tee "$OUT/launches.log")
 else
-  timeout -k 10 260 python3 bench/step/vs_trl.py --device cuda --model "$MODEL" --prompts 64 --new-tokens 128 \
+  timeout -k 10 220 python3 bench/step/vs_trl.py --device cuda --model "$MODEL" --prompts 64 --new-tokens 128 \
     --runs 1 --steps 2 --sides "$sides" --set '{"actor.micro_batch_tokens": null}' 2>&1 | quiet | tee "$OUT/large.log"
   (cd bench/step && timeout -k 10 60 python3 shared_prefix.py --device cuda --model "$MODEL" --repeats 8 2>&1 \
     | quiet | tee "$OUT/prefix.log")

@@ -49,7 +49,11 @@ class StageCheckpoints:
                                   f"and is set aside ({aside}): a retry starts from the checkpoint before it, or "
                                   f"step 0. {err}") from err
         run.set_tag("alignflow.resumed_from_step", str(step))
-        run.take_history(step)  # a new pipeline run's stage run: the steps before, from the run it resumes
+        try:  # a new pipeline run's stage run: the steps before, from the run it resumes
+            run.take_history(step)
+        except Exception as err:  # noqa: BLE001  (a curve's start is not worth the stage: said, not raised)
+            log.warning("%s: the steps before %d could not be copied from the run it resumes (%s: %s); its "
+                        "MLflow curve starts at step %d", self.stage, step, type(err).__name__, err, step + 1)
         log.info("%s: resuming at step %d of %d (%s)", self.stage, step, total, uri)
         note_resumed(step, total)
         return step

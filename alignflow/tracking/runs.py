@@ -20,7 +20,6 @@ import re
 import socket
 import time
 from collections.abc import Callable, Iterator, Mapping
-from pathlib import Path
 from typing import Any
 
 from alignflow.interrupts import end_status, pid_alive

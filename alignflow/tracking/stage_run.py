@@ -69,8 +69,14 @@ class StageRun:
         if not earlier:
             return 0
         source = earlier[0]
-        points = [Metric(m.key, m.value, m.timestamp, m.step) for name in source.data.metrics
-                  for m in self.client.get_metric_history(source.info.run_id, name) if 1 <= m.step <= upto]
+        newest: dict[tuple[str, int], Any] = {}  # a source retried in place has steps run twice: the later
+        for name in source.data.metrics:
+            for m in sorted(self.client.get_metric_history(source.info.run_id, name), key=lambda m: m.timestamp):
+                if 1 <= m.step <= upto:
+                    newest[(m.key, m.step)] = m
+        # progress/step last: a copy cut short by an error leaves this run without it, so a retry copies again
+        points = [Metric(m.key, m.value, m.timestamp, m.step)
+                  for m in sorted(newest.values(), key=lambda m: (m.key == STEP_METRIC, m.key, m.step))]
         for start in range(0, len(points), MAX_BATCH):
             self.client.log_batch(self.run_id, metrics=points[start:start + MAX_BATCH])
         self.set_tag("alignflow.history_from", source.info.run_id)

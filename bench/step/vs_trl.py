@@ -105,7 +105,7 @@ def alignflow_worker(args, texts: list[str]) -> dict:
     phases = {"generate": med("time/generate"), "reference": med("time/reference"),
               "score": med("time/score") + med("time/old_logprobs"), "train": med("time/train"),
               "weight update": med("time/sync")}
-    moves = {k: med(k) for k in steps[-1] if k.startswith(("time/colocation/", "rl/resident"))}
+    moves = {k: med(k) for k in steps[-1] if k.startswith(("time/colocation/", "resident"))}
     return {"step": statistics.median(sum(v for k, v in m.items() if k.count("/") == 1 and k.startswith("time/"))
                                       for m in steps),
             "phases": phases, "moves": moves, "generated": med("response_length") * args.prompts * args.samples,

@@ -104,7 +104,8 @@ def evaluate_policy(stage: PlannedStage, inputs: PolicyEvalInputs, ctx: RunConte
                               temperature=cfg.generation.logprob_temperature)
         scores: list[float | None] = rewards.tolist() if rewards is not None else [None] * len(rollouts)
         sampled = batch["action_mask"]  # an episode's observations are not the policy's: not in its KL
-        policy = batch["rollout_logprobs"] if cfg.generation.top_p == 1 else _score(
+        nucleus = cfg.generation.top_p < 1 and cfg.generation.temperature > 0  # greedy: top_p is not applied
+        policy = batch["rollout_logprobs"] if not nucleus else _score(
             cfg.scorer_placement, cfg.micro_batch_size, io, ctx, batch, reference=ctx.ref(inputs.policy),
             reward=None, temperature=cfg.generation.logprob_temperature)[0]
         kls = ((policy - ref) * sampled).sum(-1).tolist()

@@ -809,6 +809,7 @@ def test_a_mix_of_reward_sources_and_its_one_source_short_form():
                                                "refuses"),
     ({"sources": [{**RULE, "name": ".."}]}, "name '..' would make the metric"),
     ({"sources": [{**RULE, "name": "format/"}]}, "name 'format/' would make"),
+    ({"sources": [{**RULE, "name": "r" * 241}]}, "at most 240 characters"),
     ({"sources": [{"source": "model"}, {"source": "model", "name": "again"}]}, "one reward model per round"),
     ({"sources": []}, "reward.sources is empty"),
     ({"sources": [{"source": "remote"}]}, "source 'remote' needs url"),

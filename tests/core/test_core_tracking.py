@@ -240,8 +240,11 @@ def test_a_stage_resumed_by_a_new_pipeline_run_takes_the_steps_before_its_checkp
     with pytest.raises(KeyboardInterrupt):
         with tracker.stage_run(first, "sft", {}, tags=tags) as run:
             stopped = run.run_id
-            for step in range(1, 6):  # stopped in step 6, after the checkpoint at 4
+            for step in range(1, 6):
                 run.log_metrics({"train/loss": 10.0 - step, "progress/step": step}, step=step)
+            time.sleep(0.002)  # a retry in place from a checkpoint at 2 ran steps 3-5 again, later; stopped in 6
+            for step in range(3, 6):
+                run.log_metrics({"train/loss": 30.0 - step, "progress/step": step}, step=step)
             raise KeyboardInterrupt
     tracker.finish(first, status="KILLED")
     second = tracker.start_parent("pipeline", {}, tags={"alignflow.key.sft": "k"})
@@ -253,7 +256,7 @@ def test_a_stage_resumed_by_a_new_pipeline_run_takes_the_steps_before_its_checkp
             run.log_metrics({"train/loss": 20.0 - step, "progress/step": step}, step=step)
         assert run.take_history(start) == 0  # a run with steps of its own (a retry continuing it) takes none
     assert start == 4 and run.run_id != stopped
-    want = [(1, 9.0), (2, 8.0), (3, 7.0), (4, 6.0), (5, 15.0), (6, 14.0)]  # step 5 once: this run's
+    want = [(1, 9.0), (2, 8.0), (3, 27.0), (4, 26.0), (5, 15.0), (6, 14.0)]  # each step once, the latest
     assert sorted((m.step, m.value) for m in client.get_metric_history(run.run_id, "train/loss")) == want
     assert client.get_run(run.run_id).data.tags["alignflow.history_from"] == stopped
     assert tracker.metric_histories(second)["sft"]["train/loss"] == want

@@ -297,10 +297,13 @@ def test_kto_then_packed_dpo_killed_and_resumed_reuse_the_cached_reference_and_l
         return [(m.step, m.value) for m in sorted(client.get_metric_history(run.info.run_id, f"train/{name}"),
                                                   key=lambda m: m.step)]
 
-    # The resumed run logged exactly the steps after its checkpoint. Packed: every step's samples shared rows
-    # (fewer rows than samples); the KTO run, unpacked, reports none.
+    # The resumed run logged the steps after its checkpoint and took the ones before it from the killed run (the
+    # rerun is a new pipeline run: a new parent). Packed: every step's samples shared rows (fewer rows than
+    # samples); the KTO run, unpacked, reports none.
     packing = history(dpo_run, "packing/rows_per_sample")
-    assert [step for step, _ in packing] == list(range(r.checkpoint_step + 1, total + 1)), packing
+    assert [step for step, _ in packing] == list(range(1, total + 1)), packing
+    assert packing[:r.checkpoint_step] == history(killed_run, "packing/rows_per_sample")[:r.checkpoint_step]
+    assert dpo_run.data.tags["alignflow.history_from"] == killed_run.info.run_id
     assert all(0 < v < 1 for _, v in packing), packing
     assert all(0 < v <= 1 for _, v in history(dpo_run, "packing/fill"))
     assert history(kto_run, "packing/rows_per_sample") == []

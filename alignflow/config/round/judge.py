@@ -75,6 +75,13 @@ class JudgeGeneration(GenerationConfig):
         return model_positions if self.max_model_len is None else self.max_model_len
 
     @model_validator(mode="after")
+    def _greedy_once(self) -> JudgeGeneration:  # GenerationConfig's, said of votes
+        if self.num_samples > 1 and self.temperature == 0:
+            raise ValueError(f"{self.num_samples} greedy votes are one vote repeated: set temperature > 0, or "
+                             f"num_samples 1")
+        return self
+
+    @model_validator(mode="after")
     def _room_for_a_verdict(self) -> JudgeGeneration:
         if self.max_model_len is not None and self.max_model_len <= self.max_new_tokens:
             raise ValueError(f"max_model_len {self.max_model_len} leaves no position for a prompt before a "
@@ -118,7 +125,4 @@ class JudgeRewardConfig(Section):
     def _votes(self) -> JudgeRewardConfig:
         if self.revision is not None and self.model is None:
             raise ValueError("revision pins a judge model named by hub id: the pipeline's judge has none")
-        if self.generation.num_samples > 1 and self.generation.temperature == 0:
-            raise ValueError(f"{self.generation.num_samples} greedy votes are one vote repeated: set "
-                             f"generation.temperature > 0, or num_samples 1")
         return self

@@ -67,9 +67,11 @@ class RewardSourceConfig(SourceSettings):
         """MLflow's rule for a metric's name (letters, digits, / _ - . : and spaces, a path that normalises to
         itself): the round's first log of reward/<name> raised, after a whole step's generation and training."""
         metric = f"reward/{name}"
-        if name is not None and (not re.fullmatch(r"[\w/.\- :]+", name) or posixpath.normpath(metric) != metric):
-            raise ValueError(f"name {name!r} would make the metric {metric}, which MLflow refuses: use letters, "
-                             f"digits, spaces and _ - . : only, and / between parts that are not '.' or '..'")
+        if name and (not re.fullmatch(r"[\w/.\- :]+", name) or posixpath.normpath(metric) != metric
+                     or len(f"rl/{metric}") > 250):
+            raise ValueError(f"name {name[:40]!r} would make the metric {metric[:50]}, which MLflow refuses: use "
+                             f"letters, digits, spaces and _ - . : only, / between parts that are not '.' or '..', "
+                             f"and at most 240 characters")
         return name
 
     @model_validator(mode="after")
