@@ -238,10 +238,10 @@ register_stage(StageKind(
     "preference", "preference", PreferenceStage, PreferenceInputs, "2", "tasks.stages.preference:preference",
     "DPO / IPO / cDPO / KTO on preference pairs against the cached reference (DeepSpeed)"))
 register_stage(StageKind(
-    "rl_round", "rl", RoundStage, RoundInputs, "6", "tasks.stages.rl_round:rl_round",
+    "rl_round", "rl", RoundStage, RoundInputs, "7", "tasks.stages.rl_round:rl_round",
     "one RL round of any registered algorithm (vLLM rollouts, DeepSpeed updates)"))
 register_stage(StageKind(
-    "evaluate_policy", "evaluation", PolicyEvalStage, PolicyEvalInputs, "5", "tasks.stages.evaluate:evaluate_policy",
+    "evaluate_policy", "evaluation", PolicyEvalStage, PolicyEvalInputs, "6", "tasks.stages.evaluate:evaluate_policy",
     "held-out accuracy, reward, length and KL of one policy"))
 register_stage(StageKind(
     "evaluate_reward_model", "evaluation", RewardModelEvalStage, RewardModelEvalInputs, "3",
