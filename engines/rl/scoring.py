@@ -17,7 +17,7 @@ import torch
 
 from alignflow.store.artifacts import Source, local_dir
 from engines import models
-from engines.batches import in_micro_batches
+from engines.micro_batching import in_micro_batches
 from engines.placement import warm
 from engines.placement.devices import (actor_device, actor_options, cpu_report, pin_cpu_cores, placement_group_id,
                                        to_cpu, to_device)

@@ -12,7 +12,8 @@ import torch
 
 from alignflow.store.artifacts import Entries, Source, merge_entries
 from engines.accumulate import combine_ranks, loss_scales
-from engines.batches import padded_shards, step_micro_batches
+from engines.batches import padded_shards
+from engines.micro_batching import step_micro_batches
 from engines.placement import warm
 from engines.placement.devices import actor_options
 from engines.placement.groups import reserve_together

@@ -36,7 +36,7 @@ import torch
 from alignflow.store.artifacts import Entries, Source, local_dir, writing
 from engines import lora, models
 from engines.accumulate import add_metrics, host_metrics
-from engines.batches import in_micro_batches
+from engines.micro_batching import in_micro_batches
 from engines.lean_imports import import_deepspeed
 from engines.placement.devices import (actor_device, announce_cpu_accelerator, local_rank, pin_cpu_cores,
                                        cpu_report, placement_group_id, quiet_stdout, to_cpu, to_device)

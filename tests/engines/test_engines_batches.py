@@ -11,7 +11,6 @@ from engines.batches import (
     LengthReport,
     PromptTooLongError,
     encode_response,
-    micro_batches,
     minibatches,
     pair_tensors,
     rows_per_pass,
@@ -19,6 +18,7 @@ from engines.batches import (
     sft_tensors,
     split_pairs,
 )
+from engines.micro_batching import micro_batches
 
 
 def _chat(text: str) -> list[dict]:
@@ -284,8 +284,8 @@ def test_whether_a_tokenizer_starts_texts_with_bos_is_asked_once_per_tokenizer(t
 def test_a_training_micro_batch_is_cut_to_its_longest_row(tiny_model, tokenizer):
     """Supervised data is padded to the longest row of its split: a training micro-batch drops the padding
     columns all its rows share (one long row no longer sets every forward's width), with its loss unchanged.
-    Pairs stay pairs; a batch with other sequence-shaped tensors (an RL batch) is left whole."""
-    from engines.batches import micro_batches, trimmed
+    Pairs stay pairs; a batch with other sequence-shaped tensors it cannot read is left whole."""
+    from engines.micro_batching import micro_batches, trimmed
     from engines.models import load_policy
     from engines.train.objectives import causal_lm_objective
 
@@ -305,12 +305,54 @@ def test_a_training_micro_batch_is_cut_to_its_longest_row(tiny_model, tokenizer)
         untrimmed = micro_batches(batch, 2)[1]
         assert torch.allclose(causal_lm_objective(model, parts[1])[0], causal_lm_objective(model, untrimmed)[0],
                               atol=1e-6)
-    rl = {**untrimmed, "response_index": torch.zeros(2, 3, dtype=torch.long)}
-    assert trimmed(rl) is rl
+    other = {**untrimmed, "response_index": torch.zeros(2, 3, dtype=torch.long)}  # no action_mask to read it by
+    assert trimmed(other) is other
+
+
+def test_an_rl_micro_batch_is_cut_to_its_longest_sequence_and_response_with_its_loss_unchanged(tiny_model):
+    """An RL step's tensors are padded to its longest sequence (input_ids, attention_mask) and response (the
+    per-token tensors: action_mask's T). Each training micro-batch now drops what its own rows leave unused
+    of both; the PPO loss, its entropy and KL terms on it are what they were on the untrimmed one."""
+    import functools
+
+    from engines.micro_batching import micro_batches, step_micro_batches, trimmed
+    from engines.models import load_policy
+    from engines.rl.experience import from_rollouts
+    from engines.rollout.base import Rollout
+    from engines.train.objectives import policy_objective
+
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(30, 12), (4, 2), (5, 3), (3, 1)]  # (prompt, response) tokens: one long row, then short ones
+    rollouts = [Rollout(i, torch.randint(5, 100, (p,), generator=gen).tolist(),
+                        torch.randint(5, 100, (n,), generator=gen).tolist(), "", [-1.0] * n, True)
+                for i, (p, n) in enumerate(shapes)]
+    batch = {k: v for k, v in from_rollouts(rollouts, 0).tensors().items() if isinstance(v, torch.Tensor)}
+    B, T = batch["action_mask"].shape
+    batch |= {"advantages": torch.randn(B, T, generator=gen) * batch["action_mask"],
+              "old_logprobs": -torch.rand(B, T, generator=gen), "ref_logprobs": -torch.rand(B, T, generator=gen)}
+    parts = micro_batches(batch, 2, trim=True)
+    short = parts[1]
+    assert short["input_ids"].shape == (2, 5 + 3) and short["action_mask"].shape == (2, 3)  # rows 2, 3
+    assert all(short[k].shape == (2, 3) for k in ("advantages", "old_logprobs", "ref_logprobs", "response_index"))
+    assert parts[0]["input_ids"].shape == (2, 42) and parts[0]["action_mask"].shape == (2, 12)  # the long row's
+    objective = functools.partial(policy_objective, clip_low=0.2, clip_high=0.2, dual_clip=None, agg="token_mean",
+                                  entropy_coef=0.01, kl_loss_coef=0.1, kl_estimator="k3", kl_clamp=None,
+                                  tis_cap=None, loss_scale_constant=12.0)
+    model = load_policy(tiny_model).eval()
+    with torch.no_grad():
+        whole = micro_batches(batch, 2)[1]
+        (cut, cut_metrics), (full, full_metrics) = objective(model, short), objective(model, whole)
+    torch.testing.assert_close(cut, full, atol=1e-6, rtol=1e-5)
+    assert cut_metrics.keys() == full_metrics.keys()
+    # Every rank's shard cut alike first: as many micro-batches each; a tensor of another layout, none cut
+    assert [len(p) for p in step_micro_batches([{k: v[:2] for k, v in batch.items()},
+                                                {k: v[2:] for k, v in batch.items()}], 1)] == [2, 2]
+    other = {**whole, "values": torch.zeros(2, T + 1)}
+    assert trimmed(other) is other
 
 
 def test_a_micro_batch_without_an_attended_position_is_left_as_it_is():
-    from engines.batches import trimmed
+    from engines.micro_batching import trimmed
 
     empty = {"input_ids": torch.zeros(0, 4, dtype=torch.long), "attention_mask": torch.zeros(0, 4, dtype=torch.long),
              "loss_mask": torch.zeros(0, 4), "teacher_ids": torch.zeros(0, 3, 2)}
@@ -320,7 +362,8 @@ def test_a_micro_batch_without_an_attended_position_is_left_as_it_is():
 def test_a_steps_token_budget_counts_its_rows_not_the_splits_longest(tokenizer):
     """Supervised data is padded to its split's longest row. A step whose rows are all short fills its
     micro-batches by their own width; every rank's shard still gets as many micro-batches."""
-    from engines.batches import micro_batches, shard, step_micro_batches, trimmed
+    from engines.batches import shard
+    from engines.micro_batching import micro_batches, step_micro_batches, trimmed
 
     records = [{"prompt": "Which digit is largest? " + "7 " * n, "response": "7"} for n in (60, 2, 3, 1, 4, 2, 1, 3, 2)]
     split, _ = sft_tensors(tokenizer, records, max_prompt_tokens=128, max_response_tokens=8)

@@ -13,7 +13,7 @@ import torch
 from alignflow.config import (ActorConfig, CriticConfig, EngineConfig, GenerationConfig, Placement, RolloutConfig,
                               RoundConfig, VLLMConfig)
 from alignflow.errors import InsufficientResourcesError
-from engines.batches import in_micro_batches, micro_batches
+from engines.micro_batching import in_micro_batches, micro_batches
 from engines.placement.devices import engine_visible_devices, local_rank, placement_device, to_cpu, to_device
 from engines.rl.round_placement import colocated_bundles, gpu_share, round_resources
 from engines.rollout.vllm_engine import cpu_kv_cache_bytes, vllm_engine_args, warn_kv_cache_env
@@ -369,7 +369,7 @@ def test_micro_batches_keep_pairs_together():
 
 
 def test_micro_batches_by_token_budget():
-    from engines.batches import micro_batch_rows
+    from engines.micro_batching import micro_batch_rows
 
     # The batch: 256 rows of 58 tokens.
     assert micro_batch_rows(256, 58, None, 4096) == 70  # 70 x 58 = 4060 <= 4096 < 71 x 58

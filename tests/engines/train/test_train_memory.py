@@ -119,7 +119,7 @@ def kto_batch(tiny_model, tokenizer):
 
 
 def test_kto_in_micro_batches_on_two_ranks_takes_the_whole_steps_reference_point(ray_local, tiny_model, kto_batch):
-    from engines.batches import micro_batches
+    from engines.micro_batching import micro_batches
     from engines.models import load_policy
     from engines.train import objectives
     from engines.train.preference import KTOObjective, kto_reference_point, sequence_logps

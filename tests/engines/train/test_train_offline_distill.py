@@ -215,9 +215,9 @@ def test_a_cached_pass_read_back_checks_its_rows_and_leaves_emptied_positions_ou
 
 
 def test_a_distillation_micro_batch_cut_to_its_rows_keeps_every_teacher_column(tiny_model, teacher, rows):
-    """Training cuts each micro-batch to its longest row (batches.trimmed). A response token's column is never
+    """Training cuts each micro-batch to its longest row (micro_batching.trimmed). A response token's column is never
     past its position, so the cut keeps every one: the trimmed micro-batches' losses are the whole batch's."""
-    from engines.batches import micro_batches
+    from engines.micro_batching import micro_batches
     from engines.models import load_policy
     from engines.train.objectives import topk_distill_objective
 

@@ -162,7 +162,7 @@ def test_packed_rows_give_the_unpacked_losses(policy, tokenizer):
 def test_kto_objective_prepared_over_micro_batches_gives_the_whole_batchs_loss(policy, tokenizer):
     """KTOObjective.prepare takes z0 over every micro-batch; each micro-batch's loss against it, weighed by
     rows, adds up to the whole batch's loss. Against its own z0 (one row's), a micro-batch's loss differs."""
-    from engines.batches import micro_batches
+    from engines.micro_batching import micro_batches
     from engines.train.preference import KTOObjective
 
     rows = preference_tensors(tokenizer, RECORDS, 64, 8)
@@ -189,7 +189,7 @@ def test_kto_reward_metrics_are_the_steps_whatever_its_micro_batches(policy, tok
     """Micro-batches of one row hold one kind of example each: the step's chosen / rejected reward is
     still the mean implicit reward β(log π − log π_ref) over all its desirable / undesirable examples."""
     from engines.accumulate import add_metrics, combine_ranks, host_metrics
-    from engines.batches import micro_batches
+    from engines.micro_batching import micro_batches
     from engines.train.preference import KTOObjective
 
     rows = preference_tensors(tokenizer, RECORDS, 64, 8)

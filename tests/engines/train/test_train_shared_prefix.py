@@ -121,7 +121,7 @@ def test_gradients_repeat_bit_for_bit_while_another_process_takes_the_cores(tmp_
     import sys
 
     from alignflow.config import TinyModelConfig
-    from engines.batches import micro_batches
+    from engines.micro_batching import micro_batches
     from engines.models import build_tiny_model, load_policy
     from engines.train.logits import response_logprobs_and_entropy
 

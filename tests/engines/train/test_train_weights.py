@@ -65,7 +65,8 @@ def _stepped(model, batch, objective, weigh, ranks: int, rows: int) -> dict[str,
     """The gradient DeepSpeed would apply: per rank the scaled micro-batch losses accumulated, then the
     ranks' gradients averaged."""
     from engines.accumulate import loss_scales
-    from engines.batches import micro_batches, shard
+    from engines.batches import shard
+    from engines.micro_batching import micro_batches
 
     parts = [micro_batches(s, rows) for s in shard(batch, ranks)]
     scales = loss_scales(parts, weigh)
@@ -111,7 +112,8 @@ def test_metrics_over_micro_batches_and_ranks_are_the_whole_batchs(model, batch,
     objective reports as (sum, count) combine exactly, whatever the aggregation. TIS masks tokens whose
     rollout ratio leaves [0.9, 1.1], so clip_fraction and the TIS metrics differ between micro-batches."""
     from engines.accumulate import add_metrics, combine_ranks, host_metrics, loss_scales
-    from engines.batches import micro_batches, shard
+    from engines.batches import shard
+    from engines.micro_batching import micro_batches
     from engines.train import objectives
 
     objective = functools.partial(_objective(agg), tis_cap=1.1, tis_low=0.9, tis_mode="mask")
