@@ -36,58 +36,54 @@ def micro_batches(batch: dict[str, torch.Tensor], size: int | None, *, tokens: i
     return [trimmed(p) for p in parts] if trim else parts
 
 
-# Tensors laid out along a sequence's positions, by how much shorter than input_ids' width (the next-token
-# layout: one). A batch holding another tensor of two or more dimensions is left as it is. A teacher's top-k
-# is one column per response token (objectives.loss_columns): column j holds a position at or past j, so
-# the next-token layout's cut never drops one whose position is kept.
-_POSITIONAL = {"input_ids": 0, "attention_mask": 0, "loss_mask": 0,
-               "teacher_ids": 1, "teacher_logprobs": 1, "teacher_positions": 1}
+# Tensors laid out along a sequence's positions, by the mask whose width measures them and how much shorter
+# than it they are (the next-token layout: one): the rows (input_ids') and KTO's mismatched `kl_` rows. A
+# teacher's top-k is one column per response token (objectives.loss_columns): column j holds a position at
+# or past j, so the next-token layout's cut never drops one whose position is kept. An RL batch's tensors
+# per response token (B, T, ...) are measured by its action_mask. A batch holding a tensor of any other
+# layout is left as it is.
+_POSITIONAL = {"attention_mask": {"input_ids": 0, "attention_mask": 0, "loss_mask": 0,
+                                  "teacher_ids": 1, "teacher_logprobs": 1, "teacher_positions": 1},
+               "kl_attention_mask": {"kl_input_ids": 0, "kl_attention_mask": 0, "kl_loss_mask": 0}}
+_MEASURES = (*_POSITIONAL, "action_mask")
 
 
-def attended_width(batch: dict[str, Any]) -> int:
-    """One past the last attended position of any row (0: none)."""
-    mask = batch["attention_mask"]
-    return int((mask * torch.arange(1, mask.shape[1] + 1)).max()) if mask.numel() else 0
+def used_width(mask: torch.Tensor) -> int:
+    """One past the last column any row uses (a nonzero entry; 0: none)."""
+    return int(((mask != 0) * torch.arange(1, mask.shape[1] + 1)).max()) if mask.numel() else 0
 
 
-def response_width(batch: dict[str, Any]) -> int:
-    """One past the last response column any row trains on (`action_mask`; 0: none, or no action_mask)."""
-    mask = batch.get("action_mask")
-    return int(((mask != 0) * torch.arange(1, mask.shape[1] + 1)).max()) if mask is not None and mask.numel() else 0
-
-
-def trimmed(batch: dict[str, Any], width: int | None = None, columns: int | None = None) -> dict[str, Any]:
-    """A right-padded batch cut to `width` positions (at least its `attended_width`) and, an RL batch, its
-    per-response-token tensors (B, T, ...: action_mask's T) to `columns` (at least its `response_width`).
-    Supervised data is padded to the longest row of a whole split, an RL step's to its longest sequence and
-    response: every forward would run at that width. The objectives read masked positions only (a response
-    token's position, response_index, is below the attended width), so they do not depend on the padding,
-    only the work does. A batch holding a tensor of another layout is left as it is."""
+def trimmed(batch: dict[str, Any], widths: dict[str, int] | None = None) -> dict[str, Any]:
+    """A right-padded batch with each group of tensors cut to the width its rows use (`used_width` of its
+    measuring mask, or `widths[mask]` where wider): positions to the attention mask's, an RL batch's tensors
+    per response token to its action_mask's. Supervised data is padded to the longest row of a whole split,
+    an RL step's to its longest sequence and response: every forward would run at that width. The objectives
+    read masked positions only (a response token's position, response_index, is below the attended width),
+    so they do not depend on the padding, only the work does."""
     wide = {k for k, v in batch.items() if isinstance(v, torch.Tensor) and v.dim() >= 2}
-    per_token = wide - _POSITIONAL.keys()
+    per_token = wide - {k for keys in _POSITIONAL.values() for k in keys}
     if "attention_mask" not in batch or (per_token and (
             "action_mask" not in batch or any(batch[k].shape[1] != batch["action_mask"].shape[1] for k in per_token))):
         return batch
-    width = attended_width(batch) if width is None else max(width, attended_width(batch))
-    if width == 0:  # no attended position (no row): nothing to cut by
+    if used_width(batch["attention_mask"]) == 0:  # no attended position (no row): nothing to cut by
         return batch
-    cut = {k: v[:, : width - _POSITIONAL[k]] for k, v in batch.items()
-           if k in wide - per_token and width < batch["attention_mask"].shape[1]}
-    if per_token:
-        cols = max(columns or 0, response_width(batch), 1)
-        if cols < batch["action_mask"].shape[1]:
-            cut |= {k: batch[k][:, :cols] for k in per_token}
+    groups = {m: keys for m, keys in _POSITIONAL.items() if m in batch}
+    groups |= {"action_mask": dict.fromkeys(per_token, 0)} if per_token else {}
+    cut = {}
+    for mask, keys in groups.items():
+        width = max((widths or {}).get(mask, 0), used_width(batch[mask]), 1)
+        if width < batch[mask].shape[1]:
+            cut |= {k: batch[k][:, : width - offset] for k, offset in keys.items() if k in wide}
     return {**batch, **cut} if cut else batch
 
 
 def step_micro_batches(shards: list[dict[str, Any]], size: int | None, *, tokens: int | None = None,
                        paired: bool = False) -> list[list[dict[str, Any]]]:
     """Each rank's shard of one training step in trimmed `micro_batches`, the shards first cut to their common
-    attended width: a token budget counts the step's rows, not the split's longest, and every rank gets as
-    many micro-batches (ZeRO's collectives run once per micro-batch on each)."""
-    width = max((attended_width(s) for s in shards if "attention_mask" in s), default=0)
-    columns = max((response_width(s) for s in shards), default=0)
-    return [micro_batches(trimmed(s, width, columns), size, tokens=tokens, paired=paired, trim=True) for s in shards]
+    widths: a token budget counts the step's rows, not the split's longest, and every rank gets as many
+    micro-batches (ZeRO's collectives run once per micro-batch on each)."""
+    widths = {m: max((used_width(s[m]) for s in shards if m in s), default=0) for m in _MEASURES}
+    return [micro_batches(trimmed(s, widths), size, tokens=tokens, paired=paired, trim=True) for s in shards]
 
 
 def in_micro_batches(batch: dict[str, Any], size: int | None, fn, *, tokens: int | None = None) -> Any:

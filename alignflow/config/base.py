@@ -99,8 +99,9 @@ class EngineConfig(Section):
     grad_clip: float = Field(1.0, gt=0, description="max global gradient norm (DeepSpeed gradient_clipping)")
     micro_batch_size: int | None = Field(
         None, ge=1, description="at most this many rows per forward/backward on each worker (for a reward model "
-        "and DPO/KTO pairs: this many pairs, twice as many sequences), gradients accumulated over the worker's "
-        "share of a batch; None: no cap on rows")
+        "and DPO pairs: this many pairs, twice as many sequences; KTO: examples, each with its mismatched row "
+        "scored first, without gradients), gradients accumulated over the worker's share of a batch; None: no cap "
+        "on rows")
     micro_batch_tokens: int | None = Field(
         4096, ge=1, description="at most this many padded tokens (rows x padded length) per forward/backward; "
         "keeps activations small enough for the allocator to reuse; None: no cap on tokens")

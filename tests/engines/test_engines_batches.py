@@ -351,6 +351,29 @@ def test_an_rl_micro_batch_is_cut_to_its_longest_sequence_and_response_with_its_
     assert trimmed(other) is other
 
 
+def test_ktos_mismatched_rows_are_cut_to_their_own_width():
+    """A KTO batch carries a second set of rows (kl_*: prompts with another row's reply), padded to their split's
+    longest: it was left whole (every forward at the split's widths); each set is cut to what its rows use."""
+    from engines.batches import pad_right, right_padded
+    from engines.micro_batching import step_micro_batches, trimmed
+
+    def rows(lengths: list[int], width: int) -> dict[str, torch.Tensor]:
+        padded = right_padded([[7] * n for n in lengths] + [[7] * width], 0)  # a split's longest row, then dropped
+        padded["loss_mask"] = pad_right([[0] + [1] * (n - 1) for n in lengths] + [[0] * width], 0)
+        return {k: v[:-1] for k, v in padded.items()}
+
+    main, kl = rows([4, 6, 3, 5], 40), rows([9, 2, 7, 3], 50)
+    batch = {**main, **{f"kl_{k}": v for k, v in kl.items()}, "ref_kl_logps": torch.zeros(4),
+             "desirable": torch.ones(4)}
+    cut = trimmed(batch)
+    assert cut["input_ids"].shape == cut["loss_mask"].shape == (4, 6)
+    assert cut["kl_input_ids"].shape == cut["kl_attention_mask"].shape == cut["kl_loss_mask"].shape == (4, 9)
+    assert torch.equal(cut["kl_loss_mask"], batch["kl_loss_mask"][:, :9])
+    assert cut["ref_kl_logps"] is batch["ref_kl_logps"]
+    halves = step_micro_batches([{k: v[:2] for k, v in batch.items()}, {k: v[2:] for k, v in batch.items()}], 1)
+    assert [[p["kl_input_ids"].shape[1] for p in ps] for ps in halves] == [[9, 2], [7, 3]]  # each micro-batch its own
+
+
 def test_a_micro_batch_without_an_attended_position_is_left_as_it_is():
     from engines.micro_batching import trimmed
 
