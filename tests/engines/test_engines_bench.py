@@ -42,3 +42,21 @@ def test_the_bench_runs_the_gpu_configs_round_and_prints_tokens_per_second(gpu_c
     for phase in ("generate", "score", "reference", "old_logprobs", "critic", "train"):  # PPO: a critic, a reward model
         assert re.search(r"\d+\.\d+ s +\d+ tokens/s", rows[phase]), rows.get(phase)
     assert left == set()  # the copied tree and the built model are gone
+
+
+@pytest.mark.engine
+def test_vs_trl_runs_alignflows_side_and_keeps_it_when_the_other_side_fails():
+    """bench/step/vs_trl.py, the first thing a lent GPU runs (bench/gpu_session.sh), at its smallest on the CPU:
+    its alignflow side had been failing since the rounds' rewards read each prompt row's text (the bench gave
+    none), unseen until this test. TRL is not installed here, so its side fails: said, and the table keeps the
+    side that ran. Where TRL is installed, both sides run."""
+    import importlib.util
+
+    res = subprocess.run([sys.executable, "bench/step/vs_trl.py", "--device", "cpu", "--runs", "1", "--steps", "1",
+                          "--prompts", "4", "--samples", "2", "--new-tokens", "4", "--micro-rows", "8"],
+                         cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, (res.stdout[-3000:], res.stderr[-3000:])
+    assert re.search(r"^run 1/1 alignflow: step \d+\.\d+ s; \{", res.stdout, re.M), res.stdout[-3000:]
+    assert re.search(r"^step +\d+\.\d+s", res.stdout, re.M) and "alignflow Ray calls per step" in res.stdout
+    if importlib.util.find_spec("trl") is None:
+        assert "run 1/1 trl: FAILED" in res.stdout and "No module named 'trl'" in res.stdout, res.stdout[-3000:]
