@@ -50,14 +50,18 @@ STORAGE_CLIENTS = frozenset({"botocore", "aiobotocore", "s3fs", "fsspec", "gcsfs
 
 
 def plan_states(plan: Plan, storage: Storage) -> dict[str, StageState]:
-    """For every stage: committed already (Cached), or what differs from its last commit. A storage root that
-    cannot be read (an endpoint down, credentials refused) is a ConfigError naming it: the plan reads it
-    before preflight's own check of the root would."""
+    """For every stage: committed already, with every file of its manifest still stored (Cached), or why it runs:
+    what differs from its last commit, or the files lost since (a bucket's lifecycle rule, a cleanup: the flow
+    runs such a stage again, stage_tasks.lost_artifact). A storage root that cannot be read (an endpoint down,
+    credentials refused) is a ConfigError naming it: the plan reads it before preflight's own check would."""
     states = {}
     try:
         for stage in plan.stages.values():
-            if storage.is_committed(storage.stage_uri(stage.name, stage.key)):
-                states[stage.name] = StageState(cached=True, why="")
+            uri = storage.stage_uri(stage.name, stage.key)
+            if storage.is_committed(uri):
+                lost = storage.unstored(uri)  # one listing of the stage's prefix
+                why = f"files lost since its commit: {', '.join(lost[:3])}{' ...' * (len(lost) > 3)}" if lost else ""
+                states[stage.name] = StageState(cached=not lost, why=why)
             else:
                 states[stage.name] = StageState(cached=False, why=_why(stage, storage.latest_commit(stage.name)))
     except StorageError:

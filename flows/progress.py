@@ -50,7 +50,7 @@ class ProgressWatcher:
     def __init__(self, tracking_uri: str, experiment: str, interval: float = 2.0, terminal: bool | None = None):
         self.tracking_uri, self.experiment, self.interval = tracking_uri, experiment, interval
         self.terminal = _is_terminal() if terminal is None else terminal
-        self.printed: set[str] = set()
+        self.printed: dict[str, Any] = {}  # stage -> the end time of its run whose line was printed
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="alignflow-progress", daemon=True)
 
@@ -75,18 +75,28 @@ class ProgressWatcher:
                     runs = tracker.stage_runs(parents[-1]) if parents else []
                 except Exception:  # a display must never fail the run (e.g. the SQLite file is busy)
                     runs = []
-                for run in runs:
-                    if bars is not None:
-                        bars.update(run)
-                    elif run["status"] != "RUNNING" and run["stage"] not in self.printed:
-                        self.printed.add(run["stage"])
-                        print(finished_line(run), flush=True)
+                for run in runs if bars is not None else []:
+                    bars.update(run)
+                for line in self.ended_lines(runs) if bars is None else []:
+                    print(line, flush=True)
                 if stopping or self._stop.wait(self.interval):
                     if stopping:
                         break
         finally:
             if bars is not None:
                 bars.close()
+
+
+    def ended_lines(self, runs: list[dict[str, Any]]) -> list[str]:
+        """A line for each stage run that ended since the last call. A stage that failed and ran again
+        (Prefect's retry reopens its run, which keeps its old end time while it runs) gets a line each time it
+        ends: its retry's outcome was never printed after its FAILED line."""
+        lines = []
+        for run in runs:
+            if run["status"] != "RUNNING" and self.printed.get(run["stage"], -1) != run["end"]:
+                self.printed[run["stage"]] = run["end"]
+                lines.append(finished_line(run))
+        return lines
 
 
 def _is_terminal() -> bool:
@@ -124,16 +134,27 @@ class _Bars:
         self.room = max(width - used - len(columns), 0)  # a space between columns
         self.progress = Progress(*columns, console=console)
         self.tasks: dict[str, Any] = {}
+        self.status: dict[str, str] = {}
         self.progress.start()
 
     def update(self, run: dict[str, Any]) -> None:
-        name = run["stage"]
+        """A FINISHED stage's bar is full; a FAILED or KILLED one stops at its step, its time frozen; one that runs
+        again (Prefect's retry reopens its run) starts its time anew."""
+        name, status = run["stage"], run["status"]
         if name not in self.tasks:
             self.tasks[name] = self.progress.add_task(name, total=run["total"] or None, shown="")
-        done = run["status"] != "RUNNING"
-        total = run["total"] or (1 if done else None)
-        self.progress.update(self.tasks[name], total=total, completed=total if done and total else run["step"],
-                             shown=self.shown(run))
+        task, before = self.tasks[name], self.status.get(name)
+        finished = status == "FINISHED"
+        total = run["total"] or (1 if finished else None)
+        completed = total if finished and total else run["step"]
+        if status == "RUNNING" and before in ("FAILED", "KILLED"):
+            self.progress.reset(task, total=total, completed=completed)
+            # rich's reset keeps a stopped task's stop time, before its new start: its elapsed would be negative
+            next(t for t in self.progress.tasks if t.id == task).stop_time = None
+        self.progress.update(task, total=total, completed=completed, shown=self.shown(run))
+        if status in ("FAILED", "KILLED") and before != status:
+            self.progress.stop_task(task)
+        self.status[name] = status
 
     def shown(self, run: dict[str, Any]) -> str:
         status = "" if run["status"] in ("RUNNING", "FINISHED") else run["status"]

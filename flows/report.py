@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -95,6 +96,9 @@ class PipelineReport(BaseModel):
                          f"({j['eval/judge_unparsed']:.0f} of {j['eval/judge_verdicts']:.0f} verdicts unparsed)")
         for name, budget in self.kl_budgets.items():
             kl = self.policies.get(name, {}).get("eval/kl_to_reference", float("nan"))
+            if math.isnan(kl):  # not measured, or not a number: neither within nor over
+                lines.append(f"{name}: KL to reference not measured (budget {budget:g})")
+                continue
             verdict = "within" if kl <= budget else "OVER"
             lines.append(f"{name}: KL to reference {kl:.3f} {verdict} budget {budget:g}")
         return "\n".join(lines)
@@ -227,12 +231,13 @@ def report_from_storage(config: PipelineConfig, plan: Plan) -> PipelineReport:
     parent run is opened and closed here, with the table and the curves.
     """
     ctx = open_run(config, plan, in_flow=False)
-    storage = ctx.storage()
-    results = {}
-    for stage in plan.stages.values():
-        uri = storage.stage_uri(stage.name, stage.key)
-        metrics = storage.read_manifest(uri)["meta"].get("metrics", {})
-        results[stage.name] = StageResult(stage=stage.name, key=stage.key, uri=uri, metrics=metrics)
-    report = build_report(ctx, plan, results, {name: "Cached" for name in results})
-    close_run(ctx, report)
+    with parent_closed_on_error(ctx):  # a manifest that cannot be read, MLflow, the curves, Ctrl-C
+        storage = ctx.storage()
+        results = {}
+        for stage in plan.stages.values():
+            uri = storage.stage_uri(stage.name, stage.key)
+            metrics = storage.read_manifest(uri)["meta"].get("metrics", {})
+            results[stage.name] = StageResult(stage=stage.name, key=stage.key, uri=uri, metrics=metrics)
+        report = build_report(ctx, plan, results, {name: "Cached" for name in results})
+        close_run(ctx, report)
     return report

@@ -160,9 +160,39 @@ def test_progress_bars_fit_the_terminal_with_whole_numbers(width):
     for line in lines:
         assert len(line) <= width and "…" not in line, (width, line)
     assert "123/200" in shown["eval_reward_model"] and "0:00:0" in shown["eval_reward_model"]
-    assert shown["round_1"].rstrip().endswith("FAILED"), shown["round_1"]
+    assert shown["round_1"].rstrip().endswith("FAILED") and " 7/20 " in shown["round_1"], shown["round_1"]
     if width >= 100:
         assert "reward -0.512" in shown["eval_reward_model"]
+
+
+def test_a_stage_that_stops_keeps_its_step_and_one_retried_is_shown_to_its_end():
+    """A bar filled to its total for a stage stopped at step 7 (Ctrl-C: KILLED, or FAILED) said it was done; and
+    where Prefect retried a failed stage, its run reopened and ended again, the lines printed off a terminal said
+    FAILED and never its end."""
+    import io
+
+    from rich.console import Console
+
+    from flows.progress import ProgressWatcher, _Bars
+
+    run = {"stage": "round_1", "status": "RUNNING", "step": 3, "total": 20, "start": 0, "end": None,
+           "metrics": {}}
+    bars = _Bars(console=Console(file=io.StringIO(), width=120, force_terminal=True))
+    [task] = (bars.update(run), bars.progress.tasks)[1]
+    bars.update({**run, "status": "KILLED", "step": 7, "end": 9000})
+    assert (task.completed, task.finished, task.stop_time is not None) == (7, False, True)
+    bars.update({**run, "step": 8, "end": 9000})  # retried: running again, its time anew
+    assert (task.completed, task.stop_time) == (8, None)
+    bars.update({**run, "status": "FINISHED", "step": 20, "end": 20000})
+    assert task.completed == 20 and task.finished
+    bars.close()
+
+    watcher = ProgressWatcher("sqlite:///unused.db", "x", terminal=False)
+    failed = {**run, "status": "FAILED", "step": 7, "start": 0, "end": 9000}
+    assert [line.split()[:2] for line in watcher.ended_lines([failed])] == [["round_1", "FAILED"]]
+    assert watcher.ended_lines([failed]) == [] and watcher.ended_lines([{**failed, "status": "RUNNING"}]) == []
+    done = watcher.ended_lines([{**failed, "status": "FINISHED", "step": 20, "end": 20000}])
+    assert [line.split()[:2] for line in done] == [["round_1", "done"]] and "20/20 steps" in done[0]
 
 
 def test_the_interrupted_line_names_each_stopped_stage_and_its_step(tracker, monkeypatch):

@@ -119,6 +119,34 @@ def test_a_parent_run_is_ended_by_whatever_raises_between_its_opening_and_closin
     assert MlflowClient(tracking_uri=tracker.tracking_uri).get_run(parent).info.status == status
 
 
+def test_the_cached_runs_report_ends_its_parent_run_on_an_error(tracker, tmp_path):
+    """`alignflow run` of a plan that is all Cached reports from the manifests, outside any flow: a manifest that
+    could not be read (or Ctrl-C while the curves draw) left its parent run RUNNING."""
+    from mlflow import MlflowClient
+
+    from alignflow.config import load_config
+    from alignflow.store.faults import StorageError
+    from flows.report import report_from_storage
+    from tasks.plan import plan_pipeline
+
+    cfg = load_config(None, [f"infra.mlflow_tracking_uri={tracker.tracking_uri}",
+                             f"infra.mlflow_experiment={EXPERIMENT}", f"infra.storage.root={tmp_path / 'artifacts'}",
+                             "name=cached-report"])
+    with pytest.raises(StorageError):  # nothing committed under this root: the first manifest is missing
+        report_from_storage(cfg, plan_pipeline(cfg))
+    client = MlflowClient(tracking_uri=tracker.tracking_uri)
+    [run] = [r for r in client.search_runs([client.get_experiment_by_name(EXPERIMENT).experiment_id])
+             if r.info.run_name.startswith("cached-report-")]
+    assert run.info.status == "FAILED"
+
+
+def test_a_kl_not_measured_is_neither_within_nor_over_its_budget():
+    report = _report({"round_1": {"eval/accuracy": 0.5, "eval/kl_to_reference": float("nan")}, "round_2": {}})
+    report.kl_budgets = {"round_1": 3.0, "round_2": 2.0}
+    assert [line for line in report.table().splitlines() if "KL to reference" in line] == [
+        "round_1: KL to reference not measured (budget 3)", "round_2: KL to reference not measured (budget 2)"]
+
+
 def test_a_parent_run_that_cannot_be_ended_leaves_the_first_error_to_be_raised(tmp_path):
     """Where MLflow is what failed, ending the parent run fails too: that is logged, and the error that stopped
     the run (a stop included) is the one raised, not MLflow's."""

@@ -9,13 +9,14 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
+from pathlib import Path
 
 import pytest
 
 from alignflow.config import load_config
 from alignflow.errors import ConfigError
 from alignflow.store.storage import Storage
-from flows.planview import plan_states
+from flows.planview import StageState, plan_states
 from tasks.plan import plan_pipeline
 
 GRPO_RULE = '{"algorithm": "grpo", "reward": {"source": "rule"}}'
@@ -246,6 +247,11 @@ def test_plan_states_say_cached_or_why(tmp_path):
     assert states["data"].cached and states["base_model"].cached
     assert states["sft"].why == "config changed: train.learning_rate 0.002 -> 0.01"
     assert states["reward_model"].why == "input changed: init"
+
+    # A committed stage whose file is gone (a lifecycle rule, a cleanup) is not Cached: `alignflow run` of a
+    # plan it called all cached printed the old report and never made the file again.
+    (Path(storage.stage_uri("data", first.stages["data"].key)) / "out.txt").unlink()
+    assert plan_states(first, storage)["data"] == StageState(cached=False, why="files lost since its commit: out.txt")
 
 
 def test_the_plan_never_shows_a_credential_in_a_url(tmp_path):
