@@ -98,13 +98,25 @@ def _user_error_names() -> tuple[str, ...]:
 _USER_ERROR_NAMES: tuple[str, ...] = ()
 
 
+class _Stderr:
+    """Whatever `sys.stderr` is when a record is written: while the progress bars are drawn, rich's Live puts a
+    stream there that prints above them. A handler holding the real stderr wrote into the bars' last line,
+    and the next refresh erased the warning."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def setup(verbose: bool) -> None:
     """Console logging for this process (the log file comes once the run's directory is known)."""
     global _USER_ERROR_NAMES
     _USER_ERROR_NAMES = _user_error_names()
     root = logging.getLogger()
     root.setLevel(logging.INFO)
-    console = logging.StreamHandler(sys.stderr)
+    console = logging.StreamHandler(_Stderr())
     console.setFormatter(logging.Formatter(FORMAT))
     if not verbose:
         console.addFilter(ConsoleFilter())

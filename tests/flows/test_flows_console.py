@@ -47,6 +47,24 @@ def test_console_drops_what_a_user_error_logs_elsewhere():
                                                                 "unexpected exception: RuntimeError"))
 
 
+def test_console_records_go_where_stderr_is_when_they_are_written(monkeypatch):
+    """While the progress bars are drawn, rich's Live puts a stream of its own in sys.stderr that prints above
+    them: a warning written to the stderr of setup time landed in the bars' last line, erased at the next
+    refresh."""
+    import io
+
+    root = logging.getLogger()
+    saved = root.handlers[:]
+    try:
+        console.setup(verbose=True)
+        live = io.StringIO()
+        monkeypatch.setattr(sys, "stderr", live)
+        logging.getLogger("alignflow").warning("checkpoint step 40 set aside")
+        assert "checkpoint step 40 set aside" in live.getvalue()
+    finally:
+        root.handlers[:] = saved
+
+
 def test_quiet_setup_sets_the_worker_environment(monkeypatch):
     for key in {**console.QUIET_ENV, **console.QUIET_DRIVER_ENV}:
         monkeypatch.delenv(key, raising=False)
