@@ -75,10 +75,12 @@ class ProgressWatcher:
                     runs = tracker.stage_runs(parents[-1]) if parents else []
                 except Exception:  # a display must never fail the run (e.g. the SQLite file is busy)
                     runs = []
-                for run in runs if bars is not None else []:
-                    bars.update(run)
-                for line in self.ended_lines(runs) if bars is None else []:
-                    print(line, flush=True)
+                if bars is not None:
+                    for run in runs:
+                        bars.update(run)
+                else:
+                    for line in self.ended_lines(runs):
+                        print(line, flush=True)
                 if stopping or self._stop.wait(self.interval):
                     if stopping:
                         break

@@ -22,8 +22,9 @@ class EvalConfig(Section):
     num_logged_samples: int = Field(20, ge=0, description="samples saved per evaluation (samples/<name>.json); 0: none")
     checker: str = Field(
         "alignflow.data.synthetic:check_answer",
-        description="import path of f(response, answer) -> bool (answer None for a row without one); the default is the bundled tasks' exact match "
-        "(alignflow.rewards:math_correct checks a response's final mathematical answer)",
+        description="import path of f(response, answer) -> bool (answer None for a row without one); the default "
+        "is the bundled tasks' exact match (alignflow.rewards:math_correct checks a response's final mathematical "
+        "answer)",
     )
     vote_on: str | None = Field(
         None, description="import path of f(response) -> its final answer (str, or None: no answer, no vote), what "

@@ -22,6 +22,9 @@ from pydantic_core import to_jsonable_python
 from alignflow.errors import ConfigError
 
 
+BOOL = "tag:yaml.org,2002:bool"
+
+
 class ConfigLoader(yaml.SafeLoader):
     """YAML's safe loader for config files and override values. It refuses a key given twice in one mapping:
     the second would silently replace the first (a whole section, when a file has two `sft:` blocks). A merge
@@ -44,9 +47,6 @@ class ConfigLoader(yaml.SafeLoader):
                     key_node.start_mark)
             seen[key] = key_node.start_mark
         return super().construct_mapping(node, deep=deep)
-
-
-BOOL = "tag:yaml.org,2002:bool"
 
 
 def _yaml(raw: str) -> Any:

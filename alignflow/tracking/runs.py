@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
 import socket
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -24,7 +23,7 @@ from typing import Any
 
 from alignflow.interrupts import end_status, pid_alive
 from alignflow.tracking.params import artifact_location, param_values
-from alignflow.tracking.stage_run import StageRun
+from alignflow.tracking.stage_run import StageRun, quotable
 
 log = logging.getLogger("alignflow")
 
@@ -85,12 +84,12 @@ class Tracker:
 
     def _reopenable(self, tag: str | None, value: str, parent: str | None, stage: str | None = None) -> Any:
         """The newest run with `tag` = `value` (under `parent`, of `stage`) to continue, or None."""
-        if not tag or not value or not re.fullmatch(r"[\w.-]+", value):
+        if not tag or not quotable(value):
             return None
         query = f"tags.`{tag}` = '{value}'"
         if parent:
             query += f" and tags.`mlflow.parentRunId` = '{parent}'"
-        if stage and re.fullmatch(r"[\w.-]+", stage):
+        if stage and quotable(stage):
             query += f" and tags.`alignflow.stage` = '{stage}'"
         found = [r for r in self._search(query, limit=10) if (parent is not None) == ("mlflow.parentRunId" in r.data.tags)]
         return found[0] if found else None
@@ -182,7 +181,7 @@ class Tracker:
             if stage:
                 runs.setdefault(stage, []).append(run)
         for stage, key in stage_keys.items():
-            if stage not in runs and re.fullmatch(r"[\w.-]+", key) and re.fullmatch(r"[\w.-]+", stage):
+            if stage not in runs and quotable(key, stage):
                 found = self._search(f"tags.`alignflow.key` = '{key}' and tags.`alignflow.stage` = '{stage}' "
                                      "and attributes.status = 'FINISHED'", limit=1)
                 if found:

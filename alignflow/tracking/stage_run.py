@@ -23,6 +23,11 @@ MAX_BATCH = 1000  # metrics in one log_batch (MLflow's limit)
 STEP_METRIC = "progress/step"  # what every stage logs with each step (the CLI's progress display)
 
 
+def quotable(*values: str) -> bool:
+    """Whether every value can stand quoted in an MLflow search filter as it is (letters, digits, _ . -)."""
+    return all(re.fullmatch(r"[\w.-]+", v) for v in values)
+
+
 class StageRun:
     """Logging into one stage's child run."""
 
@@ -59,7 +64,7 @@ class StageRun:
         run = self.client.get_run(self.run_id)
         tags = run.data.tags
         key, stage = tags.get("alignflow.key", ""), tags.get("alignflow.stage", "")
-        if upto < 1 or STEP_METRIC in run.data.metrics or not all(re.fullmatch(r"[\w.-]+", v) for v in (key, stage)):
+        if upto < 1 or STEP_METRIC in run.data.metrics or not quotable(key, stage):
             return 0
         earlier = [r for r in self.client.search_runs(
             [run.info.experiment_id], f"tags.`alignflow.key` = '{key}' and tags.`alignflow.stage` = '{stage}'",

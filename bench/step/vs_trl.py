@@ -91,7 +91,8 @@ def alignflow_worker(args, texts: list[str]) -> dict:
         node[last] = value
     rl = RLRound(RoundConfig.model_validate(cfg), RoundSetup(
         policy_path=args.model, reference_path=args.model, reward_path=None,
-        prompts=[(i, {"prompt": t, "answer": None}) for i, t in zip(ids, texts)], dtype="bfloat16" if cuda else "float32", torch_threads=2,
+        prompts=[(i, {"prompt": t, "answer": None}) for i, t in zip(ids, texts)],
+        dtype="bfloat16" if cuda else "float32", torch_threads=2,
         max_model_len=max(map(len, ids)) + args.new_tokens + 8, seed=0))
     calls = count_ray_calls()
     try:
