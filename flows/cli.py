@@ -144,8 +144,8 @@ def _run(cfg: PipelineConfig, target: str | None, verbose: bool = False, all_cac
     with run_scratch():  # the stages' scratch files, under one directory removed however the run ends
         result = _flow_run(cfg, target, log_dir, verbose)
     elapsed = time.perf_counter() - t0
-    if target:
-        print(result.model_dump_json(indent=2))
+    if target:  # each stage the target names (`evaluation`: every evaluation), by name
+        print(json.dumps({name: r.model_dump(mode="json") for name, r in result.items()}, indent=2))
     else:
         _print_report(result, elapsed, verbose)
     return 0

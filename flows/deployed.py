@@ -65,8 +65,9 @@ def run_pipeline(config: PipelineConfig, overrides: list[str] | None = None) -> 
 
 
 @flow(name="alignflow-stage", task_runner=PipelineTaskRunner(), log_prints=True, validate_parameters=False)
-def run_stage(stage: str, config: PipelineConfig, overrides: list[str] | None = None) -> StageResult:
-    """One target of the pipeline (data, base_model, sft, reward_model, rl, evaluation, or a stage's name)."""
+def run_stage(stage: str, config: PipelineConfig, overrides: list[str] | None = None) -> dict[str, StageResult]:
+    """One target of the pipeline (data, base_model, sft, reward_model, rl, evaluation, or a stage's name); the
+    result of each stage it names, by name."""
     cfg, sources = deployment_config(config, overrides)
     plan_pipeline(cfg).resolve(stage)  # an unknown target fails here, listing the valid ones
     check(cfg, sources=sources)

@@ -54,8 +54,9 @@ def run_all(config: PipelineConfig) -> PipelineReport:
     return report
 
 
-def run_target(config: PipelineConfig, target: str) -> StageResult:
-    """The stages of `target` (a stage name, or a target such as `rl`) and all they need; the last one's result."""
+def run_target(config: PipelineConfig, target: str) -> dict[str, StageResult]:
+    """The stages of `target` (a stage name, or a target such as `rl`) and all they need; the result of each stage
+    the target names (`evaluation`: every evaluation; `rl`: every round), by stage name in plan order."""
     join_ray(config.infra)
     full = plan_pipeline(config)
     plan = full.upto(target)
@@ -65,7 +66,7 @@ def run_target(config: PipelineConfig, target: str) -> StageResult:
         with engine_host(plan, ctx) as ctx:
             results, _ = wait_all(ctx, StageTasks(config.infra).submit_plan(plan, ctx))
         close_run(ctx)
-    return results[full.resolve(target)[-1]]
+    return {name: results[name] for name in full.resolve(target)}
 
 
 @flow(name="alignflow-pipeline", task_runner=PipelineTaskRunner(), log_prints=True)
@@ -74,6 +75,6 @@ def pipeline(config: PipelineConfig) -> PipelineReport:
 
 
 @flow(name="alignflow-partial-pipeline", task_runner=PipelineTaskRunner(), log_prints=True)
-def partial_pipeline(config: PipelineConfig, target: str) -> StageResult:
-    """The stages of `target` and all they need; the last one's result."""
+def partial_pipeline(config: PipelineConfig, target: str) -> dict[str, StageResult]:
+    """The stages of `target` and all they need; each target stage's result, by name."""
     return run_target(config, target)

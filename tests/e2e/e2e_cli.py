@@ -51,7 +51,7 @@ def parent_run_id(stdout: str) -> str:
 
 
 def stage_json(stdout: str) -> dict:
-    """`alignflow stage` prints the StageResult as indented JSON, last."""
+    """`alignflow stage` prints, last, indented JSON: each stage its target names -> that stage's StageResult."""
     lines = stdout.splitlines()
     start = max(i for i, line in enumerate(lines) if line == "{")
     return json.loads("\n".join(lines[start:]))

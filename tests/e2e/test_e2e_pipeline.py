@@ -351,7 +351,9 @@ def test_rule_reward_rounds_of_mixed_kinds_need_no_reward_model(small_pipeline_a
     m = runs["round_1"].data.metrics  # each component of the mix, and their weighted sum
     assert m["rl/reward/task_mean"] == pytest.approx(m["rl/reward/rule"] + 0.5 * m["rl/reward/again"], abs=1e-6)
     assert "rl/distill/reverse_kl_per_token" in runs["round_3"].data.metrics
-    assert stage_json(res.stdout)["uri"].startswith(str(tmp_path / "artifacts" / "round_3"))
+    printed = stage_json(res.stdout)  # the target's stages: every round, each with its own result
+    assert list(printed) == ["round_1", "round_2", "round_3"], printed
+    assert printed["round_3"]["uri"].startswith(str(tmp_path / "artifacts" / "round_3"))
 
     offline = alignflow_cli(["stage", "distill", *config], env=env, cwd=tmp_path / "cwd")
     assert offline.returncode == 0, offline.describe()
@@ -359,7 +361,7 @@ def test_rule_reward_rounds_of_mixed_kinds_need_no_reward_model(small_pipeline_a
                if line.startswith("  ") and ("Cached" in line or "will run" in line)}
     assert all(planned[n].endswith("Cached") for n in ("sft", "round_1")), offline.stdout  # from the rl stage
     assert all("will run" in planned[n] for n in ("distill_teacher", "distill")), offline.stdout
-    assert stage_json(offline.stdout)["stage"] == "distill"
+    assert [r["stage"] for r in stage_json(offline.stdout).values()] == ["distill_teacher", "distill"]
     runs = stage_runs(f"sqlite:///{tmp_path / 'mlflow.db'}")
     assert runs["distill_teacher"].data.metrics["distill/positions"] > 0
     assert 0 < runs["distill_teacher"].data.metrics["distill/teacher_topk_mass"] <= 1

@@ -131,7 +131,7 @@ def kill_and_resume(stage: str, args: list[str], tmp_path: Path, *, alignflow_cl
 
     rerun = alignflow_cli(args, env=cli_env(PREFECT_API_URL=rerun_api), cwd=cwd)
     assert rerun.returncode == 0, rerun.describe()
-    assert stage_json(rerun.stdout)["uri"] == str(stage_dir)
+    assert stage_json(rerun.stdout)[stage]["uri"] == str(stage_dir)
     assert (stage_dir / "manifest.json").exists()
     assert not list(stage_dir.glob("checkpoints/step-*")), f"checkpoints left after {stage} committed"
 
@@ -185,7 +185,7 @@ def test_ctrl_c_mid_sft_ends_the_runs_killed_and_the_rerun_resumes(small_pipelin
 
     rerun = alignflow_cli(["stage", "sft", *args], env=cli_env(PREFECT_API_URL=shared_prefect_api()), cwd=cwd)
     assert rerun.returncode == 0, rerun.describe()
-    result = stage_json(rerun.stdout)
+    result = stage_json(rerun.stdout)["sft"]
     assert result["uri"] == str(stage_dir) and (stage_dir / "manifest.json").exists()
     assert not list(stage_dir.glob("checkpoints/step-*")), "checkpoints left after sft committed"
     metrics = result["metrics"]
@@ -266,7 +266,7 @@ def test_kto_then_packed_dpo_killed_and_resumed_reuse_the_cached_reference_and_l
     [ref_dir] = committed("preference_reference")
     assert (ref_dir / "reference_logps.safetensors").exists()
     [kto_dir] = committed("preference")
-    assert (kto_dir / "model.safetensors").exists() and stage_json(kto.stdout)["uri"] == str(kto_dir)
+    assert (kto_dir / "model.safetensors").exists() and stage_json(kto.stdout)["preference"]["uri"] == str(kto_dir)
     [run] = runs("preference")
     for name in ("accuracy", "reward_margin", "chosen_reward", "rejected_reward", "kl_reference_point"):
         history = client.get_metric_history(run.info.run_id, f"train/{name}")
@@ -286,7 +286,7 @@ def test_kto_then_packed_dpo_killed_and_resumed_reuse_the_cached_reference_and_l
     assert 10 <= r.checkpoint_step < total
     assert committed("preference_reference") == [ref_dir] and len(runs("preference_reference")) == 1
     assert len(committed("preference")) == 2 and len(runs("preference")) == 3
-    metrics = stage_json(r.rerun.stdout)["metrics"]
+    metrics = stage_json(r.rerun.stdout)["preference"]["metrics"]
     assert metrics["train/steps"] == total and 0.0 <= metrics["train/final_accuracy"] <= 1.0
     assert metrics["train/resumed_from_step"] == r.checkpoint_step
     assert metrics["train/steps_run"] == total - r.checkpoint_step

@@ -150,7 +150,7 @@ def test_partial_pipeline_flow_runs_the_target_and_its_inputs(prefect_server, tm
         "infra.task_retries=0"]), tmp_path)
     result = partial_pipeline.with_options(task_runner=ThreadPoolTaskRunner(max_workers=1))(cfg, "data")
     stage = plan_pipeline(cfg).stages["data"]
-    assert (result.stage, result.key) == ("data", stage.key)
+    assert list(result) == ["data"] and (result["data"].stage, result["data"].key) == ("data", stage.key)
     assert (tmp_path / "artifacts" / "data" / stage.key / "manifest.json").exists()
     assert (tmp_path / "artifacts" / "base_model").exists(), "the data stage needs the base tokenizer"
     assert not (tmp_path / "artifacts" / "sft").exists(), "ran a stage the target does not need"
