@@ -65,8 +65,11 @@ from .losses.preference import (
     best_worst_pairs,
     dpo_loss,
     kto_loss,
+    log_odds,
+    orpo_loss,
     pairwise_reward_loss,
     sequence_logprobs,
+    simpo_loss,
 )
 from .advantages.returns import compute_gae, discounted_returns
 from .advantages.shaping import RunningMeanStd, clip_rewards, rewards_at_turns, truncation_penalty
@@ -111,6 +114,7 @@ __all__ = [
     "kl_penalized_rewards",
     "kto_loss",
     "last_valid_index",
+    "log_odds",
     "leave_one_out_advantages",
     "majority_vote_accuracy",
     "masked_mean",
@@ -118,6 +122,7 @@ __all__ = [
     "masked_var",
     "masked_whiten",
     "normalize_response",
+    "orpo_loss",
     "overlong_penalty",
     "pairwise_reward_loss",
     "pass_at_k",
@@ -130,6 +135,7 @@ __all__ = [
     "sequence_k1",
     "sequence_logprobs",
     "sequence_scores",
+    "simpo_loss",
     "topk_forward_kl",
     "truncation_penalty",
     "rewards_at_turns",

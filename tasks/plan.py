@@ -8,6 +8,7 @@
 With a preference section (DPO and kin), SFT feeds [preference_reference] ─>
 [preference]: the reference's log-probabilities of the preference split are
 a cached stage of their own, and the rounds start from the preference policy.
+SimPO and ORPO have no reference: SFT feeds [preference] alone.
 
 The data stage reads the base model's tokenizer: it measures every split in
 tokens and settles the prompt and response limits every later stage uses.
@@ -36,6 +37,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, SerializeAsAny
 
 from alignflow.config import EnvironmentConfig, PipelineConfig, Section, cache_relevant
+from alignflow.config.preference import REFERENCE_FREE
 from alignflow.config.round.judge import JudgeGeneration, JudgeRewardConfig
 from alignflow.errors import ConfigError
 from alignflow.store.fingerprint import Fingerprints, module_source
@@ -173,9 +175,13 @@ def plan_pipeline(cfg: PipelineConfig) -> Plan:
     policies = {"base": base, **({"sft": reference} if reference != base else {})}  # label -> stage
     if cfg.preference is not None:
         pref = cfg.preference
-        scored = b.add("preference_reference", "preference_reference", r.PreferenceReferenceStage(
-            io=io, placement=pref.reference_placement, micro_batch_size=pref.reference_micro_batch_size),
-            data=data, reference=reference)
+        if pref.loss in REFERENCE_FREE:
+            scored = None
+            b.skipped["preference_reference"] = f"preference.loss {pref.loss} has no reference model"
+        else:
+            scored = b.add("preference_reference", "preference_reference", r.PreferenceReferenceStage(
+                io=io, placement=pref.reference_placement, micro_batch_size=pref.reference_micro_batch_size),
+                data=data, reference=reference)
         start = b.add("preference", "preference", r.PreferenceStage(train=pref, io=io, seed=seed("preference")),
                       data=data, init=reference, reference=scored)
         policies[pref.loss] = start

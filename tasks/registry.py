@@ -139,7 +139,8 @@ class PreferenceReferenceInputs(Section):
 class PreferenceInputs(Section):
     data: StageResult
     init: StageResult = Field(description="the model training starts from (also the reference)")
-    reference: StageResult = Field(description="the reference's log-probabilities of the data (preference_reference)")
+    reference: StageResult | None = Field(
+        None, description="the reference's log-probabilities of the data (preference_reference); none for SimPO, ORPO")
 
 
 class RoundInputs(Section):
@@ -236,7 +237,7 @@ register_stage(StageKind(
     "tasks.stages.preference:preference_reference", "the reference's log-probabilities of every preference row, once"))
 register_stage(StageKind(
     "preference", "preference", PreferenceStage, PreferenceInputs, "2", "tasks.stages.preference:preference",
-    "DPO / IPO / cDPO / KTO on preference pairs against the cached reference (DeepSpeed)"))
+    "DPO / IPO / cDPO / KTO against the cached reference, or SimPO / ORPO without one (DeepSpeed)"))
 register_stage(StageKind(
     "rl_round", "rl", RoundStage, RoundInputs, "7", "tasks.stages.rl_round:rl_round",
     "one RL round of any registered algorithm (vLLM rollouts, DeepSpeed updates)"))

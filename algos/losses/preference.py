@@ -1,4 +1,4 @@
-"""Preference losses: Bradley-Terry reward model, DPO (and IPO/cDPO), KTO.
+"""Preference losses: Bradley-Terry reward model, DPO (and IPO/cDPO), KTO, and the reference-free SimPO and ORPO.
 
 Metrics in the returned dataclasses are detached 0-d tensors (``float(x)``
 gives the number); ``loss`` is the differentiable 0-d batch mean.
@@ -134,6 +134,66 @@ def dpo_loss(policy_chosen_logps: Tensor, policy_rejected_logps: Tensor,
     h = chosen_logratio - rejected_logratio
     loss = DPO_LOSS_TYPES[loss_type](h, beta, label_smoothing).mean()
     return _metrics(loss, beta * chosen_logratio, beta * rejected_logratio)
+
+
+def simpo_loss(chosen_avg_logps: Tensor, rejected_avg_logps: Tensor, *, beta: float,
+               gamma: float) -> PreferenceLossOutput:
+    """Simple Preference Optimization: a length-normalised margin with no reference model.
+
+    Formula, with ``a_c``, ``a_r`` the responses' mean token log-probs
+    (``sequence_logprobs(..., average=True)``), per pair:
+    ``-log sigmoid(beta a_c - beta a_r - gamma)``; the loss is the batch mean.
+
+    Metrics: ``chosen_rewards = mean beta a_c``, ``rejected_rewards = mean
+    beta a_r`` (SimPO's implicit rewards), ``reward_margin`` their mean
+    difference, ``accuracy = mean(a_c > a_r)``.
+
+    Shapes: both inputs ``(B,)``.
+
+    Reference: Meng, Xia and Chen 2024, "SimPO: Simple Preference
+    Optimization with a Reference-Free Reward", arXiv 2405.14734.
+    """
+    _check_pair(chosen_avg_logps=chosen_avg_logps, rejected_avg_logps=rejected_avg_logps)
+    if beta <= 0:
+        raise ValueError(f"beta must be > 0, got {beta}")
+    chosen, rejected = beta * chosen_avg_logps, beta * rejected_avg_logps
+    return _metrics(-F.logsigmoid(chosen - rejected - gamma).mean(), chosen, rejected)
+
+
+def log_odds(avg_logps: Tensor) -> Tensor:
+    """``log(p / (1 - p))`` of ``p = exp(avg_logps)``: ``a - log(1 - exp(a))``, computed as ``a - log(-expm1(a))``.
+
+    ``a`` is a mean token log-probability, so ``a <= 0``; at ``a = 0`` (every token certain) the odds are
+    infinite, so ``a`` is capped at ``-1e-6`` (odds of about 1e6) to keep the loss finite.
+    Shapes: any; returns the same shape."""
+    a = avg_logps.clamp(max=-1e-6)
+    return a - torch.log(-torch.expm1(a))
+
+
+def orpo_loss(chosen_avg_logps: Tensor, rejected_avg_logps: Tensor, *, lam: float) -> PreferenceLossOutput:
+    """Odds Ratio Preference Optimization: SFT on the chosen responses plus an odds-ratio term, no reference.
+
+    Formula, with ``a_c``, ``a_r`` the responses' mean token log-probs and
+    ``log_odds(a) = a - log(1 - exp(a))``, per pair:
+    ``-a_c + lam * -log sigmoid(log_odds(a_c) - log_odds(a_r))``; the loss
+    is the batch mean (the SFT term is each chosen response's mean token
+    NLL, averaged over pairs).
+
+    Metrics: ``chosen_rewards = mean lam a_c``, ``rejected_rewards = mean
+    lam a_r``, ``reward_margin`` their mean difference, ``accuracy = mean(a_c
+    > a_r)``.
+
+    Shapes: both inputs ``(B,)``.
+
+    Reference: Hong, Lee and Thorne 2024, "ORPO: Monolithic Preference
+    Optimization without Reference Model", arXiv 2403.07691.
+    """
+    _check_pair(chosen_avg_logps=chosen_avg_logps, rejected_avg_logps=rejected_avg_logps)
+    if lam <= 0:
+        raise ValueError(f"lam must be > 0, got {lam}")
+    ratio = log_odds(chosen_avg_logps) - log_odds(rejected_avg_logps)
+    loss = (-chosen_avg_logps - lam * F.logsigmoid(ratio)).mean()
+    return _metrics(loss, lam * chosen_avg_logps, lam * rejected_avg_logps)
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
     data -> base model -> [sft] -> [reward model] -> [preference] -> rounds 1..R -> [evaluation]
 
 A section set to null is not planned. SFT absent: rounds start from the base model, which is then also
-the reference. A preference section (DPO, IPO, cDPO, KTO; off by default) trains after SFT; rounds then
+the reference. A preference section (DPO, IPO, cDPO, KTO, SimPO, ORPO; off by default) trains after SFT; rounds then
 start from it. The reward model is trained when a round scores with it or starts its critic from it, or
 when there are no rounds and no preference stage (it is then a product of the run); otherwise it is
 skipped: with a preference stage and no rounds, the pipeline is SFT, preference, evaluation.
@@ -22,7 +22,7 @@ from alignflow.config.evaluation import EvalConfig
 from alignflow.config.distill import OfflineDistillConfig
 from alignflow.config.round.judge import VERDICTS, JudgeConfig
 from alignflow.config.model import ModelConfig
-from alignflow.config.preference import PreferenceConfig, PreferenceLoss
+from alignflow.config.preference import REFERENCE_FREE, PreferenceConfig, PreferenceLoss
 from alignflow.config.round.rl import ActorConfig, RoundConfig
 from alignflow.redact import config_credentials
 from alignflow.config.round.verdicts import parse_verdict
@@ -109,7 +109,8 @@ class PipelineConfig(Section):
         RewardModelConfig(), description="reward model, trained where used (see above); null: none, rounds score "
         "with reward.source rule or remote")
     preference: PreferenceConfig | None = Field(
-        None, description="offline DPO/IPO/cDPO/KTO after SFT; rounds start from it; null: no preference stage")
+        None, description="offline DPO/IPO/cDPO/KTO/SimPO/ORPO after SFT; rounds start from it; "
+                          "null: no preference stage")
     distill: OfflineDistillConfig | None = Field(
         None, description="offline distillation of a teacher into SFT on the SFT data (its own policy, `distill`); "
         "null: none")
@@ -132,7 +133,7 @@ class PipelineConfig(Section):
             section = getattr(self, name)
             if section is not None and (name != "reward_model" or self.trains_reward_model):
                 out[f"{name}.placement"] = section.placement
-        if self.preference is not None:
+        if self.preference is not None and self.preference.loss not in REFERENCE_FREE:
             out["preference.reference_placement"] = self.preference.reference_placement
         for i, r in enumerate(self.rounds):
             out[f"rounds.{i}.actor.placement"] = r.actor.placement

@@ -1,4 +1,5 @@
-"""The offline preference stage: DPO and its IPO / cDPO / KTO cousins, trained after SFT on `data.preference`."""
+"""The offline preference stage: DPO and its IPO / cDPO / KTO cousins, and the reference-free SimPO and ORPO, trained
+after SFT on `data.preference`."""
 
 from __future__ import annotations
 
@@ -8,24 +9,30 @@ from pydantic import Field, model_validator
 
 from alignflow.config.base import Placement, TrainConfig
 
-PreferenceLoss = Literal["dpo", "ipo", "cdpo", "kto"]
+PreferenceLoss = Literal["dpo", "ipo", "cdpo", "kto", "simpo", "orpo"]
 
-# The pure loss each name selects (algos/losses/preference.py): dpo_loss's loss_type, or KTO.
+# The pure loss each name selects (algos/losses/preference.py): dpo_loss's loss_type, or KTO, SimPO, ORPO.
 DPO_LOSS_TYPE = {"dpo": "sigmoid", "ipo": "ipo", "cdpo": "cdpo"}
+# Losses with no reference model: no preference_reference stage, no reference log-probabilities.
+REFERENCE_FREE = ("simpo", "orpo")
 
 
 class PreferenceConfig(TrainConfig):
-    """Direct alignment on preference pairs against a frozen reference (the policy it starts from).
+    """Direct alignment on preference pairs: against a frozen reference (the policy it starts from), or without one.
 
     dpo: -log σ(β h); cdpo: label-smoothed DPO; ipo: (h - 1/(2β))²; with h the chosen-minus-rejected
     log-ratio to the reference (Rafailov et al. 2023; Mitchell 2023; Azar et al. 2023). kto: every
     pair gives one desirable and one undesirable example, each pulled across a KL reference point
     (Ethayarajh et al. 2024). The reference's log-probabilities are computed once per dataset
-    (the `preference_reference` stage) and cached.
+    (the `preference_reference` stage) and cached. simpo: -log σ(β (ā_c - ā_r) - γ) on the mean token
+    log-probabilities ā (Meng et al. 2024); orpo: the chosen response's mean NLL plus β times -log σ of the
+    log odds ratio (Hong et al. 2024, whose λ is β here). Neither has a reference, so neither has that stage.
     """
 
     loss: PreferenceLoss = Field("dpo", description="dpo, ipo, cdpo (label-smoothed dpo) or kto")
-    beta: float = Field(0.1, gt=0, description="strength of the pull toward the reference")
+    beta: float = Field(0.1, gt=0, description="strength of the pull toward the reference; simpo: the scale of its "
+                        "length-normalised reward (its paper uses 2-2.5); orpo: the odds-ratio term's weight λ")
+    simpo_gamma: float = Field(0.5, ge=0, description="simpo: the target reward margin γ; unused by the other losses")
     label_smoothing: float = Field(
         0.0, ge=0, lt=0.5, description="cdpo: the assumed share of flipped labels (> 0); 0 for the other losses")
     desirable_weight: float = Field(1.0, gt=0, description="kto: weight of desirable (chosen) examples")
@@ -44,9 +51,9 @@ class PreferenceConfig(TrainConfig):
             raise ValueError(f"preference.label_smoothing is cdpo's; with preference.loss={self.loss} set it to 0 "
                              f"(or use loss: cdpo)")
         # Set to another value than the default (a run form sends every field, defaults included).
-        weights = {n for n in ("desirable_weight", "undesirable_weight")
-                   if getattr(self, n) != type(self).model_fields[n].default}
-        if weights and self.loss != "kto":
-            raise ValueError(f"preference.{' and preference.'.join(sorted(weights))} are kto's; "
-                             f"preference.loss is {self.loss}")
+        owners = {"desirable_weight": "kto", "undesirable_weight": "kto", "simpo_gamma": "simpo"}
+        if misplaced := sorted(n for n, owner in owners.items() if owner != self.loss
+                               and getattr(self, n) != type(self).model_fields[n].default):
+            raise ValueError(" and ".join(f"preference.{n} is {owners[n]}'s" for n in misplaced)
+                             + f"; preference.loss is {self.loss}")
         return self

@@ -1,4 +1,4 @@
-"""Preference data as token tensors, and the objectives of the preference stage (DPO, IPO, cDPO, KTO).
+"""Preference data as token tensors, and the objectives of the preference stage (DPO, IPO, cDPO, KTO, SimPO, ORPO).
 
 A preference split of N pairs (and M unpaired KTO examples, after them)
 becomes two batches of 2N (+ M) right-padded rows each, laid out
@@ -14,7 +14,8 @@ z0 = KL(π ‖ π_ref) on the mismatched `kl` rows of the whole step (every
 micro-batch and rank: KTOObjective.prepare), as Ethayarajh et al. 2024 do.
 The reference's sequence log-probabilities of both batches are computed once
 per dataset (the `preference_reference` stage) and ride along as `ref_logps`
-and `ref_kl_logps`.
+and `ref_kl_logps`. SimPO and ORPO train on `main` as pairs with no reference,
+on each response's mean token log-probability.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from algos.losses.preference import dpo_loss, kto_loss, sequence_logprobs
+from algos.losses.preference import dpo_loss, kto_loss, orpo_loss, sequence_logprobs, simpo_loss
 from engines.batches import LengthReport, encode_response, filter_prompts, pad_right, right_padded
 from engines.train.logits import masked_next_token_logprobs, response_logprobs_and_entropy
 
@@ -145,6 +146,26 @@ def dpo_objective(model, batch: dict[str, torch.Tensor], *, loss_type: str, beta
     n = logps.shape[0] // 2
     out = dpo_loss(logps[:n], logps[n:], ref[:n], ref[n:], beta=beta, loss_type=loss_type,
                    label_smoothing=label_smoothing)
+    return out.loss, _reward_metrics(out) | packing
+
+
+def reference_free_objective(model, batch: dict[str, torch.Tensor], *, loss: str, beta: float, gamma: float,
+                             packing_max_tokens: int | None | bool = False) -> tuple[torch.Tensor, dict[str, float]]:
+    """SimPO or ORPO (algos.losses.preference.simpo_loss / orpo_loss, ORPO's λ = `beta`) on a batch [chosen...,
+    rejected...] of data rows: each response's mean token log-probability, Σ_t loss_mask_t log π / Σ_t loss_mask_t
+    over the next-token layout (a response of no token counts 1, so its mean is 0).
+
+    Metrics: those of dpo_objective, the implicit rewards β ā."""
+    logps, packing = _logps(model, batch, False, packing_max_tokens)
+    tokens = batch["loss_mask"][:, 1:].sum(-1).clamp(min=1).to(device=logps.device, dtype=logps.dtype)
+    avg = logps / tokens
+    n = avg.shape[0] // 2
+    if loss == "simpo":
+        out = simpo_loss(avg[:n], avg[n:], beta=beta, gamma=gamma)
+    elif loss == "orpo":
+        out = orpo_loss(avg[:n], avg[n:], lam=beta)
+    else:
+        raise ValueError(f"unknown reference-free preference loss {loss!r}; valid: simpo, orpo")
     return out.loss, _reward_metrics(out) | packing
 
 

@@ -1,10 +1,12 @@
-"""preference_reference and preference: offline DPO / IPO / cDPO / KTO after SFT.
+"""preference_reference and preference: offline DPO / IPO / cDPO / KTO, or SimPO / ORPO, after SFT.
 
 preference_reference scores every preference row (and KTO's mismatched rows)
 with the frozen reference once: `reference_logps.safetensors`, keyed by the
 data and the reference only, so changing β or the loss reuses it. The
 preference stage then trains like SFT (tasks/stages/train.py: DeepSpeed, mid-stage
 checkpoints, resume) with the cached log-probabilities riding in each batch.
+SimPO and ORPO have no reference, so no preference_reference stage and no
+cached log-probabilities: their batches are the pairs alone.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import logging
 
 import torch
 
-from alignflow.config.preference import DPO_LOSS_TYPE
+from alignflow.config.preference import DPO_LOSS_TYPE, REFERENCE_FREE
 from alignflow.records import StageResult
 from alignflow.cluster import ensure_ray
 from engines import models
@@ -66,15 +68,16 @@ def _rows(tokenizer, inputs, ctx: RunContext, limits: TokenLimits | None = None,
     return pref.preference_tensors(tokenizer, pairs, limits.prompt, limits.response, unpaired)
 
 
-def _with_reference(reference: dict[str, torch.Tensor], loss: str, inputs: PreferenceInputs, ctx: RunContext):
-    """`to_tensors` for train_stage: the preference rows with the cached reference log-probabilities. KTO takes
-    every row as an example; the DPO family the pairs (unpaired rows are left out, counted, with a warning)."""
+def _with_reference(reference: dict[str, torch.Tensor] | None, loss: str, inputs: PreferenceInputs, ctx: RunContext):
+    """`to_tensors` for train_stage: the preference rows with the cached reference log-probabilities (None: a
+    reference-free loss's, without). KTO takes every row as an example; the DPO family, SimPO and ORPO the pairs
+    (unpaired rows are left out, counted, with a warning)."""
 
     def to_tensors(tokenizer, records: list[dict], limits: TokenLimits):
         rows = _rows(tokenizer, inputs, ctx, limits, pairs=records)
         kto = loss == "kto"
         total = rows.main["input_ids"].shape[0]
-        if reference["main"].shape[0] != total:
+        if reference is not None and reference["main"].shape[0] != total:
             raise RuntimeError(f"the cached reference log-probabilities cover {reference['main'].shape[0]} rows, the "
                                f"preference split gives {total}: rerun the preference_reference stage")
         if kto and rows.kl_own_prompt:
@@ -88,7 +91,9 @@ def _with_reference(reference: dict[str, torch.Tensor], loss: str, inputs: Prefe
             if total > keep:
                 log.warning("preference: %d unpaired rows are KTO's; preference.loss=%s trains on the %d pairs",
                             total - keep, loss, rows.pairs)
-            tensors = {k: v[:keep] for k, v in rows.main.items()} | {"ref_logps": reference["main"][:keep]}
+            tensors = {k: v[:keep] for k, v in rows.main.items()}
+            if reference is not None:
+                tensors["ref_logps"] = reference["main"][:keep]
         return tensors, _Report(rows.metrics(), 0 if kto else total - 2 * rows.pairs)
 
     return to_tensors
@@ -105,16 +110,20 @@ class _Report:
 
 
 def preference(stage: PlannedStage, inputs: PreferenceInputs, ctx: RunContext) -> StageResult:
-    """DPO / IPO / cDPO on the pairs, or KTO on their 2N examples and the unpaired ones, from the SFT policy
-    (or the base model)."""
+    """DPO / IPO / cDPO (against the cached reference), SimPO or ORPO (without one) on the pairs, or KTO on their
+    2N examples and the unpaired ones, from the SFT policy (or the base model)."""
     from safetensors.torch import load_file
 
     cfg: PreferenceStage = stage.config
     train = cfg.train
-    reference = load_file(str(ctx.storage().fetch(ctx.uri(inputs.reference)) / REFERENCE_FILE))
+    free = train.loss in REFERENCE_FREE
+    reference = None if free else load_file(str(ctx.storage().fetch(ctx.uri(inputs.reference)) / REFERENCE_FILE))
     kto = train.loss == "kto"
     packing = train.packing_max_tokens if train.packing else False
-    if kto:
+    if free:
+        objective = functools.partial(pref.reference_free_objective, loss=train.loss, beta=train.beta,
+                                      gamma=train.simpo_gamma, packing_max_tokens=packing)
+    elif kto:
         objective = pref.KTOObjective(beta=train.beta, desirable_weight=train.desirable_weight,
                                       undesirable_weight=train.undesirable_weight, packing_max_tokens=packing)
     else:

@@ -1,4 +1,4 @@
-"""Reward-model pairwise loss, DPO/IPO/cDPO, KTO and sequence log-probs."""
+"""Reward-model pairwise loss, DPO/IPO/cDPO, KTO, SimPO, ORPO and sequence log-probs."""
 
 import math
 
@@ -9,8 +9,11 @@ from algos.losses.preference import (
     DPO_LOSS_TYPES,
     dpo_loss,
     kto_loss,
+    log_odds,
+    orpo_loss,
     pairwise_reward_loss,
     sequence_logprobs,
+    simpo_loss,
 )
 
 G = 1e6
@@ -95,6 +98,44 @@ def test_dpo_hand_number_and_gradient_direction():
     assert out.loss.item() == pytest.approx(math.log1p(math.exp(-0.5)))
     out.loss.backward()
     assert pc.grad.item() == pytest.approx(-0.5 * (1 - _sig(0.5)))
+
+
+def test_simpo_values_metrics_and_gradient():
+    ac, ar = [-0.5, -2.0, -1.0], [-1.5, -0.25, -1.0]
+    c = _t(ac, grad=True)
+    out = simpo_loss(c, _t(ar), beta=2.0, gamma=0.5)
+    per_pair = [_neg_logsig(2.0 * x - 2.0 * y - 0.5) for x, y in zip(ac, ar)]
+    assert out.loss.item() == pytest.approx(sum(per_pair) / 3)
+    assert out.chosen_rewards.item() == pytest.approx(2.0 * sum(ac) / 3)
+    assert out.reward_margin.item() == pytest.approx(2.0 * (sum(ac) - sum(ar)) / 3)
+    assert out.accuracy.item() == pytest.approx(1 / 3)  # a tie is not a win
+    out.loss.backward()  # d/da_c of -log sig(2 a_c - 2 a_r - 0.5), over 3 pairs
+    expected = [-2.0 * (1 - _sig(2.0 * x - 2.0 * y - 0.5)) / 3 for x, y in zip(ac, ar)]
+    assert c.grad.tolist() == pytest.approx(expected)
+    with pytest.raises(ValueError, match="beta"):
+        simpo_loss(c, _t(ar), beta=0.0, gamma=0.5)
+
+
+def test_orpo_values_and_the_odds_at_certainty():
+    ac, ar = [-0.2, -3.0], [-1.0, -0.1]
+
+    def odds(a):
+        p = math.exp(a)
+        return math.log(p / (1 - p))
+
+    per_pair = [-x + 0.1 * _neg_logsig(odds(x) - odds(y)) for x, y in zip(ac, ar)]
+    c = _t(ac, grad=True)
+    out = orpo_loss(c, _t(ar), lam=0.1)
+    assert out.loss.item() == pytest.approx(sum(per_pair) / 2)
+    assert out.accuracy.item() == pytest.approx(0.5) and out.chosen_rewards.item() == pytest.approx(0.1 * -1.6)
+    out.loss.backward()
+    assert all(g < 0 for g in c.grad.tolist())  # more likely chosen responses lower the loss
+    assert log_odds(_t([-0.7])).item() == pytest.approx(odds(-0.7))
+    certain = orpo_loss(_t([0.0], grad=True), _t([-1.0]), lam=1.0)  # p = 1: odds capped, loss finite
+    assert math.isfinite(certain.loss.item()) and log_odds(_t([0.0])).item() == pytest.approx(odds(-1e-6))
+    certain.loss.backward()
+    with pytest.raises(ValueError, match="lam"):
+        orpo_loss(c, _t(ar), lam=0.0)
 
 
 def test_dpo_extreme_and_errors():

@@ -641,8 +641,9 @@ def test_override_fields_maps_each_dotted_key_to_the_override_that_set_it_last()
     ('data={"source": "files", "sft": {"path": "s.jsonl", "label_key": "ok"}, "preference": {"path": "p.jsonl"}, '
      '"eval": {"path": "e.jsonl"}}', "data.sft cannot use it"),
     ('preference={"loss": "dpo", "label_smoothing": 0.1}', "preference.label_smoothing is cdpo's"),
-    ('preference={"loss": "ipo", "undesirable_weight": 2.0}', "preference.undesirable_weight are kto's"),
-    ('preference={"loss": "orpo"}', "preference.loss"),
+    ('preference={"loss": "ipo", "undesirable_weight": 2.0}', "preference.undesirable_weight is kto's"),
+    ('preference={"loss": "orpo", "simpo_gamma": 1.0}', "preference.simpo_gamma is simpo's; preference.loss is orpo"),
+    ('preference={"loss": "rrhf"}', "preference.loss"),
 ])
 def test_preference_options_belong_to_their_loss(override, field):
     with pytest.raises(ConfigError, match=re.escape(field)):
@@ -653,6 +654,8 @@ def test_preference_is_off_by_default_and_takes_its_own_defaults():
     assert load_config(None, []).preference is None
     pref = load_config(None, ['preference={"loss": "kto", "desirable_weight": 1.33}']).preference
     assert (pref.loss, pref.beta, pref.desirable_weight, pref.learning_rate) == ("kto", 0.1, 1.33, 5e-4)
+    simpo = load_config(None, ['preference={"loss": "simpo", "beta": 2.0, "simpo_gamma": 1.0}']).preference
+    assert (simpo.loss, simpo.beta, simpo.simpo_gamma) == ("simpo", 2.0, 1.0)
 
 
 @pytest.mark.parametrize("round_,message", [

@@ -312,3 +312,16 @@ def test_kto_then_packed_dpo_killed_and_resumed_reuse_the_cached_reference_and_l
     (first, loss), (_, margin) = history(killed_run, "loss")[0], history(killed_run, "reward_margin")[0]
     assert first == 1 and loss == pytest.approx(math.log(2), abs=1e-3) and margin == pytest.approx(0.0, abs=1e-3)
     assert history(dpo_run, "loss")[-1][1] < loss, history(dpo_run, "loss")
+
+    # SimPO has no reference: the plan skips preference_reference (nothing new scored) and the stage trains the
+    # pairs alone, from the same SFT checkpoint, packed too.
+    simpo = alignflow_cli([*base, f"preference={json.dumps({**small, 'loss': 'simpo', 'beta': 2.0})}"],
+                          env=cli_env(PREFECT_API_URL=shared_prefect_api()), cwd=tmp_path / "cwd")
+    assert simpo.returncode == 0, simpo.describe()
+    assert "skipped: preference_reference (preference.loss simpo has no reference model)" in simpo.stdout
+    assert committed("preference_reference") == [ref_dir] and len(committed("preference")) == 3
+    assert list(stage_json(simpo.stdout)) == ["preference"]
+    [simpo_run] = [run for run in runs("preference") if run.info.run_id not in
+                   {kto_run.info.run_id, killed_run.info.run_id, dpo_run.info.run_id}]
+    assert [step for step, _ in history(simpo_run, "loss")] == [1, 2, 3, 4]
+    assert all(v < 0 for _, v in history(simpo_run, "chosen_reward"))  # β x a mean token log-probability

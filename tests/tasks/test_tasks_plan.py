@@ -99,6 +99,14 @@ def test_a_preference_stage_without_rounds_is_sft_preference_evaluation():
     assert list(plan.upto("preference").stages) == ["base_model", "data", "sft", "preference_reference", "preference"]
 
 
+@pytest.mark.parametrize("loss", ["simpo", "orpo"])
+def test_a_reference_free_preference_loss_has_no_reference_stage(loss):
+    plan = _plan(f'preference={{"loss": "{loss}"}}', "rounds=[]")
+    assert list(plan.stages) == ["base_model", "data", "sft", "preference", "eval_base", "eval_sft", f"eval_{loss}"]
+    assert plan.stages["preference"].inputs == {"data": "data", "init": "sft"}
+    assert plan.skipped["preference_reference"] == f"preference.loss {loss} has no reference model"
+
+
 def test_rounds_after_a_preference_stage_start_from_it():
     plan = _plan('preference={"loss": "kto"}', f"rounds=[{GRPO_RULE}]")
     assert plan.stages["round_1"].inputs["policy"] == plan.stages["round_1"].inputs["reference"] == "preference"

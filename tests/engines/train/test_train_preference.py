@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engines.train.preference import dpo_objective, kto_objective, preference_tensors, sequence_logps
+from engines.train.preference import (dpo_objective, kto_objective, preference_tensors, reference_free_objective,
+                                      sequence_logps)
 
 RECORDS = [
     {"prompt": "Which digit is largest? 1 5 3", "chosen": "5", "rejected": "1"},
@@ -119,6 +120,32 @@ def test_dpo_objective_matches_the_formula(policy, tokenizer, loss_type, smoothi
     assert metrics["accuracy"] == pytest.approx(correct / 3)
     assert metrics["chosen_reward"] == pytest.approx(sum(beta * (lp[k] - ref[k].item()) for k in range(3)) / 3,
                                                      abs=1e-4)
+
+
+@pytest.mark.parametrize("loss", ["simpo", "orpo"])
+def test_reference_free_objectives_take_each_responses_mean_token_log_prob(policy, tokenizer, loss):
+    """SimPO and ORPO by hand: each response's summed log-probability over its own token count (reply + EOS), no
+    reference; packed rows give the same loss."""
+    main = preference_tensors(tokenizer, RECORDS, 64, 8).main
+    beta, gamma = 2.0, 0.7
+    with torch.no_grad():
+        loss_value, metrics = reference_free_objective(policy, main, loss=loss, beta=beta, gamma=gamma)
+        packed, _ = reference_free_objective(policy, main, loss=loss, beta=beta, gamma=gamma, packing_max_tokens=None)
+        lp = _by_hand(policy, main).tolist()
+    replies = [r[side] for side in ("chosen", "rejected") for r in RECORDS]
+    avg = [s / len(_reply(tokenizer, text)) for s, text in zip(lp, replies)]
+    log_sig = lambda x: -math.log1p(math.exp(-x))  # noqa: E731
+    odds = lambda a: a - math.log(1 - math.exp(a))  # noqa: E731
+    if loss == "simpo":
+        per = [-log_sig(beta * (avg[k] - avg[k + 3]) - gamma) for k in range(3)]
+    else:
+        per = [-avg[k] - beta * log_sig(odds(avg[k]) - odds(avg[k + 3])) for k in range(3)]
+    assert loss_value.item() == pytest.approx(sum(per) / 3, abs=1e-4)
+    assert packed.item() == pytest.approx(loss_value.item(), abs=1e-5)
+    assert metrics["chosen_reward"] == pytest.approx(beta * sum(avg[:3]) / 3, abs=1e-4)
+    assert metrics["accuracy"] == pytest.approx(sum(avg[k] > avg[k + 3] for k in range(3)) / 3)
+    with pytest.raises(ValueError, match="simpo, orpo"):
+        reference_free_objective(policy, main, loss="dpo", beta=beta, gamma=gamma)
 
 
 def test_kto_objective_takes_its_reference_point_from_the_mismatched_rows(policy, tokenizer):
