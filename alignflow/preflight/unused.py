@@ -47,14 +47,20 @@ def note_unused_settings(cfg: PipelineConfig, found: Findings) -> None:
         unused.append(_vllm(cfg.evaluation.generation, "evaluation.generation"))
     found.notes += [f"{', '.join(fields)}: not used ({why}) ({found.sources.of(fields[0])})"
                     for fields, why in unused if fields] + stale
-    if cfg.model.dtype != "float32" and (low := [at for at, e in engines(cfg, "") if e.zero_stage < 2
-                                                 and at not in idle]):
+    half = [(at, e) for at, e in engines(cfg, "") if at not in idle and not e.fp32_gradient_sums(cfg.model.dtype)]
+    if low := [at for at, e in half if e.zero_stage < 2]:
         found.notes.append(
             f"{', '.join(f'{at}.zero_stage' for at in low)}: under 2 with model.dtype {cfg.model.dtype}, a step's "
             f"micro-batch gradients are summed in {cfg.model.dtype}, losing precision as micro-batches add up "
             "(DeepSpeed sums them in fp32 at ZeRO-2 and 3, where alignflow asks it to; at 0 it cannot, and at 1 "
             "it would take an optimizer alignflow does not drive): zero_stage 2 sums them in fp32, 4 bytes a "
             f"parameter shared among the ranks ({found.sources.of(f'{low[0]}.zero_stage')})")
+    if offloaded := [at for at, e in half if e.zero_stage >= 2]:
+        found.notes.append(
+            f"{', '.join(f'{at}.offload' for at in offloaded)}: with the optimizer offloaded, a step's micro-batch "
+            f"gradients are summed in {cfg.model.dtype}, losing precision as micro-batches add up (DeepSpeed would "
+            "keep fp32 sums on the GPU, 4 bytes a parameter per rank, the memory offload frees); fewer, larger "
+            f"micro-batches add fewer times ({found.sources.of(f'{offloaded[0]}.offload')})")
 
 
 def engines(model: BaseModel, at: str):

@@ -272,6 +272,8 @@ def start_round_models(cfg: RoundConfig, setup: RoundSetup, updates_per_step: in
                 torch_threads=setup.torch_threads, max_model_len=setup.judge_max_model_len,
                 attn_implementation=setup.attn_implementation, strategies=strategies)
         g, count = cfg.generation, cfg.num_rollout_engines
+        if models.judge is not None and engines_share_a_gpu(cfg) and (share or g.placement.num_gpus):
+            models.judge.wait_built()  # vLLM sizes its KV cache by what another engine's build leaves free
         placements = None
         if cfg.colocate_all:
             g = g.model_copy(update={"placement": g.placement.model_copy(update={"num_gpus": share})})
@@ -279,7 +281,8 @@ def start_round_models(cfg: RoundConfig, setup: RoundSetup, updates_per_step: in
         models.engines = start_engines(
             g, setup.policy_path, count=count, seeds=[derive_seed(setup.seed, f"rollout/{i}") for i in range(count)],
             dtype=setup.dtype, torch_threads=setup.torch_threads, max_model_len=setup.max_model_len,
-            attn_implementation=setup.attn_implementation, sleep_mode=cfg.colocate_all, strategies=placements)
+            attn_implementation=setup.attn_implementation, sleep_mode=cfg.colocate_all, strategies=placements,
+            one_at_a_time=0 < g.placement.num_gpus < 1 and not cfg.colocate_all)  # two may share a GPU
         for group in models._trainers():
             group.wait_ready()
         if models.publishes:  # the transport at once: its set-up would queue behind the generations ahead

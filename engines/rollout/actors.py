@@ -217,6 +217,10 @@ class RolloutEngines:
     def wake(self, tags: list[str] | None = None) -> None:
         ray.get([e.wake.remote(tags) for e in self.actors])
 
+    def wait_built(self) -> None:
+        """Return once every engine is built (an actor's first call waits for its constructor)."""
+        ray.get([a.events.remote() for a in self.actors])
+
     def events(self) -> list[dict]:
         """Each engine's SleepState.events: what it was asked to do, in order, and counted."""
         return ray.get([e.events.remote() for e in self.actors])
@@ -233,9 +237,12 @@ class RolloutEngines:
 
 def start_engines(g: GenerationConfig, model_path: Source, *, count: int, seeds: list[int], dtype: str,
                   torch_threads: int, max_model_len: int, attn_implementation: str = "sdpa",
-                  sleep_mode: bool = False, strategies: list | None = None) -> RolloutEngines:
+                  sleep_mode: bool = False, strategies: list | None = None, one_at_a_time: bool = False
+                  ) -> RolloutEngines:
     """`count` engines as `g` configures them. A tensor-parallel vLLM engine gets a placement group
-    of its own (a bundle per GPU); `strategies` places the engines instead (colocation)."""
+    of its own (a bundle per GPU); `strategies` places the engines instead (colocation). `one_at_a_time`:
+    each engine built before the next starts, where two may share a GPU (fractional num_gpus): vLLM sizes
+    its KV cache by the GPU memory free while it builds, which another engine's build changes under it."""
     engines = RolloutEngines([])
     common = dict(dtype=dtype, torch_threads=torch_threads, max_model_len=max_model_len,
                   attn_implementation=attn_implementation, vllm=g.vllm, sleep_mode=sleep_mode,
@@ -260,6 +267,8 @@ def start_engines(g: GenerationConfig, model_path: Source, *, count: int, seeds:
                                             num_gpus=g.placement.num_gpus, resources=g.placement.resources,
                                             seed=seeds[i], **common)
             engines.actors.append(actor)
+            if one_at_a_time:
+                engines.wait_built()
     except BaseException:
         engines.shutdown()
         raise

@@ -118,7 +118,7 @@ def vllm_engine_args(opts: VLLMConfig, *, model_path: str, dtype: str, seed: int
     if not on_gpu:  # on GPUs the KV cache is what gpu_memory_utilization leaves
         args["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(opts, model_path=model_path, dtype=dtype,
                                                            max_model_len=max_model_len)
-    for key in ("enable_prefix_caching", "max_num_seqs", "max_num_batched_tokens"):
+    for key in ("enable_prefix_caching", "max_num_seqs", "max_num_batched_tokens", "async_scheduling"):
         if getattr(opts, key) is not None:
             args[key] = getattr(opts, key)
     return args

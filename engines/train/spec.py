@@ -11,7 +11,7 @@ import torch
 
 from alignflow.store.artifacts import Source
 from alignflow.config import EngineConfig
-from alignflow.config.base import LoraConfig
+from alignflow.config.base import LoraConfig, fp32_gradient_sums
 
 
 def optimizer_tensors(optimizer) -> list[torch.Tensor]:
@@ -105,6 +105,12 @@ class EngineSpec:
             num_gpus_per_worker=cfg.placement.num_gpus, resources_per_worker=cfg.placement.resources, lora=cfg.lora,
         )
 
+    @property
+    def fp32_grad_sums(self) -> bool:
+        """DeepSpeed told to sum micro-batch gradients in fp32 (alignflow.config.base.fp32_gradient_sums): a half
+        dtype at ZeRO-2/3 without offload."""
+        return self.dtype != "float32" and fp32_gradient_sums(self.zero_stage, self.offload, self.dtype)
+
     def ds_config(self, world_size: int) -> dict[str, Any]:
         """The DeepSpeed config. Gradient accumulation over micro-batches is driven by the worker
         (`set_gradient_accumulation_boundary`), so DeepSpeed sees one accumulation step of the
@@ -112,7 +118,9 @@ class EngineSpec:
         sum the micro-batches' gradients in fp32 (DeepSpeed's default is the model's dtype: each add
         rounded to 8 bits of mantissa in bf16, ~1 % off over 64 micro-batches). ZeRO-0 cannot (DeepSpeed
         refuses the mix) and ZeRO-1 would swap in its BF16_Optimizer, which has no loss scaler or state
-        offload for the checkpoints and colocated rounds to drive: preflight says so (preflight/unused.py)."""
+        offload for the checkpoints and colocated rounds to drive: preflight says so (preflight/unused.py). Nor
+        under offload: DeepSpeed keeps the fp32 sums on the GPU (4 bytes a parameter per rank), the memory
+        offload is there to free."""
         zero: dict[str, Any] = {"stage": self.zero_stage, "stage3_param_persistence_threshold": 0}
         if self.offload != "none":
             zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
@@ -125,8 +133,7 @@ class EngineSpec:
             "zero_optimization": zero,
             # On a CPU-only run the offloaded optimizer is torch's AdamW (`make_optimizer`), which DeepSpeed would refuse.
             **({"zero_force_ds_cpu_optimizer": False} if self.offload != "none" else {}),
-            **({"data_types": {"grad_accum_dtype": "fp32"}} if self.zero_stage > 1 and self.dtype != "float32"
-               else {}),
+            **({"data_types": {"grad_accum_dtype": "fp32"}} if self.fp32_grad_sums else {}),
             "bf16": {"enabled": self.dtype == "bfloat16"},
             "fp16": {"enabled": self.dtype == "float16"},
             "steps_per_print": 10**9,

@@ -126,6 +126,9 @@ class TrainWorker:
         getattr(sys.modules.get("deepspeed.runtime.zero.parameter_offload"), "FWD_MODULE_STACK", []).clear()
         gc.collect()
         if self.device.type == "cuda":
+            # cuBLAS keeps a workspace (~33 MiB on an H200) through torch's allocator once a matmul ran: the next
+            # stage's engine gets it back only when cleared before the cache is emptied.
+            getattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: None)()
             torch.cuda.empty_cache()
         return model() is None
 

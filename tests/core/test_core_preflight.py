@@ -824,6 +824,11 @@ def test_gradients_summed_in_half_precision_are_said(tmp_path):
     full = ["model.dtype=bfloat16", "sft.zero_stage=2", "reward_model.zero_stage=2", "rounds.0.actor.zero_stage=3",
             "rounds.1.actor.zero_stage=2", "rounds.0.critic.zero_stage=2", "rounds.1.critic.zero_stage=2"]
     assert not [n for n in preflight(load_config(None, full), full, None).notes if "zero_stage" in n]
+    offloaded = [*full, "sft.offload=optimizer"]  # fp32 sums would sit on the GPU: summed in bf16, said
+    notes = [n for n in preflight(load_config(None, offloaded), offloaded, None).notes if "offload" in n]
+    assert [n.split(":")[0] for n in notes] == ["sft.offload"], notes
+    assert "gradients are summed in bfloat16" in notes[0] and notes[0].endswith("(from the command line: "
+                                                                               "sft.offload=optimizer)"), notes
     assert not [n for n in preflight(load_config(None), [], None).notes if "zero_stage" in n]  # float32
 
 

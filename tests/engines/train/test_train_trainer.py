@@ -420,10 +420,13 @@ def test_bf16_sums_micro_batch_gradients_in_fp32(ray_local, tiny_model, sft_data
     8 bits of mantissa (~1 % off over 64 micro-batches). At ZeRO-2/3 the engine is told fp32, and trains so."""
     import ray
 
-    for stage, dtype, accumulate in ((1, "bfloat16", None), (0, "float16", None), (2, "float32", None),
-                                     (2, "float16", {"grad_accum_dtype": "fp32"})):  # ZeRO-0/1 cannot: preflight says
-        spec = dataclasses.replace(_spec(tiny_model, "causal"), dtype=dtype, zero_stage=stage)
-        assert spec.ds_config(1).get("data_types") == accumulate, (stage, dtype)
+    # ZeRO-0/1 cannot, and under offload the fp32 sums would sit on the GPU: preflight says so.
+    for stage, dtype, offload, accumulate in ((1, "bfloat16", "none", None), (0, "float16", "none", None),
+                                              (2, "float32", "none", None), (2, "bfloat16", "optimizer", None),
+                                              (3, "bfloat16", "optimizer_and_params", None),
+                                              (2, "float16", "none", {"grad_accum_dtype": "fp32"})):
+        spec = dataclasses.replace(_spec(tiny_model, "causal"), dtype=dtype, zero_stage=stage, offload=offload)
+        assert spec.ds_config(1).get("data_types") == accumulate, (stage, dtype, offload)
     schedule = plan(sft_data["input_ids"].shape[0], BATCH, epochs=100, max_steps=20, seed=0)
     group = TrainerGroup(_spec(tiny_model, "causal", zero_stage=zero_stage, dtype="bfloat16", micro_batch_size=1),
                          num_workers=1)
