@@ -8,7 +8,7 @@ from itertools import islice
 import fsspec
 
 from alignflow.config import DatasetSource, PipelineConfig
-from alignflow.data.formats import read_rows
+from alignflow.data.formats import FILE_FORMATS, file_format, read_rows
 from alignflow.data.rows import normalize_row
 from alignflow.errors import DataError
 from alignflow.store.storage import is_local_uri, local_path
@@ -48,9 +48,12 @@ def check_files(cfg: PipelineConfig, found) -> None:
                       "prompts, without answers", found)
     for name, kind in (("sft", "sft"), ("preference", "preference"), ("prompts", "prompts"), ("eval", "prompts")):
         src: DatasetSource | None = getattr(cfg.data, name)
-        if src is None or not src.path.endswith((".jsonl", ".json", ".parquet")):
-            continue  # a `datasets` name: loading it may download it; the data stage reports it
+        if src is None:
+            continue
         field, path = f"data.{name}.path", src.path
+        if not file_format(path):
+            _datasets_name(field, path, found)
+            continue
         try:
             exists = local_path(path).is_file() if is_local_uri(path) else fsspec.core.url_to_fs(path)[0].exists(path)
         except Exception as err:  # noqa: BLE001  (any filesystem's failure is the user's to see)
@@ -94,6 +97,21 @@ def check_files(cfg: PipelineConfig, found) -> None:
             found.notes.append(f"data.{name}: {path} is remote, so its first {limit} rows were checked "
                                "(data.preflight_rows); the data stage checks the rest")
     check_batches(cfg, found, sft_rows)
+
+
+def _datasets_name(field: str, path: str, found) -> None:
+    """A data path of none of the file formats: a `datasets` name, which loading may download (the data stage
+    reports it), unless it is plainly a file, which would fail there after Prefect and Ray started."""
+    formats = ", ".join(FILE_FORMATS)
+    if is_local_uri(path) and local_path(path).is_file():
+        found.fail(field, f"{path} is a file of none of the formats alignflow reads ({formats}, any case)")
+    elif not is_local_uri(path) or path.startswith(("/", "./", "../", "~", "file://")):
+        found.fail(field, f"{path}: alignflow reads {formats} files (any case) and datasets names, and this "
+                          "path is neither")
+    else:
+        found.notes.append(f"{field}: {path!r} is no {formats} file, so the data stage loads it with "
+                           "datasets.load_dataset (a hub name, or a local directory of data files); not checked here "
+                           f"({found.sources.of(field)})")
 
 
 def _readers(cfg: PipelineConfig, split: str) -> list[tuple[str, str]]:

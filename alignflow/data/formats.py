@@ -46,15 +46,23 @@ from alignflow.config import DatasetSource
 from alignflow.errors import DataError
 
 Kind = Literal["sft", "preference", "prompts"]
+FILE_FORMATS = (".jsonl", ".json", ".parquet")
+
+
+def file_format(path: str) -> str | None:
+    """The file format a data path names by its ending, in any case (`.jsonl`, `.json`, `.parquet`); None: not
+    one of them, so the path is read as a `datasets` name (or a directory `datasets` loads)."""
+    lower = path.lower()
+    return next((suffix for suffix in FILE_FORMATS if lower.endswith(suffix)), None)
 
 
 def read_rows(src: DatasetSource) -> Iterable[dict[str, Any]]:
     """Raw rows of a source, in order."""
-    path = src.path
-    if path.endswith((".jsonl", ".json", ".parquet")):
+    path, suffix = src.path, file_format(src.path)
+    if suffix:
         import fsspec
 
-        if path.endswith(".parquet"):
+        if suffix == ".parquet":
             import pyarrow as pa
             import pyarrow.parquet as pq
 
@@ -65,7 +73,7 @@ def read_rows(src: DatasetSource) -> Iterable[dict[str, Any]]:
                     raise DataError(f"{path}: not a Parquet file it can read ({type(err).__name__}: {err})") from None
             yield from table.to_pylist()
             return
-        if path.endswith(".json"):
+        if suffix == ".json":
             with fsspec.open(path, "rb") as f:
                 raw = f.read()
             try:

@@ -144,6 +144,26 @@ def test_missing_data_path_names_the_field_and_the_command_line(files, tmp_path)
         f"data.sft.path: {missing} does not exist (from the command line: data.sft.path={missing})"]
 
 
+def test_a_data_path_of_no_file_format_is_a_datasets_name_unless_it_is_plainly_a_file(files, tmp_path):
+    """A path not ending .jsonl/.json/.parquet was taken for a `datasets` name and never checked: a typo or a CSV
+    failed in the data stage, after Prefect and Ray started. An existing file, or an absolute, relative or
+    remote path, fails now; a name is a note. The ending is read in any case (a .JSONL file is JSONL)."""
+    csv = tmp_path / "sft.csv"
+    csv.write_text("prompt,response\n1 2,2\n")
+    assert problems(files, f"data.sft.path={csv}") == [
+        f"data.sft.path: {csv} is a file of none of the formats alignflow reads (.jsonl, .json, .parquet, any "
+        f"case) (from the command line: data.sft.path={csv})"]
+    for path in (f"{tmp_path}/nope.csv", "./data/sft.txt", "s3://bucket/sft.csv"):
+        [problem] = problems(files, f"data.sft.path={path}")
+        assert problem.startswith(f"data.sft.path: {path}: alignflow reads .jsonl, .json, .parquet files (any "
+                                  "case) and datasets names, and this path is neither"), problem
+    found = preflight(load_config(files, ["data.sft.path=org/sft-set"]), ["data.sft.path=org/sft-set"], files)
+    assert found.problems == [] and "data.sft.path: 'org/sft-set' is no .jsonl, .json, .parquet file, so the data " \
+        "stage loads it with datasets.load_dataset" in " ".join(found.notes)
+    upper = _jsonl(tmp_path / "SFT.JSONL", [{"prompt": "1 2", "response": "2"}, "{not json"])
+    assert problems(files, f"data.sft.path={upper}")[0].startswith(f"data.sft: {upper}, row 2: not valid JSON")
+
+
 def test_missing_data_path_from_the_file_names_the_file(tmp_path):
     missing = tmp_path / "gone.jsonl"
     cfg = _write_config(tmp_path, f"data:\n  source: files\n  sft: {{path: {missing}}}\n"
