@@ -92,8 +92,8 @@ class DataConfig(Section):
     synthetic: SyntheticTaskConfig = Field(SyntheticTaskConfig(), description="the bundled task (source: synthetic)")
     sft: DatasetSource | None = Field(None, description="SFT demonstrations (source: files; required there)")
     preference: DatasetSource | None = Field(
-        None, description="preference pairs (and unpaired KTO rows), the last 10% of the pairs held out "
-        "(source: files; required there)")
+        None, description="preference pairs (and unpaired KTO rows), about 10% of them held out (source: files; "
+        "required there where a reward model, a preference stage or a judge trains on them)")
     prompts: DatasetSource | None = Field(
         None, description="RL prompts (source: files); None: the SFT prompts, without answers")
     eval: DatasetSource | None = Field(None, description="held-out eval prompts (source: files; required there)")
@@ -131,7 +131,7 @@ class DataConfig(Section):
                                  f"data.source is 'synthetic' (the bundled task): set data.source: files to read "
                                  f"{'it' if len(given) == 1 else 'them'}")
         if self.source == "files":
-            missing = [k for k in ("sft", "preference", "eval") if getattr(self, k) is None]
+            missing = [k for k in ("sft", "eval") if getattr(self, k) is None]  # preference: where read (pipeline.py)
             if missing:
                 raise ValueError(f"source='files' needs data.{', data.'.join(missing)}")
         return self

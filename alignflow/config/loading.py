@@ -7,12 +7,13 @@ names its source (the file, or the command-line override) and its field.
 from __future__ import annotations
 
 import copy
+import difflib
 import importlib
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -121,11 +122,37 @@ def _present(node: Any, parts: list[str]) -> bool:
 # The names pydantic gives a union's members in an error's location (`max_prompt_tokens.constrained-int`,
 # `target_modules.tuple[str, ...]`), which are no fields: left out of the field an error names.
 _MEMBER_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "tuple", "none"})
-_FIELD_FIRST = re.compile(r"^(?:Value error, )?([A-Za-z_][\w]*(?:\.[\w]+)*): ")
+_FIELD_FIRST = re.compile(r"^([A-Za-z_][\w]*(?:\.[\w]+)*): ")
+_PYDANTIC_PREFIX = re.compile(r"^(?:Value|Assertion) error, ")
 
 
 def _field_of(loc: tuple) -> str:
     return ".".join(str(p) for p in loc if isinstance(p, int) or (p.isidentifier() and p not in _MEMBER_TAGS))
+
+
+def _nearest(field: str) -> str:
+    """`; did you mean 'x'?` for an unknown key of a section, or its valid keys (each section is a model: its
+    fields by name, through list items by index)."""
+    node: Any = PipelineConfig
+    *parents, key = field.split(".")
+    for part in parents:
+        if part.isdigit():
+            continue
+        info = getattr(node, "model_fields", {}).get(part)
+        node = next((a for a in _models_in(info.annotation)), None) if info else None
+        if node is None:
+            return ""
+    names = sorted(getattr(node, "model_fields", {}))
+    close = difflib.get_close_matches(key, names, n=1, cutoff=0.75)
+    return f"; did you mean {close[0]!r}?" if close else f"; valid: {', '.join(names)}" if names else ""
+
+
+def _models_in(annotation: Any):
+    """The pydantic models an annotation holds (a field's type, through Optional, list, union)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        yield annotation
+    for arg in get_args(annotation):
+        yield from _models_in(arg)
 
 
 def _format_errors(err: ValidationError, source: str, sources: ConfigSources | None = None) -> str:
@@ -135,7 +162,7 @@ def _format_errors(err: ValidationError, source: str, sources: ConfigSources | N
     found: dict[str, list[str]] = {}
     given: dict[str, Any] = {}
     for e in err.errors():
-        field, message = _field_of(e["loc"]), e["msg"]
+        field, message = _field_of(e["loc"]), _PYDANTIC_PREFIX.sub("", e["msg"])
         if not field and (named := _FIELD_FIRST.match(message)):
             field, message = named.group(1), message[named.end():]
             given[field] = None  # the input is the whole config: not quoted
@@ -143,12 +170,14 @@ def _format_errors(err: ValidationError, source: str, sources: ConfigSources | N
             given[field] = e.get("input")
         if e["type"] == "extra_forbidden" and field.split(".")[-1] == "seed":
             message += "; seeds derive from the one top-level `seed` (alignflow/seeds.py)"
+        elif e["type"] == "extra_forbidden":
+            message = f"no such setting{_nearest(field)}"
         found.setdefault(field or "<root>", []).append(message)
     lines = [f"invalid pipeline config ({source}):"]
     for field, messages in found.items():
         got = f" (got {redact(given[field])!r})" if given.get(field) is not None else ""
         origin = f" ({sources.of(field)})" if sources is not None and field != "<root>" else ""
-        lines.append(f"  {field}: {'; or '.join(messages)}{got}{origin}")
+        lines.append(f"  {'' if field == '<root>' else field + ': '}{'; or '.join(messages)}{got}{origin}")
     return "\n".join(lines)
 
 

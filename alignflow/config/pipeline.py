@@ -221,6 +221,22 @@ class PipelineConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _preference_data_where_read(self) -> PipelineConfig:
+        if self.data.source != "files" or self.data.preference is not None:
+            return self
+        readers = [name for name, reads in (("reward_model", self.trains_reward_model),
+                                            ("preference", self.preference is not None),
+                                            ("judge", self.judge is not None)) if reads]
+        if readers:
+            drop = {"reward_model": "reward_model: null" + (
+                " with every round scoring by reward.source rule or remote and critic.init: policy" if self.rounds
+                else " (without rounds it is trained as the run's product)")}
+            raise ValueError(f"data.preference: not given, but {' and '.join(readers)} "
+                             f"{'trains' if len(readers) == 1 else 'train'} on preference pairs: give data.preference, "
+                             f"or set {' and '.join(drop.get(n, f'{n}: null') for n in readers)}")
+        return self
+
+    @model_validator(mode="after")
     def _judge_where_needed(self) -> PipelineConfig:
         for i, r in enumerate(self.rounds):
             j = r.reward.judge
@@ -247,5 +263,6 @@ class PipelineConfig(Section):
             if needing:
                 raise ValueError(
                     f"{', '.join(needing)} use the reward model (reward.source=model, or critic.init=reward_model) "
-                    f"but reward_model is null; add a reward_model section or score with reward.source=rule|remote")
+                    f"but reward_model is null; add a reward_model section, or score with reward.source=rule|remote "
+                    f"and start a critic from the policy (critic.init=policy)")
         return self

@@ -28,7 +28,8 @@ def build_splits(cfg: DataConfig, seed: int) -> tuple[dict[str, list[dict]], dic
     if cfg.source == "synthetic":
         task = agent_task if cfg.synthetic.task == "boxes" else synthetic
         return {**task.generate(cfg.synthetic, seed), "preference_unpaired": []}, {}
-    preference = load.load_records(cfg.preference, "preference")
+    # No preference file (a pipeline with nothing that reads pairs: alignflow/config/pipeline.py checks): no pairs.
+    preference = load.load_records(cfg.preference, "preference") if cfg.preference is not None else []
     pairs = [r for r in preference if "label" not in r]
     # A pair whose two replies are the same text teaches nothing (DPO's gradient and a reward model's margin
     # are zero on it) and is a miss in held-out accuracy: Anthropic HH holds some. They are left out, counted.

@@ -86,3 +86,18 @@ def test_generation_leaves_out_prompts_with_no_room_for_the_new_tokens(files, ca
     assert "round_1: generation.max_new_tokens=40: prompts over 88 tokens (of up to 100) are left out" in caplog.text
     with pytest.raises(ConfigError, match=r"^evaluation.generation.max_new_tokens=128 leaves no room for a prompt"):
         limits.for_generation(128, model.uri, "evaluation.")
+
+
+def test_without_preference_data_the_data_stage_writes_no_pairs(files, tmp_path):
+    """SFT then GRPO on a rule: nothing reads preference pairs, so data.preference may be left out (it was
+    required with source: files); where a stage does read them, the config says which and how to go on."""
+    rounds = 'rounds=[{"algorithm": "grpo", "reward": {"source": "rule"}}]'
+    without = [o for o in files if not o.startswith("data.preference")] + ["data.preference=null"]
+    with pytest.raises(ConfigError, match=r"data.preference: not given, but reward_model trains on preference pairs: "
+                                          r"give data.preference, or set reward_model: null with every round"):
+        load_config(None, without)
+    _, run = _data_stage([*without, "reward_model=null", rounds])
+    result = run()
+    stored = next((tmp_path / "artifacts" / "data").glob("*/manifest.json")).parent
+    assert result.metrics["data/preference_rows"] == result.metrics["data/eval_preference_rows"] == 0
+    assert (stored / "preference.jsonl").read_text() == "" and result.metrics["data/sft_rows"] == 6
