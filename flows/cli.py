@@ -214,6 +214,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if not (sys.argv[1:] if argv is None else argv):  # a bare `alignflow`: what it does, not a usage error
+        parse_args(["--help"])
     ns = parse_args(argv)
     install_sigterm_handler()  # SIGTERM raises Terminated: `finally` blocks end MLflow runs KILLED, drop scratch
     console.setup(ns.verbose)
@@ -227,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
         plan = plan_pipeline(cfg)
         states = print_plan(cfg, plan.upto(target) if target else plan)
         if ns.command == "plan":
+            print("inputs not checked (data files, model, rewards, storage): `alignflow validate` checks them",
+                  file=sys.stderr)
             return 0
         all_cached = all(s.cached for s in states.values())
         if not all_cached:  # what the run needs from outside, before Prefect or Ray start
@@ -244,6 +248,9 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         print(f"error: {err}", file=sys.stderr)
         return 1
+    except BrokenPipeError:  # `alignflow plan | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error as Python flushes
+        return 0
     except (KeyboardInterrupt, Terminated) as stop:
         if ns.verbose:
             traceback.print_exc()

@@ -18,19 +18,26 @@ MATH_RULES = ("alignflow.rewards:math_equal", "alignflow.rewards.math:math_equal
 MATH_CHECK_ROWS = 1000  # answers the math rule's parser reads in preflight (sympy: about 1 ms each)
 
 
-def check_batches(cfg: PipelineConfig, found, sft_rows: int | None) -> None:
+def check_batches(cfg: PipelineConfig, found, sft_rows: int | None, preference_rows: int | None = None) -> None:
     """A training stage's batch against the rows it can have at most: the synthetic task's counts, or a local SFT
-    file's rows (`sft_rows`; prompts too long for data.max_prompt_tokens are left out of them later)."""
+    or preference file's rows (`sft_rows`, `preference_rows`: pairs and unpaired examples; prompts too long for
+    data.max_prompt_tokens are left out of them later, and about 10 % of the pairs held out)."""
     counts = {}  # stage -> (the most it trains on, in what, the field that sets it)
+    kto = cfg.preference is not None and cfg.preference.loss == "kto"
     if cfg.data.source == "synthetic":
-        s, kto = cfg.data.synthetic, cfg.preference is not None and cfg.preference.loss == "kto"
+        s = cfg.data.synthetic
         pairs = (s.num_preference, "pairs", "data.synthetic.num_preference")
         kto_rows = (2 * s.num_preference, "rows (KTO's: each pair's two replies)", pairs[2])
         counts = {"reward_model": pairs, "preference": kto_rows if kto else pairs}
         if s.task == "largest_digit":  # the boxes task writes two rows of some traces
             counts["sft"] = (s.num_sft, "rows", "data.synthetic.num_sft")
-    elif sft_rows is not None:
-        counts = {"sft": (sft_rows, "rows", "data.sft.path")}
+    else:
+        if sft_rows is not None:
+            counts["sft"] = (sft_rows, "rows", "data.sft.path")
+        if preference_rows is not None:  # at most: every row a pair (KTO: each pair's two replies as rows)
+            rows = (preference_rows, "rows of data.preference", "data.preference.path")
+            replies = (2 * preference_rows, "verdicts and rows (one for each reply of a pair)", rows[2])
+            counts |= {"reward_model": rows, "judge": replies, "preference": replies if kto else rows}
     for stage, (most, unit, source) in counts.items():
         train = getattr(cfg, stage)
         if train is not None and (stage != "reward_model" or cfg.trains_reward_model) and most < train.batch_size:
@@ -42,7 +49,7 @@ def check_files(cfg: PipelineConfig, found) -> None:
     """The data files, into preflight's `found` (a Findings)."""
     if cfg.data.source != "files":
         return check_batches(cfg, found, None)
-    sft_rows = None
+    rows: dict[str, int] = {}  # a local file's rows, read whole
     if cfg.data.prompts is None:  # the RL prompts are the SFT prompts, without answers
         _answers_read(cfg, "prompts", "data.prompts", "no data.prompts is given, so the RL prompts are the SFT "
                       "prompts, without answers", found)
@@ -91,12 +98,12 @@ def check_files(cfg: PipelineConfig, found) -> None:
                 found.fail(f"data.{name}.answer_key", text, also=tuple(math))
             else:
                 found.notes.append(f"data.{name}.answer_key: {text}")
-        if name == "sft" and limit is None and not bad:
-            sft_rows = n
+        if name in ("sft", "preference") and limit is None and not bad:
+            rows[name] = n
         if limit is not None and n == limit:
             found.notes.append(f"data.{name}: {path} is remote, so its first {limit} rows were checked "
                                "(data.preflight_rows); the data stage checks the rest")
-    check_batches(cfg, found, sft_rows)
+    check_batches(cfg, found, rows.get("sft"), rows.get("preference"))
 
 
 def _datasets_name(field: str, path: str, found) -> None:

@@ -19,10 +19,11 @@ def _keys(row: dict) -> str:
 
 
 def _need(row: dict, key: str, where: str, hint: str) -> Any:
-    """row[key]; if absent, a DataError with what else to set and the keys the row has."""
+    """row[key]; if absent or null, a DataError with what else to set and the keys the row has."""
     value = row.get(key)
     if value is None:
-        raise DataError(f"{where}: missing key {key!r} ({hint}); {_keys(row)}")
+        said = f"key {key!r} is null" if key in row else f"missing key {key!r}"
+        raise DataError(f"{where}: {said} ({hint}); {_keys(row)}")
     return value
 
 

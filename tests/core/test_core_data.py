@@ -492,6 +492,9 @@ def test_missing_key_names_file_row_and_key(tmp_path, suffix, kind, missing):
          "this row has keys: ['instruction', 'output']"),
         ({"prompt": "p", "completion": "c"}, "sft", {},
          "missing key 'response' (or set response_key under data.sft); this row has keys: ['completion', 'prompt']"),
+        ({"prompt": None, "response": "5"}, "sft", {},  # null was said to be missing, beside its own key
+         "key 'prompt' is null (or set prompt_key, or messages_key for a chat column, under data.sft); "
+         "this row has keys: ['prompt', 'response']"),
         ({"conversation": []}, "sft", {"messages_key": "messages"},
          "missing key 'messages' (or set messages_key under data.sft, or unset it for prompt/response columns); "
          "this row has keys: ['conversation']"),

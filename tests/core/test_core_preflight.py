@@ -43,7 +43,7 @@ def files(tmp_path):
     ev = _jsonl(tmp_path / "eval.jsonl", [{"prompt": "1 2", "answer": "2"}] * 3)
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text(f"data:\n  source: files\n  sft: {{path: {sft}}}\n  preference: {{path: {pref}}}\n"
-                   f"  eval: {{path: {ev}}}\nsft: {{batch_size: 2}}\n"
+                   f"  eval: {{path: {ev}}}\nsft: {{batch_size: 2}}\nreward_model: {{batch_size: 2}}\n"
                    f"infra:\n  storage: {{root: {tmp_path / 'artifacts'}}}\n")
     return cfg
 
@@ -80,6 +80,14 @@ def test_a_batch_larger_than_the_rows_a_stage_can_have_names_both(files, tmp_pat
     assert problems(files, "sft.batch_size=4") == [
         f"sft.batch_size: 4 is more than the 3 rows it can train on (from the command line: sft.batch_size=4; "
         f"data.sft.path: from {files})"]
+    # A local preference file's rows bound the reward model's batch, and KTO's and a judge's at two per pair.
+    assert problems(files, "reward_model.batch_size=4") == [
+        f"reward_model.batch_size: 4 is more than the 3 rows of data.preference it can train on (from the command "
+        f"line: reward_model.batch_size=4; data.preference.path: from {files})"]
+    assert problems(files, "preference={loss: kto, batch_size: 6}") == []
+    [kto] = problems(files, "preference={loss: kto, batch_size: 8}")
+    assert kto.startswith("preference.batch_size: 8 is more than the 6 verdicts and rows (one for each reply of a "
+                          "pair) it can train on"), kto
 
 
 def test_eval_rows_without_answers_fail_where_the_bundled_checker_reads_them(files, tmp_path):
@@ -633,7 +641,7 @@ def test_cli_reports_preflight_problems_before_prefect_starts(command, tmp_path,
     args = [f"data.sft.path={missing}", f"infra.storage.root={tmp_path / 'a'}",
             f"infra.mlflow_tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}"]
     ok = _jsonl(tmp_path / "ok.jsonl", [{"prompt": "1 2", "chosen": "2", "rejected": "1", "answer": "2"}])
-    args += ["data.source=files", f"data.preference.path={ok}", f"data.eval.path={ok}"]
+    args += ["data.source=files", f"data.preference.path={ok}", f"data.eval.path={ok}", "reward_model.batch_size=1"]
     proc = subprocess.run([str(VENV_BIN / "alignflow"), command, *args], cwd=tmp_path, capture_output=True,
                           text=True, timeout=120, env=cli_env())
     assert proc.returncode == 2, proc.stderr

@@ -53,6 +53,21 @@ def test_plan_prints_every_stage_with_key_and_state(tmp_path):
     assert rows["round_2"][1] == "data, policy=round_1, reference=sft, reward=reward_model"
     assert "Prefect API" not in res.stdout + res.stderr
     assert not (tmp_path / "artifacts").exists(), "plan wrote artifacts"
+    assert res.stderr.strip().splitlines()[-1] == ("inputs not checked (data files, model, rewards, storage): "
+                                                   "`alignflow validate` checks them")
+
+
+def test_a_bare_command_prints_help_and_a_closed_pipe_ends_quietly(tmp_path):
+    """`alignflow` alone printed a usage error; `alignflow plan | head -1` a BrokenPipeError traceback (where the
+    reader is gone before the plan is written: `| true`, which reads nothing)."""
+    bare = cli(cwd=tmp_path)
+    assert bare.returncode == 0 and bare.stdout.startswith("usage: alignflow") and "{run,plan,validate,stage}" in \
+        bare.stdout, bare.stderr
+    piped = subprocess.run(["bash", "-c", f"{sys.executable} -m flows.cli plan | true; exit ${{PIPESTATUS[0]}}"],
+                           cwd=tmp_path,
+                           capture_output=True, text=True, timeout=120,
+                           env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYTHONPATH": str(REPO)})
+    assert piped.returncode == 0 and "Traceback" not in piped.stderr, piped.stderr
 
 
 def test_plan_says_cached_and_why(tmp_path):
