@@ -166,8 +166,8 @@ def _format_errors(err: ValidationError, source: str, sources: ConfigSources | N
         if not field and (named := _FIELD_FIRST.match(message)):
             field, message = named.group(1), message[named.end():]
             given[field] = None  # the input is the whole config: not quoted
-        elif field not in given:
-            given[field] = e.get("input")
+        elif field not in given:  # a section's check across its fields: the section is no value to quote
+            given[field] = None if isinstance(e.get("input"), dict) else e.get("input")
         if e["type"] == "extra_forbidden" and field.split(".")[-1] == "seed":
             message += "; seeds derive from the one top-level `seed` (alignflow/seeds.py)"
         elif e["type"] == "extra_forbidden":

@@ -55,5 +55,6 @@ class PreferenceConfig(TrainConfig):
         if misplaced := sorted(n for n, owner in owners.items() if owner != self.loss
                                and getattr(self, n) != type(self).model_fields[n].default):
             raise ValueError(" and ".join(f"preference.{n} is {owners[n]}'s" for n in misplaced)
-                             + f"; preference.loss is {self.loss}")
+                             + f"; preference.loss is {self.loss}: leave {'it' if len(misplaced) == 1 else 'them'} "
+                             f"out, or use the loss {'it' if len(misplaced) == 1 else 'each'} belongs to")
         return self
