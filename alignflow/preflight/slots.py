@@ -79,6 +79,8 @@ def check_slots(cfg: PipelineConfig, found) -> None:
                               f"(infra.ray_num_cpus): lower the placements or counts, or raise infra.ray_num_cpus",
                        also=("infra.ray_num_cpus",))
         elif gpu > gpus:
-            found.fail(field, f"its actors need {gpu:g} GPUs at once; this machine has {gpus}")
+            found.fail(field, f"its actors need {gpu:g} GPU{'s' * (gpu != 1)} at once; this machine has "
+                              f"{gpus}" + (": run it where GPUs are, or set their placements' num_gpus to 0"
+                                           if not gpus else ": lower the placements' num_gpus"))
         else:
             found.ok()
