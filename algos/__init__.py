@@ -33,6 +33,7 @@ from .advantages.group import (
     group_normalized_advantages,
     leave_one_out_advantages,
 )
+from .losses.cispo import cispo_policy_loss
 from .losses.gspo import gspo_policy_loss
 from .losses.importance import TIS_MODES, rollout_importance_weights
 from .kl import (
@@ -95,6 +96,7 @@ __all__ = [
     "accuracy_by_margin_bin",
     "aggregate_loss",
     "aggregate_weight",
+    "cispo_policy_loss",
     "clip_rewards",
     "compute_gae",
     "constant_groups",

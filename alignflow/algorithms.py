@@ -22,7 +22,7 @@ An RL round reads its algorithm's spec and never branches on the name:
   reference, and each sampled token's advantage is its negative reverse KL to it (on-policy
   distillation, `algos/losses/distill.py`); there is no KL term besides.
 - `policy_loss`: the surrogate (engines/train/objectives.py `POLICY_LOSSES`):
-  "ppo_clip" (token ratios) or "gspo_clip" (sequence ratios).
+  "ppo_clip" (token ratios), "gspo_clip" (sequence ratios) or "cispo" (clipped, detached token weights).
 
 Adding an algorithm is one `register_algorithm` entry here, plus its math in
 `algos/` when it needs new math. Kept free of torch: configs import it to
@@ -107,6 +107,11 @@ register_algorithm(AlgorithmSpec(
     "per sequence (Zheng et al. 2025, arXiv 2507.18071)",
     update="policy_gradient", advantage="grpo", min_samples=2, policy_loss="gspo_clip", kl_apply_as="loss",
     kl_estimator="k3", loss_agg="seq_mean_token_mean", clip_low=3e-4, clip_high=4e-4, group_std_norm=True))
+register_algorithm(AlgorithmSpec(
+    "cispo", "GRPO's group advantages with a policy gradient weighted by each token's clipped, detached importance "
+    "weight: no token loses its gradient to the clip (MiniMax 2025, arXiv 2506.13585)",
+    update="policy_gradient", advantage="grpo", min_samples=2, policy_loss="cispo", kl_apply_as="loss",
+    kl_estimator="k3", clip_low=1.0, clip_high=5.0, group_std_norm=True))
 register_algorithm(AlgorithmSpec(
     "rloo", "leave-one-out baseline (Ahmadian et al. 2024, arXiv 2402.14740)",
     update="policy_gradient", advantage="rloo", min_samples=2))

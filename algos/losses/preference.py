@@ -161,11 +161,16 @@ def simpo_loss(chosen_avg_logps: Tensor, rejected_avg_logps: Tensor, *, beta: fl
 
 
 def log_odds(avg_logps: Tensor) -> Tensor:
-    """``log(p / (1 - p))`` of ``p = exp(avg_logps)``: ``a - log(1 - exp(a))``, computed as ``a - log(-expm1(a))``.
+    """The log odds of a response's mean token probability, ORPO's odds.
 
-    ``a`` is a mean token log-probability, so ``a <= 0``; at ``a = 0`` (every token certain) the odds are
-    infinite, so ``a`` is capped at ``-1e-6`` (odds of about 1e6) to keep the loss finite.
-    Shapes: any; returns the same shape."""
+    Formula: ``log(p / (1 - p))`` of ``p = exp(a)``, ``a = avg_logps``: ``a - log(1 - exp(a))``, computed as
+    ``a - log(-expm1(a))``. ``a`` is a mean token log-probability, so ``a <= 0``; at ``a = 0`` (every token
+    certain) the odds are infinite, so ``a`` is capped at ``-1e-6`` (odds of about 1e6) to keep the loss finite.
+
+    Shapes: any; returns the same shape.
+
+    Reference: Hong, Lee and Thorne 2024, arXiv 2403.07691.
+    """
     a = avg_logps.clamp(max=-1e-6)
     return a - torch.log(-torch.expm1(a))
 

@@ -12,6 +12,7 @@ from collections.abc import Callable
 import torch
 
 from algos.losses.distill import topk_forward_kl
+from algos.losses.cispo import cispo_policy_loss
 from algos.losses.gspo import gspo_policy_loss
 from algos.losses.policy import ppo_policy_loss
 from algos.losses.preference import pairwise_reward_loss
@@ -255,9 +256,15 @@ def gspo_objective(model, batch: dict[str, torch.Tensor], **kwargs) -> tuple[tor
     return policy_objective(model, batch, surrogate=gspo_policy_loss, **kwargs)
 
 
+def cispo_objective(model, batch: dict[str, torch.Tensor], **kwargs) -> tuple[torch.Tensor, dict[str, float]]:
+    """CISPO (MiniMax 2025, arXiv 2506.13585): `policy_objective` with clipped, detached importance weights
+    (`algos.cispo_policy_loss`); the same keyword arguments and metrics."""
+    return policy_objective(model, batch, surrogate=cispo_policy_loss, **kwargs)
+
+
 # Policy losses by `AlgorithmSpec.policy_loss`: objectives with the keyword
 # arguments of `policy_objective`.
-POLICY_LOSSES = {"ppo_clip": policy_objective, "gspo_clip": gspo_objective}
+POLICY_LOSSES = {"ppo_clip": policy_objective, "gspo_clip": gspo_objective, "cispo": cispo_objective}
 
 
 def value_objective(model, batch: dict[str, torch.Tensor], *, clip_eps: float | None, agg: str,

@@ -9,7 +9,10 @@ def check_round(r) -> None:
         raise ValueError(f"{r.algorithm} needs generation.num_samples >= {r.spec.min_samples} "
                          f"(a group per prompt)")
     low, high = r.ppo.clip_low or r.spec.clip_low, r.ppo.clip_high or r.spec.clip_high
-    if high < low:
+    if r.spec.policy_loss == "cispo" and r.ppo.dual_clip is not None:
+        raise ValueError("ppo.dual_clip caps PPO's clipped surrogate; cispo has none to cap (its weight is clipped "
+                         "at ppo.clip_high): leave it out")
+    if high < low and r.spec.policy_loss != "cispo":  # cispo's clip_low 1 is no lower bound, not a clip range
         raise ValueError(f"ppo.clip_high ({high}) must be >= ppo.clip_low ({low}); a value left out is "
                          f"{r.algorithm}'s default ({r.spec.clip_low}, {r.spec.clip_high})")
     if r.ppo.advantage_std_norm is not None and r.spec.group_std_norm is None:

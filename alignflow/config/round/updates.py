@@ -38,9 +38,10 @@ class PPOConfig(Section):
 
     epochs: int = Field(2, ge=1, description="passes over a step's rollouts")
     minibatch_size: int = Field(64, ge=1, description="rollouts per optimizer step")
-    clip_low: float | None = Field(None, gt=0, description="None: the algorithm's default (0.2; gspo 3e-4)")
+    clip_low: float | None = Field(
+        None, gt=0, description="None: the algorithm's default (0.2; gspo 3e-4; cispo 1: its weight has no lower bound)")
     clip_high: float | None = Field(
-        None, gt=0, description="> clip_low: DAPO clip-higher; None: the algorithm's default (0.2; gspo 4e-4)")
+        None, gt=0, description="> clip_low: DAPO clip-higher; None: the algorithm's default (0.2; gspo 4e-4; cispo 5)")
     dual_clip: float | None = Field(None, gt=1, description="dual-clip c: A < 0 loss capped at -c·A; None: off")
     value_clip: float | None = Field(0.2, gt=0, description="clip of critic values around their old values; None: off")
     gamma: float = Field(1.0, ge=0, le=1, description="discount (GAE, REINFORCE++ returns)")

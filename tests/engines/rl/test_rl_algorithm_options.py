@@ -38,6 +38,19 @@ def test_gspo_spec_defaults_resolve_and_can_be_overridden():
         3e-4, 1e-3, "token_mean", False)
 
 
+def test_cispo_spec_defaults_and_its_clip_range():
+    """CISPO's weight is clipped to [1 - clip_low, 1 + clip_high] = [0, 6] by default (no lower bound); a clip_high
+    under clip_low is its own range (DAPO's clip-higher order is PPO's), and a dual clip has nothing to cap."""
+    cispo = _round("cispo").resolved()
+    assert (cispo.ppo.clip_low, cispo.ppo.clip_high, cispo.ppo.loss_agg, cispo.ppo.advantage_std_norm) == (
+        1.0, 5.0, "token_mean", True)
+    assert (cispo.kl.apply_as, cispo.kl.estimator, cispo.spec.advantage, cispo.spec.policy_loss) == (
+        "loss", "k3", "grpo", "cispo")
+    assert _round("cispo", ppo=PPOConfig(clip_high=0.28)).resolved().ppo.clip_high == 0.28
+    with pytest.raises(ConfigError, match=r"rounds\.0: .*ppo\.dual_clip caps PPO's clipped surrogate; cispo has none"):
+        load_config(None, ['rounds=[{"algorithm": "cispo", "ppo": {"dual_clip": 3.0}}]'])
+
+
 def test_defaults_of_the_other_algorithms_are_unchanged():
     for name, std_norm in (("ppo", None), ("grpo", True), ("dr_grpo", False), ("rloo", None)):
         cfg = _round(name).resolved()
@@ -222,6 +235,25 @@ def test_gspo_objective_clips_whole_sequences(policy_batch):
     loss, metrics = objectives.policy_objective(model, batch, clip_low=0.2, clip_high=0.2, agg="token_mean",
                                                 tis_cap=None, **COMMON)
     assert loss.item() == pytest.approx(-(3 * 1.0002 + 2 * 1.2) / 5, rel=1e-5)
+
+
+def test_cispo_objective_keeps_the_gradient_of_tokens_past_the_clip(policy_batch):
+    """Through the model: ratios 1.0002 | e^0.5 (row 1's two tokens) with clip_high 0.2: PPO's clip zeroes those
+    tokens' gradient; CISPO weighs it by 1.2 and its loss reads -w A per token."""
+    model, exp, logprobs = policy_batch
+    mask = exp.action_mask
+    shift = torch.tensor([[math.log(1.0002)] * 3, [0.5, 0.5, 0.0]])
+    batch = exp.with_(old_logprobs=(logprobs - shift) * mask, advantages=mask.clone()).tensors()
+    losses = {}
+    for name, fn in (("cispo", objectives.cispo_objective), ("ppo", objectives.policy_objective)):
+        model.zero_grad()
+        loss, metrics = fn(model, batch, clip_low=0.2, clip_high=0.2, agg="token_mean", tis_cap=None, **COMMON)
+        loss.backward()
+        losses[name] = (loss.item(), metrics["clip_fraction"], model.lm_head.weight.grad.norm().item())
+    # the same value as PPO's here (A > 0: both read -1.2 A past the clip), not the same gradient
+    assert losses["cispo"][0] == pytest.approx(-(3 * 1.0002 + 2 * 1.2) / 5, rel=1e-5) == losses["ppo"][0]
+    assert losses["cispo"][1] == pytest.approx((2.0, 5.0)) and losses["ppo"][1] == pytest.approx((2.0, 5.0))
+    assert losses["cispo"][2] > losses["ppo"][2] > 0  # the clipped tokens still pull under CISPO
 
 
 @pytest.mark.parametrize("mode,weights,masked", [

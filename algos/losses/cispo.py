@@ -1,0 +1,85 @@
+"""CISPO: a policy gradient weighted by a clipped, detached importance weight (no token loses its gradient)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .aggregate import aggregate_loss
+from .importance import LOG_RATIO_CLAMP, rollout_importance_weights
+from .policy import PolicyLossOutput
+from ..masked import _bool_mask, _check_same_shape, full_precision, masked_mean
+
+
+def cispo_policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    action_mask: Tensor,
+    *,
+    clip_low: float = 1.0,
+    clip_high: float = 5.0,
+    dual_clip: Optional[float] = None,
+    agg: str = "token_mean",
+    loss_scale_constant: Optional[float] = None,
+    rollout_logprobs: Optional[Tensor] = None,
+    tis_cap: Optional[float] = None,
+    tis_low: Optional[float] = None,
+    tis_mode: str = "truncate",
+) -> PolicyLossOutput:
+    """Clipped IS-weight Policy Optimization loss.
+
+    Formula, per valid token, ``rho = exp(clamp(logprobs - old_logprobs, -20,
+    20))`` and the detached weight ``w = sg(clip(rho, 1 - clip_low, 1 +
+    clip_high))``: the paper's objective ``w A log pi`` has the gradient
+    ``w A grad log pi``. It is written here as ``l = -sg(w / rho) rho A``,
+    with the same gradient (``grad rho = rho grad log pi``) and the value
+    ``-w A``, on the clipped surrogate's scale. Unlike PPO's clip, a token
+    whose ratio leaves the range keeps its gradient, weighted by the bound.
+    With ``rollout_logprobs``: ``l *= w_tis`` as in
+    :func:`algos.losses.policy.ppo_policy_loss`. Reduced by ``agg``
+    (:func:`aggregate_loss`). Defaults ``clip_low = 1`` (no lower bound:
+    ``w >= 0``) and ``clip_high = 5`` (``w <= 6``), NeMo-RL's. ``dual_clip``
+    has no meaning here and is refused. Metrics as PPO's: ``clip_fraction``
+    is the share of valid tokens whose weight was clipped.
+
+    Shapes: ``logprobs``, ``old_logprobs``, ``advantages``, ``action_mask``
+    and ``rollout_logprobs`` ``(B, T)``; returns :class:`PolicyLossOutput`.
+
+    Reference: MiniMax 2025, "MiniMax-M1: Scaling Test-Time Compute
+    Efficiently with Lightning Attention", arXiv 2506.13585 (CISPO).
+    """
+    _check_same_shape(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, action_mask=action_mask)
+    if dual_clip is not None:
+        raise ValueError("dual_clip caps PPO's clipped surrogate; CISPO has none to cap")
+    if clip_low < 0 or clip_high < 0:
+        raise ValueError(f"clip_low/clip_high must be >= 0, got {clip_low}, {clip_high}")
+    mask = _bool_mask(action_mask)
+    logprobs, old_logprobs = full_precision(logprobs), full_precision(old_logprobs)
+    zeros = torch.zeros_like(logprobs)
+    log_ratio = torch.where(mask, logprobs - old_logprobs.detach(), zeros).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)
+    weight = ratio.detach().clamp(1.0 - clip_low, 1.0 + clip_high)
+    adv = torch.where(mask, advantages.detach().to(ratio.dtype), zeros)
+    loss = -(weight / ratio.detach()) * ratio * adv
+    tis, tis_masked = torch.ones_like(ratio), torch.zeros_like(mask)
+    if rollout_logprobs is not None:
+        if tis_cap is None:
+            raise ValueError("tis_cap is required when rollout_logprobs is given")
+        _check_same_shape(ratio=ratio, rollout_logprobs=rollout_logprobs)
+        tis, tis_masked = rollout_importance_weights(old_logprobs.detach(), rollout_logprobs, action_mask,
+                                                     cap=tis_cap, low=tis_low, mode=tis_mode)
+        loss = loss * tis.to(loss.dtype)
+    token_loss = torch.where(mask, loss, zeros)
+    scalar = aggregate_loss(token_loss, action_mask, agg=agg, loss_scale_constant=loss_scale_constant)
+    with torch.no_grad():
+        fmask = mask.to(ratio.dtype)
+        clipped = (weight != ratio) & mask
+        return PolicyLossOutput(
+            loss=scalar, token_loss=token_loss, clip_fraction=masked_mean(clipped.to(ratio.dtype), fmask),
+            dual_clip_fraction=torch.zeros((), dtype=ratio.dtype, device=ratio.device),
+            approx_kl=masked_mean(torch.expm1(log_ratio) - log_ratio, fmask), ratio_mean=masked_mean(ratio, fmask),
+            tis_weight_mean=torch.where(mask.any(), masked_mean(tis.to(ratio.dtype), fmask), 1.0),
+            tis_masked_fraction=masked_mean(tis_masked.to(ratio.dtype), fmask))
