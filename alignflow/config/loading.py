@@ -18,7 +18,8 @@ from typing import Any, get_args
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from alignflow.config.overrides import ConfigLoader, apply_overrides, override_fields, parse_override  # noqa: F401
+from alignflow.config.overrides import (ConfigLoader, apply_overrides, override_fields, parse_override,  # noqa: F401
+                                       yaml_problem)
 from alignflow.config.pipeline import PipelineConfig
 from alignflow.errors import ConfigError
 from alignflow.redact import config_credentials, redact
@@ -200,11 +201,13 @@ def read_config_file(path: str | Path | None = None) -> tuple[Path, dict[str, An
     """(the path, its raw mapping); the default is the embedded tiny config."""
     path = Path(path) if path is not None else default_config_path()
     if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist")
+        looks = path.suffix.lower() not in (".yaml", ".yml") and not path.parent.name  # `rounds.0.steps`, no `=`
+        raise ConfigError(f"config file {path} does not exist" + (
+            f" (an override is key.sub=value: {path}=...?)" if looks and "." in path.name else ""))
     try:
         tree = yaml.load(path.read_text(encoding="utf-8"), Loader=ConfigLoader) or {}
     except yaml.YAMLError as err:
-        raise ConfigError(f"{path}: not valid YAML: {err}") from None
+        raise ConfigError(f"{path}: not valid YAML: {yaml_problem(err)}") from None
     except UnicodeDecodeError as err:
         raise ConfigError(f"{path}: not UTF-8 text: {err}") from None
     if not isinstance(tree, dict):

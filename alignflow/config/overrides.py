@@ -42,11 +42,19 @@ class ConfigLoader(yaml.SafeLoader):
             key = self.construct_object(key_node, deep=deep)
             if key in seen:
                 raise yaml.constructor.ConstructorError(
-                    "while constructing a mapping", node.start_mark,
-                    f"found the key {key!r} twice (first {seen[key]}); the second would replace the first",
-                    key_node.start_mark)
+                    None, None, f"found the key {key!r} twice (first at line {seen[key].line + 1}); the second "
+                    "would replace the first", key_node.start_mark)
             seen[key] = key_node.start_mark
         return super().construct_mapping(node, deep=deep)
+
+
+def yaml_problem(err: yaml.YAMLError) -> str:
+    """A YAML error in one line: where (line and column, from 1) and what, without PyYAML's excerpt of the text
+    and its '<unicode string>' for the file's name."""
+    mark, context, at = (getattr(err, name, None) for name in ("problem_mark", "context", "context_mark"))
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+    since = f" ({context}" + (f" at line {at.line + 1}" if at else "") + ")" if context else ""
+    return f"{where}{getattr(err, 'problem', None) or err}{since}"
 
 
 def _yaml(raw: str) -> Any:
@@ -72,7 +80,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     try:
         return parts, _yaml(raw) if raw.strip() else None
     except yaml.YAMLError as err:
-        raise ConfigError(f"override {text!r}: the value is not valid YAML: {err}") from None
+        raise ConfigError(f"override {text!r}: the value is not valid YAML: {yaml_problem(err)}") from None
 
 
 def _list_index(text: str, node: list, part: str) -> int:

@@ -316,10 +316,19 @@ def test_yaml_that_is_not_a_mapping(tmp_path, text, kind):
     assert str(path) in str(err.value)
 
 
-def test_invalid_yaml(tmp_path):
-    path = _write(tmp_path, "sft: {learning_rate: [1, 2\n")
-    with pytest.raises(ConfigError, match="not valid YAML"):
+def test_invalid_yaml_is_one_line_naming_the_file_line_and_column(tmp_path):
+    """PyYAML's message ran over several lines and named the file '<unicode string>'."""
+    path = _write(tmp_path, "sft:\n  epochs: 3\n   batch_size: 32\n")
+    with pytest.raises(ConfigError) as err:
         load_config(path)
+    assert str(err.value) == f"{path}: not valid YAML: line 3, column 14: mapping values are not allowed here"
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["sft={epochs: 3"])
+    assert str(err.value) == ("override 'sft={epochs: 3': the value is not valid YAML: line 1, column 11: expected "
+                              "',' or '}', but got '<stream end>' (while parsing a flow mapping at line 1)")
+    with pytest.raises(ConfigError, match=r"config file rounds.0.steps does not exist \(an override is key.sub=value: "
+                                          r"rounds.0.steps=\.\.\.\?\)"):
+        load_config("rounds.0.steps")
 
 
 def test_a_section_given_twice_is_an_error_not_the_last_one(tmp_path):
@@ -327,8 +336,8 @@ def test_a_section_given_twice_is_an_error_not_the_last_one(tmp_path):
     with pytest.raises(ConfigError) as err:
         load_config(path)
     text = str(err.value)
-    assert text.startswith(f"{path}: not valid YAML: while constructing a mapping")
-    assert "found the key 'sft' twice (first" in text and "line 5" in text
+    assert text == (f"{path}: not valid YAML: line 5, column 1: found the key 'sft' twice (first at line 1); the "
+                    "second would replace the first")
 
 
 def test_a_config_that_is_not_utf8_names_the_file(tmp_path):
