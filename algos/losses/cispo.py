@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from .aggregate import aggregate_loss
-from .importance import LOG_RATIO_CLAMP, rollout_importance_weights
+from .importance import LOG_RATIO_CLAMP, weights_if_rollout
 from .policy import PolicyLossOutput
 from ..masked import _bool_mask, _check_same_shape, full_precision, masked_mean
 
@@ -64,14 +64,9 @@ def cispo_policy_loss(
     weight = ratio.detach().clamp(1.0 - clip_low, 1.0 + clip_high)
     adv = torch.where(mask, advantages.detach().to(ratio.dtype), zeros)
     loss = -(weight / ratio.detach()) * ratio * adv
-    tis, tis_masked = torch.ones_like(ratio), torch.zeros_like(mask)
-    if rollout_logprobs is not None:
-        if tis_cap is None:
-            raise ValueError("tis_cap is required when rollout_logprobs is given")
-        _check_same_shape(ratio=ratio, rollout_logprobs=rollout_logprobs)
-        tis, tis_masked = rollout_importance_weights(old_logprobs.detach(), rollout_logprobs, action_mask,
-                                                     cap=tis_cap, low=tis_low, mode=tis_mode)
-        loss = loss * tis.to(loss.dtype)
+    tis, tis_masked = weights_if_rollout(ratio, old_logprobs, rollout_logprobs, action_mask, tis_cap=tis_cap,
+                                         tis_low=tis_low, tis_mode=tis_mode)
+    loss = loss * tis.to(loss.dtype)
     token_loss = torch.where(mask, loss, zeros)
     scalar = aggregate_loss(token_loss, action_mask, agg=agg, loss_scale_constant=loss_scale_constant)
     with torch.no_grad():

@@ -73,3 +73,16 @@ def rollout_importance_weights(
     masked = ((rho > cap) | (rho < (0.0 if low is None else low))) & mask
     weight = torch.where(masked, zeros, rho)
     return torch.where(mask, weight, torch.ones_like(weight)), masked
+
+
+def weights_if_rollout(like: Tensor, old_logprobs: Tensor, rollout_logprobs: Optional[Tensor], action_mask: Tensor, *,
+                       tis_cap: Optional[float], tis_low: Optional[float], tis_mode: str) -> Tuple[Tensor, Tensor]:
+    """A policy loss's TIS step: :func:`rollout_importance_weights` where ``rollout_logprobs`` are given
+    (``tis_cap`` then required), else weights of 1 and nothing masked, shaped and typed as ``like`` (B, T)."""
+    if rollout_logprobs is None:
+        return torch.ones_like(like), torch.zeros_like(_bool_mask(action_mask))
+    if tis_cap is None:
+        raise ValueError("tis_cap is required when rollout_logprobs is given")
+    _check_same_shape(ratio=like, rollout_logprobs=rollout_logprobs)
+    return rollout_importance_weights(old_logprobs.detach(), rollout_logprobs, action_mask, cap=tis_cap, low=tis_low,
+                                      mode=tis_mode)

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from .aggregate import LOSS_AGGREGATIONS, aggregate_loss
 from .entropy import entropy_bonus_loss, entropy_from_logits
-from .importance import LOG_RATIO_CLAMP, rollout_importance_weights
+from .importance import LOG_RATIO_CLAMP, weights_if_rollout
 from ..masked import _bool_mask, _check_same_shape, full_precision, masked_mean
 
 __all__ = [
@@ -108,14 +108,9 @@ def clipped_surrogate(
         dual_active = (adv < 0) & (loss > cap) & mask
         loss = torch.where(dual_active, cap, loss)
 
-    weight, tis_masked = torch.ones_like(ratio), torch.zeros_like(mask)
-    if rollout_logprobs is not None:
-        if tis_cap is None:
-            raise ValueError("tis_cap is required when rollout_logprobs is given")
-        _check_same_shape(ratio=ratio, rollout_logprobs=rollout_logprobs)
-        weight, tis_masked = rollout_importance_weights(old_logprobs.detach(), rollout_logprobs, action_mask,
-                                                        cap=tis_cap, low=tis_low, mode=tis_mode)
-        loss = loss * weight.to(loss.dtype)
+    weight, tis_masked = weights_if_rollout(ratio, old_logprobs, rollout_logprobs, action_mask, tis_cap=tis_cap,
+                                            tis_low=tis_low, tis_mode=tis_mode)
+    loss = loss * weight.to(loss.dtype)
 
     token_loss = torch.where(mask, loss, zeros)
     scalar = aggregate_loss(token_loss, action_mask, agg=agg,
