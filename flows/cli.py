@@ -57,7 +57,7 @@ def cmd_validate(cfg: PipelineConfig, path: str | None = None, overrides: list[s
     from alignflow.preflight import check  # data, model, lengths, rewards, storage, Ray slots: seconds
 
     found = check(cfg, overrides, path)
-    print(json.dumps(redact(cfg.model_dump(mode="json")), indent=2))  # a URL's credentials never printed
+    out(json.dumps(redact(cfg.model_dump(mode="json")), indent=2))  # a URL's credentials never printed
     print("config is valid", file=sys.stderr)
     print(f"preflight: {found.checks} checks passed", file=sys.stderr)
     return 0
@@ -66,7 +66,7 @@ def cmd_validate(cfg: PipelineConfig, path: str | None = None, overrides: list[s
 def print_plan(cfg: PipelineConfig, plan: Plan) -> dict[str, StageState]:
     storage = RunContext(infra=cfg.infra).storage()
     states = plan_states(plan, storage)
-    print(format_plan(plan, states, storage.uri()), flush=True)
+    out(format_plan(plan, states, storage.uri()))
     return states
 
 
@@ -145,7 +145,7 @@ def _run(cfg: PipelineConfig, target: str | None, verbose: bool = False, all_cac
         result = _flow_run(cfg, target, log_dir, verbose)
     elapsed = time.perf_counter() - t0
     if target:  # each stage the target names (`evaluation`: every evaluation), by name
-        print(json.dumps({name: r.model_dump(mode="json") for name, r in result.items()}, indent=2))
+        out(json.dumps({name: r.model_dump(mode="json") for name, r in result.items()}, indent=2))
     else:
         _print_report(result, elapsed, verbose)
     return 0
@@ -173,28 +173,42 @@ def _flow_run(cfg: PipelineConfig, target: str | None, log_dir: Path, verbose: b
             ray.shutdown()
 
 
+class ReaderGone(Exception):
+    """stdout's reader closed it before all was written (`alignflow plan | head`): what it read was enough."""
+
+
+def out(text: str) -> None:
+    """`text` to stdout, flushed; a closed pipe raises ReaderGone (main returns 0 on it), stdout then sent to
+    /dev/null so that Python's own flush at exit finds nothing to fail on. A BrokenPipeError from anywhere
+    else (a stage's connection) is that stage's error, not this."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise ReaderGone from None
+
+
 def _print_report(report, elapsed: float, verbose: bool = False) -> None:
-    print()
-    print(report.table())
-    print()
+    lines = ["", report.table(), ""]
     if verbose:
-        print("stages:")
+        lines.append("stages:")
         for name, uri in report.stage_uris.items():
-            print(f"  {name:<18} {report.stage_states.get(name, ''):<10} {uri}")
+            lines.append(f"  {name:<18} {report.stage_states.get(name, ''):<10} {uri}")
     else:
         counts = Counter(report.stage_states.values())
-        print(f"stages:     {', '.join(f'{n} {state}' for state, n in counts.items())}; each under "
-              f"<artifacts>/<stage>/<key> (keys in the plan above; -v lists them)")
-    print(f"artifacts:  {report.storage_root}")
+        lines.append(f"stages:     {', '.join(f'{n} {state}' for state, n in counts.items())}; each under "
+                     f"<artifacts>/<stage>/<key> (keys in the plan above; -v lists them)")
+    lines.append(f"artifacts:  {report.storage_root}")
     tracking = redact_url(report.mlflow_tracking_uri)  # a database URI's password stays out of the job's log
-    print(f"MLflow:     {tracking}  (parent run {report.mlflow_run_id})")
+    lines.append(f"MLflow:     {tracking}  (parent run {report.mlflow_run_id})")
     if report.mlflow_served:
-        print(f"            {report.mlflow_link()}")
+        lines.append(f"            {report.mlflow_link()}")
     else:
-        print(f"            mlflow ui --backend-store-uri {tracking}, then {report.mlflow_link()}")
+        lines.append(f"            mlflow ui --backend-store-uri {tracking}, then {report.mlflow_link()}")
     if report.curves_uri:
-        print(f"curves:     {report.curves_uri}  (loss, rounds, eval .png)")
-    print(f"wall time:  {elapsed:.1f} s")
+        lines.append(f"curves:     {report.curves_uri}  (loss, rounds, eval .png)")
+    lines.append(f"wall time:  {elapsed:.1f} s")
+    out("\n".join(lines))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -248,8 +262,7 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         print(f"error: {err}", file=sys.stderr)
         return 1
-    except BrokenPipeError:  # `alignflow plan | head`: the reader has what it wanted
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error as Python flushes
+    except ReaderGone:  # `alignflow plan | head`: the reader has what it wanted
         return 0
     except (KeyboardInterrupt, Terminated) as stop:
         if ns.verbose:

@@ -34,10 +34,11 @@ def cispo_policy_loss(
     Formula, per valid token, ``rho = exp(clamp(logprobs - old_logprobs, -20,
     20))`` and the detached weight ``w = sg(clip(rho, 1 - clip_low, 1 +
     clip_high))``: the paper's objective ``w A log pi`` has the gradient
-    ``w A grad log pi``. It is written here as ``l = -sg(w / rho) rho A``,
-    with the same gradient (``grad rho = rho grad log pi``) and the value
-    ``-w A``, on the clipped surrogate's scale. Unlike PPO's clip, a token
-    whose ratio leaves the range keeps its gradient, weighted by the bound.
+    ``w A grad log pi``. It is written here as ``l = -w A exp(log pi -
+    sg(log pi))``, with the same gradient and the value ``-w A``, on the
+    clipped surrogate's scale; the ratio's clamp touches the weight's value
+    only, never the gradient. Unlike PPO's clip, a token whose ratio leaves
+    the range keeps its gradient, weighted by the bound.
     With ``rollout_logprobs``: ``l *= w_tis`` as in
     :func:`algos.losses.policy.ppo_policy_loss`. Reduced by ``agg``
     (:func:`aggregate_loss`). Defaults ``clip_low = 1`` (no lower bound:
@@ -63,7 +64,8 @@ def cispo_policy_loss(
     ratio = torch.exp(log_ratio)
     weight = ratio.detach().clamp(1.0 - clip_low, 1.0 + clip_high)
     adv = torch.where(mask, advantages.detach().to(ratio.dtype), zeros)
-    loss = -(weight / ratio.detach()) * ratio * adv
+    lp = torch.where(mask, logprobs, zeros)
+    loss = -(weight * adv) * torch.exp(lp - lp.detach())  # value -w A, gradient -w A grad log pi
     tis, tis_masked = weights_if_rollout(ratio, old_logprobs, rollout_logprobs, action_mask, tis_cap=tis_cap,
                                          tis_low=tis_low, tis_mode=tis_mode)
     loss = loss * tis.to(loss.dtype)

@@ -38,19 +38,29 @@ RESOURCE_FIELDS = frozenset({"placement", "scorer_placement", "reference_placeme
                              "preflight_rows", "scoring_micro_batch_size", "scoring_micro_batch_tokens",
                              "checkpoint_every", "log_every", "colocate_offload", "weight_bucket_mb",
                              "gpu_memory_utilization", "kv_cache_gib", "max_num_seqs", "max_num_batched_tokens",
+                             "async_scheduling",
                              "enforce_eager"})
 # Resource-only under one section's name alone, where the same name elsewhere changes what is computed
 # (a trainer's micro_batch_size is its gradient accumulation): the evaluation's scoring forwards.
 RESOURCE_FIELDS_IN = {"evaluation": frozenset({"micro_batch_size"})}
 
 
+# Fields read only where a sibling has one value (SimPO's target margin, read with `loss: simpo`), left out of
+# the key elsewhere, where the config refuses any but the default: adding one kept the other losses' keys.
+READ_ONLY_WITH = {"simpo_gamma": ("loss", "simpo")}
+
+
 def cache_relevant(cfg: BaseModel) -> dict[str, Any]:
-    """A config as JSON, without its resource-only fields (at any depth)."""
+    """A config as JSON, without its resource-only fields (at any depth) and the fields its other settings leave
+    unread (READ_ONLY_WITH)."""
+
+    def unread(node: dict, key: str) -> bool:
+        return key in READ_ONLY_WITH and node.get(READ_ONLY_WITH[key][0]) != READ_ONLY_WITH[key][1]
 
     def strip(node: Any, within: frozenset[str] = frozenset()) -> Any:
         if isinstance(node, dict):
             return {k: strip(v, RESOURCE_FIELDS_IN.get(k, frozenset())) for k, v in node.items()
-                    if k not in RESOURCE_FIELDS and k not in within}
+                    if k not in RESOURCE_FIELDS and k not in within and not unread(node, k)}
         if isinstance(node, list):
             return [strip(v) for v in node]
         return node
@@ -164,6 +174,8 @@ def _format_errors(err: ValidationError, source: str, sources: ConfigSources | N
     given: dict[str, Any] = {}
     for e in err.errors():
         field, message = _field_of(e["loc"]), _PYDANTIC_PREFIX.sub("", e["msg"])
+        if e["type"] == "extra_forbidden":  # the unknown key as given (`learning-rate` is no identifier)
+            field = ".".join(filter(None, (_field_of(e["loc"][:-1]), str(e["loc"][-1]))))
         if not field and (named := _FIELD_FIRST.match(message)):
             field, message = named.group(1), message[named.end():]
             given[field] = None  # the input is the whole config: not quoted

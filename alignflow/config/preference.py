@@ -29,7 +29,8 @@ class PreferenceConfig(TrainConfig):
     log odds ratio (Hong et al. 2024, whose λ is β here). Neither has a reference, so neither has that stage.
     """
 
-    loss: PreferenceLoss = Field("dpo", description="dpo, ipo, cdpo (label-smoothed dpo) or kto")
+    loss: PreferenceLoss = Field("dpo", description="dpo, ipo, cdpo (label-smoothed dpo) or kto against the "
+                                 "reference; simpo or orpo without one")
     beta: float = Field(0.1, gt=0, description="strength of the pull toward the reference; simpo: the scale of its "
                         "length-normalised reward (its paper uses 2-2.5); orpo: the odds-ratio term's weight λ")
     simpo_gamma: float = Field(0.5, ge=0, description="simpo: the target reward margin γ; unused by the other losses")

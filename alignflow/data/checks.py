@@ -18,10 +18,11 @@ MATH_RULES = ("alignflow.rewards:math_equal", "alignflow.rewards.math:math_equal
 MATH_CHECK_ROWS = 1000  # answers the math rule's parser reads in preflight (sympy: about 1 ms each)
 
 
-def check_batches(cfg: PipelineConfig, found, sft_rows: int | None, preference_rows: int | None = None) -> None:
+def check_batches(cfg: PipelineConfig, found, sft_rows: int | None, pairs: int | None = None, unpaired: int = 0
+                  ) -> None:
     """A training stage's batch against the rows it can have at most: the synthetic task's counts, or a local SFT
-    or preference file's rows (`sft_rows`, `preference_rows`: pairs and unpaired examples; prompts too long for
-    data.max_prompt_tokens are left out of them later, and about 10 % of the pairs held out)."""
+    file's rows (`sft_rows`) and a preference file's `pairs` and `unpaired` (KTO's) rows; prompts too long for
+    data.max_prompt_tokens are left out of them later, and about 10 % of the pairs held out."""
     counts = {}  # stage -> (the most it trains on, in what, the field that sets it)
     kto = cfg.preference is not None and cfg.preference.loss == "kto"
     if cfg.data.source == "synthetic":
@@ -34,10 +35,12 @@ def check_batches(cfg: PipelineConfig, found, sft_rows: int | None, preference_r
     else:
         if sft_rows is not None:
             counts["sft"] = (sft_rows, "rows", "data.sft.path")
-        if preference_rows is not None:  # at most: every row a pair (KTO: each pair's two replies as rows)
-            rows = (preference_rows, "rows of data.preference", "data.preference.path")
-            replies = (2 * preference_rows, "verdicts and rows (one for each reply of a pair)", rows[2])
-            counts |= {"reward_model": rows, "judge": replies, "preference": replies if kto else rows}
+        if pairs is not None:  # at most (KTO: each pair's two replies as rows, and its unpaired rows)
+            field = "data.preference.path"
+            counts |= {"reward_model": (pairs, "pairs of data.preference", field),
+                       "judge": (2 * pairs, "verdicts (one for each reply of a pair)", field),
+                       "preference": (2 * pairs + unpaired, "rows (each pair's two replies, and the unpaired "
+                                      "rows)", field) if kto else (pairs, "pairs of data.preference", field)}
     for stage, (most, unit, source) in counts.items():
         train = getattr(cfg, stage)
         if train is not None and (stage != "reward_model" or cfg.trains_reward_model) and most < train.batch_size:
@@ -73,7 +76,7 @@ def check_files(cfg: PipelineConfig, found) -> None:
         math = [reader for reader, rule in _readers(cfg, name) if rule in MATH_RULES]
         math_rows = min(k for k in (limit, MATH_CHECK_ROWS) if k) if math else 0
         try:
-            n, bad, unanswered, unreadable = _rows(src, kind, limit, math_rows)
+            n, bad, unanswered, unreadable, unpaired = _rows(src, kind, limit, math_rows)
         except Exception as err:  # noqa: BLE001  (a filesystem failing mid-read, a `datasets` error, ...)
             found.fail(field, f"{path} cannot be read: {type(err).__name__}: {err}")
             continue
@@ -99,20 +102,24 @@ def check_files(cfg: PipelineConfig, found) -> None:
             else:
                 found.notes.append(f"data.{name}.answer_key: {text}")
         if name in ("sft", "preference") and limit is None and not bad:
-            rows[name] = n
+            rows[name], rows["unpaired"] = n - unpaired, rows.get("unpaired", 0) + unpaired  # pairs apart
         if limit is not None and n == limit:
             found.notes.append(f"data.{name}: {path} is remote, so its first {limit} rows were checked "
                                "(data.preflight_rows); the data stage checks the rest")
-    check_batches(cfg, found, rows.get("sft"), rows.get("preference"))
+    check_batches(cfg, found, rows.get("sft"), rows.get("preference"), rows.get("unpaired", 0))
 
 
 def _datasets_name(field: str, path: str, found) -> None:
     """A data path of none of the file formats: a `datasets` name, which loading may download (the data stage
     reports it), unless it is plainly a file, which would fail there after Prefect and Ray started."""
     formats = ", ".join(FILE_FORMATS)
-    if is_local_uri(path) and local_path(path).is_file():
+    local = local_path(path) if is_local_uri(path) else None
+    if local is not None and local.is_file():
         found.fail(field, f"{path} is a file of none of the formats alignflow reads ({formats}, any case)")
-    elif not is_local_uri(path) or path.startswith(("/", "./", "../", "~", "file://")):
+    elif local is not None and local.is_dir():  # datasets.load_dataset reads a directory of data files
+        found.notes.append(f"{field}: {path} is a directory, so the data stage loads it with datasets.load_dataset; "
+                           f"not checked here ({found.sources.of(field)})")
+    elif local is None or path.startswith(("/", "./", "../", "~", "file://")):
         found.fail(field, f"{path}: alignflow reads {formats} files (any case) and datasets names, and this "
                           "path is neither")
     else:
@@ -145,25 +152,27 @@ def _answers_read(cfg: PipelineConfig, split: str, field: str, why: str, found) 
 
 
 def _rows(src: DatasetSource, kind: str, limit: int | None, math_rows: int = 0
-          ) -> tuple[int, list[str], list[int], list[tuple[int, str]]]:
+          ) -> tuple[int, list[str], list[int], list[tuple[int, str]], int]:
     """(rows read, one message per bad row, the rows without an answer, (row, answer) of those among the first
-    `math_rows` whose answer `math_equal` cannot parse): every row, or the first `limit`. A row that is not
-    JSON ends the file's reading (the next rows cannot be told apart)."""
+    `math_rows` whose answer `math_equal` cannot parse, the unpaired preference rows (KTO's, with a label)):
+    every row, or the first `limit`. A row that is not JSON ends the file's reading (the next rows cannot be
+    told apart)."""
     if math_rows:
         from alignflow.rewards.math import parse_math  # sympy: only where a math rule reads the answers
 
-    rows, bad, unanswered, unreadable, n = read_rows(src), [], [], [], 0
+    rows, bad, unanswered, unreadable, n, unpaired = read_rows(src), [], [], [], 0, 0
     try:
         for n, row in enumerate(islice(rows, limit) if limit else rows, start=1):
             try:
-                answer = normalize_row(row, kind, src, where=f"{src.path}, row {n}").get("answer", "")
+                record = normalize_row(row, kind, src, where=f"{src.path}, row {n}")
             except DataError as err:
                 bad.append(str(err))
                 continue
+            answer, unpaired = record.get("answer", ""), unpaired + ("label" in record)
             if answer is None:
                 unanswered.append(n)
             elif n <= math_rows and answer and parse_math(answer) is None:
                 unreadable.append((n, answer))
     except DataError as err:  # from read_rows: not JSON, not UTF-8, not Parquet, not a list
         bad.append(str(err))
-    return n, bad, unanswered, unreadable
+    return n, bad, unanswered, unreadable, unpaired

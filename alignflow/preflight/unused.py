@@ -11,6 +11,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from alignflow.config import EngineConfig, PipelineConfig
+from alignflow.config.preference import REFERENCE_FREE
 from alignflow.preflight.findings import Findings
 
 
@@ -45,6 +46,10 @@ def note_unused_settings(cfg: PipelineConfig, found: Findings) -> None:
                 f"({found.sources.of(f'{at}.ppo.tis_cap')})")
     if cfg.evaluation is not None:
         unused.append(_vllm(cfg.evaluation.generation, "evaluation.generation"))
+    if (pref := cfg.preference) is not None and pref.loss in REFERENCE_FREE:
+        defaults = type(pref)(loss=pref.loss)
+        unused.append(([f"preference.{n}" for n in ("reference_placement", "reference_micro_batch_size")
+                        if getattr(pref, n) != getattr(defaults, n)], f"preference.loss {pref.loss} has no reference"))
     found.notes += [f"{', '.join(fields)}: not used ({why}) ({found.sources.of(fields[0])})"
                     for fields, why in unused if fields] + stale
     half = [(at, e) for at, e in engines(cfg, "") if at not in idle and not e.fp32_gradient_sums(cfg.model.dtype)]

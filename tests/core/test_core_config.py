@@ -1023,6 +1023,10 @@ def test_an_unknown_key_says_the_nearest_setting_or_its_sections_settings(tmp_pa
         "weight_decay, zero_stage (got 1) (from the command line: sft.zzz=1)"
     assert lines[1].startswith("  rounds.0.algoritm: no such setting; did you mean 'algorithm'? (got 'grpo')")
     assert lines[2].startswith("  rounds.1.generation.tempreature: no such setting; did you mean 'temperature'?")
+    with pytest.raises(ConfigError) as err:  # a key that is no identifier is named as given
+        load_config(None, ["sft={learning-rate: 1e-4}"])
+    assert str(err.value).splitlines()[1].startswith("  sft.learning-rate: no such setting; did you mean "
+                                                     "'learning_rate'?")
     with pytest.raises(ConfigError) as err:
         load_config(None, ["reward_model=null"])
     assert "Value error" not in str(err.value) and "<root>" not in str(err.value)

@@ -82,12 +82,19 @@ def test_a_batch_larger_than_the_rows_a_stage_can_have_names_both(files, tmp_pat
         f"data.sft.path: from {files})"]
     # A local preference file's rows bound the reward model's batch, and KTO's and a judge's at two per pair.
     assert problems(files, "reward_model.batch_size=4") == [
-        f"reward_model.batch_size: 4 is more than the 3 rows of data.preference it can train on (from the command "
+        f"reward_model.batch_size: 4 is more than the 3 pairs of data.preference it can train on (from the command "
         f"line: reward_model.batch_size=4; data.preference.path: from {files})"]
     assert problems(files, "preference={loss: kto, batch_size: 6}") == []
     [kto] = problems(files, "preference={loss: kto, batch_size: 8}")
-    assert kto.startswith("preference.batch_size: 8 is more than the 6 verdicts and rows (one for each reply of a "
-                          "pair) it can train on"), kto
+    assert kto.startswith("preference.batch_size: 8 is more than the 6 rows (each pair's two replies, and the "
+                          "unpaired rows) it can train on"), kto
+    # Unpaired (KTO) rows are no pairs: a DPO-family or reward-model batch is bounded by the pairs alone.
+    mixed = _jsonl(tmp_path / "mixed.jsonl", [{"prompt": "1 2", "chosen": "2", "rejected": "1"}] * 2 +
+                   [{"prompt": "1 2", "response": "2", "ok": True}] * 5)
+    src = f'data.preference={{path: {mixed}, label_key: ok}}'
+    assert problems(files, src, "preference={loss: kto, batch_size: 9}") == []  # 2 x 2 + 5
+    [dpo] = problems(files, src, "preference={loss: simpo, batch_size: 3}")
+    assert dpo.startswith("preference.batch_size: 3 is more than the 2 pairs of data.preference"), dpo
 
 
 def test_eval_rows_without_answers_fail_where_the_bundled_checker_reads_them(files, tmp_path):
@@ -168,6 +175,9 @@ def test_a_data_path_of_no_file_format_is_a_datasets_name_unless_it_is_plainly_a
     found = preflight(load_config(files, ["data.sft.path=org/sft-set"]), ["data.sft.path=org/sft-set"], files)
     assert found.problems == [] and "data.sft.path: 'org/sft-set' is no .jsonl, .json, .parquet file, so the data " \
         "stage loads it with datasets.load_dataset" in " ".join(found.notes)
+    (tmp_path / "parts").mkdir()  # a directory of data files is datasets' to load: a note, not a problem
+    found = preflight(load_config(files, [f"data.sft.path={tmp_path / 'parts'}"]), [], files)
+    assert found.problems == [] and f"data.sft.path: {tmp_path / 'parts'} is a directory" in " ".join(found.notes)
     upper = _jsonl(tmp_path / "SFT.JSONL", [{"prompt": "1 2", "response": "2"}, "{not json"])
     assert problems(files, f"data.sft.path={upper}")[0].startswith(f"data.sft: {upper}, row 2: not valid JSON")
 
@@ -831,6 +841,15 @@ def test_a_teachers_vocabulary_is_compared_with_the_students_before_the_run(tmp_
     tiny = found(other, base="tiny")
     assert tiny.problems == [] and "rounds.0.teacher: its tokenizer is compared with the student's when its stage " \
         "starts (the tiny model's tokenizer is built by the base_model stage)" in tiny.notes
+
+
+def test_a_reference_free_losss_reference_settings_are_said_unused(tmp_path):
+    over = ['preference={"loss": "orpo", "reference_micro_batch_size": 8}', f"infra.storage.root={tmp_path}"]
+    notes = [n for n in preflight(load_config(None, over), over, None).notes if "reference" in n]
+    assert notes == ['preference.reference_micro_batch_size: not used (preference.loss orpo has no reference) '
+                     '(from the command line: preference={"loss": "orpo", "reference_micro_batch_size": 8})'], notes
+    dpo = [over[0].replace("orpo", "dpo"), over[1]]
+    assert not [n for n in preflight(load_config(None, dpo), dpo, None).notes if "reference_micro" in n]
 
 
 def test_gradients_summed_in_half_precision_are_said(tmp_path):

@@ -70,6 +70,20 @@ def test_a_bare_command_prints_help_and_a_closed_pipe_ends_quietly(tmp_path):
     assert piped.returncode == 0 and "Traceback" not in piped.stderr, piped.stderr
 
 
+def test_a_broken_pipe_inside_a_run_is_its_error_not_a_closed_stdout(tmp_path, monkeypatch):
+    """Only a write to stdout that finds its reader gone ends quietly: a stage's own broken connection (S3, a
+    reward service) failed the run but returned 0 when every BrokenPipeError counted as the reader's."""
+    import flows.cli as cli_module
+
+    def broken(*args, **kwargs):
+        raise BrokenPipeError("the reward service closed its connection")
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(cli_module, "_run", broken)
+    with pytest.raises(BrokenPipeError, match="reward service"):
+        cli_module.main(["run", f"infra.storage.root={tmp_path / 'a'}"])
+
+
 def test_plan_says_cached_and_why(tmp_path):
     root = tmp_path / "artifacts"
     stage = plan_pipeline(resolve_paths(load_config(), tmp_path)).stages["sft"]

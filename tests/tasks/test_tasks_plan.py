@@ -99,6 +99,21 @@ def test_a_preference_stage_without_rounds_is_sft_preference_evaluation():
     assert list(plan.upto("preference").stages) == ["base_model", "data", "sft", "preference_reference", "preference"]
 
 
+def test_simpo_gamma_keys_simpo_alone_and_vllm_scheduling_keys_nothing():
+    """A setting another loss reads (simpo_gamma) stays out of a DPO stage's key, so adding it kept every DPO
+    and KTO key; under simpo it is in. vLLM's async_scheduling says how an engine schedules: in no key."""
+    from alignflow.config import cache_relevant
+
+    dpo = load_config(None, [f"preference={DPO}"]).preference
+    assert "simpo_gamma" not in cache_relevant(dpo)
+    keys = [_plan(f'preference={{"loss": "simpo", "simpo_gamma": {g}}}', "rounds=[]").stages["preference"].key
+            for g in (0.5, 1.0)]
+    assert keys[0] != keys[1]
+    base = _plan()
+    switched = _plan("rounds.0.generation.vllm.async_scheduling=true", "evaluation.generation.vllm.async_scheduling=null")
+    assert {n: s.key for n, s in base.stages.items()} == {n: s.key for n, s in switched.stages.items()}
+
+
 @pytest.mark.parametrize("loss", ["simpo", "orpo"])
 def test_a_reference_free_preference_loss_has_no_reference_stage(loss):
     plan = _plan(f'preference={{"loss": "{loss}"}}', "rounds=[]")
