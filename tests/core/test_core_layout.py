@@ -154,10 +154,13 @@ def test_each_engine_room_holds_at_most_a_dozen_modules():
 
 
 def test_every_folder_of_code_holds_at_most_a_dozen_files():
-    """The rule above for every folder of the project's code, the benchmarks' scripts included: a folder
-    past a dozen files gets rooms of its own (algos/advantages and algos/losses, alignflow/store, ...)."""
-    folders = {p.parent for top in (*PACKAGES, "bench") for p in (REPO / top).rglob("*") if p.suffix in {".py", ".sh"}}
-    assert {REPO / "algos" / "losses", REPO / "tasks" / "stages", REPO / "bench" / "step"} <= folders
+    """The rule above for every folder of the project's code, the benchmarks' scripts and the tests included: a
+    folder past a dozen files gets rooms of its own (algos/advantages and algos/losses, alignflow/store,
+    tests/algos/losses, ...)."""
+    folders = {p.parent for top in (*PACKAGES, "bench", "tests") for p in (REPO / top).rglob("*")
+               if p.suffix in {".py", ".sh"}}
+    assert {REPO / "algos" / "losses", REPO / "tasks" / "stages", REPO / "bench" / "step",
+            REPO / "tests" / "algos" / "losses"} <= folders
     crowded = {}
     for folder in folders:
         files = [p for p in folder.iterdir() if p.suffix in {".py", ".sh"} and p.name != "__init__.py"]

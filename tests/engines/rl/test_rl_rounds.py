@@ -90,7 +90,7 @@ def _row_sums(logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 # One of each way a round gets its advantages: a critic (ppo), a group's mean and spread (grpo), the
 # group's other samples (rloo), the batch's baseline (reinforce_pp_baseline). Their variants (dr_grpo,
-# reinforce_pp) differ only in math tests/algos checks; gspo's round is in test_rl_wiring.
+# reinforce_pp) differ only in math tests/algos/advantages checks; gspo's round is in test_rl_wiring.
 @pytest.mark.parametrize("algorithm", ["ppo", "grpo", "rloo", "reinforce_pp_baseline"])
 def test_step_moves_policy_toward_advantage(ray_local, tiny_model, prompts, algorithm):
     from engines.train.objectives import response_logprobs
