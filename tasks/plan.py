@@ -30,6 +30,7 @@ nothing upstream does. Planning starts nothing and imports no engine.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 from typing import Any
@@ -99,7 +100,9 @@ class Plan(BaseModel):
             present = {s.kind for s in self.stages.values()}  # targets this pipeline has a stage of
             valid = sorted({*(k.target for k in r.STAGE_KINDS.values() if k.name in present), *self.stages})
             why = f" ({self.skipped[target]})" if target in self.skipped else ""
-            raise ConfigError(f"no stage {target!r} in this pipeline{why}; valid: {', '.join(valid)}")
+            near = difflib.get_close_matches(target, valid, n=1, cutoff=0.75) if not why else []
+            raise ConfigError(f"no stage {target!r} in this pipeline{why}; "
+                              + (f"did you mean {near[0]!r}? " if near else "") + f"valid: {', '.join(valid)}")
         return names
 
     def upto(self, target: str) -> Plan:

@@ -107,7 +107,7 @@ def test_unknown_target_fails_before_anything_starts(tmp_path):
     res = cli("stage", "sfft", cwd=tmp_path)
     assert res.returncode == 2
     last = res.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: no stage 'sfft' in this pipeline; valid: ") and "rl" in last and "sft" in last
+    assert last.startswith("error: no stage 'sfft' in this pipeline; did you mean 'sft'? valid: ") and "rl" in last and "sft" in last
     assert "Prefect API" not in res.stdout + res.stderr
 
 

@@ -219,8 +219,10 @@ def test_targets_resolve_to_stages_and_their_needs():
     assert list(plan.upto("sft").stages) == ["base_model", "data", "sft"]
     assert list(plan.upto("round_1").stages) == ["base_model", "data", "sft", "reward_model", "round_1"]
     assert set(plan.upto("evaluation").stages) == set(plan.stages)
-    with pytest.raises(ConfigError, match=r"no stage 'sfft'.*valid: .*sft"):
+    with pytest.raises(ConfigError, match=r"no stage 'sfft' in this pipeline; did you mean 'sft'\? valid: .*sft"):
         plan.upto("sfft")
+    with pytest.raises(ConfigError, match=r"no stage 'round1' in this pipeline; did you mean 'round_1'\?"):
+        plan.upto("round1")
     no_rm = _plan(f"rounds=[{GRPO_RULE}]")
     with pytest.raises(ConfigError, match="no round scores with it"):
         no_rm.upto("reward_model")
