@@ -18,7 +18,7 @@ PART=${1:-1}
 OUT=${OUT:-/tmp/gpu-session}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-python3 -c "import trl, datasets; print('trl', trl.__version__)" >"$OUT/trl.txt" 2>&1 || {
+python3 -c "import datasets, trl; from trl import GRPOTrainer; print('trl', trl.__version__)" >"$OUT/trl.txt" 2>&1 || {
   echo "no TRL here (bench/stage_trl.sh stages it): vs_trl.py runs alignflow's side alone"; cat "$OUT/trl.txt"; }
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.txt"
 MODEL=$(cat /tmp/alignflow-gpu-model 2>/dev/null)  # part 2 on the machine part 1 left warm: built already
