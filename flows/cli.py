@@ -223,7 +223,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.add_argument("args", nargs="*", help="[CONFIG.yaml] [key.sub=value ...]")
     p = sub.add_parser("stage", parents=[verbose], help="run one target (and, from cache, what it needs)")
     p.add_argument("name", help="a stage (sft, round_2, eval_sft, ...) or a target (data, sft, reward_model, rl, ...)")
-    p.add_argument("args", nargs="*")
+    p.add_argument("args", nargs="*", default=[], help="[CONFIG.yaml] [key.sub=value ...]")
     return parser.parse_args(argv)
 
 

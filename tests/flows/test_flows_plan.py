@@ -233,3 +233,13 @@ def test_verbose_goes_before_the_command_or_after_it(tmp_path):
         assert ns.verbose is ("-v" in args) and ns.command == args[args[0] == "-v"] and ns.args == ["a.b=1"], args
     out = cli("-v", "validate", f"infra.storage.root={tmp_path / 'a'}", cwd=tmp_path)
     assert out.returncode == 0 and "config is valid" in out.stderr, out.stderr[-1500:]
+
+
+def test_stage_alone_asks_for_its_target_only(capsys):
+    """`alignflow stage` said both `name` and `args` were required; the config and overrides are optional."""
+    from flows.cli import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["stage"])
+    assert capsys.readouterr().err.strip().endswith("error: the following arguments are required: name")
+    assert parse_args(["stage", "sft"]).args == []
