@@ -7,10 +7,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .aggregate import aggregate_loss
-from .importance import LOG_RATIO_CLAMP, weights_if_rollout
-from .policy import PolicyLossOutput
-from ..masked import _bool_mask, _check_same_shape, full_precision, masked_mean
+from .importance import LOG_RATIO_CLAMP
+from .policy import PolicyLossOutput, weighted_policy_loss
+from ..masked import _bool_mask, _check_same_shape, full_precision
 
 
 def cispo_policy_loss(
@@ -66,17 +65,6 @@ def cispo_policy_loss(
     adv = torch.where(mask, advantages.detach().to(ratio.dtype), zeros)
     lp = torch.where(mask, logprobs, zeros)
     loss = -(weight * adv) * torch.exp(lp - lp.detach())  # value -w A, gradient -w A grad log pi
-    tis, tis_masked = weights_if_rollout(ratio, old_logprobs, rollout_logprobs, action_mask, tis_cap=tis_cap,
-                                         tis_low=tis_low, tis_mode=tis_mode)
-    loss = loss * tis.to(loss.dtype)
-    token_loss = torch.where(mask, loss, zeros)
-    scalar = aggregate_loss(token_loss, action_mask, agg=agg, loss_scale_constant=loss_scale_constant)
-    with torch.no_grad():
-        fmask = mask.to(ratio.dtype)
-        clipped = (weight != ratio) & mask
-        return PolicyLossOutput(
-            loss=scalar, token_loss=token_loss, clip_fraction=masked_mean(clipped.to(ratio.dtype), fmask),
-            dual_clip_fraction=torch.zeros((), dtype=ratio.dtype, device=ratio.device),
-            approx_kl=masked_mean(torch.expm1(log_ratio) - log_ratio, fmask), ratio_mean=masked_mean(ratio, fmask),
-            tis_weight_mean=torch.where(mask.any(), masked_mean(tis.to(ratio.dtype), fmask), 1.0),
-            tis_masked_fraction=masked_mean(tis_masked.to(ratio.dtype), fmask))
+    return weighted_policy_loss(loss, ratio, log_ratio, action_mask, old_logprobs, weight != ratio,
+                                torch.zeros_like(mask), agg=agg, loss_scale_constant=loss_scale_constant,
+                                rollout_logprobs=rollout_logprobs, tis_cap=tis_cap, tis_low=tis_low, tis_mode=tis_mode)

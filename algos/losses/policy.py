@@ -108,11 +108,25 @@ def clipped_surrogate(
         dual_active = (adv < 0) & (loss > cap) & mask
         loss = torch.where(dual_active, cap, loss)
 
+    return weighted_policy_loss(loss, ratio, log_ratio, action_mask, old_logprobs, clip_active, dual_active,
+                                agg=agg, loss_scale_constant=loss_scale_constant, rollout_logprobs=rollout_logprobs,
+                                tis_cap=tis_cap, tis_low=tis_low, tis_mode=tis_mode)
+
+
+def weighted_policy_loss(loss: Tensor, ratio: Tensor, log_ratio: Tensor, action_mask: Tensor, old_logprobs: Tensor,
+                         clip_active: Tensor, dual_active: Tensor, *, agg: str, loss_scale_constant: Optional[float],
+                         rollout_logprobs: Optional[Tensor], tis_cap: Optional[float], tis_low: Optional[float],
+                         tis_mode: str) -> PolicyLossOutput:
+    """A policy loss's last steps, shared by the surrogates (PPO, GSPO, CISPO): each token's loss ``l`` weighted
+    by its rollout importance weight (``l *= w``, :func:`weights_if_rollout`), zeroed at padding, reduced by
+    :func:`aggregate_loss`, and the metrics of :class:`PolicyLossOutput` (``clip_active``, ``dual_active``:
+    the tokens each clip bit on).
+
+    Shapes: every tensor ``(B, T)``; returns :class:`PolicyLossOutput`."""
+    mask = _bool_mask(action_mask)
     weight, tis_masked = weights_if_rollout(ratio, old_logprobs, rollout_logprobs, action_mask, tis_cap=tis_cap,
                                             tis_low=tis_low, tis_mode=tis_mode)
-    loss = loss * weight.to(loss.dtype)
-
-    token_loss = torch.where(mask, loss, zeros)
+    token_loss = torch.where(mask, loss * weight.to(loss.dtype), torch.zeros_like(loss))
     scalar = aggregate_loss(token_loss, action_mask, agg=agg,
                             loss_scale_constant=loss_scale_constant)
     with torch.no_grad():
