@@ -122,10 +122,6 @@ class EngineConfig(Section):
     lora: LoraConfig | None = Field(
         None, description="LoRA adapters instead of full fine-tuning (peft); None: every weight trains")
 
-    def fp32_gradient_sums(self, dtype: str) -> bool:
-        """fp32_gradient_sums of this engine with the model in `dtype`."""
-        return fp32_gradient_sums(self.zero_stage, self.offload, dtype)
-
     @model_validator(mode="after")
     def _a_gpu_per_rank(self) -> EngineConfig:
         if 0 < self.placement.num_gpus < 1 and self.num_workers > 1:

@@ -27,9 +27,9 @@ def check_batches(cfg: PipelineConfig, found, sft_rows: int | None, pairs: int |
     kto = cfg.preference is not None and cfg.preference.loss == "kto"
     if cfg.data.source == "synthetic":
         s = cfg.data.synthetic
-        pairs = (s.num_preference, "pairs", "data.synthetic.num_preference")
-        kto_rows = (2 * s.num_preference, "rows (KTO's: each pair's two replies)", pairs[2])
-        counts = {"reward_model": pairs, "preference": kto_rows if kto else pairs}
+        task_pairs = (s.num_preference, "pairs", "data.synthetic.num_preference")
+        kto_rows = (2 * s.num_preference, "rows (KTO's: each pair's two replies)", task_pairs[2])
+        counts = {"reward_model": task_pairs, "preference": kto_rows if kto else task_pairs}
         if s.task == "largest_digit":  # the boxes task writes two rows of some traces
             counts["sft"] = (s.num_sft, "rows", "data.synthetic.num_sft")
     else:
@@ -124,7 +124,7 @@ def _datasets_name(field: str, path: str, found) -> None:
                           "path is neither")
     else:
         found.notes.append(f"{field}: {path!r} is no {formats} file, so the data stage loads it with "
-                           "datasets.load_dataset (a hub name, or a local directory of data files); not checked here "
+                           "datasets.load_dataset (a hub name); not checked here "
                            f"({found.sources.of(field)})")
 
 

@@ -11,6 +11,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from alignflow.config import EngineConfig, PipelineConfig
+from alignflow.config.base import fp32_gradient_sums
 from alignflow.config.preference import REFERENCE_FREE
 from alignflow.preflight.findings import Findings
 
@@ -52,7 +53,8 @@ def note_unused_settings(cfg: PipelineConfig, found: Findings) -> None:
                         if getattr(pref, n) != getattr(defaults, n)], f"preference.loss {pref.loss} has no reference"))
     found.notes += [f"{', '.join(fields)}: not used ({why}) ({found.sources.of(fields[0])})"
                     for fields, why in unused if fields] + stale
-    half = [(at, e) for at, e in engines(cfg, "") if at not in idle and not e.fp32_gradient_sums(cfg.model.dtype)]
+    half = [(at, e) for at, e in engines(cfg, "")
+            if at not in idle and not fp32_gradient_sums(e.zero_stage, e.offload, cfg.model.dtype)]
     if low := [at for at, e in half if e.zero_stage < 2]:
         found.notes.append(
             f"{', '.join(f'{at}.zero_stage' for at in low)}: under 2 with model.dtype {cfg.model.dtype}, a step's "
