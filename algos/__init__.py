@@ -72,10 +72,17 @@ from .losses.preference import (
     sequence_logprobs,
     simpo_loss,
 )
+from .losses.process import (STEP_AGGREGATIONS, StepwiseLossOutput, first_error_steps, solution_scores,
+                             stepwise_reward_loss)
 from .advantages.returns import compute_gae, discounted_returns
 from .advantages.shaping import RunningMeanStd, clip_rewards, rewards_at_turns, truncation_penalty
 
 __all__ = [
+    "STEP_AGGREGATIONS",
+    "StepwiseLossOutput",
+    "first_error_steps",
+    "solution_scores",
+    "stepwise_reward_loss",
     "best_worst_pairs",
     "ADVANTAGE_ESTIMATORS",
     "AdaptiveKLController",
