@@ -90,10 +90,12 @@ class LengthReport:
     overlong: int
     max_prompt_tokens: int
     assistant_turns: int | None = None  # earlier assistant turns trained besides the responses (sft_tensors)
+    steps_cut: int | None = None  # steps past the response limit (engines/steps.py)
 
     def as_metrics(self, split: str) -> dict[str, float]:
         turns = {} if self.assistant_turns is None else {f"data/{split}_assistant_turns": self.assistant_turns}
-        return {f"data/{split}_rows": self.total, f"data/{split}_overlong_prompts": self.overlong} | turns
+        cut = {} if self.steps_cut is None else {f"data/{split}_steps_cut": self.steps_cut}
+        return {f"data/{split}_rows": self.total, f"data/{split}_overlong_prompts": self.overlong} | turns | cut
 
 
 def filter_prompts(

@@ -18,6 +18,7 @@ the field, the limit and the length that keeps every row.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
@@ -25,8 +26,13 @@ from alignflow.config import DataConfig
 from alignflow.errors import DataError
 from engines.batches import render_prompt
 
+log = logging.getLogger("alignflow")
+
 RESPONSE_KEYS = {"sft": ("response",), "preference": ("chosen", "rejected"), "preference_unpaired": ("response",),
                  "eval_preference": ("chosen", "rejected")}
+# Step-labelled solutions: a response is its steps, each tokenized apart (as engines/steps.py does). One past the
+# limit loses its last steps, counted and warned about (data/<split>_responses_cut), never failing.
+STEP_SPLITS = ("process", "eval_process")
 
 
 def percentile(values: list[int], q: float) -> int:
@@ -62,6 +68,8 @@ def measure(tokenizer, splits: dict[str, list[dict]]) -> dict[str, SplitLengths]
         prompts = [len(_rendered(tokenizer, r, name, i)) for i, r in enumerate(records)]
         keys = RESPONSE_KEYS.get(name, ())
         responses = [0] * len(records)
+        if name in STEP_SPLITS:
+            responses = [sum(map(len, tokenizer(r["steps"], add_special_tokens=False)["input_ids"])) for r in records]
         for key in keys:
             texts = [r[key] for r in records]
             ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
@@ -122,8 +130,13 @@ def resolve(cfg: DataConfig, lengths: dict[str, SplitLengths], positions: int) -
             raise DataError(f"data.max_prompt_tokens={prompt_limit} + data.max_response_tokens={response_limit} "
                             f"exceed the model's {positions} positions")
     left_out = {n: sum(p > prompt_limit for p in s.prompt) for n, s in lengths.items()}
-    cut = {n: sum(r > response_limit for r in kept[n]) for n in lengths if n in RESPONSE_KEYS}
+    cut = {n: sum(r > response_limit for r in kept[n]) for n in lengths if n in RESPONSE_KEYS or n in STEP_SPLITS}
     for name, n_cut in cut.items():
+        if name in STEP_SPLITS:
+            if n_cut:
+                log.warning("%s: %d of %d solutions are longer than data.max_response_tokens=%d; their steps past it "
+                            "are not trained on or scored", name, n_cut, len(kept[name]), response_limit)
+            continue
         allowed = cfg.max_cut_fraction.preference if "preference" in name else cfg.max_cut_fraction.sft
         total = len(kept[name])
         if n_cut > allowed * total:

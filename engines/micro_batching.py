@@ -37,12 +37,13 @@ def micro_batches(batch: dict[str, torch.Tensor], size: int | None, *, tokens: i
 
 
 # Tensors laid out along a sequence's positions, by the mask whose width measures them and how much shorter
-# than it they are (the next-token layout: one): the rows (input_ids') and KTO's mismatched `kl_` rows. A
+# than it they are (the next-token layout: one): the rows (input_ids', a process reward model's step marks
+# and labels among them) and KTO's mismatched `kl_` rows. A
 # teacher's top-k is one column per response token (objectives.loss_columns): column j holds a position at
 # or past j, so the next-token layout's cut never drops one whose position is kept. An RL batch's tensors
 # per response token (B, T, ...) are measured by its action_mask. A batch holding a tensor of any other
 # layout is left as it is.
-_POSITIONAL = {"attention_mask": {"input_ids": 0, "attention_mask": 0, "loss_mask": 0,
+_POSITIONAL = {"attention_mask": {"input_ids": 0, "attention_mask": 0, "loss_mask": 0, "step_mask": 0, "step_labels": 0,
                                   "teacher_ids": 1, "teacher_logprobs": 1, "teacher_positions": 1},
                "kl_attention_mask": {"kl_input_ids": 0, "kl_attention_mask": 0, "kl_loss_mask": 0}}
 _MEASURES = (*_POSITIONAL, "action_mask")

@@ -49,9 +49,10 @@ def _is_round_accuracy(key: str) -> bool:
 
 
 def stage_order(name: str) -> tuple[int, int, str]:
-    """base, sft, reward_model, round_1, round_2, ..., then the rest by name (an `eval_` prefix ignored)."""
+    """base, sft, reward_model (and process_reward_model), round_1, round_2, ..., then the rest by name (an
+    `eval_` prefix ignored)."""
     bare = name.removeprefix("eval_")
-    fixed = {"base": 0, "base_model": 0, "sft": 1, "reward_model": 2}
+    fixed = {"base": 0, "base_model": 0, "sft": 1, "reward_model": 2, "process_reward_model": 2}
     if bare in fixed:
         return fixed[bare], 0, bare
     m = re.fullmatch(r"round_(\d+)", bare)

@@ -50,6 +50,7 @@ class PipelineReport(BaseModel):
     stage_states: dict[str, str]
     policies: dict[str, dict[str, float]]
     reward_model: dict[str, float] = {}
+    process_reward_model: dict[str, float] = {}
     judge: dict[str, float] = {}
     kl_budgets: dict[str, float] = {}
     curves_uri: str | None = None  # the learning-curve PNGs under the storage root (flows/curves.py)
@@ -90,6 +91,10 @@ class PipelineReport(BaseModel):
             lines.append(f"reward model held-out pairwise accuracy: {self.reward_model['eval/rm_pairwise_accuracy']:.3f}")
         if bins := self.margin_bins():
             lines.append("reward model accuracy by |chosen - rejected| score gap: " + "  ".join(bins))
+        if "eval/prm_step_accuracy" in (p := self.process_reward_model):
+            lines.append(f"process reward model held-out accuracy: steps {p['eval/prm_step_accuracy']:.3f} (labelled "
+                         f"right: {p['eval/prm_positive_fraction']:.3f}), solutions "
+                         f"{p['eval/prm_solution_accuracy']:.3f}, first wrong step {p['eval/prm_first_error_accuracy']:.3f}")
         if "eval/judge_verdict_accuracy" in self.judge:
             j = self.judge
             lines.append(f"judge held-out verdict accuracy: {j['eval/judge_verdict_accuracy']:.3f} "
@@ -176,6 +181,7 @@ def build_report(ctx: RunContext, plan: Plan, results: dict[str, StageResult],
                  states: dict[str, str]) -> PipelineReport:
     policies = {s.name.removeprefix("eval_"): results[s.name].metrics for s in plan.of_kind("evaluate_policy")}
     rm_eval, judge_eval = plan.of_kind("evaluate_reward_model"), plan.of_kind("evaluate_judge")
+    prm_eval = plan.of_kind("evaluate_process_reward_model")
     return PipelineReport(
         mlflow_run_id=ctx.parent_run_id,
         mlflow_tracking_uri=ctx.infra.mlflow_tracking_uri,
@@ -186,6 +192,7 @@ def build_report(ctx: RunContext, plan: Plan, results: dict[str, StageResult],
         policies=policies,
         reward_model=results[rm_eval[0].name].metrics if rm_eval else {},
         judge=results[judge_eval[0].name].metrics if judge_eval else {},
+        process_reward_model=results[prm_eval[0].name].metrics if prm_eval else {},
         kl_budgets={s.name: s.config.round.kl.budget for s in plan.of_kind("rl_round") if s.name in policies},
     )
 
@@ -218,6 +225,8 @@ def close_run(ctx: RunContext, report: PipelineReport | None = None) -> None:
         metrics = {f"{name}/{k.removeprefix('eval/')}": v
                    for name, m in report.policies.items() for k, v in m.items() if compared(k)}
         metrics.update({k.removeprefix("eval/"): v for k, v in report.reward_model.items()})
+        metrics.update({k.removeprefix("eval/"): v for k, v in report.process_reward_model.items()
+                        if k.startswith("eval/prm_")})
         run.log_metrics(metrics)
         run.log_text(report.table(), "report.txt")
         report.curves_uri = publish_curves(tracker, ctx.storage(), ctx.parent_run_id)

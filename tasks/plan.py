@@ -17,7 +17,8 @@ Which stages exist follows from the config (alignflow/config/pipeline.py):
 no `sft` section, and rounds start from the base model, which is then the
 reference; the reward model only where a round uses it (or the pipeline
 has no rounds); a round takes only the inputs its algorithm's spec needs.
-Opt-in: a `judge` (from SFT) for rounds whose reward asks it; offline
+Opt-in: a `process_reward_model` (from SFT) on step-labelled solutions; a
+`judge` (from SFT) for rounds whose reward asks it; offline
 `distill` (from SFT) after a cached `distill_teacher`. A teacher or judge
 the config names by path is committed by a base_model stage of its own.
 
@@ -147,8 +148,8 @@ def plan_pipeline(cfg: PipelineConfig) -> Plan:
     prints = Fingerprints(cfg.infra.storage.cache_dir)
     base = b.add("base_model", "base_model", r.BaseModelStage(model=cfg.model, seed=seed("base_model")),
                  external={} if cfg.model.base == "tiny" else {"model.base": prints.of(cfg.model.base)})
-    data = b.add("data", "data", r.DataStage(data=cfg.data, seed=seed("data")), model=base,
-                 external={f: prints.of(p) for f, p in cfg.data.sources().items()})
+    data = b.add("data", "data", r.DataStage(data=cfg.data.without_process(), seed=seed("data")), model=base,
+                 external={f: prints.of(p) for f, p in cfg.data.sources().items() if f != "data.process.path"})
     reference = base
     if cfg.sft is not None:
         reference = b.add("sft", "sft", r.SFTStage(train=cfg.sft, io=io, seed=seed("sft")), data=data, init=base)
@@ -162,6 +163,18 @@ def plan_pipeline(cfg: PipelineConfig) -> Plan:
     else:
         b.skipped["reward_model"] = ("the config has no reward_model section" if cfg.reward_model is None else
                                      "no round scores with it or starts a critic from it")
+
+    process_reward = None
+    if cfg.process_reward_model is not None:  # opt-in: not "skipped" without it
+        d = cfg.data
+        files = d.source == "files"
+        steps_data = b.add("process_data", "process_data", r.ProcessDataStage(
+            process=d.process if files else None, synthetic=None if files else d.synthetic, seed=seed("data"),
+            max_prompt_tokens=d.max_prompt_tokens, max_response_tokens=d.max_response_tokens), model=base,
+            external={"data.process.path": prints.of(d.process.path)} if files else {})
+        process_reward = b.add("process_reward_model", "process_reward_model", r.ProcessRewardModelStage(
+            train=cfg.process_reward_model, io=io, seed=seed("process_reward_model")), data=steps_data,
+            init=reference)
 
     judge = None
     if cfg.judge is not None:
@@ -244,6 +257,10 @@ def plan_pipeline(cfg: PipelineConfig) -> Plan:
                 io=io, scorer_placement=cfg.evaluation.scorer_placement,
                 scoring_micro_batch_size=cfg.evaluation.micro_batch_size, rm_margin_bins=cfg.evaluation.rm_margin_bins),
                   data=data, reward=reward)
+        if process_reward:
+            b.add("eval_process_reward_model", "evaluate_process_reward_model", r.ProcessRewardModelEvalStage(
+                io=io, scorer_placement=cfg.evaluation.scorer_placement,
+                scoring_micro_batch_size=cfg.evaluation.micro_batch_size), data=steps_data, process_reward=process_reward)
     prints.save()
     return Plan(stages=b.stages, skipped=b.skipped)
 

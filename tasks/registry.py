@@ -21,7 +21,8 @@ from typing import Literal
 from pydantic import Field
 
 from alignflow.config import (DataConfig, EvalConfig, JudgeConfig, JudgeRewardConfig, ModelConfig,
-                              OfflineDistillConfig, Placement, PreferenceConfig, RewardModelConfig, RoundConfig, Section, SFTConfig)
+                              OfflineDistillConfig, Placement, PreferenceConfig, ProcessRewardModelConfig,
+                              RewardModelConfig, RoundConfig, Section, SFTConfig, StepwiseSource, SyntheticTaskConfig)
 from alignflow.records import StageResult
 
 # ---- what stages are given --------------------------------------------------------
@@ -39,6 +40,15 @@ class DataStage(Section):
     seed: int
 
 
+class ProcessDataStage(Section):
+    """The step-labelled solutions alone: data.process's file, or the bundled task's (with its seed and counts)."""
+    process: StepwiseSource | None
+    synthetic: SyntheticTaskConfig | None
+    max_prompt_tokens: int | Literal["auto"]
+    max_response_tokens: int | Literal["auto"]
+    seed: int = Field(description="the data stage's: the bundled task's other splits, whose prompts are not reused")
+
+
 class BaseModelStage(Section):
     model: ModelConfig
     seed: int
@@ -52,6 +62,12 @@ class SFTStage(Section):
 
 class RewardModelStage(Section):
     train: RewardModelConfig
+    io: ModelIO
+    seed: int
+
+
+class ProcessRewardModelStage(Section):
+    train: ProcessRewardModelConfig
     io: ModelIO
     seed: int
 
@@ -113,6 +129,12 @@ class RewardModelEvalStage(Section):
     scorer_placement: Placement
     scoring_micro_batch_size: int | None = Field(description="evaluation.micro_batch_size")
     rm_margin_bins: list[float] = Field(description="evaluation.rm_margin_bins")
+
+
+class ProcessRewardModelEvalStage(Section):
+    io: ModelIO
+    scorer_placement: Placement
+    scoring_micro_batch_size: int | None = Field(description="evaluation.micro_batch_size")
 
 
 # ---- what stages receive from upstream ------------------------------------------------
@@ -181,6 +203,11 @@ class RewardModelEvalInputs(Section):
     reward: StageResult
 
 
+class ProcessRewardModelEvalInputs(Section):
+    data: StageResult
+    process_reward: StageResult
+
+
 # ---- the registry ---------------------------------------------------------------------
 
 
@@ -214,6 +241,9 @@ register_stage(StageKind(
     "data", "data", DataStage, DataInputs, "8", "tasks.stages.data:prepare_data",
     "the bundled task or user data as canonical JSONL splits, measured in tokens"))
 register_stage(StageKind(
+    "process_data", "process_reward_model", ProcessDataStage, DataInputs, "1", "tasks.stages.data:prepare_process_data",
+    "step-labelled solutions for a process reward model, some held out, measured in tokens"))
+register_stage(StageKind(
     "base_model", "base_model", BaseModelStage, NoInputs, "3", "tasks.stages.base_model:base_model",
     "the tiny local model, or the user's HF model, committed to storage"))
 register_stage(StageKind(
@@ -222,6 +252,9 @@ register_stage(StageKind(
 register_stage(StageKind(
     "reward_model", "reward_model", RewardModelStage, TrainInputs, "3", "tasks.stages.train:reward_model",
     "Bradley-Terry reward model on preference pairs (DeepSpeed)"))
+register_stage(StageKind(
+    "process_reward_model", "process_reward_model", ProcessRewardModelStage, TrainInputs, "1",
+    "tasks.stages.train:process_reward_model", "process reward model on step-labelled solutions (DeepSpeed)"))
 register_stage(StageKind(
     "judge", "judge", JudgeStage, TrainInputs, "3", "tasks.stages.judge:judge",
     "a generative judge: SFT on yes/no verdicts of the preference pairs (DeepSpeed)"))
@@ -247,6 +280,10 @@ register_stage(StageKind(
 register_stage(StageKind(
     "evaluate_reward_model", "evaluation", RewardModelEvalStage, RewardModelEvalInputs, "3",
     "tasks.stages.evaluate:evaluate_reward_model", "held-out pairwise accuracy of the reward model"))
+register_stage(StageKind(
+    "evaluate_process_reward_model", "evaluation", ProcessRewardModelEvalStage, ProcessRewardModelEvalInputs, "1",
+    "tasks.stages.evaluate:evaluate_process_reward_model",
+    "held-out step, solution and first-error accuracy of the process reward model"))
 register_stage(StageKind(
     "evaluate_judge", "evaluation", JudgeEvalStage, JudgeEvalInputs, "2", "tasks.stages.judge:evaluate_judge",
     "held-out verdict accuracy of the judge (both responses of each pair, greedy)"))

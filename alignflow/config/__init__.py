@@ -3,6 +3,7 @@
     base.py      the config base, placement, training engines, sampling
     data.py      data sources          model.py   the base policy
     preference.py  DPO / IPO / cDPO / KTO    evaluation.py  held-out evaluation
+    process.py   the process reward model (step labels)
     round/       one RL round: its checks, rewards, judge, updates, environment
     pipeline.py  which stages exist, infra     lora_targets.py  what LoRA may adapt
     loading.py   YAML + overrides -> a validated PipelineConfig
@@ -12,7 +13,8 @@ Unknown keys are errors, so a typo never silently falls back to a default.
 
 from alignflow.config.base import (EngineConfig, GenerationConfig, LoraConfig, Placement, Section, TrainConfig,
                                    VLLMConfig)
-from alignflow.config.data import DataConfig, DatasetSource, SyntheticTaskConfig
+from alignflow.config.data import DataConfig, DatasetSource, StepwiseSource, SyntheticTaskConfig
+from alignflow.config.process import ProcessRewardModelConfig
 from alignflow.config.loading import (
     DEFAULT_CONFIG,
     RESOURCE_FIELDS,
@@ -55,7 +57,8 @@ __all__ = [
     "EnvironmentConfig",
     "DEFAULT_CONFIG", "RESOURCE_FIELDS", "ActorConfig", "ConfigError", "CriticConfig", "DataConfig",
     "DatasetSource", "EngineConfig", "EvalConfig", "GenerationConfig", "InfraConfig", "JudgeConfig", "JudgeRewardConfig", "KLConfig", "LoraConfig", "ModelConfig",
-    "OfflineDistillConfig", "OnlineDPOConfig", "PPOConfig", "PipelineConfig", "PreferenceConfig", "Placement", "RejectionSamplingConfig", "RewardConfig", "RewardModelConfig",
+    "OfflineDistillConfig", "OnlineDPOConfig", "PPOConfig", "PipelineConfig", "PreferenceConfig", "Placement",
+    "ProcessRewardModelConfig", "StepwiseSource", "RejectionSamplingConfig", "RewardConfig", "RewardModelConfig",
     "RolloutConfig", "RoundConfig", "SFTConfig", "Section", "StorageConfig", "SyntheticTaskConfig",
     "TinyModelConfig", "TrainConfig", "VLLMConfig", "apply_overrides", "cache_relevant", "config_from_parameter", "default_config_path", "load_config",
     "parse_override", "resolve_paths", "validate_config",

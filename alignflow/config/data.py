@@ -10,6 +10,9 @@ from pydantic import Field, model_validator
 from alignflow.config.base import Section
 
 
+STEP_SEPARATOR = "\n"  # what follows each step of the bundled task's step-labelled solutions
+
+
 class SyntheticTaskConfig(Section):
     """The bundled "largest digit" task (see alignflow.data.synthetic).
 
@@ -30,16 +33,23 @@ class SyntheticTaskConfig(Section):
     num_eval: int = Field(200, ge=1, description="held-out eval prompts (and as many held-out pairs)")
     sft_correct_fraction: float = Field(
         0.35, ge=0.0, le=1.0, description="share of SFT demonstrations answering correctly (the rest: the bad habit)")
+    num_process: int = Field(
+        0, ge=0, description="step-labelled solutions for a process reward model (largest_digit: the running "
+        "largest digit, a step per digit; about 10% held out); 0: none")
 
     @model_validator(mode="after")
     def _enough_prompts(self) -> SyntheticTaskConfig:
         if self.task == "largest_digit":  # every row of every split is a prompt of its own
             exist, need = math.perm(10, self.num_digits), self.num_eval + self.num_sft + self.num_preference + \
-                self.num_rl_prompts
+                self.num_rl_prompts + self.num_process
             if need > exist:
-                raise ValueError(f"num_eval + num_sft + num_preference + num_rl_prompts = {need} distinct prompts, but "
+                raise ValueError(f"num_eval + num_sft + num_preference + num_rl_prompts + num_process = {need} "
+                                 f"distinct prompts, but "
                                  f"only {exist} orderings of {self.num_digits} distinct digits exist: raise num_digits "
                                  f"or ask for fewer rows")
+        if self.task == "boxes" and self.num_process:
+            raise ValueError("num_process: the boxes task has no step-labelled solutions; use task: largest_digit, "
+                             "or data.source: files with data.process")
         return self
 
 
@@ -76,6 +86,18 @@ class DatasetSource(Section):
         "strings are split after their last occurrence of this; the text before (marker included) is the prompt")
 
 
+class StepwiseSource(DatasetSource):
+    """Step-labelled solutions for a process reward model: a prompt, its solution as a list of steps and a label
+    per step (TRL's stepwise-supervision rows; Math-Shepherd's and PRM800K's, converted)."""
+
+    steps_key: str = Field("completions", description="column of the solution's steps: a list of strings")
+    labels_key: str = Field("labels", description="column of the steps' labels: true/false (or 1/0) per step, "
+                            "true where the solution is still right after that step")
+    step_separator: str = Field(
+        "\n", min_length=1, description="text that follows every step, where the model reads the solution: a step "
+        "is scored at its separator's last token")
+
+
 class CutFractions(Section):
     """The share of a split's rows whose responses may be cut to `max_response_tokens` before the data stage fails."""
 
@@ -97,6 +119,9 @@ class DataConfig(Section):
     prompts: DatasetSource | None = Field(
         None, description="RL prompts (source: files); None: the SFT prompts, without answers")
     eval: DatasetSource | None = Field(None, description="held-out eval prompts (source: files; required there)")
+    process: StepwiseSource | None = Field(
+        None, description="step-labelled solutions, about 10% of their prompts held out (source: files; required "
+        "there where a process_reward_model trains)")
     max_prompt_tokens: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
         "auto", description="longer prompts are left out (counted); auto: the longest prompt of any split")
     max_response_tokens: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
@@ -111,8 +136,18 @@ class DataConfig(Section):
         """Config field -> the path or name of every user source this config reads (none: the bundled task)."""
         if self.source != "files":
             return {}
-        return {f"data.{k}.path": src.path for k in ("sft", "preference", "prompts", "eval")
+        return {f"data.{k}.path": src.path for k in ("sft", "preference", "prompts", "eval", "process")
                 if (src := getattr(self, k)) is not None}
+
+    def without_process(self) -> DataConfig:
+        """This config less the process reward model's data, which a stage of its own reads (tasks/plan.py): the
+        data stage's key is the same with or without it."""
+        return self.model_copy(update={"process": None,
+                                       "synthetic": self.synthetic.model_copy(update={"num_process": 0})})
+
+    def step_separator(self) -> str:
+        """What follows every step of a step-labelled solution: data.process's, or the bundled task's."""
+        return self.process.step_separator if self.source == "files" and self.process else STEP_SEPARATOR
 
     @model_validator(mode="after")
     def _labels_only_on_preference(self) -> DataConfig:
@@ -125,7 +160,7 @@ class DataConfig(Section):
     @model_validator(mode="after")
     def _files_present(self) -> DataConfig:
         if self.source == "synthetic":
-            given = [k for k in ("sft", "preference", "prompts", "eval") if getattr(self, k) is not None]
+            given = [k for k in ("sft", "preference", "prompts", "eval", "process") if getattr(self, k) is not None]
             if given:  # else the run trains on the bundled task, and never reads them
                 raise ValueError(f"data.{', data.'.join(given)} {'is' if len(given) == 1 else 'are'} given, but "
                                  f"data.source is 'synthetic' (the bundled task): set data.source: files to read "

@@ -38,23 +38,25 @@ RESOURCE_FIELDS = frozenset({"placement", "scorer_placement", "reference_placeme
                              "preflight_rows", "scoring_micro_batch_size", "scoring_micro_batch_tokens",
                              "checkpoint_every", "log_every", "colocate_offload", "weight_bucket_mb",
                              "gpu_memory_utilization", "kv_cache_gib", "max_num_seqs", "max_num_batched_tokens",
-                             "async_scheduling",
-                             "enforce_eager"})
+                             "async_scheduling", "enforce_eager"})
 # Resource-only under one section's name alone, where the same name elsewhere changes what is computed
 # (a trainer's micro_batch_size is its gradient accumulation): the evaluation's scoring forwards.
 RESOURCE_FIELDS_IN = {"evaluation": frozenset({"micro_batch_size"})}
-
-
 # Fields read only where a sibling has one value (SimPO's target margin, read with `loss: simpo`), left out of
 # the key elsewhere, where the config refuses any but the default: adding one kept the other losses' keys.
 READ_ONLY_WITH = {"simpo_gamma": ("loss", "simpo")}
+# Fields added after stages' keys were published, left out of a key while at the default they were added with
+# (what every earlier config meant): adding one keeps every earlier key.
+ADDED_AT_DEFAULT = {"process": None, "num_process": 0}
 
 
 def cache_relevant(cfg: BaseModel) -> dict[str, Any]:
-    """A config as JSON, without its resource-only fields (at any depth) and the fields its other settings leave
-    unread (READ_ONLY_WITH)."""
+    """A config as JSON, without its resource-only fields (at any depth), the fields its other settings leave
+    unread (READ_ONLY_WITH) and fields added later while at their default (ADDED_AT_DEFAULT)."""
 
     def unread(node: dict, key: str) -> bool:
+        if key in ADDED_AT_DEFAULT and node[key] == ADDED_AT_DEFAULT[key]:
+            return True
         return key in READ_ONLY_WITH and node.get(READ_ONLY_WITH[key][0]) != READ_ONLY_WITH[key][1]
 
     def strip(node: Any, within: frozenset[str] = frozenset()) -> Any:

@@ -23,6 +23,7 @@ from alignflow.config.distill import OfflineDistillConfig
 from alignflow.config.round.judge import VERDICTS, JudgeConfig
 from alignflow.config.model import ModelConfig
 from alignflow.config.preference import REFERENCE_FREE, PreferenceConfig, PreferenceLoss
+from alignflow.config.process import ProcessRewardModelConfig, process_data_missing
 from alignflow.config.round.rl import ActorConfig, RoundConfig
 from alignflow.redact import config_credentials
 from alignflow.config.round.verdicts import parse_verdict
@@ -108,6 +109,9 @@ class PipelineConfig(Section):
     reward_model: RewardModelConfig | None = Field(
         RewardModelConfig(), description="reward model, trained where used (see above); null: none, rounds score "
         "with reward.source rule or remote")
+    process_reward_model: ProcessRewardModelConfig | None = Field(
+        None, description="a process reward model scoring each step of a solution, trained on data.process (from "
+        "SFT); null: none")
     preference: PreferenceConfig | None = Field(
         None, description="offline DPO/IPO/cDPO/KTO/SimPO/ORPO after SFT; rounds start from it; "
                           "null: no preference stage")
@@ -129,7 +133,7 @@ class PipelineConfig(Section):
         """Where the pipeline runs transformers models, by field: trainers, scorers (reference, reward model,
         teacher) and engines of the hf backend. vLLM engines run their own attention."""
         out: dict[str, Placement] = {}
-        for name in ("sft", "reward_model", "preference", "distill", "judge"):
+        for name in ("sft", "reward_model", "process_reward_model", "preference", "distill", "judge"):
             section = getattr(self, name)
             if section is not None and (name != "reward_model" or self.trains_reward_model):
                 out[f"{name}.placement"] = section.placement
@@ -234,6 +238,12 @@ class PipelineConfig(Section):
             raise ValueError(f"data.preference: not given, but {' and '.join(readers)} "
                              f"{'trains' if len(readers) == 1 else 'train'} on preference pairs: give data.preference, "
                              f"or set {' and '.join(drop.get(n, f'{n}: null') for n in readers)}")
+        return self
+
+    @model_validator(mode="after")
+    def _process_data(self) -> PipelineConfig:
+        if self.process_reward_model is not None and (why := process_data_missing(self.data)):
+            raise ValueError(why)
         return self
 
     @model_validator(mode="after")

@@ -18,18 +18,20 @@ MATH_RULES = ("alignflow.rewards:math_equal", "alignflow.rewards.math:math_equal
 MATH_CHECK_ROWS = 1000  # answers the math rule's parser reads in preflight (sympy: about 1 ms each)
 
 
-def check_batches(cfg: PipelineConfig, found, sft_rows: int | None, pairs: int | None = None, unpaired: int = 0
-                  ) -> None:
+def check_batches(cfg: PipelineConfig, found, sft_rows: int | None, pairs: int | None = None, unpaired: int = 0,
+                  solutions: int | None = None) -> None:
     """A training stage's batch against the rows it can have at most: the synthetic task's counts, or a local SFT
-    file's rows (`sft_rows`) and a preference file's `pairs` and `unpaired` (KTO's) rows; prompts too long for
-    data.max_prompt_tokens are left out of them later, and about 10 % of the pairs held out."""
+    file's rows (`sft_rows`), a preference file's `pairs` and `unpaired` (KTO's) rows and a process file's
+    `solutions`; prompts too long for data.max_prompt_tokens are left out of them later, and about 10 % of the
+    pairs and solutions held out."""
     counts = {}  # stage -> (the most it trains on, in what, the field that sets it)
     kto = cfg.preference is not None and cfg.preference.loss == "kto"
     if cfg.data.source == "synthetic":
         s = cfg.data.synthetic
         task_pairs = (s.num_preference, "pairs", "data.synthetic.num_preference")
         kto_rows = (2 * s.num_preference, "rows (KTO's: each pair's two replies)", task_pairs[2])
-        counts = {"reward_model": task_pairs, "preference": kto_rows if kto else task_pairs}
+        counts = {"reward_model": task_pairs, "preference": kto_rows if kto else task_pairs,
+                  "process_reward_model": (s.num_process, "solutions", "data.synthetic.num_process")}
         if s.task == "largest_digit":  # the boxes task writes two rows of some traces
             counts["sft"] = (s.num_sft, "rows", "data.synthetic.num_sft")
     else:
@@ -41,6 +43,8 @@ def check_batches(cfg: PipelineConfig, found, sft_rows: int | None, pairs: int |
                        "judge": (2 * pairs, "verdicts (one for each reply of a pair)", field),
                        "preference": (2 * pairs + unpaired, "rows (each pair's two replies, and the unpaired "
                                       "rows)", field) if kto else (pairs, "pairs of data.preference", field)}
+        if solutions is not None:
+            counts["process_reward_model"] = (solutions, "solutions of data.process", "data.process.path")
     for stage, (most, unit, source) in counts.items():
         train = getattr(cfg, stage)
         if train is not None and (stage != "reward_model" or cfg.trains_reward_model) and most < train.batch_size:
@@ -56,7 +60,8 @@ def check_files(cfg: PipelineConfig, found) -> None:
     if cfg.data.prompts is None:  # the RL prompts are the SFT prompts, without answers
         _answers_read(cfg, "prompts", "data.prompts", "no data.prompts is given, so the RL prompts are the SFT "
                       "prompts, without answers", found)
-    for name, kind in (("sft", "sft"), ("preference", "preference"), ("prompts", "prompts"), ("eval", "prompts")):
+    for name, kind in (("sft", "sft"), ("preference", "preference"), ("prompts", "prompts"), ("eval", "prompts"),
+                       ("process", "process")):
         src: DatasetSource | None = getattr(cfg.data, name)
         if src is None:
             continue
@@ -101,12 +106,12 @@ def check_files(cfg: PipelineConfig, found) -> None:
                 found.fail(f"data.{name}.answer_key", text, also=tuple(math))
             else:
                 found.notes.append(f"data.{name}.answer_key: {text}")
-        if name in ("sft", "preference") and limit is None and not bad:
+        if name in ("sft", "preference", "process") and limit is None and not bad:
             rows[name], rows["unpaired"] = n - unpaired, rows.get("unpaired", 0) + unpaired  # pairs apart
         if limit is not None and n == limit:
             found.notes.append(f"data.{name}: {path} is remote, so its first {limit} rows were checked "
                                "(data.preflight_rows); the data stage checks the rest")
-    check_batches(cfg, found, rows.get("sft"), rows.get("preference"), rows.get("unpaired", 0))
+    check_batches(cfg, found, rows.get("sft"), rows.get("preference"), rows.get("unpaired", 0), rows.get("process"))
 
 
 def _datasets_name(field: str, path: str, found) -> None:

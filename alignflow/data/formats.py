@@ -7,6 +7,8 @@ Canonical records (what every later stage reads, as JSONL):
               or, unpaired (KTO), {"prompt": P, "response": str, "label": bool}
 - prompts:    {"prompt": P, "answer": str | None, ...}   (RL prompts, eval prompts; the row's other
               columns too, for an environment's `reset(sample)` or an agent: `tools`, a lookup table)
+- process:    {"prompt": P, "steps": [str, ...], "labels": [bool, ...]}   (a process reward model's
+              step-labelled solutions: each step ends with the source's `step_separator`)
 
 where P is a plain string (used verbatim) or a list of chat messages
 (`{"role", "content"}`), rendered later with the tokenizer's chat template.
@@ -30,6 +32,9 @@ Row shapes, per row (key names are DatasetSource fields; no key is guessed):
   With `label_key` set, a row holding that key is an unpaired example:
   `prompt_key`, `response_key` and a true/false label.
 - prompts: `prompt_key` (or the whole `messages_key` list), `answer_key` if any.
+- process: `prompt_key` (or `messages_key`), `steps_key` (a list of non-empty
+  strings) and `labels_key` (as many true/false, or 1/0) (TRL's stepwise
+  supervision: prompt, completions, labels).
 
 A row that fits none fails with the key it lacks, what to set, and its keys.
 """
@@ -45,7 +50,7 @@ from typing import Any, Literal
 from alignflow.config import DatasetSource
 from alignflow.errors import DataError
 
-Kind = Literal["sft", "preference", "prompts"]
+Kind = Literal["sft", "preference", "prompts", "process"]
 FILE_FORMATS = (".jsonl", ".json", ".parquet")
 
 

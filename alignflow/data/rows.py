@@ -6,12 +6,13 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from alignflow.config import DatasetSource
+from alignflow.config import DatasetSource, StepwiseSource
 from alignflow.data.formats import Kind
 from alignflow.errors import DataError
 
 # Where each kind's source sits in the config, for the hints in errors.
-_SECTION = {"sft": "data.sft", "preference": "data.preference", "prompts": "data.prompts / data.eval"}
+_SECTION = {"sft": "data.sft", "preference": "data.preference", "prompts": "data.prompts / data.eval",
+            "process": "data.process"}
 
 
 def _keys(row: dict) -> str:
@@ -173,6 +174,24 @@ def _unpaired(row: dict, src: DatasetSource, where: str, section: str) -> dict[s
     return {"prompt": _continued(row, prompt, (rk,), pk, where), "response": response, "label": bool(label)}
 
 
+def _stepwise(row: dict, src: StepwiseSource, where: str, prompt: str | list[dict]) -> dict[str, Any]:
+    """A step-labelled solution: {"prompt", "steps" (each followed by the separator), "labels"}."""
+    sk, lk, section = src.steps_key, src.labels_key, _SECTION["process"]
+    steps = _need(row, sk, where, f"or set steps_key under {section}")
+    labels = _need(row, lk, where, f"or set labels_key under {section}")
+    if not isinstance(steps, list) or not steps or not all(isinstance(t, str) for t in steps):
+        raise DataError(f"{where}: key {sk!r} must be a non-empty list of strings (the solution's steps), "
+                        f"got {type(steps).__name__}")
+    if empty := [i for i, t in enumerate(steps) if not t.strip()]:
+        raise DataError(f"{where}: key {sk!r}, step {empty[0]} is empty")
+    if not isinstance(labels, list) or any(not isinstance(v, bool) and v not in (0, 1) for v in labels):
+        raise DataError(f"{where}: key {lk!r} must be a list of true/false (or 1/0), one per step, got {labels!r}"[:300])
+    if len(labels) != len(steps):
+        raise DataError(f"{where}: key {sk!r} holds {len(steps)} steps and key {lk!r} {len(labels)} labels: "
+                        "give one label per step")
+    return {"prompt": prompt, "steps": [t + src.step_separator for t in steps], "labels": [bool(v) for v in labels]}
+
+
 def normalize_row(row: Any, kind: Kind, src: DatasetSource, where: str) -> dict[str, Any]:
     """One raw row -> its canonical record, or a DataError naming the row and key."""
     if not isinstance(row, dict):
@@ -194,6 +213,8 @@ def normalize_row(row: Any, kind: Kind, src: DatasetSource, where: str) -> dict[
     else:
         hint = f"or set prompt_key, or messages_key for a chat column, under {section}"
         prompt = _prompt(_need(row, src.prompt_key, where, hint), where, src.prompt_key)
+    if kind == "process":
+        return _stepwise(row, src, where, prompt)
     if kind == "sft":
         return {"prompt": prompt, "response": _text(row, src.response_key, where,
                                                      f"or set response_key under {section}")}

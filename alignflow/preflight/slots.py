@@ -54,7 +54,7 @@ def check_slots(cfg: PipelineConfig, found) -> None:
     if cfg.infra.ray_address:
         return
     stages = [(f"rounds.{i}", *_round_needs(r)) for i, r in enumerate(cfg.rounds)]
-    for name in ("sft", "reward_model", "judge"):
+    for name in ("sft", "reward_model", "process_reward_model", "judge"):
         t = getattr(cfg, name)
         if t is not None and (name != "reward_model" or cfg.trains_reward_model):
             p = t.placement

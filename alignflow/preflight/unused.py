@@ -47,6 +47,10 @@ def note_unused_settings(cfg: PipelineConfig, found: Findings) -> None:
                 f"({found.sources.of(f'{at}.ppo.tis_cap')})")
     if cfg.evaluation is not None:
         unused.append(_vllm(cfg.evaluation.generation, "evaluation.generation"))
+    if cfg.process_reward_model is None:
+        steps = (("data.process", cfg.data.process is not None), ("data.synthetic.num_process",
+                                                                   cfg.data.synthetic.num_process > 0))
+        unused.append(([f for f, given in steps if given], "no process_reward_model trains on step-labelled solutions"))
     if (pref := cfg.preference) is not None and pref.loss in REFERENCE_FREE:
         defaults = type(pref)(loss=pref.loss)
         unused.append(([f"preference.{n}" for n in ("reference_placement", "reference_micro_batch_size")

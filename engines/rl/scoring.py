@@ -21,6 +21,7 @@ from engines.micro_batching import in_micro_batches
 from engines.placement import warm
 from engines.placement.devices import (actor_device, actor_options, cpu_report, pin_cpu_cores, placement_group_id,
                                        to_cpu, to_device)
+from engines.steps import step_scores
 from engines.train.objectives import response_logprobs, scalar_scores
 
 log = logging.getLogger("alignflow")
@@ -65,6 +66,12 @@ class ScorerActor:
     def rewards(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Reward-model score of each sequence: (B,) float32, CPU."""
         return self._run(self.reward, scalar_scores, batch)
+
+    @torch.no_grad()
+    def step_rewards(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """A process reward model's score at every position: (B, L) float32, CPU; read where the batch's
+        step_mask is 1 (engines/steps.py)."""
+        return self._run(self.reward, step_scores, batch)
 
     def score_rollouts(self, kinds: tuple[str, ...], pad_id: int, temperature: float, n_prompts: int,
                        chunks: list[list[int]], *results) -> dict[str, torch.Tensor]:

@@ -10,16 +10,17 @@ from dataclasses import dataclass
 
 from alignflow.config import DataConfig
 from alignflow.errors import ConfigError, DataError
-from alignflow.data import agent_task, load, synthetic
+from alignflow.data import agent_task, load, stepwise_task, synthetic
 from alignflow.records import StageResult
 from alignflow.seeds import derive_seed
 from tasks.context import RunContext, StageOutput, compute_stage
 from tasks.plan import PlannedStage
-from tasks.registry import DataInputs, DataStage
+from tasks.registry import DataInputs, DataStage, ProcessDataStage
 
 log = logging.getLogger("alignflow")
 
 SPLITS = ("sft", "preference", "preference_unpaired", "prompts", "eval", "eval_preference")
+PROCESS_SPLITS = ("process", "eval_process")  # the process_data stage's
 
 
 def build_splits(cfg: DataConfig, seed: int) -> tuple[dict[str, list[dict]], dict[str, int]]:
@@ -73,7 +74,7 @@ def seen_in_training(splits: dict[str, list[dict]]) -> int:
     return len(seen)
 
 
-def held_out_pairs(pairs: list[dict], seed: int) -> tuple[list[dict], list[dict]]:
+def held_out_pairs(pairs: list[dict], seed: int, split: str = "preference") -> tuple[list[dict], list[dict]]:
     """(trained, held out): the pairs of about 10 % of the prompts, drawn by the seed, held out for the reward
     model's accuracy; both keep the file's order. By prompt, so that no held-out prompt was trained on (HH and
     SHP hold several pairs per prompt, side by side), and drawn, so that a file sorted by source holds out
@@ -83,7 +84,8 @@ def held_out_pairs(pairs: list[dict], seed: int) -> tuple[list[dict], list[dict]
     keys = [json.dumps(r["prompt"], sort_keys=True) for r in pairs]
     sizes = collections.Counter(keys)
     prompts = list(sizes)
-    random.Random(derive_seed(seed, "eval_preference")).shuffle(prompts)
+    random.Random(derive_seed(seed, f"eval_{split}")).shuffle(prompts)
+    what = "pairs" if split == "preference" else "rows"
     budget = max(1, len(pairs) // 10)
     held, count = set(), 0
     for prompt in prompts[:-1]:  # one prompt at least is trained on
@@ -95,13 +97,13 @@ def held_out_pairs(pairs: list[dict], seed: int) -> tuple[list[dict], list[dict]
     if held:
         return [r for r, k in zip(pairs, keys) if k not in held], [r for r, k in zip(pairs, keys) if k in held]
     if len(pairs) == 1:
-        log.warning("data.preference holds one pair: it is both trained on and held out, so the reward model's "
-                    "held-out accuracy is its training accuracy")
+        log.warning("data.%s holds one %s: it is both trained on and held out, so its held-out accuracy is its "
+                    "training accuracy", split, what[:-1])
         return pairs, pairs
     if pairs:
-        log.warning("data.preference's %d pairs have %d prompt(s), none of whose pairs fit a 10 %% hold-out: the "
-                    "last 10 %% of the pairs are held out, and their prompts are trained on too", len(pairs),
-                    len(sizes))
+        log.warning("data.%s's %d %s have %d prompt(s), none of whose %s fit a 10 %% hold-out: the last 10 %% of "
+                    "the %s are held out, and their prompts are trained on too", split, len(pairs), what, len(sizes),
+                    what, what)
     n_held = max(1, len(pairs) // 10) if pairs else 0
     return pairs[: len(pairs) - n_held], pairs[len(pairs) - n_held:]
 
@@ -119,12 +121,48 @@ def prepare_data(stage: PlannedStage, inputs: DataInputs, ctx: RunContext) -> St
         limits = lengths.resolve(cfg.data, measured, models.max_positions(model_dir))
         for line in lengths.describe(measured, limits):
             log.info("%s", line)
-        for name in SPLITS:
-            load.write_jsonl(splits[name], str(out / f"{name}.jsonl"))
-        metrics = {f"data/{name}_rows": float(len(splits[name])) for name in SPLITS}
-        metrics.update({f"data/{name}": float(n) for name, n in counted.items()})
-        metrics.update({f"data/{name}_{k}": float(v) for name, m in measured.items() for k, v in m.stats().items()})
-        metrics.update(limits.metrics())
+        metrics = _written(out, {name: splits[name] for name in SPLITS}, measured, limits)
+        metrics |= {f"data/{name}": float(n) for name, n in counted.items()}
+        run.log_metrics(metrics)
+        return metrics
+
+    return compute_stage(ctx, stage, compute)
+
+
+def _written(out, splits: dict[str, list[dict]], measured, limits) -> dict[str, float]:
+    """Each split as JSONL under `out`; the metrics of their rows, token lengths and limits."""
+    for name, records in splits.items():
+        load.write_jsonl(records, str(out / f"{name}.jsonl"))
+    metrics = {f"data/{name}_rows": float(len(records)) for name, records in splits.items()}
+    metrics.update({f"data/{name}_{k}": float(v) for name, m in measured.items() for k, v in m.stats().items()})
+    return metrics | limits.metrics()
+
+
+def step_labelled(cfg: ProcessDataStage) -> list[dict]:
+    """A process reward model's solutions: data.process's rows, or the bundled task's (on prompts none of its
+    other splits holds)."""
+    if cfg.process is not None:
+        return load.load_records(cfg.process, "process")
+    return stepwise_task.solutions(cfg.synthetic, cfg.seed, synthetic.generate(cfg.synthetic, cfg.seed))
+
+
+def prepare_process_data(stage: PlannedStage, inputs: DataInputs, ctx: RunContext) -> StageResult:
+    """The step-labelled solutions, about 10 % of their prompts held out (eval_process), measured in tokens with
+    limits of their own: a stage apart from `data`, so that adding a process reward model to a pipeline leaves
+    every other stage's key as it was."""
+    cfg: ProcessDataStage = stage.config
+
+    def compute(output: StageOutput, run) -> dict[str, float]:
+        from engines import lengths, models
+
+        splits = dict(zip(PROCESS_SPLITS, held_out_pairs(step_labelled(cfg), cfg.seed, split="process")))
+        model_dir = ctx.tokenizer_dir(inputs.model)
+        measured = lengths.measure(models.load_tokenizer(model_dir), splits)
+        bounds = DataConfig(max_prompt_tokens=cfg.max_prompt_tokens, max_response_tokens=cfg.max_response_tokens)
+        limits = lengths.resolve(bounds, measured, models.max_positions(model_dir))
+        for line in lengths.describe(measured, limits):
+            log.info("%s", line)
+        metrics = _written(output.dir, splits, measured, limits)
         run.log_metrics(metrics)
         return metrics
 

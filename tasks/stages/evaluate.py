@@ -13,6 +13,12 @@ compares them side by side):
   eval/pass_at_<k>      unbiased pass@k for k = 1..num_samples; eval/majority_accuracy (tasks/stages/eval_metrics.py)
 Reward-model metrics: eval/rm_pairwise_accuracy on held-out pairs, and per score-gap bin of
 `evaluation.rm_margin_bins` eval/rm_accuracy_margin_<lo>_<hi> and eval/rm_count_margin_<lo>_<hi>.
+Process-reward-model metrics, on the held-out step-labelled solutions:
+  eval/prm_step_accuracy         share of steps whose score's sign is their label (positive: still right)
+  eval/prm_positive_fraction     share of steps labelled right: the step accuracy of a model that says "right"
+  eval/prm_solution_accuracy     share of solutions whose weakest step's sign says whether every step is right
+  eval/prm_first_error_accuracy  share of solutions whose first step scored wrong is their first wrong step
+                                 (or none is, where none is): ProcessBench's measure
 """
 
 from __future__ import annotations
@@ -26,7 +32,8 @@ from alignflow.store.artifacts import ArtifactRef
 from alignflow.cluster import ensure_ray
 from alignflow.config import EvalConfig, Placement
 from alignflow.records import StageResult
-from engines import batches, models
+from algos import first_error_steps, solution_scores
+from engines import batches, models, steps
 from engines.rollout.agentic import episode_prompts
 from engines.rollout.episodes import episode_metrics, report_failures
 from engines.rl import experience
@@ -38,7 +45,8 @@ from tasks.context import RunContext, StageOutput, compute_stage
 from tasks.stages.data import load_split, token_limits
 from tasks.stages.eval_metrics import answer_votes, margin_metrics, sample_metrics
 from tasks.plan import PlannedStage
-from tasks.registry import PolicyEvalInputs, PolicyEvalStage, RewardModelEvalInputs, RewardModelEvalStage
+from tasks.registry import (PolicyEvalInputs, PolicyEvalStage, ProcessRewardModelEvalInputs,
+                            ProcessRewardModelEvalStage, RewardModelEvalInputs, RewardModelEvalStage)
 
 
 def load_checker(path: str) -> Callable[[str, str], bool]:
@@ -156,6 +164,40 @@ def evaluate_reward_model(stage: PlannedStage, inputs: RewardModelEvalInputs, ct
                    "eval/rm_margin": sum(c - r for c, r in zip(scores[:n], scores[n:])) / n,
                    **margin_metrics(scores[:n], scores[n:], cfg.rm_margin_bins),
                    **report.as_metrics("eval_preference")}
+        run.log_metrics(metrics)
+        (output.dir / "metrics.json").write_text(json.dumps(metrics, indent=1))
+        return metrics
+
+    return compute_stage(ctx, stage, compute)
+
+
+def evaluate_process_reward_model(stage: PlannedStage, inputs: ProcessRewardModelEvalInputs,
+                                  ctx: RunContext) -> StageResult:
+    cfg: ProcessRewardModelEvalStage = stage.config
+    p, io = cfg.scorer_placement, cfg.io
+
+    def compute(output: StageOutput, run) -> dict[str, float]:
+        records = load_split(inputs.data, ctx, "eval_process")
+        limits = token_limits(inputs.data)
+        tokenizer = models.load_tokenizer(ctx.tokenizer_dir(inputs.process_reward))
+        tensors, report = steps.stepwise_tensors(tokenizer, records, limits.prompt, limits.response,
+                                                 split="eval_process")
+        ensure_ray(ctx.infra)
+        with scoring(None, ctx.ref(inputs.process_reward), num_cpus=p.num_cpus, num_gpus=p.num_gpus,
+                     resources=p.resources, cpu_cores=p.cpu_cores, dtype=io.dtype,
+                     torch_threads=ctx.infra.torch_threads, attn_implementation=io.attn_implementation,
+                     micro_batch_size=cfg.scoring_micro_batch_size) as call:
+            scores = call("step_rewards", tensors)
+        mask, labels = tensors["step_mask"] > 0, tensors["step_labels"] >= 0.5
+        said = scores > 0
+        solved = (labels | ~mask).all(-1)
+        metrics = {"eval/prm_step_accuracy": float((said == labels)[mask].float().mean()),
+                   "eval/prm_solution_accuracy": float(((solution_scores(scores, mask, "min") > 0) == solved)
+                                                       .float().mean()),
+                   "eval/prm_first_error_accuracy": float((first_error_steps(said, mask) ==
+                                                           first_error_steps(labels, mask)).float().mean()),
+                   "eval/prm_positive_fraction": float(labels[mask].float().mean()),  # always "right" scores this
+                   "eval/prm_steps": float(mask.sum()), **report.as_metrics("eval_process")}
         run.log_metrics(metrics)
         (output.dir / "metrics.json").write_text(json.dumps(metrics, indent=1))
         return metrics

@@ -1,4 +1,5 @@
-"""sft, reward_model (and preference, tasks/stages/preference.py): DeepSpeed training stages that resume mid-way.
+"""sft, reward_model, process_reward_model (and preference, tasks/stages/preference.py): DeepSpeed training stages
+that resume mid-way.
 
 Each tokenizes their split, start a TrainerGroup on Ray, and step through a
 deterministic schedule. Every `checkpoint_every` steps the full training
@@ -16,7 +17,7 @@ from collections.abc import Callable
 from alignflow.cluster import ensure_ray
 from alignflow.records import StageResult
 from alignflow.seeds import derive_seed
-from engines import batches, models
+from engines import batches, models, steps
 from engines.train import objectives, packed_objectives, supervised
 from engines.train.group import TrainerGroup
 from engines.train.packing import check_fits
@@ -25,7 +26,8 @@ from tasks.checkpoints import StageCheckpoints
 from tasks.context import RunContext, StageOutput, compute_stage
 from tasks.stages.data import load_split, token_limits
 from tasks.plan import PlannedStage
-from tasks.registry import PreferenceInputs, PreferenceStage, RewardModelStage, SFTStage, TrainInputs
+from tasks.registry import (PreferenceInputs, PreferenceStage, ProcessRewardModelStage, RewardModelStage, SFTStage,
+                            TrainInputs)
 
 log = logging.getLogger("alignflow")
 
@@ -34,7 +36,7 @@ def train_stage(stage: PlannedStage, inputs: TrainInputs | PreferenceInputs, ctx
                 split: str, objective: Callable, weigh: Callable, paired: bool, to_tensors: Callable) -> StageResult:
     """`to_tensors(tokenizer, records, TokenLimits) -> (tensors, LengthReport)`: the split as training rows
     (pairs: chosen rows, then rejected rows); `weigh`: what `objective` averages over (engines/train/objectives.py)."""
-    cfg: SFTStage | RewardModelStage | PreferenceStage = stage.config
+    cfg: SFTStage | RewardModelStage | ProcessRewardModelStage | PreferenceStage = stage.config
     train, io = cfg.train, cfg.io
     storage = ctx.storage()
 
@@ -116,6 +118,13 @@ def reward_model(stage: PlannedStage, inputs: TrainInputs, ctx: RunContext) -> S
                  if train.packing else functools.partial(objectives.pairwise_objective, margin=train.margin))
     return train_stage(stage, inputs, ctx, kind="scalar", split="preference", objective=objective,
                        weigh=objectives.per_row, paired=True, to_tensors=_limited(batches.pair_tensors))
+
+
+def process_reward_model(stage: PlannedStage, inputs: TrainInputs, ctx: RunContext) -> StageResult:
+    """A process reward model from the SFT (or base) backbone: a score at the end of every step of a solution,
+    trained toward its label (engines/steps.py)."""
+    return train_stage(stage, inputs, ctx, kind="scalar", split="process", objective=steps.stepwise_objective,
+                       weigh=steps.steps, paired=False, to_tensors=_limited(steps.stepwise_tensors))
 
 
 def _limited(fn: Callable) -> Callable:

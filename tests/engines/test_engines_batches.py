@@ -452,3 +452,69 @@ def test_a_template_that_rewrites_earlier_turns_fails_naming_the_row(tokenizer):
     sft_tensors(rewriting, records, 64, 8)  # the response alone needs no turn's tokens
     with pytest.raises(DataError, match=r"sft split, record 2: assistant turn 2 .*sft.train_on: response"):
         sft_tensors(rewriting, records, 64, 8, assistant_turns=True)
+
+
+# ---- step-labelled solutions (a process reward model's rows: engines/steps.py) ----------------------------
+
+
+def test_step_tensors_mark_each_steps_last_token_with_its_label_and_cut_steps_past_the_limit(tokenizer, caplog):
+    from engines.micro_batching import step_micro_batches
+    from engines.steps import stepwise_tensors
+
+    records = [{"prompt": "3 7 2", "steps": ["3\n", "7\n", "7\n"], "labels": [True, True, False]},
+               {"prompt": _chat("9 1"), "steps": ["9\n", "1\n"], "labels": [True, False]}]
+    t, report = stepwise_tensors(tokenizer, records, 64, 64)
+    assert report.steps_cut == 0 and report.as_metrics("process")["data/process_steps_cut"] == 0
+    for i, r in enumerate(records):
+        want = _prompt_ids(tokenizer, r["prompt"])
+        ends, labels = [], []
+        for step, label in zip(r["steps"], r["labels"]):
+            want += tokenizer(step, add_special_tokens=False)["input_ids"]  # each step tokenized on its own
+            ends.append(len(want) - 1)
+            labels.append(float(label))
+        n = int(t["attention_mask"][i].sum())
+        assert t["input_ids"][i, :n].tolist() == want and n == len(want)  # no EOS: a step ends where it ends
+        assert t["step_mask"][i].nonzero().flatten().tolist() == ends
+        assert t["step_labels"][i, ends].tolist() == labels and float(t["step_labels"][i].sum()) == sum(labels)
+    # Micro-batches cut the step marks and labels with the rows they belong to.
+    [[micro]] = step_micro_batches([t], None)
+    assert {k: v.shape[1] for k, v in micro.items()} == dict.fromkeys(t, t["input_ids"].shape[1])
+    # A response limit of 3 tokens keeps the first row's first step ("3" and the newline: 2 tokens), no more.
+    first = len(tokenizer("3\n", add_special_tokens=False)["input_ids"])
+    assert first == 2
+    with caplog.at_level("WARNING", logger="alignflow"):
+        cut, report = stepwise_tensors(tokenizer, records, 64, 3)
+    assert report.steps_cut == 3 and int(cut["step_mask"].sum()) == 2
+    assert "process: 3 steps lie past data.max_response_tokens=3 and are left out" in caplog.text
+
+
+def test_the_step_objective_is_binary_cross_entropy_at_the_step_ends_of_a_scalar_model(tiny_model, tokenizer):
+    import math
+
+    from engines import models
+    from engines.steps import step_scores, stepwise_objective, stepwise_tensors
+
+    model = models.load_scalar_model(tiny_model, "float32", tokenizer.pad_token_id)
+    torch.nn.init.normal_(model.score.weight, std=0.5)  # a fresh head is zero: every score 0
+    records = [{"prompt": "3 7 2", "steps": ["3\n", "7\n", "7\n"], "labels": [True, True, False]},
+               {"prompt": "9 1", "steps": ["9\n", "1\n"], "labels": [True, False]}]
+    t, _ = stepwise_tensors(tokenizer, records, 64, 64)
+    loss, metrics = stepwise_objective(model, t)
+    with torch.no_grad():  # each row alone, unpadded: the head's score at each step's last token
+        want, right = [], 0
+        for i in range(2):
+            n = int(t["attention_mask"][i].sum())
+            scores = step_scores(model, {k: v[i:i + 1, :n] for k, v in t.items()})[0]
+            for pos in t["step_mask"][i].nonzero().flatten().tolist():
+                s, y = float(scores[pos]), float(t["step_labels"][i, pos])
+                want.append(-(y * math.log(1 / (1 + math.exp(-s))) + (1 - y) * math.log(1 - 1 / (1 + math.exp(-s)))))
+                right += (s > 0) == (y > 0.5)
+    assert float(loss.detach()) == pytest.approx(sum(want) / 5, rel=1e-4)
+    assert float(metrics["step_accuracy"]) == pytest.approx(right / 5)
+    assert float(metrics["positive_fraction"]) == pytest.approx(3 / 5)
+    loss.backward()
+    assert model.score.weight.grad.abs().sum() > 0
+    # Every step cut: a zero loss that still reaches the model, and no step metrics.
+    none, _ = stepwise_tensors(tokenizer, records, 64, 1)
+    zero, m = stepwise_objective(model, none)
+    assert float(zero.detach()) == 0.0 and zero.requires_grad and set(m) == {"loss"}

@@ -129,3 +129,16 @@ def test_a_tokenizer_without_a_chat_template_names_the_record(tokenizer):
     with pytest.raises(DataError, match=r"data split 'sft', record 1 \(starting user: '2\+2\?'\): the tokenizer's "
                                         r"chat template refuses its messages: "):
         measure(bare, {"sft": [{"prompt": [{"role": "user", "content": "2+2?"}], "response": "4"}]})
+
+
+def test_a_step_labelled_solution_is_measured_a_step_at_a_time_and_a_cut_is_said_not_refused(tokenizer, caplog):
+    steps = ["first, 12 + 30\n", "= 42\n"]
+    m = measure(tokenizer, {"process": [{"prompt": "add", "steps": steps, "labels": [True, True]}]})
+    # No EOS: a solution is scored at its steps' ends. Each step on its own: the newline never merges onward.
+    assert m["process"] == SplitLengths(prompt=[_n(tokenizer, "add")], response=[sum(_n(tokenizer, s) for s in steps)])
+    lengths = {"process": SplitLengths(prompt=[2, 2], response=[9, 3]), "sft": SFT}
+    with caplog.at_level("WARNING", logger="alignflow"):
+        limits = resolve(DataConfig(max_response_tokens=5), lengths, positions=64)
+    assert limits.cut == {"process": 1, "sft": 0}
+    assert "process: 1 of 2 solutions are longer than data.max_response_tokens=5" in caplog.text
+    assert resolve(DataConfig(), lengths, positions=64).max_response_tokens == 9  # auto covers the solutions

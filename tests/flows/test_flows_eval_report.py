@@ -63,6 +63,15 @@ def test_table_shows_the_judges_verdict_accuracy_and_its_unparsed_verdicts():
     assert not any("judge" in line for line in _report({"sft": {"eval/accuracy": 0.25}}).table().splitlines())
 
 
+def test_table_shows_the_process_reward_models_accuracies_beside_the_share_labelled_right():
+    prm = {"eval/prm_step_accuracy": 0.957, "eval/prm_positive_fraction": 0.795, "eval/prm_solution_accuracy": 0.88,
+           "eval/prm_first_error_accuracy": 0.87, "eval/prm_steps": 1000.0, "data/eval_process_rows": 200.0}
+    lines = _report({"sft": {"eval/accuracy": 0.25}}, process_reward_model=prm).table().splitlines()
+    assert lines[-1] == ("process reward model held-out accuracy: steps 0.957 (labelled right: 0.795), solutions "
+                         "0.880, first wrong step 0.870")
+    assert not any("process" in line for line in _report({"sft": {"eval/accuracy": 0.25}}).table().splitlines())
+
+
 def test_the_metrics_reach_mlflow_under_the_stage_and_the_parent_run(tracker, tmp_path):
     from mlflow import MlflowClient
 

@@ -1,0 +1,81 @@
+"""Step-labelled solutions for a process reward model: their tensors, its training objective, its step scores.
+
+A solution is tokenized a step at a time (each step's text ends with its
+separator, alignflow/data/rows.py), so a step ends on a token of its own
+whatever the tokenizer would merge across steps; the model scores a step at
+that last token. Whatever scores solutions later tokenizes them the same way.
+
+    input_ids, attention_mask   (N, L)  prompt, then the steps; right-padded
+    step_mask                   (N, L)  1 at each step's last token
+    step_labels                 (N, L)  its label (1: still right), 0 elsewhere
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+
+from algos.losses.process import stepwise_reward_loss
+from engines.batches import LengthReport, filter_prompts, pad_right, right_padded
+from engines.models import last_hidden
+
+log = logging.getLogger("alignflow")
+
+
+def stepwise_tensors(tokenizer, records: list[dict], max_prompt_tokens: int, max_response_tokens: int, *,
+                     split: str = "process") -> tuple[dict[str, torch.Tensor], LengthReport]:
+    """The tensors above for `records` ({"prompt", "steps", "labels"}). Prompts over `max_prompt_tokens` are left
+    out (counted); steps past `max_response_tokens` are dropped, counted (LengthReport.steps_cut) and warned of."""
+    kept, report = filter_prompts(tokenizer, records, max_prompt_tokens, split)
+    seqs, masks, labels, cut = [], [], [], 0
+    for ids, r in kept:
+        seq, mask, label = list(ids), [0] * len(ids), [0.0] * len(ids)
+        pieces = tokenizer(r["steps"], add_special_tokens=False)["input_ids"]
+        used = 0
+        for k, (piece, right) in enumerate(zip(pieces, r["labels"], strict=True)):
+            if used + len(piece) > max_response_tokens:
+                cut += len(pieces) - k
+                break
+            used += len(piece)
+            seq += piece
+            mask += [0] * (len(piece) - 1) + [1]
+            label += [0.0] * (len(piece) - 1) + [float(right)]
+        seqs.append(seq)
+        masks.append(mask)
+        labels.append(label)
+    if cut:
+        log.warning("%s: %d steps lie past data.max_response_tokens=%d and are left out", split, cut,
+                    max_response_tokens)
+    tensors = {**right_padded(seqs, tokenizer.pad_token_id), "step_mask": pad_right(masks, 0),
+               "step_labels": torch.nn.utils.rnn.pad_sequence([torch.tensor(x) for x in labels], batch_first=True)}
+    return tensors, dataclasses.replace(report, steps_cut=cut)
+
+
+def steps(batch: dict[str, torch.Tensor]) -> float:
+    """For `stepwise_objective`'s mean over steps: the micro-batch's labelled steps."""
+    return float(batch["step_mask"].sum())
+
+
+def step_scores(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The scalar head's score at every position: (B, L) float32; read it where step_mask is 1."""
+    head = getattr(getattr(model, "module", model), "score", None)  # under a DeepSpeed engine: its module's
+    if head is None:
+        raise ValueError("a process reward model needs a scalar head named `score` (…ForSequenceClassification)")
+    hidden = last_hidden(model, input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    return head(hidden).squeeze(-1).float()
+
+
+def stepwise_objective(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict]:
+    """Binary cross-entropy of each step's score against its label (algos.stepwise_reward_loss), a mean over
+    the micro-batch's steps (weighed by `steps`). Metrics: loss, step_accuracy and positive_fraction; a
+    micro-batch without a step (every step cut) adds nothing but a zero-gradient loss."""
+    mask = batch["step_mask"] > 0
+    scores = step_scores(model, batch)
+    if not bool(mask.any()):
+        zero = scores.sum() * 0.0  # every rank's backward still runs through the model
+        return zero, {"loss": zero.detach()}
+    out = stepwise_reward_loss(scores[mask], batch["step_labels"][mask])
+    return out.loss, {"loss": out.loss.detach(), "step_accuracy": out.accuracy,
+                      "positive_fraction": out.positive_fraction}

@@ -1,0 +1,44 @@
+"""End to end: configs/prm.yaml, small: the bundled task's step-labelled solutions, a process reward model trained
+on them and its held-out evaluation, through the CLI, as `alignflow stage eval_process_reward_model
+configs/prm.yaml` runs them; then a second call, all from cache."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from e2e_cli import stage_json, stage_runs
+
+pytestmark = pytest.mark.e2e
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_a_process_reward_model_trained_on_step_labels_finds_wrong_steps_on_held_out_solutions(
+        small_pipeline_args, cli_env, alignflow_cli, tmp_path):
+    # From the base model (no SFT: the stage needs only its own data), 900 solutions, 3 epochs of 32: 84 steps.
+    config = [str(REPO / "configs" / "prm.yaml"), *small_pipeline_args(tmp_path, rounds=0), "sft=null",
+              "reward_model=null", "data.synthetic.num_process=1000", "process_reward_model.log_every=10"]
+    res = alignflow_cli(["stage", "eval_process_reward_model", *config], env=cli_env(), cwd=tmp_path)
+    assert res.returncode == 0, res.describe()
+    m = stage_json(res.stdout)["eval_process_reward_model"]["metrics"]
+
+    held = [json.loads(line) for path in (tmp_path / "artifacts").glob("process_data/*/eval_process.jsonl")
+            for line in path.read_text().splitlines()]
+    labels = [y for row in held for y in row["labels"]]
+    assert len(held) == 100 and m["data/eval_process_rows"] == 100 and m["eval/prm_steps"] == len(labels) == 500
+    assert m["eval/prm_positive_fraction"] == pytest.approx(sum(labels) / len(labels))
+    # Better than saying "right" at every step, and than chance on whole solutions (about half slip once).
+    assert m["eval/prm_step_accuracy"] > m["eval/prm_positive_fraction"] + 0.03, m
+    assert m["eval/prm_solution_accuracy"] > 0.6 and 0.0 < m["eval/prm_first_error_accuracy"] <= 1.0, m
+
+    runs = stage_runs(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert set(runs) == {"base_model", "process_data", "process_reward_model", "eval_process_reward_model"}, runs
+    trained = runs["process_reward_model"].data.metrics
+    assert trained["train/steps"] == 84 and trained["data/process_rows"] == 900 and trained["data/process_steps_cut"] == 0
+    assert trained["train/final_step_accuracy"] > 0.8, trained
+
+    again = alignflow_cli(["stage", "eval_process_reward_model", *config], env=cli_env(), cwd=tmp_path)
+    assert again.returncode == 0, again.describe()
+    assert stage_json(again.stdout)["eval_process_reward_model"]["metrics"] == m
+    assert len(stage_runs(f"sqlite:///{tmp_path / 'mlflow.db'}")) == 4  # nothing ran again
