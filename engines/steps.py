@@ -24,33 +24,56 @@ from engines.models import last_hidden
 log = logging.getLogger("alignflow")
 
 
-def stepwise_tensors(tokenizer, records: list[dict], max_prompt_tokens: int, max_response_tokens: int, *,
-                     split: str = "process") -> tuple[dict[str, torch.Tensor], LengthReport]:
-    """The tensors above for `records` ({"prompt", "steps", "labels"}). Prompts over `max_prompt_tokens` are left
-    out (counted); steps past `max_response_tokens` are dropped, counted (LengthReport.steps_cut) and warned of."""
-    kept, report = filter_prompts(tokenizer, records, max_prompt_tokens, split)
-    seqs, masks, labels, cut = [], [], [], 0
-    for ids, r in kept:
-        seq, mask, label = list(ids), [0] * len(ids), [0.0] * len(ids)
-        pieces = tokenizer(r["steps"], add_special_tokens=False)["input_ids"]
+def _rows(tokenizer, prompts: list[list[int]], steps: list[list[str]], labels: list[list[bool]],
+          max_response_tokens: int | None) -> tuple[dict[str, torch.Tensor], int]:
+    """The tensors above, and how many steps lay past `max_response_tokens` (left out; None: no limit)."""
+    seqs, masks, marks, cut = [], [], [], 0
+    for ids, texts, rights in zip(prompts, steps, labels, strict=True):
+        seq, mask, mark = list(ids), [0] * len(ids), [0.0] * len(ids)
+        pieces = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
         used = 0
-        for k, (piece, right) in enumerate(zip(pieces, r["labels"], strict=True)):
-            if used + len(piece) > max_response_tokens:
+        for k, (piece, right) in enumerate(zip(pieces, rights, strict=True)):
+            if max_response_tokens is not None and used + len(piece) > max_response_tokens:
                 cut += len(pieces) - k
                 break
             used += len(piece)
             seq += piece
             mask += [0] * (len(piece) - 1) + [1]
-            label += [0.0] * (len(piece) - 1) + [float(right)]
+            mark += [0.0] * (len(piece) - 1) + [float(right)]
         seqs.append(seq)
         masks.append(mask)
-        labels.append(label)
+        marks.append(mark)
+    tensors = {**right_padded(seqs, tokenizer.pad_token_id), "step_mask": pad_right(masks, 0),
+               "step_labels": torch.nn.utils.rnn.pad_sequence([torch.tensor(x) for x in marks], batch_first=True)}
+    return tensors, cut
+
+
+def stepwise_tensors(tokenizer, records: list[dict], max_prompt_tokens: int, max_response_tokens: int, *,
+                     split: str = "process") -> tuple[dict[str, torch.Tensor], LengthReport]:
+    """The tensors above for `records` ({"prompt", "steps", "labels"}). Prompts over `max_prompt_tokens` are left
+    out (counted); steps past `max_response_tokens` are dropped, counted (LengthReport.steps_cut) and warned of."""
+    kept, report = filter_prompts(tokenizer, records, max_prompt_tokens, split)
+    tensors, cut = _rows(tokenizer, [ids for ids, _ in kept], [r["steps"] for _, r in kept],
+                         [r["labels"] for _, r in kept], max_response_tokens)
     if cut:
         log.warning("%s: %d steps lie past data.max_response_tokens=%d and are left out", split, cut,
                     max_response_tokens)
-    tensors = {**right_padded(seqs, tokenizer.pad_token_id), "step_mask": pad_right(masks, 0),
-               "step_labels": torch.nn.utils.rnn.pad_sequence([torch.tensor(x) for x in labels], batch_first=True)}
     return tensors, dataclasses.replace(report, steps_cut=cut)
+
+
+def response_steps(text: str, separator: str) -> list[str]:
+    """A response's steps as the process reward model read its training solutions: the text between
+    separators, each followed by the separator (the last one too, where the response ends without it);
+    empty pieces (separators in a row, or leading) are no steps."""
+    return [piece + separator for piece in text.split(separator) if piece.strip()]
+
+
+def solution_tensors(tokenizer, prompt_ids: list[list[int]], texts: list[str],
+                     separator: str) -> dict[str, torch.Tensor]:
+    """The tensors above for sampled responses (a round's rollouts: their prompt ids and response texts), each
+    split into steps by `separator` (`response_steps`); labels 0. A response without a step gets no mark."""
+    steps = [response_steps(t, separator) for t in texts]
+    return _rows(tokenizer, prompt_ids, steps, [[False] * len(s) for s in steps], None)[0]
 
 
 def steps(batch: dict[str, torch.Tensor]) -> float:

@@ -219,11 +219,14 @@ def plan_pipeline(cfg: PipelineConfig) -> Plan:
         external = {k: v for field, c in round_cfg.reward.source_fields(f"rounds.{i - 1}.reward") if c.source == "rule"
                     for k, v in _code(f"{field}.rule", c.rule, prints).items()}
         external |= _environment_code(f"rounds.{i - 1}.environment", round_cfg.environment, prints)
+        stepwise = round_cfg.reward.uses_process_model
         policy = b.add(f"round_{i}", "rl_round",
-                       r.RoundStage(round=round_cfg.resolved(), io=io, seed=seed(f"round_{i}")),
+                       r.RoundStage(round=round_cfg.resolved(), io=io, seed=seed(f"round_{i}"),
+                                    step_separator=cfg.data.step_separator() if stepwise else None),
                        external=external, data=data, policy=policy,
                        reference=start if spec.reference else None, teacher=teacher, judge=round_judge,
-                       reward=reward if round_cfg.needs_reward_model else None)
+                       reward=reward if round_cfg.needs_reward_model else None,
+                       process_reward=process_reward if stepwise else None)
         policies[policy] = policy
 
     if cfg.distill is not None:  # after the rounds: its teacher may be one

@@ -116,6 +116,8 @@ class RoundStage(Section):
     round: RoundConfig = Field(description="resolved: the algorithm's defaults filled in")
     io: ModelIO
     seed: int
+    step_separator: str | None = Field(None, description="where a process reward model splits a response into "
+                                       "steps (its data's); None: the round does not ask one")
 
 
 class PolicyEvalStage(Section):
@@ -172,6 +174,7 @@ class RoundInputs(Section):
     reward: StageResult | None = Field(None, description="the reward model (scoring, or a critic's start)")
     teacher: StageResult | None = Field(None, description="the teacher (algorithm distill)")
     judge: StageResult | None = Field(None, description="the generative judge (a judge reward source)")
+    process_reward: StageResult | None = Field(None, description="the process reward model (a process_model source)")
 
 
 class PolicyEvalInputs(Section):

@@ -47,7 +47,7 @@ RESOURCE_FIELDS_IN = {"evaluation": frozenset({"micro_batch_size"})}
 READ_ONLY_WITH = {"simpo_gamma": ("loss", "simpo")}
 # Fields added after stages' keys were published, left out of a key while at the default they were added with
 # (what every earlier config meant): adding one keeps every earlier key.
-ADDED_AT_DEFAULT = {"process": None, "num_process": 0}
+ADDED_AT_DEFAULT = {"process": None, "num_process": 0, "step_aggregation": "min", "step_separator": None}
 
 
 def cache_relevant(cfg: BaseModel) -> dict[str, Any]:

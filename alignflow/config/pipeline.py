@@ -244,6 +244,10 @@ class PipelineConfig(Section):
     def _process_data(self) -> PipelineConfig:
         if self.process_reward_model is not None and (why := process_data_missing(self.data)):
             raise ValueError(why)
+        if self.process_reward_model is None and (asking := [f"rounds.{i}" for i, r in enumerate(self.rounds)
+                                                             if r.reward.uses_process_model]):
+            raise ValueError(f"{', '.join(asking)} reward with the process reward model (reward.source "
+                             "process_model), but process_reward_model is null: add a process_reward_model section")
         return self
 
     @model_validator(mode="after")

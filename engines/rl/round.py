@@ -38,6 +38,7 @@ from alignflow.store.artifacts import WEIGHT_FILES, Entries, Source, child, loca
 from alignflow.config import RoundConfig
 from alignflow.seeds import derive_seed
 from engines.batches import rows_per_pass
+from engines.steps import solution_tensors
 from engines.rl import experience
 from engines.rollout.episodes import episode_metrics, report_failures
 from engines.rl.experience import Experience
@@ -163,6 +164,10 @@ class RLRound:
                 parts[c.label], judged = self.judge.score(items)
             elif c.source == "environment":
                 parts[c.label] = torch.tensor([r.episode["return"] for r in rollouts], dtype=torch.float32)
+            elif c.source == "process_model":  # the response's steps, tokenized as the model was trained on them
+                batch = solution_tensors(self.tokenizer, [r.prompt_ids for r in rollouts], [r.text for r in rollouts],
+                                         self.setup.step_separator)
+                parts[c.label] = self.models.process_rewards(batch, c.step_aggregation)
         task = sum(c.weight * parts[c.label].float() for c in r.components)
         shaped = experience.shape_rewards(
             task, exp.action_mask, exp.finished, max_response_tokens=self.cfg.max_response_tokens,

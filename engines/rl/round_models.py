@@ -64,6 +64,8 @@ class RoundSetup:
     seed: int  # the round's stage seed
     attn_implementation: str = "sdpa"  # model.attn_implementation
     judge_path: Source | None = None  # the generative judge (a judge reward source)
+    process_reward_path: Source | None = None  # the process reward model (a process_model source)
+    step_separator: str = "\n"  # where it splits a response into steps (its data's)
     judge_max_model_len: int | None = None  # the judge's positions
     # On a cluster that may grow (infra.ray_address: an autoscaler, spot nodes coming back), how long a round short
     # of resources waits for nodes before it refuses; 0 on a local Ray, which cannot grow (preflight checked it).
@@ -104,6 +106,9 @@ class RoundModels:
 
     def model_rewards(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return ray.get(self.rewarder.rewards.remote(batch))
+
+    def process_rewards(self, batch: dict[str, torch.Tensor], how: str) -> torch.Tensor:  # steps.solution_tensors
+        return ray.get(self.rewarder.process_rewards.remote(batch, how))
 
     def submit(self, prompt_ids: list[list[int]], sampling: Sampling, piece_tokens: int | None = None,
                episodes: tuple | None = None) -> PendingRollouts:
@@ -251,13 +256,14 @@ def start_round_models(cfg: RoundConfig, setup: RoundSetup, updates_per_step: in
         models.reference_from_actor = reference_is_actor(cfg, setup)
         reference = setup.reference_path if cfg.uses_reference and not models.reference_from_actor else None
         reward = setup.reward_path if cfg.reward.uses_model else None
-        if cfg.colocate_reference_and_reward and reference and reward:
-            models.reference = models.rewarder = start_scorer(reference, reward, **common)
+        process = setup.process_reward_path if cfg.reward.uses_process_model else None  # beside the reward model
+        if cfg.colocate_reference_and_reward and reference and (reward or process):
+            models.reference = models.rewarder = start_scorer(reference, reward, process_path=process, **common)
         else:
             if reference:
                 models.reference = start_scorer(reference, None, **common)
-            if reward:
-                models.rewarder = start_scorer(None, reward, **common)
+            if reward or process:
+                models.rewarder = start_scorer(None, reward, process_path=process, **common)
         if engines_share_a_gpu(cfg):  # vLLM sizes its cache by the memory free on the GPU: trainers and scorers first
             for group in models._trainers():
                 group.wait_ready()

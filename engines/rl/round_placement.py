@@ -29,8 +29,10 @@ def reference_is_actor(cfg: RoundConfig, setup: RoundSetupLike | None) -> bool:
 
 
 def _scorers(cfg: RoundConfig, setup: RoundSetupLike | None = None) -> int:
-    """How many scorer actors the round starts: reference and/or reward model, shared when colocated."""
-    wanted = int(cfg.uses_reference and not reference_is_actor(cfg, setup)) + int(cfg.reward.uses_model)
+    """How many scorer actors the round starts: reference and/or rewarder (the reward model, the process reward
+    model or both, one actor), shared when colocated."""
+    rewarder = cfg.reward.uses_model or cfg.reward.uses_process_model
+    wanted = int(cfg.uses_reference and not reference_is_actor(cfg, setup)) + int(rewarder)
     return min(wanted, 1) if cfg.colocate_reference_and_reward else wanted
 
 

@@ -21,6 +21,7 @@ from engines.micro_batching import in_micro_batches
 from engines.placement import warm
 from engines.placement.devices import (actor_device, actor_options, cpu_report, pin_cpu_cores, placement_group_id,
                                        to_cpu, to_device)
+from algos.losses.process import solution_scores
 from engines.steps import step_scores
 from engines.train.objectives import response_logprobs, scalar_scores
 
@@ -33,11 +34,12 @@ class ScorerActor:
 
     def __init__(self, reference_path: Source | None, reward_path: Source | None, dtype: str = "float32",
                  torch_threads: int = 2, attn_implementation: str = "sdpa", micro_batch_size: int | None = None,
-                 micro_batch_tokens: int | None = None, cpu_cores: list[int] | None = None):
+                 micro_batch_tokens: int | None = None, cpu_cores: list[int] | None = None,
+                 process_path: Source | None = None):
         torch.set_num_threads(pin_cpu_cores(cpu_cores, torch_threads))
         self.device = actor_device()
         self.micro_batch_size, self.micro_batch_tokens = micro_batch_size, micro_batch_tokens
-        self.reference = self.reward = None
+        self.reference = self.reward = self.process = None
         # Refs are fetched on this actor's node (alignflow/store/artifacts.py).
         if reference_path:
             self.reference = models.load_policy(local_dir(reference_path), dtype, attn_implementation).to(self.device).eval()
@@ -45,6 +47,11 @@ class ScorerActor:
             reward_path = local_dir(reward_path)
             pad = models.load_tokenizer(reward_path).pad_token_id
             self.reward = models.load_scalar_model(reward_path, dtype, pad, attn_implementation).to(self.device).eval()
+        if process_path:  # a process reward model: a scalar model read at each step's end (engines/steps.py)
+            process_path = local_dir(process_path)
+            pad = models.load_tokenizer(process_path).pad_token_id
+            self.process = models.load_scalar_model(process_path, dtype, pad, attn_implementation).to(
+                self.device).eval()
 
     def _run(self, model, fn, batch: dict[str, torch.Tensor], *, host_each: bool = False) -> torch.Tensor:
         """`fn(model, micro-batch)` over the batch, on this actor's device; the results concatenated on the
@@ -70,8 +77,14 @@ class ScorerActor:
     @torch.no_grad()
     def step_rewards(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """A process reward model's score at every position: (B, L) float32, CPU; read where the batch's
-        step_mask is 1 (engines/steps.py)."""
-        return self._run(self.reward, step_scores, batch)
+        step_mask is 1 (engines/steps.py). The model is the scorer's process model, else its reward model."""
+        return self._run(self.process or self.reward, step_scores, batch)
+
+    @torch.no_grad()
+    def process_rewards(self, batch: dict[str, torch.Tensor], how: str) -> torch.Tensor:
+        """Each response's reward from its steps' scores (`algos.solution_scores`, `how`: min, last or mean):
+        (B,) float32, CPU; 0 for a response without a step."""
+        return self._run(self.process, lambda m, b: solution_scores(step_scores(m, b), b["step_mask"], how), batch)
 
     def score_rollouts(self, kinds: tuple[str, ...], pad_id: int, temperature: float, n_prompts: int,
                        chunks: list[list[int]], *results) -> dict[str, torch.Tensor]:
@@ -109,7 +122,8 @@ class ScorerActor:
         """Where each model's parameters live, and the placement group (tests assert them)."""
         return {"placement_group": placement_group_id(), **cpu_report(),
                 **{name: sorted({p.device.type for p in m.parameters()})
-                   for name, m in (("reference", self.reference), ("reward", self.reward)) if m is not None}}
+                   for name, m in (("reference", self.reference), ("reward", self.reward), ("process", self.process))
+                   if m is not None}}
 
 
 SCORES_AHEAD = ("ref_logprobs", "rewards")  # what a scorer can compute before the step that uses it
@@ -150,6 +164,7 @@ def collect_scores(refs: list) -> dict[str, torch.Tensor]:
 
 
 def start_scorer(reference_path: Source | None, reward_path: Source | None, *, dtype: str, torch_threads: int,
+                 process_path: Source | None = None,
                  attn_implementation: str = "sdpa", micro_batch_size: int | None = None,
                  micro_batch_tokens: int | None = None, num_cpus: float = 1.0, num_gpus: float = 0.0,
                  scheduling_strategy=None, resources: dict[str, float] | None = None, cpu_cores: list[int] | None = None):
@@ -159,7 +174,7 @@ def start_scorer(reference_path: Source | None, reward_path: Source | None, *, d
 
     opts = actor_options(num_cpus, num_gpus, scheduling_strategy, resources)
     args = (reference_path, reward_path, dtype, torch_threads, attn_implementation, micro_batch_size,
-            micro_batch_tokens, cpu_cores)
+            micro_batch_tokens, cpu_cores, process_path)
     make = lambda: ray.remote(**opts)(ScorerActor).remote(*args)  # noqa: E731
     if scheduling_strategy is not None:  # placed by the caller: not kept warm
         return make()

@@ -57,6 +57,8 @@ def rl_round(stage: PlannedStage, inputs: RoundInputs, ctx: RunContext) -> Stage
             max_model_len=model_len, seed=cfg.seed,
             nodes_wait_s=NODES_WAIT_S if ctx.infra.ray_address else 0.0,  # a cluster may grow; a local Ray cannot
             judge_path=ctx.ref(inputs.judge),
+            process_reward_path=ctx.ref(inputs.process_reward),
+            step_separator=cfg.step_separator or "\n",
             judge_max_model_len=round_judge_positions(
                 models.max_positions(ctx.tokenizer_dir(inputs.judge)), round_cfg.reward.judge,
                 f"{field}.reward.judge.generation.max_model_len",

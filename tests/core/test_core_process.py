@@ -157,3 +157,30 @@ def test_step_labelled_data_without_a_process_reward_model_is_said_unused(tmp_pa
     assert [n for n in found.notes if n.startswith("data.synthetic.num_process")] == [
         "data.synthetic.num_process: not used (no process_reward_model trains on step-labelled solutions) (from the "
         "command line: data.synthetic.num_process=50)"], found.notes
+
+
+def test_a_round_rewarded_by_the_process_reward_model_is_checked_and_wired(tmp_path):
+    prm = ["data.synthetic.num_process=200", "process_reward_model={}"]
+    with pytest.raises(ConfigError, match=r"rounds.0 reward with the process reward model .* but "
+                                          "process_reward_model is null"):
+        load_config(None, ["rounds=[{algorithm: grpo, reward: {source: process_model}}]"])
+    with pytest.raises(ConfigError, match="step_aggregation is source process_model's setting, and this source is "
+                                          "rule"):
+        load_config(None, [*prm, "rounds=[{algorithm: grpo, reward: {source: rule, step_aggregation: last}}]"])
+    with pytest.raises(ConfigError, match="one process reward model per round"):
+        load_config(None, [*prm, "rounds=[{algorithm: grpo, reward: {sources: [{source: process_model}, "
+                                 "{source: process_model, name: again}]}}]"])
+    with pytest.raises(ConfigError, match="an environment's episodes interleave observations"):
+        load_config(None, [*prm, "rounds=[{algorithm: grpo, environment: {name: boxes}, "
+                                 "reward: {source: process_model}}]"])
+
+    mixed = ["rounds=[{algorithm: grpo, reward: {source: rule}}, {algorithm: grpo, reward: {sources: [{source: "
+             "rule}, {source: process_model, weight: 0.5, step_aggregation: last}]}}]"]
+    cfg = load_config(None, [*prm, *mixed, f"infra.storage.cache_dir={tmp_path}"])
+    stages = plan_pipeline(cfg).stages
+    assert "process_reward" not in stages["round_1"].inputs and stages["round_1"].config.step_separator is None
+    assert stages["round_2"].inputs["process_reward"] == "process_reward_model"
+    assert stages["round_2"].config.step_separator == "\n"
+    # The first round's key is the one it has without a process reward model in the pipeline.
+    alone = _keys("rounds=[{algorithm: grpo, reward: {source: rule}}]", cache=tmp_path)
+    assert alone["round_1"] == stages["round_1"].key

@@ -1,6 +1,6 @@
 """End to end: configs/prm.yaml, small: the bundled task's step-labelled solutions, a process reward model trained
 on them and its held-out evaluation, through the CLI, as `alignflow stage eval_process_reward_model
-configs/prm.yaml` runs them; then a second call, all from cache."""
+configs/prm.yaml` runs them; a second call, all from cache; then a GRPO round rewarded by the model."""
 
 from __future__ import annotations
 
@@ -42,3 +42,15 @@ def test_a_process_reward_model_trained_on_step_labels_finds_wrong_steps_on_held
     assert again.returncode == 0, again.describe()
     assert stage_json(again.stdout)["eval_process_reward_model"]["metrics"] == m
     assert len(stage_runs(f"sqlite:///{tmp_path / 'mlflow.db'}")) == 4  # nothing ran again
+
+    # A round rewarded by it: the model from cache, in the round's scorer, each response's weakest step.
+    round_ = {"algorithm": "grpo", "steps": 2, "prompts_per_step": 8, "ppo": {"epochs": 1, "minibatch_size": 16},
+              "generation": {"num_samples": 2, "max_new_tokens": 8}, "reward": {"source": "process_model"}}
+    rl = alignflow_cli(["stage", "rl", *config, f"rounds={json.dumps([round_])}"], env=cli_env(), cwd=tmp_path)
+    assert rl.returncode == 0, rl.describe()
+    runs = stage_runs(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert set(runs) == {"base_model", "process_data", "process_reward_model", "eval_process_reward_model", "data",
+                         "round_1"}, sorted(runs)
+    r = runs["round_1"].data.metrics
+    assert r["rl/steps"] == 2 and r["rl/reward/task_mean"] == pytest.approx(r["rl/reward/process_model"], abs=1e-6)
+    assert r["rl/reward/process_model"] != 0.0, r  # scored, not the 0 of a response without a step

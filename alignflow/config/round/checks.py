@@ -57,6 +57,9 @@ def check_round(r) -> None:
                          "own amount: sample with top_p 1")
     if any(c.source == "environment" for c in r.reward.components) and r.environment is None:
         raise ValueError("reward.source environment rewards episodes' returns: give the round an environment")
+    if r.reward.uses_process_model and r.environment is not None:
+        raise ValueError("reward.source process_model scores a response's steps, and an environment's episodes "
+                         "interleave observations with them: reward the episodes otherwise")
     buffer, longest = r.reward.overlong_buffer, r.max_response_tokens
     if buffer > longest:
         where = ("min(environment.max_turns * per-turn tokens, environment.max_episode_tokens)"

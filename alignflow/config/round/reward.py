@@ -15,10 +15,10 @@ from pydantic import Field, field_validator, model_validator
 from alignflow.config.base import Section
 from alignflow.config.round.judge import JudgeRewardConfig
 
-Source = Literal["model", "rule", "remote", "judge", "environment"]
+Source = Literal["model", "rule", "remote", "judge", "environment", "process_model"]
 # Metric names the reward shaping already logs under reward/ (engines/rl/experience.py, engines/rl/round.py).
 RESERVED_NAMES = ("mean", "std", "task_mean", "truncated", "clipped", "running_mean", "running_std")
-SOURCE_SETTINGS = ("source", "rule", "url", "timeout_s", "max_retries")
+SOURCE_SETTINGS = ("source", "rule", "url", "timeout_s", "max_retries", "step_aggregation")
 
 
 class SourceSettings(Section):
@@ -28,7 +28,8 @@ class SourceSettings(Section):
 
     source: Source = Field(
         "model", description="model: the trained reward model; rule: `rule`; remote: the service at `url`; judge: "
-        "the round's generative judge (reward.judge); environment: each episode's return in the round's environment")
+        "the round's generative judge (reward.judge); environment: each episode's return in the round's environment; "
+        "process_model: the pipeline's process reward model, over the response's steps (step_aggregation)")
     rule: str = Field(
         "alignflow.data.synthetic:rule_reward",
         description="import path of f(prompt, response, answer) -> float (source=rule)",
@@ -36,6 +37,9 @@ class SourceSettings(Section):
     url: str | None = Field(None, description="reward service endpoint (source=remote)")
     timeout_s: float = Field(10.0, gt=0, description="seconds per reward-service request (source=remote)")
     max_retries: int = Field(3, ge=0, description="retries of a failed service request, with exponential backoff")
+    step_aggregation: Literal["min", "last", "mean"] = Field(
+        "min", description="source=process_model: a response's reward from its steps' scores: the weakest step's, "
+        "the last step's, or their mean (algos.solution_scores)")
 
     def changed(self, keys: tuple[str, ...] = SOURCE_SETTINGS) -> list[str]:
         """Which of the settings `keys` differ from their defaults: what the user gave (a dumped config holds every
@@ -44,7 +48,8 @@ class SourceSettings(Section):
 
     def check_own_settings(self) -> None:
         """Raise ValueError where a setting of another source than this one is given."""
-        owners = {"rule": "rule", "url": "remote", "timeout_s": "remote", "max_retries": "remote"}
+        owners = {"rule": "rule", "url": "remote", "timeout_s": "remote", "max_retries": "remote",
+                  "step_aggregation": "process_model"}
         if unread := [k for k in self.changed(tuple(owners)) if owners[k] != self.source]:
             raise ValueError(f"{' and '.join(unread)} {'is' if len(unread) == 1 else 'are'} source "
                              f"{owners[unread[0]]}'s setting{'s' * (len(unread) > 1)}, and this source is "
@@ -126,6 +131,8 @@ class RewardConfig(SourceSettings):
             raise ValueError("reward.sources: one reward model per round (the pipeline trains one)")
         if sum(c.source == "judge" for c in self.sources) > 1:
             raise ValueError("reward.sources: one judge per round (its settings are reward.judge)")
+        if sum(c.source == "process_model" for c in self.sources) > 1:
+            raise ValueError("reward.sources: one process reward model per round (the pipeline trains one)")
         return self
 
     @property
@@ -134,7 +141,7 @@ class RewardConfig(SourceSettings):
         if self.sources is not None:
             return list(self.sources)
         return [RewardSourceConfig(source=self.source, rule=self.rule, url=self.url, timeout_s=self.timeout_s,
-                                   max_retries=self.max_retries)]
+                                   max_retries=self.max_retries, step_aggregation=self.step_aggregation)]
 
     @property
     def uses_judge(self) -> bool:
@@ -145,6 +152,11 @@ class RewardConfig(SourceSettings):
     def uses_model(self) -> bool:
         """Some component scores with the trained reward model."""
         return any(c.source == "model" for c in self.components)
+
+    @property
+    def uses_process_model(self) -> bool:
+        """Some component scores a response's steps with the pipeline's process reward model."""
+        return any(c.source == "process_model" for c in self.components)
 
     def source_fields(self, prefix: str) -> list[tuple[str, RewardSourceConfig]]:
         """(config field, component) of each source, `prefix` (e.g. rounds.0.reward) naming this section: the

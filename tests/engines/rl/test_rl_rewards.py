@@ -181,3 +181,50 @@ def test_rules_read_the_records_prompt_not_the_decoded_chat_template():
         ScoredText("Be brief.\nWhat is 2+3?", "5", "5"),
         ScoredText("Be brief.\nWhat is 2+3?", "6", "5"),
     ]
+
+
+# ---- a process reward model over a response's steps (reward.source process_model) --------------------------
+
+
+def test_a_response_splits_into_steps_each_ending_with_the_separator():
+    from engines.steps import response_steps
+
+    assert response_steps("3\n7\n9", "\n") == ["3\n", "7\n", "9\n"]  # the last step gets its separator too
+    assert response_steps("\n3\n\n7\n", "\n") == ["3\n", "7\n"]  # empty pieces are no steps
+    assert response_steps("a ки b ки", " ки") == ["a ки", " b ки"]
+    assert response_steps("", "\n") == [] and response_steps(" \n", "\n") == []
+
+
+def test_the_process_reward_of_a_response_is_its_weakest_steps_score(tiny_model, tokenizer, tmp_path):
+    """The scorer's process_rewards against the model scoring each response alone, unpadded, at the last token
+    of each step as training tokenized it; a response without a step scores 0."""
+    import torch
+
+    from engines import models
+    from engines.rl.scoring import ScorerActor
+    from engines.steps import response_steps, solution_tensors, step_scores
+
+    prm = models.load_scalar_model(tiny_model, "float32", tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    torch.nn.init.normal_(prm.score.weight, std=0.5)  # a fresh head scores every position 0
+    models.save_pretrained(prm, tokenizer, tmp_path / "prm")
+    scorer = ScorerActor(None, None, process_path=str(tmp_path / "prm"), micro_batch_size=2)
+    prompts = [tokenizer("Which digit is largest? 3 7 9", add_special_tokens=False)["input_ids"],
+               tokenizer("Which digit is largest? 5 1", add_special_tokens=False)["input_ids"]] * 2
+    texts = ["3\n7\n9", "5\n5", "", "9"]
+    batch = solution_tensors(tokenizer, prompts, texts, "\n")
+    assert batch["step_mask"].sum(1).tolist() == [3, 2, 0, 1]
+    for how, pick in (("min", min), ("last", lambda v: v[-1]), ("mean", lambda v: sum(v) / len(v))):
+        got = scorer.process_rewards(batch, how)
+        want = []
+        for ids, text in zip(prompts, texts):
+            scores = []
+            for k in range(1, len(response_steps(text, "\n")) + 1):  # the k-th step's score: its last token's
+                pieces = tokenizer(response_steps(text, "\n")[:k], add_special_tokens=False)["input_ids"]
+                seq = torch.tensor([ids + [t for p in pieces for t in p]])
+                with torch.no_grad():
+                    at = step_scores(prm, {"input_ids": seq, "attention_mask": torch.ones_like(seq)})
+                scores.append(float(at[0, -1]))
+            want.append(pick(scores) if scores else 0.0)
+        assert got.tolist() == pytest.approx(want, abs=1e-5), how
+    assert len(set(scorer.process_rewards(batch, "min").tolist())) > 1  # the steps are told apart
