@@ -61,19 +61,23 @@ def stepwise_tensors(tokenizer, records: list[dict], max_prompt_tokens: int, max
     return tensors, dataclasses.replace(report, steps_cut=cut)
 
 
-def response_steps(text: str, separator: str) -> list[str]:
+def response_steps(text: str, separator: str, finished: bool = True) -> list[str]:
     """A response's steps as the process reward model read its training solutions: the text between
-    separators, each followed by the separator (the last one too, where the response ends without it);
-    empty pieces (separators in a row, or leading) are no steps."""
-    return [piece + separator for piece in text.split(separator) if piece.strip()]
+    separators, each followed by the separator (the last one too, where a finished response ends without it;
+    a response cut by the length limit loses its unfinished last piece instead); empty pieces (separators in
+    a row, or leading) are no steps."""
+    pieces = text.split(separator)
+    if not finished:
+        pieces = pieces[:-1]  # '' where the cut fell right after a separator
+    return [piece + separator for piece in pieces if piece.strip()]
 
 
-def solution_tensors(tokenizer, prompt_ids: list[list[int]], texts: list[str],
-                     separator: str) -> dict[str, torch.Tensor]:
-    """The tensors above for sampled responses (a round's rollouts: their prompt ids and response texts), each
-    split into steps by `separator` (`response_steps`); labels 0. A response without a step gets no mark."""
-    steps = [response_steps(t, separator) for t in texts]
-    return _rows(tokenizer, prompt_ids, steps, [[False] * len(s) for s in steps], None)[0]
+def solution_tensors(tokenizer, rollouts: list, separator: str) -> dict[str, torch.Tensor]:
+    """The tensors above for sampled responses (a round's Rollouts: their prompt ids, response text and whether
+    it finished), each split into steps by `separator` (`response_steps`); labels 0. A response without a step
+    gets no mark."""
+    steps = [response_steps(r.text, separator, r.finished) for r in rollouts]
+    return _rows(tokenizer, [r.prompt_ids for r in rollouts], steps, [[False] * len(s) for s in steps], None)[0]
 
 
 def steps(batch: dict[str, torch.Tensor]) -> float:
@@ -92,13 +96,15 @@ def step_scores(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 def stepwise_objective(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict]:
     """Binary cross-entropy of each step's score against its label (algos.stepwise_reward_loss), a mean over
-    the micro-batch's steps (weighed by `steps`). Metrics: loss, step_accuracy and positive_fraction; a
-    micro-batch without a step (every step cut) adds nothing but a zero-gradient loss."""
+    the micro-batch's steps (weighed by `steps`). Metrics: loss, and step_accuracy and positive_fraction as
+    (sum, count) over the steps (engines/accumulate.py), so that every micro-batch and rank reports the same
+    keys: one without a step (every step cut) adds (0, 0) and a zero-gradient loss."""
     mask = batch["step_mask"] > 0
     scores = step_scores(model, batch)
+    n = mask.sum().float()
     if not bool(mask.any()):
         zero = scores.sum() * 0.0  # every rank's backward still runs through the model
-        return zero, {"loss": zero.detach()}
+        return zero, {"loss": zero.detach(), "step_accuracy": (n, n), "positive_fraction": (n, n)}
     out = stepwise_reward_loss(scores[mask], batch["step_labels"][mask])
-    return out.loss, {"loss": out.loss.detach(), "step_accuracy": out.accuracy,
-                      "positive_fraction": out.positive_fraction}
+    return out.loss, {"loss": out.loss.detach(), "step_accuracy": (out.accuracy * n, n),
+                      "positive_fraction": (out.positive_fraction * n, n)}

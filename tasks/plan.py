@@ -100,7 +100,8 @@ class Plan(BaseModel):
         if not names:
             present = {s.kind for s in self.stages.values()}  # targets this pipeline has a stage of
             valid = sorted({*(k.target for k in r.STAGE_KINDS.values() if k.name in present), *self.stages})
-            why = f" ({self.skipped[target]})" if target in self.skipped else ""
+            why = (f" ({self.skipped[target]})" if target in self.skipped else
+                   " (the config has no section that plans it)" if target in r.targets() else "")
             near = difflib.get_close_matches(target, valid, n=1, cutoff=0.75) if not why else []
             raise ConfigError(f"no stage {target!r} in this pipeline{why}; "
                               + (f"did you mean {near[0]!r}? " if near else "") + f"valid: {', '.join(valid)}")

@@ -95,7 +95,16 @@ class StepwiseSource(DatasetSource):
                             "true where the solution is still right after that step")
     step_separator: str = Field(
         "\n", min_length=1, description="text that follows every step, where the model reads the solution: a step "
-        "is scored at its separator's last token")
+        "is scored at its separator's last token, and a round splits responses at it (so no step may hold it)")
+
+    @model_validator(mode="after")
+    def _read_here(self) -> StepwiseSource:
+        unread = [k for k in ("response_key", "chosen_key", "rejected_key", "answer_key", "label_key",
+                              "assistant_marker") if getattr(self, k) != DatasetSource.model_fields[k].default]
+        if unread:
+            raise ValueError(f"{unread[0]} is not read in data.process, whose rows are a prompt (prompt_key or "
+                             f"messages_key), its steps (steps_key) and their labels (labels_key)")
+        return self
 
 
 class CutFractions(Section):

@@ -45,26 +45,26 @@ RESOURCE_FIELDS_IN = {"evaluation": frozenset({"micro_batch_size"})}
 # Fields read only where a sibling has one value (SimPO's target margin, read with `loss: simpo`), left out of
 # the key elsewhere, where the config refuses any but the default: adding one kept the other losses' keys.
 READ_ONLY_WITH = {"simpo_gamma": ("loss", "simpo")}
-# Fields added after stages' keys were published, left out of a key while at the default they were added with
-# (what every earlier config meant): adding one keeps every earlier key.
-ADDED_AT_DEFAULT = {"process": None, "num_process": 0, "step_aggregation": "min", "step_separator": None}
+# Fields added after stages' keys were published, left out of a key at the default they came with: earlier keys stay.
+ADDED_AT_DEFAULT = {"process": None, "num_process": 0, "step_aggregation": "min", "no_step_reward": -5.0,
+                    "step_separator": None}
 
 
 def cache_relevant(cfg: BaseModel) -> dict[str, Any]:
     """A config as JSON, without its resource-only fields (at any depth), the fields its other settings leave
-    unread (READ_ONLY_WITH) and fields added later while at their default (ADDED_AT_DEFAULT)."""
+    unread (READ_ONLY_WITH) and fields added later while at their default (ADDED_AT_DEFAULT); the last two not
+    inside an environment's `kwargs`, the user's own names."""
 
     def unread(node: dict, key: str) -> bool:
-        if key in ADDED_AT_DEFAULT and node[key] == ADDED_AT_DEFAULT[key]:
-            return True
-        return key in READ_ONLY_WITH and node.get(READ_ONLY_WITH[key][0]) != READ_ONLY_WITH[key][1]
+        added = key in ADDED_AT_DEFAULT and node[key] == ADDED_AT_DEFAULT[key]
+        return added or key in READ_ONLY_WITH and node.get(READ_ONLY_WITH[key][0]) != READ_ONLY_WITH[key][1]
 
-    def strip(node: Any, within: frozenset[str] = frozenset()) -> Any:
+    def strip(node: Any, within: frozenset[str] = frozenset(), free: bool = False) -> Any:
         if isinstance(node, dict):
-            return {k: strip(v, RESOURCE_FIELDS_IN.get(k, frozenset())) for k, v in node.items()
-                    if k not in RESOURCE_FIELDS and k not in within and not unread(node, k)}
+            return {k: strip(v, RESOURCE_FIELDS_IN.get(k, frozenset()), free or k == "kwargs") for k, v in node.items()
+                    if k not in RESOURCE_FIELDS and k not in within and (free or not unread(node, k))}
         if isinstance(node, list):
-            return [strip(v) for v in node]
+            return [strip(v, free=free) for v in node]
         return node
 
     return strip(cfg.model_dump(mode="json"))

@@ -143,7 +143,8 @@ class PipelineConfig(Section):
             out[f"rounds.{i}.actor.placement"] = r.actor.placement
             if r.spec.critic:
                 out[f"rounds.{i}.critic.placement"] = r.critic.placement
-            if (r.uses_reference and not self.reference_is_actor(i)) or r.reward.uses_model:
+            if (r.uses_reference and not self.reference_is_actor(i)) or r.reward.uses_model or \
+                    r.reward.uses_process_model:
                 out[f"rounds.{i}.scorer_placement"] = r.scorer_placement
             engines = [("generation", r.generation)] + [("reward.judge.generation", r.reward.judge.generation)] * \
                 r.reward.uses_judge
@@ -246,8 +247,9 @@ class PipelineConfig(Section):
             raise ValueError(why)
         if self.process_reward_model is None and (asking := [f"rounds.{i}" for i, r in enumerate(self.rounds)
                                                              if r.reward.uses_process_model]):
-            raise ValueError(f"{', '.join(asking)} reward with the process reward model (reward.source "
-                             "process_model), but process_reward_model is null: add a process_reward_model section")
+            raise ValueError(f"{', '.join(asking)} {'asks' if len(asking) == 1 else 'ask'} the process reward model "
+                             "(reward.source process_model), but process_reward_model is null: add a "
+                             "process_reward_model section (it trains one)")
         return self
 
     @model_validator(mode="after")
@@ -277,6 +279,7 @@ class PipelineConfig(Section):
             if needing:
                 raise ValueError(
                     f"{', '.join(needing)} use the reward model (reward.source=model, or critic.init=reward_model) "
-                    f"but reward_model is null; add a reward_model section, or score with reward.source=rule|remote "
+                    f"but reward_model is null; add a reward_model section, or score with "
+                    f"reward.source=rule|remote|process_model "
                     f"and start a critic from the policy (critic.init=policy)")
         return self

@@ -31,7 +31,8 @@ def check_batches(cfg: PipelineConfig, found, sft_rows: int | None, pairs: int |
         task_pairs = (s.num_preference, "pairs", "data.synthetic.num_preference")
         kto_rows = (2 * s.num_preference, "rows (KTO's: each pair's two replies)", task_pairs[2])
         counts = {"reward_model": task_pairs, "preference": kto_rows if kto else task_pairs,
-                  "process_reward_model": (s.num_process, "solutions", "data.synthetic.num_process")}
+                  "process_reward_model": (_trained(s.num_process), "solutions (less about 10 % held out)",
+                                           "data.synthetic.num_process")}
         if s.task == "largest_digit":  # the boxes task writes two rows of some traces
             counts["sft"] = (s.num_sft, "rows", "data.synthetic.num_sft")
     else:
@@ -44,12 +45,19 @@ def check_batches(cfg: PipelineConfig, found, sft_rows: int | None, pairs: int |
                        "preference": (2 * pairs + unpaired, "rows (each pair's two replies, and the unpaired "
                                       "rows)", field) if kto else (pairs, "pairs of data.preference", field)}
         if solutions is not None:
-            counts["process_reward_model"] = (solutions, "solutions of data.process", "data.process.path")
+            counts["process_reward_model"] = (_trained(solutions), "solutions of data.process (less about 10 % "
+                                              "held out)", "data.process.path")
     for stage, (most, unit, source) in counts.items():
         train = getattr(cfg, stage)
         if train is not None and (stage != "reward_model" or cfg.trains_reward_model) and most < train.batch_size:
             found.fail(f"{stage}.batch_size", f"{train.batch_size} is more than the {most} {unit} it can train on",
                        also=(source,))
+
+
+def _trained(n: int) -> int:
+    """Step-labelled solutions left to train on: tasks/stages/data.py holds out max(1, n // 10) of them (by prompt:
+    about that many)."""
+    return n - max(1, n // 10) if n > 1 else n
 
 
 def check_files(cfg: PipelineConfig, found) -> None:

@@ -180,16 +180,23 @@ def _stepwise(row: dict, src: StepwiseSource, where: str, prompt: str | list[dic
     steps = _need(row, sk, where, f"or set steps_key under {section}")
     labels = _need(row, lk, where, f"or set labels_key under {section}")
     if not isinstance(steps, list) or not steps or not all(isinstance(t, str) for t in steps):
-        raise DataError(f"{where}: key {sk!r} must be a non-empty list of strings (the solution's steps), "
-                        f"got {type(steps).__name__}")
-    if empty := [i for i, t in enumerate(steps) if not t.strip()]:
-        raise DataError(f"{where}: key {sk!r}, step {empty[0]} is empty")
-    if not isinstance(labels, list) or any(not isinstance(v, bool) and v not in (0, 1) for v in labels):
-        raise DataError(f"{where}: key {lk!r} must be a list of true/false (or 1/0), one per step, got {labels!r}"[:300])
+        got = "an empty list" if steps == [] else type(steps).__name__
+        raise DataError(f"{where}: key {sk!r} must be a non-empty list of strings (the solution's steps), got {got}")
+    if empty := [i for i, t in enumerate(steps, start=1) if not t.strip()]:
+        raise DataError(f"{where}: key {sk!r}, step {empty[0]} (of {len(steps)}) is empty")
+    if held := [i for i, t in enumerate(steps, start=1) if src.step_separator in t]:
+        raise DataError(f"{where}: key {sk!r}, step {held[0]} holds the step separator {src.step_separator!r}, which "
+                        "follows every step: a round splits responses at it, so this step would be read as several; "
+                        "set data.process.step_separator to a text no step holds (Math-Shepherd's ' ки', say)")
+    if not isinstance(labels, list) or any(not isinstance(v, (bool, int, float)) or not 0 <= v <= 1 for v in labels):
+        raise DataError(f"{where}: key {lk!r} must be a list of labels, one per step: true/false, 1/0 or a "
+                        f"probability in [0, 1] (Math-Shepherd's '+'/'-' tags: map them to true/false), "
+                        f"got {labels!r}"[:400])
     if len(labels) != len(steps):
         raise DataError(f"{where}: key {sk!r} holds {len(steps)} steps and key {lk!r} {len(labels)} labels: "
                         "give one label per step")
-    return {"prompt": prompt, "steps": [t + src.step_separator for t in steps], "labels": [bool(v) for v in labels]}
+    return {"prompt": prompt, "steps": [t + src.step_separator for t in steps],
+            "labels": [v if isinstance(v, bool) else float(v) for v in labels]}
 
 
 def normalize_row(row: Any, kind: Kind, src: DatasetSource, where: str) -> dict[str, Any]:

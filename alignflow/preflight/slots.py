@@ -24,7 +24,7 @@ def _round_needs(r) -> tuple[float, float, str]:
     g = r.generation
     scorers = int(r.uses_reference)
     scorers += int(r.reward.uses_model)
-    scorers = min(scorers, 1) if r.colocate_reference_and_reward else scorers
+    scorers = (min(scorers, 1) if r.colocate_reference_and_reward else scorers) + int(r.reward.uses_process_model)
     parts = [("actor", r.actor.placement.num_cpus, r.actor.placement.num_gpus, r.actor.num_workers),
              ("scorer_placement", r.scorer_placement.num_cpus, r.scorer_placement.num_gpus, scorers),
              ("generation", g.placement.num_cpus, g.gpus_per_engine, r.num_rollout_engines),

@@ -44,7 +44,8 @@ from engines.rollout.episodes import episode_metrics, report_failures
 from engines.rl.experience import Experience
 from engines.rl.judge import Judge
 from engines.rl.rewards import RemoteReward, RuleReward, ScoredText, prompt_text
-from engines.rl.round_models import RoundSetup, start_round_models
+from engines.rl.round_models import start_round_models
+from engines.rl.round_placement import RoundSetup
 from engines.rl.scoring import collect_scores, scorers_ahead, submit_scores
 from engines.rl.updates import UPDATES
 from engines.rollout.base import Rollout, Sampling
@@ -153,6 +154,7 @@ class RLRound:
         clipping and shaping (`experience.shape_rewards`), with their metrics."""
         parts: dict[str, torch.Tensor] = {}
         judged: dict[str, float] = {}
+        stepless = None  # responses without a step, where a process reward model scores
         if self.text_rewards or self.judge is not None:
             items = scored_texts(rollouts, records)
             parts = {name: torch.tensor(fn(items), dtype=torch.float32) for name, fn in self.text_rewards.items()}
@@ -165,17 +167,17 @@ class RLRound:
             elif c.source == "environment":
                 parts[c.label] = torch.tensor([r.episode["return"] for r in rollouts], dtype=torch.float32)
             elif c.source == "process_model":  # the response's steps, tokenized as the model was trained on them
-                batch = solution_tensors(self.tokenizer, [r.prompt_ids for r in rollouts], [r.text for r in rollouts],
-                                         self.setup.step_separator)
-                parts[c.label] = self.models.process_rewards(batch, c.step_aggregation)
+                batch = solution_tensors(self.tokenizer, rollouts, self.setup.step_separator)
+                parts[c.label] = self.models.process_rewards(batch, c.step_aggregation, c.no_step_reward)
+                stepless = float((batch["step_mask"].sum(1) == 0).sum())  # each scores no_step_reward: counted
         task = sum(c.weight * parts[c.label].float() for c in r.components)
         shaped = experience.shape_rewards(
             task, exp.action_mask, exp.finished, max_response_tokens=self.cfg.max_response_tokens,
             overlong_buffer=r.overlong_buffer, overlong_penalty=r.overlong_penalty,
             truncation_penalty=r.truncation_penalty, clip=r.clip, stats=self.reward_stats)
         self.reward_stats = shaped.stats
-        return shaped.rewards, task, {**shaped.metrics, **judged,
-                                      **{f"reward/{k}": v.mean().item() for k, v in parts.items()}}
+        return shaped.rewards, task, {**shaped.metrics, **judged, **({} if stepless is None else {
+            "process/responses_without_steps": stepless}), **{f"reward/{k}": v.mean().item() for k, v in parts.items()}}
 
     def _sampling(self) -> Sampling:
         g = self.cfg.generation

@@ -5,6 +5,7 @@
     reference  ScorerActor (frozen policy)                     spec.reference and a KL term (or online DPO);
                with LoRA on the actor in a round that starts from the reference: the actor, adapters off
     rewarder   ScorerActor (reward model)                      a reward source is the model
+    process    ScorerActor (process reward model), of its own   a reward source is the process model
     engines    RolloutEngines (vLLM, or HF generate)           num_rollout_engines
     judge      RolloutEngines of the judge model (one engine)  a reward source is the judge
 
@@ -36,8 +37,8 @@ from alignflow.config import RoundConfig
 from alignflow.seeds import derive_seed
 from engines.placement import warm
 from engines.placement.groups import wait_placement_group
-from engines.rl.round_placement import (check_resources, colocated_bundles, engines_share_a_gpu, gpu_share,
-                                       reference_is_actor)
+from engines.rl.round_placement import (RoundSetup, check_resources, colocated_bundles,  # noqa: F401 (RoundSetup
+                                       engines_share_a_gpu, gpu_share, reference_is_actor)  # kept importable here)
 from engines.rl.scoring import start_scorer
 from engines.rollout.actors import RolloutEngines, start_engines
 from engines.rollout.base import PendingRollouts, Rollout, Sampling
@@ -49,29 +50,6 @@ from engines.transport.sync import WeightSync, default_bucket_bytes
 RESIDENT_HEADROOM = 0.1  # colocate_offload auto: the share of a GPU left free with every model on it
 
 
-@dataclass(frozen=True)
-class RoundSetup:
-    """Where a round's models come from, and how its actors run. Models are refs to committed
-    artifacts, which each actor fetches on its own node, or directories on every node (tests)."""
-
-    policy_path: Source  # where this round starts (the previous round, SFT or the base model)
-    reference_path: Source | None  # the frozen KL reference (algorithms that use one)
-    reward_path: Source | None  # the reward model (scoring, or a critic's start)
-    prompts: list[tuple[list[int], dict]]  # (prompt ids, record with "answer")
-    dtype: str
-    torch_threads: int
-    max_model_len: int
-    seed: int  # the round's stage seed
-    attn_implementation: str = "sdpa"  # model.attn_implementation
-    judge_path: Source | None = None  # the generative judge (a judge reward source)
-    process_reward_path: Source | None = None  # the process reward model (a process_model source)
-    step_separator: str = "\n"  # where it splits a response into steps (its data's)
-    judge_max_model_len: int | None = None  # the judge's positions
-    # On a cluster that may grow (infra.ray_address: an autoscaler, spot nodes coming back), how long a round short
-    # of resources waits for nodes before it refuses; 0 on a local Ray, which cannot grow (preflight checked it).
-    nodes_wait_s: float = 0.0
-
-
 @dataclass
 class RoundModels:
     actor: TrainerGroup | None = None
@@ -79,6 +57,7 @@ class RoundModels:
     reference: object = None  # ScorerActor handle
     reference_from_actor: bool = False  # LoRA: the actor with its adapters disabled is the reference
     rewarder: object = None  # ScorerActor handle
+    process: object = None  # ScorerActor handle: never shared, so that nothing scored ahead queues before it
     engines: RolloutEngines = field(default_factory=lambda: RolloutEngines([]))
     judge: RolloutEngines = field(default_factory=lambda: RolloutEngines([]))  # its weights never change
     colocated: bool = False
@@ -107,8 +86,11 @@ class RoundModels:
     def model_rewards(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return ray.get(self.rewarder.rewards.remote(batch))
 
-    def process_rewards(self, batch: dict[str, torch.Tensor], how: str) -> torch.Tensor:  # steps.solution_tensors
-        return ray.get(self.rewarder.process_rewards.remote(batch, how))
+    def process_rewards(self, batch: dict[str, torch.Tensor], how: str, no_step: float) -> torch.Tensor:
+        return ray.get(self.process.process_rewards.remote(batch, how, no_step))  # batch: steps.solution_tensors
+
+    def scorers(self) -> list:  # each scorer actor once (reference and reward model may share one)
+        return list({id(x): x for x in (self.reference, self.rewarder, self.process) if x is not None}.values())
 
     def submit(self, prompt_ids: list[list[int]], sampling: Sampling, piece_tokens: int | None = None,
                episodes: tuple | None = None) -> PendingRollouts:
@@ -149,7 +131,7 @@ class RoundModels:
         if self.offload != "never":  # "auto" still undecided (no update yet) moves as "always"
             for group in self._trainers():
                 group.offload_states()
-            ray.get([s.release_memory.remote() for s in {self.reference, self.rewarder} - {None}])
+            ray.get([s.release_memory.remote() for s in self.scorers()])
         self.engines.wake(["weights"])
         self.timings["time/colocation/offload_and_wake"] = time.perf_counter() - start
         self._timed_push(push)
@@ -197,7 +179,7 @@ class RoundModels:
         kind (engines/placement/warm.py), not where a call of theirs may still be running."""
         for group in self._trainers():
             group.shutdown(failed=failed)
-        for a in {id(x): x for x in (self.reference, self.rewarder) if x is not None}.values():
+        for a in self.scorers():
             warm.end(a, failed=failed)  # ray.kill, or kept for the next start inside keep_warm()
         self.engines.shutdown(failed=failed)
         self.judge.shutdown(failed=failed)
@@ -256,18 +238,19 @@ def start_round_models(cfg: RoundConfig, setup: RoundSetup, updates_per_step: in
         models.reference_from_actor = reference_is_actor(cfg, setup)
         reference = setup.reference_path if cfg.uses_reference and not models.reference_from_actor else None
         reward = setup.reward_path if cfg.reward.uses_model else None
-        process = setup.process_reward_path if cfg.reward.uses_process_model else None  # beside the reward model
-        if cfg.colocate_reference_and_reward and reference and (reward or process):
-            models.reference = models.rewarder = start_scorer(reference, reward, process_path=process, **common)
+        if cfg.colocate_reference_and_reward and reference and reward:
+            models.reference = models.rewarder = start_scorer(reference, reward, **common)
         else:
             if reference:
                 models.reference = start_scorer(reference, None, **common)
-            if reward or process:
-                models.rewarder = start_scorer(None, reward, process_path=process, **common)
+            if reward:
+                models.rewarder = start_scorer(None, reward, **common)
+        if cfg.reward.uses_process_model:
+            models.process = start_scorer(None, None, process_path=setup.process_reward_path, **common)
         if engines_share_a_gpu(cfg):  # vLLM sizes its cache by the memory free on the GPU: trainers and scorers first
             for group in models._trainers():
                 group.wait_ready()
-            ray.get([s.device_report.remote() for s in {models.reference, models.rewarder} - {None}])
+            ray.get([s.device_report.remote() for s in models.scorers()])
         if cfg.reward.uses_judge:
             j, strategies = cfg.reward.judge.generation, None
             if cfg.colocate_all:  # beside the scorers on bundle 0, awake throughout (its weights never change)

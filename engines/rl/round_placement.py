@@ -1,22 +1,47 @@
-"""Where a round's actors go: which of them start, the Ray slots they take, and how colocation shares
-its bundles (engines/rl/round_models.py starts them there; alignflow/preflight/slots.py counts the same slots without
-importing this)."""
+"""Where a round's models come from (RoundSetup) and where its actors go: which of them start, the Ray slots
+they take, and how colocation shares its bundles (engines/rl/round_models.py starts them there;
+alignflow/preflight/slots.py counts the same slots without importing this)."""
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import ray
 
 from alignflow.config import RoundConfig
 from alignflow.errors import InsufficientResourcesError
+from alignflow.store.artifacts import Source
 
 log = logging.getLogger("alignflow")
 
-RoundSetupLike = Any  # engines/rl/round_models.py RoundSetup (its policy_path and reference_path): not imported,
-# as round_models imports this module
+
+@dataclass(frozen=True)
+class RoundSetup:
+    """Where a round's models come from, and how its actors run. Models are refs to committed
+    artifacts, which each actor fetches on its own node, or directories on every node (tests)."""
+
+    policy_path: Source  # where this round starts (the previous round, SFT or the base model)
+    reference_path: Source | None  # the frozen KL reference (algorithms that use one)
+    reward_path: Source | None  # the reward model (scoring, or a critic's start)
+    prompts: list[tuple[list[int], dict]]  # (prompt ids, record with "answer")
+    dtype: str
+    torch_threads: int
+    max_model_len: int
+    seed: int  # the round's stage seed
+    attn_implementation: str = "sdpa"  # model.attn_implementation
+    judge_path: Source | None = None  # the generative judge (a judge reward source)
+    process_reward_path: Source | None = None  # the process reward model (a process_model source)
+    step_separator: str = "\n"  # where it splits a response into steps (its data's)
+    judge_max_model_len: int | None = None  # the judge's positions
+    # On a cluster that may grow (infra.ray_address: an autoscaler, spot nodes coming back), how long a round short
+    # of resources waits for nodes before it refuses; 0 on a local Ray, which cannot grow (preflight checked it).
+    nodes_wait_s: float = 0.0
+
+
+RoundSetupLike = Any  # a RoundSetup, or anything with its policy_path and reference_path (sizing, tests)
 
 
 def reference_is_actor(cfg: RoundConfig, setup: RoundSetupLike | None) -> bool:
@@ -29,11 +54,10 @@ def reference_is_actor(cfg: RoundConfig, setup: RoundSetupLike | None) -> bool:
 
 
 def _scorers(cfg: RoundConfig, setup: RoundSetupLike | None = None) -> int:
-    """How many scorer actors the round starts: reference and/or rewarder (the reward model, the process reward
-    model or both, one actor), shared when colocated."""
-    rewarder = cfg.reward.uses_model or cfg.reward.uses_process_model
-    wanted = int(cfg.uses_reference and not reference_is_actor(cfg, setup)) + int(rewarder)
-    return min(wanted, 1) if cfg.colocate_reference_and_reward else wanted
+    """How many scorer actors the round starts: reference and/or reward model, shared when colocated, and the
+    process reward model's, never shared."""
+    wanted = int(cfg.uses_reference and not reference_is_actor(cfg, setup)) + int(cfg.reward.uses_model)
+    return (min(wanted, 1) if cfg.colocate_reference_and_reward else wanted) + int(cfg.reward.uses_process_model)
 
 
 def round_resources(cfg: RoundConfig, setup: RoundSetupLike | None = None) -> dict[str, float]:

@@ -81,10 +81,11 @@ class ScorerActor:
         return self._run(self.process or self.reward, step_scores, batch)
 
     @torch.no_grad()
-    def process_rewards(self, batch: dict[str, torch.Tensor], how: str) -> torch.Tensor:
+    def process_rewards(self, batch: dict[str, torch.Tensor], how: str, no_step: float) -> torch.Tensor:
         """Each response's reward from its steps' scores (`algos.solution_scores`, `how`: min, last or mean):
-        (B,) float32, CPU; 0 for a response without a step."""
-        return self._run(self.process, lambda m, b: solution_scores(step_scores(m, b), b["step_mask"], how), batch)
+        (B,) float32, CPU; `no_step` for a response without a step."""
+        rewards = self._run(self.process, lambda m, b: solution_scores(step_scores(m, b), b["step_mask"], how), batch)
+        return torch.where(batch["step_mask"].sum(-1) > 0, rewards, torch.full_like(rewards, no_step))
 
     def score_rollouts(self, kinds: tuple[str, ...], pad_id: int, temperature: float, n_prompts: int,
                        chunks: list[list[int]], *results) -> dict[str, torch.Tensor]:

@@ -19,6 +19,8 @@ Process-reward-model metrics, on the held-out step-labelled solutions:
   eval/prm_solution_accuracy     share of solutions whose weakest step's sign says whether every step is right
   eval/prm_first_error_accuracy  share of solutions whose first step scored wrong is their first wrong step
                                  (or none is, where none is): ProcessBench's measure
+  (solutions whose every step lies past the response limit are left out of the last two, and counted:
+  eval/prm_solutions_without_steps)
 """
 
 from __future__ import annotations
@@ -189,15 +191,16 @@ def evaluate_process_reward_model(stage: PlannedStage, inputs: ProcessRewardMode
                      micro_batch_size=cfg.scoring_micro_batch_size) as call:
             scores = call("step_rewards", tensors)
         mask, labels = tensors["step_mask"] > 0, tensors["step_labels"] >= 0.5
-        said = scores > 0
+        said, scored = scores > 0, mask.any(-1)  # solutions of no step (every step cut) are judged on nothing
         solved = (labels | ~mask).all(-1)
+        right = (solution_scores(scores, mask, "min") > 0) == solved
+        found = first_error_steps(said, mask) == first_error_steps(labels, mask)
         metrics = {"eval/prm_step_accuracy": float((said == labels)[mask].float().mean()),
-                   "eval/prm_solution_accuracy": float(((solution_scores(scores, mask, "min") > 0) == solved)
-                                                       .float().mean()),
-                   "eval/prm_first_error_accuracy": float((first_error_steps(said, mask) ==
-                                                           first_error_steps(labels, mask)).float().mean()),
+                   "eval/prm_solution_accuracy": float(right[scored].float().mean()),
+                   "eval/prm_first_error_accuracy": float(found[scored].float().mean()),
                    "eval/prm_positive_fraction": float(labels[mask].float().mean()),  # always "right" scores this
-                   "eval/prm_steps": float(mask.sum()), **report.as_metrics("eval_process")}
+                   "eval/prm_steps": float(mask.sum()), "eval/prm_solutions_without_steps": float((~scored).sum()),
+                   **report.as_metrics("eval_process")}
         run.log_metrics(metrics)
         (output.dir / "metrics.json").write_text(json.dumps(metrics, indent=1))
         return metrics

@@ -15,7 +15,7 @@ from engines import batches, models
 from engines.placement.groups import TIMEOUT_S as NODES_WAIT_S
 from engines.rl.judge import round_judge_positions
 from engines.rl.round import RLRound
-from engines.rl.round_models import RoundSetup
+from engines.rl.round_placement import RoundSetup
 from engines.rollout.agentic import episode_prompts
 from tasks.checkpoints import StageCheckpoints
 from tasks.context import RunContext, StageOutput, compute_stage

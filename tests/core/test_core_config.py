@@ -1030,8 +1030,8 @@ def test_an_unknown_key_says_the_nearest_setting_or_its_sections_settings(tmp_pa
     with pytest.raises(ConfigError) as err:
         load_config(None, ["reward_model=null"])
     assert "Value error" not in str(err.value) and "<root>" not in str(err.value)
-    assert str(err.value).endswith("or score with reward.source=rule|remote and start a critic from the policy "
-                                   "(critic.init=policy)")
+    assert str(err.value).endswith("or score with reward.source=rule|remote|process_model and start a critic from "
+                                   "the policy (critic.init=policy)")
 
 
 def test_an_error_names_its_field_and_where_it_was_set(tmp_path):

@@ -595,8 +595,11 @@ def test_round_slots_equal_the_engines_count(tmp_path):
               {"algorithm": "grpo", "reward": {"source": "judge", "judge": {"model": "/j", "generation": {
                   "placement": {"num_cpus": 3}}}}},
               {"algorithm": "grpo", "colocate_all": True, "reward": {"sources": [
-                  {"source": "rule"}, {"source": "judge"}], "judge": {"model": "/j"}}}]
-    cfg = load_config(None, [f"rounds={json.dumps(rounds)}"])
+                  {"source": "rule"}, {"source": "judge"}], "judge": {"model": "/j"}}},
+              # a process reward model: a scorer of its own, beside a shared reference and reward model
+              {"algorithm": "grpo", "reward": {"sources": [{"source": "model"}, {"source": "process_model"}]}},
+              {"algorithm": "grpo", "colocate_all": True, "reward": {"source": "process_model"}}]
+    cfg = load_config(None, [f"rounds={json.dumps(rounds)}", "data.synthetic.num_process=100", "process_reward_model={}"])
     for r in cfg.rounds:
         cpu, gpu, _ = _round_needs(r)
         assert {"CPU": cpu, "GPU": gpu} == round_resources(r), r.algorithm

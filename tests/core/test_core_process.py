@@ -35,6 +35,10 @@ def test_step_rows_from_a_file_end_each_step_with_the_separator(tmp_path):
     rows = load_records(StepwiseSource(path=str(path)), "process")
     assert rows == [{"prompt": "add 0 and 2", "steps": ["0 + 2\n", "= 2\n"], "labels": [True, True]},
                     {"prompt": "add 1 and 2", "steps": ["1 + 2\n", "= 3\n"], "labels": [True, False]}]
+    soft = _jsonl(tmp_path / "soft.jsonl", [_row(0, labels=[1.0, 0.25]), _row(1, labels=[0, 1])])
+    assert [r["labels"] for r in load_records(StepwiseSource(path=str(soft)), "process")] == [[1.0, 0.25], [0.0, 1.0]]
+    with pytest.raises(ValueError, match="label_key is not read in data.process"):
+        StepwiseSource(path=str(path), label_key="ok")
     chat = StepwiseSource(path=str(path), messages_key="q", steps_key="s", labels_key="y", step_separator=" ки")
     with pytest.raises(DataError, match="row 1: missing key 'q'"):
         load_records(chat, "process")
@@ -45,10 +49,16 @@ def test_step_rows_from_a_file_end_each_step_with_the_separator(tmp_path):
 
 @pytest.mark.parametrize("row, said", [
     (_row(labels=[True]), "row 1: key 'completions' holds 2 steps and key 'labels' 1 labels: give one label per step"),
-    (_row(labels=[True, "yes"]), "row 1: key 'labels' must be a list of true/false (or 1/0), one per step"),
-    (_row(completions="0 + 2"), "row 1: key 'completions' must be a non-empty list of strings"),
-    (_row(completions=[]), "row 1: key 'completions' must be a non-empty list of strings"),
-    (_row(completions=["0 + 2", "  "]), "row 1: key 'completions', step 1 is empty"),
+    (_row(labels=["+", "-"]), "row 1: key 'labels' must be a list of labels, one per step: true/false, 1/0 or a "
+                              "probability in [0, 1] (Math-Shepherd's '+'/'-' tags: map them to true/false)"),
+    (_row(labels=[True, 1.5]), "row 1: key 'labels' must be a list of labels, one per step"),
+    (_row(completions="0 + 2"), "row 1: key 'completions' must be a non-empty list of strings (the solution's "
+                                "steps), got str"),
+    (_row(completions=[]), "row 1: key 'completions' must be a non-empty list of strings (the solution's steps), "
+                           "got an empty list"),
+    (_row(completions=["0 + 2", "  "]), "row 1: key 'completions', step 2 (of 2) is empty"),
+    (_row(completions=["0 + 2", "= 2\n"]), "row 1: key 'completions', step 2 holds the step separator '\\n', "
+                                            "which follows every step: a round splits responses at it"),
     ({"prompt": "p", "steps": ["a"], "labels": [True]},
      "row 1: missing key 'completions' (or set steps_key under data.process); this row has keys: ['labels', "),
     (_row(labels=None), "row 1: key 'labels' is null (or set labels_key under data.process)"),
@@ -143,10 +153,15 @@ def test_preflight_reads_a_step_file_row_by_row_and_bounds_the_batch_by_its_solu
                             "labels: give one label per step"), found
     _jsonl(steps, [_row(i) for i in range(6)])
     [batch] = preflight(load_config(None, over), over).problems
-    assert batch.startswith("process_reward_model.batch_size: 8 is more than the 6 solutions of data.process it "
-                            "can train on"), batch
-    assert preflight(load_config(None, over[:-2] + ["process_reward_model={batch_size: 6}", over[-1]]),
+    assert batch.startswith("process_reward_model.batch_size: 8 is more than the 5 solutions of data.process (less "
+                            "about 10 % held out) it can train on"), batch
+    assert preflight(load_config(None, over[:-2] + ["process_reward_model={batch_size: 5}", over[-1]]),
                      over).problems == []
+    # The bundled task's solutions: 32 less the 3 held out.
+    synthetic = ["data.synthetic.num_process=32", "process_reward_model={batch_size: 32}", over[-1]]
+    [batch] = preflight(load_config(None, synthetic), synthetic).problems
+    assert batch.startswith("process_reward_model.batch_size: 32 is more than the 29 solutions (less about 10 % held "
+                            "out) it can train on"), batch
     assert isinstance(load_config(None, over).data.process, DatasetSource)
 
 
@@ -161,12 +176,14 @@ def test_step_labelled_data_without_a_process_reward_model_is_said_unused(tmp_pa
 
 def test_a_round_rewarded_by_the_process_reward_model_is_checked_and_wired(tmp_path):
     prm = ["data.synthetic.num_process=200", "process_reward_model={}"]
-    with pytest.raises(ConfigError, match=r"rounds.0 reward with the process reward model .* but "
+    with pytest.raises(ConfigError, match=r"rounds.0 asks the process reward model .* but "
                                           "process_reward_model is null"):
         load_config(None, ["rounds=[{algorithm: grpo, reward: {source: process_model}}]"])
     with pytest.raises(ConfigError, match="step_aggregation is source process_model's setting, and this source is "
                                           "rule"):
         load_config(None, [*prm, "rounds=[{algorithm: grpo, reward: {source: rule, step_aggregation: last}}]"])
+    with pytest.raises(ConfigError, match="no_step_reward is source process_model's setting"):
+        load_config(None, [*prm, "rounds=[{algorithm: grpo, reward: {source: model, no_step_reward: -1}}]"])
     with pytest.raises(ConfigError, match="one process reward model per round"):
         load_config(None, [*prm, "rounds=[{algorithm: grpo, reward: {sources: [{source: process_model}, "
                                  "{source: process_model, name: again}]}}]"])
@@ -184,3 +201,21 @@ def test_a_round_rewarded_by_the_process_reward_model_is_checked_and_wired(tmp_p
     # The first round's key is the one it has without a process reward model in the pipeline.
     alone = _keys("rounds=[{algorithm: grpo, reward: {source: rule}}]", cache=tmp_path)
     assert alone["round_1"] == stages["round_1"].key
+
+
+def test_a_target_the_config_plans_no_stage_of_says_so(tmp_path):
+    cfg = load_config(None, [f"infra.storage.cache_dir={tmp_path}"])
+    with pytest.raises(ConfigError, match="no stage 'process_reward_model' in this pipeline \\(the config has no "
+                                          "section that plans it\\); valid: "):
+        plan_pipeline(cfg).resolve("process_reward_model")
+
+
+def test_a_name_added_to_the_config_is_left_out_of_keys_only_as_a_setting_not_in_an_environments_kwargs():
+    from alignflow.config import RoundConfig, cache_relevant
+
+    assert "step_aggregation" not in cache_relevant(RoundConfig())["reward"]  # at its default: as before it came
+    assert cache_relevant(RoundConfig(reward={"source": "process_model", "step_aggregation": "last"}))["reward"][
+        "step_aggregation"] == "last"
+    env = {"name": "boxes", "kwargs": {"num_process": 0, "no_step_reward": -5.0}}
+    kept = cache_relevant(RoundConfig(environment=env, reward={"source": "environment"}))["environment"]["kwargs"]
+    assert kept == {"num_process": 0, "no_step_reward": -5.0}  # the user's own names, whatever they mean there

@@ -54,3 +54,4 @@ def test_a_process_reward_model_trained_on_step_labels_finds_wrong_steps_on_held
     r = runs["round_1"].data.metrics
     assert r["rl/steps"] == 2 and r["rl/reward/task_mean"] == pytest.approx(r["rl/reward/process_model"], abs=1e-6)
     assert r["rl/reward/process_model"] != 0.0, r  # scored, not the 0 of a response without a step
+    assert 0 <= r["rl/process/responses_without_steps"] <= 16, r  # counted: each of them scores 0

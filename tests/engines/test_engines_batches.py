@@ -510,11 +510,21 @@ def test_the_step_objective_is_binary_cross_entropy_at_the_step_ends_of_a_scalar
                 want.append(-(y * math.log(1 / (1 + math.exp(-s))) + (1 - y) * math.log(1 - 1 / (1 + math.exp(-s)))))
                 right += (s > 0) == (y > 0.5)
     assert float(loss.detach()) == pytest.approx(sum(want) / 5, rel=1e-4)
-    assert float(metrics["step_accuracy"]) == pytest.approx(right / 5)
-    assert float(metrics["positive_fraction"]) == pytest.approx(3 / 5)
+    assert [float(v) for v in metrics["step_accuracy"]] == pytest.approx([right, 5])  # (sum, count)
+    assert [float(v) for v in metrics["positive_fraction"]] == pytest.approx([3, 5])
     loss.backward()
     assert model.score.weight.grad.abs().sum() > 0
-    # Every step cut: a zero loss that still reaches the model, and no step metrics.
+    # Every step cut: a zero loss that still reaches the model, and the same metrics, counting nothing, so that
+    # ranks and micro-batches with and without steps combine (a rank without one failed the step's metrics).
+    from engines.accumulate import add_metrics, combine_ranks, host_metrics
+
     none, _ = stepwise_tensors(tokenizer, records, 64, 1)
     zero, m = stepwise_objective(model, none)
-    assert float(zero.detach()) == 0.0 and zero.requires_grad and set(m) == {"loss"}
+    assert float(zero.detach()) == 0.0 and zero.requires_grad and set(m) == set(metrics)
+    ranks = []
+    for got in (metrics, m):
+        sums = {}
+        add_metrics(sums, {k: (v[0].detach(), v[1]) if isinstance(v, tuple) else v.detach() for k, v in got.items()},
+                    1.0)
+        ranks.append(host_metrics(sums))
+    assert combine_ranks(ranks)["step_accuracy"] == pytest.approx(right / 5)

@@ -73,7 +73,7 @@ def check_round(r) -> None:
         raise ValueError("max_staleness and partial_rollouts shape asynchronous rollouts: set async_rollouts")
     if r.colocate_all:  # every model and engine gets a share of the actor's GPUs (gpu_share)
         n, gpus, scored = r.actor.num_workers, r.actor.placement.num_gpus, r.uses_reference or \
-            r.reward.uses_model
+            r.reward.uses_model or r.reward.uses_process_model
         if r.num_rollout_engines != n:
             raise ValueError(f"colocate_all puts one rollout engine beside each actor worker: "
                              f"num_rollout_engines must equal actor.num_workers ({n})")

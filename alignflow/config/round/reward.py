@@ -18,7 +18,7 @@ from alignflow.config.round.judge import JudgeRewardConfig
 Source = Literal["model", "rule", "remote", "judge", "environment", "process_model"]
 # Metric names the reward shaping already logs under reward/ (engines/rl/experience.py, engines/rl/round.py).
 RESERVED_NAMES = ("mean", "std", "task_mean", "truncated", "clipped", "running_mean", "running_std")
-SOURCE_SETTINGS = ("source", "rule", "url", "timeout_s", "max_retries", "step_aggregation")
+SOURCE_SETTINGS = ("source", "rule", "url", "timeout_s", "max_retries", "step_aggregation", "no_step_reward")
 
 
 class SourceSettings(Section):
@@ -40,6 +40,9 @@ class SourceSettings(Section):
     step_aggregation: Literal["min", "last", "mean"] = Field(
         "min", description="source=process_model: a response's reward from its steps' scores: the weakest step's, "
         "the last step's, or their mean (algos.solution_scores)")
+    no_step_reward: float = Field(
+        -5.0, description="source=process_model: the reward of a response without a step (empty, or separators "
+        "only; counted as process/responses_without_steps), in the model's log-odds: -5 is about 1 in 150")
 
     def changed(self, keys: tuple[str, ...] = SOURCE_SETTINGS) -> list[str]:
         """Which of the settings `keys` differ from their defaults: what the user gave (a dumped config holds every
@@ -49,7 +52,7 @@ class SourceSettings(Section):
     def check_own_settings(self) -> None:
         """Raise ValueError where a setting of another source than this one is given."""
         owners = {"rule": "rule", "url": "remote", "timeout_s": "remote", "max_retries": "remote",
-                  "step_aggregation": "process_model"}
+                  "step_aggregation": "process_model", "no_step_reward": "process_model"}
         if unread := [k for k in self.changed(tuple(owners)) if owners[k] != self.source]:
             raise ValueError(f"{' and '.join(unread)} {'is' if len(unread) == 1 else 'are'} source "
                              f"{owners[unread[0]]}'s setting{'s' * (len(unread) > 1)}, and this source is "
@@ -141,7 +144,8 @@ class RewardConfig(SourceSettings):
         if self.sources is not None:
             return list(self.sources)
         return [RewardSourceConfig(source=self.source, rule=self.rule, url=self.url, timeout_s=self.timeout_s,
-                                   max_retries=self.max_retries, step_aggregation=self.step_aggregation)]
+                                   max_retries=self.max_retries, step_aggregation=self.step_aggregation,
+                                   no_step_reward=self.no_step_reward)]
 
     @property
     def uses_judge(self) -> bool:

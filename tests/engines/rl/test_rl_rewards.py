@@ -193,12 +193,17 @@ def test_a_response_splits_into_steps_each_ending_with_the_separator():
     assert response_steps("\n3\n\n7\n", "\n") == ["3\n", "7\n"]  # empty pieces are no steps
     assert response_steps("a ки b ки", " ки") == ["a ки", " b ки"]
     assert response_steps("", "\n") == [] and response_steps(" \n", "\n") == []
+    # Cut by the length limit: the unfinished last piece is no step (a finished one gets its separator).
+    assert response_steps("3\n7\n9", "\n", finished=False) == ["3\n", "7\n"]
+    assert response_steps("3\n7\n", "\n", finished=False) == ["3\n", "7\n"]
 
 
 def test_the_process_reward_of_a_response_is_its_weakest_steps_score(tiny_model, tokenizer, tmp_path):
     """The scorer's process_rewards against the model scoring each response alone, unpadded, at the last token
-    of each step as training tokenized it; a response without a step scores 0."""
+    of each step as training tokenized it; a response without a step scores what the round gives it."""
     import torch
+
+    from engines.rollout.base import Rollout
 
     from engines import models
     from engines.rl.scoring import ScorerActor
@@ -212,10 +217,12 @@ def test_the_process_reward_of_a_response_is_its_weakest_steps_score(tiny_model,
     prompts = [tokenizer("Which digit is largest? 3 7 9", add_special_tokens=False)["input_ids"],
                tokenizer("Which digit is largest? 5 1", add_special_tokens=False)["input_ids"]] * 2
     texts = ["3\n7\n9", "5\n5", "", "9"]
-    batch = solution_tensors(tokenizer, prompts, texts, "\n")
+    rollouts = [Rollout(prompt_index=i, prompt_ids=p, token_ids=[], text=t, logprobs=[], finished=True)
+                for i, (p, t) in enumerate(zip(prompts, texts))]
+    batch = solution_tensors(tokenizer, rollouts, "\n")
     assert batch["step_mask"].sum(1).tolist() == [3, 2, 0, 1]
     for how, pick in (("min", min), ("last", lambda v: v[-1]), ("mean", lambda v: sum(v) / len(v))):
-        got = scorer.process_rewards(batch, how)
+        got = scorer.process_rewards(batch, how, -7.0)
         want = []
         for ids, text in zip(prompts, texts):
             scores = []
@@ -225,6 +232,6 @@ def test_the_process_reward_of_a_response_is_its_weakest_steps_score(tiny_model,
                 with torch.no_grad():
                     at = step_scores(prm, {"input_ids": seq, "attention_mask": torch.ones_like(seq)})
                 scores.append(float(at[0, -1]))
-            want.append(pick(scores) if scores else 0.0)
+            want.append(pick(scores) if scores else -7.0)
         assert got.tolist() == pytest.approx(want, abs=1e-5), how
-    assert len(set(scorer.process_rewards(batch, "min").tolist())) > 1  # the steps are told apart
+    assert len(set(scorer.process_rewards(batch, "min", -7.0).tolist())) > 2  # the steps are told apart
