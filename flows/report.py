@@ -94,7 +94,8 @@ class PipelineReport(BaseModel):
         if "eval/prm_step_accuracy" in (p := self.process_reward_model):
             lines.append(f"process reward model held-out accuracy: steps {p['eval/prm_step_accuracy']:.3f} (labelled "
                          f"right: {p['eval/prm_positive_fraction']:.3f}), solutions "
-                         f"{p['eval/prm_solution_accuracy']:.3f}, first wrong step {p['eval/prm_first_error_accuracy']:.3f}")
+                         f"{p['eval/prm_solution_accuracy']:.3f}, first wrong step "
+                         f"{p['eval/prm_first_error_accuracy']:.3f}")
         if "eval/judge_verdict_accuracy" in self.judge:
             j = self.judge
             lines.append(f"judge held-out verdict accuracy: {j['eval/judge_verdict_accuracy']:.3f} "

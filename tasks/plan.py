@@ -264,7 +264,8 @@ def plan_pipeline(cfg: PipelineConfig) -> Plan:
         if process_reward:
             b.add("eval_process_reward_model", "evaluate_process_reward_model", r.ProcessRewardModelEvalStage(
                 io=io, scorer_placement=cfg.evaluation.scorer_placement,
-                scoring_micro_batch_size=cfg.evaluation.micro_batch_size), data=steps_data, process_reward=process_reward)
+                scoring_micro_batch_size=cfg.evaluation.micro_batch_size), data=steps_data,
+                process_reward=process_reward)
     prints.save()
     return Plan(stages=b.stages, skipped=b.skipped)
 

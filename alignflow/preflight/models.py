@@ -33,7 +33,8 @@ def check_models(cfg: PipelineConfig, found: Findings) -> int | None:
 def _lora_targets(cfg: PipelineConfig, base: Callable[[], Any], found: Findings) -> None:
     """Each LoRA config's target_modules against the modules of the models it adapts, every one of the base
     model's architecture: a policy's (sft, preference, distill, judge, a round's actor) or a scalar model's (the
-    reward model, a process reward model, a critic), built on the meta device (no weights: seconds, whatever the model's size)."""
+    reward model, a process reward model, a critic), built on the meta device (no weights: seconds, whatever
+    the model's size)."""
     engines = [(name, c, "causal") for name, c in (("sft", cfg.sft), ("preference", cfg.preference),
                                                    ("distill", cfg.distill), ("judge", cfg.judge))]
     engines += [("reward_model", cfg.reward_model, "scalar"),

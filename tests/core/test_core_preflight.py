@@ -599,7 +599,8 @@ def test_round_slots_equal_the_engines_count(tmp_path):
               # a process reward model: a scorer of its own, beside a shared reference and reward model
               {"algorithm": "grpo", "reward": {"sources": [{"source": "model"}, {"source": "process_model"}]}},
               {"algorithm": "grpo", "colocate_all": True, "reward": {"source": "process_model"}}]
-    cfg = load_config(None, [f"rounds={json.dumps(rounds)}", "data.synthetic.num_process=100", "process_reward_model={}"])
+    cfg = load_config(None, [f"rounds={json.dumps(rounds)}", "data.synthetic.num_process=100",
+                             "process_reward_model={}"])
     for r in cfg.rounds:
         cpu, gpu, _ = _round_needs(r)
         assert {"CPU": cpu, "GPU": gpu} == round_resources(r), r.algorithm

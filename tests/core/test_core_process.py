@@ -43,8 +43,8 @@ def test_step_rows_from_a_file_end_each_step_with_the_separator(tmp_path):
     with pytest.raises(DataError, match="row 1: missing key 'q'"):
         load_records(chat, "process")
     _jsonl(path, [{"q": [{"role": "user", "content": "hi"}], "s": ["a", "b"], "y": [1, 0]}])
-    assert load_records(chat, "process") == [{"prompt": [{"role": "user", "content": "hi"}], "steps": ["a ки", "b ки"],
-                                              "labels": [True, False]}]
+    assert load_records(chat, "process") == [{"prompt": [{"role": "user", "content": "hi"}],
+                                              "steps": ["a ки", "b ки"], "labels": [True, False]}]
 
 
 @pytest.mark.parametrize("row, said", [

@@ -35,7 +35,8 @@ def test_a_process_reward_model_trained_on_step_labels_finds_wrong_steps_on_held
     runs = stage_runs(f"sqlite:///{tmp_path / 'mlflow.db'}")
     assert set(runs) == {"base_model", "process_data", "process_reward_model", "eval_process_reward_model"}, runs
     trained = runs["process_reward_model"].data.metrics
-    assert trained["train/steps"] == 84 and trained["data/process_rows"] == 900 and trained["data/process_steps_cut"] == 0
+    assert trained["train/steps"] == 84 and trained["data/process_rows"] == 900
+    assert trained["data/process_steps_cut"] == 0
     assert trained["train/final_step_accuracy"] > 0.8, trained
 
     again = alignflow_cli(["stage", "eval_process_reward_model", *config], env=cli_env(), cwd=tmp_path)
