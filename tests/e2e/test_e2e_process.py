@@ -1,6 +1,6 @@
 """End to end: configs/prm.yaml, small: the bundled task's step-labelled solutions, a process reward model trained
 on them and its held-out evaluation, through the CLI, as `alignflow stage eval_process_reward_model
-configs/prm.yaml` runs them; a second call, all from cache; then a GRPO round rewarded by the model."""
+configs/prm.yaml` runs them; then a GRPO round rewarded by the model, which comes from cache."""
 
 from __future__ import annotations
 
@@ -39,20 +39,20 @@ def test_a_process_reward_model_trained_on_step_labels_finds_wrong_steps_on_held
     assert trained["data/process_steps_cut"] == 0
     assert trained["train/final_step_accuracy"] > 0.8, trained
 
-    again = alignflow_cli(["stage", "eval_process_reward_model", *config], env=cli_env(), cwd=tmp_path)
-    assert again.returncode == 0, again.describe()
-    assert stage_json(again.stdout)["eval_process_reward_model"]["metrics"] == m
-    assert len(stage_runs(f"sqlite:///{tmp_path / 'mlflow.db'}")) == 4  # nothing ran again
-
-    # A round rewarded by it: the model from cache, in the round's scorer, each response's weakest step.
-    round_ = {"algorithm": "grpo", "steps": 2, "prompts_per_step": 8, "ppo": {"epochs": 1, "minibatch_size": 16},
-              "generation": {"num_samples": 2, "max_new_tokens": 8}, "reward": {"source": "process_model"}}
+    # A round rewarded by it, the model from cache (nothing of it runs again), in a scorer of its own: each
+    # response's weakest step. One step, no KL term: the fewest actors that show the wiring.
+    round_ = {"algorithm": "grpo", "steps": 1, "prompts_per_step": 8, "ppo": {"epochs": 1, "minibatch_size": 16},
+              "kl": {"coef": 0.0}, "generation": {"num_samples": 2, "max_new_tokens": 8},
+              "reward": {"source": "process_model"}}
     rl = alignflow_cli(["stage", "rl", *config, f"rounds={json.dumps([round_])}"], env=cli_env(), cwd=tmp_path)
     assert rl.returncode == 0, rl.describe()
+    planned = {line.split()[0]: line for line in rl.stdout.splitlines()  # the plan's rows
+               if line.startswith("  ") and ("Cached" in line or "will run" in line)}
+    assert all(planned[n].endswith("Cached") for n in ("base_model", "process_data", "process_reward_model")), rl.stdout
     runs = stage_runs(f"sqlite:///{tmp_path / 'mlflow.db'}")
     assert set(runs) == {"base_model", "process_data", "process_reward_model", "eval_process_reward_model", "data",
                          "round_1"}, sorted(runs)
     r = runs["round_1"].data.metrics
-    assert r["rl/steps"] == 2 and r["rl/reward/task_mean"] == pytest.approx(r["rl/reward/process_model"], abs=1e-6)
-    assert r["rl/reward/process_model"] != 0.0, r  # scored, not the 0 of a response without a step
-    assert 0 <= r["rl/process/responses_without_steps"] <= 16, r  # counted: each of them scores 0
+    assert r["rl/steps"] == 1 and r["rl/reward/task_mean"] == pytest.approx(r["rl/reward/process_model"], abs=1e-6)
+    assert r["rl/reward/process_model"] != 0.0, r  # scored
+    assert 0 <= r["rl/process/responses_without_steps"] <= 16, r  # counted: each of them scores no_step_reward
