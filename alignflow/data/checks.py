@@ -9,6 +9,7 @@ import fsspec
 
 from alignflow.config import DatasetSource, PipelineConfig
 from alignflow.data.formats import FILE_FORMATS, file_format, read_rows
+from alignflow.data.load import held_out_count
 from alignflow.data.rows import normalize_row
 from alignflow.errors import DataError
 from alignflow.store.storage import is_local_uri, local_path
@@ -55,9 +56,9 @@ def check_batches(cfg: PipelineConfig, found, sft_rows: int | None, pairs: int |
 
 
 def _trained(n: int) -> int:
-    """Step-labelled solutions left to train on: tasks/stages/data.py holds out max(1, n // 10) of them (by prompt:
-    about that many)."""
-    return n - max(1, n // 10) if n > 1 else n
+    """Step-labelled solutions left to train on, less those tasks/stages/data.py holds out (one alone is kept for
+    both)."""
+    return n - held_out_count(n) if n > 1 else n
 
 
 def check_files(cfg: PipelineConfig, found) -> None:

@@ -53,6 +53,12 @@ def _tools(value: Any, where: str) -> list[dict]:
     return value
 
 
+def held_out_count(n: int) -> int:
+    """Rows of a split of `n` that the data stages hold out for evaluation (preference pairs, step-labelled
+    solutions; by prompt, so about that many): a tenth, at least one of any."""
+    return max(1, n // 10) if n else 0
+
+
 def write_jsonl(records: list[dict], path: str) -> None:
     with open(path, "w") as f:
         for r in records:

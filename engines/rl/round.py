@@ -154,7 +154,7 @@ class RLRound:
         clipping and shaping (`experience.shape_rewards`), with their metrics."""
         parts: dict[str, torch.Tensor] = {}
         judged: dict[str, float] = {}
-        stepless = None  # responses without a step, where a process reward model scores
+        counted: dict[str, float] = {}  # responses without a step, where a process reward model scores
         if self.text_rewards or self.judge is not None:
             items = scored_texts(rollouts, records)
             parts = {name: torch.tensor(fn(items), dtype=torch.float32) for name, fn in self.text_rewards.items()}
@@ -169,15 +169,15 @@ class RLRound:
             elif c.source == "process_model":  # the response's steps, tokenized as the model was trained on them
                 batch = solution_tensors(self.tokenizer, rollouts, self.setup.step_separator)
                 parts[c.label] = self.models.process_rewards(batch, c.step_aggregation, c.no_step_reward)
-                stepless = float((batch["step_mask"].sum(1) == 0).sum())  # each scores no_step_reward: counted
+                counted["process/responses_without_steps"] = float((batch["step_mask"].sum(1) == 0).sum())
         task = sum(c.weight * parts[c.label].float() for c in r.components)
         shaped = experience.shape_rewards(
             task, exp.action_mask, exp.finished, max_response_tokens=self.cfg.max_response_tokens,
             overlong_buffer=r.overlong_buffer, overlong_penalty=r.overlong_penalty,
             truncation_penalty=r.truncation_penalty, clip=r.clip, stats=self.reward_stats)
         self.reward_stats = shaped.stats
-        return shaped.rewards, task, {**shaped.metrics, **judged, **({} if stepless is None else {
-            "process/responses_without_steps": stepless}), **{f"reward/{k}": v.mean().item() for k, v in parts.items()}}
+        return shaped.rewards, task, {**shaped.metrics, **judged, **counted,
+                                      **{f"reward/{k}": v.mean().item() for k, v in parts.items()}}
 
     def _sampling(self) -> Sampling:
         g = self.cfg.generation

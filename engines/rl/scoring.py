@@ -76,9 +76,9 @@ class ScorerActor:
 
     @torch.no_grad()
     def step_rewards(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """A process reward model's score at every position: (B, L) float32, CPU; read where the batch's
-        step_mask is 1 (engines/steps.py). The model is the scorer's process model, else its reward model."""
-        return self._run(self.process if self.process is not None else self.reward, step_scores, batch)
+        """The process reward model's score at every position: (B, L) float32, CPU; read where the batch's
+        step_mask is 1 (engines/steps.py)."""
+        return self._run(self.process, step_scores, batch)
 
     @torch.no_grad()
     def process_rewards(self, batch: dict[str, torch.Tensor], how: str, no_step: float) -> torch.Tensor:

@@ -20,7 +20,6 @@ from tasks.registry import DataInputs, DataStage, ProcessDataStage
 log = logging.getLogger("alignflow")
 
 SPLITS = ("sft", "preference", "preference_unpaired", "prompts", "eval", "eval_preference")
-PROCESS_SPLITS = ("process", "eval_process")  # the process_data stage's
 
 
 def build_splits(cfg: DataConfig, seed: int) -> tuple[dict[str, list[dict]], dict[str, int]]:
@@ -86,7 +85,7 @@ def held_out_pairs(pairs: list[dict], seed: int, split: str = "preference") -> t
     prompts = list(sizes)
     random.Random(derive_seed(seed, f"eval_{split}")).shuffle(prompts)
     what = "pairs" if split == "preference" else "rows"
-    budget = max(1, len(pairs) // 10)
+    budget = load.held_out_count(len(pairs))
     held, count = set(), 0
     for prompt in prompts[:-1]:  # one prompt at least is trained on
         if count >= budget:
@@ -104,7 +103,7 @@ def held_out_pairs(pairs: list[dict], seed: int, split: str = "preference") -> t
         log.warning("data.%s's %d %s have %d prompt(s), none of whose %s fit a 10 %% hold-out: the last 10 %% of "
                     "the %s are held out, and their prompts are trained on too", split, len(pairs), what, len(sizes),
                     what, what)
-    n_held = max(1, len(pairs) // 10) if pairs else 0
+    n_held = load.held_out_count(len(pairs))
     return pairs[: len(pairs) - n_held], pairs[len(pairs) - n_held:]
 
 
@@ -155,7 +154,7 @@ def prepare_process_data(stage: PlannedStage, inputs: DataInputs, ctx: RunContex
     def compute(output: StageOutput, run) -> dict[str, float]:
         from engines import lengths, models
 
-        splits = dict(zip(PROCESS_SPLITS, held_out_pairs(step_labelled(cfg), cfg.seed, split="process")))
+        splits = dict(zip(lengths.STEP_SPLITS, held_out_pairs(step_labelled(cfg), cfg.seed, split="process")))
         model_dir = ctx.tokenizer_dir(inputs.model)
         measured = lengths.measure(models.load_tokenizer(model_dir), splits)
         bounds = DataConfig(max_prompt_tokens=cfg.max_prompt_tokens, max_response_tokens=cfg.max_response_tokens)

@@ -65,12 +65,18 @@ def _score(p: Placement, micro_batch_size: int | None, io, ctx: RunContext, batc
     On `evaluation.scorer_placement`: with GPUs, a ScorerActor holding them; without, the same class
     in this task's process (a CPU-only actor would only add a process start, ~10-40 s on 2 cores).
     """
-    with scoring(reference, reward, num_cpus=p.num_cpus, num_gpus=p.num_gpus, resources=p.resources,
-                 cpu_cores=p.cpu_cores, dtype=io.dtype,
-                 torch_threads=ctx.infra.torch_threads, attn_implementation=io.attn_implementation,
-                 micro_batch_size=micro_batch_size) as call:
+    with _scorer(p, micro_batch_size, io, ctx, reference, reward) as call:
         return (call("ref_logprobs", batch, temperature) if reference else None,
                 call("rewards", batch) if reward else None)
+
+
+def _scorer(p: Placement, micro_batch_size: int | None, io, ctx: RunContext, reference: ArtifactRef | None,
+            reward: ArtifactRef | None, process: ArtifactRef | None = None):
+    """`scoring`'s block (engines/rl/scoring.py) for an evaluation: its models on `p`, in micro-batches."""
+    return scoring(reference, reward, num_cpus=p.num_cpus, num_gpus=p.num_gpus, resources=p.resources,
+                   cpu_cores=p.cpu_cores, dtype=io.dtype, torch_threads=ctx.infra.torch_threads,
+                   attn_implementation=io.attn_implementation, micro_batch_size=micro_batch_size,
+                   process_path=process)
 
 
 def _sampling(cfg: EvalConfig) -> Sampling:
@@ -176,7 +182,7 @@ def evaluate_reward_model(stage: PlannedStage, inputs: RewardModelEvalInputs, ct
 def evaluate_process_reward_model(stage: PlannedStage, inputs: ProcessRewardModelEvalInputs,
                                   ctx: RunContext) -> StageResult:
     cfg: ProcessRewardModelEvalStage = stage.config
-    p, io = cfg.scorer_placement, cfg.io
+    io = cfg.io
 
     def compute(output: StageOutput, run) -> dict[str, float]:
         records = load_split(inputs.data, ctx, "eval_process")
@@ -185,10 +191,8 @@ def evaluate_process_reward_model(stage: PlannedStage, inputs: ProcessRewardMode
         tensors, report = steps.stepwise_tensors(tokenizer, records, limits.prompt, limits.response,
                                                  split="eval_process")
         ensure_ray(ctx.infra)
-        with scoring(None, ctx.ref(inputs.process_reward), num_cpus=p.num_cpus, num_gpus=p.num_gpus,
-                     resources=p.resources, cpu_cores=p.cpu_cores, dtype=io.dtype,
-                     torch_threads=ctx.infra.torch_threads, attn_implementation=io.attn_implementation,
-                     micro_batch_size=cfg.scoring_micro_batch_size) as call:
+        with _scorer(cfg.scorer_placement, cfg.scoring_micro_batch_size, io, ctx, None, None,
+                     ctx.ref(inputs.process_reward)) as call:
             scores = call("step_rewards", tensors)
         mask, labels = tensors["step_mask"] > 0, tensors["step_labels"] >= 0.5
         said, scored = scores > 0, mask.any(-1)  # solutions of no step (every step cut) are judged on nothing
