@@ -74,10 +74,14 @@ from .losses.preference import (
 )
 from .losses.process import (STEP_AGGREGATIONS, StepwiseLossOutput, first_error_steps, solution_scores,
                              stepwise_reward_loss)
+from .advantages.process import StepRewards, process_group_advantages, with_step_rewards
 from .advantages.returns import compute_gae, discounted_returns
 from .advantages.shaping import RunningMeanStd, clip_rewards, rewards_at_turns, truncation_penalty
 
 __all__ = [
+    "StepRewards",
+    "process_group_advantages",
+    "with_step_rewards",
     "STEP_AGGREGATIONS",
     "StepwiseLossOutput",
     "first_error_steps",

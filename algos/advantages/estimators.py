@@ -2,7 +2,7 @@
 
 Every estimator is called as::
 
-    fn(*, token_rewards, action_mask, values, group_size, gamma, lam, eps, std_norm=None)
+    fn(*, token_rewards, action_mask, values, group_size, gamma, lam, eps, std_norm=None, steps=None)
         -> AdvantageOutput(advantages (B, T), returns (B, T))
 
 ``token_rewards`` already hold the sequence reward at the last valid token
@@ -15,7 +15,11 @@ and ignored so that callers can dispatch on the name alone. ``std_norm``
 switches the group standard-deviation division of the group estimators
 ("grpo": default True, "dr_grpo": default False); None keeps the
 estimator's own behaviour, and the others, which have no group std to
-switch, reject any other value rather than ignore it.
+switch, reject any other value rather than ignore it. ``steps`` (a
+:class:`algos.advantages.process.StepRewards`) are dense process rewards:
+the estimators with returns add them to the token rewards, the group ones
+add :func:`algos.advantages.process.process_group_advantages` (with their own
+std switch) to the outcome advantage; "per_token" refuses them.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from ..masked import (
     masked_whiten,
     place_at_last_token,
 )
+from .process import StepRewards, process_group_advantages, with_step_rewards
 from .returns import compute_gae, discounted_returns
 
 
@@ -110,14 +115,25 @@ def _sequence_output(adv: Tensor, action_mask: Tensor, like: Tensor) -> Advantag
     return AdvantageOutput(advantages=tok, returns=tok)
 
 
+def _plus_process(out: AdvantageOutput, steps: Optional[StepRewards], action_mask: Tensor, group_size: int,
+                  eps: float, std_norm: bool) -> AdvantageOutput:
+    """A group estimator's outcome advantage plus, with dense step rewards, their process advantage."""
+    if steps is None:
+        return out
+    adv = out.advantages + process_group_advantages(steps, action_mask, group_size, eps=eps, std_norm=std_norm)
+    return AdvantageOutput(advantages=adv, returns=adv)
+
+
 def _group_output(token_rewards: Tensor, action_mask: Tensor, group_size: int, eps: float,
-                  std_norm: bool) -> AdvantageOutput:
-    """Group-mean baseline, divided by the group std when ``std_norm`` (GRPO) or not (Dr. GRPO)."""
+                  std_norm: bool, steps: Optional[StepRewards]) -> AdvantageOutput:
+    """Group-mean baseline, divided by the group std when ``std_norm`` (GRPO) or not (Dr. GRPO); plus the
+    step rewards' process advantage, normalised the same way."""
     _check_same_shape(token_rewards=token_rewards, action_mask=action_mask)
     s = sequence_scores(token_rewards, action_mask).detach()
     adv = (group_normalized_advantages(s, group_size, eps=eps) if std_norm
            else group_centered_advantages(s, group_size))
-    return _sequence_output(adv, action_mask, token_rewards)
+    return _plus_process(_sequence_output(adv, action_mask, token_rewards), steps, action_mask, group_size, eps,
+                         std_norm)
 
 
 def _no_std_norm(name: str, std_norm: Optional[bool]) -> None:
@@ -129,7 +145,7 @@ def _no_std_norm(name: str, std_norm: Optional[bool]) -> None:
 @register_advantage_estimator("gae")
 def gae_estimator(*, token_rewards: Tensor, action_mask: Tensor, values: Optional[Tensor],
                   group_size: int, gamma: float, lam: float, eps: float,
-                  std_norm: Optional[bool] = None) -> AdvantageOutput:
+                  std_norm: Optional[bool] = None, steps: Optional[StepRewards] = None) -> AdvantageOutput:
     """GAE(gamma, lam) with a critic; see :func:`algos.advantages.returns.compute_gae`.
 
     Formula: ``delta_t = r_t + gamma V_{t+1} - V_t``,
@@ -145,14 +161,14 @@ def gae_estimator(*, token_rewards: Tensor, action_mask: Tensor, values: Optiona
     _no_std_norm("gae", std_norm)
     if values is None:
         raise ValueError("advantage estimator 'gae' requires critic `values` (B, T); got None")
-    adv, ret = compute_gae(token_rewards, values, action_mask, gamma=gamma, lam=lam)
+    adv, ret = compute_gae(with_step_rewards(token_rewards, steps), values, action_mask, gamma=gamma, lam=lam)
     return AdvantageOutput(advantages=adv, returns=ret)
 
 
 @register_advantage_estimator("grpo")
 def grpo_estimator(*, token_rewards: Tensor, action_mask: Tensor, values: Optional[Tensor],
                    group_size: int, gamma: float, lam: float, eps: float,
-                   std_norm: Optional[bool] = None) -> AdvantageOutput:
+                   std_norm: Optional[bool] = None, steps: Optional[StepRewards] = None) -> AdvantageOutput:
     """GRPO outcome advantage, broadcast to every valid token.
 
     Formula: ``A_{b,t} = (s_b - mean_G(s)) / (std_G(s) + eps)``; ``std_G`` is
@@ -166,13 +182,13 @@ def grpo_estimator(*, token_rewards: Tensor, action_mask: Tensor, values: Option
     Reference: Shao et al. 2024, arXiv 2402.03300; without the std: Liu et
     al. 2025, arXiv 2503.20783.
     """
-    return _group_output(token_rewards, action_mask, group_size, eps, std_norm is not False)
+    return _group_output(token_rewards, action_mask, group_size, eps, std_norm is not False, steps)
 
 
 @register_advantage_estimator("dr_grpo")
 def dr_grpo_estimator(*, token_rewards: Tensor, action_mask: Tensor, values: Optional[Tensor],
                       group_size: int, gamma: float, lam: float, eps: float,
-                      std_norm: Optional[bool] = None) -> AdvantageOutput:
+                      std_norm: Optional[bool] = None, steps: Optional[StepRewards] = None) -> AdvantageOutput:
     """Dr. GRPO advantage, broadcast to every valid token.
 
     Formula: ``A_{b,t} = s_b - mean_G(s)`` (no std division; 0 for constant
@@ -182,13 +198,13 @@ def dr_grpo_estimator(*, token_rewards: Tensor, action_mask: Tensor, values: Opt
 
     Reference: Liu et al. 2025, arXiv 2503.20783.
     """
-    return _group_output(token_rewards, action_mask, group_size, eps, std_norm is True)
+    return _group_output(token_rewards, action_mask, group_size, eps, std_norm is True, steps)
 
 
 @register_advantage_estimator("rloo")
 def rloo_estimator(*, token_rewards: Tensor, action_mask: Tensor, values: Optional[Tensor],
                    group_size: int, gamma: float, lam: float, eps: float,
-                   std_norm: Optional[bool] = None) -> AdvantageOutput:
+                   std_norm: Optional[bool] = None, steps: Optional[StepRewards] = None) -> AdvantageOutput:
     """RLOO leave-one-out advantage, broadcast to every valid token.
 
     Formula: ``A_{i,t} = s_i - (1/(g-1)) sum_{j in G(i), j != i} s_j``;
@@ -199,14 +215,15 @@ def rloo_estimator(*, token_rewards: Tensor, action_mask: Tensor, values: Option
     _no_std_norm("rloo", std_norm)
     _check_same_shape(token_rewards=token_rewards, action_mask=action_mask)
     s = sequence_scores(token_rewards, action_mask).detach()
-    return _sequence_output(leave_one_out_advantages(s, group_size), action_mask, token_rewards)
+    out = _sequence_output(leave_one_out_advantages(s, group_size), action_mask, token_rewards)
+    return _plus_process(out, steps, action_mask, group_size, eps, False)
 
 
 @register_advantage_estimator("reinforce_pp")
 def reinforce_pp_estimator(*, token_rewards: Tensor, action_mask: Tensor,
                            values: Optional[Tensor], group_size: int, gamma: float,
                            lam: float, eps: float,
-                           std_norm: Optional[bool] = None) -> AdvantageOutput:
+                           std_norm: Optional[bool] = None, steps: Optional[StepRewards] = None) -> AdvantageOutput:
     """REINFORCE++: discounted return-to-go, whitened over the whole batch.
 
     Formula: ``G_t = sum_{k >= t} gamma^{k-t} r_k`` (valid tokens only);
@@ -218,7 +235,7 @@ def reinforce_pp_estimator(*, token_rewards: Tensor, action_mask: Tensor,
     Reference: Hu 2025, "REINFORCE++", arXiv 2501.03262.
     """
     _no_std_norm("reinforce_pp", std_norm)
-    g = discounted_returns(token_rewards, action_mask, gamma=gamma)
+    g = discounted_returns(with_step_rewards(token_rewards, steps), action_mask, gamma=gamma)
     adv = masked_whiten(g, action_mask, shift_mean=True, eps=eps)
     return AdvantageOutput(advantages=adv, returns=g)
 
@@ -227,7 +244,7 @@ def reinforce_pp_estimator(*, token_rewards: Tensor, action_mask: Tensor,
 def reinforce_pp_baseline_estimator(*, token_rewards: Tensor, action_mask: Tensor,
                                     values: Optional[Tensor], group_size: int, gamma: float,
                                     lam: float, eps: float,
-                                    std_norm: Optional[bool] = None) -> AdvantageOutput:
+                                    std_norm: Optional[bool] = None, steps: Optional[StepRewards] = None) -> AdvantageOutput:
     """REINFORCE++-baseline: group-mean baseline, return-to-go, global whitening.
 
     Formula: ``s_i`` = sequence score (task reward + summed per-token KL
@@ -246,6 +263,7 @@ def reinforce_pp_baseline_estimator(*, token_rewards: Tensor, action_mask: Tenso
     _no_std_norm("reinforce_pp_baseline", std_norm)
     _check_same_shape(token_rewards=token_rewards, action_mask=action_mask)
     mask = _bool_mask(action_mask)
+    token_rewards = with_step_rewards(token_rewards, steps)
     rewards = torch.where(mask, token_rewards, torch.zeros_like(token_rewards)).detach()
     s = sequence_scores(rewards, action_mask)
     shift = (group_centered_advantages(s, group_size) - s).to(rewards.dtype)
@@ -258,7 +276,7 @@ def reinforce_pp_baseline_estimator(*, token_rewards: Tensor, action_mask: Tenso
 @register_advantage_estimator("per_token")
 def per_token_estimator(*, token_rewards: Tensor, action_mask: Tensor, values: Optional[Tensor],
                         group_size: int, gamma: float, lam: float, eps: float,
-                        std_norm: Optional[bool] = None) -> AdvantageOutput:
+                        std_norm: Optional[bool] = None, steps: Optional[StepRewards] = None) -> AdvantageOutput:
     """Each token's own reward as its advantage: no return-to-go, no baseline (discount 0).
 
     Formula: ``A_{b,t} = m_{b,t} * r_{b,t}``; ``returns == advantages``. For signals that are already
@@ -270,6 +288,9 @@ def per_token_estimator(*, token_rewards: Tensor, action_mask: Tensor, values: O
     Reference: on-policy distillation with per-token reverse-KL credit, Agarwal et al. 2024, arXiv 2306.13649.
     """
     _no_std_norm("per_token", std_norm)
+    if steps is not None:
+        raise ValueError("advantage estimator 'per_token' takes each token's own reward as its advantage; it has "
+                         "no place for step rewards (steps=None)")
     _check_same_shape(token_rewards=token_rewards, action_mask=action_mask)
     mask = _bool_mask(action_mask)
     adv = torch.where(mask, token_rewards, torch.zeros_like(token_rewards)).detach()

@@ -110,10 +110,11 @@ def test_register_custom_and_duplicate():
 def test_all_estimators_share_one_keyword_only_signature():
     sigs = {name: inspect.signature(fn) for name, fn in ADVANTAGE_ESTIMATORS.items()}
     ref = sigs["grpo"]
-    names = ["token_rewards", "action_mask", "values", "group_size", "gamma", "lam", "eps", "std_norm"]
+    names = ["token_rewards", "action_mask", "values", "group_size", "gamma", "lam", "eps", "std_norm", "steps"]
     assert list(ref.parameters) == names
     assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in ref.parameters.values())
     assert ref.parameters["std_norm"].default is None  # optional: callers pass it only when set
+    assert ref.parameters["steps"].default is None  # dense step rewards: only where a round has them
     for name, sig in sigs.items():
         assert list(sig.parameters) == names, name
 
