@@ -61,15 +61,25 @@ def stepwise_tensors(tokenizer, records: list[dict], max_prompt_tokens: int, max
     return tensors, dataclasses.replace(report, steps_cut=cut)
 
 
+def step_spans(text: str, separator: str, finished: bool) -> list[tuple[str, int]]:
+    """(step, the character offset in `text` where it ends) of each of `response_steps`' steps."""
+    pieces, spans, start = text.split(separator), [], 0
+    if not finished:
+        pieces = pieces[:-1]  # '' where the cut fell right after a separator
+    for piece in pieces:
+        end = min(start + len(piece) + len(separator), len(text))  # a finished last piece: the text's end
+        if piece.strip():
+            spans.append((piece + separator, end))
+        start = end
+    return spans
+
+
 def response_steps(text: str, separator: str, finished: bool = True) -> list[str]:
     """A response's steps as the process reward model read its training solutions: the text between
     separators, each followed by the separator (the last one too, where a finished response ends without it;
     a response cut by the length limit loses its unfinished last piece instead); empty pieces (separators in
     a row, or leading) are no steps."""
-    pieces = text.split(separator)
-    if not finished:
-        pieces = pieces[:-1]  # '' where the cut fell right after a separator
-    return [piece + separator for piece in pieces if piece.strip()]
+    return [step for step, _ in step_spans(text, separator, finished)]
 
 
 def solution_tensors(tokenizer, rollouts: list, separator: str) -> dict[str, torch.Tensor]:

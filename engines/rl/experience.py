@@ -38,6 +38,8 @@ class Experience:
                                            (their sum is in the sequence reward too); None: single turns
         rewards                    (B,)    sequence reward (task reward + overlong shaping)
         task_rewards               (B,)    the reward model's / rule's / service's reward, before any shaping
+        step_rewards, step_ends    (B, T)  a dense process reward: each step's reward at the token that ends it,
+                                           and 1 there (not in the sequence reward); None: none
         ref_logprobs               (B, T)  reference policy (algorithms with a KL term); a distillation
                                            round's teacher
         old_logprobs               (B, T)  the trained policy before this step's updates (None when the
@@ -57,6 +59,8 @@ class Experience:
     turn_rewards: Tensor | None = None
     rewards: Tensor | None = None
     task_rewards: Tensor | None = None
+    step_rewards: Tensor | None = None
+    step_ends: Tensor | None = None
     ref_logprobs: Tensor | None = None
     old_logprobs: Tensor | None = None
     values: Tensor | None = None
@@ -167,7 +171,10 @@ def with_advantages(exp: Experience, *, estimator: str, whiten: bool, group_size
         token_rewards = kl_penalized_rewards(rewards, old_logprobs, ref_logprobs, kl_coef)  (kl_coef = 0: none)
         token_rewards = distillation_token_rewards(student, ref_logprobs)     (`teacher`: ref_logprobs are its)
         token_rewards = rewards_at_turns(token_rewards, turn_rewards)        (episodes: each turn's reward at its end)
-        advantages, returns = estimator(token_rewards, values, ...);  advantages whitened when `whiten`
+        advantages, returns = estimator(token_rewards, values, ..., steps);  advantages whitened when `whiten`
+
+    `steps`: a dense process reward's step rewards (`step_rewards`, `step_ends`), which the estimator adds to
+    its returns or, a group estimator, as their process advantage (algos/advantages/process.py).
 
     A teacher's pull is taken at the student's log-probs of its samples: the old ones where the step
     measured them, else the sampler's (`rollout_logprobs`: a synchronous round's sampler holds the policy
@@ -195,6 +202,8 @@ def with_advantages(exp: Experience, *, estimator: str, whiten: bool, group_size
     if exp.turn_rewards is not None and not teacher:  # a teacher's pull holds no sequence reward to move
         token_rewards = algos.rewards_at_turns(token_rewards, exp.turn_rewards, mask)
     options = {} if std_norm is None else {"std_norm": std_norm}
+    if exp.step_rewards is not None:
+        options["steps"] = algos.StepRewards(exp.step_rewards, exp.step_ends)
     out = algos.get_advantage_estimator(estimator)(
         token_rewards=token_rewards, action_mask=mask, values=exp.values, group_size=group_size, gamma=gamma,
         lam=lam, eps=1e-6, **options)

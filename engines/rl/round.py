@@ -38,11 +38,11 @@ from alignflow.store.artifacts import WEIGHT_FILES, Entries, Source, child, loca
 from alignflow.config import RoundConfig
 from alignflow.seeds import derive_seed
 from engines.batches import rows_per_pass
-from engines.steps import solution_tensors
 from engines.rl import experience
 from engines.rollout.episodes import episode_metrics, report_failures
 from engines.rl.experience import Experience
 from engines.rl.judge import Judge
+from engines.rl.process import process_reward
 from engines.rl.rewards import RemoteReward, RuleReward, ScoredText, prompt_text
 from engines.rl.round_models import start_round_models
 from engines.rl.round_placement import RoundSetup
@@ -147,14 +147,15 @@ class RLRound:
         return None if self.cfg.environment is None else (records, self.cfg.environment)
 
     def rewards(self, exp: Experience, rollouts: list[Rollout], records: list[dict],
-                model_scores: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+                model_scores: torch.Tensor | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor, algos.StepRewards | None, dict[str, float]]:
         """Sequence rewards (B,) and the task rewards they were shaped from: the weighted sum of the
         components' rewards (the reward model on tokens, `model_scores` where it scored them ahead; rules
         and services on text), each component's mean logged as reward/<name>; then normalisation,
-        clipping and shaping (`experience.shape_rewards`), with their metrics."""
+        clipping and shaping (`experience.shape_rewards`); a dense process reward's step rewards (it adds
+        none to the sequence: its reward/<name> is each response's summed steps); the metrics."""
         parts: dict[str, torch.Tensor] = {}
-        judged: dict[str, float] = {}
-        counted: dict[str, float] = {}  # responses without a step, where a process reward model scores
+        judged, counted, dense = {}, {}, None  # the judge's metrics; a process reward model's counts and steps
         if self.text_rewards or self.judge is not None:
             items = scored_texts(rollouts, records)
             parts = {name: torch.tensor(fn(items), dtype=torch.float32) for name, fn in self.text_rewards.items()}
@@ -167,16 +168,16 @@ class RLRound:
             elif c.source == "environment":
                 parts[c.label] = torch.tensor([r.episode["return"] for r in rollouts], dtype=torch.float32)
             elif c.source == "process_model":  # the response's steps, tokenized as the model was trained on them
-                batch = solution_tensors(self.tokenizer, rollouts, self.setup.step_separator)
-                parts[c.label] = self.models.process_rewards(batch, c.step_aggregation, c.no_step_reward)
-                counted["process/responses_without_steps"] = float((batch["step_mask"].sum(1) == 0).sum())
-        task = sum(c.weight * parts[c.label].float() for c in r.components)
+                got = process_reward(self.models.process_score, self.tokenizer, rollouts, self.setup.step_separator,
+                                     c, exp.action_mask.shape[1])
+                parts[c.label], dense, counted = got.sequence, got.steps, got.metrics
+        task = sum(c.weight * parts[c.label].float() for c in r.components if not c.dense) + torch.zeros(len(exp))
         shaped = experience.shape_rewards(
             task, exp.action_mask, exp.finished, max_response_tokens=self.cfg.max_response_tokens,
             overlong_buffer=r.overlong_buffer, overlong_penalty=r.overlong_penalty,
             truncation_penalty=r.truncation_penalty, clip=r.clip, stats=self.reward_stats)
         self.reward_stats = shaped.stats
-        return shaped.rewards, task, {**shaped.metrics, **judged, **counted,
+        return shaped.rewards, task, dense, {**shaped.metrics, **judged, **counted,
                                       **{f"reward/{k}": v.mean().item() for k, v in parts.items()}}
 
     def _sampling(self) -> Sampling:
@@ -221,8 +222,10 @@ class RLRound:
         ahead = {k: _rows_of(v, exp) for k, v in collect_scores(scores).items()}  # waiting counts as scoring
         if "ref_logprobs" in ahead:
             exp = exp.with_(ref_logprobs=ahead["ref_logprobs"])
-        rewards, task, reward_metrics = self.rewards(exp, rollouts, records, ahead.get("rewards"))
+        rewards, task, steps, reward_metrics = self.rewards(exp, rollouts, records, ahead.get("rewards"))
         exp = exp.with_(rewards=rewards, task_rewards=task)
+        if steps is not None:
+            exp = exp.with_(step_rewards=steps.rewards, step_ends=steps.ends)
         clock.lap("score")
         trained = self.update(exp, step, clock.lap)
         self.models.sync(push=trained.actor_trained)

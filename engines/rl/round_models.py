@@ -86,8 +86,8 @@ class RoundModels:
     def model_rewards(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return ray.get(self.rewarder.rewards.remote(batch))
 
-    def process_rewards(self, batch: dict[str, torch.Tensor], how: str, no_step: float) -> torch.Tensor:
-        return ray.get(self.process.process_rewards.remote(batch, how, no_step))  # batch: steps.solution_tensors
+    def process_score(self, method: str, *args) -> torch.Tensor:  # the PRM's ScorerActor: engines/rl/process.py
+        return ray.get(getattr(self.process, method).remote(*args))
 
     def scorers(self) -> list:  # each scorer actor once (reference and reward model may share one)
         return list({id(x): x for x in (self.reference, self.rewarder, self.process) if x is not None}.values())

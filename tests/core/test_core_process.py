@@ -219,3 +219,29 @@ def test_a_name_added_to_the_config_is_left_out_of_keys_only_as_a_setting_not_in
     env = {"name": "boxes", "kwargs": {"num_process": 0, "no_step_reward": -5.0}}
     kept = cache_relevant(RoundConfig(environment=env, reward={"source": "environment"}))["environment"]["kwargs"]
     assert kept == {"num_process": 0, "no_step_reward": -5.0}  # the user's own names, whatever they mean there
+
+
+def test_a_dense_process_reward_is_refused_where_no_advantage_takes_it():
+    from alignflow.config import RoundConfig, cache_relevant
+
+    prm = ["data.synthetic.num_process=200", "process_reward_model={}"]
+    dense = "reward: {source: process_model, dense: true}"
+    for algorithm, what in (("rejection_sampling", "keeps each prompt's best response by its sequence reward"),
+                            ("online_dpo", "pairs each prompt's best and worst responses"),
+                            ("distill", "takes its advantage from its teacher")):
+        teacher = ", teacher: base" if algorithm == "distill" else ""
+        with pytest.raises(ConfigError, match=f"makes step rewards part of the advantages, and {algorithm} {what}"):
+            load_config(None, [*prm, f"rounds=[{{algorithm: {algorithm}{teacher}, {dense}}}]"])
+    with pytest.raises(ConfigError, match="every sequence reward is 0: every group would be dropped"):
+        load_config(None, [*prm, f"rounds=[{{algorithm: grpo, ppo: {{dynamic_sampling: true}}, {dense}}}]"])
+    with pytest.raises(ConfigError, match="reward.normalize and reward.clip shape the sequence reward"):
+        load_config(None, [*prm, "rounds=[{algorithm: ppo, reward: {source: process_model, dense: true, "
+                                 "clip: 2.0}}]"])
+    with pytest.raises(ConfigError, match="dense is source process_model's setting, and this source is rule"):
+        load_config(None, [*prm, "rounds=[{algorithm: grpo, reward: {source: rule, dense: true}}]"])
+    # Beside an outcome source, the filters have a sequence reward to read.
+    mixed = load_config(None, [*prm, "rounds=[{algorithm: grpo, ppo: {dynamic_sampling: true}, reward: {sources: "
+                                     "[{source: rule}, {source: process_model, dense: true, weight: 0.5}]}}]"])
+    assert [c.dense for c in mixed.rounds[0].reward.components] == [False, True]
+    assert not mixed.rounds[0].reward.dense_only
+    assert "dense" not in cache_relevant(RoundConfig())["reward"]  # at its default: earlier keys unchanged

@@ -60,6 +60,8 @@ def check_round(r) -> None:
     if r.reward.uses_process_model and r.environment is not None:
         raise ValueError("reward.source process_model scores a response's steps, and an environment's episodes "
                          "interleave observations with them: reward the episodes otherwise")
+    if any(c.dense for c in r.reward.components):
+        _check_dense(r)
     buffer, longest = r.reward.overlong_buffer, r.max_response_tokens
     if buffer > longest:
         where = ("min(environment.max_turns * per-turn tokens, environment.max_episode_tokens)"
@@ -107,3 +109,24 @@ def check_round(r) -> None:
         if other := [f"{k}.num_gpus: {p.num_gpus}" for k, p, use in places if use and p.num_gpus not in (0, gpus)]:
             raise ValueError(f"colocate_all shares actor.placement.num_gpus ({gpus}) among the models and engines "
                              f"it starts: {', '.join(other)} would not hold; set {gpus}, or 0 (the default) for it")
+
+
+def _check_dense(r) -> None:
+    """A dense process reward (reward dense: true) gives each step a reward at its last token, which only a
+    policy-gradient update's advantages take; the sequence-reward settings do not reach it."""
+    if r.spec.update != "policy_gradient" or r.spec.teacher:
+        what = {"best_of_n_sft": "keeps each prompt's best response by its sequence reward",
+                "online_dpo": "pairs each prompt's best and worst responses by their sequence rewards"}
+        raise ValueError(f"reward dense: true makes step rewards part of the advantages, and {r.algorithm} "
+                         f"{what.get(r.spec.update, 'takes its advantage from its teacher')}: set dense: false "
+                         f"(one reward per response, step_aggregation)")
+    if not r.reward.dense_only:
+        return
+    if r.ppo.dynamic_sampling or r.ppo.dynamic_sampling_mean_range:
+        raise ValueError("ppo.dynamic_sampling filters groups by their sequence rewards, and with only a dense "
+                         "process reward (dense: true) every sequence reward is 0: every group would be dropped. "
+                         "Add an outcome source (reward.sources), or leave dynamic sampling out")
+    if r.reward.normalize or r.reward.clip is not None:
+        raise ValueError("reward.normalize and reward.clip shape the sequence reward; a dense process reward "
+                         "(dense: true) gives rewards at steps, which they never touch, and no sequence reward: "
+                         "leave them out")

@@ -18,7 +18,8 @@ from alignflow.config.round.judge import JudgeRewardConfig
 Source = Literal["model", "rule", "remote", "judge", "environment", "process_model"]
 # Metric names the reward shaping already logs under reward/ (engines/rl/experience.py, engines/rl/round.py).
 RESERVED_NAMES = ("mean", "std", "task_mean", "truncated", "clipped", "running_mean", "running_std")
-SOURCE_SETTINGS = ("source", "rule", "url", "timeout_s", "max_retries", "step_aggregation", "no_step_reward")
+SOURCE_SETTINGS = ("source", "rule", "url", "timeout_s", "max_retries", "step_aggregation", "no_step_reward",
+                   "dense")
 
 
 class SourceSettings(Section):
@@ -43,6 +44,11 @@ class SourceSettings(Section):
     no_step_reward: float = Field(
         -5.0, description="source=process_model: the reward of a response without a step (empty, or separators "
         "only; counted as process/responses_without_steps), in the model's log-odds: -5 is about 1 in 150")
+    dense: bool = Field(
+        False, description="source=process_model: each step's score is a reward of its own at the step's last "
+        "token (process supervision: GAE and REINFORCE++ take them in their returns, the group estimators add "
+        "DeepSeekMath's process advantage), instead of one reward per response (step_aggregation); a response "
+        "without a step gets no_step_reward at its last token")
 
     def changed(self, keys: tuple[str, ...] = SOURCE_SETTINGS) -> list[str]:
         """Which of the settings `keys` differ from their defaults: what the user gave (a dumped config holds every
@@ -52,7 +58,7 @@ class SourceSettings(Section):
     def check_own_settings(self) -> None:
         """Raise ValueError where a setting of another source than this one is given."""
         owners = {"rule": "rule", "url": "remote", "timeout_s": "remote", "max_retries": "remote",
-                  "step_aggregation": "process_model", "no_step_reward": "process_model"}
+                  "step_aggregation": "process_model", "no_step_reward": "process_model", "dense": "process_model"}
         if unread := [k for k in self.changed(tuple(owners)) if owners[k] != self.source]:
             raise ValueError(f"{' and '.join(unread)} {'is' if len(unread) == 1 else 'are'} source "
                              f"{owners[unread[0]]}'s setting{'s' * (len(unread) > 1)}, and this source is "
@@ -145,7 +151,7 @@ class RewardConfig(SourceSettings):
             return list(self.sources)
         return [RewardSourceConfig(source=self.source, rule=self.rule, url=self.url, timeout_s=self.timeout_s,
                                    max_retries=self.max_retries, step_aggregation=self.step_aggregation,
-                                   no_step_reward=self.no_step_reward)]
+                                   no_step_reward=self.no_step_reward, dense=self.dense)]
 
     @property
     def uses_judge(self) -> bool:
@@ -161,6 +167,11 @@ class RewardConfig(SourceSettings):
     def uses_process_model(self) -> bool:
         """Some component scores a response's steps with the pipeline's process reward model."""
         return any(c.source == "process_model" for c in self.components)
+
+    @property
+    def dense_only(self) -> bool:
+        """Every component is a dense process reward: the sequence reward is 0 for every response."""
+        return all(c.dense for c in self.components)
 
     def source_fields(self, prefix: str) -> list[tuple[str, RewardSourceConfig]]:
         """(config field, component) of each source, `prefix` (e.g. rounds.0.reward) naming this section: the

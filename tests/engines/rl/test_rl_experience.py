@@ -261,3 +261,27 @@ def test_reinforce_pp_baseline_whitens_over_the_kept_groups(exp):
     assert tokens.mean().item() == pytest.approx(0.0, abs=1e-5)
     assert tokens.var(unbiased=False).item() == pytest.approx(1.0, rel=1e-4)
 
+
+
+def test_dense_step_rewards_reach_the_advantages_of_grpo_and_the_returns_of_reinforce(exp):
+    """A dense process reward's steps (`step_rewards` at `step_ends`) beside the sequence rewards [1, 0 | .5, .5]."""
+    steps = torch.zeros(4, 3)
+    ends = torch.zeros(4, 3)
+    for b, t, r in ((0, 0, 1.0), (0, 1, -1.0), (1, 0, 2.0), (2, 2, 0.5), (3, 0, 0.5)):
+        steps[b, t], ends[b, t] = r, 1.0
+    filled = _filled(exp, [1.0, 0.0, 0.5, 0.5], OLD, REF).with_(step_rewards=steps, step_ends=ends)
+    out = experience.with_advantages(filled, estimator="grpo", whiten=False, group_size=2, gamma=1.0, lam=1.0,
+                                     kl_coef=0.0, kl_estimator="k3", kl_clamp=None)
+    # Outcome: group 0's (1, 0) standardised, (1/sqrt(.5), -1/sqrt(.5)) / ... ; group 1 equal: 0. Process: group 0's
+    # step rewards {1, -1, 2} standardised (unbiased std), summed over the steps ending at or after each token;
+    # group 1's {.5, .5} equal: 0.
+    o = 0.5 / (math.sqrt(0.5) + 1e-6)
+    mean, std = 2 / 3, math.sqrt(((1 - 2 / 3) ** 2 + (-1 - 2 / 3) ** 2 + (2 - 2 / 3) ** 2) / 2)
+    a, b_, c = ((v - mean) / (std + 1e-6) for v in (1.0, -1.0, 2.0))
+    want = [[o + a + b_, o + b_, 0.0], [-o + c, 0.0, 0.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]]
+    torch.testing.assert_close(out.advantages, torch.tensor(want), atol=1e-5, rtol=1e-5)
+    rpp = experience.with_advantages(filled, estimator="reinforce_pp", whiten=False, group_size=2, gamma=1.0,
+                                     lam=1.0, kl_coef=0.0, kl_estimator="k1", kl_clamp=None)
+    # gamma 1: each token's return is the row's reward plus every step reward from that token on.
+    want = [[1.0 + 1.0 - 1.0, 1.0 - 1.0, 0.0], [0.0 + 2.0, 0.0, 0.0], [1.0, 1.0, 1.0], [0.5 + 0.5, 0.0, 0.0]]
+    torch.testing.assert_close(rpp.returns, torch.tensor(want), atol=1e-6, rtol=1e-6)

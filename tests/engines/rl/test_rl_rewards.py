@@ -207,7 +207,7 @@ def test_the_process_reward_of_a_response_is_its_weakest_steps_score(tiny_model,
 
     from engines import models
     from engines.rl.scoring import ScorerActor
-    from engines.steps import response_steps, solution_tensors, step_scores
+    from engines.steps import solution_tensors
 
     prm = models.load_scalar_model(tiny_model, "float32", tokenizer.pad_token_id)
     torch.manual_seed(0)
@@ -225,13 +225,92 @@ def test_the_process_reward_of_a_response_is_its_weakest_steps_score(tiny_model,
         got = scorer.process_rewards(batch, how, -7.0)
         want = []
         for ids, text in zip(prompts, texts):
-            scores = []
-            for k in range(1, len(response_steps(text, "\n")) + 1):  # the k-th step's score: its last token's
-                pieces = tokenizer(response_steps(text, "\n")[:k], add_special_tokens=False)["input_ids"]
-                seq = torch.tensor([ids + [t for p in pieces for t in p]])
-                with torch.no_grad():
-                    at = step_scores(prm, {"input_ids": seq, "attention_mask": torch.ones_like(seq)})
-                scores.append(float(at[0, -1]))
+            scores = _alone(prm, tokenizer, ids, text)
             want.append(pick(scores) if scores else -7.0)
         assert got.tolist() == pytest.approx(want, abs=1e-5), how
     assert len(set(scorer.process_rewards(batch, "min", -7.0).tolist())) > 2  # the steps are told apart
+
+
+def _alone(prm, tokenizer, prompt_ids: list[int], text: str) -> list[float]:
+    """Each step's score, the model reading the response alone, unpadded, up to that step's last token."""
+    import torch
+
+    from engines.steps import response_steps, step_scores
+
+    scores = []
+    for k in range(1, len(response_steps(text, "\n")) + 1):
+        pieces = tokenizer(response_steps(text, "\n")[:k], add_special_tokens=False)["input_ids"]
+        seq = torch.tensor([prompt_ids + [t for p in pieces for t in p]])
+        with torch.no_grad():
+            scores.append(float(step_scores(prm, {"input_ids": seq, "attention_mask": torch.ones_like(seq)})[0, -1]))
+    return scores
+
+
+def test_a_responses_steps_end_on_the_policys_token_that_completes_them(tokenizer):
+    from engines.rl.process import step_end_tokens
+    from engines.rollout.base import Rollout
+    from engines.rollout.texts import response_texts
+
+    prompt = tokenizer("Which digit is largest? 3 7 9", add_special_tokens=False)["input_ids"]
+    texts = ["3\n7\n9", "3\n\n7\n", "x", "", "12 ab\ncd"]
+    ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    decoded = response_texts(tokenizer, [prompt] * len(ids), ids)
+    cut = [True, True, True, True, False]  # the last one hit the length limit: "cd" is no step
+    rollouts = [Rollout(prompt_index=i, prompt_ids=prompt, token_ids=t, text=d, logprobs=[0.0] * len(t),
+                        finished=f) for i, (t, d, f) in enumerate(zip(ids, decoded, cut))]
+    got = step_end_tokens(tokenizer, rollouts, "\n")
+    for r, ends in zip(rollouts, got):
+        # By hand: each step's end in the text (after its separator, or the text's end), then the first token
+        # whose plain decode of the tokens up to it is that long.
+        marks, at = [], 0
+        while (nl := r.text.find("\n", at)) >= 0:
+            if r.text[at:nl].strip():
+                marks.append(nl + 1)
+            at = nl + 1
+        if r.finished and r.text[at:].strip():
+            marks.append(len(r.text))
+        want = [next(k for k in range(len(r.token_ids)) if len(tokenizer.decode(r.token_ids[:k + 1])) >= m)
+                for m in marks]
+        assert ends == want, (r.text, ends, want)
+    assert [len(e) for e in got] == [3, 2, 1, 0, 1]
+
+
+def test_a_dense_process_reward_puts_each_steps_score_at_its_last_token(tiny_model, tokenizer, tmp_path):
+    """reward dense: true: the weighted score of each step where the policy's tokens complete it, as the model
+    scores the response alone; a response without a step gets no_step_reward at its last token."""
+    import torch
+
+    from alignflow.config.round.reward import RewardSourceConfig
+    from engines import models
+    from engines.rl.process import process_reward, step_end_tokens
+    from engines.rl.scoring import ScorerActor
+    from engines.rollout.base import Rollout
+
+    prm = models.load_scalar_model(tiny_model, "float32", tokenizer.pad_token_id)
+    torch.manual_seed(1)
+    torch.nn.init.normal_(prm.score.weight, std=0.5)
+    models.save_pretrained(prm, tokenizer, tmp_path / "prm")
+    scorer = ScorerActor(None, None, process_path=str(tmp_path / "prm"), micro_batch_size=3)
+    prompt = tokenizer("Which digit is largest? 3 7 9", add_special_tokens=False)["input_ids"]
+    texts = ["3\n7\n9", " \n", "5\n5\n"]
+    ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    rollouts = [Rollout(prompt_index=0, prompt_ids=prompt, token_ids=t, text=x, logprobs=[0.0] * len(t),
+                        finished=True) for t, x in zip(ids, texts)]
+    source = RewardSourceConfig(source="process_model", dense=True, weight=0.5, no_step_reward=-7.0)
+    width = max(map(len, ids))
+    got = process_reward(lambda method, *args: getattr(scorer, method)(*args), tokenizer, rollouts, "\n", source,
+                         width)
+    ends = step_end_tokens(tokenizer, rollouts, "\n")
+    assert got.steps.rewards.shape == got.steps.ends.shape == (3, width)
+    for b, (r, text) in enumerate(zip(rollouts, texts)):
+        scores = _alone(prm, tokenizer, prompt, text) or [-7.0]
+        at = ends[b] or [len(r.token_ids) - 1]
+        want_r, want_e = torch.zeros(width), torch.zeros(width)
+        for value, t in zip(scores, at):
+            want_r[t] += 0.5 * value
+            want_e[t] = 1.0
+        torch.testing.assert_close(got.steps.rewards[b], want_r, atol=1e-5, rtol=1e-5)
+        assert got.steps.ends[b].tolist() == want_e.tolist()
+        assert got.sequence[b].item() == pytest.approx(sum(scores), abs=1e-5)
+    assert got.metrics["process/responses_without_steps"] == 1.0
+    assert got.metrics["process/steps_per_response"] == pytest.approx(5 / 3)
