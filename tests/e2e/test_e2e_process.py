@@ -1,6 +1,7 @@
 """End to end: configs/prm.yaml, small: the bundled task's step-labelled solutions, a process reward model trained
 on them and its held-out evaluation, through the CLI, as `alignflow stage eval_process_reward_model
-configs/prm.yaml` runs them; then a GRPO round rewarded by the model, which comes from cache."""
+configs/prm.yaml` runs them; then a GRPO round rewarded by the model, which comes from cache, and one of its
+dense step rewards."""
 
 from __future__ import annotations
 
@@ -44,15 +45,25 @@ def test_a_process_reward_model_trained_on_step_labels_finds_wrong_steps_on_held
     round_ = {"algorithm": "grpo", "steps": 1, "prompts_per_step": 8, "ppo": {"epochs": 1, "minibatch_size": 16},
               "kl": {"coef": 0.0}, "generation": {"num_samples": 2, "max_new_tokens": 8},
               "reward": {"source": "process_model"}}
-    rl = alignflow_cli(["stage", "rl", *config, f"rounds={json.dumps([round_])}"], env=cli_env(), cwd=tmp_path)
+    # Then a round of dense step rewards: each step's score at its last token, DeepSeekMath's process advantage.
+    dense = {**round_, "generation": {"num_samples": 2, "max_new_tokens": 48},
+             "reward": {"source": "process_model", "dense": True}}
+    rl = alignflow_cli(["stage", "rl", *config, f"rounds={json.dumps([round_, dense])}"], env=cli_env(), cwd=tmp_path)
     assert rl.returncode == 0, rl.describe()
     planned = {line.split()[0]: line for line in rl.stdout.splitlines()  # the plan's rows
                if line.startswith("  ") and ("Cached" in line or "will run" in line)}
     assert all(planned[n].endswith("Cached") for n in ("base_model", "process_data", "process_reward_model")), rl.stdout
     runs = stage_runs(f"sqlite:///{tmp_path / 'mlflow.db'}")
     assert set(runs) == {"base_model", "process_data", "process_reward_model", "eval_process_reward_model", "data",
-                         "round_1"}, sorted(runs)
+                         "round_1", "round_2"}, sorted(runs)
     r = runs["round_1"].data.metrics
     assert r["rl/steps"] == 1 and r["rl/reward/task_mean"] == pytest.approx(r["rl/reward/process_model"], abs=1e-6)
     assert r["rl/reward/process_model"] != 0.0, r  # scored
     assert 0 <= r["rl/process/responses_without_steps"] <= 16, r  # counted: each of them scores no_step_reward
+    # Dense: no sequence reward at all (the task reward is 0 for every response), so GRPO's outcome advantage is 0
+    # and only the step rewards can move it; a response without a step is one step of no_step_reward.
+    d = runs["round_2"].data.metrics
+    assert d["rl/reward/task_mean"] == 0.0 and d["rl/reward/std"] == 0.0, d
+    with_steps = 16 - d["rl/process/responses_without_steps"]
+    assert with_steps > 0 and d["rl/process/steps_per_response"] * 16 >= with_steps, d
+    assert d["rl/advantage/mean"] != 0.0, d
