@@ -17,7 +17,7 @@ import torch
 
 import algos
 from engines.rollout.base import Rollout
-from engines.rollout.texts import response_texts
+from engines.rollout.texts import CONTEXT_TOKENS, response_texts
 from engines.steps import solution_tensors, step_spans
 
 
@@ -62,8 +62,41 @@ def step_end_tokens(tokenizer, rollouts: list, separator: str) -> list[list[int]
     """For each response (a round's Rollouts), the index in its token_ids of the token that completes each of
     its steps (`response_steps`' steps, in order): the first token whose text, decoded up to it as the
     response's own (engines/rollout/texts.py), reaches the step's end. Where the policy's tokens merge two
-    steps' ends, both get the one token. A binary search per step, every step's decodes in one batch."""
-    pairs = [(b, end) for b, r in enumerate(rollouts) for _, end in step_spans(r.text, separator, r.finished)]
+    steps' ends, both get the one token.
+
+    A fast tokenizer decodes each response once, a token at a time, as vLLM's incremental detokenizer does (a
+    `DecodeStream` primed with the prompt's last tokens, as the response's text was decoded): linear in its
+    tokens. Another tokenizer: a binary search per step over decodes of the response's prefixes."""
+    marks = [[end for _, end in step_spans(r.text, separator, r.finished)] for r in rollouts]
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return _searched(tokenizer, rollouts, marks)
+    return [_streamed(backend, r, ends) for r, ends in zip(rollouts, marks)]
+
+
+def _streamed(backend, rollout: Rollout, marks: list[int]) -> list[int]:
+    """The first token whose streamed text reaches each of `marks` (ascending character offsets)."""
+    from tokenizers.decoders import DecodeStream
+
+    found: list[int] = []
+    if not marks:
+        return found
+    stream = DecodeStream(skip_special_tokens=True)
+    if context := list(rollout.prompt_ids[-CONTEXT_TOKENS:]):
+        stream.step(backend, context)  # the prompt's text is not the response's
+    length = 0
+    for i, token in enumerate(rollout.token_ids):
+        length += len(stream.step(backend, token) or "")
+        while len(found) < len(marks) and length >= marks[len(found)]:
+            found.append(i)
+        if len(found) == len(marks):
+            return found
+    return found + [len(rollout.token_ids) - 1] * (len(marks) - len(found))  # past the tokens' text: the last
+
+
+def _searched(tokenizer, rollouts: list, marks: list[list[int]]) -> list[list[int]]:
+    """`step_end_tokens` by a binary search per step, every step's decodes of a round in one batch."""
+    pairs = [(b, end) for b, ends in enumerate(marks) for end in ends]
     low = [1] * len(pairs)  # the fewest tokens whose text may reach the end, and the most it takes
     high = [max(len(rollouts[b].token_ids), 1) for b, _ in pairs]
     while any(lo < hi for lo, hi in zip(low, high)):

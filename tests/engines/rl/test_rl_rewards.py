@@ -247,18 +247,21 @@ def _alone(prm, tokenizer, prompt_ids: list[int], text: str) -> list[float]:
 
 
 def test_a_responses_steps_end_on_the_policys_token_that_completes_them(tokenizer):
-    from engines.rl.process import step_end_tokens
+    from engines.rl.process import _searched, step_end_tokens
     from engines.rollout.base import Rollout
     from engines.rollout.texts import response_texts
+    from engines.steps import step_spans
 
     prompt = tokenizer("Which digit is largest? 3 7 9", add_special_tokens=False)["input_ids"]
-    texts = ["3\n7\n9", "3\n\n7\n", "x", "", "12 ab\ncd"]
+    texts = ["3\n7\n9", "3\n\n7\n", "x", "", "12 ab\ncd", "é1\n€\n2"]
     ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
     decoded = response_texts(tokenizer, [prompt] * len(ids), ids)
-    cut = [True, True, True, True, False]  # the last one hit the length limit: "cd" is no step
+    cut = [True, True, True, True, False, True]  # the fifth hit the length limit: "cd" is no step
     rollouts = [Rollout(prompt_index=i, prompt_ids=prompt, token_ids=t, text=d, logprobs=[0.0] * len(t),
                         finished=f) for i, (t, d, f) in enumerate(zip(ids, decoded, cut))]
-    got = step_end_tokens(tokenizer, rollouts, "\n")
+    got = step_end_tokens(tokenizer, rollouts, "\n")  # a fast tokenizer: each response decoded as a stream
+    marks = [[end for _, end in step_spans(r.text, "\n", r.finished)] for r in rollouts]
+    assert got == _searched(tokenizer, rollouts, marks)  # as another tokenizer's are found: by prefix decodes
     for r, ends in zip(rollouts, got):
         # By hand: each step's end in the text (after its separator, or the text's end), then the first token
         # whose plain decode of the tokens up to it is that long.
@@ -272,7 +275,7 @@ def test_a_responses_steps_end_on_the_policys_token_that_completes_them(tokenize
         want = [next(k for k in range(len(r.token_ids)) if len(tokenizer.decode(r.token_ids[:k + 1])) >= m)
                 for m in marks]
         assert ends == want, (r.text, ends, want)
-    assert [len(e) for e in got] == [3, 2, 1, 0, 1]
+    assert [len(e) for e in got] == [3, 2, 1, 0, 1, 3]
 
 
 def test_a_dense_process_reward_puts_each_steps_score_at_its_last_token(tiny_model, tokenizer, tmp_path):
