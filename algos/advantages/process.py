@@ -2,8 +2,9 @@
 
 A process reward model scores each step of a sampled solution. Given densely,
 those scores are rewards of their own, each at its step's last token
-(``step_ends`` marks it; a reward may be 0, so the mask, not the value, says
-where one is). Estimators with returns (GAE, REINFORCE++) add them to the token
+(``step_ends`` counts the steps ending there, usually 1; a reward may be 0, so
+the count, not the value, says where one is; where several steps end at one
+token, ``step_rewards`` holds their sum). Estimators with returns (GAE, REINFORCE++) add them to the token
 rewards; group estimators (GRPO, Dr. GRPO, RLOO) add the process-supervision
 advantage below to their outcome one.
 
@@ -23,7 +24,7 @@ from ..masked import _bool_mask, _check_same_shape
 
 @dataclass(frozen=True)
 class StepRewards:
-    """A batch's dense step rewards: ``rewards`` at the tokens ``ends`` marks, both ``(B, T)``."""
+    """A batch's dense step rewards: ``rewards`` (summed) at the tokens where ``ends`` counts steps, both ``(B, T)``."""
 
     rewards: Tensor
     ends: Tensor
@@ -56,6 +57,8 @@ def process_group_advantages(steps: StepRewards, action_mask: Tensor, group_size
     ``r_{i,k} - mean(R_G)``), with the unbiased (``n - 1``) std; then
     ``A_{i,t} = sum_{k : end_{i,k} >= t} r~_{i,k}`` on valid tokens, 0 at padding. A group whose step
     rewards are all equal, or that has fewer than two, gives 0 (as the outcome estimators' constant groups).
+    Where ``c > 1`` steps end at one token (their rewards summed to ``s``), the mean and each step's
+    ``r - mean`` stay exact (the token gets ``s - c * mean``); the std takes them as ``c`` steps of ``s / c``.
 
     Shapes: ``steps`` and ``action_mask`` ``(B, T)``, ``B = n * group_size``; returns ``(B, T)``, detached.
 
@@ -65,17 +68,20 @@ def process_group_advantages(steps: StepRewards, action_mask: Tensor, group_size
     if group_size < 1 or steps.rewards.shape[0] % group_size:
         raise ValueError(f"batch size {steps.rewards.shape[0]} is not a multiple of group_size {group_size}")
     ends = _bool_mask(steps.ends)
-    r = torch.where(ends, steps.rewards.float(), torch.zeros_like(steps.rewards, dtype=torch.float32)).detach()
+    n = torch.where(ends, steps.ends.float(), torch.zeros_like(steps.ends, dtype=torch.float32))  # steps per token
+    r = torch.where(ends, steps.rewards.float(), torch.zeros_like(n)).detach()
     B, T = r.shape
-    g_r, g_m = r.reshape(B // group_size, group_size * T), ends.reshape(B // group_size, group_size * T)
-    count = g_m.sum(-1, keepdim=True)
+    g_r, g_n = r.reshape(B // group_size, group_size * T), n.reshape(B // group_size, group_size * T)
+    g_m = g_n > 0
+    count = g_n.sum(-1, keepdim=True)
     mean = g_r.sum(-1, keepdim=True) / count.clamp(min=1)
-    centred = torch.where(g_m, g_r - mean, torch.zeros_like(g_r))
+    centred = torch.where(g_m, g_r - g_n * mean, torch.zeros_like(g_r))  # sum over the token's steps of r - mean
+    each = torch.where(g_m, g_r / g_n.clamp(min=1), torch.zeros_like(g_r))  # a token's steps, each at their mean
     if std_norm:
-        std = (centred.pow(2).sum(-1, keepdim=True) / (count - 1).clamp(min=1)).sqrt()
-        centred = centred / (std + eps)
-    high = g_r.masked_fill(~g_m, -float("inf")).amax(-1, keepdim=True)
-    low = g_r.masked_fill(~g_m, float("inf")).amin(-1, keepdim=True)
+        var = (g_n * (each - mean).pow(2)).sum(-1, keepdim=True) / (count - 1).clamp(min=1)
+        centred = centred / (var.sqrt() + eps)
+    high = each.masked_fill(~g_m, -float("inf")).amax(-1, keepdim=True)
+    low = each.masked_fill(~g_m, float("inf")).amin(-1, keepdim=True)
     constant = (count < 2) | (high == low)
     normed = torch.where(constant, torch.zeros_like(centred), centred).reshape(B, T)
     to_go = normed.flip(-1).cumsum(-1).flip(-1)  # sum over the steps ending at t or after

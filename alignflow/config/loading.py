@@ -56,7 +56,7 @@ def cache_relevant(cfg: BaseModel) -> dict[str, Any]:
     inside an environment's `kwargs`, the user's own names."""
 
     def unread(node: dict, key: str) -> bool:
-        added = key in ADDED_AT_DEFAULT and node[key] == ADDED_AT_DEFAULT[key]
+        added = key in ADDED_AT_DEFAULT and repr(node[key]) == repr(ADDED_AT_DEFAULT[key])  # 0.0 is not False
         return added or key in READ_ONLY_WITH and node.get(READ_ONLY_WITH[key][0]) != READ_ONLY_WITH[key][1]
 
     def strip(node: Any, within: frozenset[str] = frozenset(), free: bool = False) -> Any:

@@ -39,7 +39,7 @@ class Experience:
         rewards                    (B,)    sequence reward (task reward + overlong shaping)
         task_rewards               (B,)    the reward model's / rule's / service's reward, before any shaping
         step_rewards, step_ends    (B, T)  a dense process reward: each step's reward at the token that ends it,
-                                           and 1 there (not in the sequence reward); None: none
+                                           and the steps ending there (not in the sequence reward); None: none
         ref_logprobs               (B, T)  reference policy (algorithms with a KL term); a distillation
                                            round's teacher
         old_logprobs               (B, T)  the trained policy before this step's updates (None when the

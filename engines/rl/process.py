@@ -50,9 +50,9 @@ def process_reward(score: Callable, tokenizer, rollouts: list[Rollout], separato
         if not got and r.token_ids:  # no step: the whole response is one, at its last token
             got, at = [source.no_step_reward], [len(r.token_ids) - 1]
         for value, t in zip(got, at):
-            shared += int(ends[b, t].item())
+            shared += int(ends[b, t].item() > 0)
             rewards[b, t] += value
-            ends[b, t] = 1.0
+            ends[b, t] += 1.0  # the steps ending at t (algos.StepRewards)
     metrics.update({"process/steps_per_response": counts.float().mean().item() if len(counts) else 0.0,
                     "process/steps_sharing_a_token": float(shared)})
     return ProcessReward(rewards.sum(1), algos.StepRewards(source.weight * rewards, ends), metrics)

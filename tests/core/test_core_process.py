@@ -245,3 +245,17 @@ def test_a_dense_process_reward_is_refused_where_no_advantage_takes_it():
     assert [c.dense for c in mixed.rounds[0].reward.components] == [False, True]
     assert not mixed.rounds[0].reward.dense_only
     assert "dense" not in cache_relevant(RoundConfig())["reward"]  # at its default: earlier keys unchanged
+
+
+def test_dense_refuses_an_aggregation_it_would_not_read_and_a_users_own_dense_key_stays_in_keys():
+    from alignflow.config import cache_relevant
+    from alignflow.config.round.judge import JudgeRewardConfig
+
+    prm = ["data.synthetic.num_process=200", "process_reward_model={}"]
+    with pytest.raises(ConfigError, match="step_aggregation makes one reward of a response's steps, and dense: true"):
+        load_config(None, [*prm, "rounds=[{algorithm: grpo, reward: {source: process_model, dense: true, "
+                                 "step_aggregation: mean}}]"])
+    # A field added later is left out of keys at its default value and type only: a verdict named `dense` scored 0
+    # is the user's, and two judges that score it differently differ.
+    scores = cache_relevant(JudgeRewardConfig(scores={"dense": 0.0, "sparse": 1.0}))["scores"]
+    assert scores == {"dense": 0.0, "sparse": 1.0}

@@ -64,6 +64,5 @@ def test_a_process_reward_model_trained_on_step_labels_finds_wrong_steps_on_held
     # and only the step rewards can move it; a response without a step is one step of no_step_reward.
     d = runs["round_2"].data.metrics
     assert d["rl/reward/task_mean"] == 0.0 and d["rl/reward/std"] == 0.0, d
-    with_steps = 16 - d["rl/process/responses_without_steps"]
-    assert with_steps > 0 and d["rl/process/steps_per_response"] * 16 >= with_steps, d
+    assert d["rl/process/responses_without_steps"] < 16 and d["rl/process/steps_per_response"] > 0, d  # some steps
     assert d["rl/advantage/mean"] != 0.0, d

@@ -63,6 +63,9 @@ class SourceSettings(Section):
             raise ValueError(f"{' and '.join(unread)} {'is' if len(unread) == 1 else 'are'} source "
                              f"{owners[unread[0]]}'s setting{'s' * (len(unread) > 1)}, and this source is "
                              f"{self.source}: set source: {owners[unread[0]]}, or leave {' and '.join(unread)} out")
+        if self.dense and self.changed(("step_aggregation",)):
+            raise ValueError("step_aggregation makes one reward of a response's steps, and dense: true gives each "
+                             "step a reward of its own: leave step_aggregation out, or set dense: false")
 
 
 class RewardSourceConfig(SourceSettings):

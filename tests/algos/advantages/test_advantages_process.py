@@ -101,3 +101,12 @@ def test_per_token_credit_has_no_place_for_step_rewards():
         algos.get_advantage_estimator("per_token")(
             token_rewards=torch.zeros(4, 4), action_mask=MASK, values=None, group_size=2, gamma=1.0, lam=1.0,
             eps=EPS, steps=_steps(REWARDS, ENDS))
+
+
+def test_steps_ending_on_one_token_count_as_the_steps_they_are():
+    """Row 0: a step of 1 at t=0 and two of 1 each at t=2 (summed: 2, counted: 2); row 1: a step of 0 at t=0. As
+    DeepSeekMath normalises each step: over {1, 1, 1, 0}, mean .75 and unbiased std .5."""
+    steps = StepRewards(torch.tensor([[1.0, 0.0, 2.0], [0.0, 0.0, 0.0]]), torch.tensor([[1.0, 0.0, 2.0], [1.0, 0, 0]]))
+    got = algos.process_group_advantages(steps, torch.ones(2, 3), 2, eps=0.0)
+    per_step = [(v - 0.75) / 0.5 for v in (1.0, 1.0, 1.0, 0.0)]
+    _close(got, [[sum(per_step[:3]), sum(per_step[1:3]), sum(per_step[1:3])], [per_step[3], 0.0, 0.0]])

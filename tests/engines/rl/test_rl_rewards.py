@@ -246,36 +246,47 @@ def _alone(prm, tokenizer, prompt_ids: list[int], text: str) -> list[float]:
     return scores
 
 
-def test_a_responses_steps_end_on_the_policys_token_that_completes_them(tokenizer):
-    from engines.rl.process import _searched, step_end_tokens
+def _plain_step_ends(tokenizer, r, separator: str) -> list[int]:
+    """By hand: each step's end in the text (after its separator, or a finished text's end), then the first
+    token whose plain decode of the tokens up to it is that long, not counting the U+FFFD of a character whose
+    bytes have not all come."""
+    marks, at = [], 0
+    while (found := r.text.find(separator, at)) >= 0:
+        if r.text[at:found].strip():
+            marks.append(found + len(separator))
+        at = found + len(separator)
+    if r.finished and r.text[at:].strip():
+        marks.append(len(r.text))
+    return [next(k for k in range(len(r.token_ids)) if len(tokenizer.decode(r.token_ids[:k + 1]).rstrip("\ufffd"))
+                 >= m) for m in marks]
+
+
+def _responses(tokenizer, texts: list[str], finished: list[bool]) -> list:
     from engines.rollout.base import Rollout
     from engines.rollout.texts import response_texts
-    from engines.steps import step_spans
 
     prompt = tokenizer("Which digit is largest? 3 7 9", add_special_tokens=False)["input_ids"]
-    texts = ["3\n7\n9", "3\n\n7\n", "x", "", "12 ab\ncd", "é1\n€\n2"]
     ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
-    decoded = response_texts(tokenizer, [prompt] * len(ids), ids)
-    cut = [True, True, True, True, False, True]  # the fifth hit the length limit: "cd" is no step
-    rollouts = [Rollout(prompt_index=i, prompt_ids=prompt, token_ids=t, text=d, logprobs=[0.0] * len(t),
-                        finished=f) for i, (t, d, f) in enumerate(zip(ids, decoded, cut))]
-    got = step_end_tokens(tokenizer, rollouts, "\n")  # a fast tokenizer: each response decoded as a stream
-    marks = [[end for _, end in step_spans(r.text, "\n", r.finished)] for r in rollouts]
+    decoded = response_texts(tokenizer, [prompt] * len(ids), ids)  # as a round decodes them
+    return [Rollout(prompt_index=i, prompt_ids=prompt, token_ids=t, text=d, logprobs=[0.0] * len(t), finished=f)
+            for i, (t, d, f) in enumerate(zip(ids, decoded, finished))]
+
+
+@pytest.mark.parametrize("separator,texts,counts", [
+    ("\n", ["3\n7\n9", "3\n\n7\n", "x", "", "12 ab\ncd", "é1\n€\n2"], [3, 2, 1, 0, 2, 2]),
+    (" ки", ["a ки b ки c", "ки ки", "один ки два", "x ки y ки"], [3, 1, 2, 2]),  # multi-byte, several characters
+])
+def test_a_responses_steps_end_on_the_policys_token_that_completes_them(tokenizer, separator, texts, counts):
+    from engines.rl.process import _searched, step_end_tokens
+    from engines.steps import step_spans
+
+    finished = [True] * (len(texts) - 1) + [False]  # the last hit the length limit: its last piece is no step
+    rollouts = _responses(tokenizer, texts, finished)
+    got = step_end_tokens(tokenizer, rollouts, separator)  # a fast tokenizer: each response decoded as a stream
+    marks = [[end for _, end in step_spans(r.text, separator, r.finished)] for r in rollouts]
     assert got == _searched(tokenizer, rollouts, marks)  # as another tokenizer's are found: by prefix decodes
-    for r, ends in zip(rollouts, got):
-        # By hand: each step's end in the text (after its separator, or the text's end), then the first token
-        # whose plain decode of the tokens up to it is that long.
-        marks, at = [], 0
-        while (nl := r.text.find("\n", at)) >= 0:
-            if r.text[at:nl].strip():
-                marks.append(nl + 1)
-            at = nl + 1
-        if r.finished and r.text[at:].strip():
-            marks.append(len(r.text))
-        want = [next(k for k in range(len(r.token_ids)) if len(tokenizer.decode(r.token_ids[:k + 1])) >= m)
-                for m in marks]
-        assert ends == want, (r.text, ends, want)
-    assert [len(e) for e in got] == [3, 2, 1, 0, 1, 3]
+    assert got == [_plain_step_ends(tokenizer, r, separator) for r in rollouts]
+    assert [len(e) for e in got] == counts
 
 
 def test_a_dense_process_reward_puts_each_steps_score_at_its_last_token(tiny_model, tokenizer, tmp_path):
@@ -285,25 +296,22 @@ def test_a_dense_process_reward_puts_each_steps_score_at_its_last_token(tiny_mod
 
     from alignflow.config.round.reward import RewardSourceConfig
     from engines import models
-    from engines.rl.process import process_reward, step_end_tokens
+    from engines.rl.process import process_reward
     from engines.rl.scoring import ScorerActor
-    from engines.rollout.base import Rollout
 
     prm = models.load_scalar_model(tiny_model, "float32", tokenizer.pad_token_id)
     torch.manual_seed(1)
     torch.nn.init.normal_(prm.score.weight, std=0.5)
     models.save_pretrained(prm, tokenizer, tmp_path / "prm")
     scorer = ScorerActor(None, None, process_path=str(tmp_path / "prm"), micro_batch_size=3)
-    prompt = tokenizer("Which digit is largest? 3 7 9", add_special_tokens=False)["input_ids"]
     texts = ["3\n7\n9", " \n", "5\n5\n"]
-    ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
-    rollouts = [Rollout(prompt_index=0, prompt_ids=prompt, token_ids=t, text=x, logprobs=[0.0] * len(t),
-                        finished=True) for t, x in zip(ids, texts)]
+    rollouts = _responses(tokenizer, texts, [True] * 3)
+    prompt = rollouts[0].prompt_ids
     source = RewardSourceConfig(source="process_model", dense=True, weight=0.5, no_step_reward=-7.0)
-    width = max(map(len, ids))
+    width = max(len(r.token_ids) for r in rollouts)
     got = process_reward(lambda method, *args: getattr(scorer, method)(*args), tokenizer, rollouts, "\n", source,
                          width)
-    ends = step_end_tokens(tokenizer, rollouts, "\n")
+    ends = [_plain_step_ends(tokenizer, r, "\n") for r in rollouts]
     assert got.steps.rewards.shape == got.steps.ends.shape == (3, width)
     for b, (r, text) in enumerate(zip(rollouts, texts)):
         scores = _alone(prm, tokenizer, prompt, text) or [-7.0]
