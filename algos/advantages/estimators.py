@@ -243,8 +243,8 @@ def reinforce_pp_estimator(*, token_rewards: Tensor, action_mask: Tensor,
 @register_advantage_estimator("reinforce_pp_baseline")
 def reinforce_pp_baseline_estimator(*, token_rewards: Tensor, action_mask: Tensor,
                                     values: Optional[Tensor], group_size: int, gamma: float,
-                                    lam: float, eps: float,
-                                    std_norm: Optional[bool] = None, steps: Optional[StepRewards] = None) -> AdvantageOutput:
+                                    lam: float, eps: float, std_norm: Optional[bool] = None,
+                                    steps: Optional[StepRewards] = None) -> AdvantageOutput:
     """REINFORCE++-baseline: group-mean baseline, return-to-go, global whitening.
 
     Formula: ``s_i`` = sequence score (task reward + summed per-token KL

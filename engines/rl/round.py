@@ -13,7 +13,7 @@ update, beside steps 2-3: step 4 publishes the weights without waiting (the
 engines take them between generations), so a sample is at most `max_staleness`
 updates old, which the round checks before training on it. The scorer actors
 score each generation (reference log-probs, reward-model scores) as soon as it
-ends (engines/rl/scoring.py `scorers_ahead`).
+ends (engines/rl/scoring.py `scorers_ahead`), the process reward model too.
 
 The round reads its algorithm's spec and never branches on its name; it
 only moves batches between actors. Resumable state: the actor's (and
@@ -42,7 +42,7 @@ from engines.rl import experience
 from engines.rollout.episodes import episode_metrics, report_failures
 from engines.rl.experience import Experience
 from engines.rl.judge import Judge
-from engines.rl.process import process_reward
+from engines.rl.process import ProcessReward, process_reward
 from engines.rl.rewards import RemoteReward, RuleReward, ScoredText, prompt_text
 from engines.rl.round_models import start_round_models
 from engines.rl.round_placement import RoundSetup
@@ -88,14 +88,6 @@ def text_rewards(cfg: RoundConfig) -> dict[str, Callable[[list[ScoredText]], lis
     return {c.label: made[c.source](c) for c in cfg.reward.components if c.source in made}
 
 
-def _rows_of(scores: torch.Tensor, exp: Experience) -> torch.Tensor:
-    """Scores made ahead, checked against the batch they belong to (the same rollouts, padded alike)."""
-    if scores.shape[0] != len(exp) or (scores.dim() == 2 and scores.shape != exp.action_mask.shape):
-        raise RuntimeError(f"scores made ahead have shape {tuple(scores.shape)}; the step's batch is "
-                           f"{tuple(exp.action_mask.shape)}")
-    return scores
-
-
 class RLRound:
     def __init__(self, cfg: RoundConfig, setup: RoundSetup):
         from engines.models import load_tokenizer
@@ -134,9 +126,11 @@ class RLRound:
         self.reward_stats = algos.RunningMeanStd() if cfg.reward.normalize else None
         # async_rollouts: the scorers that score each generation as it ends, beside the step training,
         # and by step, the generations queued ahead with the scores submitted for each
-        self._ahead = scorers_ahead(self.models.reference, self.models.rewarder,
+        self._ahead = scorers_ahead(self.models.reference, self.models.rewarder, process=self.models.process,
                                     reference_on_batch=update_cls.reference_on_batch,
                                     model_rewards=cfg.reward.uses_model) if cfg.async_rollouts else {}
+        self._process = next(((setup.step_separator, c) for c in cfg.reward.components if c.source == "process_model"),
+                             None)  # how a process reward model scores, here or ahead
         self._pending: dict[int, tuple[object, list]] = {}
 
     def generate(self, prompt_ids: list[list[int]], records: list[dict] | None = None) -> list[Rollout]:
@@ -147,13 +141,13 @@ class RLRound:
         return None if self.cfg.environment is None else (records, self.cfg.environment)
 
     def rewards(self, exp: Experience, rollouts: list[Rollout], records: list[dict],
-                model_scores: torch.Tensor | None = None,
+                model_scores: torch.Tensor | None = None, process: ProcessReward | None = None,
                 ) -> tuple[torch.Tensor, torch.Tensor, algos.StepRewards | None, dict[str, float]]:
         """Sequence rewards (B,) and the task rewards they were shaped from: the weighted sum of the
         components' rewards (the reward model on tokens, `model_scores` where it scored them ahead; rules
-        and services on text), each component's mean logged as reward/<name>; then normalisation,
-        clipping and shaping (`experience.shape_rewards`); a dense process reward's step rewards (it adds
-        none to the sequence: its reward/<name> is each response's summed steps); the metrics."""
+        and services on text; `process` where the PRM scored them ahead), each component's mean logged as
+        reward/<name>; then normalisation, clipping and shaping (`experience.shape_rewards`); a dense process
+        reward's step rewards (none in the sequence: its reward/<name> is each response's summed steps)."""
         parts: dict[str, torch.Tensor] = {}
         judged, counted, dense = {}, {}, None  # the judge's metrics; a process reward model's counts and steps
         if self.text_rewards or self.judge is not None:
@@ -168,8 +162,9 @@ class RLRound:
             elif c.source == "environment":
                 parts[c.label] = torch.tensor([r.episode["return"] for r in rollouts], dtype=torch.float32)
             elif c.source == "process_model":  # the response's steps, tokenized as the model was trained on them
-                got = process_reward(self.models.process_score, self.tokenizer, rollouts, self.setup.step_separator,
-                                     c, exp.action_mask.shape[1])
+                got = process if process is not None else process_reward(
+                    self.models.process_score, self.tokenizer, rollouts, *self._process,
+                                                exp.action_mask.shape[1])
                 parts[c.label], dense, counted = got.sequence, got.steps, got.metrics
         task = sum(c.weight * parts[c.label].float() for c in r.components if not c.dense) + torch.zeros(len(exp))
         shaped = experience.shape_rewards(
@@ -209,7 +204,7 @@ class RLRound:
         piece = self.cfg.partial_tokens if self.cfg.partial_rollouts else None
         generation = self.models.submit(prompt_ids, self._sampling(), piece, self._episodes(records))
         return generation, submit_scores(self._ahead, generation, self.tokenizer.pad_token_id,
-                                         self.cfg.generation.logprob_temperature)
+                                         self.cfg.generation.logprob_temperature, self._process)
 
     def step(self, step: int) -> StepOutcome:
         clock = _Clock()
@@ -219,10 +214,11 @@ class RLRound:
         staleness = self._staleness(rollouts)
         report_failures(rollouts, f"round step {step}")
         exp = experience.from_rollouts(rollouts, self.tokenizer.pad_token_id)
-        ahead = {k: _rows_of(v, exp) for k, v in collect_scores(scores).items()}  # waiting counts as scoring
+        ahead = collect_scores(scores, exp)  # waiting counts as scoring
         if "ref_logprobs" in ahead:
             exp = exp.with_(ref_logprobs=ahead["ref_logprobs"])
-        rewards, task, steps, reward_metrics = self.rewards(exp, rollouts, records, ahead.get("rewards"))
+        rewards, task, steps, reward_metrics = self.rewards(exp, rollouts, records, ahead.get("rewards"),
+                                                            ahead.get("process"))
         exp = exp.with_(rewards=rewards, task_rewards=task)
         if steps is not None:
             exp = exp.with_(step_rewards=steps.rewards, step_ends=steps.ends)

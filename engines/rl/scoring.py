@@ -49,9 +49,10 @@ class ScorerActor:
             self.reward = models.load_scalar_model(reward_path, dtype, pad, attn_implementation).to(self.device).eval()
         if process_path:  # a process reward model: a scalar model read at each step's end (engines/steps.py)
             process_path = local_dir(process_path)
-            pad = models.load_tokenizer(process_path).pad_token_id
-            self.process = models.load_scalar_model(process_path, dtype, pad, attn_implementation).to(
-                self.device).eval()
+            # the policy's too: a pipeline's PRM trains from its SFT or base model (engines/rl/process.py)
+            self.tokenizer = models.load_tokenizer(process_path)
+            self.process = models.load_scalar_model(process_path, dtype, self.tokenizer.pad_token_id,
+                                                    attn_implementation).to(self.device).eval()
 
     def _run(self, model, fn, batch: dict[str, torch.Tensor], *, host_each: bool = False) -> torch.Tensor:
         """`fn(model, micro-batch)` over the batch, on this actor's device; the results concatenated on the
@@ -87,21 +88,27 @@ class ScorerActor:
         rewards = self._run(self.process, lambda m, b: solution_scores(step_scores(m, b), b["step_mask"], how), batch)
         return torch.where(batch["step_mask"].sum(-1) > 0, rewards, torch.full_like(rewards, no_step))
 
-    def score_rollouts(self, kinds: tuple[str, ...], pad_id: int, temperature: float, n_prompts: int,
-                       chunks: list[list[int]], *results) -> dict[str, torch.Tensor]:
+    def score_rollouts(self, kinds: tuple[str, ...], pad_id: int, temperature: float, process: tuple | None,
+                       n_prompts: int, chunks: list[list[int]], *results) -> dict[str, object]:
         """`kinds` (of SCORES_AHEAD) of a generation submitted before this call: Ray hands this actor
         the engines' `results` once they are generated (`submit_scores`). The batch is the one the
         round builds from the same rollouts (engines/rl/experience.py from_rollouts), row for row;
-        reference log-probs at `temperature`."""
+        reference log-probs at `temperature`; a process reward (`process`: the step separator and the
+        process_model source) as engines/rl/process.py makes it in the round."""
         from engines.rl.experience import from_rollouts
+        from engines.rl.process import process_reward
         from engines.rollout.base import merge_rollouts
 
         unknown = set(kinds) - set(SCORES_AHEAD)
         if unknown:
             raise ValueError(f"score_rollouts: {sorted(unknown)} not among {SCORES_AHEAD}")
-        batch = from_rollouts(merge_rollouts(n_prompts, chunks, list(results)), pad_id).tensors()
-        score = {"ref_logprobs": lambda b: self.ref_logprobs(b, temperature), "rewards": self.rewards}
-        return {kind: score[kind](batch) for kind in kinds}
+        rollouts = merge_rollouts(n_prompts, chunks, list(results))
+        exp = from_rollouts(rollouts, pad_id)
+        score = {"ref_logprobs": lambda: self.ref_logprobs(exp.tensors(), temperature),
+                 "rewards": lambda: self.rewards(exp.tensors()),
+                 "process": lambda: process_reward(lambda method, *args: getattr(self, method)(*args), self.tokenizer,
+                                                   rollouts, *process, exp.action_mask.shape[1])}
+        return {kind: score[kind]() for kind in kinds}
 
     @torch.no_grad()
     def reference_map(self, batch: dict[str, torch.Tensor], fn) -> torch.Tensor:
@@ -127,17 +134,19 @@ class ScorerActor:
                    if m is not None}}
 
 
-SCORES_AHEAD = ("ref_logprobs", "rewards")  # what a scorer can compute before the step that uses it
+SCORES_AHEAD = ("ref_logprobs", "rewards", "process")  # what a scorer can compute before the step that uses it
 
 
-def scorers_ahead(reference, rewarder, *, reference_on_batch: bool, model_rewards: bool) -> dict[str, object]:
+def scorers_ahead(reference, rewarder, *, reference_on_batch: bool, model_rewards: bool,
+                  process=None) -> dict[str, object]:
     """The scorer actors (handles, or None) that can score a step's rollouts while the previous step
     trains (asynchronous rollouts), by what they compute: the reference where the update takes its
     log-probs of the whole batch (`reference_on_batch`), the reward model where it scores the
-    rollouts. Neither depends on the policy being trained. An actor the update also calls itself
+    rollouts, the process reward model (`process`, an actor of its own) where a source is it. None
+    depends on the policy being trained. An actor the update also calls itself
     (the reference of online DPO's pairs) is left out with all it computes: that call would queue
     behind a score of the next step's rollouts, and so wait for their generation."""
-    ahead = {}
+    ahead = {} if process is None else {"process": process}
     if reference is not None and reference_on_batch:
         ahead["ref_logprobs"] = reference
     if model_rewards and rewarder is not None and (rewarder is not reference or reference_on_batch):
@@ -145,23 +154,34 @@ def scorers_ahead(reference, rewarder, *, reference_on_batch: bool, model_reward
     return ahead
 
 
-def submit_scores(ahead: dict[str, object], pending, pad_id: int, temperature: float) -> list:
+def submit_scores(ahead: dict[str, object], pending, pad_id: int, temperature: float,
+                  process: tuple | None = None) -> list:
     """Ask each actor of `ahead` (`scorers_ahead`) for its scores of a generation under way
-    (`RolloutEngines.submit`'s PendingRollouts), one call per actor, reference log-probs at `temperature`; each
-    runs once the rollouts exist, in the actor's call order. `collect_scores` waits for them."""
+    (`RolloutEngines.submit`'s PendingRollouts), one call per actor, reference log-probs at `temperature`, a
+    process reward by `process` (the step separator and the process_model source); each runs once the
+    rollouts exist, in the actor's call order. `collect_scores` waits for them."""
     by_actor: dict[int, tuple[object, list[str]]] = {}
     for kind, actor in ahead.items():
         by_actor.setdefault(id(actor), (actor, []))[1].append(kind)
-    return [actor.score_rollouts.remote(tuple(kinds), pad_id, temperature, pending.n_prompts, pending.chunks,
-                                        *pending.refs)
+    return [actor.score_rollouts.remote(tuple(kinds), pad_id, temperature, process, pending.n_prompts,
+                                        pending.chunks, *pending.refs)
             for actor, kinds in by_actor.values()]
 
 
-def collect_scores(refs: list) -> dict[str, torch.Tensor]:
-    """{kind: tensor} of `submit_scores`' calls ({} for none)."""
+def collect_scores(refs: list, exp) -> dict[str, object]:
+    """{kind: scores} of `submit_scores`' calls ({} for none), each checked against the step's batch `exp` (the
+    same rollouts, padded alike): tensors, and a process reward (engines/rl/process.py ProcessReward)."""
     import ray
 
-    return {kind: value for part in (ray.get(refs) if refs else []) for kind, value in part.items()}
+    got = {kind: value for part in (ray.get(refs) if refs else []) for kind, value in part.items()}
+    for kind, value in got.items():
+        tensor = value.sequence if kind == "process" else value
+        width = None if kind != "process" or value.steps is None else value.steps.rewards
+        if tensor.shape[0] != len(exp) or any(x is not None and x.dim() == 2 and x.shape != exp.action_mask.shape
+                                              for x in (tensor, width)):
+            raise RuntimeError(f"{kind} scored ahead has shape {tuple(tensor.shape)}; the step's batch is "
+                               f"{tuple(exp.action_mask.shape)}")
+    return got
 
 
 def start_scorer(reference_path: Source | None, reward_path: Source | None, *, dtype: str, torch_threads: int,

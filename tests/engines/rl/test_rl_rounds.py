@@ -379,16 +379,17 @@ def test_async_rollouts_run_up_to_max_staleness_updates_behind(ray_local, tiny_m
 
 
 def test_async_rollouts_score_the_next_step_ahead(ray_local, tiny_model, tokenizer, prompts, tmp_path):
-    """With async_rollouts, the reference and the reward model score step s+1's rollouts as soon as
-    they are generated, beside step s's training: step 1's reference log-probs and reward-model
-    scores were submitted during step 0 and equal the scores of the same batch computed directly.
-    Two engines and two scorer actors: rows come back in the order the round pads them. The engines
+    """With async_rollouts, the reference, the reward model and a process reward model score step s+1's
+    rollouts as soon as they are generated, beside step s's training: step 1's reference log-probs, reward-model
+    scores and dense step rewards were submitted during step 0 and equal those of the same batch computed
+    directly. Two engines and three scorer actors: rows come back in the order the round pads them. The engines
     write in pieces of 2 tokens (partial rollouts): an update published during step 1's generation may
     land between two of its pieces, and the scores made ahead are still those of the rollouts as
     finished; each response's tokens carry the versions that wrote them, in order, none older than
     the bound."""
     from alignflow.config import KLConfig, PPOConfig, RolloutConfig
     from engines import models
+    from engines.rl.process import process_reward
     from engines.rl.round import RLRound
     from engines.rl.round_models import RoundSetup
 
@@ -397,19 +398,24 @@ def test_async_rollouts_score_the_next_step_ahead(ray_local, tiny_model, tokeniz
     with torch.no_grad():
         reward_model.score.weight.normal_()  # a fresh head scores 0 everywhere
     models.save_pretrained(reward_model, tokenizer, tmp_path / "rm")
+    with torch.no_grad():
+        reward_model.score.weight.normal_()  # the process reward model: another head
+    models.save_pretrained(reward_model, tokenizer, tmp_path / "prm")
+    sources = [{"source": "model"}, {"source": "process_model", "dense": True, "weight": 0.5}]
     cfg = _round("grpo", async_rollouts=True, partial_rollouts=True, partial_tokens=2, num_rollout_engines=2,
                  colocate_reference_and_reward=False,
-                 kl=KLConfig(coef=0.05), reward=RewardConfig(source="model"),
+                 kl=KLConfig(coef=0.05), reward=RewardConfig(sources=sources),
                  ppo=PPOConfig(minibatch_size=32, epochs=1, tis_cap=2.0),
                  generation=RolloutConfig(num_samples=4, max_new_tokens=6, temperature=0.8))
     path = str(tiny_model)
     rl = RLRound(cfg, RoundSetup(policy_path=path, reference_path=path, reward_path=str(tmp_path / "rm"),
+                                 process_reward_path=str(tmp_path / "prm"), step_separator="\n",
                                  prompts=prompts, dtype="float32", torch_threads=1, max_model_len=80, seed=0))
     try:
-        assert set(rl._ahead) == {"ref_logprobs", "rewards"}
+        assert set(rl._ahead) == {"ref_logprobs", "rewards", "process"}
         first = rl.step(0)
         [(step, (_, scores))] = rl._pending.items()
-        assert step == 1 and len(scores) == 2  # one call per scorer actor, submitted during step 0
+        assert step == 1 and len(scores) == 3  # one call per scorer actor, submitted during step 0
         out = rl.step(1)
         exp = out.experience
         # max_staleness 1 (the default): step 1's samples one update old.
@@ -425,6 +431,11 @@ def test_async_rollouts_score_the_next_step_ahead(ray_local, tiny_model, tokeniz
                                    rtol=0, atol=1e-6)
         torch.testing.assert_close(exp.task_rewards, rl.models.model_rewards(batch), rtol=0, atol=1e-6)
         assert exp.action_mask.sum() > 0 and exp.task_rewards.std() > 0  # real scores, not a constant
+        direct = process_reward(rl.models.process_score, rl.tokenizer, out.rollouts, "\n", cfg.reward.sources[1],
+                                exp.action_mask.shape[1]).steps  # here, by the round's own tokenizer
+        torch.testing.assert_close(exp.step_rewards, direct.rewards, rtol=0, atol=1e-6)
+        assert torch.equal(exp.step_ends, direct.ends) and exp.step_ends.sum() >= len(exp)  # a step each, at least
+        assert exp.step_rewards.abs().sum() > 0
     finally:
         rl.shutdown()
 
@@ -445,6 +456,9 @@ def test_scorers_ahead_leave_out_an_actor_the_update_calls_itself():
     # online DPO: its reference scores the pairs once they are chosen
     assert scorers_ahead(one, one, reference_on_batch=False, model_rewards=True) == {}
     assert scorers_ahead(ref, rm, reference_on_batch=False, model_rewards=True) == {"rewards": rm}
+    # a process reward model: an actor of its own, which the update never calls
+    prm = object()
+    assert scorers_ahead(ref, rm, reference_on_batch=False, model_rewards=False, process=prm) == {"process": prm}
 
 
 def test_frozen_actor_steps_train_the_critic_alone(ray_local, tiny_model, prompts):
