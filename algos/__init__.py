@@ -59,12 +59,11 @@ from .losses.policy import (
     ppo_policy_loss,
     value_loss,
 )
+from .losses.dpo import DPO_LOSS_TYPES, SMOOTHED_LOSS_TYPES, dpo_loss
 from .losses.preference import (
-    DPO_LOSS_TYPES,
     KTOLossOutput,
     PreferenceLossOutput,
     best_worst_pairs,
-    dpo_loss,
     kto_loss,
     log_odds,
     orpo_loss,
@@ -92,6 +91,7 @@ __all__ = [
     "AdaptiveKLController",
     "AdvantageOutput",
     "DPO_LOSS_TYPES",
+    "SMOOTHED_LOSS_TYPES",
     "FixedKLController",
     "KL_ESTIMATORS",
     "KTOLossOutput",

@@ -1,4 +1,4 @@
-"""Preference losses: Bradley-Terry reward model, DPO (and IPO/cDPO), KTO, and the reference-free SimPO and ORPO.
+"""Preference losses: Bradley-Terry reward model, KTO, and the reference-free SimPO and ORPO (DPO's family: dpo.py).
 
 Metrics in the returned dataclasses are detached 0-d tensors (``float(x)``
 gives the number); ``loss`` is the differentiable 0-d batch mean.
@@ -7,7 +7,7 @@ gives the number); ``loss`` is the differentiable 0-d batch mean.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Union
+from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -75,65 +75,6 @@ def pairwise_reward_loss(chosen_scores: Tensor, rejected_scores: Tensor, *,
         _check_pair(chosen_scores=chosen_scores, margin=margin)
         diff = diff - margin.to(diff.dtype)
     return _metrics(-F.logsigmoid(diff).mean(), chosen_scores, rejected_scores)
-
-
-def _sigmoid_loss(h: Tensor, beta: float, label_smoothing: float) -> Tensor:
-    return (-(1.0 - label_smoothing) * F.logsigmoid(beta * h)
-            - label_smoothing * F.logsigmoid(-beta * h))
-
-
-def _ipo_loss(h: Tensor, beta: float, label_smoothing: float) -> Tensor:
-    if label_smoothing != 0.0:
-        raise ValueError("label_smoothing is not defined for loss_type 'ipo'")
-    return (h - 1.0 / (2.0 * beta)) ** 2
-
-
-#: ``loss_type -> per-pair loss(h, beta, label_smoothing)``, h = log-ratio margin.
-DPO_LOSS_TYPES: Dict[str, Callable[[Tensor, float, float], Tensor]] = {
-    "cdpo": _sigmoid_loss,
-    "ipo": _ipo_loss,
-    "sigmoid": _sigmoid_loss,
-}
-
-
-def dpo_loss(policy_chosen_logps: Tensor, policy_rejected_logps: Tensor,
-             ref_chosen_logps: Tensor, ref_rejected_logps: Tensor, *, beta: float,
-             loss_type: str = "sigmoid", label_smoothing: float = 0.0) -> PreferenceLossOutput:
-    """Direct Preference Optimization loss and its IPO / cDPO variants.
-
-    Formula, with ``h = (pi_c - ref_c) - (pi_r - ref_r)`` (sequence
-    log-probs), per pair:
-
-    * ``"sigmoid"`` (DPO, Rafailov et al. 2023, arXiv 2305.18290):
-      ``-log sigmoid(beta h)``;
-    * ``"cdpo"`` (conservative DPO, Mitchell 2023 note "A note on DPO with
-      noisy preferences"): ``-(1-eps) log sigmoid(beta h) - eps log
-      sigmoid(-beta h)`` with ``eps = label_smoothing``; ``"sigmoid"`` uses
-      the same formula, so it equals plain DPO for ``eps = 0``;
-    * ``"ipo"`` (Azar et al. 2023, arXiv 2310.12036): ``(h - 1/(2 beta))^2``.
-
-    The loss is the batch mean. Metrics: ``chosen_rewards = mean beta (pi_c
-    - ref_c)``, ``rejected_rewards = mean beta (pi_r - ref_r)``,
-    ``reward_margin`` their mean difference, ``accuracy = mean(chosen >
-    rejected)`` per pair.
-
-    Shapes: all four inputs ``(B,)`` (see :func:`sequence_logprobs`).
-    """
-    _check_pair(policy_chosen_logps=policy_chosen_logps,
-                policy_rejected_logps=policy_rejected_logps,
-                ref_chosen_logps=ref_chosen_logps, ref_rejected_logps=ref_rejected_logps)
-    if beta <= 0:
-        raise ValueError(f"beta must be > 0, got {beta}")
-    if not 0.0 <= label_smoothing < 0.5:
-        raise ValueError(f"label_smoothing must be in [0, 0.5), got {label_smoothing}")
-    if loss_type not in DPO_LOSS_TYPES:
-        raise ValueError(f"unknown DPO loss_type {loss_type!r}; valid: "
-                         f"{', '.join(sorted(DPO_LOSS_TYPES))}")
-    chosen_logratio = policy_chosen_logps - ref_chosen_logps
-    rejected_logratio = policy_rejected_logps - ref_rejected_logps
-    h = chosen_logratio - rejected_logratio
-    loss = DPO_LOSS_TYPES[loss_type](h, beta, label_smoothing).mean()
-    return _metrics(loss, beta * chosen_logratio, beta * rejected_logratio)
 
 
 def simpo_loss(chosen_avg_logps: Tensor, rejected_avg_logps: Tensor, *, beta: float,

@@ -9,10 +9,14 @@ from pydantic import Field, model_validator
 
 from alignflow.config.base import Placement, TrainConfig
 
-PreferenceLoss = Literal["dpo", "ipo", "cdpo", "kto", "simpo", "orpo"]
-
-# The pure loss each name selects (algos/losses/preference.py): dpo_loss's loss_type, or KTO, SimPO, ORPO.
-DPO_LOSS_TYPE = {"dpo": "sigmoid", "ipo": "ipo", "cdpo": "cdpo"}
+# The pure loss each name of DPO's family selects: algos/losses/dpo.py dpo_loss's loss_type.
+DPO_LOSS_TYPE = {"dpo": "sigmoid", "ipo": "ipo", "cdpo": "cdpo", "robust": "robust", "hinge": "hinge",
+                 "nca": "nca_pair", "apo_zero": "apo_zero", "apo_down": "apo_down", "sppo_hard": "sppo_hard"}
+DPOLoss = Literal[tuple(DPO_LOSS_TYPE)]  # type: ignore[valid-type]
+PreferenceLoss = Literal[(*DPO_LOSS_TYPE, "kto", "simpo", "orpo")]  # type: ignore[valid-type]
+SMOOTHED = ("cdpo", "robust")  # the names that read label_smoothing, and need it above 0
+DPO_FAMILY_HELP = ("dpo, ipo, cdpo (label-smoothed dpo), robust (rDPO: unbiased under flipped labels), hinge "
+                   "(SLiC), nca, apo_zero, apo_down (APO: both likelihoods down, the rejected more) or sppo_hard")
 # Losses with no reference model: no preference_reference stage, no reference log-probabilities.
 REFERENCE_FREE = ("simpo", "orpo")
 
@@ -29,13 +33,16 @@ class PreferenceConfig(TrainConfig):
     log odds ratio (Hong et al. 2024, whose λ is β here). Neither has a reference, so neither has that stage.
     """
 
-    loss: PreferenceLoss = Field("dpo", description="dpo, ipo, cdpo (label-smoothed dpo) or kto against the "
-                                 "reference; simpo or orpo without one")
+    loss: PreferenceLoss = Field("dpo", description=f"{DPO_FAMILY_HELP}, or kto, against the reference; simpo "
+                                 "or orpo without one (algos/losses/dpo.py has each formula)")
     beta: float = Field(0.1, gt=0, description="strength of the pull toward the reference; simpo: the scale of its "
                         "length-normalised reward (its paper uses 2-2.5); orpo: the odds-ratio term's weight λ")
     simpo_gamma: float = Field(0.5, ge=0, description="simpo: the target reward margin γ; unused by the other losses")
     label_smoothing: float = Field(
-        0.0, ge=0, lt=0.5, description="cdpo: the assumed share of flipped labels (> 0); 0 for the other losses")
+        0.0, ge=0, lt=0.5, description="cdpo, robust: the assumed share of flipped labels (> 0); 0 for the others")
+    rpo_alpha: float = Field(
+        0.0, ge=0, description="DPO's family: the weight of the chosen responses' per-token NLL added to the loss "
+        "(RPO, Pang et al. 2024); 0: off")
     desirable_weight: float = Field(1.0, gt=0, description="kto: weight of desirable (chosen) examples")
     undesirable_weight: float = Field(1.0, gt=0, description="kto: weight of undesirable (rejected) examples")
     learning_rate: float = Field(5e-4, gt=0, description="peak AdamW learning rate")
@@ -46,11 +53,10 @@ class PreferenceConfig(TrainConfig):
 
     @model_validator(mode="after")
     def _loss_options(self) -> PreferenceConfig:
-        if self.loss == "cdpo" and self.label_smoothing == 0:
-            raise ValueError("preference.loss=cdpo needs preference.label_smoothing > 0 (with 0 it is dpo)")
-        if self.loss != "cdpo" and self.label_smoothing:
-            raise ValueError(f"preference.label_smoothing is cdpo's; with preference.loss={self.loss} set it to 0 "
-                             f"(or use loss: cdpo)")
+        check_smoothing("preference", self.loss, self.label_smoothing)
+        if self.rpo_alpha and self.loss not in DPO_LOSS_TYPE:
+            raise ValueError(f"preference.rpo_alpha adds an NLL term to DPO's family; preference.loss is {self.loss}: "
+                             f"leave it out")
         # Set to another value than the default (a run form sends every field, defaults included).
         owners = {"desirable_weight": "kto", "undesirable_weight": "kto", "simpo_gamma": "simpo"}
         if misplaced := sorted(n for n, owner in owners.items() if owner != self.loss
@@ -59,3 +65,12 @@ class PreferenceConfig(TrainConfig):
                              + f"; preference.loss is {self.loss}: leave {'it' if len(misplaced) == 1 else 'them'} "
                              f"out, or use the loss {'it' if len(misplaced) == 1 else 'each'} belongs to")
         return self
+
+
+def check_smoothing(section: str, loss: str, label_smoothing: float) -> None:
+    """label_smoothing above 0 with the losses that read it (SMOOTHED), and only with them."""
+    if loss in SMOOTHED and label_smoothing == 0:
+        raise ValueError(f"{section}.loss={loss} needs {section}.label_smoothing > 0 (with 0 it is dpo)")
+    if loss not in SMOOTHED and label_smoothing:
+        raise ValueError(f"{section}.label_smoothing is read by {' and '.join(SMOOTHED)}; with {section}.loss={loss} "
+                         f"set it to 0 (or use one of those losses)")

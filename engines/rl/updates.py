@@ -261,7 +261,7 @@ class OnlineDPOUpdate:
             batch = {k: getattr(pairs, k) for k in ("input_ids", "attention_mask", "response_index", "action_mask")}
             batch["ref_logps"] = algos.masked_sum(ref, pairs.action_mask, dim=-1)
             objective = functools.partial(dpo_objective, loss_type=DPO_LOSS_TYPE[d.loss], beta=d.beta,
-                                          label_smoothing=d.label_smoothing, rollouts=True)
+                                          label_smoothing=d.label_smoothing, rollouts=True, rpo_alpha=d.rpo_alpha)
             gen = torch.Generator().manual_seed(derive_seed(self.seed, f"minibatches/{step}"))
             size = d.pairs_per_update or n
             # minibatches drops each pass's remainder when a pass makes more than one chunk: counted.

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from algos.losses.preference import dpo_loss, kto_loss, orpo_loss, sequence_logprobs, simpo_loss
+from algos.losses.dpo import dpo_loss
+from algos.losses.preference import kto_loss, orpo_loss, sequence_logprobs, simpo_loss
 from engines.batches import LengthReport, encode_response, filter_prompts, pad_right, right_padded
 from engines.train.logits import masked_next_token_logprobs, response_logprobs_and_entropy
 
@@ -133,10 +134,11 @@ def _logps(model, batch: dict[str, torch.Tensor], rollouts: bool,
 
 
 def dpo_objective(model, batch: dict[str, torch.Tensor], *, loss_type: str, beta: float, label_smoothing: float,
-                  rollouts: bool = False, packing_max_tokens: int | None | bool = False,
+                  rollouts: bool = False, packing_max_tokens: int | None | bool = False, rpo_alpha: float = 0.0,
                   ) -> tuple[torch.Tensor, dict[str, float]]:
-    """DPO / IPO / cDPO (algos.losses.preference.dpo_loss) on a batch [chosen..., rejected...] with `ref_logps`:
-    data rows (`loss_mask`), or with `rollouts` an online-DPO round's rollout rows (RL layout).
+    """DPO and its family (algos.losses.dpo.dpo_loss) on a batch [chosen..., rejected...] with `ref_logps`:
+    data rows (`loss_mask`), or with `rollouts` an online-DPO round's rollout rows (RL layout). `rpo_alpha` > 0
+    adds the chosen responses' NLL per token (a response of no token counts 1), also logged as chosen_nll.
 
     Metrics: loss, accuracy (share of pairs whose implicit reward β(log π − log π_ref) ranks chosen
     first), reward_margin, chosen_reward, rejected_reward. `packing_max_tokens`: False, or pack each batch
@@ -144,9 +146,14 @@ def dpo_objective(model, batch: dict[str, torch.Tensor], *, loss_type: str, beta
     logps, packing = _logps(model, batch, rollouts, packing_max_tokens)
     ref = batch["ref_logps"]
     n = logps.shape[0] // 2
+    nll = None
+    if rpo_alpha:
+        tokens = batch["action_mask"].sum(-1) if rollouts else batch["loss_mask"][:, 1:].sum(-1)
+        nll = -logps[:n] / tokens[:n].clamp(min=1).to(device=logps.device, dtype=logps.dtype)
     out = dpo_loss(logps[:n], logps[n:], ref[:n], ref[n:], beta=beta, loss_type=loss_type,
-                   label_smoothing=label_smoothing)
-    return out.loss, _reward_metrics(out) | packing
+                   label_smoothing=label_smoothing, rpo_alpha=rpo_alpha, chosen_nll=nll)
+    extra = {} if nll is None else {"chosen_nll": nll.detach().mean()}
+    return out.loss, _reward_metrics(out) | packing | extra
 
 
 def reference_free_objective(model, batch: dict[str, torch.Tensor], *, loss: str, beta: float, gamma: float,

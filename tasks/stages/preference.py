@@ -128,7 +128,8 @@ def preference(stage: PlannedStage, inputs: PreferenceInputs, ctx: RunContext) -
                                       undesirable_weight=train.undesirable_weight, packing_max_tokens=packing)
     else:
         objective = functools.partial(pref.dpo_objective, loss_type=DPO_LOSS_TYPE[train.loss], beta=train.beta,
-                                      label_smoothing=train.label_smoothing, packing_max_tokens=packing)
+                                      label_smoothing=train.label_smoothing, packing_max_tokens=packing,
+                                      rpo_alpha=train.rpo_alpha)
     return train_stage(stage, inputs, ctx, kind="causal", split="preference", objective=objective,
                        weigh=objectives.per_row, paired=not kto,
                        to_tensors=_with_reference(reference, train.loss, inputs, ctx))

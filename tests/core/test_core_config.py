@@ -644,11 +644,14 @@ def test_override_fields_maps_each_dotted_key_to_the_override_that_set_it_last()
 
 @pytest.mark.parametrize("override,field", [
     ('preference={"loss": "cdpo"}', "label_smoothing > 0"),
-    ('preference={"loss": "kto", "label_smoothing": 0.1}', "preference.label_smoothing is cdpo's"),
+    ('preference={"loss": "kto", "label_smoothing": 0.1}', "preference.label_smoothing is read by cdpo and robust"),
+    ('preference={"loss": "robust"}', "preference.loss=robust needs preference.label_smoothing > 0"),
+    ('preference={"loss": "hinge", "label_smoothing": 0.1}', "with preference.loss=hinge set it to 0"),
+    ('preference={"loss": "simpo", "rpo_alpha": 1.0}', "preference.rpo_alpha adds an NLL term to DPO's family"),
     ('sft={"packing_max_tokens": 256}', "packing_max_tokens is packing's row width"),
     ('data={"source": "files", "sft": {"path": "s.jsonl", "label_key": "ok"}, "preference": {"path": "p.jsonl"}, '
      '"eval": {"path": "e.jsonl"}}', "data.sft cannot use it"),
-    ('preference={"loss": "dpo", "label_smoothing": 0.1}', "preference.label_smoothing is cdpo's"),
+    ('preference={"loss": "dpo", "label_smoothing": 0.1}', "preference.label_smoothing is read by cdpo and robust"),
     ('preference={"loss": "ipo", "undesirable_weight": 2.0}', "preference.undesirable_weight is kto's"),
     ('preference={"loss": "orpo", "simpo_gamma": 1.0}', "preference.simpo_gamma is simpo's; preference.loss is orpo"),
     ('preference={"loss": "rrhf"}', "preference.loss"),
@@ -656,6 +659,22 @@ def test_override_fields_maps_each_dotted_key_to_the_override_that_set_it_last()
 def test_preference_options_belong_to_their_loss(override, field):
     with pytest.raises(ConfigError, match=re.escape(field)):
         load_config(None, [override])
+
+
+def test_every_loss_of_dpos_family_is_a_name_the_pure_loss_knows_and_rpo_leaves_earlier_keys_alone():
+    import algos
+    from alignflow.config import RoundConfig, cache_relevant
+    from alignflow.config.preference import DPO_LOSS_TYPE, SMOOTHED
+
+    assert set(DPO_LOSS_TYPE.values()) <= set(algos.DPO_LOSS_TYPES) and set(SMOOTHED) <= set(DPO_LOSS_TYPE)
+    assert {DPO_LOSS_TYPE[n] for n in SMOOTHED} <= set(algos.SMOOTHED_LOSS_TYPES)
+    for name in DPO_LOSS_TYPE:
+        smoothing = ', "label_smoothing": 0.1' if name in SMOOTHED else ""
+        pref = load_config(None, [f'preference={{"loss": "{name}", "rpo_alpha": 0.5{smoothing}}}']).preference
+        assert (pref.loss, pref.rpo_alpha) == (name, 0.5)
+    online = RoundConfig(algorithm="online_dpo", dpo={"loss": "apo_down", "rpo_alpha": 1.0}).dpo
+    assert (online.loss, online.rpo_alpha) == ("apo_down", 1.0)
+    assert "rpo_alpha" not in cache_relevant(RoundConfig(algorithm="online_dpo"))["dpo"]  # at its default
 
 
 def test_preference_is_off_by_default_and_takes_its_own_defaults():
@@ -670,7 +689,8 @@ def test_preference_is_off_by_default_and_takes_its_own_defaults():
     ({"algorithm": "online_dpo", "kl": {"coef": 0.1}}, "online_dpo takes DPO steps"),
     ({"algorithm": "online_dpo", "ppo": {"epochs": 3}}, "leave out ppo"),
     ({"algorithm": "grpo", "dpo": {"beta": 0.2}}, "the dpo section is online_dpo's"),
-    ({"algorithm": "online_dpo", "dpo": {"loss": "cdpo"}}, "dpo.label_smoothing > 0 goes with dpo.loss=cdpo"),
+    ({"algorithm": "online_dpo", "dpo": {"loss": "cdpo"}}, "dpo.loss=cdpo needs dpo.label_smoothing > 0"),
+    ({"algorithm": "online_dpo", "dpo": {"loss": "nca", "label_smoothing": 0.2}}, "with dpo.loss=nca set it to 0"),
     ({"algorithm": "online_dpo", "prompts_per_step": 32, "dpo": {"pairs_per_update": 5},
       "actor": {"num_workers": 2}}, "must be a multiple of it, got 5"),
     ({"algorithm": "grpo", "actor": {"freeze_steps": 2}}, "actor.freeze_steps trains the critic alone; grpo "

@@ -8,6 +8,7 @@ from pydantic import Field, ValidationError, model_validator
 
 from alignflow.algorithms import ALGORITHMS, AlgorithmSpec, get_algorithm
 from alignflow.config.base import EngineConfig, GenerationConfig, Placement, Section
+from alignflow.config.preference import DPO_FAMILY_HELP, DPOLoss, check_smoothing
 from alignflow.config.round.agent import EnvironmentConfig
 from alignflow.config.round.reward import RewardConfig
 from alignflow.config.round.checks import check_round
@@ -20,16 +21,17 @@ class OnlineDPOConfig(Section):
     """algorithm: online_dpo. Each step pairs, per prompt, the best sample with the worst (groups whose
     rewards are all equal give no pair, counted) and takes DPO steps against the round's reference."""
 
-    loss: Literal["dpo", "ipo", "cdpo"] = Field("dpo", description="dpo, ipo or cdpo (label-smoothed dpo)")
+    loss: DPOLoss = Field("dpo", description=DPO_FAMILY_HELP)
     beta: float = Field(0.1, gt=0, description="strength of the pull toward the round's reference")
-    label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="cdpo's share of flipped labels (> 0)")
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="cdpo's and robust's share of flipped labels (> 0)")
+    rpo_alpha: float = Field(0.0, ge=0, description="the weight of the chosen samples' per-token NLL added to the "
+                             "loss (iterative RPO, Pang et al. 2024); 0: off")
     epochs: int = Field(1, ge=1, description="passes over a step's pairs")
     pairs_per_update: int | None = Field(None, ge=1, description="pairs per optimizer step; None: all of a step's")
 
     @model_validator(mode="after")
     def _smoothing(self) -> OnlineDPOConfig:
-        if (self.loss == "cdpo") != (self.label_smoothing > 0):
-            raise ValueError("dpo.label_smoothing > 0 goes with dpo.loss=cdpo, and only with it")
+        check_smoothing("dpo", self.loss, self.label_smoothing)
         return self
 
 

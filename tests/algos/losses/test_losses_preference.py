@@ -5,9 +5,8 @@ import math
 import pytest
 import torch
 
+from algos.losses.dpo import DPO_LOSS_TYPES, dpo_loss
 from algos.losses.preference import (
-    DPO_LOSS_TYPES,
-    dpo_loss,
     kto_loss,
     log_odds,
     orpo_loss,
@@ -91,6 +90,39 @@ def test_dpo_variants(loss_type, eps):
     assert out.accuracy.item() == pytest.approx(sum(a > b for a, b in zip(cr, rr)) / 3)
 
 
+def _family(loss_type: str, c: float, r: float, beta: float, eps: float) -> float:
+    """Each loss of DPO's family per pair, from its paper's formula in plain Python."""
+    sig, ls = _sig, _neg_logsig  # sigmoid, and -log sigmoid
+    h = c - r
+    return {"robust": ((1 - eps) * ls(beta * h) - eps * ls(-beta * h)) / (1 - 2 * eps),
+            "hinge": max(0.0, 1 - beta * h),
+            "nca_pair": ls(beta * c) + 0.5 * ls(-beta * c) + 0.5 * ls(-beta * r),
+            "apo_zero": 1 - sig(beta * c) + sig(beta * r),
+            "apo_down": sig(beta * c) + 1 - sig(beta * h),
+            "sppo_hard": (c - 1 / (2 * beta)) ** 2 + (r + 1 / (2 * beta)) ** 2}[loss_type]
+
+
+@pytest.mark.parametrize("loss_type,eps", [("robust", 0.1), ("robust", 0.3), ("hinge", 0.0), ("nca_pair", 0.0),
+                                           ("apo_zero", 0.0), ("apo_down", 0.0), ("sppo_hard", 0.0)])
+def test_the_rest_of_dpos_family_against_their_formulas(loss_type, eps):
+    beta = 0.7
+    out = dpo_loss(_t(PC), _t(PR), _t(RC), _t(RR), beta=beta, loss_type=loss_type, label_smoothing=eps)
+    pairs = [(pc - rc, pr - rr) for pc, pr, rc, rr in zip(PC, PR, RC, RR)]
+    assert out.loss.item() == pytest.approx(sum(_family(loss_type, c, r, beta, eps) for c, r in pairs) / 3, rel=1e-9)
+    assert out.chosen_rewards.item() == pytest.approx(sum(beta * c for c, _ in pairs) / 3)
+
+
+def test_rpo_adds_the_chosen_responses_nll_and_smoothing_is_refused_where_unread():
+    nll = [0.5, 1.5, 2.5]
+    plain = dpo_loss(_t(PC), _t(PR), _t(RC), _t(RR), beta=0.1)
+    rpo = dpo_loss(_t(PC), _t(PR), _t(RC), _t(RR), beta=0.1, rpo_alpha=0.3, chosen_nll=_t(nll))
+    assert rpo.loss.item() == pytest.approx(plain.loss.item() + 0.3 * 1.5, rel=1e-12)
+    with pytest.raises(ValueError, match="rpo_alpha must be >= 0 and, above 0, comes with chosen_nll"):
+        dpo_loss(_t(PC), _t(PR), _t(RC), _t(RR), beta=0.1, rpo_alpha=0.3)
+    with pytest.raises(ValueError, match="label_smoothing is not defined for loss_type 'hinge'"):
+        dpo_loss(_t(PC), _t(PR), _t(RC), _t(RR), beta=0.1, loss_type="hinge", label_smoothing=0.1)
+
+
 def test_dpo_hand_number_and_gradient_direction():
     pc = _t([-1.0], grad=True)
     out = dpo_loss(pc, _t([-2.0]), _t([-1.0]), _t([-1.0]), beta=0.5)
@@ -144,7 +176,7 @@ def test_dpo_extreme_and_errors():
     out = dpo_loss(_t([-100.0]), _t([0.0]), _t([0.0]), _t([-100.0]), beta=1.0)
     assert out.loss.item() == pytest.approx(200.0)
     with pytest.raises(ValueError) as err:
-        dpo_loss(_t([0.0]), _t([0.0]), _t([0.0]), _t([0.0]), beta=0.1, loss_type="hinge")
+        dpo_loss(_t([0.0]), _t([0.0]), _t([0.0]), _t([0.0]), beta=0.1, loss_type="slic")
     for name in sorted(DPO_LOSS_TYPES):
         assert name in str(err.value)
     with pytest.raises(ValueError):

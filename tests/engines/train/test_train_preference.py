@@ -122,6 +122,21 @@ def test_dpo_objective_matches_the_formula(policy, tokenizer, loss_type, smoothi
                                                      abs=1e-4)
 
 
+def test_rpo_adds_the_chosen_responses_nll_per_token(policy, tokenizer):
+    """rpo_alpha: the DPO loss plus alpha times the chosen responses' mean NLL per response token."""
+    main = preference_tensors(tokenizer, RECORDS, 64, 8).main
+    batch = {**main, "ref_logps": torch.tensor([-3.0, -1.5, -2.0, -4.0, -0.5, -6.0])}
+    with torch.no_grad():
+        plain, _ = dpo_objective(policy, batch, loss_type="sigmoid", beta=0.5, label_smoothing=0.0)
+        rpo, metrics = dpo_objective(policy, batch, loss_type="sigmoid", beta=0.5, label_smoothing=0.0,
+                                     rpo_alpha=0.25)
+        lp = _by_hand(policy, main).tolist()
+    tokens = [int(main["loss_mask"][k, 1:].sum()) for k in range(3)]
+    nll = sum(-lp[k] / tokens[k] for k in range(3)) / 3
+    assert rpo.item() == pytest.approx(plain.item() + 0.25 * nll, abs=1e-4)
+    assert metrics["chosen_nll"] == pytest.approx(nll, abs=1e-4) and nll > 0
+
+
 @pytest.mark.parametrize("loss", ["simpo", "orpo"])
 def test_reference_free_objectives_take_each_responses_mean_token_log_prob(policy, tokenizer, loss):
     """SimPO and ORPO by hand: each response's summed log-probability over its own token count (reply + EOS), no
