@@ -273,7 +273,7 @@ register_stage(StageKind(
     "tasks.stages.preference:preference_reference", "the reference's log-probabilities of every preference row, once"))
 register_stage(StageKind(
     "preference", "preference", PreferenceStage, PreferenceInputs, "2", "tasks.stages.preference:preference",
-    "DPO / IPO / cDPO / KTO against the cached reference, or SimPO / ORPO without one (DeepSpeed)"))
+    "DPO and its family / KTO against the cached reference, or SimPO / ORPO without one (DeepSpeed)"))
 register_stage(StageKind(
     "rl_round", "rl", RoundStage, RoundInputs, "7", "tasks.stages.rl_round:rl_round",
     "one RL round of any registered algorithm (vLLM rollouts, DeepSpeed updates)"))

@@ -83,7 +83,8 @@ def dpo_loss(policy_chosen_logps: Tensor, policy_rejected_logps: Tensor,
     * ``"robust"`` (rDPO, Chowdhury et al. 2024, arXiv 2403.00409): ``((1-eps) l(beta h) - eps l(-beta h)) /
       (1 - 2 eps)``, unbiased under labels flipped with probability ``eps``;
     * ``"ipo"`` (Azar et al. 2023, arXiv 2310.12036): ``(h - 1/(2 beta))^2``;
-    * ``"hinge"`` (SLiC, Zhao et al. 2023, arXiv 2305.10425): ``max(0, 1 - beta h)``;
+    * ``"hinge"`` (RSO's hinge, Liu et al. 2023, arXiv 2309.06657, after SLiC, Zhao et al. 2023, arXiv
+      2305.10425): ``max(0, 1 - beta h)``, a margin of ``1 / beta`` in ``h``;
     * ``"nca_pair"`` (NCA, Chen et al. 2024, arXiv 2402.05369): ``l(beta c) + (l(-beta c) + l(-beta r)) / 2``;
     * ``"apo_zero"`` (APO, D'Oosterlinck et al. 2024, arXiv 2408.06266): ``1 - sigmoid(beta c) +
       sigmoid(beta r)``: the chosen likelihood up, the rejected down;

@@ -2,7 +2,7 @@
 
     base.py      the config base, placement, training engines, sampling
     data.py      data sources          model.py   the base policy
-    preference.py  DPO / IPO / cDPO / KTO    evaluation.py  held-out evaluation
+    preference.py  DPO's family / KTO    evaluation.py  held-out evaluation
     process.py   the process reward model (step labels)
     round/       one RL round: its checks, rewards, judge, updates, environment
     pipeline.py  which stages exist, infra     lora_targets.py  what LoRA may adapt

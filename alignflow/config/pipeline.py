@@ -3,7 +3,7 @@
     data -> base model -> [sft] -> [reward model] -> [preference] -> rounds 1..R -> [evaluation]
 
 A section set to null is not planned. SFT absent: rounds start from the base model, which is then also
-the reference. A preference section (DPO, IPO, cDPO, KTO, SimPO, ORPO; off by default) trains after SFT; rounds then
+the reference. A preference section (DPO's family, KTO, SimPO, ORPO; off by default) trains after SFT; rounds then
 start from it. The reward model is trained when a round scores with it or starts its critic from it, or
 when there are no rounds and no preference stage (it is then a product of the run); otherwise it is
 skipped: with a preference stage and no rounds, the pipeline is SFT, preference, evaluation.
@@ -113,7 +113,7 @@ class PipelineConfig(Section):
         None, description="a process reward model scoring each step of a solution, trained on data.process (from "
         "SFT); null: none")
     preference: PreferenceConfig | None = Field(
-        None, description="offline DPO/IPO/cDPO/KTO/SimPO/ORPO after SFT; rounds start from it; "
+        None, description="offline DPO (or its family)/KTO/SimPO/ORPO after SFT; rounds start from it; "
                           "null: no preference stage")
     distill: OfflineDistillConfig | None = Field(
         None, description="offline distillation of a teacher into SFT on the SFT data (its own policy, `distill`); "

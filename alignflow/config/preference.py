@@ -1,4 +1,4 @@
-"""The offline preference stage: DPO and its IPO / cDPO / KTO cousins, and the reference-free SimPO and ORPO, trained
+"""The offline preference stage: DPO and its family, KTO, and the reference-free SimPO and ORPO, trained
 after SFT on `data.preference`."""
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ class PreferenceConfig(TrainConfig):
     """Direct alignment on preference pairs: against a frozen reference (the policy it starts from), or without one.
 
     dpo: -log σ(β h); cdpo: label-smoothed DPO; ipo: (h - 1/(2β))²; with h the chosen-minus-rejected
-    log-ratio to the reference (Rafailov et al. 2023; Mitchell 2023; Azar et al. 2023). kto: every
+    log-ratio to the reference (Rafailov et al. 2023; Mitchell 2023; Azar et al. 2023); robust, hinge, nca,
+    apo_zero, apo_down, sppo_hard: the rest of DPO's family (algos/losses/dpo.py). kto: every
     pair gives one desirable and one undesirable example, each pulled across a KL reference point
     (Ethayarajh et al. 2024). The reference's log-probabilities are computed once per dataset
     (the `preference_reference` stage) and cached. simpo: -log σ(β (ā_c - ā_r) - γ) on the mean token

@@ -1,4 +1,4 @@
-"""Preference data as token tensors, and the objectives of the preference stage (DPO, IPO, cDPO, KTO, SimPO, ORPO).
+"""Preference data as token tensors, and the objectives of the preference stage (DPO's family, KTO, SimPO, ORPO).
 
 A preference split of N pairs (and M unpaired KTO examples, after them)
 becomes two batches of 2N (+ M) right-padded rows each, laid out

@@ -1,4 +1,4 @@
-"""preference_reference and preference: offline DPO / IPO / cDPO / KTO, or SimPO / ORPO, after SFT.
+"""preference_reference and preference: offline DPO and its family, KTO, or SimPO / ORPO, after SFT.
 
 preference_reference scores every preference row (and KTO's mismatched rows)
 with the frozen reference once: `reference_logps.safetensors`, keyed by the
@@ -110,7 +110,7 @@ class _Report:
 
 
 def preference(stage: PlannedStage, inputs: PreferenceInputs, ctx: RunContext) -> StageResult:
-    """DPO / IPO / cDPO (against the cached reference), SimPO or ORPO (without one) on the pairs, or KTO on their
+    """DPO's family (against the cached reference), SimPO or ORPO (without one) on the pairs, or KTO on their
     2N examples and the unpaired ones, from the SFT policy (or the base model)."""
     from safetensors.torch import load_file
 

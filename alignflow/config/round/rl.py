@@ -25,7 +25,7 @@ class OnlineDPOConfig(Section):
     beta: float = Field(0.1, gt=0, description="strength of the pull toward the round's reference")
     label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="cdpo's and robust's share of flipped labels (> 0)")
     rpo_alpha: float = Field(0.0, ge=0, description="the weight of the chosen samples' per-token NLL added to the "
-                             "loss (iterative RPO, Pang et al. 2024); 0: off")
+                             "loss (RPO, Pang et al. 2024; the reference stays the round's); 0: off")
     epochs: int = Field(1, ge=1, description="passes over a step's pairs")
     pairs_per_update: int | None = Field(None, ge=1, description="pairs per optimizer step; None: all of a step's")
 

@@ -110,6 +110,19 @@ def test_the_rest_of_dpos_family_against_their_formulas(loss_type, eps):
     pairs = [(pc - rc, pr - rr) for pc, pr, rc, rr in zip(PC, PR, RC, RR)]
     assert out.loss.item() == pytest.approx(sum(_family(loss_type, c, r, beta, eps) for c, r in pairs) / 3, rel=1e-9)
     assert out.chosen_rewards.item() == pytest.approx(sum(beta * c for c, _ in pairs) / 3)
+    assert out.rejected_rewards.item() == pytest.approx(sum(beta * r for _, r in pairs) / 3)
+    assert out.accuracy.item() == pytest.approx(sum(c > r for c, r in pairs) / 3)
+
+
+def test_the_hinge_is_flat_past_its_margin_and_apo_down_pushes_both_likelihoods_down():
+    c = _t([5.0], grad=True)  # beta h = 0.5 * 5 > 1: past the margin
+    out = dpo_loss(c, _t([0.0]), _t([0.0]), _t([0.0]), beta=0.5, loss_type="hinge")
+    out.loss.backward()
+    assert out.loss.item() == 0.0 and c.grad.item() == 0.0
+    c, r = _t([0.0], grad=True), _t([0.0], grad=True)
+    dpo_loss(c, r, _t([0.0]), _t([0.0]), beta=1.0, loss_type="apo_down").loss.backward()
+    # d/dc [sig(c) + 1 - sig(c - r)] = 1/4 - 1/4 = 0 at c = r = 0; d/dr = +1/4: descent lowers r, keeps c
+    assert c.grad.item() == pytest.approx(0.0) and r.grad.item() == pytest.approx(0.25)
 
 
 def test_rpo_adds_the_chosen_responses_nll_and_smoothing_is_refused_where_unread():

@@ -137,6 +137,31 @@ def test_rpo_adds_the_chosen_responses_nll_per_token(policy, tokenizer):
     assert metrics["chosen_nll"] == pytest.approx(nll, abs=1e-4) and nll > 0
 
 
+def test_rpo_on_an_online_rounds_rollout_rows_divides_by_each_chosen_responses_sampled_tokens(policy, tokenizer):
+    """The RL layout (response_index, action_mask): two chosen rollouts of 3 and 1 tokens, two rejected."""
+    from engines.rl.experience import from_rollouts
+    from engines.rollout.base import Rollout
+
+    prompt = _ids(tokenizer, RECORDS[0]["prompt"])
+    replies = [_reply(tokenizer, t) for t in ("5 5", "5", "1", "1 1")]
+    rollouts = [Rollout(0, prompt, ids, "", [0.0] * len(ids), True) for ids in replies]
+    exp = from_rollouts(rollouts, tokenizer.pad_token_id)
+    batch = {k: getattr(exp, k) for k in ("input_ids", "attention_mask", "response_index", "action_mask")}
+    batch["ref_logps"] = torch.tensor([-3.0, -1.5, -2.0, -4.0])
+    with torch.no_grad():
+        plain, _ = dpo_objective(policy, batch, loss_type="sigmoid", beta=0.5, label_smoothing=0.0, rollouts=True)
+        rpo, metrics = dpo_objective(policy, batch, loss_type="sigmoid", beta=0.5, label_smoothing=0.0,
+                                     rollouts=True, rpo_alpha=2.0)
+        nll = []
+        for ids in replies[:2]:  # by hand: each chosen reply's mean NLL over its own tokens
+            seq = torch.tensor([prompt + ids])
+            logp = F.log_softmax(policy(input_ids=seq).logits[0].double(), -1)
+            nll.append(-sum(logp[len(prompt) + t - 1, ids[t]] for t in range(len(ids))).item() / len(ids))
+    assert len(replies[0]) != len(replies[1])
+    assert rpo.item() == pytest.approx(plain.item() + 2.0 * sum(nll) / 2, abs=1e-4)
+    assert metrics["chosen_nll"] == pytest.approx(sum(nll) / 2, abs=1e-4)
+
+
 @pytest.mark.parametrize("loss", ["simpo", "orpo"])
 def test_reference_free_objectives_take_each_responses_mean_token_log_prob(policy, tokenizer, loss):
     """SimPO and ORPO by hand: each response's summed log-probability over its own token count (reply + EOS), no
