@@ -163,17 +163,16 @@ class RLRound:
                 parts[c.label] = torch.tensor([r.episode["return"] for r in rollouts], dtype=torch.float32)
             elif c.source == "process_model":  # the response's steps, tokenized as the model was trained on them
                 got = process if process is not None else process_reward(
-                    self.models.process_score, self.tokenizer, rollouts, *self._process,
-                                                exp.action_mask.shape[1])
+                    self.models.process_score, self.tokenizer, rollouts, *self._process, exp.action_mask.shape[1])
                 parts[c.label], dense, counted = got.sequence, got.steps, got.metrics
-        task = sum(c.weight * parts[c.label].float() for c in r.components if not c.dense) + torch.zeros(len(exp))
+        task = sum((c.weight * parts[c.label].float() for c in r.components if not c.dense), torch.zeros(len(exp)))
         shaped = experience.shape_rewards(
             task, exp.action_mask, exp.finished, max_response_tokens=self.cfg.max_response_tokens,
             overlong_buffer=r.overlong_buffer, overlong_penalty=r.overlong_penalty,
             truncation_penalty=r.truncation_penalty, clip=r.clip, stats=self.reward_stats)
         self.reward_stats = shaped.stats
         return shaped.rewards, task, dense, {**shaped.metrics, **judged, **counted,
-                                      **{f"reward/{k}": v.mean().item() for k, v in parts.items()}}
+                                             **{f"reward/{k}": v.mean().item() for k, v in parts.items()}}
 
     def _sampling(self) -> Sampling:
         g = self.cfg.generation

@@ -104,8 +104,8 @@ class ScorerActor:
             raise ValueError(f"score_rollouts: {sorted(unknown)} not among {SCORES_AHEAD}")
         rollouts = merge_rollouts(n_prompts, chunks, list(results))
         exp = from_rollouts(rollouts, pad_id)
-        score = {"ref_logprobs": lambda: self.ref_logprobs(exp.tensors(), temperature),
-                 "rewards": lambda: self.rewards(exp.tensors()),
+        batch = exp.tensors()
+        score = {"ref_logprobs": lambda: self.ref_logprobs(batch, temperature), "rewards": lambda: self.rewards(batch),
                  "process": lambda: process_reward(lambda method, *args: getattr(self, method)(*args), self.tokenizer,
                                                    rollouts, *process, exp.action_mask.shape[1])}
         return {kind: score[kind]() for kind in kinds}
@@ -175,11 +175,11 @@ def collect_scores(refs: list, exp) -> dict[str, object]:
 
     got = {kind: value for part in (ray.get(refs) if refs else []) for kind, value in part.items()}
     for kind, value in got.items():
-        tensor = value.sequence if kind == "process" else value
-        width = None if kind != "process" or value.steps is None else value.steps.rewards
-        if tensor.shape[0] != len(exp) or any(x is not None and x.dim() == 2 and x.shape != exp.action_mask.shape
-                                              for x in (tensor, width)):
-            raise RuntimeError(f"{kind} scored ahead has shape {tuple(tensor.shape)}; the step's batch is "
+        rows = value.sequence if kind == "process" else value  # (B,) or (B, T)
+        per_token = [x for x in (rows, getattr(getattr(value, "steps", None), "rewards", None))
+                     if x is not None and x.dim() == 2]
+        if rows.shape[0] != len(exp) or any(x.shape != exp.action_mask.shape for x in per_token):
+            raise RuntimeError(f"{kind} scored ahead has shape {tuple(rows.shape)}; the step's batch is "
                                f"{tuple(exp.action_mask.shape)}")
     return got
 
