@@ -33,8 +33,11 @@ from .advantages.group import (
     group_normalized_advantages,
     leave_one_out_advantages,
 )
-from .losses.cispo import cispo_policy_loss
-from .losses.gspo import gspo_policy_loss
+from .losses.surrogates.cispo import cispo_policy_loss
+from .losses.surrogates.covariance import COVARIANCE_METHODS, clip_cov_policy_loss, kl_cov_policy_loss, token_covariance
+from .losses.surrogates.gmpo import gmpo_policy_loss
+from .losses.surrogates.gspo import gspo_policy_loss
+from .losses.surrogates.sapo import sapo_policy_loss
 from .losses.importance import TIS_MODES, rollout_importance_weights
 from .kl import (
     KL_ESTIMATORS,
@@ -93,6 +96,7 @@ __all__ = [
     "DPO_LOSS_TYPES",
     "SMOOTHED_LOSS_TYPES",
     "FixedKLController",
+    "COVARIANCE_METHODS",
     "KL_ESTIMATORS",
     "KTOLossOutput",
     "LOG_RATIO_CLAMP",
@@ -108,6 +112,7 @@ __all__ = [
     "aggregate_loss",
     "aggregate_weight",
     "cispo_policy_loss",
+    "clip_cov_policy_loss",
     "clip_rewards",
     "compute_gae",
     "constant_groups",
@@ -122,7 +127,9 @@ __all__ = [
     "group_mean",
     "group_mean_filter",
     "group_normalized_advantages",
+    "gmpo_policy_loss",
     "gspo_policy_loss",
+    "kl_cov_policy_loss",
     "kl_estimate",
     "kl_penalized_rewards",
     "kto_loss",
@@ -148,7 +155,9 @@ __all__ = [
     "sequence_k1",
     "sequence_logprobs",
     "sequence_scores",
+    "sapo_policy_loss",
     "simpo_loss",
+    "token_covariance",
     "topk_forward_kl",
     "truncation_penalty",
     "rewards_at_turns",

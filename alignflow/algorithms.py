@@ -21,8 +21,9 @@ An RL round reads its algorithm's spec and never branches on the name:
 - `teacher`: the round's frozen log-prob model is a teacher (`rounds[i].teacher`) instead of the
   reference, and each sampled token's advantage is its negative reverse KL to it (on-policy
   distillation, `algos/losses/distill.py`); there is no KL term besides.
-- `policy_loss`: the surrogate (engines/train/objectives.py `POLICY_LOSSES`):
-  "ppo_clip" (token ratios), "gspo_clip" (sequence ratios) or "cispo" (clipped, detached token weights).
+- `policy_loss`: the surrogate (engines/train/objectives.py `POLICY_LOSSES`): "ppo_clip" (token ratios),
+  "gspo_clip" (sequence ratios), "cispo" (clipped, detached token weights), "gmpo_clip" (the geometric mean of
+  token ratios, clipped in log space: clip_low / clip_high are of log r) or "sapo_gate" (a soft gate, no clip).
 
 Adding an algorithm is one `register_algorithm` entry here, plus its math in
 `algos/` when it needs new math. Kept free of torch: configs import it to
@@ -112,6 +113,16 @@ register_algorithm(AlgorithmSpec(
     "weight: no token loses its gradient to the clip (MiniMax 2025, arXiv 2506.13585)",
     update="policy_gradient", advantage="grpo", min_samples=2, policy_loss="cispo", kl_apply_as="loss",
     kl_estimator="k3", clip_low=1.0, clip_high=5.0, group_std_norm=True))
+register_algorithm(AlgorithmSpec(
+    "gmpo", "GRPO's group advantages with the geometric mean of the token ratios, each clipped in log space to "
+    "[-0.4, 0.4]: one outlying token moves its sequence's ratio less (Zhao et al. 2025, arXiv 2507.20673)",
+    update="policy_gradient", advantage="grpo", min_samples=2, policy_loss="gmpo_clip", kl_apply_as="loss",
+    kl_estimator="k3", loss_agg="seq_mean_token_mean", clip_low=0.4, clip_high=0.4, group_std_norm=True))
+register_algorithm(AlgorithmSpec(
+    "sapo", "GRPO's group advantages with a soft, sign-dependent sigmoid gate on each token's ratio in place of "
+    "the clip (Gao et al. 2025, arXiv 2511.20347)",
+    update="policy_gradient", advantage="grpo", min_samples=2, policy_loss="sapo_gate", kl_apply_as="loss",
+    kl_estimator="k3", loss_agg="seq_mean_token_mean", group_std_norm=True))
 register_algorithm(AlgorithmSpec(
     "rloo", "leave-one-out baseline (Ahmadian et al. 2024, arXiv 2402.14740)",
     update="policy_gradient", advantage="rloo", min_samples=2))

@@ -48,7 +48,9 @@ class PolicyLossOutput:
     ``approx_kl``: masked mean of ``(ratio - 1) - log ratio`` (k3 estimate of
     KL(pi_old || pi), from the token log-ratios); ``tis_weight_mean``: mean
     rollout importance weight (1 when TIS is off); ``tis_masked_fraction``:
-    share of valid tokens whose weight the ``"mask"`` mode set to 0.
+    share of valid tokens whose weight the ``"mask"`` mode set to 0;
+    ``cov_fraction``: the share a covariance control (Clip-Cov, KL-Cov,
+    :mod:`algos.losses.surrogates.covariance`) acted on; None without one.
     """
 
     loss: Tensor
@@ -59,6 +61,7 @@ class PolicyLossOutput:
     ratio_mean: Tensor
     tis_weight_mean: Tensor
     tis_masked_fraction: Tensor
+    cov_fraction: Optional[Tensor] = None
 
 
 def clipped_surrogate(
@@ -91,6 +94,24 @@ def clipped_surrogate(
     Reference: Schulman et al. 2017, arXiv 1707.06347; Ye et al. 2019,
     arXiv 1912.09729 (dual clip).
     """
+    loss, clip_active, dual_active = clipped_token_loss(ratio, advantages, action_mask, clip_low=clip_low,
+                                                        clip_high=clip_high, dual_clip=dual_clip)
+    return weighted_policy_loss(loss, ratio, log_ratio, action_mask, old_logprobs, clip_active, dual_active,
+                                agg=agg, loss_scale_constant=loss_scale_constant, rollout_logprobs=rollout_logprobs,
+                                tis_cap=tis_cap, tis_low=tis_low, tis_mode=tis_mode)
+
+
+def clipped_token_loss(ratio: Tensor, advantages: Tensor, action_mask: Tensor, *, clip_low: float, clip_high: float,
+                       dual_clip: Optional[float]) -> tuple[Tensor, Tensor, Tensor]:
+    """Each token's clipped-surrogate loss, before importance weights and reduction, and where each clip bit.
+
+    Formula: ``l = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))``; for ``A < 0`` and ``dual_clip = c``:
+    ``l = min(l, -c A)``; 0 at padding. ``clip_active``: the clipped term is the larger; ``dual_active``: the cap.
+
+    Shapes: every tensor ``(B, T)``; returns ``(loss, clip_active, dual_active)``, each ``(B, T)``.
+
+    Reference: Schulman et al. 2017, arXiv 1707.06347; Ye et al. 2019, arXiv 1912.09729 (dual clip).
+    """
     if clip_low < 0 or clip_high < 0:
         raise ValueError(f"clip_low/clip_high must be >= 0, got {clip_low}, {clip_high}")
     if dual_clip is not None and dual_clip <= 1.0:
@@ -107,10 +128,7 @@ def clipped_surrogate(
         cap = -dual_clip * adv
         dual_active = (adv < 0) & (loss > cap) & mask
         loss = torch.where(dual_active, cap, loss)
-
-    return weighted_policy_loss(loss, ratio, log_ratio, action_mask, old_logprobs, clip_active, dual_active,
-                                agg=agg, loss_scale_constant=loss_scale_constant, rollout_logprobs=rollout_logprobs,
-                                tis_cap=tis_cap, tis_low=tis_low, tis_mode=tis_mode)
+    return loss, clip_active, dual_active
 
 
 def weighted_policy_loss(loss: Tensor, ratio: Tensor, log_ratio: Tensor, action_mask: Tensor, old_logprobs: Tensor,

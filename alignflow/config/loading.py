@@ -39,15 +39,15 @@ RESOURCE_FIELDS = frozenset({"placement", "scorer_placement", "reference_placeme
                              "checkpoint_every", "log_every", "colocate_offload", "weight_bucket_mb",
                              "gpu_memory_utilization", "kv_cache_gib", "max_num_seqs", "max_num_batched_tokens",
                              "async_scheduling", "enforce_eager"})
-# Resource-only under one section's name alone, where the same name elsewhere changes what is computed
-# (a trainer's micro_batch_size is its gradient accumulation): the evaluation's scoring forwards.
+# Resource-only under one section's name alone (elsewhere a micro_batch_size is gradient accumulation).
 RESOURCE_FIELDS_IN = {"evaluation": frozenset({"micro_batch_size"})}
 # Fields read only where a sibling has one value (SimPO's target margin, read with `loss: simpo`), left out of
 # the key elsewhere, where the config refuses any but the default: adding one kept the other losses' keys.
 READ_ONLY_WITH = {"simpo_gamma": ("loss", "simpo")}
 # Fields added after stages' keys were published, left out of a key at the default they came with: earlier keys stay.
 ADDED_AT_DEFAULT = {"process": None, "num_process": 0, "step_aggregation": "min", "no_step_reward": -5.0,
-                    "step_separator": None, "dense": False, "rpo_alpha": 0.0}
+                    "step_separator": None, "dense": False, "rpo_alpha": 0.0, "covariance": None,
+                    "sapo_temperatures": [1.0, 1.05]}
 
 
 def cache_relevant(cfg: BaseModel) -> dict[str, Any]:

@@ -7,13 +7,16 @@ them) so that Ray can ship them to the workers.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
 
 from algos.losses.distill import topk_forward_kl
-from algos.losses.cispo import cispo_policy_loss
-from algos.losses.gspo import gspo_policy_loss
+from algos.losses.surrogates.cispo import cispo_policy_loss
+from algos.losses.surrogates.gmpo import gmpo_policy_loss
+from algos.losses.surrogates.gspo import gspo_policy_loss
+from algos.losses.surrogates.sapo import sapo_policy_loss
 from algos.losses.policy import ppo_policy_loss
 from algos.losses.preference import pairwise_reward_loss
 from algos.sequence import sft_loss
@@ -183,8 +186,8 @@ def _token_pair(mean: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor,
 
 
 def policy_objective(
-    model, batch: dict[str, torch.Tensor], *, clip_low: float, clip_high: float, dual_clip: float | None,
-    agg: str, entropy_coef: float, kl_loss_coef: float, kl_estimator: str, kl_clamp: float | None,
+    model, batch: dict[str, torch.Tensor], *, clip_low: float | None, clip_high: float | None,
+    dual_clip: float | None, agg: str, entropy_coef: float, kl_loss_coef: float, kl_estimator: str, kl_clamp: float | None,
     tis_cap: float | None, tis_low: float | None = None, tis_mode: str = "truncate", on_policy: bool = False,
     surrogate: Callable = ppo_policy_loss, loss_scale_constant: float | None = None, temperature: float = 1.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
@@ -193,8 +196,8 @@ def policy_objective(
         loss = surrogate(logprobs, old_logprobs, advantages; clip_low, clip_high, dual_clip, TIS)
                - entropy_coef * H  + kl_loss_coef * agg(kl_estimate(logprobs, ref_logprobs))
 
-    `surrogate`: `algos.ppo_policy_loss` (token ratios) or `algos.gspo_policy_loss` (sequence
-    ratios, `gspo_objective`). TIS: with `tis_cap`, the rollout engine's logprobs weight each token
+    `surrogate`: `algos.ppo_policy_loss` (token ratios) or another of `algos`' surrogates (`POLICY_LOSSES`); a clip
+    argument that is None is not passed (SAPO's gate and KL-Cov have no clip; PPO's dual clip is off). TIS: with `tis_cap`, the rollout engine's logprobs weight each token
     (`tis_mode` "truncate": min(ratio, tis_cap); "mask": IcePop, 0 outside [tis_low, tis_cap]).
     `on_policy`: the batch serves exactly one optimizer step, so the policy that made the
     experience is the one in this forward: old_logprobs = logprobs.detach() (ratio 1), and the
@@ -218,9 +221,10 @@ def policy_objective(
         old = batch["old_logprobs"]
     else:
         raise ValueError("a batch for more than one optimizer step needs old_logprobs")
+    clip = {k: v for k, v in dict(clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip).items()
+            if v is not None}
     out = surrogate(
-        logprobs, old, batch["advantages"], mask, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip,
-        agg=agg, rollout_logprobs=batch["rollout_logprobs"] if tis_cap else None, tis_cap=tis_cap, tis_low=tis_low,
+        logprobs, old, batch["advantages"], mask, **clip, agg=agg, rollout_logprobs=batch["rollout_logprobs"] if tis_cap else None, tis_cap=tis_cap, tis_low=tis_low,
         tis_mode=tis_mode, loss_scale_constant=loss_scale_constant,
     )
     loss = out.loss
@@ -237,6 +241,8 @@ def policy_objective(
     if tis_cap:
         metrics.update(tis_weight_mean=_token_pair(out.tis_weight_mean, tokens),
                        tis_masked_fraction=_token_pair(out.tis_masked_fraction, tokens))
+    if out.cov_fraction is not None:  # Clip-Cov / KL-Cov: the share of tokens they acted on
+        metrics["cov_fraction"] = _token_pair(out.cov_fraction, tokens)
     if "ref_logprobs" in batch:  # algorithms without a reference (no KL term) have none
         kl = kl_estimate(logprobs, batch["ref_logprobs"], kind=kl_estimator, clamp=kl_clamp)
         kl_loss = kl_loss_coef * aggregate_loss(kl, mask, agg=agg, loss_scale_constant=loss_scale_constant)
@@ -262,9 +268,24 @@ def cispo_objective(model, batch: dict[str, torch.Tensor], **kwargs) -> tuple[to
     return policy_objective(model, batch, surrogate=cispo_policy_loss, **kwargs)
 
 
+def gmpo_objective(model, batch: dict[str, torch.Tensor], **kwargs) -> tuple[torch.Tensor, dict[str, float]]:
+    """GMPO (Zhao et al. 2025, arXiv 2507.20673): `policy_objective` with the geometric mean of the token ratios,
+    clipped in log space at clip_low / clip_high (`algos.gmpo_policy_loss`); the same arguments and metrics."""
+    return policy_objective(model, batch, surrogate=gmpo_policy_loss, **kwargs)
+
+
+def sapo_objective(model, batch: dict[str, torch.Tensor], *, tau_positive: float, tau_negative: float,
+                   **kwargs) -> tuple[torch.Tensor, dict[str, float]]:
+    """SAPO (Gao et al. 2025, arXiv 2511.20347): `policy_objective` with a soft gate of temperature tau_positive
+    (A > 0) or tau_negative in place of the clip (`algos.sapo_policy_loss`; clip_low, clip_high, dual_clip: None)."""
+    gate = functools.partial(sapo_policy_loss, tau_positive=tau_positive, tau_negative=tau_negative)
+    return policy_objective(model, batch, surrogate=gate, **kwargs)
+
+
 # Policy losses by `AlgorithmSpec.policy_loss`: objectives with the keyword
-# arguments of `policy_objective`.
-POLICY_LOSSES = {"ppo_clip": policy_objective, "gspo_clip": gspo_objective, "cispo": cispo_objective}
+# arguments of `policy_objective` (sapo's also its two temperatures).
+POLICY_LOSSES = {"ppo_clip": policy_objective, "gspo_clip": gspo_objective, "cispo": cispo_objective,
+                 "gmpo_clip": gmpo_objective, "sapo_gate": sapo_objective}
 
 
 def value_objective(model, batch: dict[str, torch.Tensor], *, clip_eps: float | None, agg: str,

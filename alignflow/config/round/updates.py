@@ -1,4 +1,5 @@
-"""How a round's policy update is shaped: KL toward the reference and the PPO-style update settings."""
+"""How a round's policy update is shaped: KL toward the reference, the PPO-style update settings and the entropy's
+covariance control."""
 
 from __future__ import annotations
 
@@ -33,6 +34,36 @@ class KLConfig(Section):
         return self
 
 
+# The covariance controls' settings in Cui et al. 2025 (Qwen2.5-7B): the share of tokens each acts on.
+COVARIANCE_FRACTION = {"clip_cov": 2e-4, "kl_cov": 2e-3}
+
+
+class CovarianceConfig(Section):
+    """Clip-Cov / KL-Cov (Cui et al. 2025, arXiv 2505.22617): keep the policy's entropy from collapsing by acting
+    on the few tokens whose log-prob and advantage covary most (algos/losses/surrogates/covariance.py)."""
+
+    method: Literal["clip_cov", "kl_cov"] = Field(
+        description="clip_cov: PPO's clip, and a random few such tokens lose their gradient; kl_cov: no clip, and "
+        "the top few get a |log ratio| penalty")
+    fraction: float | None = Field(
+        None, gt=0, le=1, description="share of a micro-batch's valid tokens it acts on (at least one); None: the "
+        "paper's, 2e-4 for clip_cov and 2e-3 for kl_cov")
+    bounds: tuple[float, float] = Field((1.0, 5.0), description="clip_cov: the covariance range of the tokens it "
+                                        "may cut")
+    kl_coef: float = Field(1.0, ge=0, description="kl_cov: the penalty's weight")
+
+    share = property(lambda self: self.fraction or COVARIANCE_FRACTION[self.method], doc="fraction, or its default")
+
+    @model_validator(mode="after")
+    def _settings_of_the_method(self) -> CovarianceConfig:
+        if self.bounds[0] >= self.bounds[1]:
+            raise ValueError(f"ppo.covariance.bounds must be [low, high] with low < high, got {list(self.bounds)}")
+        unread = {"clip_cov": ("kl_coef", 1.0), "kl_cov": ("bounds", (1.0, 5.0))}[self.method]
+        if getattr(self, unread[0]) != unread[1]:
+            raise ValueError(f"ppo.covariance.{unread[0]} is not read by {self.method}: leave it out")
+        return self
+
+
 class PPOConfig(Section):
     """Update settings: PPO epochs over minibatches, clipping, value loss."""
 
@@ -48,6 +79,11 @@ class PPOConfig(Section):
     lam: float = Field(0.95, ge=0, le=1, description="GAE lambda (algorithms with a critic)")
     entropy_coef: float = Field(0.0, ge=0, description="entropy bonus weight; 0: off")
     loss_agg: LossAggregation | None = Field(None, description="None: the algorithm's default")
+    sapo_temperatures: tuple[float, float] = Field(
+        (1.0, 1.05), description="sapo: its gate's temperatures for positive and negative advantages (the larger "
+        "damps faster)")
+    covariance: CovarianceConfig | None = Field(
+        None, description="Clip-Cov or KL-Cov on PPO's token surrogate, against entropy collapse; None: off")
     tis_cap: float | None = Field(
         2.0, gt=0, description="importance sampling between the rollout engine's and the trainer's logprobs: the "
         "upper bound of the ratio exp(old - rollout); None: off")
@@ -73,6 +109,8 @@ class PPOConfig(Section):
             raise ValueError("ppo.tis_mode / ppo.tis_low need ppo.tis_cap (importance sampling is off without it)")
         if self.tis_low is not None and self.tis_cap is not None and self.tis_low >= self.tis_cap:
             raise ValueError(f"ppo.tis_low ({self.tis_low}) must be < ppo.tis_cap ({self.tis_cap})")
+        if min(self.sapo_temperatures) <= 0:
+            raise ValueError(f"ppo.sapo_temperatures must be > 0, got {list(self.sapo_temperatures)}")
         r = self.dynamic_sampling_mean_range
         if r is not None and r[0] > r[1]:
             raise ValueError(f"ppo.dynamic_sampling_mean_range must be [low, high] with low <= high, got {list(r)}")

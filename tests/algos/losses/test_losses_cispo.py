@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from algos.losses.cispo import cispo_policy_loss
+from algos.losses.surrogates.cispo import cispo_policy_loss
 from algos.losses.policy import ppo_policy_loss
 
 

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from algos.losses.gspo import gspo_policy_loss
+from algos.losses.surrogates.gspo import gspo_policy_loss
 
 G = 1e6
 

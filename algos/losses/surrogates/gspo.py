@@ -7,9 +7,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .importance import LOG_RATIO_CLAMP
-from ..masked import _bool_mask, _check_same_shape, full_precision
-from .policy import PolicyLossOutput, clipped_surrogate
+from ..importance import LOG_RATIO_CLAMP
+from ...masked import _bool_mask, _check_same_shape, full_precision
+from ..policy import PolicyLossOutput, clipped_surrogate
 
 
 def gspo_policy_loss(

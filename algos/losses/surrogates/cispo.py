@@ -7,9 +7,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .importance import LOG_RATIO_CLAMP
-from .policy import PolicyLossOutput, weighted_policy_loss
-from ..masked import _bool_mask, _check_same_shape, full_precision
+from ..importance import LOG_RATIO_CLAMP
+from ..policy import PolicyLossOutput, weighted_policy_loss
+from ...masked import _bool_mask, _check_same_shape, full_precision
 
 
 def cispo_policy_loss(

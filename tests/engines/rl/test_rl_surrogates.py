@@ -1,0 +1,149 @@
+"""GMPO, SAPO and the covariance controls (Clip-Cov, KL-Cov), from the round config to the objective, without Ray.
+
+The specs' defaults, the settings refused where the surrogate would not read them, the cache key of a round that
+uses none of them, and the objectives on a real (tiny) model against values computed here from the formulas.
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from alignflow.config import ConfigError, PPOConfig, RolloutConfig, RoundConfig, cache_relevant, load_config
+from engines.rl import experience
+from engines.rl.updates import PolicyGradientUpdate
+from engines.rollout.base import Rollout
+from engines.train import objectives
+
+
+def _round(algorithm: str, **fields) -> RoundConfig:
+    return RoundConfig(algorithm=algorithm, generation=RolloutConfig(num_samples=2), **fields)
+
+
+def _options(cfg: RoundConfig, step: int = 0) -> dict:
+    """What the update hands the policy objective (PolicyGradientUpdate reads only its config and seed there)."""
+    return PolicyGradientUpdate.surrogate_options(SimpleNamespace(cfg=cfg.resolved(), seed=0), step)
+
+
+def test_gmpo_and_sapo_specs_resolve():
+    gmpo, sapo = _round("gmpo").resolved(), _round("sapo").resolved()
+    assert (gmpo.ppo.clip_low, gmpo.ppo.clip_high, gmpo.ppo.loss_agg, gmpo.spec.policy_loss) == (
+        0.4, 0.4, "seq_mean_token_mean", "gmpo_clip")
+    assert (sapo.ppo.loss_agg, sapo.kl.apply_as, sapo.kl.estimator, sapo.spec.advantage) == (
+        "seq_mean_token_mean", "loss", "k3", "grpo")
+    assert _options(_round("sapo", ppo=PPOConfig(sapo_temperatures=(0.5, 2.0)))) == dict(
+        clip_low=None, clip_high=None, dual_clip=None, tau_positive=0.5, tau_negative=2.0)
+    assert _options(_round("gmpo")) == dict(clip_low=0.4, clip_high=0.4, dual_clip=None)
+
+
+@pytest.mark.parametrize("round_json,error", [
+    ('{"algorithm": "sapo", "ppo": {"clip_high": 0.28}}', r"ppo\.clip_high: sapo has no clip here, its soft gate"),
+    ('{"algorithm": "grpo", "ppo": {"sapo_temperatures": [1, 2]}}', r"ppo\.sapo_temperatures is read by algorithm "
+     r"sapo; this round's is grpo"),
+    ('{"algorithm": "sapo", "ppo": {"sapo_temperatures": [1, 0]}}', r"ppo\.sapo_temperatures must be > 0"),
+    ('{"algorithm": "gmpo", "ppo": {"dual_clip": 3}}', r"gmpo clips each token's log-ratio"),
+    ('{"algorithm": "gspo", "ppo": {"covariance": {"method": "clip_cov"}}}', r"ppo\.covariance \(clip_cov\) acts on "
+     r"PPO's token-ratio surrogate; gspo's is gspo_clip"),
+    ('{"algorithm": "grpo", "ppo": {"covariance": {"method": "kl_cov"}, "clip_low": 0.1}}',
+     r"ppo\.clip_low: grpo has no clip here, ppo\.covariance kl_cov takes the clip's place"),
+    ('{"algorithm": "grpo", "ppo": {"covariance": {"method": "kl_cov", "bounds": [0, 9]}}}',
+     r"ppo\.covariance\.bounds is not read by kl_cov"),
+    ('{"algorithm": "grpo", "ppo": {"covariance": {"method": "clip_cov", "kl_coef": 2}}}',
+     r"ppo\.covariance\.kl_coef is not read by clip_cov"),
+    ('{"algorithm": "grpo", "ppo": {"covariance": {"method": "clip_cov", "bounds": [5, 1]}}}',
+     r"bounds must be \[low, high\] with low < high"),
+    ('{"algorithm": "grpo", "ppo": {"covariance": {"method": "clip_cov", "fraction": 2}}}', r"fraction"),
+])
+def test_settings_the_surrogate_would_not_read_are_refused(round_json, error):
+    with pytest.raises(ConfigError, match=r"rounds\.0"):
+        load_config(None, [f"rounds=[{round_json}]"])
+    with pytest.raises(ConfigError, match=error):
+        load_config(None, [f"rounds=[{round_json}]"])
+
+
+def test_a_round_without_them_keeps_its_cache_key():
+    """The two fields came after published keys: at their defaults they are left out of a round's key."""
+    plain = cache_relevant(_round("grpo"))["ppo"]
+    assert "covariance" not in plain and "sapo_temperatures" not in plain
+    cov = cache_relevant(_round("grpo", ppo=PPOConfig(covariance={"method": "kl_cov"})))["ppo"]
+    assert cov["covariance"] == {"method": "kl_cov", "fraction": None, "bounds": [1.0, 5.0], "kl_coef": 1.0}
+    assert cache_relevant(_round("sapo", ppo=PPOConfig(sapo_temperatures=(1.0, 2.0))))["ppo"][
+        "sapo_temperatures"] == [1.0, 2.0]
+
+
+def test_covariance_options_carry_the_papers_share_and_a_seed_per_step():
+    kl = _options(_round("grpo", ppo=PPOConfig(covariance={"method": "kl_cov", "kl_coef": 0.5})))
+    assert (kl["clip_low"], kl["clip_high"], kl["dual_clip"]) == (None, None, None)
+    assert kl["surrogate"].keywords == dict(fraction=2e-3, kl_coef=0.5)
+    clip = _round("grpo", ppo=PPOConfig(covariance={"method": "clip_cov", "bounds": (0.5, 4.0)}))
+    first, second = _options(clip, 0), _options(clip, 1)
+    assert first["clip_low"] == 0.2 and first["surrogate"].keywords["fraction"] == 2e-4
+    assert first["surrogate"].keywords["bounds"] == (0.5, 4.0)
+    assert first["surrogate"].keywords["seed"] != second["surrogate"].keywords["seed"]
+    assert _options(clip, 0)["surrogate"].keywords["seed"] == first["surrogate"].keywords["seed"]
+
+
+# ---- the objectives on a real (tiny) model ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def policy_batch(tiny_model):
+    from engines.models import load_policy
+
+    model = load_policy(tiny_model).eval()
+    exp = experience.from_rollouts([Rollout(0, [5, 6, 7], [11, 12, 13], "", [0.0] * 3, True),
+                                    Rollout(0, [5, 6, 7], [14, 15], "", [0.0] * 2, True)], pad_id=0)
+    with torch.no_grad():
+        logprobs = objectives.response_logprobs(model, exp.tensors())
+    return model, exp, logprobs
+
+
+COMMON = dict(entropy_coef=0.0, kl_loss_coef=0.0, kl_estimator="k3", kl_clamp=None, tis_cap=None)
+SHIFT = torch.tensor([[0.1, 0.5, -0.2], [0.6, -0.7, 0.0]])  # log pi - log pi_old; row 1 has two tokens
+
+
+def _batch(exp, logprobs, advantages):
+    mask = exp.action_mask
+    return exp.with_(old_logprobs=(logprobs - SHIFT) * mask, advantages=advantages * mask).tensors()
+
+
+def test_gmpo_objective_reads_the_geometric_mean(policy_batch):
+    model, exp, logprobs = policy_batch
+    batch = _batch(exp, logprobs, torch.tensor([[1.0], [-2.0]]))
+    loss, metrics = objectives.POLICY_LOSSES["gmpo_clip"](model, batch, **_options(_round("gmpo")),
+                                                          agg="seq_mean_token_mean", **COMMON)
+    row0 = math.exp((0.1 + 0.4 - 0.2) / 3)  # 0.5 clipped down to 0.4 where A > 0
+    row1 = math.exp((0.6 - 0.4) / 2)  # -0.7 lifted to -0.4 where A < 0
+    assert loss.item() == pytest.approx(-(row0 - 2 * row1) / 2, rel=1e-4)
+    assert metrics["clip_fraction"] == pytest.approx((2.0, 5.0))
+
+
+def test_sapo_objective_reads_the_gate(policy_batch):
+    model, exp, logprobs = policy_batch
+    batch = _batch(exp, logprobs, torch.tensor([[1.0], [-1.0]]))
+    loss, _ = objectives.POLICY_LOSSES["sapo_gate"](model, batch, **_options(_round("sapo")),
+                                                    agg="token_mean", **COMMON)
+
+    def gate(x: float, a: float) -> float:
+        tau = 1.0 if a > 0 else 1.05
+        return -4 / tau / (1 + math.exp(-tau * (math.exp(x) - 1))) * a
+
+    expect = [gate(x, 1.0) for x in (0.1, 0.5, -0.2)] + [gate(x, -1.0) for x in (0.6, -0.7)]
+    assert loss.item() == pytest.approx(sum(expect) / 5, rel=1e-4)
+
+
+def test_kl_cov_through_the_policy_objective_logs_its_share(policy_batch):
+    model, exp, logprobs = policy_batch
+    batch = _batch(exp, logprobs, torch.tensor([[1.0], [-1.0]]))
+    cfg = _round("grpo", ppo=PPOConfig(covariance={"method": "kl_cov", "fraction": 0.2}))  # k = 1 of 5
+    model.zero_grad()
+    loss, metrics = objectives.POLICY_LOSSES["ppo_clip"](model, batch, **_options(cfg), agg="token_mean", **COMMON)
+    loss.backward()
+    assert metrics["cov_fraction"] == pytest.approx((1.0, 5.0))
+    unclipped = -(sum(math.exp(x) for x in (0.1, 0.5, -0.2)) - sum(math.exp(x) for x in (0.6, -0.7)))
+    penalty = loss.item() * 5 - unclipped  # |x| of the one token picked, times kl_coef 1
+    assert any(penalty == pytest.approx(abs(x), rel=1e-3) for x in (0.1, 0.5, 0.2, 0.6, 0.7))
+    assert model.lm_head.weight.grad.norm() > 0
