@@ -1,1 +1,1 @@
-"""Losses: the policy surrogates (PPO clip, GSPO) with importance weights and entropy, preference, process-reward and distillation losses, and how a per-token loss is reduced."""
+"""Losses: PPO's clipped surrogate (the other surrogates in `surrogates/`) with importance weights and entropy, preference, process-reward and distillation losses, and how a per-token loss is reduced."""

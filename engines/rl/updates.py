@@ -162,15 +162,14 @@ class PolicyGradientUpdate:
         """The policy objective's surrogate settings: the clip (None where the surrogate has none), SAPO's
         temperatures, or the covariance control's surrogate (engines/train/objectives.py)."""
         p, cov = self.cfg.ppo, self.cfg.ppo.covariance
-        clip = dict(clip_low=p.clip_low, clip_high=p.clip_high, dual_clip=p.dual_clip)
+        clip = dict(clip_low=p.clip_low, clip_high=p.clip_high, dual_clip=p.dual_clip)  # None for sapo, kl_cov
         if self.cfg.spec.policy_loss == "sapo_gate":
-            return dict(clip_low=None, clip_high=None, dual_clip=None, tau_positive=p.sapo_temperatures[0],
-                        tau_negative=p.sapo_temperatures[1])
+            return dict(clip, tau_positive=p.sapo_temperatures[0], tau_negative=p.sapo_temperatures[1])
         if cov is None:
             return clip
         if cov.method == "kl_cov":
-            return dict(clip_low=None, clip_high=None, dual_clip=None, surrogate=functools.partial(
-                algos.kl_cov_policy_loss, fraction=cov.share, kl_coef=cov.kl_coef))
+            return dict(clip, surrogate=functools.partial(algos.kl_cov_policy_loss, fraction=cov.share,
+                                                          kl_coef=cov.kl_coef))
         seed = derive_seed(self.seed, f"clip_cov/{step}")
         return dict(clip, surrogate=functools.partial(algos.clip_cov_policy_loss, fraction=cov.share,
                                                       bounds=cov.bounds, seed=seed))

@@ -159,10 +159,12 @@ class RoundConfig(Section):
         kl = self.kl.model_copy(update={"apply_as": self.kl.apply_as or s.kl_apply_as,
                                         "estimator": self.kl.estimator or s.kl_estimator})
         p = self.ppo
+        # SAPO's gate and KL-Cov's penalty take the clip's place: no clip range to fill in
+        clipped = s.policy_loss != "sapo_gate" and (p.covariance is None or p.covariance.method != "kl_cov")
         ppo = p.model_copy(update={
             "loss_agg": p.loss_agg or s.loss_agg,
-            "clip_low": s.clip_low if p.clip_low is None else p.clip_low,
-            "clip_high": s.clip_high if p.clip_high is None else p.clip_high,
+            "clip_low": s.clip_low if p.clip_low is None and clipped else p.clip_low,
+            "clip_high": s.clip_high if p.clip_high is None and clipped else p.clip_high,
             "advantage_std_norm": s.group_std_norm if p.advantage_std_norm is None else p.advantage_std_norm})
         if s.teacher:  # the teacher's pull is the signal; no KL term to a reference besides it
             kl = kl.model_copy(update={"coef": 0.0, "adaptive": False})

@@ -39,6 +39,17 @@ def test_gmpo_and_sapo_specs_resolve():
     assert _options(_round("gmpo")) == dict(clip_low=0.4, clip_high=0.4, dual_clip=None)
 
 
+def test_rounds_of_each_plan_and_resolve_without_a_clip_where_none_is_read():
+    """A planned round is its resolved config validated again: SAPO's and KL-Cov's carry no clip range."""
+    from tasks.plan import plan_pipeline
+
+    rounds = ('rounds=[{"algorithm": "sapo"}, {"algorithm": "gmpo"}, {"algorithm": "grpo", "ppo": {"covariance": '
+              '{"method": "kl_cov"}}}, {"algorithm": "rloo", "ppo": {"covariance": {"method": "clip_cov"}}}]')
+    stages = plan_pipeline(load_config(None, [rounds])).stages
+    ppo = [stages[f"round_{i}"].config.round.ppo for i in (1, 2, 3, 4)]
+    assert [(p.clip_low, p.clip_high) for p in ppo] == [(None, None), (0.4, 0.4), (None, None), (0.2, 0.2)]
+
+
 @pytest.mark.parametrize("round_json,error", [
     ('{"algorithm": "sapo", "ppo": {"clip_high": 0.28}}', r"ppo\.clip_high: sapo has no clip here, its soft gate"),
     ('{"algorithm": "grpo", "ppo": {"sapo_temperatures": [1, 2]}}', r"ppo\.sapo_temperatures is read by algorithm "
