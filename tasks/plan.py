@@ -205,7 +205,7 @@ def plan_pipeline(cfg: PipelineConfig) -> Plan:
     else:  # opt-in, like the rounds: not "skipped"
         start = reference
     # Rounds start from the preference policy where there is one (or `start_from`), and keep it as their KL
-    # reference; evaluation measures every policy's KL to SFT (or the base model).
+    # reference (or `reference`); evaluation measures every policy's KL to SFT (or the base model).
     policy = start
     for i, round_cfg in enumerate(cfg.rounds, start=1):
         spec = round_cfg.spec
@@ -225,7 +225,8 @@ def plan_pipeline(cfg: PipelineConfig) -> Plan:
                        r.RoundStage(round=round_cfg.resolved(), io=io, seed=seed(f"round_{i}"),
                                     step_separator=cfg.data.step_separator() if stepwise else None),
                        external=external, data=data, policy=policy,
-                       reference=start if spec.reference else None, teacher=teacher, judge=round_judge,
+                       reference=policies[cfg.reference_of(i - 1)] if spec.reference else None, teacher=teacher,
+                       judge=round_judge,
                        reward=reward if round_cfg.needs_reward_model else None,
                        process_reward=process_reward if stepwise else None)
         policies[policy] = policy

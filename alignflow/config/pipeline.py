@@ -182,12 +182,18 @@ class PipelineConfig(Section):
         which compares the two checkpoints the plan hands the round)."""
         r = self.rounds[index]
         return (r.actor.lora is not None and r.uses_reference and not r.spec.teacher
-                and self.start_of(index) == self.policies_before(0)[-1])
+                and self.start_of(index) == self.reference_of(index))
 
     def start_of(self, index: int) -> str:
         """The policy round `index` (0-based) starts from."""
         given = self.rounds[index].start_from
         return given or (f"round_{index}" if index else self.policies_before(0)[-1])
+
+    def reference_of(self, index: int) -> str:
+        """The KL reference of round `index` (0-based): `reference` (start: the policy it starts from), else the
+        policy the rounds started from."""
+        given = self.rounds[index].reference
+        return self.start_of(index) if given == "start" else given or self.policies_before(0)[-1]
 
     @model_validator(mode="after")
     def _no_credentials(self) -> PipelineConfig:
@@ -200,9 +206,11 @@ class PipelineConfig(Section):
     def _policy_names(self) -> PipelineConfig:
         for i, r in enumerate(self.rounds):
             known = self.policies_before(i)
-            if r.start_from is not None and r.start_from not in known:
-                raise ValueError(f"rounds.{i}.start_from: {r.start_from!r} is no policy before round_{i + 1}; "
-                                 f"valid: {', '.join(known)}")
+            for field in ("start_from", "reference"):
+                given = getattr(r, field)
+                if given is not None and given not in known and not (field == "reference" and given == "start"):
+                    raise ValueError(f"rounds.{i}.{field}: {given!r} is no policy before round_{i + 1}; valid: "
+                                     f"{', '.join(known + ['start'] * (field == 'reference'))}")
             if r.teacher is None:
                 continue
             _policy_or_model(f"rounds.{i}.teacher", r.teacher, known, f"before round_{i + 1}", r.teacher_revision)

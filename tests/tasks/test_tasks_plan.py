@@ -348,6 +348,13 @@ def test_a_teacher_from_outside_the_pipeline_is_committed_by_a_stage_of_its_own(
      "sft, round_1"),
     ('[{"algorithm": "distill", "teacher": "base", "kl": {"coef": 0.1}, "reward": {"source": "rule"}}]',
      "there is no separate KL term; leave out kl"),
+    ('[{}, {"reference": "round_2"}]', "rounds.1.reference: 'round_2' is no policy before round_2; valid: base, "
+     "sft, round_1, start"),
+    ('[{"algorithm": "rejection_sampling", "reference": "start"}]', "reference: rejection_sampling has none"),
+    ('[{"algorithm": "distill", "teacher": "base", "reference": "sft", "reward": {"source": "rule"}}]',
+     "reference: distill has none"),
+    ('[{"algorithm": "grpo", "kl": {"coef": 0}, "reference": "start"}]',
+     "reference: grpo reads none with kl.coef 0 (no KL term): leave reference out"),
 ])
 def test_a_wrong_teacher_or_start_is_named_with_its_field(rounds, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -452,9 +459,25 @@ def test_the_configs_lora_reference_reading_is_the_plans(preference):
     import json
 
     lora = {"algorithm": "grpo", "reward": {"source": "rule"}, "kl": {"coef": 0.05}, "actor": {"lora": {"rank": 4}}}
-    rounds = [lora, lora, {**lora, "start_from": "base"}, {**lora, "start_from": "dpo" if preference else "sft"}]
+    rounds = [lora, lora, {**lora, "start_from": "base"}, {**lora, "start_from": "dpo" if preference else "sft"},
+              {**lora, "reference": "start"}, {**lora, "start_from": "base", "reference": "base"},
+              {**lora, "reference": "round_1"}]
     cfg = load_config(None, [f"rounds={json.dumps(rounds)}", *(['preference={"loss": "dpo"}'] if preference else [])])
     stages = plan_pipeline(cfg).stages
     same = [stages[f"round_{i + 1}"].inputs["policy"] == stages[f"round_{i + 1}"].inputs["reference"]
             for i in range(len(rounds))]
-    assert same == [cfg.reference_is_actor(i) for i in range(len(rounds))] == [True, False, False, True]
+    assert same == [cfg.reference_is_actor(i) for i in range(len(rounds))] == [True, False, False, True, True, True,
+                                                                                False]
+
+
+def test_a_rounds_reference_is_the_policy_it_names_or_its_own_start():
+    """ProRL's reference reset: `reference: start` pulls each round toward the policy it starts from; a name,
+    toward that policy; without one, every round keeps the policy the rounds started from (SFT here), and the
+    round's key does not change for the new field."""
+    plain = _plan("rounds=[{}, {}, {}]").stages
+    reset = _plan('rounds=[{}, {"reference": "start"}, {"reference": "round_1", "start_from": "sft"}]').stages
+    assert [plain[f"round_{i}"].inputs["reference"] for i in (1, 2, 3)] == ["sft"] * 3
+    assert [reset[f"round_{i}"].inputs["reference"] for i in (1, 2, 3)] == ["sft", "round_1", "round_1"]
+    assert reset["round_3"].inputs["policy"] == "sft"
+    assert reset["round_1"].key == plain["round_1"].key and reset["round_2"].key != plain["round_2"].key
+    assert reset["eval_round_2"].inputs["reference"] == "sft"  # evaluation measures the KL to SFT, as before

@@ -42,6 +42,9 @@ def check_round(r) -> None:
                          f"model path")
     if r.teacher_revision is not None and not r.teacher:
         raise ValueError("teacher_revision pins the teacher's hub model: give the teacher")
+    if r.reference is not None and not (r.spec.reference and r.uses_reference):
+        why = "reads none with kl.coef 0 (no KL term)" if r.spec.reference else "has none"
+        raise ValueError(f"reference: {r.algorithm} {why}: leave reference out")
     if r.teacher and not r.spec.teacher:
         raise ValueError(f"teacher is read by algorithm distill; this round's algorithm is {r.algorithm}")
     if r.spec.teacher and (r.ppo.dynamic_sampling or r.ppo.dynamic_sampling_mean_range):

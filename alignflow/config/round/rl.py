@@ -124,6 +124,11 @@ class RoundConfig(Section):
         None, description="the policy the round starts from, a policy of this pipeline before it (base, sft, a "
         "preference loss's name, round_k); None: the previous round's (or the preference policy, SFT, or the "
         "base model)")
+    reference: str | None = Field(
+        None, description="the policy the round's KL term (online DPO: its loss) pulls toward: a policy of this "
+        "pipeline before the round (base, sft, a preference loss's name, round_k), or start: the policy the round "
+        "starts from (ProRL's reference reset, anew each round); None: the policy the rounds started from (the "
+        "preference policy, SFT, or the base model)")
     environment: EnvironmentConfig | None = Field(
         None, description="episodes over several turns in an environment (with its tools); reward.source "
         "environment rewards their returns; None: one response per prompt")
