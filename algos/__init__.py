@@ -17,7 +17,7 @@ from .advantages.estimators import (
 from .losses.aggregate import LOSS_AGGREGATIONS, aggregate_loss, aggregate_weight
 from .advantages.dapo import dynamic_sampling_filter, group_mean_filter, overlong_penalty
 from .losses.distill import distillation_token_rewards, reverse_kl_per_token, topk_forward_kl
-from .losses.entropy import entropy_bonus_loss, entropy_from_logits
+from .losses.entropy import entropy_bonus_loss, entropy_from_logits, high_entropy_tokens
 from .evaluation import (
     MarginBin,
     accuracy_by_margin_bin,
@@ -32,7 +32,9 @@ from .advantages.group import (
     group_mean,
     group_normalized_advantages,
     leave_one_out_advantages,
+    length_weighted_advantages,
 )
+from .advantages import optimal as _optimal  # noqa: F401  (registers the "opo" estimator)
 from .losses.surrogates.cispo import cispo_policy_loss
 from .losses.surrogates.covariance import COVARIANCE_METHODS, clip_cov_policy_loss, kl_cov_policy_loss, token_covariance
 from .losses.surrogates.gmpo import gmpo_policy_loss
@@ -122,6 +124,7 @@ __all__ = [
     "dynamic_sampling_filter",
     "entropy_bonus_loss",
     "entropy_from_logits",
+    "high_entropy_tokens",
     "get_advantage_estimator",
     "group_centered_advantages",
     "group_mean",
@@ -136,6 +139,7 @@ __all__ = [
     "last_valid_index",
     "log_odds",
     "leave_one_out_advantages",
+    "length_weighted_advantages",
     "majority_vote_accuracy",
     "masked_mean",
     "masked_sum",

@@ -181,3 +181,19 @@ def place_at_last_token(seq_values: Tensor, action_mask: Tensor) -> Tensor:
     at_end = (pos.unsqueeze(0) == last.unsqueeze(1)) & (last >= 0).unsqueeze(1)
     full = seq_values.unsqueeze(1).expand(-1, action_mask.shape[-1])
     return torch.where(at_end, full, torch.zeros_like(full))
+
+
+def top_share(action_mask: Tensor, fraction: float) -> Tensor:
+    """``max(floor(fraction * n_valid), 1)``: how many of the valid tokens a share takes, as a 0-d tensor (no
+    host sync)."""
+    return (_bool_mask(action_mask).sum() * fraction).floor().long().clamp(min=1)
+
+
+def top_k_mask(scores: Tensor, eligible: Tensor, k: Tensor) -> Tensor:
+    """The ``k`` eligible entries of highest score (every eligible one where fewer; ties at the k-th value
+    are all kept). ``k``: a 0-d integer tensor, read on the device.
+
+    Shapes: ``scores``, ``eligible`` ``(B, T)``; returns a bool ``(B, T)``."""
+    ranked = torch.where(eligible, scores, float("-inf")).flatten().sort(descending=True).values
+    kth = ranked.gather(0, (k - 1).clamp(0, ranked.numel() - 1).reshape(1))
+    return eligible & (scores >= kth)

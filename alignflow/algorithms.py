@@ -21,7 +21,7 @@ An RL round reads its algorithm's spec and never branches on the name:
 - `teacher`: the round's frozen log-prob model is a teacher (`rounds[i].teacher`) instead of the
   reference, and each sampled token's advantage is its negative reverse KL to it (on-policy
   distillation, `algos/losses/distill.py`); there is no KL term besides.
-- `policy_loss`: the surrogate (engines/train/objectives.py `POLICY_LOSSES`): "ppo_clip" (token ratios),
+- `policy_loss`: the surrogate (engines/train/objectives.py `SURROGATES`): "ppo_clip" (token ratios),
   "gspo_clip" (sequence ratios), "cispo" (clipped, detached token weights), "gmpo_clip" (the geometric mean of
   token ratios, clipped in log space: clip_low / clip_high are of log r) or "sapo_gate" (a soft gate, no clip).
 
@@ -123,6 +123,11 @@ register_algorithm(AlgorithmSpec(
     "the clip (Gao et al. 2025, arXiv 2511.20347)",
     update="policy_gradient", advantage="grpo", min_samples=2, policy_loss="sapo_gate", kl_apply_as="loss",
     kl_estimator="k3", loss_agg="seq_mean_token_mean", group_std_norm=True))
+register_algorithm(AlgorithmSpec(
+    "opo", "the group baseline weighted by response length, the policy gradient's variance-optimal one, no std "
+    "division; the paper trains exactly on policy: ppo.epochs 1, one minibatch a step (Hao et al. 2025, "
+    "arXiv 2505.23585)",
+    update="policy_gradient", advantage="opo", min_samples=2, kl_apply_as="loss", kl_estimator="k3"))
 register_algorithm(AlgorithmSpec(
     "rloo", "leave-one-out baseline (Ahmadian et al. 2024, arXiv 2402.14740)",
     update="policy_gradient", advantage="rloo", min_samples=2))

@@ -108,3 +108,23 @@ def leave_one_out_advantages(scores: Tensor, group_size: int) -> Tensor:
     others = (g.sum(dim=1, keepdim=True) - g) / (group_size - 1)
     adv = (g - others).reshape(-1)
     return torch.where(constant_groups(scores, group_size), torch.zeros_like(adv), adv)
+
+
+def length_weighted_advantages(scores: Tensor, lengths: Tensor, group_size: int) -> Tensor:
+    """OPO advantage: score minus its group's mean weighted by the responses' lengths.
+
+    Formula: ``A_i = s_i - sum_{j in G(i)} l_j s_j / sum_{j in G(i)} l_j`` (0 for constant groups; a group
+    whose lengths are all 0 takes the plain mean). The baseline that minimises the policy gradient's
+    variance where each token's gradient is about as large and as independent as another's, so that a
+    response's squared gradient norm grows with its length.
+
+    Shapes: ``scores``, ``lengths`` ``(B,)``; returns ``(B,)``.
+
+    Reference: Hao et al. 2025, "On-Policy RL with Optimal Reward Baseline", arXiv 2505.23585.
+    """
+    s, w = _grouped(scores, group_size), _grouped(lengths.to(scores.dtype), group_size)
+    total = w.sum(dim=1, keepdim=True)
+    weighted = (w * s).sum(dim=1, keepdim=True) / total.clamp(min=torch.finfo(s.dtype).tiny)
+    baseline = torch.where(total > 0, weighted, s.mean(dim=1, keepdim=True))
+    adv = (s - baseline).reshape(-1)
+    return torch.where(constant_groups(scores, group_size), torch.zeros_like(adv), adv)

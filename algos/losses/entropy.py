@@ -1,4 +1,4 @@
-"""Token entropy of the policy and the entropy-bonus loss term."""
+"""Token entropy of the policy, the entropy-bonus loss term, and the high-entropy (forking) tokens."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from .aggregate import aggregate_loss
+from ..masked import _bool_mask, top_k_mask, top_share
 
 
 def entropy_from_logits(logits: Tensor) -> Tensor:
@@ -51,3 +52,22 @@ def entropy_bonus_loss(
     return -entropy_coef * aggregate_loss(
         entropy, action_mask, agg=agg, loss_scale_constant=loss_scale_constant
     )
+
+
+def high_entropy_tokens(entropy: Tensor, action_mask: Tensor, fraction: float) -> Tensor:
+    """The forking tokens: the share ``fraction`` of the valid tokens with the highest entropy.
+
+    Formula: token ``t`` is kept iff ``H_t`` is among the ``k = max(floor(fraction * n_valid), 1)`` highest
+    entropies of the valid tokens (ties at the k-th all kept). Training the policy gradient on these alone
+    (``fraction = 0.2``) matched or beat training on every token in the paper, the other 80 % of tokens
+    being near-deterministic continuations.
+
+    Shapes: ``entropy``, ``action_mask`` ``(B, T)``; returns a bool ``(B, T)``.
+
+    Reference: Wang et al. 2025, "Beyond the 80/20 Rule: High-Entropy Minority Tokens Drive Effective
+    Reinforcement Learning for LLM Reasoning", arXiv 2506.01939.
+    """
+    if not 0 < fraction <= 1:
+        raise ValueError(f"fraction must be in (0, 1], got {fraction}")
+    mask = _bool_mask(action_mask)
+    return top_k_mask(entropy.detach(), mask, top_share(action_mask, fraction))

@@ -47,7 +47,7 @@ READ_ONLY_WITH = {"simpo_gamma": ("loss", "simpo")}
 # Fields added after stages' keys were published, left out of a key at the default they came with: earlier keys stay.
 ADDED_AT_DEFAULT = {"process": None, "num_process": 0, "step_aggregation": "min", "no_step_reward": -5.0,
                     "step_separator": None, "dense": False, "rpo_alpha": 0.0, "covariance": None,
-                    "sapo_temperatures": [1.0, 1.05], "reference": None}
+                    "sapo_temperatures": [1.0, 1.05], "reference": None, "high_entropy_fraction": None}
 
 
 def cache_relevant(cfg: BaseModel) -> dict[str, Any]:

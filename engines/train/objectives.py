@@ -190,13 +190,14 @@ def policy_objective(
     dual_clip: float | None, agg: str, entropy_coef: float, kl_loss_coef: float, kl_estimator: str, kl_clamp: float | None,
     tis_cap: float | None, tis_low: float | None = None, tis_mode: str = "truncate", on_policy: bool = False,
     surrogate: Callable = ppo_policy_loss, loss_scale_constant: float | None = None, temperature: float = 1.0,
+    entropy_fraction: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO clipped surrogate (+ entropy bonus, + GRPO-style KL loss when kl_loss_coef > 0).
 
         loss = surrogate(logprobs, old_logprobs, advantages; clip_low, clip_high, dual_clip, TIS)
                - entropy_coef * H  + kl_loss_coef * agg(kl_estimate(logprobs, ref_logprobs))
 
-    `surrogate`: `algos.ppo_policy_loss` (token ratios) or another of `algos`' surrogates (`POLICY_LOSSES`); a clip
+    `surrogate`: `algos.ppo_policy_loss` (token ratios) or another of `algos`' surrogates (`SURROGATES`); a clip
     argument that is None is not passed (SAPO's gate and KL-Cov have no clip; PPO's dual clip is off). TIS: with `tis_cap`, the rollout engine's logprobs weight each token
     (`tis_mode` "truncate": min(ratio, tis_cap); "mask": IcePop, 0 outside [tis_low, tis_cap]).
     `on_policy`: the batch serves exactly one optimizer step, so the policy that made the
@@ -208,10 +209,13 @@ def policy_objective(
     means computed here and the row mean come as (sum, count) pairs (engines/accumulate.py add_metrics).
     `loss_scale_constant`: C of `agg="seq_mean_token_sum_norm"` (Dr. GRPO: the generation budget, so
     the scale does not follow the step's longest response); None: the batch's padded response width.
+    `entropy_fraction`: the surrogate sees only that share of the micro-batch's tokens, those of highest entropy
+    (`algos.high_entropy_tokens`, the 80/20 rule; the KL and entropy terms keep every token), logged as
+    pg_token_fraction; its own metrics are means over those tokens.
     `temperature`: the sampler's (`GenerationConfig.logprob_temperature`); every log-prob here, the entropy too, is of
     π at it, as the batch's old, reference and rollout log-probs are.
     """
-    from algos import aggregate_loss, entropy_bonus_loss, kl_estimate, masked_sum, sequence_k1
+    from algos import aggregate_loss, entropy_bonus_loss, high_entropy_tokens, kl_estimate, masked_sum, sequence_k1
 
     mask = batch["action_mask"]
     logprobs, entropy = response_logprobs_and_entropy(model, batch, with_entropy=True, temperature=temperature)
@@ -223,8 +227,9 @@ def policy_objective(
         raise ValueError("a batch for more than one optimizer step needs old_logprobs")
     clip = {k: v for k, v in dict(clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip).items()
             if v is not None}
+    trained = mask if entropy_fraction is None else mask * high_entropy_tokens(entropy, mask, entropy_fraction)
     out = surrogate(
-        logprobs, old, batch["advantages"], mask, **clip, agg=agg, rollout_logprobs=batch["rollout_logprobs"] if tis_cap else None, tis_cap=tis_cap, tis_low=tis_low,
+        logprobs, old, batch["advantages"], trained, **clip, agg=agg, rollout_logprobs=batch["rollout_logprobs"] if tis_cap else None, tis_cap=tis_cap, tis_low=tis_low,
         tis_mode=tis_mode, loss_scale_constant=loss_scale_constant,
     )
     loss = out.loss
@@ -233,16 +238,18 @@ def policy_objective(
                                          loss_scale_constant=loss_scale_constant)
     # Token and row means as (sum, count): exact over micro-batches (accumulate.add_metrics). Tensors left on the
     # device: reading them here would make the host wait for the forward before it could queue the backward.
-    tokens = mask.sum().float()
+    tokens, pg = mask.sum().float(), trained.sum().float()  # the surrogate's means are over its tokens
     metrics = {
-        "policy_loss": out.loss.detach(), "clip_fraction": _token_pair(out.clip_fraction, tokens),
-        "approx_kl": _token_pair(out.approx_kl, tokens), "entropy": (masked_sum(entropy.detach(), mask), tokens),
+        "policy_loss": out.loss.detach(), "clip_fraction": _token_pair(out.clip_fraction, pg),
+        "approx_kl": _token_pair(out.approx_kl, pg), "entropy": (masked_sum(entropy.detach(), mask), tokens),
     }
+    if entropy_fraction is not None:
+        metrics["pg_token_fraction"] = (pg, tokens)
     if tis_cap:
-        metrics.update(tis_weight_mean=_token_pair(out.tis_weight_mean, tokens),
-                       tis_masked_fraction=_token_pair(out.tis_masked_fraction, tokens))
+        metrics.update(tis_weight_mean=_token_pair(out.tis_weight_mean, pg),
+                       tis_masked_fraction=_token_pair(out.tis_masked_fraction, pg))
     if out.cov_fraction is not None:  # Clip-Cov / KL-Cov: the share of tokens they acted on
-        metrics["cov_fraction"] = _token_pair(out.cov_fraction, tokens)
+        metrics["cov_fraction"] = _token_pair(out.cov_fraction, pg)
     if "ref_logprobs" in batch:  # algorithms without a reference (no KL term) have none
         kl = kl_estimate(logprobs, batch["ref_logprobs"], kind=kl_estimator, clamp=kl_clamp)
         kl_loss = kl_loss_coef * aggregate_loss(kl, mask, agg=agg, loss_scale_constant=loss_scale_constant)
@@ -256,36 +263,10 @@ def policy_objective(
     return loss, metrics
 
 
-def gspo_objective(model, batch: dict[str, torch.Tensor], **kwargs) -> tuple[torch.Tensor, dict[str, float]]:
-    """GSPO (Zheng et al. 2025, arXiv 2507.18071): `policy_objective` with sequence-level ratios
-    (`algos.gspo_policy_loss`); the same keyword arguments and metrics."""
-    return policy_objective(model, batch, surrogate=gspo_policy_loss, **kwargs)
-
-
-def cispo_objective(model, batch: dict[str, torch.Tensor], **kwargs) -> tuple[torch.Tensor, dict[str, float]]:
-    """CISPO (MiniMax 2025, arXiv 2506.13585): `policy_objective` with clipped, detached importance weights
-    (`algos.cispo_policy_loss`); the same keyword arguments and metrics."""
-    return policy_objective(model, batch, surrogate=cispo_policy_loss, **kwargs)
-
-
-def gmpo_objective(model, batch: dict[str, torch.Tensor], **kwargs) -> tuple[torch.Tensor, dict[str, float]]:
-    """GMPO (Zhao et al. 2025, arXiv 2507.20673): `policy_objective` with the geometric mean of the token ratios,
-    clipped in log space at clip_low / clip_high (`algos.gmpo_policy_loss`); the same arguments and metrics."""
-    return policy_objective(model, batch, surrogate=gmpo_policy_loss, **kwargs)
-
-
-def sapo_objective(model, batch: dict[str, torch.Tensor], *, tau_positive: float, tau_negative: float,
-                   **kwargs) -> tuple[torch.Tensor, dict[str, float]]:
-    """SAPO (Gao et al. 2025, arXiv 2511.20347): `policy_objective` with a soft gate of temperature tau_positive
-    (A > 0) or tau_negative in place of the clip (`algos.sapo_policy_loss`; clip_low, clip_high, dual_clip: None)."""
-    gate = functools.partial(sapo_policy_loss, tau_positive=tau_positive, tau_negative=tau_negative)
-    return policy_objective(model, batch, surrogate=gate, **kwargs)
-
-
-# Policy losses by `AlgorithmSpec.policy_loss`: objectives with the keyword
-# arguments of `policy_objective` (sapo's also its two temperatures).
-POLICY_LOSSES = {"ppo_clip": policy_objective, "gspo_clip": gspo_objective, "cispo": cispo_objective,
-                 "gmpo_clip": gmpo_objective, "sapo_gate": sapo_objective}
+# The policy surrogates by `AlgorithmSpec.policy_loss`, for `policy_objective(surrogate=...)`; each takes the
+# keyword arguments of `algos.ppo_policy_loss` (sapo_gate its two temperatures for the clip's).
+SURROGATES = {"ppo_clip": ppo_policy_loss, "gspo_clip": gspo_policy_loss, "cispo": cispo_policy_loss,
+              "gmpo_clip": gmpo_policy_loss, "sapo_gate": sapo_policy_loss}
 
 
 def value_objective(model, batch: dict[str, torch.Tensor], *, clip_eps: float | None, agg: str,

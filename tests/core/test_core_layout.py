@@ -34,13 +34,13 @@ def _imports(path: Path) -> set[str]:
 def test_every_algorithm_spec_names_existing_math():
     import algos
     from engines.rl.updates import UPDATES
-    from engines.train.objectives import POLICY_LOSSES
+    from engines.train.objectives import SURROGATES
 
     for spec in ALGORITHMS.values():
         assert spec.update in UPDATES, spec.name
         if spec.advantage is not None:
             assert spec.advantage in algos.ADVANTAGE_ESTIMATORS, spec.name
-            assert spec.policy_loss in POLICY_LOSSES, spec.name
+            assert spec.policy_loss in SURROGATES, spec.name
 
 
 @pytest.mark.parametrize("path", SOURCES, ids=lambda p: p.relative_to(REPO).as_posix())

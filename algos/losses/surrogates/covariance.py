@@ -15,7 +15,7 @@ from torch import Tensor
 
 from ..importance import LOG_RATIO_CLAMP
 from ..policy import PolicyLossOutput, clipped_token_loss, weighted_policy_loss
-from ...masked import _bool_mask, _check_same_shape, full_precision, masked_mean
+from ...masked import _bool_mask, _check_same_shape, full_precision, masked_mean, top_k_mask, top_share
 
 COVARIANCE_METHODS = ("clip_cov", "kl_cov")
 #: The paper's settings (Qwen2.5-7B): Clip-Cov's share and covariance bounds; KL-Cov's share and penalty weight.
@@ -39,21 +39,6 @@ def token_covariance(logprobs: Tensor, advantages: Tensor, action_mask: Tensor) 
     lp, adv = logprobs.detach().float(), advantages.detach().float()
     cov = (lp - masked_mean(lp, fmask)) * (adv - masked_mean(adv, fmask))
     return torch.where(mask, cov, torch.zeros_like(cov))
-
-
-def _share(action_mask: Tensor, fraction: float) -> Tensor:
-    """``max(floor(fraction * n_valid), 1)`` as a 0-d tensor (no host sync)."""
-    return (_bool_mask(action_mask).sum() * fraction).floor().long().clamp(min=1)
-
-
-def top_k_mask(scores: Tensor, eligible: Tensor, k: Tensor) -> Tensor:
-    """The ``k`` eligible entries of highest score (every eligible one where fewer; ties at the k-th value
-    are all kept). ``k``: a 0-d integer tensor, read on the device.
-
-    Shapes: ``scores``, ``eligible`` ``(B, T)``; returns a bool ``(B, T)``."""
-    ranked = torch.where(eligible, scores, float("-inf")).flatten().sort(descending=True).values
-    kth = ranked.gather(0, (k - 1).clamp(0, ranked.numel() - 1).reshape(1))
-    return eligible & (scores >= kth)
 
 
 def clip_cov_policy_loss(
@@ -89,7 +74,7 @@ def clip_cov_policy_loss(
     eligible = mask & ~clip_active & ~dual_active & (cov > bounds[0]) & (cov < bounds[1])
     generator = torch.Generator(device=logprobs.device).manual_seed(seed)
     draws = torch.rand(cov.shape, generator=generator, device=logprobs.device)
-    cut = top_k_mask(draws, eligible, _share(action_mask, fraction))
+    cut = top_k_mask(draws, eligible, top_share(action_mask, fraction))
     loss = torch.where(cut, torch.zeros_like(loss), loss)
     out = weighted_policy_loss(loss, ratio, log_ratio, action_mask, old_logprobs, clip_active, dual_active, agg=agg,
                                loss_scale_constant=loss_scale_constant, rollout_logprobs=rollout_logprobs,
@@ -125,7 +110,7 @@ def kl_cov_policy_loss(
     ratio = torch.exp(log_ratio)
     adv = torch.where(mask, advantages.detach().to(ratio.dtype), zeros)
     cov = token_covariance(logprobs, advantages, action_mask)
-    penalised = top_k_mask(cov, mask, _share(action_mask, fraction))
+    penalised = top_k_mask(cov, mask, top_share(action_mask, fraction))
     loss = -adv * ratio + torch.where(penalised, kl_coef * log_ratio.abs(), zeros)
     none = torch.zeros_like(mask)
     out = weighted_policy_loss(loss, ratio, log_ratio, action_mask, old_logprobs, none, none, agg=agg,

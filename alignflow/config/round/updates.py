@@ -84,6 +84,10 @@ class PPOConfig(Section):
         "damps faster)")
     covariance: CovarianceConfig | None = Field(
         None, description="Clip-Cov or KL-Cov on PPO's token surrogate, against entropy collapse; None: off")
+    high_entropy_fraction: float | None = Field(
+        None, gt=0, le=1, description="the policy gradient only on this share of each micro-batch's tokens, those "
+        "of highest entropy (0.2: the 80/20 rule of Wang et al. 2025, arXiv 2506.01939); the KL and entropy terms "
+        "keep every token; None: every token")
     tis_cap: float | None = Field(
         2.0, gt=0, description="importance sampling between the rollout engine's and the trainer's logprobs: the "
         "upper bound of the ratio exp(old - rollout); None: off")

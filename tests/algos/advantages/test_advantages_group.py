@@ -88,3 +88,28 @@ def test_bad_group_size():
         group_mean(torch.zeros(4), 0)
     with pytest.raises(ValueError):
         group_mean(torch.zeros(2, 2), 2)
+
+
+def test_opo_baseline_is_the_length_weighted_group_mean():
+    """Two groups of three: lengths 1, 2, 5 and 4, 4, 0 (a row of no token weighs nothing)."""
+    from algos import get_advantage_estimator, length_weighted_advantages
+
+    scores = torch.tensor([1.0, 0.0, 2.0, 3.0, 1.0, 7.0])
+    lengths = torch.tensor([1, 2, 5, 4, 4, 0])
+    b0 = (1 * 1.0 + 2 * 0.0 + 5 * 2.0) / 8
+    b1 = (4 * 3.0 + 4 * 1.0 + 0 * 7.0) / 8
+    expect = [1.0 - b0, 0.0 - b0, 2.0 - b0, 3.0 - b1, 1.0 - b1, 7.0 - b1]
+    assert length_weighted_advantages(scores, lengths, 3).tolist() == pytest.approx(expect)
+    # constant groups give 0; a group of no tokens at all takes the plain mean
+    assert length_weighted_advantages(torch.tensor([2.0, 2.0, 5.0, 1.0]), torch.tensor([3, 1, 0, 0]), 2).tolist() \
+        == pytest.approx([0.0, 0.0, 2.0, -2.0])
+    # the estimator: the row's token count is its length, the advantage on every valid token
+    mask = torch.tensor([[1, 0, 0], [1, 1, 1]])
+    rewards = torch.tensor([[4.0, 0.0, 0.0], [0.0, 0.0, 1.0]])
+    out = get_advantage_estimator("opo")(token_rewards=rewards, action_mask=mask, values=None, group_size=2,
+                                         gamma=1.0, lam=1.0, eps=1e-6)
+    b = (1 * 4.0 + 3 * 1.0) / 4
+    assert out.advantages.flatten().tolist() == pytest.approx([4.0 - b, 0, 0, 1.0 - b, 1.0 - b, 1.0 - b])
+    with pytest.raises(ValueError, match="no group std"):
+        get_advantage_estimator("opo")(token_rewards=rewards, action_mask=mask, values=None, group_size=2,
+                                       gamma=1.0, lam=1.0, eps=1e-6, std_norm=True)

@@ -45,3 +45,17 @@ def test_entropy_bonus_loss():
     assert out.item() == pytest.approx(-0.01 * (1 + 2 + 3) / 3)
     out2 = entropy_bonus_loss(ent, mask, entropy_coef=0.01, agg="seq_mean_token_mean")
     assert out2.item() == pytest.approx(-0.01 * (1.5 + 3.0) / 2)
+
+
+def test_high_entropy_tokens_keep_the_top_share_of_the_valid_ones():
+    from algos import high_entropy_tokens
+
+    h = torch.tensor([[0.1, 2.0, 0.5, 9.0], [1.5, 0.2, 3.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])  # 9.0 is padding: never kept
+    # 7 valid tokens: 0.3 of them is floor(2.1) = 2 -> 3.0 and 2.0
+    assert high_entropy_tokens(h, mask, 0.3).tolist() == [[False, True, False, False], [False, False, True, False]]
+    # a share under one token still keeps one; a share of 1 keeps every valid token
+    assert high_entropy_tokens(h, mask, 0.01).sum().item() == 1
+    assert high_entropy_tokens(h, mask, 1.0).tolist() == mask.bool().tolist()
+    with pytest.raises(ValueError, match="fraction"):
+        high_entropy_tokens(h, mask, 0.0)

@@ -9,7 +9,7 @@ import torch
 
 from algos import (clip_cov_policy_loss, gmpo_policy_loss, kl_cov_policy_loss, ppo_policy_loss, sapo_policy_loss,
                    token_covariance)
-from algos.losses.surrogates.covariance import top_k_mask
+from algos.masked import top_k_mask
 
 
 def _sigmoid(x: float) -> float:

@@ -226,8 +226,8 @@ def test_gspo_objective_clips_whole_sequences(policy_batch):
     # old = new - log(1.0002) on row 0 (every token ratio 1.0002), new - 0.5 on row 1 (ratio e^0.5)
     shift = torch.tensor([[math.log(1.0002)] * 3, [0.5, 0.5, 0.0]])
     batch = exp.with_(old_logprobs=(logprobs - shift) * mask, advantages=mask.clone()).tensors()
-    loss, metrics = objectives.gspo_objective(model, batch, clip_low=3e-4, clip_high=4e-4, agg="seq_mean_token_mean",
-                                              tis_cap=None, **COMMON)
+    loss, metrics = objectives.policy_objective(model, batch, clip_low=3e-4, clip_high=4e-4, agg="seq_mean_token_mean",
+                                                tis_cap=None, surrogate=objectives.SURROGATES["gspo_clip"], **COMMON)
     # row 0: s = 1.0002 inside [1 - 3e-4, 1 + 4e-4]; row 1: s = e^0.5 clipped to 1 + 4e-4; A = 1
     assert loss.item() == pytest.approx(-(1.0002 + 1.0004) / 2, rel=1e-5)
     assert metrics["clip_fraction"] == pytest.approx((2.0, 5.0))  # (clipped tokens, tokens)
@@ -245,15 +245,16 @@ def test_cispo_objective_keeps_the_gradient_of_tokens_past_the_clip(policy_batch
     shift = torch.tensor([[math.log(1.0002)] * 3, [0.5, 0.5, 0.0]])
     batch = exp.with_(old_logprobs=(logprobs - shift) * mask, advantages=mask.clone()).tensors()
     losses = {}
-    for name, fn in (("cispo", objectives.cispo_objective), ("ppo", objectives.policy_objective)):
+    for name in ("cispo", "ppo_clip"):
         model.zero_grad()
-        loss, metrics = fn(model, batch, clip_low=0.2, clip_high=0.2, agg="token_mean", tis_cap=None, **COMMON)
+        loss, metrics = objectives.policy_objective(model, batch, clip_low=0.2, clip_high=0.2, agg="token_mean",
+                                                    tis_cap=None, surrogate=objectives.SURROGATES[name], **COMMON)
         loss.backward()
         losses[name] = (loss.item(), metrics["clip_fraction"], model.lm_head.weight.grad.norm().item())
     # the same value as PPO's here (A > 0: both read -1.2 A past the clip), not the same gradient
-    assert losses["cispo"][0] == pytest.approx(-(3 * 1.0002 + 2 * 1.2) / 5, rel=1e-5) == losses["ppo"][0]
-    assert losses["cispo"][1] == pytest.approx((2.0, 5.0)) and losses["ppo"][1] == pytest.approx((2.0, 5.0))
-    assert losses["cispo"][2] > losses["ppo"][2] > 0  # the clipped tokens still pull under CISPO
+    assert losses["cispo"][0] == pytest.approx(-(3 * 1.0002 + 2 * 1.2) / 5, rel=1e-5) == losses["ppo_clip"][0]
+    assert losses["cispo"][1] == pytest.approx((2.0, 5.0)) and losses["ppo_clip"][1] == pytest.approx((2.0, 5.0))
+    assert losses["cispo"][2] > losses["ppo_clip"][2] > 0  # the clipped tokens still pull under CISPO
 
 
 @pytest.mark.parametrize("mode,weights,masked", [

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import algos
 from alignflow.config import ConfigError, PPOConfig, RolloutConfig, RoundConfig, cache_relevant, load_config
 from engines.rl import experience
 from engines.rl.updates import PolicyGradientUpdate
@@ -34,9 +35,12 @@ def test_gmpo_and_sapo_specs_resolve():
         0.4, 0.4, "seq_mean_token_mean", "gmpo_clip")
     assert (sapo.ppo.loss_agg, sapo.kl.apply_as, sapo.kl.estimator, sapo.spec.advantage) == (
         "seq_mean_token_mean", "loss", "k3", "grpo")
-    assert _options(_round("sapo", ppo=PPOConfig(sapo_temperatures=(0.5, 2.0)))) == dict(
-        clip_low=None, clip_high=None, dual_clip=None, tau_positive=0.5, tau_negative=2.0)
-    assert _options(_round("gmpo")) == dict(clip_low=0.4, clip_high=0.4, dual_clip=None)
+    sapo = _options(_round("sapo", ppo=PPOConfig(sapo_temperatures=(0.5, 2.0))))
+    assert (sapo["clip_low"], sapo["clip_high"], sapo["dual_clip"]) == (None, None, None)
+    assert sapo["surrogate"].func is algos.sapo_policy_loss
+    assert sapo["surrogate"].keywords == dict(tau_positive=0.5, tau_negative=2.0)
+    assert _options(_round("gmpo")) == dict(clip_low=0.4, clip_high=0.4, dual_clip=None, entropy_fraction=None,
+                                            surrogate=algos.gmpo_policy_loss)
 
 
 def test_rounds_of_each_plan_and_resolve_without_a_clip_where_none_is_read():
@@ -88,7 +92,8 @@ def test_a_round_without_them_keeps_its_cache_key():
 def test_covariance_options_carry_the_papers_share_and_a_seed_per_step():
     kl = _options(_round("grpo", ppo=PPOConfig(covariance={"method": "kl_cov", "kl_coef": 0.5})))
     assert (kl["clip_low"], kl["clip_high"], kl["dual_clip"]) == (None, None, None)
-    assert kl["surrogate"].keywords == dict(fraction=2e-3, kl_coef=0.5)
+    assert kl["surrogate"].func is algos.kl_cov_policy_loss and kl["surrogate"].keywords == dict(fraction=2e-3,
+                                                                                                 kl_coef=0.5)
     clip = _round("grpo", ppo=PPOConfig(covariance={"method": "clip_cov", "bounds": (0.5, 4.0)}))
     first, second = _options(clip, 0), _options(clip, 1)
     assert first["clip_low"] == 0.2 and first["surrogate"].keywords["fraction"] == 2e-4
@@ -124,7 +129,7 @@ def _batch(exp, logprobs, advantages):
 def test_gmpo_objective_reads_the_geometric_mean(policy_batch):
     model, exp, logprobs = policy_batch
     batch = _batch(exp, logprobs, torch.tensor([[1.0], [-2.0]]))
-    loss, metrics = objectives.POLICY_LOSSES["gmpo_clip"](model, batch, **_options(_round("gmpo")),
+    loss, metrics = objectives.policy_objective(model, batch, **_options(_round("gmpo")),
                                                           agg="seq_mean_token_mean", **COMMON)
     row0 = math.exp((0.1 + 0.4 - 0.2) / 3)  # 0.5 clipped down to 0.4 where A > 0
     row1 = math.exp((0.6 - 0.4) / 2)  # -0.7 lifted to -0.4 where A < 0
@@ -135,7 +140,7 @@ def test_gmpo_objective_reads_the_geometric_mean(policy_batch):
 def test_sapo_objective_reads_the_gate(policy_batch):
     model, exp, logprobs = policy_batch
     batch = _batch(exp, logprobs, torch.tensor([[1.0], [-1.0]]))
-    loss, _ = objectives.POLICY_LOSSES["sapo_gate"](model, batch, **_options(_round("sapo")),
+    loss, _ = objectives.policy_objective(model, batch, **_options(_round("sapo")),
                                                     agg="token_mean", **COMMON)
 
     def gate(x: float, a: float) -> float:
@@ -151,10 +156,30 @@ def test_kl_cov_through_the_policy_objective_logs_its_share(policy_batch):
     batch = _batch(exp, logprobs, torch.tensor([[1.0], [-1.0]]))
     cfg = _round("grpo", ppo=PPOConfig(covariance={"method": "kl_cov", "fraction": 0.2}))  # k = 1 of 5
     model.zero_grad()
-    loss, metrics = objectives.POLICY_LOSSES["ppo_clip"](model, batch, **_options(cfg), agg="token_mean", **COMMON)
+    loss, metrics = objectives.policy_objective(model, batch, **_options(cfg), agg="token_mean", **COMMON)
     loss.backward()
     assert metrics["cov_fraction"] == pytest.approx((1.0, 5.0))
     unclipped = -(sum(math.exp(x) for x in (0.1, 0.5, -0.2)) - sum(math.exp(x) for x in (0.6, -0.7)))
     penalty = loss.item() * 5 - unclipped  # |x| of the one token picked, times kl_coef 1
     assert any(penalty == pytest.approx(abs(x), rel=1e-3) for x in (0.1, 0.5, 0.2, 0.6, 0.7))
     assert model.lm_head.weight.grad.norm() > 0
+
+
+def test_the_high_entropy_share_trains_the_surrogate_on_its_tokens_alone(policy_batch):
+    """0.4 of the 5 tokens: the 2 whose entropy (from a plain forward here) is highest carry the surrogate; the
+    KL term would keep all five."""
+    model, exp, logprobs = policy_batch
+    batch = _batch(exp, logprobs, torch.tensor([[1.0], [1.0]]))
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1].float()
+    picked = torch.gather(logits, 1, batch["response_index"].unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
+    logp = torch.log_softmax(picked, dim=-1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    valid = [(entropy[i, j].item(), (i, j)) for i in range(2) for j in range(3) if exp.action_mask[i, j]]
+    top = [ij for _, ij in sorted(valid, reverse=True)[:2]]
+    cfg = _round("grpo", ppo=PPOConfig(high_entropy_fraction=0.4))
+    loss, metrics = objectives.policy_objective(model, batch, **_options(cfg), agg="token_mean", **COMMON)
+    ratio = [[math.exp(x) for x in row] for row in SHIFT.tolist()]
+    expect = -sum(min(ratio[i][j], 1.2) for i, j in top) / 2  # A = 1: the clip at 1 + 0.2 caps e^0.5, e^0.6
+    assert loss.item() == pytest.approx(expect, rel=1e-4)
+    assert metrics["pg_token_fraction"] == pytest.approx((2.0, 5.0))

@@ -258,7 +258,7 @@ def test_gspo_normalised_clipped_rewards_truncation_icepop_mean_range(ray_local,
         seen["schedule"] = ray.get([w.__ray_call__.remote(lambda w: w.scheduler.last_epoch)
                                     for w in rl.models.actor.workers])
         seen["records"] = rl._prompts(0)[1]  # the step's prompt records (their answers)
-        seen["objective"] = rl.update.objectives()[0][1].func
+        seen["objective"] = rl.update.objectives()[0][1]
         rl.save_state(str(tmp_path), 1)
         seen["json"] = json.loads((tmp_path / "round.json").read_text())
         stats = rl.reward_stats
@@ -317,7 +317,8 @@ def test_gspo_normalised_clipped_rewards_truncation_icepop_mean_range(ray_local,
     assert 0 < outside.sum() < outside.numel(), f"masked {int(outside.sum())} of {outside.numel()}: nothing to tell apart"
     assert 0 < m["tis_masked_fraction"] < 1 and 0 < m["tis_weight_mean"] < 1, m
     assert m["tis_weight_mean"] == pytest.approx(1 - m["tis_masked_fraction"], abs=1e-5)
-    assert seen["objective"] is objective_fns.gspo_objective
+    assert seen["objective"].func is objective_fns.policy_objective
+    assert seen["objective"].keywords["surrogate"] is objective_fns.SURROGATES["gspo_clip"]
     assert exp.old_logprobs is not None  # several optimizer steps: the old policy's forward ran
 
 
