@@ -10,12 +10,13 @@ log-ratios clamped to ``[-20, 20]`` before ``exp``, padding ignored.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from ..masked import _bool_mask, _check_same_shape
+from ..masked import _bool_mask, _check_same_shape, full_precision
 
 #: Modes of :func:`rollout_importance_weights`.
 TIS_MODES = ("truncate", "mask")
@@ -86,3 +87,29 @@ def weights_if_rollout(like: Tensor, old_logprobs: Tensor, rollout_logprobs: Opt
     _check_same_shape(ratio=like, rollout_logprobs=rollout_logprobs)
     return rollout_importance_weights(old_logprobs.detach(), rollout_logprobs, action_mask, cap=tis_cap, low=tis_low,
                                       mode=tis_mode)
+
+
+@dataclass(frozen=True)
+class TokenRatios:
+    """A token surrogate's inputs, at full precision: ``mask`` (bool), ``logprobs``, ``old_logprobs``,
+    ``log_ratio = clamp(log pi - sg(log pi_old), -20, 20)`` (0 at padding; its gradient flows through
+    ``logprobs``), ``ratio = exp(log_ratio)`` and ``advantages`` (detached, 0 at padding); each ``(B, T)``."""
+
+    mask: Tensor
+    logprobs: Tensor
+    old_logprobs: Tensor
+    log_ratio: Tensor
+    ratio: Tensor
+    advantages: Tensor
+
+
+def token_ratios(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, action_mask: Tensor) -> TokenRatios:
+    """What every token-ratio surrogate starts from (:class:`TokenRatios`): shapes checked, fp16 and bf16 taken to
+    fp32 (fp16's exp overflows at 11, inside the clamp; bf16's ratios step by 0.4 % near 1), padding zeroed."""
+    _check_same_shape(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, action_mask=action_mask)
+    mask = _bool_mask(action_mask)
+    logprobs, old_logprobs = full_precision(logprobs), full_precision(old_logprobs)
+    zeros = torch.zeros_like(logprobs)
+    log_ratio = torch.where(mask, logprobs - old_logprobs.detach(), zeros).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    adv = torch.where(mask, advantages.detach().to(logprobs.dtype), zeros)
+    return TokenRatios(mask, logprobs, old_logprobs, log_ratio, torch.exp(log_ratio), adv)

@@ -21,8 +21,8 @@ from torch import Tensor
 
 from .aggregate import LOSS_AGGREGATIONS, aggregate_loss
 from .entropy import entropy_bonus_loss, entropy_from_logits
-from .importance import LOG_RATIO_CLAMP, weights_if_rollout
-from ..masked import _bool_mask, _check_same_shape, full_precision, masked_mean
+from .importance import LOG_RATIO_CLAMP, token_ratios, weights_if_rollout
+from ..masked import _bool_mask, _check_same_shape, masked_mean
 
 __all__ = [
     "LOG_RATIO_CLAMP",
@@ -201,15 +201,9 @@ def ppo_policy_loss(
     Shapes: ``logprobs``, ``old_logprobs``, ``advantages``, ``action_mask``
     and ``rollout_logprobs`` ``(B, T)``; returns :class:`PolicyLossOutput`.
     """
-    _check_same_shape(logprobs=logprobs, old_logprobs=old_logprobs,
-                      advantages=advantages, action_mask=action_mask)
-    mask = _bool_mask(action_mask)
-    # fp16's exp overflows at 11 (inside the ±20 clamp), bf16's steps by 0.4 % near 1
-    logprobs, old_logprobs = full_precision(logprobs), full_precision(old_logprobs)
-    log_ratio = torch.where(mask, logprobs - old_logprobs.detach(), torch.zeros_like(logprobs))
-    log_ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    t = token_ratios(logprobs, old_logprobs, advantages, action_mask)
     return clipped_surrogate(
-        torch.exp(log_ratio), log_ratio, advantages, action_mask, old_logprobs, clip_low=clip_low,
+        t.ratio, t.log_ratio, advantages, action_mask, t.old_logprobs, clip_low=clip_low,
         clip_high=clip_high, dual_clip=dual_clip, agg=agg, loss_scale_constant=loss_scale_constant,
         rollout_logprobs=rollout_logprobs, tis_cap=tis_cap, tis_low=tis_low, tis_mode=tis_mode)
 

@@ -7,9 +7,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..importance import LOG_RATIO_CLAMP
+from ..importance import token_ratios
 from ..policy import PolicyLossOutput, weighted_policy_loss
-from ...masked import _bool_mask, _check_same_shape, full_precision
 
 
 def cispo_policy_loss(
@@ -51,20 +50,14 @@ def cispo_policy_loss(
     Reference: MiniMax 2025, "MiniMax-M1: Scaling Test-Time Compute
     Efficiently with Lightning Attention", arXiv 2506.13585 (CISPO).
     """
-    _check_same_shape(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, action_mask=action_mask)
     if dual_clip is not None:
         raise ValueError("dual_clip caps PPO's clipped surrogate; CISPO has none to cap")
     if clip_low < 0 or clip_high < 0:
         raise ValueError(f"clip_low/clip_high must be >= 0, got {clip_low}, {clip_high}")
-    mask = _bool_mask(action_mask)
-    logprobs, old_logprobs = full_precision(logprobs), full_precision(old_logprobs)
-    zeros = torch.zeros_like(logprobs)
-    log_ratio = torch.where(mask, logprobs - old_logprobs.detach(), zeros).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    ratio = torch.exp(log_ratio)
-    weight = ratio.detach().clamp(1.0 - clip_low, 1.0 + clip_high)
-    adv = torch.where(mask, advantages.detach().to(ratio.dtype), zeros)
-    lp = torch.where(mask, logprobs, zeros)
-    loss = -(weight * adv) * torch.exp(lp - lp.detach())  # value -w A, gradient -w A grad log pi
-    return weighted_policy_loss(loss, ratio, log_ratio, action_mask, old_logprobs, weight != ratio,
-                                torch.zeros_like(mask), agg=agg, loss_scale_constant=loss_scale_constant,
+    t = token_ratios(logprobs, old_logprobs, advantages, action_mask)
+    weight = t.ratio.detach().clamp(1.0 - clip_low, 1.0 + clip_high)
+    lp = torch.where(t.mask, t.logprobs, torch.zeros_like(t.logprobs))
+    loss = -(weight * t.advantages) * torch.exp(lp - lp.detach())  # value -w A, gradient -w A grad log pi
+    return weighted_policy_loss(loss, t.ratio, t.log_ratio, action_mask, t.old_logprobs, weight != t.ratio,
+                                torch.zeros_like(t.mask), agg=agg, loss_scale_constant=loss_scale_constant,
                                 rollout_logprobs=rollout_logprobs, tis_cap=tis_cap, tis_low=tis_low, tis_mode=tis_mode)

@@ -13,9 +13,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..importance import LOG_RATIO_CLAMP
+from ..importance import token_ratios
 from ..policy import PolicyLossOutput, clipped_token_loss, weighted_policy_loss
-from ...masked import _bool_mask, _check_same_shape, full_precision, masked_mean, top_k_mask, top_share
+from ...masked import _bool_mask, _check_same_shape, masked_mean, top_k_mask, top_share
 
 COVARIANCE_METHODS = ("clip_cov", "kl_cov")
 #: The paper's settings (Qwen2.5-7B): Clip-Cov's share and covariance bounds; KL-Cov's share and penalty weight.
@@ -60,26 +60,21 @@ def clip_cov_policy_loss(
 
     Reference: Cui et al. 2025, arXiv 2505.22617, sec. 4 (Clip-Cov; ``r = 2e-4``, bounds ``(1, 5)``).
     """
-    _check_same_shape(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, action_mask=action_mask)
     if not 0 < fraction <= 1 or bounds[0] >= bounds[1]:
         raise ValueError(f"clip_cov needs 0 < fraction <= 1 and bounds low < high, got {fraction}, {bounds}")
-    mask = _bool_mask(action_mask)
-    logprobs, old_logprobs = full_precision(logprobs), full_precision(old_logprobs)
-    log_ratio = torch.where(mask, logprobs - old_logprobs.detach(), torch.zeros_like(logprobs))
-    log_ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    ratio = torch.exp(log_ratio)
-    loss, clip_active, dual_active = clipped_token_loss(ratio, advantages, action_mask, clip_low=clip_low,
+    t = token_ratios(logprobs, old_logprobs, advantages, action_mask)
+    loss, clip_active, dual_active = clipped_token_loss(t.ratio, advantages, action_mask, clip_low=clip_low,
                                                         clip_high=clip_high, dual_clip=dual_clip)
-    cov = token_covariance(logprobs, advantages, action_mask)
-    eligible = mask & ~clip_active & ~dual_active & (cov > bounds[0]) & (cov < bounds[1])
-    generator = torch.Generator(device=logprobs.device).manual_seed(seed)
-    draws = torch.rand(cov.shape, generator=generator, device=logprobs.device)
+    cov = token_covariance(t.logprobs, advantages, action_mask)
+    eligible = t.mask & ~clip_active & ~dual_active & (cov > bounds[0]) & (cov < bounds[1])
+    generator = torch.Generator(device=cov.device).manual_seed(seed)
+    draws = torch.rand(cov.shape, generator=generator, device=cov.device)
     cut = top_k_mask(draws, eligible, top_share(action_mask, fraction))
     loss = torch.where(cut, torch.zeros_like(loss), loss)
-    out = weighted_policy_loss(loss, ratio, log_ratio, action_mask, old_logprobs, clip_active, dual_active, agg=agg,
-                               loss_scale_constant=loss_scale_constant, rollout_logprobs=rollout_logprobs,
+    out = weighted_policy_loss(loss, t.ratio, t.log_ratio, action_mask, t.old_logprobs, clip_active, dual_active,
+                               agg=agg, loss_scale_constant=loss_scale_constant, rollout_logprobs=rollout_logprobs,
                                tis_cap=tis_cap, tis_low=tis_low, tis_mode=tis_mode)
-    return dataclasses.replace(out, cov_fraction=masked_mean(cut.to(ratio.dtype), mask.to(ratio.dtype)))
+    return dataclasses.replace(out, cov_fraction=masked_mean(cut.to(t.ratio.dtype), t.mask.to(t.ratio.dtype)))
 
 
 def kl_cov_policy_loss(
@@ -100,20 +95,16 @@ def kl_cov_policy_loss(
 
     Reference: Cui et al. 2025, arXiv 2505.22617, sec. 4 (KL-Cov; ``k = 2e-3``, ``beta = 1`` for 7B).
     """
-    _check_same_shape(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, action_mask=action_mask)
     if not 0 < fraction <= 1 or kl_coef < 0:
         raise ValueError(f"kl_cov needs 0 < fraction <= 1 and kl_coef >= 0, got {fraction}, {kl_coef}")
-    mask = _bool_mask(action_mask)
-    logprobs, old_logprobs = full_precision(logprobs), full_precision(old_logprobs)
-    zeros = torch.zeros_like(logprobs)
-    log_ratio = torch.where(mask, logprobs - old_logprobs.detach(), zeros).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    ratio = torch.exp(log_ratio)
-    adv = torch.where(mask, advantages.detach().to(ratio.dtype), zeros)
-    cov = token_covariance(logprobs, advantages, action_mask)
-    penalised = top_k_mask(cov, mask, top_share(action_mask, fraction))
-    loss = -adv * ratio + torch.where(penalised, kl_coef * log_ratio.abs(), zeros)
-    none = torch.zeros_like(mask)
-    out = weighted_policy_loss(loss, ratio, log_ratio, action_mask, old_logprobs, none, none, agg=agg,
+    t = token_ratios(logprobs, old_logprobs, advantages, action_mask)
+    cov = token_covariance(t.logprobs, advantages, action_mask)
+    penalised = top_k_mask(cov, t.mask, top_share(action_mask, fraction))
+    penalty = torch.where(penalised, kl_coef * t.log_ratio.abs(), torch.zeros_like(t.log_ratio))
+    loss = -t.advantages * t.ratio + penalty
+    none = torch.zeros_like(t.mask)
+    out = weighted_policy_loss(loss, t.ratio, t.log_ratio, action_mask, t.old_logprobs, none, none, agg=agg,
                                loss_scale_constant=loss_scale_constant, rollout_logprobs=rollout_logprobs,
                                tis_cap=tis_cap, tis_low=tis_low, tis_mode=tis_mode)
-    return dataclasses.replace(out, cov_fraction=masked_mean(penalised.to(ratio.dtype), mask.to(ratio.dtype)))
+    fmask = t.mask.to(t.ratio.dtype)
+    return dataclasses.replace(out, cov_fraction=masked_mean(penalised.to(t.ratio.dtype), fmask))

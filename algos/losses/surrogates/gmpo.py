@@ -7,9 +7,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..importance import LOG_RATIO_CLAMP
+from ..importance import LOG_RATIO_CLAMP, token_ratios
 from ..policy import PolicyLossOutput, weighted_policy_loss
-from ...masked import _bool_mask, _check_same_shape, full_precision
 
 
 def gmpo_policy_loss(
@@ -54,25 +53,21 @@ def gmpo_policy_loss(
     Reference: Zhao et al. 2025, "Geometric-Mean Policy Optimization",
     arXiv 2507.20673 (GMPO).
     """
-    _check_same_shape(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, action_mask=action_mask)
     if dual_clip is not None:
         raise ValueError("dual_clip caps PPO's clipped surrogate; GMPO clips each token's log-ratio instead")
     if clip_low < 0 or clip_high < 0:
         raise ValueError(f"clip_low/clip_high must be >= 0, got {clip_low}, {clip_high}")
-    mask = _bool_mask(action_mask)
-    logprobs, old_logprobs = full_precision(logprobs), full_precision(old_logprobs)
-    zeros = torch.zeros_like(logprobs)
-    log_ratio = torch.where(mask, logprobs - old_logprobs.detach(), zeros).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    adv = torch.where(mask, advantages.detach().to(logprobs.dtype), zeros)
+    t = token_ratios(logprobs, old_logprobs, advantages, action_mask)
+    mask, log_ratio, adv, zeros = t.mask, t.log_ratio, t.advantages, torch.zeros_like(t.log_ratio)
     clipped = log_ratio.clamp(-clip_low, clip_high)
     positive = adv >= 0
     pessimistic = torch.where(positive, torch.minimum(log_ratio, clipped), torch.maximum(log_ratio, clipped))
     pessimistic = torch.where(mask, pessimistic, zeros)
-    lengths = mask.sum(dim=-1).clamp(min=1).to(logprobs.dtype)
+    lengths = mask.sum(dim=-1).clamp(min=1).to(log_ratio.dtype)
     geo = torch.exp((pessimistic.sum(dim=-1) / lengths).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)).unsqueeze(-1)
     loss = -adv * geo.detach() * torch.exp(pessimistic - pessimistic.detach())
     clip_active = torch.where(positive, log_ratio > clip_high, log_ratio < -clip_low) & mask
     return weighted_policy_loss(loss, torch.where(mask, geo.detach().expand_as(loss), zeros), log_ratio.detach(),
-                                action_mask, old_logprobs, clip_active, torch.zeros_like(mask), agg=agg,
+                                action_mask, t.old_logprobs, clip_active, torch.zeros_like(mask), agg=agg,
                                 loss_scale_constant=loss_scale_constant, rollout_logprobs=rollout_logprobs,
                                 tis_cap=tis_cap, tis_low=tis_low, tis_mode=tis_mode)

@@ -7,9 +7,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..importance import LOG_RATIO_CLAMP
+from ..importance import token_ratios
 from ..policy import PolicyLossOutput, weighted_policy_loss
-from ...masked import _bool_mask, _check_same_shape, full_precision
 
 #: A token whose gradient weight the gate brought below this counts in ``clip_fraction`` (SAPO has no hard clip).
 ATTENUATED = 0.5
@@ -51,20 +50,14 @@ def sapo_policy_loss(
     Reference: Gao et al. 2025, "Soft Adaptive Policy Optimization",
     arXiv 2511.20347 (SAPO).
     """
-    _check_same_shape(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, action_mask=action_mask)
     if tau_positive <= 0 or tau_negative <= 0:
         raise ValueError(f"SAPO's temperatures must be > 0, got {tau_positive}, {tau_negative}")
-    mask = _bool_mask(action_mask)
-    logprobs, old_logprobs = full_precision(logprobs), full_precision(old_logprobs)
-    zeros = torch.zeros_like(logprobs)
-    log_ratio = torch.where(mask, logprobs - old_logprobs.detach(), zeros).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    ratio = torch.exp(log_ratio)
-    adv = torch.where(mask, advantages.detach().to(ratio.dtype), zeros)
-    tau = torch.where(adv > 0, tau_positive, tau_negative).to(ratio.dtype)
-    gate = torch.sigmoid(tau * (ratio - 1.0))
-    loss = -(gate * 4.0 / tau) * adv
+    t = token_ratios(logprobs, old_logprobs, advantages, action_mask)
+    tau = torch.where(t.advantages > 0, tau_positive, tau_negative).to(t.ratio.dtype)
+    gate = torch.sigmoid(tau * (t.ratio - 1.0))
+    loss = -(gate * 4.0 / tau) * t.advantages
     attenuated = (4.0 * gate * (1.0 - gate)).detach() < ATTENUATED
-    return weighted_policy_loss(loss, ratio, log_ratio, action_mask, old_logprobs, attenuated & mask,
-                                torch.zeros_like(mask), agg=agg, loss_scale_constant=loss_scale_constant,
+    return weighted_policy_loss(loss, t.ratio, t.log_ratio, action_mask, t.old_logprobs, attenuated & t.mask,
+                                torch.zeros_like(t.mask), agg=agg, loss_scale_constant=loss_scale_constant,
                                 rollout_logprobs=rollout_logprobs, tis_cap=tis_cap, tis_low=tis_low,
                                 tis_mode=tis_mode)

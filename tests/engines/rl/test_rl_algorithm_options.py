@@ -205,18 +205,6 @@ def test_constant_groups_are_read_from_the_task_rewards_as_dapo_reads_accuracy()
 # ---- the policy objectives on a real (tiny) model ------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def policy_batch(tiny_model):
-    from engines.models import load_policy
-
-    model = load_policy(tiny_model).eval()
-    exp = experience.from_rollouts([Rollout(0, [5, 6, 7], [11, 12, 13], "", [0.0] * 3, True),
-                                    Rollout(0, [5, 6, 7], [14, 15], "", [0.0] * 2, True)], pad_id=0)
-    with torch.no_grad():
-        logprobs = objectives.response_logprobs(model, exp.tensors())
-    return model, exp, logprobs
-
-
 COMMON = dict(dual_clip=None, entropy_coef=0.0, kl_loss_coef=0.0, kl_estimator="k3", kl_clamp=None)
 
 

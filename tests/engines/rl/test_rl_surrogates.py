@@ -14,9 +14,7 @@ import torch
 
 import algos
 from alignflow.config import ConfigError, PPOConfig, RolloutConfig, RoundConfig, cache_relevant, load_config
-from engines.rl import experience
 from engines.rl.updates import PolicyGradientUpdate
-from engines.rollout.base import Rollout
 from engines.train import objectives
 
 
@@ -103,18 +101,6 @@ def test_covariance_options_carry_the_papers_share_and_a_seed_per_step():
 
 
 # ---- the objectives on a real (tiny) model ----------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def policy_batch(tiny_model):
-    from engines.models import load_policy
-
-    model = load_policy(tiny_model).eval()
-    exp = experience.from_rollouts([Rollout(0, [5, 6, 7], [11, 12, 13], "", [0.0] * 3, True),
-                                    Rollout(0, [5, 6, 7], [14, 15], "", [0.0] * 2, True)], pad_id=0)
-    with torch.no_grad():
-        logprobs = objectives.response_logprobs(model, exp.tensors())
-    return model, exp, logprobs
 
 
 COMMON = dict(entropy_coef=0.0, kl_loss_coef=0.0, kl_estimator="k3", kl_clamp=None, tis_cap=None)
