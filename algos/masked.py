@@ -190,10 +190,11 @@ def top_share(action_mask: Tensor, fraction: float) -> Tensor:
 
 
 def top_k_mask(scores: Tensor, eligible: Tensor, k: Tensor) -> Tensor:
-    """The ``k`` eligible entries of highest score (every eligible one where fewer; ties at the k-th value
-    are all kept). ``k``: a 0-d integer tensor, read on the device.
+    """Exactly ``k`` eligible entries, those of highest score (every eligible one where fewer; among equal
+    scores the first in row-major order). ``k``: a 0-d integer tensor, read on the device.
 
     Shapes: ``scores``, ``eligible`` ``(B, T)``; returns a bool ``(B, T)``."""
-    ranked = torch.where(eligible, scores, float("-inf")).flatten().sort(descending=True).values
-    kth = ranked.gather(0, (k - 1).clamp(0, ranked.numel() - 1).reshape(1))
-    return eligible & (scores >= kth)
+    order = torch.where(eligible, scores, float("-inf")).flatten().argsort(descending=True, stable=True)
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(order.numel(), device=order.device)
+    return eligible & (rank < k).reshape(eligible.shape)

@@ -58,7 +58,7 @@ def high_entropy_tokens(entropy: Tensor, action_mask: Tensor, fraction: float) -
     """The forking tokens: the share ``fraction`` of the valid tokens with the highest entropy.
 
     Formula: token ``t`` is kept iff ``H_t`` is among the ``k = max(floor(fraction * n_valid), 1)`` highest
-    entropies of the valid tokens (ties at the k-th all kept). Training the policy gradient on these alone
+    entropies of the valid tokens (exactly k; equal entropies in row-major order). Training the policy gradient on these alone
     (``fraction = 0.2``) matched or beat training on every token in the paper, the other 80 % of tokens
     being near-deterministic continuations.
 

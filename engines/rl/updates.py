@@ -141,14 +141,14 @@ class PolicyGradientUpdate:
             metrics["distill/reverse_kl_per_token"] = -metrics["advantage/mean"]
         return Trained(exp, rows, metrics, actor_trained=bool(updates) and not frozen)
 
-    def objectives(self, frozen: bool = False, step: int = 0) -> list[tuple[TrainerGroup, Callable, Callable]]:
+    def objectives(self, frozen: bool = False) -> list[tuple[TrainerGroup, Callable, Callable]]:
         """(trainer group, objective, weigh) of one minibatch step, with this step's KL coefficient;
-        `frozen`: the critic's alone; `step` seeds Clip-Cov's draw."""
+        `frozen`: the critic's alone."""
         cfg, p, m = self.cfg, self.cfg.ppo, self.models
         weigh = functools.partial(objectives.aggregated, agg=p.loss_agg)
         constant = float(cfg.max_response_tokens)  # Dr. GRPO's C (seq_mean_token_sum_norm alone uses it)
         steps = [] if frozen else [(m.actor, functools.partial(
-            objectives.policy_objective, **self.surrogate_options(step), agg=p.loss_agg, entropy_coef=p.entropy_coef, kl_loss_coef=self.kl_ctl.value if cfg.kl.apply_as == "loss" else 0.0,
+            objectives.policy_objective, **self.surrogate_options(), agg=p.loss_agg, entropy_coef=p.entropy_coef, kl_loss_coef=self.kl_ctl.value if cfg.kl.apply_as == "loss" else 0.0,
             kl_estimator=cfg.kl.estimator, kl_clamp=cfg.kl.clamp, tis_cap=p.tis_cap, tis_low=p.tis_low,
             tis_mode=p.tis_mode, on_policy=self.on_policy(cfg), loss_scale_constant=constant,
             temperature=cfg.generation.logprob_temperature), weigh)]
@@ -157,7 +157,7 @@ class PolicyGradientUpdate:
                                                       agg=p.loss_agg, loss_scale_constant=constant), weigh))
         return steps
 
-    def surrogate_options(self, step: int) -> dict:
+    def surrogate_options(self) -> dict:
         """The policy objective's surrogate (engines/train/objectives.py SURROGATES, with SAPO's temperatures, or
         the covariance control's), its clip (None where the surrogate has none) and its share of tokens."""
         p, cov = self.cfg.ppo, self.cfg.ppo.covariance
@@ -172,12 +172,11 @@ class PolicyGradientUpdate:
         if cov.method == "kl_cov":
             return dict(clip, surrogate=functools.partial(algos.kl_cov_policy_loss, fraction=cov.share,
                                                           kl_coef=cov.kl_coef))
-        seed = derive_seed(self.seed, f"clip_cov/{step}")
         return dict(clip, surrogate=functools.partial(algos.clip_cov_policy_loss, fraction=cov.share,
-                                                      bounds=cov.bounds, seed=seed))
+                                                      bounds=cov.bounds))
 
     def _train(self, exp: Experience, step: int, frozen: bool) -> dict[str, float]:
-        p, steps = self.cfg.ppo, self.objectives(frozen, step)
+        p, steps = self.cfg.ppo, self.objectives(frozen)
         ranks = math.lcm(*(g.world_size for g, *_ in steps))  # rows split evenly across every group's ranks
         gen = torch.Generator().manual_seed(derive_seed(self.seed, f"minibatches/{step}"))
         chunks = list(minibatches(len(exp), p.minibatch_size, epochs=p.epochs, generator=gen, multiple_of=ranks))

@@ -187,10 +187,10 @@ def _token_pair(mean: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor,
 
 def policy_objective(
     model, batch: dict[str, torch.Tensor], *, clip_low: float | None, clip_high: float | None,
-    dual_clip: float | None, agg: str, entropy_coef: float, kl_loss_coef: float, kl_estimator: str, kl_clamp: float | None,
-    tis_cap: float | None, tis_low: float | None = None, tis_mode: str = "truncate", on_policy: bool = False,
-    surrogate: Callable = ppo_policy_loss, loss_scale_constant: float | None = None, temperature: float = 1.0,
-    entropy_fraction: float | None = None,
+    dual_clip: float | None, agg: str, entropy_coef: float, kl_loss_coef: float, kl_estimator: str,
+    kl_clamp: float | None, tis_cap: float | None, tis_low: float | None = None, tis_mode: str = "truncate",
+    on_policy: bool = False, surrogate: Callable = ppo_policy_loss, loss_scale_constant: float | None = None,
+    temperature: float = 1.0, entropy_fraction: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO clipped surrogate (+ entropy bonus, + GRPO-style KL loss when kl_loss_coef > 0).
 
@@ -198,7 +198,8 @@ def policy_objective(
                - entropy_coef * H  + kl_loss_coef * agg(kl_estimate(logprobs, ref_logprobs))
 
     `surrogate`: `algos.ppo_policy_loss` (token ratios) or another of `algos`' surrogates (`SURROGATES`); a clip
-    argument that is None is not passed (SAPO's gate and KL-Cov have no clip; PPO's dual clip is off). TIS: with `tis_cap`, the rollout engine's logprobs weight each token
+    argument that is None is not passed (SAPO's gate and KL-Cov have no clip; PPO's dual clip is off).
+    TIS: with `tis_cap`, the rollout engine's logprobs weight each token
     (`tis_mode` "truncate": min(ratio, tis_cap); "mask": IcePop, 0 outside [tis_low, tis_cap]).
     `on_policy`: the batch serves exactly one optimizer step, so the policy that made the
     experience is the one in this forward: old_logprobs = logprobs.detach() (ratio 1), and the
@@ -209,9 +210,10 @@ def policy_objective(
     means computed here and the row mean come as (sum, count) pairs (engines/accumulate.py add_metrics).
     `loss_scale_constant`: C of `agg="seq_mean_token_sum_norm"` (Dr. GRPO: the generation budget, so
     the scale does not follow the step's longest response); None: the batch's padded response width.
-    `entropy_fraction`: the surrogate sees only that share of the micro-batch's tokens, those of highest entropy
-    (`algos.high_entropy_tokens`, the 80/20 rule; the KL and entropy terms keep every token), logged as
-    pg_token_fraction; its own metrics are means over those tokens.
+    `entropy_fraction`: the surrogate's per-token loss is kept on that share of the micro-batch's tokens alone, those
+    of highest entropy (`algos.high_entropy_tokens`, the 80/20 rule), and reduced over every token as before, as
+    the paper's indicator inside DAPO's sum; the KL and entropy terms keep every token. Logged as
+    pg_token_fraction.
     `temperature`: the sampler's (`GenerationConfig.logprob_temperature`); every log-prob here, the entropy too, is of
     π at it, as the batch's old, reference and rollout log-probs are.
     """
@@ -227,29 +229,32 @@ def policy_objective(
         raise ValueError("a batch for more than one optimizer step needs old_logprobs")
     clip = {k: v for k, v in dict(clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip).items()
             if v is not None}
-    trained = mask if entropy_fraction is None else mask * high_entropy_tokens(entropy, mask, entropy_fraction)
     out = surrogate(
-        logprobs, old, batch["advantages"], trained, **clip, agg=agg, rollout_logprobs=batch["rollout_logprobs"] if tis_cap else None, tis_cap=tis_cap, tis_low=tis_low,
+        logprobs, old, batch["advantages"], mask, **clip, agg=agg,
+        rollout_logprobs=batch["rollout_logprobs"] if tis_cap else None, tis_cap=tis_cap, tis_low=tis_low,
         tis_mode=tis_mode, loss_scale_constant=loss_scale_constant,
     )
-    loss = out.loss
+    policy, tokens = out.loss, mask.sum().float()
+    if entropy_fraction is not None:  # the indicator inside the sum: the same denominators, fewer terms
+        trained = high_entropy_tokens(entropy, mask, entropy_fraction)
+        policy = aggregate_loss(out.token_loss * trained, mask, agg=agg, loss_scale_constant=loss_scale_constant)
+    loss = policy
     if entropy_coef:
         loss = loss + entropy_bonus_loss(entropy, mask, entropy_coef=entropy_coef, agg=agg,
                                          loss_scale_constant=loss_scale_constant)
     # Token and row means as (sum, count): exact over micro-batches (accumulate.add_metrics). Tensors left on the
     # device: reading them here would make the host wait for the forward before it could queue the backward.
-    tokens, pg = mask.sum().float(), trained.sum().float()  # the surrogate's means are over its tokens
     metrics = {
-        "policy_loss": out.loss.detach(), "clip_fraction": _token_pair(out.clip_fraction, pg),
-        "approx_kl": _token_pair(out.approx_kl, pg), "entropy": (masked_sum(entropy.detach(), mask), tokens),
+        "policy_loss": policy.detach(), "clip_fraction": _token_pair(out.clip_fraction, tokens),
+        "approx_kl": _token_pair(out.approx_kl, tokens), "entropy": (masked_sum(entropy.detach(), mask), tokens),
     }
     if entropy_fraction is not None:
-        metrics["pg_token_fraction"] = (pg, tokens)
+        metrics["pg_token_fraction"] = (trained.sum().float(), tokens)
     if tis_cap:
-        metrics.update(tis_weight_mean=_token_pair(out.tis_weight_mean, pg),
-                       tis_masked_fraction=_token_pair(out.tis_masked_fraction, pg))
+        metrics.update(tis_weight_mean=_token_pair(out.tis_weight_mean, tokens),
+                       tis_masked_fraction=_token_pair(out.tis_masked_fraction, tokens))
     if out.cov_fraction is not None:  # Clip-Cov / KL-Cov: the share of tokens they acted on
-        metrics["cov_fraction"] = _token_pair(out.cov_fraction, pg)
+        metrics["cov_fraction"] = _token_pair(out.cov_fraction, tokens)
     if "ref_logprobs" in batch:  # algorithms without a reference (no KL term) have none
         kl = kl_estimate(logprobs, batch["ref_logprobs"], kind=kl_estimator, clamp=kl_clamp)
         kl_loss = kl_loss_coef * aggregate_loss(kl, mask, agg=agg, loss_scale_constant=loss_scale_constant)

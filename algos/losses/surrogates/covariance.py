@@ -46,14 +46,16 @@ def clip_cov_policy_loss(
     clip_low: float = 0.2, clip_high: float = 0.2, dual_clip: Optional[float] = None, agg: str = "token_mean",
     loss_scale_constant: Optional[float] = None, rollout_logprobs: Optional[Tensor] = None,
     tis_cap: Optional[float] = None, tis_low: Optional[float] = None, tis_mode: str = "truncate",
-    fraction: float = CLIP_COV_FRACTION, bounds: tuple[float, float] = CLIP_COV_BOUNDS, seed: int = 0,
+    fraction: float = CLIP_COV_FRACTION, bounds: tuple[float, float] = CLIP_COV_BOUNDS,
+    generator: Optional[torch.Generator] = None,
 ) -> PolicyLossOutput:
     """Clip-Cov: PPO's clipped surrogate, with a random few high-covariance tokens' gradients cut.
 
     Formula: ``l_t`` as :func:`algos.losses.policy.ppo_policy_loss` (clip, dual clip, TIS). Of the valid
     tokens the clip left alone whose :func:`token_covariance` lies in ``(bounds[0], bounds[1])``,
-    ``k = max(floor(fraction * n_valid), 1)`` chosen uniformly at random (a generator seeded with ``seed``
-    on the tensors' device) get ``l_t = 0``: no gradient, still counted by ``agg``'s denominators.
+    ``k = max(floor(fraction * n_valid), 1)`` chosen uniformly at random (from ``generator``, on the tensors'
+    device; None: torch's own, which a trainer seeds and keeps in its resume state) get ``l_t = 0``: no
+    gradient, still counted by ``agg``'s denominators; none where no token lies in the bounds.
     ``cov_fraction``: the share of valid tokens cut.
 
     Shapes: as :func:`algos.losses.policy.ppo_policy_loss`; returns :class:`PolicyLossOutput`.
@@ -67,7 +69,6 @@ def clip_cov_policy_loss(
                                                         clip_high=clip_high, dual_clip=dual_clip)
     cov = token_covariance(t.logprobs, advantages, action_mask)
     eligible = t.mask & ~clip_active & ~dual_active & (cov > bounds[0]) & (cov < bounds[1])
-    generator = torch.Generator(device=cov.device).manual_seed(seed)
     draws = torch.rand(cov.shape, generator=generator, device=cov.device)
     cut = top_k_mask(draws, eligible, top_share(action_mask, fraction))
     loss = torch.where(cut, torch.zeros_like(loss), loss)
@@ -87,7 +88,7 @@ def kl_cov_policy_loss(
 
     Formula, ``x_t = clamp(log pi - log pi_old, -20, 20)``, ``r_t = exp(x_t)``: ``l_t = -A_t r_t``, plus
     ``kl_coef |x_t|`` on the ``k = max(floor(fraction * n_valid), 1)`` valid tokens of highest
-    :func:`token_covariance` (ties at the k-th all kept). No clip: the penalty on the tokens that drive
+    :func:`token_covariance` (exactly k). No clip: the penalty on the tokens that drive
     the entropy down takes its place. TIS (``l_t *= w_tis``) and ``agg`` as PPO's. ``cov_fraction``: the
     share of valid tokens penalised; ``clip_fraction`` is 0.
 

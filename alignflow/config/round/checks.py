@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from alignflow.algorithms import ALGORITHMS
+
 
 def check_round(r) -> None:
     """Raise ValueError naming the settings of the RoundConfig `r` that disagree."""
@@ -141,8 +143,9 @@ def _check_surrogate(r) -> None:
     p, surrogate = r.ppo, r.spec.policy_loss
     cov = p.covariance.method if p.covariance is not None else None
     if cov is not None and surrogate != "ppo_clip":
+        ppo_clip = [a.name for a in ALGORITHMS.values() if a.update == "policy_gradient" and a.policy_loss == "ppo_clip"]
         raise ValueError(f"ppo.covariance ({cov}) acts on PPO's token-ratio surrogate; {r.algorithm}'s is "
-                         f"{surrogate}: use it with ppo, grpo, dr_grpo, rloo or reinforce_pp")
+                         f"{surrogate}: use it with {', '.join(ppo_clip)}")
     unclipped = {"sapo_gate": "its soft gate takes the clip's place (ppo.sapo_temperatures)",
                  "kl_cov": "ppo.covariance kl_cov takes the clip's place (its penalty)"}.get(cov or surrogate)
     given = [f"ppo.{k}" for k in ("clip_low", "clip_high", "dual_clip") if getattr(p, k) is not None]

@@ -22,7 +22,8 @@ class KLConfig(Section):
     target: float = Field(1.0, gt=0, description="adaptive controller target KL (Ziegler et al. 2019)")
     horizon: int = Field(10000, ge=1, description="adaptive controller's horizon, in rollouts")
     clamp: float | None = Field(10.0, gt=0, description="log-ratio clamp [-clamp, clamp] in KL estimates; None: off")
-    budget: float = Field(3.0, gt=0, description="max acceptable held-out KL to the reference")
+    budget: float = Field(3.0, gt=0, description="max acceptable held-out KL to SFT (the evaluation's reference, "
+                          "or the base model without SFT), whatever the round's reference")
 
     @model_validator(mode="after")
     def _adaptive_from_a_start(self) -> KLConfig:

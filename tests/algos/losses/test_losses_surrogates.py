@@ -46,7 +46,10 @@ def test_gmpo_moves_less_than_the_arithmetic_mean_for_one_outlying_token():
     out = gmpo_policy_loss(x, torch.zeros_like(x), torch.ones_like(x), torch.ones_like(x), clip_low=10.0,
                            clip_high=10.0)
     assert -out.loss.item() == pytest.approx(math.exp(0.75), rel=1e-6)
-    assert math.exp(0.75) < (3 + math.exp(3)) / 4 / 2
+    ppo = ppo_policy_loss(x, torch.zeros_like(x), torch.ones_like(x), torch.ones_like(x), clip_low=10.0,
+                          clip_high=30.0)  # no clip either: the arithmetic mean of the ratios
+    assert -ppo.loss.item() == pytest.approx((3 + math.exp(3)) / 4, rel=1e-6)
+    assert -ppo.loss.item() > 2 * -out.loss.item()
 
 
 def test_gmpo_refuses_a_dual_clip():
@@ -58,7 +61,7 @@ def test_gmpo_refuses_a_dual_clip():
 # ---- SAPO ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("r,a", [(1.0, 1.0), (1.3, 1.0), (0.6, -2.0), (1.8, -1.0)])
+@pytest.mark.parametrize("r,a", [(1.0, 1.0), (1.3, 1.0), (0.6, -2.0), (1.8, -1.0), (3.0, 1.0), (0.1, -1.0)])
 def test_sapo_value_and_gradient_follow_the_soft_gate(r, a):
     tau = 1.0 if a > 0 else 1.05
     new = torch.tensor([[math.log(r)]], requires_grad=True)
@@ -110,6 +113,9 @@ def test_top_k_mask_keeps_k_or_every_eligible():
     assert top_k_mask(scores, eligible, torch.tensor(2)).tolist() == [[False, False, False], [True, False, True]]
     few = torch.tensor([[False, False, True], [False, False, False]])
     assert top_k_mask(scores, few, torch.tensor(2)).tolist() == [[False, False, True], [False, False, False]]
+    ties = torch.tensor([[0.5, 0.5, 0.5], [0.5, 0.1, 0.5]])  # exactly k, the first in row-major order
+    assert top_k_mask(ties, torch.ones(2, 3, dtype=torch.bool), torch.tensor(3)).tolist() == [
+        [True, True, True], [False, False, False]]
 
 
 def _cov_batch():
@@ -150,7 +156,8 @@ def test_clip_cov_cuts_k_random_tokens_in_the_bounds_and_never_a_clipped_one():
     cuts = []
     for seed in range(6):
         new = lp.clone().requires_grad_(True)
-        out = clip_cov_policy_loss(new, old, adv, mask, fraction=0.25, bounds=bounds, seed=seed)  # k = 2
+        draw = torch.Generator().manual_seed(seed)
+        out = clip_cov_policy_loss(new, old, adv, mask, fraction=0.25, bounds=bounds, generator=draw)  # k = 2
         out.loss.backward()
         full = ppo_policy_loss(lp, old, adv, mask)
         zero = {(i, j) for i in range(2) for j in range(4) if new.grad[i, j] == 0} - {(0, 1)}  # (0, 1): PPO's clip
@@ -159,8 +166,9 @@ def test_clip_cov_cuts_k_random_tokens_in_the_bounds_and_never_a_clipped_one():
         cut_terms = sum(-adv[i, j].item() for i, j in zero)  # ratio 1 there
         assert out.loss.item() == pytest.approx(full.loss.item() - cut_terms / 8, abs=1e-6)
         assert out.cov_fraction.item() == pytest.approx(2 / 8)
-        again = clip_cov_policy_loss(lp, old, adv, mask, fraction=0.25, bounds=bounds, seed=seed)
-        assert again.loss.item() == out.loss.item()  # the seed decides the draw
+        again = clip_cov_policy_loss(lp, old, adv, mask, fraction=0.25, bounds=bounds,
+                                     generator=torch.Generator().manual_seed(seed))
+        assert again.loss.item() == out.loss.item()  # the generator's state decides the draw
         cuts.append(frozenset(zero))
     assert len(set(cuts)) > 1  # and different seeds draw differently
 

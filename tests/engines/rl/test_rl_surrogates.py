@@ -22,9 +22,9 @@ def _round(algorithm: str, **fields) -> RoundConfig:
     return RoundConfig(algorithm=algorithm, generation=RolloutConfig(num_samples=2), **fields)
 
 
-def _options(cfg: RoundConfig, step: int = 0) -> dict:
-    """What the update hands the policy objective (PolicyGradientUpdate reads only its config and seed there)."""
-    return PolicyGradientUpdate.surrogate_options(SimpleNamespace(cfg=cfg.resolved(), seed=0), step)
+def _options(cfg: RoundConfig) -> dict:
+    """What the update hands the policy objective (PolicyGradientUpdate reads only its config there)."""
+    return PolicyGradientUpdate.surrogate_options(SimpleNamespace(cfg=cfg.resolved()))
 
 
 def test_gmpo_and_sapo_specs_resolve():
@@ -79,25 +79,26 @@ def test_settings_the_surrogate_would_not_read_are_refused(round_json, error):
 
 def test_a_round_without_them_keeps_its_cache_key():
     """The two fields came after published keys: at their defaults they are left out of a round's key."""
-    plain = cache_relevant(_round("grpo"))["ppo"]
-    assert "covariance" not in plain and "sapo_temperatures" not in plain
+    plain = cache_relevant(_round("grpo"))
+    assert not {"covariance", "sapo_temperatures", "high_entropy_fraction"} & set(plain["ppo"])
+    assert "reference" not in plain
+    assert cache_relevant(_round("grpo", ppo=PPOConfig(high_entropy_fraction=0.2)))["ppo"][
+        "high_entropy_fraction"] == 0.2
     cov = cache_relevant(_round("grpo", ppo=PPOConfig(covariance={"method": "kl_cov"})))["ppo"]
     assert cov["covariance"] == {"method": "kl_cov", "fraction": None, "bounds": [1.0, 5.0], "kl_coef": 1.0}
     assert cache_relevant(_round("sapo", ppo=PPOConfig(sapo_temperatures=(1.0, 2.0))))["ppo"][
         "sapo_temperatures"] == [1.0, 2.0]
 
 
-def test_covariance_options_carry_the_papers_share_and_a_seed_per_step():
+def test_covariance_options_carry_the_papers_share():
     kl = _options(_round("grpo", ppo=PPOConfig(covariance={"method": "kl_cov", "kl_coef": 0.5})))
     assert (kl["clip_low"], kl["clip_high"], kl["dual_clip"]) == (None, None, None)
     assert kl["surrogate"].func is algos.kl_cov_policy_loss and kl["surrogate"].keywords == dict(fraction=2e-3,
                                                                                                  kl_coef=0.5)
     clip = _round("grpo", ppo=PPOConfig(covariance={"method": "clip_cov", "bounds": (0.5, 4.0)}))
-    first, second = _options(clip, 0), _options(clip, 1)
-    assert first["clip_low"] == 0.2 and first["surrogate"].keywords["fraction"] == 2e-4
-    assert first["surrogate"].keywords["bounds"] == (0.5, 4.0)
-    assert first["surrogate"].keywords["seed"] != second["surrogate"].keywords["seed"]
-    assert _options(clip, 0)["surrogate"].keywords["seed"] == first["surrogate"].keywords["seed"]
+    options = _options(clip)
+    assert options["clip_low"] == 0.2 and options["surrogate"].func is algos.clip_cov_policy_loss
+    assert options["surrogate"].keywords == dict(fraction=2e-4, bounds=(0.5, 4.0))  # torch's own draw
 
 
 # ---- the objectives on a real (tiny) model ----------------------------------------------------------------
@@ -152,8 +153,8 @@ def test_kl_cov_through_the_policy_objective_logs_its_share(policy_batch):
 
 
 def test_the_high_entropy_share_trains_the_surrogate_on_its_tokens_alone(policy_batch):
-    """0.4 of the 5 tokens: the 2 whose entropy (from a plain forward here) is highest carry the surrogate; the
-    KL term would keep all five."""
+    """0.4 of the 5 tokens: the 2 whose entropy (from a plain forward here) is highest carry the surrogate, over
+    all five tokens' count; the KL term would keep all five."""
     model, exp, logprobs = policy_batch
     batch = _batch(exp, logprobs, torch.tensor([[1.0], [1.0]]))
     with torch.no_grad():
@@ -166,6 +167,7 @@ def test_the_high_entropy_share_trains_the_surrogate_on_its_tokens_alone(policy_
     cfg = _round("grpo", ppo=PPOConfig(high_entropy_fraction=0.4))
     loss, metrics = objectives.policy_objective(model, batch, **_options(cfg), agg="token_mean", **COMMON)
     ratio = [[math.exp(x) for x in row] for row in SHIFT.tolist()]
-    expect = -sum(min(ratio[i][j], 1.2) for i, j in top) / 2  # A = 1: the clip at 1 + 0.2 caps e^0.5, e^0.6
+    # A = 1: the clip at 1 + 0.2 caps e^0.5 and e^0.6; the other tokens' terms are 0, still counted
+    expect = -sum(min(ratio[i][j], 1.2) for i, j in top) / 5
     assert loss.item() == pytest.approx(expect, rel=1e-4)
     assert metrics["pg_token_fraction"] == pytest.approx((2.0, 5.0))
