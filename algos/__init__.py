@@ -36,7 +36,7 @@ from .advantages.group import (
 )
 from .advantages import optimal as _optimal  # noqa: F401  (registers the "opo" estimator)
 from .losses.surrogates.cispo import cispo_policy_loss
-from .losses.surrogates.covariance import COVARIANCE_METHODS, clip_cov_policy_loss, kl_cov_policy_loss, token_covariance
+from .losses.surrogates.covariance import clip_cov_policy_loss, kl_cov_policy_loss, token_covariance
 from .losses.surrogates.gmpo import gmpo_policy_loss
 from .losses.surrogates.gspo import gspo_policy_loss
 from .losses.surrogates.sapo import sapo_policy_loss
@@ -98,7 +98,6 @@ __all__ = [
     "DPO_LOSS_TYPES",
     "SMOOTHED_LOSS_TYPES",
     "FixedKLController",
-    "COVARIANCE_METHODS",
     "KL_ESTIMATORS",
     "KTOLossOutput",
     "LOG_RATIO_CLAMP",

@@ -148,7 +148,8 @@ class PolicyGradientUpdate:
         weigh = functools.partial(objectives.aggregated, agg=p.loss_agg)
         constant = float(cfg.max_response_tokens)  # Dr. GRPO's C (seq_mean_token_sum_norm alone uses it)
         steps = [] if frozen else [(m.actor, functools.partial(
-            objectives.policy_objective, **self.surrogate_options(), agg=p.loss_agg, entropy_coef=p.entropy_coef, kl_loss_coef=self.kl_ctl.value if cfg.kl.apply_as == "loss" else 0.0,
+            objectives.policy_objective, **self.surrogate_options(), agg=p.loss_agg, entropy_coef=p.entropy_coef,
+            kl_loss_coef=self.kl_ctl.value if cfg.kl.apply_as == "loss" else 0.0,
             kl_estimator=cfg.kl.estimator, kl_clamp=cfg.kl.clamp, tis_cap=p.tis_cap, tis_low=p.tis_low,
             tis_mode=p.tis_mode, on_policy=self.on_policy(cfg), loss_scale_constant=constant,
             temperature=cfg.generation.logprob_temperature), weigh)]
@@ -161,18 +162,18 @@ class PolicyGradientUpdate:
         """The policy objective's surrogate (engines/train/objectives.py SURROGATES, with SAPO's temperatures, or
         the covariance control's), its clip (None where the surrogate has none) and its share of tokens."""
         p, cov = self.cfg.ppo, self.cfg.ppo.covariance
-        clip = dict(clip_low=p.clip_low, clip_high=p.clip_high, dual_clip=p.dual_clip,  # None for sapo, kl_cov
-                    entropy_fraction=p.high_entropy_fraction)
+        options = dict(clip_low=p.clip_low, clip_high=p.clip_high, dual_clip=p.dual_clip,  # None: sapo, kl_cov
+                       entropy_fraction=p.high_entropy_fraction)
         surrogate = objectives.SURROGATES[self.cfg.spec.policy_loss]
         if self.cfg.spec.policy_loss == "sapo_gate":
             surrogate = functools.partial(surrogate, tau_positive=p.sapo_temperatures[0],
                                           tau_negative=p.sapo_temperatures[1])
         if cov is None:
-            return dict(clip, surrogate=surrogate)
+            return dict(options, surrogate=surrogate)
         if cov.method == "kl_cov":
-            return dict(clip, surrogate=functools.partial(algos.kl_cov_policy_loss, fraction=cov.share,
+            return dict(options, surrogate=functools.partial(algos.kl_cov_policy_loss, fraction=cov.share,
                                                           kl_coef=cov.kl_coef))
-        return dict(clip, surrogate=functools.partial(algos.clip_cov_policy_loss, fraction=cov.share,
+        return dict(options, surrogate=functools.partial(algos.clip_cov_policy_loss, fraction=cov.share,
                                                       bounds=cov.bounds))
 
     def _train(self, exp: Experience, step: int, frozen: bool) -> dict[str, float]:

@@ -7,7 +7,6 @@ them) so that Ray can ship them to the workers.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import torch

@@ -17,7 +17,6 @@ from ..importance import token_ratios
 from ..policy import PolicyLossOutput, clipped_token_loss, weighted_policy_loss
 from ...masked import _bool_mask, _check_same_shape, masked_mean, top_k_mask, top_share
 
-COVARIANCE_METHODS = ("clip_cov", "kl_cov")
 #: The paper's settings (Qwen2.5-7B): Clip-Cov's share and covariance bounds; KL-Cov's share and penalty weight.
 CLIP_COV_FRACTION, CLIP_COV_BOUNDS, KL_COV_FRACTION, KL_COV_COEF = 2e-4, (1.0, 5.0), 2e-3, 1.0
 

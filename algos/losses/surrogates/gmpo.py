@@ -61,8 +61,8 @@ def gmpo_policy_loss(
     mask, log_ratio, adv, zeros = t.mask, t.log_ratio, t.advantages, torch.zeros_like(t.log_ratio)
     clipped = log_ratio.clamp(-clip_low, clip_high)
     positive = adv >= 0
+    # 0 at padding: the log-ratio is 0 there, and so its clip (both bounds are >= 0)
     pessimistic = torch.where(positive, torch.minimum(log_ratio, clipped), torch.maximum(log_ratio, clipped))
-    pessimistic = torch.where(mask, pessimistic, zeros)
     lengths = mask.sum(dim=-1).clamp(min=1).to(log_ratio.dtype)
     geo = torch.exp((pessimistic.sum(dim=-1) / lengths).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)).unsqueeze(-1)
     loss = -adv * geo.detach() * torch.exp(pessimistic - pessimistic.detach())

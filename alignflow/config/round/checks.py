@@ -11,9 +11,6 @@ def check_round(r) -> None:
         raise ValueError(f"{r.algorithm} needs generation.num_samples >= {r.spec.min_samples} "
                          f"(a group per prompt)")
     low, high = r.ppo.clip_low or r.spec.clip_low, r.ppo.clip_high or r.spec.clip_high
-    if r.spec.policy_loss == "cispo" and r.ppo.dual_clip is not None:
-        raise ValueError("ppo.dual_clip caps PPO's clipped surrogate; cispo has none to cap (its weight is clipped "
-                         "at ppo.clip_high): leave it out")
     _check_surrogate(r)
     if high < low and r.spec.policy_loss != "cispo":  # cispo's clip_low 1 is no lower bound, not a clip range
         raise ValueError(f"ppo.clip_high ({high}) must be >= ppo.clip_low ({low}); a value left out is "
@@ -143,16 +140,16 @@ def _check_surrogate(r) -> None:
     p, surrogate = r.ppo, r.spec.policy_loss
     cov = p.covariance.method if p.covariance is not None else None
     if cov is not None and surrogate != "ppo_clip":
-        ppo_clip = [a.name for a in ALGORITHMS.values() if a.update == "policy_gradient" and a.policy_loss == "ppo_clip"]
+        ppo_clip = [a.name for a in ALGORITHMS.values()
+                    if a.update == "policy_gradient" and a.policy_loss == "ppo_clip"]
         raise ValueError(f"ppo.covariance ({cov}) acts on PPO's token-ratio surrogate; {r.algorithm}'s is "
                          f"{surrogate}: use it with {', '.join(ppo_clip)}")
-    unclipped = {"sapo_gate": "its soft gate takes the clip's place (ppo.sapo_temperatures)",
-                 "kl_cov": "ppo.covariance kl_cov takes the clip's place (its penalty)"}.get(cov or surrogate)
     given = [f"ppo.{k}" for k in ("clip_low", "clip_high", "dual_clip") if getattr(p, k) is not None]
-    if unclipped and given:
-        raise ValueError(f"{', '.join(given)}: {r.algorithm} has no clip here, {unclipped}: leave them out")
-    if surrogate == "gmpo_clip" and p.dual_clip is not None:
-        raise ValueError("ppo.dual_clip caps PPO's clipped surrogate; gmpo clips each token's log-ratio "
-                         "(ppo.clip_low / clip_high, in log space): leave it out")
+    if r.clip_replaced_by and given:
+        raise ValueError(f"{', '.join(given)}: {r.algorithm} has no clip here, {r.clip_replaced_by}: leave them out")
+    no_cap = {"cispo": "cispo has none to cap (its weight is clipped at ppo.clip_high)",
+              "gmpo_clip": "gmpo clips each token's log-ratio (ppo.clip_low / clip_high, in log space)"}
+    if surrogate in no_cap and p.dual_clip is not None:
+        raise ValueError(f"ppo.dual_clip caps PPO's clipped surrogate; {no_cap[surrogate]}: leave it out")
     if surrogate != "sapo_gate" and p.sapo_temperatures != type(p).model_fields["sapo_temperatures"].default:
         raise ValueError(f"ppo.sapo_temperatures is read by algorithm sapo; this round's is {r.algorithm}")

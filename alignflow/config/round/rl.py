@@ -146,6 +146,16 @@ class RoundConfig(Section):
         return new if self.environment is None else self.environment.episode_tokens(new)
 
     @property
+    def clip_replaced_by(self) -> str | None:
+        """What takes the clip's place in this round's surrogate (SAPO's gate, KL-Cov's penalty); None: it has a
+        clip. resolved() fills in no clip range then, and check_round refuses one given."""
+        if self.spec.policy_loss == "sapo_gate":
+            return "its soft gate takes the clip's place (ppo.sapo_temperatures)"
+        if self.ppo.covariance is not None and self.ppo.covariance.method == "kl_cov":
+            return "ppo.covariance kl_cov takes the clip's place (its penalty)"
+        return None
+
+    @property
     def uses_reference(self) -> bool:
         """The spec has a reference and its update reads it (online DPO), or a KL term needs it (a coefficient
         > 0; the adaptive controller starts from one), or a teacher sits where it would. Otherwise no
@@ -164,8 +174,7 @@ class RoundConfig(Section):
         kl = self.kl.model_copy(update={"apply_as": self.kl.apply_as or s.kl_apply_as,
                                         "estimator": self.kl.estimator or s.kl_estimator})
         p = self.ppo
-        # SAPO's gate and KL-Cov's penalty take the clip's place: no clip range to fill in
-        clipped = s.policy_loss != "sapo_gate" and (p.covariance is None or p.covariance.method != "kl_cov")
+        clipped = self.clip_replaced_by is None
         ppo = p.model_copy(update={
             "loss_agg": p.loss_agg or s.loss_agg,
             "clip_low": s.clip_low if p.clip_low is None and clipped else p.clip_low,

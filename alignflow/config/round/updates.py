@@ -59,9 +59,9 @@ class CovarianceConfig(Section):
     def _settings_of_the_method(self) -> CovarianceConfig:
         if self.bounds[0] >= self.bounds[1]:
             raise ValueError(f"ppo.covariance.bounds must be [low, high] with low < high, got {list(self.bounds)}")
-        unread = {"clip_cov": ("kl_coef", 1.0), "kl_cov": ("bounds", (1.0, 5.0))}[self.method]
-        if getattr(self, unread[0]) != unread[1]:
-            raise ValueError(f"ppo.covariance.{unread[0]} is not read by {self.method}: leave it out")
+        unread = {"clip_cov": "kl_coef", "kl_cov": "bounds"}[self.method]
+        if getattr(self, unread) != type(self).model_fields[unread].default:
+            raise ValueError(f"ppo.covariance.{unread} is not read by {self.method}: leave it out")
         return self
 
 
