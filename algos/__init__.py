@@ -35,11 +35,13 @@ from .advantages.group import (
     length_weighted_advantages,
 )
 from .advantages import optimal as _optimal  # noqa: F401  (registers the "opo" estimator)
+from .advantages.gpg import gradient_row_scale  # (and registers the "gpg" estimator)
 from .losses.surrogates.cispo import cispo_policy_loss
 from .losses.surrogates.covariance import clip_cov_policy_loss, kl_cov_policy_loss, token_covariance
 from .losses.surrogates.gmpo import gmpo_policy_loss
 from .losses.surrogates.gspo import gspo_policy_loss
 from .losses.surrogates.sapo import sapo_policy_loss
+from .losses.surrogates.vanilla import vanilla_policy_loss
 from .losses.importance import TIS_MODES, rollout_importance_weights
 from .kl import (
     KL_ESTIMATORS,
@@ -130,6 +132,7 @@ __all__ = [
     "group_mean_filter",
     "group_normalized_advantages",
     "gmpo_policy_loss",
+    "gradient_row_scale",
     "gspo_policy_loss",
     "kl_cov_policy_loss",
     "kl_estimate",
@@ -152,6 +155,7 @@ __all__ = [
     "pass_at_k_curve",
     "place_at_last_token",
     "ppo_policy_loss",
+    "vanilla_policy_loss",
     "register_advantage_estimator",
     "reverse_kl_per_token",
     "rollout_importance_weights",

@@ -23,7 +23,10 @@ An RL round reads its algorithm's spec and never branches on the name:
   distillation, `algos/losses/distill.py`); there is no KL term besides.
 - `policy_loss`: the surrogate (engines/train/objectives.py `SURROGATES`): "ppo_clip" (token ratios),
   "gspo_clip" (sequence ratios), "cispo" (clipped, detached token weights), "gmpo_clip" (the geometric mean of
-  token ratios, clipped in log space: clip_low / clip_high are of log r) or "sapo_gate" (a soft gate, no clip).
+  token ratios, clipped in log space: clip_low / clip_high are of log r), "sapo_gate" (a soft gate, no clip) or
+  "vanilla" (the plain policy gradient, no ratio and no clip).
+- `kl_coef`: the default of `kl.coef` where the algorithm's paper trains with none (0: no reference model is
+  started unless the round sets one); None: KLConfig's.
 
 Adding an algorithm is one `register_algorithm` entry here, plus its math in
 `algos/` when it needs new math. Kept free of torch: configs import it to
@@ -62,6 +65,7 @@ class AlgorithmSpec:
     clip_low: float = 0.2
     clip_high: float = 0.2
     group_std_norm: bool | None = None  # default of `ppo.advantage_std_norm`; None: nothing to switch
+    kl_coef: float | None = None  # default of kl.coef where the paper's differs from KLConfig's
     teacher: bool = False  # distillation: the frozen log-prob model is `rounds[i].teacher`, its pull the advantage
 
 
@@ -128,6 +132,12 @@ register_algorithm(AlgorithmSpec(
     "division; the paper trains exactly on policy: ppo.epochs 1, one minibatch a step (Hao et al. 2025, "
     "arXiv 2505.23585)",
     update="policy_gradient", advantage="opo", min_samples=2, kl_apply_as="loss", kl_estimator="k3"))
+register_algorithm(AlgorithmSpec(
+    "gpg", "the plain policy gradient (no ratio, no clip) on group-centred advantages scaled by all rows over those "
+    "that carry a gradient, with no KL term or reference unless kl.coef is given; the paper trains exactly on "
+    "policy: ppo.epochs 1, one minibatch a step (Chu et al. 2025, arXiv 2504.02546)",
+    update="policy_gradient", advantage="gpg", min_samples=2, policy_loss="vanilla", kl_apply_as="loss",
+    kl_estimator="k3", kl_coef=0.0, group_std_norm=False))
 register_algorithm(AlgorithmSpec(
     "rloo", "leave-one-out baseline (Ahmadian et al. 2024, arXiv 2402.14740)",
     update="policy_gradient", advantage="rloo", min_samples=2))

@@ -16,6 +16,7 @@ from algos.losses.surrogates.cispo import cispo_policy_loss
 from algos.losses.surrogates.gmpo import gmpo_policy_loss
 from algos.losses.surrogates.gspo import gspo_policy_loss
 from algos.losses.surrogates.sapo import sapo_policy_loss
+from algos.losses.surrogates.vanilla import vanilla_policy_loss
 from algos.losses.policy import ppo_policy_loss
 from algos.losses.preference import pairwise_reward_loss
 from algos.sequence import sft_loss
@@ -270,7 +271,7 @@ def policy_objective(
 # The policy surrogates by `AlgorithmSpec.policy_loss`, for `policy_objective(surrogate=...)`; each takes the
 # keyword arguments of `algos.ppo_policy_loss` (sapo_gate its two temperatures for the clip's).
 SURROGATES = {"ppo_clip": ppo_policy_loss, "gspo_clip": gspo_policy_loss, "cispo": cispo_policy_loss,
-              "gmpo_clip": gmpo_policy_loss, "sapo_gate": sapo_policy_loss}
+              "gmpo_clip": gmpo_policy_loss, "sapo_gate": sapo_policy_loss, "vanilla": vanilla_policy_loss}
 
 
 def value_objective(model, batch: dict[str, torch.Tensor], *, clip_eps: float | None, agg: str,

@@ -44,6 +44,13 @@ def check_round(r) -> None:
     if r.reference is not None and not (r.spec.reference and r.uses_reference):
         why = "reads none with kl.coef 0 (no KL term)" if r.spec.reference else "has none"
         raise ValueError(f"reference: {r.algorithm} {why}: leave reference out")
+    if r.kl.adaptive and r.kl_coef == 0:
+        raise ValueError(f"kl.adaptive scales kl.coef, and {r.algorithm} trains with no KL term by default (kl.coef "
+                         f"0): give kl.coef, the controller's start (e.g. 0.05)")
+    if r.spec.advantage == "gpg" and (r.ppo.dynamic_sampling or r.ppo.dynamic_sampling_mean_range):
+        raise ValueError(f"{r.algorithm} scales its advantages by all rows over those that carry a gradient: it "
+                         "makes up for the constant groups that ppo.dynamic_sampling drops instead, and with both the "
+                         "rows trained on would be scaled up twice: leave dynamic sampling out")
     if r.teacher and not r.spec.teacher:
         raise ValueError(f"teacher is read by algorithm distill; this round's algorithm is {r.algorithm}")
     if r.spec.teacher and (r.ppo.dynamic_sampling or r.ppo.dynamic_sampling_mean_range):

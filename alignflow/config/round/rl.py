@@ -151,9 +151,18 @@ class RoundConfig(Section):
         clip. resolved() fills in no clip range then, and check_round refuses one given."""
         if self.spec.policy_loss == "sapo_gate":
             return "its soft gate takes the clip's place (ppo.sapo_temperatures)"
+        if self.spec.policy_loss == "vanilla":
+            return "its plain policy gradient has no ratio to clip"
         if self.ppo.covariance is not None and self.ppo.covariance.method == "kl_cov":
             return "ppo.covariance kl_cov takes the clip's place (its penalty)"
         return None
+
+    @property
+    def kl_coef(self) -> float:
+        """The KL coefficient the round runs with: kl.coef as given, else the algorithm's default (GPG's 0), else
+        KLConfig's; a teacher's round has none (resolved() sets 0)."""
+        given = "coef" in self.kl.model_fields_set or self.spec.kl_coef is None
+        return self.kl.coef if given else self.spec.kl_coef
 
     @property
     def uses_reference(self) -> bool:
@@ -161,7 +170,7 @@ class RoundConfig(Section):
         > 0; the adaptive controller starts from one), or a teacher sits where it would. Otherwise no
         reference model is started or run."""
         s = self.spec
-        return s.teacher or (s.reference and (s.reference_in_update or self.kl.coef > 0))
+        return s.teacher or (s.reference and (s.reference_in_update or self.kl_coef > 0))
 
     @property
     def needs_reward_model(self) -> bool:
@@ -172,7 +181,7 @@ class RoundConfig(Section):
         """This round with the algorithm's defaults filled in (what a round runs and is keyed by)."""
         s = self.spec
         kl = self.kl.model_copy(update={"apply_as": self.kl.apply_as or s.kl_apply_as,
-                                        "estimator": self.kl.estimator or s.kl_estimator})
+                                        "estimator": self.kl.estimator or s.kl_estimator, "coef": self.kl_coef})
         p = self.ppo
         clipped = self.clip_replaced_by is None
         ppo = p.model_copy(update={

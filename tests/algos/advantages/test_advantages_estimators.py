@@ -16,7 +16,7 @@ from algos.advantages.estimators import (
 )
 
 G = 1e6
-EXPECTED_NAMES = ["dr_grpo", "gae", "grpo", "opo", "per_token", "reinforce_pp", "reinforce_pp_baseline", "rloo"]
+EXPECTED_NAMES = ["dr_grpo", "gae", "gpg", "grpo", "opo", "per_token", "reinforce_pp", "reinforce_pp_baseline", "rloo"]
 
 # 2 prompts x group of 3; row 2 fully masked, row 4 has a hole; garbage in padding
 REWARDS = [

@@ -1,4 +1,4 @@
-"""Group baselines (GRPO, Dr. GRPO, RLOO) against plain-Python arithmetic."""
+"""Group baselines (GRPO, Dr. GRPO, RLOO, OPO, GPG) against plain-Python arithmetic."""
 
 import math
 
@@ -113,3 +113,45 @@ def test_opo_baseline_is_the_length_weighted_group_mean():
     with pytest.raises(ValueError, match="no group std"):
         get_advantage_estimator("opo")(token_rewards=rewards, action_mask=mask, values=None, group_size=2,
                                        gamma=1.0, lam=1.0, eps=1e-6, std_norm=True)
+
+
+def _gpg(scores, mask, std_norm=None, group_size=2):
+    from algos import get_advantage_estimator
+
+    rewards = torch.zeros(mask.shape)
+    last = mask.sum(1) - 1
+    for i, s in enumerate(scores):  # the sequence reward at each row's last valid token
+        rewards[i, max(int(last[i]), 0)] = s
+    options = {} if std_norm is None else {"std_norm": std_norm}
+    return get_advantage_estimator("gpg")(token_rewards=rewards * mask, action_mask=mask, values=None,
+                                          group_size=group_size, gamma=1.0, lam=1.0, eps=1e-6, **options)
+
+
+def test_gpg_scales_the_centred_advantage_by_all_rows_over_those_with_a_gradient():
+    """Three groups of two, 0/1 rewards: (1, 0), (1, 1) all right, (0, 1). B = 6, M = 2 (the all-right group),
+    alpha = 6 / 4; each row's advantage is alpha (r - group mean), on every valid token, 0 at padding."""
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0], [1, 1, 1], [1, 1, 1], [1, 0, 0]])
+    scores = [1.0, 0.0, 1.0, 1.0, 0.0, 1.0]
+    out = _gpg(scores, mask)
+    alpha = 6 / 4
+    expect = [alpha * 0.5, alpha * -0.5, 0.0, 0.0, alpha * -0.5, alpha * 0.5]
+    for row in range(6):
+        valid = [out.advantages[row, t].item() for t in range(3) if mask[row, t]]
+        assert valid == pytest.approx([expect[row]] * len(valid))
+        assert all(out.advantages[row, t].item() == 0 for t in range(3) if not mask[row, t])
+    assert torch.equal(out.returns, out.advantages)
+    # std_norm: GRPO's std division before the scale (std of (1, 0) with Bessel: sqrt(0.5))
+    normed = _gpg(scores, mask, std_norm=True)
+    assert normed.advantages[0, 0].item() == pytest.approx(alpha * 0.5 / (math.sqrt(0.5) + 1e-6), rel=1e-6)
+
+
+def test_gpg_alpha_is_one_where_every_row_or_none_carries_a_gradient():
+    mask = torch.ones(4, 2, dtype=torch.long)
+    every = _gpg([1.0, 0.0, 0.0, 1.0], mask)
+    assert every.advantages[:, 0].tolist() == pytest.approx([0.5, -0.5, -0.5, 0.5])
+    none = _gpg([1.0, 1.0, 0.0, 0.0], mask)
+    assert none.advantages.abs().sum().item() == 0
+    from algos import gradient_row_scale  # a row with no valid token carries none either
+
+    adv = torch.tensor([[1.0, 0.0], [5.0, 0.0], [0.0, 0.0]])
+    assert gradient_row_scale(adv, torch.tensor([[1, 0], [0, 0], [1, 1]])).item() == pytest.approx(3.0)

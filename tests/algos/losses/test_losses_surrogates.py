@@ -1,4 +1,5 @@
-"""GMPO, SAPO, Clip-Cov and KL-Cov against their papers' formulas, computed here in plain Python."""
+"""GMPO, SAPO, Clip-Cov, KL-Cov and the plain policy gradient (GPG's) against their papers' formulas, computed here
+in plain Python."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from algos import (clip_cov_policy_loss, gmpo_policy_loss, kl_cov_policy_loss, ppo_policy_loss, sapo_policy_loss,
-                   token_covariance)
+                   token_covariance, vanilla_policy_loss)
 from algos.masked import top_k_mask
 
 
@@ -179,3 +180,40 @@ def test_covariance_controls_refuse_bad_settings(fn, kwargs):
     x = torch.zeros(1, 2)
     with pytest.raises(ValueError):
         fn(x, x, x, torch.ones(1, 2), **kwargs)
+
+
+# ---- the plain policy gradient (GPG's loss) ---------------------------------------------------------
+
+
+def test_vanilla_gradient_is_reinforce_whatever_the_ratio():
+    """log pi - log pi_old of 0.1, 0.5, -0.2 (A = 2) and 0.6, -0.7 (A = -1): the loss is -mean A (token mean
+    over the 5 valid tokens), its gradient -A / 5 on each token's log-prob, with no ratio and no clip in it."""
+    old = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -1.1, -4.0]])
+    shift = torch.tensor([[0.1, 0.5, -0.2], [0.6, -0.7, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    adv = torch.tensor([[2.0] * 3, [-1.0] * 3])
+    new = (old + shift).requires_grad_(True)
+    out = vanilla_policy_loss(new, old, adv, mask)
+    assert out.loss.item() == pytest.approx(-(3 * 2.0 - 2 * 1.0) / 5, rel=1e-6)
+    out.loss.backward()
+    assert new.grad.flatten().tolist() == pytest.approx([-2 / 5] * 3 + [1 / 5, 1 / 5, 0.0], rel=1e-6)
+    assert out.clip_fraction.item() == 0.0
+    ratios = [math.exp(x) for x in (0.1, 0.5, -0.2, 0.6, -0.7)]
+    assert out.ratio_mean.item() == pytest.approx(sum(ratios) / 5, rel=1e-6)
+    # PPO's clipped surrogate at the same point moves differently: its gradient is r A where unclipped
+    ppo_new = (old + shift).requires_grad_(True)
+    ppo_policy_loss(ppo_new, old, adv, mask).loss.backward()
+    assert ppo_new.grad[0, 0].item() == pytest.approx(-2 * math.exp(0.1) / 5, rel=1e-6)
+
+
+def test_vanilla_with_rollout_logprobs_weighs_each_token_by_its_truncated_ratio():
+    """TIS: each token's term times min(pi_old / pi_rollout, cap) = min(e^d, 2) for d = 0.2, 1.0 (capped), -0.5."""
+    old = torch.tensor([[-1.0, -1.0, -1.0]])
+    rollout = old - torch.tensor([[0.2, 1.0, -0.5]])
+    adv, mask = torch.ones(1, 3), torch.ones(1, 3)
+    new = old.clone().requires_grad_(True)
+    out = vanilla_policy_loss(new, old, adv, mask, rollout_logprobs=rollout, tis_cap=2.0)
+    weights = [math.exp(0.2), 2.0, math.exp(-0.5)]
+    assert out.loss.item() == pytest.approx(-sum(weights) / 3, rel=1e-6)
+    out.loss.backward()
+    assert new.grad.flatten().tolist() == pytest.approx([-w / 3 for w in weights], rel=1e-6)

@@ -1,4 +1,5 @@
-"""GMPO, SAPO and the covariance controls (Clip-Cov, KL-Cov), from the round config to the objective, without Ray.
+"""GMPO, SAPO, GPG and the covariance controls (Clip-Cov, KL-Cov), from the round config to the objective, without
+Ray.
 
 The specs' defaults, the settings refused where the surrogate would not read them, the cache key of a round that
 uses none of them, and the objectives on a real (tiny) model against values computed here from the formulas.
@@ -41,6 +42,27 @@ def test_gmpo_and_sapo_specs_resolve():
                                             surrogate=algos.gmpo_policy_loss)
 
 
+def test_gpg_resolves_to_no_kl_no_reference_and_no_clip_unless_a_kl_is_given():
+    gpg = _round("gpg").resolved()
+    assert (gpg.kl.coef, gpg.uses_reference, gpg.ppo.clip_low, gpg.ppo.clip_high, gpg.ppo.advantage_std_norm) == (
+        0.0, False, None, None, False)
+    assert _options(_round("gpg")) == dict(clip_low=None, clip_high=None, dual_clip=None, entropy_fraction=None,
+                                           surrogate=algos.vanilla_policy_loss)
+    with_kl = _round("gpg", kl={"coef": 0.02}).resolved()
+    assert (with_kl.kl.coef, with_kl.uses_reference, with_kl.kl.apply_as, with_kl.kl.estimator) == (
+        0.02, True, "loss", "k3")
+    assert _round("grpo").resolved().kl.coef == 0.05  # every other algorithm keeps KLConfig's default
+
+
+def test_a_gpg_round_plans_without_a_reference():
+    from tasks.plan import plan_pipeline
+
+    stages = plan_pipeline(load_config(None, ['rounds=[{"algorithm": "gpg"}, {"algorithm": "gpg", "kl": {"coef": '
+                                              '0.01}}]'])).stages
+    first, second = (stages[f"round_{i}"].config.round for i in (1, 2))
+    assert (first.kl.coef, first.uses_reference, second.kl.coef, second.uses_reference) == (0.0, False, 0.01, True)
+
+
 def test_rounds_of_each_plan_and_resolve_without_a_clip_where_none_is_read():
     """A planned round is its resolved config validated again: SAPO's and KL-Cov's carry no clip range."""
     from tasks.plan import plan_pipeline
@@ -69,6 +91,14 @@ def test_rounds_of_each_plan_and_resolve_without_a_clip_where_none_is_read():
     ('{"algorithm": "grpo", "ppo": {"covariance": {"method": "clip_cov", "bounds": [5, 1]}}}',
      r"bounds must be \[low, high\] with low < high"),
     ('{"algorithm": "grpo", "ppo": {"covariance": {"method": "clip_cov", "fraction": 2}}}', r"fraction"),
+    ('{"algorithm": "gpg", "ppo": {"clip_high": 0.28}}', r"ppo\.clip_high: gpg has no clip here, its plain policy "
+     r"gradient has no ratio to clip"),
+    ('{"algorithm": "gpg", "ppo": {"dynamic_sampling": true}}', r"gpg scales its advantages by all rows over those "
+     r"that carry a gradient.*leave dynamic sampling out"),
+    ('{"algorithm": "gpg", "kl": {"adaptive": true}}', r"kl\.adaptive scales kl\.coef, and gpg trains with no KL "
+     r"term by default"),
+    ('{"algorithm": "gpg", "reference": "sft"}', r"reference: gpg reads none with kl\.coef 0"),
+    ('{"algorithm": "gpg", "ppo": {"covariance": {"method": "clip_cov"}}}', r"gpg's is vanilla"),
 ])
 def test_settings_the_surrogate_would_not_read_are_refused(round_json, error):
     with pytest.raises(ConfigError, match=r"rounds\.0"):
@@ -136,6 +166,22 @@ def test_sapo_objective_reads_the_gate(policy_batch):
 
     expect = [gate(x, 1.0) for x in (0.1, 0.5, -0.2)] + [gate(x, -1.0) for x in (0.6, -0.7)]
     assert loss.item() == pytest.approx(sum(expect) / 5, rel=1e-4)
+
+
+def test_gpg_objective_is_the_plain_policy_gradient(policy_batch):
+    """Value -mean A over the 5 tokens whatever the ratios; the gradient of the policy's log-probs, no clip."""
+    model, exp, logprobs = policy_batch
+    batch = _batch(exp, logprobs, torch.tensor([[3.0], [-1.0]]))
+    model.zero_grad()
+    loss, metrics = objectives.policy_objective(model, batch, **_options(_round("gpg")), agg="token_mean", **COMMON)
+    assert loss.item() == pytest.approx(-(3 * 3.0 - 2 * 1.0) / 5, rel=1e-5)
+    assert metrics["clip_fraction"] == pytest.approx((0.0, 5.0))
+    loss.backward()
+    grad = model.lm_head.weight.grad.clone()
+    model.zero_grad()  # the same gradient from -sum A log pi / 5, written out
+    lp = objectives.response_logprobs_and_entropy(model, batch, with_entropy=False)[0]
+    (-(batch["advantages"] * lp * batch["action_mask"]).sum() / 5).backward()
+    assert torch.allclose(grad, model.lm_head.weight.grad, atol=1e-6)
 
 
 def test_kl_cov_through_the_policy_objective_logs_its_share(policy_batch):
