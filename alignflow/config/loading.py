@@ -27,12 +27,10 @@ from alignflow.store.storage import is_local_uri, local_path
 
 DEFAULT_CONFIG = "tiny"
 
-# Fields that place work on the cluster, or trade memory for time, without
-# changing what it computes, or that only say how much is checked up front
-# (preflight_rows), how often a stage saves or logs, or how an engine holds its
-# memory and batches (vLLM's memory and batching, weight buckets): left out of
-# cache keys, so moving a stage to other hardware, or checkpointing it more
-# often after a crash, reuses its result.
+# Fields that place work on the cluster, or trade memory for time, without changing what it computes, or that
+# only say how much is checked up front (preflight_rows), how often a stage saves or logs, or how an engine holds
+# its memory and batches (vLLM's memory and batching, weight buckets): left out of cache keys, so moving a stage
+# to other hardware, or checkpointing it more often after a crash, reuses its result.
 RESOURCE_FIELDS = frozenset({"placement", "scorer_placement", "reference_placement", "reference_micro_batch_size",
                              "colocate_all", "offload", "gradient_checkpointing", "engine_lifetime",
                              "preflight_rows", "scoring_micro_batch_size", "scoring_micro_batch_tokens",
@@ -46,8 +44,9 @@ RESOURCE_FIELDS_IN = {"evaluation": frozenset({"micro_batch_size"})}
 READ_ONLY_WITH = {"simpo_gamma": ("loss", "simpo")}
 # Fields added after stages' keys were published, left out of a key at the default they came with: earlier keys stay.
 ADDED_AT_DEFAULT = {"process": None, "num_process": 0, "step_aggregation": "min", "no_step_reward": -5.0,
-                    "step_separator": None, "dense": False, "rpo_alpha": 0.0, "covariance": None,
-                    "sapo_temperatures": [1.0, 1.05], "reference": None, "high_entropy_fraction": None}
+                    "step_separator": None, "dense": False, "rpo_alpha": 0.0, "covariance": None, "reference": None,
+                    "sapo_temperatures": [1.0, 1.05], "high_entropy_fraction": None, "objective": "nll",
+                    "neftune_alpha": None}
 
 
 def cache_relevant(cfg: BaseModel) -> dict[str, Any]:

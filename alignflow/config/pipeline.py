@@ -53,6 +53,13 @@ class SFTConfig(TrainConfig):
         "template's end of turn (OpenRLHF's --multiturn, TRL's assistant_only_loss; counted as "
         "data/sft_assistant_turns). A template that renders earlier turns otherwise than the last (Qwen3's) fails "
         "the stage before training, naming the row")
+    objective: Literal["nll", "dft"] = Field(
+        "nll", description="nll: the mean negative log-likelihood of the response tokens; dft: Dynamic Fine-Tuning, "
+        "each token's NLL weighted by its own probability, held constant (Wu et al. 2025, arXiv 2508.05629): "
+        "logged as train/loss, the NLL beside it as train/nll")
+    neftune_alpha: float | None = Field(
+        None, gt=0, description="NEFTune: uniform noise of scale alpha / sqrt(sequence length x embedding width) on "
+        "the input embeddings while training (Jain et al. 2023, arXiv 2310.05914; the paper tries 5 to 15); None: off")
 
 
 class RewardModelConfig(TrainConfig):

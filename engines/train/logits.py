@@ -27,6 +27,7 @@ take this path.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 
@@ -34,6 +35,7 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from algos.sequence import neftune_noise
 from engines.models import hf_module, last_hidden, text_config
 from engines.train import shared_prefix
 
@@ -208,3 +210,38 @@ def masked_next_token_logprobs(model, batch: dict[str, Tensor], loss_mask: Tenso
     rows, targets = (loss_mask[:, 1:] > 0).nonzero(as_tuple=True)
     logprobs, _ = logprobs_at(model, batch, rows, targets)
     return scatter(logprobs, rows, targets, (loss_mask.shape[0], loss_mask.shape[1] - 1))
+
+
+def token_lengths(batch: dict[str, Tensor]) -> Tensor:
+    """Each position's sequence length: its sample's token count, 0 on padding: (B, L) long. A packed batch
+    (`sample_index`, -1 on padding) counts each sample's tokens in its row; a padded one its row's
+    attention_mask."""
+    if "sample_index" in batch:
+        index = batch["sample_index"]
+        real = index >= 0
+        counts = torch.bincount(index[real], minlength=1)
+        return torch.where(real, counts[index.clamp(min=0)], 0)
+    mask = batch["attention_mask"].long()
+    return mask.sum(dim=1, keepdim=True) * mask
+
+
+@contextlib.contextmanager
+def embedding_noise(model, alpha: float | None, lengths: Tensor):
+    """NEFTune's noise (algos.sequence.neftune_noise, from torch's global generator, which the trainer seeds and
+    checkpoints) on the input embeddings of every forward inside, `lengths` (token_lengths) each position's
+    sequence length; nothing where `alpha` is None. The forward-hook is removed on leaving."""
+    if alpha is None:
+        yield
+        return
+
+    def noisy(module, args, output: Tensor) -> Tensor:
+        if output.shape[:-1] != lengths.shape:
+            raise RuntimeError(f"NEFTune: embeddings of shape {tuple(output.shape)} for lengths of shape "
+                               f"{tuple(lengths.shape)}")
+        return neftune_noise(output, lengths.to(output.device), alpha)
+
+    handle = unwrap(model).get_input_embeddings().register_forward_hook(noisy)
+    try:
+        yield
+    finally:
+        handle.remove()

@@ -19,19 +19,24 @@ from algos.losses.surrogates.sapo import sapo_policy_loss
 from algos.losses.surrogates.vanilla import vanilla_policy_loss
 from algos.losses.policy import ppo_policy_loss
 from algos.losses.preference import pairwise_reward_loss
-from algos.sequence import sft_loss
+from algos.sequence import SFT_LOSSES, sft_loss
 from engines.models import last_hidden
-from engines.train.logits import (final_hidden, logprobs_from_hidden, masked_next_token_logprobs, output_head,
-                                  response_logprobs_and_entropy, unwrap)
+from engines.train.logits import (embedding_noise, final_hidden, logprobs_from_hidden, masked_next_token_logprobs,
+                                  output_head, response_logprobs_and_entropy, token_lengths, unwrap)
 
 
-def causal_lm_objective(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
-    """SFT: NLL on response tokens only (loss_mask is over input_ids; logits only there). Metrics: loss,
-    response_length (response tokens per row, as (sum, count): engines/accumulate.py add_metrics)."""
-    logprobs = masked_next_token_logprobs(model, batch, batch["loss_mask"])
+def causal_lm_objective(model, batch: dict[str, torch.Tensor], *, loss: str = "nll",
+                        neftune_alpha: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """SFT: `loss` (algos.sequence.SFT_LOSSES: nll, or dft) on response tokens only (loss_mask is over input_ids;
+    logits only there), with NEFTune's noise on the input embeddings where `neftune_alpha` is given. Metrics:
+    loss, nll (where the loss is another), response_length (response tokens per row, as (sum, count):
+    engines/accumulate.py add_metrics)."""
+    with embedding_noise(model, neftune_alpha, token_lengths(batch)):
+        logprobs = masked_next_token_logprobs(model, batch, batch["loss_mask"])
     mask = batch["loss_mask"][:, 1:]
-    loss = sft_loss(logprobs, mask)
-    return loss, {"loss": loss.detach(), "response_length": (mask.sum().float(), float(mask.shape[0]))}
+    value = SFT_LOSSES[loss](logprobs, mask)
+    nll = {"nll": sft_loss(logprobs.detach(), mask)} if loss != "nll" else {}
+    return value, {"loss": value.detach(), **nll, "response_length": (mask.sum().float(), float(mask.shape[0]))}
 
 
 TOPK_POSITIONS_PER_HEAD_CALL = 1024  # the teacher's output layer's rows at once: (rows, vocabulary) float32 logits

@@ -21,9 +21,10 @@ import torch
 from torch import Tensor
 
 from algos.losses.preference import pairwise_reward_loss
-from algos.sequence import sft_loss
+from algos.sequence import SFT_LOSSES, sft_loss
 from engines.models import last_hidden
-from engines.train.logits import keep_last_logits, logprobs_from_hidden, output_head, unwrap
+from engines.train.logits import (embedding_noise, keep_last_logits, logprobs_from_hidden, output_head, token_lengths,
+                                  unwrap)
 from engines.train.packing import PackStats, model_inputs, pack_batch
 
 
@@ -46,11 +47,12 @@ def packed_token_logprobs(model, packed: dict[str, Tensor]) -> tuple[Tensor, Ten
     return logprobs, packed["sample_index"][rows, cols + 1], packed["position_ids"][rows, cols + 1]
 
 
-def packed_sft_loss(model, packed: dict[str, Tensor]) -> tuple[Tensor, int]:
-    """SFT's NLL over a packed batch, the token mean of algos.sequence.sft_loss (Σ −log p / number of
-    response tokens); and that number."""
+def packed_sft_loss(model, packed: dict[str, Tensor], loss: str = "nll") -> tuple[Tensor, Tensor, int]:
+    """SFT's `loss` (algos.sequence.SFT_LOSSES) over a packed batch, a token mean as algos.sequence.sft_loss's
+    (Σ −log p / number of response tokens); its NLL (detached); and that number."""
     logprobs, _, _ = packed_token_logprobs(model, packed)
-    return sft_loss(logprobs.unsqueeze(0), torch.ones_like(logprobs).unsqueeze(0)), int(logprobs.numel())
+    flat, ones = logprobs.unsqueeze(0), torch.ones_like(logprobs).unsqueeze(0)
+    return SFT_LOSSES[loss](flat, ones), sft_loss(flat.detach(), ones), int(logprobs.numel())
 
 
 def packed_sample_logps(model, packed: dict[str, Tensor], n: int) -> Tensor:
@@ -84,14 +86,16 @@ def _pack(model, batch: dict[str, Tensor], max_tokens: int | None) -> tuple[dict
     return pack_batch(batch, max_tokens, pad_id=0 if pad is None else pad)
 
 
-def packed_causal_lm_objective(model, batch: dict[str, Tensor], *, max_tokens: int | None = None,
-                               ) -> tuple[Tensor, dict[str, float]]:
+def packed_causal_lm_objective(model, batch: dict[str, Tensor], *, max_tokens: int | None = None, loss: str = "nll",
+                               neftune_alpha: float | None = None) -> tuple[Tensor, dict[str, float]]:
     """objectives.causal_lm_objective over the batch packed into rows of at most `max_tokens`
-    (None: the batch's padded width): the same loss and metrics, and how it packed (PackStats.as_metrics)."""
+    (None: the batch's padded width): the same loss, noise and metrics, and how it packed (PackStats.as_metrics).
+    NEFTune's scale takes each sample's own length, not its packed row's."""
     packed, stats = _pack(model, batch, max_tokens)
-    loss, tokens = packed_sft_loss(model, packed)
-    return loss, {"loss": loss.detach(), "response_length": (float(tokens), float(batch["input_ids"].shape[0])),
-                  **stats.as_metrics()}
+    with embedding_noise(model, neftune_alpha, token_lengths(packed)):
+        value, nll, tokens = packed_sft_loss(model, packed, loss)
+    return value, {"loss": value.detach(), **({"nll": nll} if loss != "nll" else {}),
+                   "response_length": (float(tokens), float(batch["input_ids"].shape[0])), **stats.as_metrics()}
 
 
 def packed_sequence_logps_and_stats(model, batch: dict[str, Tensor], *,

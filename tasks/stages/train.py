@@ -95,16 +95,19 @@ def train_stage(stage: PlannedStage, inputs: TrainInputs | PreferenceInputs, ctx
     return compute_stage(ctx, stage, compute)
 
 
-def causal_lm_objective(train) -> Callable:
-    """The next-token loss of an SFT-like stage (SFT, the judge): packed rows where `train.packing` says."""
-    return (functools.partial(packed_objectives.packed_causal_lm_objective, max_tokens=train.packing_max_tokens)
-            if train.packing else objectives.causal_lm_objective)
+def causal_lm_objective(train, **options) -> Callable:
+    """The next-token loss of an SFT-like stage (SFT, the judge): packed rows where `train.packing` says;
+    `options` (SFT's objective and NEFTune alpha) reach it."""
+    if train.packing:
+        return functools.partial(packed_objectives.packed_causal_lm_objective, max_tokens=train.packing_max_tokens,
+                                 **options)
+    return functools.partial(objectives.causal_lm_objective, **options)
 
 
 def sft(stage: PlannedStage, inputs: TrainInputs, ctx: RunContext) -> StageResult:
     """Supervised fine-tuning of the base model on demonstrations."""
     train = stage.config.train
-    objective = causal_lm_objective(train)
+    objective = causal_lm_objective(train, loss=train.objective, neftune_alpha=train.neftune_alpha)
     tensors = functools.partial(batches.sft_tensors, assistant_turns=train.train_on == "assistant_turns")
     return train_stage(stage, inputs, ctx, kind="causal", split="sft", objective=objective,
                        weigh=objectives.response_tokens, paired=False, to_tensors=_limited(tensors))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -135,6 +136,52 @@ def test_packed_sft_loss_and_gradients_equal_unpacked(policy, tokenizer, wider):
     assert plain.keys() == packed_grads.keys()
     for k in plain:
         torch.testing.assert_close(packed_grads[k], plain[k], rtol=1e-4, atol=1e-6, msg=k)
+
+
+def test_dft_packed_equals_unpacked_and_logs_the_nll_beside_it(policy, tokenizer):
+    from engines.train.objectives import causal_lm_objective
+    from engines.train.packed_objectives import packed_causal_lm_objective
+
+    batch = _batch(tokenizer)
+    width = batch["input_ids"].shape[1]
+    nll, _ = causal_lm_objective(policy, batch)
+    dft, metrics = causal_lm_objective(policy, batch, loss="dft")
+    packed, packed_metrics = packed_causal_lm_objective(policy, batch, max_tokens=2 * width, loss="dft")
+    assert metrics["nll"].item() == pytest.approx(nll.item(), abs=1e-6)
+    assert packed_metrics["nll"].item() == pytest.approx(nll.item(), abs=1e-5)
+    assert packed.item() == pytest.approx(dft.item(), abs=1e-6)
+    assert 0 < dft.item() <= 1 / math.e and dft.item() < nll.item()  # -p log p per token: in [0, 1/e], below -log p
+
+
+def test_neftune_noise_reaches_the_embeddings_at_each_samples_own_scale(policy, tokenizer):
+    """The packed rows' lengths are each sample's own (not its row's); inside the context each embedding moves by
+    at most alpha / sqrt(n d), padding not at all, and on leaving the hook is gone."""
+    from engines.train.logits import embedding_noise, token_lengths
+    from engines.train.objectives import causal_lm_objective
+
+    batch = _batch(tokenizer)
+    own = batch["attention_mask"].sum(1)
+    packed, _ = pack_batch(batch, 2 * batch["input_ids"].shape[1])
+    lengths = token_lengths(packed)
+    real = packed["sample_index"] >= 0
+    assert torch.equal(lengths[real], own[packed["sample_index"][real]]) and (lengths[~real] == 0).all()
+
+    emb, ids, alpha = policy.get_input_embeddings(), batch["input_ids"], 5.0
+    with torch.no_grad():
+        clean = emb(ids)
+        with embedding_noise(policy, alpha, token_lengths(batch)):
+            noisy = emb(ids)
+        assert torch.equal(emb(ids), clean)
+    scale = alpha / torch.sqrt(token_lengths(batch).clamp(min=1).float() * clean.shape[-1])
+    moved = (noisy - clean).abs().amax(-1)
+    pad = batch["attention_mask"] == 0
+    assert (moved <= scale * 1.01).all() and (moved[pad] == 0).all() and (moved[~pad] > scale[~pad] / 2).all()
+    torch.manual_seed(3)  # the objective draws from torch's global generator, which the trainer seeds
+    first, _ = causal_lm_objective(policy, batch, neftune_alpha=alpha)
+    torch.manual_seed(3)
+    again, _ = causal_lm_objective(policy, batch, neftune_alpha=alpha)
+    plain, _ = causal_lm_objective(policy, batch)
+    assert first.item() == again.item() != plain.item()
 
 
 def test_the_judge_trains_packed_where_its_config_says(policy, tokenizer):
@@ -284,3 +331,21 @@ def test_rows_longer_than_the_packing_width_are_refused_before_training():
         check_fits(tensors, 8, "preference.packing_max_tokens")
     with pytest.raises(DataError, match=r"=8: 1 KTO mismatched \(kl_\) rows are longer \(row 1: 9 tokens\)"):
         check_fits({**tensors, "attention_mask": mask([3, 5, 8])}, 8, "preference.packing_max_tokens")
+
+
+def test_sft_hands_its_objective_and_noise_to_the_loss_and_keeps_its_key_at_the_defaults():
+    from alignflow.config import ConfigError, SFTConfig, cache_relevant, load_config
+    from engines.train.objectives import causal_lm_objective as plain
+    from tasks.stages.train import causal_lm_objective
+
+    sft = SFTConfig(objective="dft", neftune_alpha=5.0, packing=True)
+    built = causal_lm_objective(sft, loss=sft.objective, neftune_alpha=sft.neftune_alpha)
+    assert built.keywords == {"max_tokens": None, "loss": "dft", "neftune_alpha": 5.0}
+    assert causal_lm_objective(SFTConfig()).func is plain and causal_lm_objective(SFTConfig()).keywords == {}
+    assert not {"objective", "neftune_alpha"} & set(cache_relevant(SFTConfig()))  # published keys stay
+    assert {k: cache_relevant(sft)[k] for k in ("objective", "neftune_alpha")} == {"objective": "dft",
+                                                                                   "neftune_alpha": 5.0}
+    with pytest.raises(ConfigError, match=r"sft\.neftune_alpha"):
+        load_config(None, ["sft.neftune_alpha=0"])
+    with pytest.raises(ConfigError, match=r"sft\.objective"):
+        load_config(None, ["sft.objective=kl"])

@@ -1,4 +1,4 @@
-"""Token logprobs and the SFT loss against plain-Python log-sum-exp."""
+"""Token logprobs, the SFT losses (NLL, DFT) and NEFTune's noise against plain-Python arithmetic."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from algos.sequence import shifted_logprobs, sft_loss, token_logprobs
+from algos.sequence import dft_loss, neftune_noise, shifted_logprobs, sft_loss, token_logprobs
 
 # (B=2, L=4, V=3) logits, hand-written; one row has large values to exercise stability.
 LOGITS = [
@@ -118,3 +118,37 @@ def test_sft_loss_gradient_reaches_only_response_positions():
     z = sum(math.exp(x) for x in row)
     expected = [(math.exp(x) / z - (1.0 if v == INPUT_IDS[0][1] else 0.0)) / 2 for v, x in enumerate(row)]
     assert logits.grad[0, 0].tolist() == pytest.approx(expected, abs=1e-6)
+
+
+def test_dft_weighs_each_tokens_nll_by_its_probability_held_constant():
+    """Value -sum p log p / n over the response tokens; gradient -grad p / n: at position t with target y,
+    d/dz_v of -p_y / n = -p_y (1[v = y] - p_v) / n."""
+    loss_mask = [[0, 1, 1, 1], [0, 0, 1, 0]]
+    logits = torch.tensor(LOGITS, requires_grad=True)
+    loss = dft_loss(shifted_logprobs(logits, torch.tensor(INPUT_IDS)), torch.tensor(loss_mask)[:, 1:])
+    terms = [_logp(LOGITS[b][t], INPUT_IDS[b][t + 1]) for b in range(2) for t in range(3) if loss_mask[b][t + 1]]
+    assert loss.item() == pytest.approx(-sum(math.exp(x) * x for x in terms) / 4, abs=1e-6)
+    loss.backward()
+    row, y = LOGITS[0][0], INPUT_IDS[0][1]
+    p = [math.exp(_logp(row, v)) for v in range(3)]
+    assert logits.grad[0, 0].tolist() == pytest.approx([-p[y] * ((v == y) - p[v]) / 4 for v in range(3)], abs=1e-6)
+    # NLL's gradient at the same position is (p_v - 1[v = y]) / n: DFT's is it times p_y
+    assert logits.grad[0, 0].tolist() == pytest.approx([p[y] * (p[v] - (v == y)) / 4 for v in range(3)], abs=1e-6)
+    assert dft_loss(torch.zeros(2, 3), torch.zeros(2, 3)).item() == 0.0
+
+
+def test_neftune_noise_is_uniform_within_alpha_over_root_length_times_width():
+    """Two rows of width d = 512: lengths 3, 3, 3 and 2, 2, 0 (padding: no noise); each entry's noise lies
+    within alpha / sqrt(n d) and, being uniform, has a mean absolute value of half that."""
+    embeds = torch.zeros(2, 3, 512, dtype=torch.bfloat16)
+    lengths = torch.tensor([[3, 3, 3], [2, 2, 0]])
+    out = neftune_noise(embeds, lengths, 5.0, generator=torch.Generator().manual_seed(0))
+    assert out.dtype == torch.bfloat16 and out.shape == embeds.shape
+    for b, t in [(0, 0), (0, 2), (1, 0), (1, 1)]:
+        scale = 5.0 / math.sqrt(int(lengths[b, t]) * 512)
+        noise = out[b, t].float()
+        assert noise.abs().max().item() <= scale * 1.004  # bf16 rounding
+        assert noise.abs().mean().item() == pytest.approx(scale / 2, rel=0.1)
+    assert out[1, 2].abs().sum().item() == 0
+    with pytest.raises(ValueError, match="alpha must be > 0"):
+        neftune_noise(embeds, lengths, 0.0)
