@@ -25,8 +25,8 @@ An RL round reads its algorithm's spec and never branches on the name:
   "gspo_clip" (sequence ratios), "cispo" (clipped, detached token weights), "gmpo_clip" (the geometric mean of
   token ratios, clipped in log space: clip_low / clip_high are of log r), "sapo_gate" (a soft gate, no clip) or
   "vanilla" (the plain policy gradient, no ratio and no clip).
-- `kl_coef`: the default of `kl.coef` where the algorithm's paper trains with none (0: no reference model is
-  started unless the round sets one); None: KLConfig's.
+- `kl_coef`: the default of `kl.coef` (0.05; GPG's 0, its paper training with no KL term: no reference model is
+  started unless the round gives one).
 
 Adding an algorithm is one `register_algorithm` entry here, plus its math in
 `algos/` when it needs new math. Kept free of torch: configs import it to
@@ -65,7 +65,7 @@ class AlgorithmSpec:
     clip_low: float = 0.2
     clip_high: float = 0.2
     group_std_norm: bool | None = None  # default of `ppo.advantage_std_norm`; None: nothing to switch
-    kl_coef: float | None = None  # default of kl.coef where the paper's differs from KLConfig's
+    kl_coef: float = 0.05  # the default of kl.coef
     teacher: bool = False  # distillation: the frozen log-prob model is `rounds[i].teacher`, its pull the advantage
 
 

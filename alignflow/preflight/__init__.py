@@ -2,7 +2,8 @@
 (`alignflow validate`, and the start of `run` / `stage`):
 
     models.py    model.base, a distillation round's teacher and a judge load; explicit lengths, episodes and a
-                 judge engine's max_model_len fit their model's positions; LoRA targets name layers it can adapt
+                 judge engine's max_model_len fit their model's positions; LoRA targets name layers it can adapt;
+                 DFT is refused on a freshly built tiny model
     rewards.py   rule rewards, the checker and environments (with their tools' schemas) import and take the
                  arguments they are given; remote reward services answer
     stores.py    the storage root, and a SQLite tracking file's directory, take a probe; on a Ray cluster, the

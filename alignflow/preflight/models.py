@@ -21,6 +21,10 @@ def check_models(cfg: PipelineConfig, found: Findings) -> int | None:
     config, tokenizers = None, {}  # the tokenizers loaded, by path: each once, for the teachers' check too
     if cfg.model.base == "tiny":  # its transformers config (an import of seconds) only where LoRA targets need it
         positions, base = cfg.model.tiny.max_position_embeddings, cfg.model.tiny.hf_config
+        if cfg.sft is not None and cfg.sft.objective == "dft":
+            found.fail("sft.objective", "dft weighs each token's loss by its probability, about 1 / vocabulary on "
+                       "the freshly built model of model.base tiny, so SFT barely moves it (the default pipeline's "
+                       "SFT stayed at accuracy 0): use nll, or start from a pretrained model", also=("model.base",))
     else:
         config = _model_at("model.base", cfg.model.base, found, cfg.model.revision, tokenizers=tokenizers)
         positions, base = _positions(config), config and (lambda: config)

@@ -1039,8 +1039,8 @@ def test_an_unknown_key_says_the_nearest_setting_or_its_sections_settings(tmp_pa
     lines = str(err.value).splitlines()[1:]
     assert lines[0] == "  sft.zzz: no such setting; valid: batch_size, checkpoint_every, dropout, epochs, " \
         "grad_clip, gradient_checkpointing, learning_rate, log_every, lora, max_steps, micro_batch_size, " \
-        "micro_batch_tokens, num_workers, offload, packing, packing_max_tokens, placement, train_on, warmup_steps, " \
-        "weight_decay, zero_stage (got 1) (from the command line: sft.zzz=1)"
+        "micro_batch_tokens, neftune_alpha, num_workers, objective, offload, packing, packing_max_tokens, placement, " \
+        "train_on, warmup_steps, weight_decay, zero_stage (got 1) (from the command line: sft.zzz=1)"
     assert lines[1].startswith("  rounds.0.algoritm: no such setting; did you mean 'algorithm'? (got 'grpo')")
     assert lines[2].startswith("  rounds.1.generation.tempreature: no such setting; did you mean 'temperature'?")
     with pytest.raises(ConfigError) as err:  # a key that is no identifier is named as given

@@ -254,6 +254,16 @@ def test_a_missing_model_directory_says_so_not_a_hub_error(tmp_path):
         f"(from the command line: model.base={missing})"]
 
 
+def test_dft_on_a_freshly_built_tiny_model_is_refused_before_anything_starts(tmp_path):
+    """Measured: the default pipeline's SFT with objective dft stayed at accuracy 0 (its weights are p, about
+    1 / vocabulary at the start)."""
+    [problem] = problems(None, "sft.objective=dft", f"infra.storage.root={tmp_path}")
+    assert problem.startswith("sft.objective: dft weighs each token's loss by its probability, about 1 / vocabulary "
+                              "on the freshly built model of model.base tiny")
+    assert problem.endswith("(from the command line: sft.objective=dft; model.base: from alignflow/configs/tiny.yaml)")
+    assert problems(None, "sft.objective=nll", f"infra.storage.root={tmp_path}") == []
+
+
 def test_a_missing_teacher_is_named_with_its_round(tmp_path):
     missing = tmp_path / "teacher"
     rounds = f'rounds=[{{}}, {{"algorithm": "distill", "teacher": "{missing}", "reward": {{"source": "rule"}}}}]'

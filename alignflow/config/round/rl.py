@@ -159,10 +159,9 @@ class RoundConfig(Section):
 
     @property
     def kl_coef(self) -> float:
-        """The KL coefficient the round runs with: kl.coef as given, else the algorithm's default (GPG's 0), else
-        KLConfig's; a teacher's round has none (resolved() sets 0)."""
-        given = "coef" in self.kl.model_fields_set or self.spec.kl_coef is None
-        return self.kl.coef if given else self.spec.kl_coef
+        """The KL coefficient the round runs with: kl.coef, or the algorithm's default (0.05; GPG's 0); a teacher's
+        round has none (resolved() sets 0)."""
+        return self.spec.kl_coef if self.kl.coef is None else self.kl.coef
 
     @property
     def uses_reference(self) -> bool:

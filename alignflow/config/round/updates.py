@@ -17,7 +17,8 @@ class KLConfig(Section):
     estimator: KLEstimator | None = Field(None, description="k1 | k2 | k3; None: the algorithm's default")
     apply_as: KLPlacement | None = Field(
         None, description="reward (PPO-style penalty) | loss (GRPO-style); None: the algorithm's default")
-    coef: float = Field(0.05, ge=0, description="KL coefficient (adaptive: its start); 0: no KL term")
+    coef: float | None = Field(None, ge=0, description="KL coefficient (adaptive: its start); 0: no KL term; None: "
+                               "the algorithm's default (0.05; gpg 0, no reference model started)")
     adaptive: bool = Field(False, description="adapt coef to keep the KL near target")
     target: float = Field(1.0, gt=0, description="adaptive controller target KL (Ziegler et al. 2019)")
     horizon: int = Field(10000, ge=1, description="adaptive controller's horizon, in rollouts")

@@ -151,7 +151,7 @@ def test_gpg_alpha_is_one_where_every_row_or_none_carries_a_gradient():
     assert every.advantages[:, 0].tolist() == pytest.approx([0.5, -0.5, -0.5, 0.5])
     none = _gpg([1.0, 1.0, 0.0, 0.0], mask)
     assert none.advantages.abs().sum().item() == 0
-    from algos import gradient_row_scale  # a row with no valid token carries none either
+    from algos import gradient_row_scale  # a row with no valid token counts on neither side (no loss mean has it)
 
-    adv = torch.tensor([[1.0, 0.0], [5.0, 0.0], [0.0, 0.0]])
-    assert gradient_row_scale(adv, torch.tensor([[1, 0], [0, 0], [1, 1]])).item() == pytest.approx(3.0)
+    adv = torch.tensor([[1.0, 0.0], [5.0, 0.0], [0.0, 0.0], [0.0, 2.0]])
+    assert gradient_row_scale(adv, torch.tensor([[1, 0], [0, 0], [1, 1], [1, 1]])).item() == pytest.approx(3 / 2)

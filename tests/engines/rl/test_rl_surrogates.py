@@ -51,16 +51,20 @@ def test_gpg_resolves_to_no_kl_no_reference_and_no_clip_unless_a_kl_is_given():
     with_kl = _round("gpg", kl={"coef": 0.02}).resolved()
     assert (with_kl.kl.coef, with_kl.uses_reference, with_kl.kl.apply_as, with_kl.kl.estimator) == (
         0.02, True, "loss", "k3")
-    assert _round("grpo").resolved().kl.coef == 0.05  # every other algorithm keeps KLConfig's default
+    assert _round("grpo").resolved().kl.coef == 0.05  # every other algorithm keeps 0.05
 
 
-def test_a_gpg_round_plans_without_a_reference():
+def test_a_planned_gpg_round_starts_no_reference_unless_given_a_kl_coef():
+    """Given as a file's section or an override, 0.05 (every other algorithm's default) included."""
     from tasks.plan import plan_pipeline
 
-    stages = plan_pipeline(load_config(None, ['rounds=[{"algorithm": "gpg"}, {"algorithm": "gpg", "kl": {"coef": '
-                                              '0.01}}]'])).stages
-    first, second = (stages[f"round_{i}"].config.round for i in (1, 2))
-    assert (first.kl.coef, first.uses_reference, second.kl.coef, second.uses_reference) == (0.0, False, 0.01, True)
+    cfg = load_config(None, ['rounds=[{"algorithm": "gpg"}, {"algorithm": "gpg", "kl": {"coef": 0.05}}, '
+                             '{"algorithm": "gpg"}, {"algorithm": "grpo"}]', "rounds.2.kl.coef=0.05"])
+    stages = plan_pipeline(cfg).stages
+    rounds = [stages[f"round_{i}"].config.round for i in (1, 2, 3, 4)]
+    assert [(r.kl.coef, r.uses_reference) for r in rounds] == [(0.0, False), (0.05, True), (0.05, True),
+                                                               (0.05, True)]
+    assert cfg.rounds[0].kl.coef is None and cfg.rounds[0].model_dump()["kl"]["coef"] is None  # a dump keeps "unset"
 
 
 def test_rounds_of_each_plan_and_resolve_without_a_clip_where_none_is_read():
