@@ -20,6 +20,8 @@ from ..masked import _bool_mask, _check_same_shape, full_precision
 
 #: Modes of :func:`rollout_importance_weights`.
 TIS_MODES = ("truncate", "mask")
+#: Levels of :func:`rollout_importance_weights`: what one ratio is taken over.
+TIS_LEVELS = ("token", "sequence", "geometric")
 #: Log-ratios are clamped to [-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP] before exp (finite ratios).
 LOG_RATIO_CLAMP = 20.0
 
@@ -32,11 +34,19 @@ def rollout_importance_weights(
     cap: float,
     low: Optional[float] = None,
     mode: str = "truncate",
+    level: str = "token",
 ) -> Tuple[Tensor, Tensor]:
     """Importance weights between the trainer and the rollout engine, truncated or masked.
 
-    Formula, per valid token, ``rho_t = exp(clamp(old_logprobs - rollout_logprobs,
-    -20, 20))`` (trainer over sampler probability of the sampled token):
+    Formula, with ``d_t = old_logprobs - rollout_logprobs`` on the valid tokens (the log of the trainer's
+    over the sampler's probability of the sampled token), ``rho = exp(clamp(x, -20, 20))`` of
+
+    * ``level="token"``: ``x_t = d_t``, one ratio per token;
+    * ``level="sequence"``: ``x = sum_t d_t``, the response's own ratio, on each of its tokens;
+    * ``level="geometric"``: ``x = mean_t d_t``, its geometric mean per token, on each of its tokens
+      (length-independent, where a long response's sequence ratio leaves any range);
+
+    then:
 
     * ``mode="truncate"`` (TIS): ``w_t = min(rho_t, cap)``, and
       ``w_t = max(w_t, low)`` when ``low`` is given;
@@ -45,9 +55,9 @@ def rollout_importance_weights(
       disagree too much are masked out of the loss; they stay in the loss
       aggregation's denominator, as in the IcePop objective.
 
-    Returns ``(weights, masked)``: detached weights (1 at padding) and the
-    bool flags of the valid tokens the mask mode zeroed (all False in
-    ``"truncate"`` mode).
+    At the sequence levels the mask mode drops or keeps a response whole. Returns ``(weights, masked)``:
+    detached weights (1 at padding) and the bool flags of the valid tokens the mask mode zeroed (all False
+    in ``"truncate"`` mode).
 
     Shapes: ``old_logprobs``, ``rollout_logprobs``, ``action_mask`` ``(B, T)``;
     returns two ``(B, T)`` tensors.
@@ -55,11 +65,14 @@ def rollout_importance_weights(
     Reference: TIS, Yao et al. 2025, "Your Efficient RL Framework Secretly
     Brings You Off-Policy RL Training" (blog); IcePop, Ling Team 2025,
     "Every Step Evolves: Scaling Reinforcement Learning for Trillion-Scale
-    Thinking Model", arXiv 2510.18855.
+    Thinking Model", arXiv 2510.18855; the sequence and geometric levels as in
+    verl's rollout correction (its rollout_is_level).
     """
     _check_same_shape(old_logprobs=old_logprobs, rollout_logprobs=rollout_logprobs, action_mask=action_mask)
     if mode not in TIS_MODES:
         raise ValueError(f"unknown TIS mode {mode!r}; valid: {', '.join(TIS_MODES)}")
+    if level not in TIS_LEVELS:
+        raise ValueError(f"unknown TIS level {level!r}; valid: {', '.join(TIS_LEVELS)}")
     if cap <= 0:
         raise ValueError(f"tis_cap must be > 0, got {cap}")
     if low is not None and not 0 <= low < cap:
@@ -67,6 +80,11 @@ def rollout_importance_weights(
     mask = _bool_mask(action_mask)
     zeros = torch.zeros_like(old_logprobs)
     diff = torch.where(mask, old_logprobs - rollout_logprobs, zeros).detach()
+    if level != "token":
+        total = diff.sum(dim=-1, keepdim=True)
+        if level == "geometric":
+            total = total / mask.sum(dim=-1, keepdim=True).clamp(min=1)
+        diff = torch.where(mask, total.expand_as(diff), zeros)
     rho = torch.exp(diff.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     if mode == "truncate":
         weight = rho.clamp(min=low, max=cap)
@@ -77,7 +95,8 @@ def rollout_importance_weights(
 
 
 def weights_if_rollout(like: Tensor, old_logprobs: Tensor, rollout_logprobs: Optional[Tensor], action_mask: Tensor, *,
-                       tis_cap: Optional[float], tis_low: Optional[float], tis_mode: str) -> Tuple[Tensor, Tensor]:
+                       tis_cap: Optional[float], tis_low: Optional[float], tis_mode: str,
+                       tis_level: str = "token") -> Tuple[Tensor, Tensor]:
     """A policy loss's TIS step: :func:`rollout_importance_weights` where ``rollout_logprobs`` are given
     (``tis_cap`` then required), else weights of 1 and nothing masked, shaped and typed as ``like`` (B, T)."""
     if rollout_logprobs is None:
@@ -86,7 +105,7 @@ def weights_if_rollout(like: Tensor, old_logprobs: Tensor, rollout_logprobs: Opt
         raise ValueError("tis_cap is required when rollout_logprobs is given")
     _check_same_shape(ratio=like, rollout_logprobs=rollout_logprobs)
     return rollout_importance_weights(old_logprobs.detach(), rollout_logprobs, action_mask, cap=tis_cap, low=tis_low,
-                                      mode=tis_mode)
+                                      mode=tis_mode, level=tis_level)
 
 
 @dataclass(frozen=True)

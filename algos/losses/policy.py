@@ -80,6 +80,7 @@ def clipped_surrogate(
     tis_cap: Optional[float],
     tis_low: Optional[float],
     tis_mode: str,
+    tis_level: str = "token",
 ) -> PolicyLossOutput:
     """The clipped surrogate given per-token ratios (shared by PPO and GSPO).
 
@@ -98,7 +99,7 @@ def clipped_surrogate(
                                                         clip_high=clip_high, dual_clip=dual_clip)
     return weighted_policy_loss(loss, ratio, log_ratio, action_mask, old_logprobs, clip_active, dual_active,
                                 agg=agg, loss_scale_constant=loss_scale_constant, rollout_logprobs=rollout_logprobs,
-                                tis_cap=tis_cap, tis_low=tis_low, tis_mode=tis_mode)
+                                tis_cap=tis_cap, tis_low=tis_low, tis_mode=tis_mode, tis_level=tis_level)
 
 
 def clipped_token_loss(ratio: Tensor, advantages: Tensor, action_mask: Tensor, *, clip_low: float, clip_high: float,
@@ -134,7 +135,7 @@ def clipped_token_loss(ratio: Tensor, advantages: Tensor, action_mask: Tensor, *
 def weighted_policy_loss(loss: Tensor, ratio: Tensor, log_ratio: Tensor, action_mask: Tensor, old_logprobs: Tensor,
                          clip_active: Tensor, dual_active: Tensor, *, agg: str, loss_scale_constant: Optional[float],
                          rollout_logprobs: Optional[Tensor], tis_cap: Optional[float], tis_low: Optional[float],
-                         tis_mode: str) -> PolicyLossOutput:
+                         tis_mode: str, tis_level: str = "token") -> PolicyLossOutput:
     """A policy loss's last steps, shared by the surrogates (PPO, GSPO, CISPO): each token's loss ``l`` weighted
     by its rollout importance weight (``l *= w``, :func:`weights_if_rollout`), zeroed at padding, reduced by
     :func:`aggregate_loss`, and the metrics of :class:`PolicyLossOutput` (``clip_active``, ``dual_active``:
@@ -143,7 +144,7 @@ def weighted_policy_loss(loss: Tensor, ratio: Tensor, log_ratio: Tensor, action_
     Shapes: every tensor ``(B, T)``; returns :class:`PolicyLossOutput`."""
     mask = _bool_mask(action_mask)
     weight, tis_masked = weights_if_rollout(ratio, old_logprobs, rollout_logprobs, action_mask, tis_cap=tis_cap,
-                                            tis_low=tis_low, tis_mode=tis_mode)
+                                            tis_low=tis_low, tis_mode=tis_mode, tis_level=tis_level)
     token_loss = torch.where(mask, loss * weight.to(loss.dtype), torch.zeros_like(loss))
     scalar = aggregate_loss(token_loss, action_mask, agg=agg,
                             loss_scale_constant=loss_scale_constant)
@@ -177,6 +178,7 @@ def ppo_policy_loss(
     tis_cap: Optional[float] = None,
     tis_low: Optional[float] = None,
     tis_mode: str = "truncate",
+    tis_level: str = "token",
 ) -> PolicyLossOutput:
     """Clipped surrogate policy loss with clip-higher, dual-clip and TIS.
 
@@ -192,7 +194,9 @@ def ppo_policy_loss(
     ``w`` of :func:`rollout_importance_weights` (``tis_mode="truncate"``:
     ``w = min(exp(old_logprobs - rollout_logprobs), tis_cap)``, floored at
     ``tis_low`` when given; ``"mask"``: IcePop, tokens with the ratio
-    outside ``[tis_low, tis_cap]`` get ``w = 0``). ``tis_cap`` is required
+    outside ``[tis_low, tis_cap]`` get ``w = 0``; ``tis_level`` "sequence" or
+    "geometric": one ratio per response, its product or geometric mean over
+    the tokens). ``tis_cap`` is required
     then; the TIS arguments are ignored without ``rollout_logprobs``. The
     scalar loss is :func:`aggregate_loss` (``agg``, ``loss_scale_constant``).
     ``old_logprobs``, ``advantages`` and ``rollout_logprobs`` are treated as
@@ -205,7 +209,7 @@ def ppo_policy_loss(
     return clipped_surrogate(
         t.ratio, t.log_ratio, advantages, action_mask, t.old_logprobs, clip_low=clip_low,
         clip_high=clip_high, dual_clip=dual_clip, agg=agg, loss_scale_constant=loss_scale_constant,
-        rollout_logprobs=rollout_logprobs, tis_cap=tis_cap, tis_low=tis_low, tis_mode=tis_mode)
+        rollout_logprobs=rollout_logprobs, tis_cap=tis_cap, tis_low=tis_low, tis_mode=tis_mode, tis_level=tis_level)
 
 
 @dataclass(frozen=True)

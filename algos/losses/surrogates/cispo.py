@@ -26,6 +26,7 @@ def cispo_policy_loss(
     tis_cap: Optional[float] = None,
     tis_low: Optional[float] = None,
     tis_mode: str = "truncate",
+    tis_level: str = "token",
 ) -> PolicyLossOutput:
     """Clipped IS-weight Policy Optimization loss.
 
@@ -60,4 +61,5 @@ def cispo_policy_loss(
     loss = -(weight * t.advantages) * torch.exp(lp - lp.detach())  # value -w A, gradient -w A grad log pi
     return weighted_policy_loss(loss, t.ratio, t.log_ratio, action_mask, t.old_logprobs, weight != t.ratio,
                                 torch.zeros_like(t.mask), agg=agg, loss_scale_constant=loss_scale_constant,
-                                rollout_logprobs=rollout_logprobs, tis_cap=tis_cap, tis_low=tis_low, tis_mode=tis_mode)
+                                rollout_logprobs=rollout_logprobs, tis_cap=tis_cap, tis_low=tis_low, tis_mode=tis_mode,
+                                tis_level=tis_level)

@@ -23,6 +23,7 @@ def vanilla_policy_loss(
     tis_cap: Optional[float] = None,
     tis_low: Optional[float] = None,
     tis_mode: str = "truncate",
+    tis_level: str = "token",
 ) -> PolicyLossOutput:
     """Policy-gradient loss with no surrogate: the objective is ``A log pi`` itself.
 
@@ -47,4 +48,4 @@ def vanilla_policy_loss(
     none = torch.zeros_like(t.mask)
     return weighted_policy_loss(loss, t.ratio, t.log_ratio, action_mask, t.old_logprobs, none, none, agg=agg,
                                 loss_scale_constant=loss_scale_constant, rollout_logprobs=rollout_logprobs,
-                                tis_cap=tis_cap, tis_low=tis_low, tis_mode=tis_mode)
+                                tis_cap=tis_cap, tis_low=tis_low, tis_mode=tis_mode, tis_level=tis_level)

@@ -99,6 +99,10 @@ class PPOConfig(Section):
         "tis_masked_fraction)")
     tis_low: float | None = Field(
         None, gt=0, description="lower bound of the ratio (IcePop uses 0.5 with tis_cap 5); None: none")
+    tis_level: Literal["token", "sequence", "geometric"] = Field(
+        "token", description="what one ratio is taken over: token: each token's own; sequence: the response's "
+        "(the product of its tokens' ratios) on every token of it; geometric: their geometric mean, on every token "
+        "of it (a length-free sequence ratio); with mask, sequence and geometric drop or keep a response whole")
     advantage_std_norm: bool | None = Field(
         None, description="divide group advantages by the group std (grpo: true, dr_grpo: false); None: the "
         "algorithm's default; only for algorithms with group-normalised advantages")
@@ -111,8 +115,10 @@ class PPOConfig(Section):
 
     @model_validator(mode="after")
     def _importance_sampling(self) -> PPOConfig:
-        if self.tis_cap is None and (self.tis_mode != "truncate" or self.tis_low is not None):
-            raise ValueError("ppo.tis_mode / ppo.tis_low need ppo.tis_cap (importance sampling is off without it)")
+        if self.tis_cap is None and (self.tis_mode != "truncate" or self.tis_low is not None
+                                     or self.tis_level != "token"):
+            raise ValueError("ppo.tis_mode / ppo.tis_low / ppo.tis_level need ppo.tis_cap (importance sampling is "
+                             "off without it)")
         if self.tis_low is not None and self.tis_cap is not None and self.tis_low >= self.tis_cap:
             raise ValueError(f"ppo.tis_low ({self.tis_low}) must be < ppo.tis_cap ({self.tis_cap})")
         if min(self.sapo_temperatures) <= 0:

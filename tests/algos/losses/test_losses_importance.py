@@ -1,4 +1,5 @@
-"""Rollout importance weights: truncation (TIS, with a floor) and masking (IcePop); by hand."""
+"""Rollout importance weights: truncation (TIS, with a floor) and masking (IcePop), per token or per response; by
+hand."""
 
 import math
 
@@ -32,6 +33,37 @@ def test_weights_by_mode(mode, low, weights, masked):
     assert m[0].tolist() == masked + [False]
 
 
+# Two responses: row 0 as above (ratios 1, 3, 0.25, 1.5: product 1.125, geometric mean 1.125^(1/4)), row 1 of two
+# tokens with ratios 2 and 2 (product 4, geometric mean 2), then padding.
+OLD2 = [[0.0, 0.0, 0.0, 0.0, G], [0.0, 0.0, G, G, G]]
+ROLL2 = [ROLL[0], [-math.log(2.0), -math.log(2.0), -G, -G, -G]]
+MASK2 = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 0, 0, 0]])
+
+
+@pytest.mark.parametrize("level,mode,cap,row0,row1", [
+    ("sequence", "truncate", 2.0, 1.125, 2.0),
+    ("sequence", "mask", 2.0, 1.125, 0.0),  # row 1's product 4 is past the cap: the response dropped whole
+    ("geometric", "truncate", 1.5, 1.125 ** 0.25, 1.5),
+    ("geometric", "mask", 1.5, 1.125 ** 0.25, 0.0),
+    ("geometric", "mask", 2.0, 1.125 ** 0.25, 2.0),
+])
+def test_one_ratio_per_response_at_the_sequence_levels(level, mode, cap, row0, row1):
+    w, m = rollout_importance_weights(_t(OLD2), _t(ROLL2), MASK2, cap=cap, mode=mode, level=level)
+    assert w[0, :4].tolist() == pytest.approx([row0] * 4, rel=1e-12)
+    assert w[1, :2].tolist() == pytest.approx([row1] * 2, rel=1e-12)
+    assert w[0, 4].item() == 1.0 and w[1, 2:].tolist() == [1.0] * 3  # padding
+    assert m[1].tolist() == [row1 == 0.0] * 2 + [False] * 3 and not m[0].any()
+
+
+def test_the_sequence_level_reaches_the_loss_through_every_surrogate():
+    from algos import vanilla_policy_loss
+
+    lp, adv = _t(OLD2, grad=True), _t([[1.0] * 4 + [G], [1.0] * 2 + [G] * 3])
+    for loss_fn in (ppo_policy_loss, vanilla_policy_loss):
+        out = loss_fn(lp, _t(OLD2), adv, MASK2, rollout_logprobs=_t(ROLL2), tis_cap=2.0, tis_level="sequence")
+        assert out.loss.item() == pytest.approx(-(4 * 1.125 + 2 * 2.0) / 6)
+
+
 def test_mask_mode_in_the_policy_loss():
     lp = _t(OLD, grad=True)  # ratio 1 against old, A = 1: token loss = -w
     adv = _t([[1.0, 1.0, 1.0, 1.0, G]])
@@ -57,5 +89,7 @@ def test_validation():
         rollout_importance_weights(_t(OLD), _t(ROLL), MASK, cap=2.0, mode="drop")
     with pytest.raises(ValueError, match="tis_low must satisfy"):
         rollout_importance_weights(_t(OLD), _t(ROLL), MASK, cap=2.0, low=2.0)
+    with pytest.raises(ValueError, match="unknown TIS level 'row'"):
+        rollout_importance_weights(_t(OLD), _t(ROLL), MASK, cap=2.0, level="row")
     with pytest.raises(ValueError, match="tis_cap must be > 0"):
         rollout_importance_weights(_t(OLD), _t(ROLL), MASK, cap=0.0)

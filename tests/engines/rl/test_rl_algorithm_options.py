@@ -66,6 +66,9 @@ def test_defaults_of_the_other_algorithms_are_unchanged():
     ('{"algorithm": "grpo", "ppo": {"tis_cap": null, "tis_mode": "mask"}}', r"rounds\.0\.ppo: .*need ppo\.tis_cap"),
     ('{"algorithm": "grpo", "ppo": {"tis_cap": 2.0, "tis_low": 2.0}}', r"rounds\.0\.ppo: .*tis_low \(2\.0\) must be < ppo\.tis_cap"),
     ('{"algorithm": "grpo", "ppo": {"tis_mode": "drop"}}', r"rounds\.0\.ppo\.tis_mode"),
+    ('{"algorithm": "grpo", "ppo": {"tis_cap": null, "tis_level": "sequence"}}', r"rounds\.0\.ppo: .*tis_level need "
+     r"ppo\.tis_cap"),
+    ('{"algorithm": "grpo", "ppo": {"tis_level": "row"}}', r"rounds\.0\.ppo\.tis_level"),
     ('{"algorithm": "grpo", "ppo": {"dynamic_sampling_mean_range": [0.9, 0.1]}}',
      r"rounds\.0\.ppo: .*dynamic_sampling_mean_range must be \[low, high\]"),
     ('{"algorithm": "grpo", "ppo": {"dynamic_sampling_mean_range": [0.1]}}', r"rounds\.0\.ppo\.dynamic_sampling_mean_range"),
@@ -261,6 +264,32 @@ def test_rollout_importance_modes_in_the_policy_objective(policy_batch, mode, we
     assert loss.item() == pytest.approx(-sum(weights) / 5, rel=1e-5)
     assert metrics["tis_masked_fraction"] == pytest.approx((masked * 5, 5.0))  # (sum, count) over the 5 tokens
     assert metrics["tis_weight_mean"] == pytest.approx((sum(weights), 5.0), rel=1e-5)
+
+
+def test_the_sequence_level_weighs_each_response_by_its_own_ratio_through_the_round(policy_batch):
+    """ppo.tis_level reaches the objective from the round's update; row 0's ratio 1 x 3 x 0.25 = 0.75, row 1's
+    1.5 x 1 = 1.5, each on every token of its row; a config left at token keeps its key."""
+    from types import SimpleNamespace
+
+    from alignflow.config import PPOConfig, RolloutConfig, RoundConfig, cache_relevant
+    from engines.rl.updates import PolicyGradientUpdate
+
+    model, exp, logprobs = policy_batch
+    mask = exp.action_mask
+    rho = torch.tensor([[1.0, 3.0, 0.25], [1.5, 1.0, 1.0]])
+    batch = exp.with_(old_logprobs=logprobs, advantages=mask.clone(),
+                      rollout_logprobs=(logprobs - torch.log(rho)) * mask).tensors()
+    cfg = RoundConfig(algorithm="grpo", generation=RolloutConfig(num_samples=2), kl={"coef": 0.0},
+                      ppo=PPOConfig(tis_level="sequence", entropy_coef=0.0)).resolved()
+    update = SimpleNamespace(cfg=cfg, kl_ctl=SimpleNamespace(value=0.0), on_policy=lambda c: False,
+                             models=SimpleNamespace(actor="actor", critic=None),
+                             surrogate_options=lambda: PolicyGradientUpdate.surrogate_options(SimpleNamespace(cfg=cfg)))
+    [(_, objective, _)] = PolicyGradientUpdate.objectives(update, frozen=False)
+    assert objective.keywords["tis_level"] == "sequence"
+    loss, _ = objective(model, batch)
+    assert loss.item() == pytest.approx(-(3 * 0.75 + 2 * 1.5) / 5, rel=1e-5)
+    assert "tis_level" not in cache_relevant(PPOConfig()) and cache_relevant(PPOConfig(tis_level="geometric"))[
+        "tis_level"] == "geometric"
 
 
 def test_an_asynchronous_distillation_round_measures_the_students_log_probs_before_its_step():
