@@ -44,7 +44,7 @@ from alignflow.errors import ConfigError
 Update = Literal["policy_gradient", "best_of_n_sft", "online_dpo"]
 KLPlacement = Literal["reward", "loss"]
 KLEstimator = Literal["k1", "k2", "k3"]
-LossAggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+LossAggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]
 
 
 @dataclass(frozen=True)

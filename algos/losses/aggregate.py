@@ -9,7 +9,7 @@ from torch import Tensor
 
 from ..masked import _bool_mask, _check_same_shape, masked_mean, masked_sum
 
-LOSS_AGGREGATIONS = ("seq_mean_token_mean", "seq_mean_token_sum_norm", "token_mean")
+LOSS_AGGREGATIONS = ("seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm", "token_mean")
 
 
 def aggregate_loss(
@@ -28,6 +28,9 @@ def aggregate_loss(
     * ``"seq_mean_token_mean"``: ``mean_b (sum_t m l / sum_t m)`` over rows
       with at least one valid token (GRPO, Shao et al. 2024,
       arXiv 2402.03300);
+    * ``"seq_mean_token_sum"``: ``mean_b sum_t m l`` over rows with at least
+      one valid token (each response's summed loss, the REINFORCE estimate of
+      the sequence objective; verl's seq-mean-token-sum);
     * ``"seq_mean_token_sum_norm"``: ``(1/B) sum_b sum_t m l / C`` with
       ``C = loss_scale_constant`` (default ``T``), mean over ALL rows (Dr.
       GRPO, Liu et al. 2025, arXiv 2503.20783).
@@ -44,6 +47,8 @@ def aggregate_loss(
         per_row = masked_mean(token_loss, action_mask, dim=-1)
         has_tokens = _bool_mask(action_mask).any(dim=-1)
         return masked_mean(per_row, has_tokens)
+    if agg == "seq_mean_token_sum":
+        return masked_mean(masked_sum(token_loss, action_mask, dim=-1), _bool_mask(action_mask).any(dim=-1))
     if agg == "seq_mean_token_sum_norm":
         const = float(token_loss.shape[-1]) if loss_scale_constant is None else loss_scale_constant
         if const <= 0:
@@ -59,8 +64,8 @@ def aggregate_weight(action_mask: Tensor, *, agg: str = "token_mean") -> Tensor:
     Formulas (``m`` = mask, ``B`` rows):
 
     * ``"token_mean"``: ``w = sum_{b,t} m`` (the valid tokens);
-    * ``"seq_mean_token_mean"``: ``w = sum_b [sum_t m_b > 0]`` (the rows
-      with a valid token);
+    * ``"seq_mean_token_mean"``, ``"seq_mean_token_sum"``: ``w = sum_b
+      [sum_t m_b > 0]`` (the rows with a valid token);
     * ``"seq_mean_token_sum_norm"``: ``w = B``.
 
     For a batch cut into parts ``p`` (micro-batches, ranks), with the same
@@ -77,7 +82,7 @@ def aggregate_weight(action_mask: Tensor, *, agg: str = "token_mean") -> Tensor:
     mask = _bool_mask(action_mask)
     if agg == "token_mean":
         return masked_sum(torch.ones(mask.shape, device=mask.device), action_mask)
-    if agg == "seq_mean_token_mean":
+    if agg in ("seq_mean_token_mean", "seq_mean_token_sum"):
         return mask.any(dim=-1).sum().float()
     if agg == "seq_mean_token_sum_norm":
         return torch.tensor(float(mask.shape[0]), device=mask.device)

@@ -73,7 +73,7 @@ def test_dual_clip():
         ppo_policy_loss(_t(LP), _t(OLD), _t(ADV), torch.tensor(MASK), dual_clip=1.0)
 
 
-@pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
+@pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"])
 def test_aggregations(agg):
     loss = [[1.0, 2.0, 3.0, G], [4.0, G, G, G], [G, G, G, G]]
     mask = [[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]]
@@ -82,6 +82,8 @@ def test_aggregations(agg):
         exp = (1 + 2 + 3 + 4) / 4
     elif agg == "seq_mean_token_mean":
         exp = (2.0 + 4.0) / 2  # rows without tokens are skipped
+    elif agg == "seq_mean_token_sum":
+        exp = (6.0 + 4.0) / 2  # each row's sum, rows without tokens skipped
     else:
         exp = ((1 + 2 + 3) / 4 + 4 / 4 + 0.0) / 3  # constant T = 4, mean over all rows
     assert out.item() == pytest.approx(exp)
@@ -102,7 +104,7 @@ def test_aggregate_unknown_lists_names():
             assert name in str(err.value)
 
 
-@pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
+@pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"])
 def test_parts_weighted_by_aggregate_weight_give_the_whole_batch_loss(agg):
     # Rows of 3, 1, 0, 4, 2 valid tokens cut into parts [0:2], [2:3] (no token), [3:5].
     g = torch.Generator().manual_seed(0)
@@ -111,7 +113,7 @@ def test_parts_weighted_by_aggregate_weight_give_the_whole_batch_loss(agg):
     mask = torch.tensor([[1] * n + [0] * (4 - n) for n in lengths])
     parts = [slice(0, 2), slice(2, 3), slice(3, 5)]
     weights = [aggregate_weight(mask[p], agg=agg).item() for p in parts]
-    assert weights == {"token_mean": [4, 0, 6], "seq_mean_token_mean": [2, 0, 2],
+    assert weights == {"token_mean": [4, 0, 6], "seq_mean_token_mean": [2, 0, 2], "seq_mean_token_sum": [2, 0, 2],
                        "seq_mean_token_sum_norm": [2, 1, 2]}[agg]
     combined = sum(w / sum(weights) * aggregate_loss(loss[p], mask[p], agg=agg).item()
                    for w, p in zip(weights, parts))
@@ -119,6 +121,7 @@ def test_parts_weighted_by_aggregate_weight_give_the_whole_batch_loss(agg):
     rows = [sum(loss[b, :n].tolist()) for b, n in enumerate(lengths)]
     whole = {"token_mean": sum(rows) / sum(lengths),
              "seq_mean_token_mean": sum(r / n for r, n in zip(rows, lengths) if n) / 4,
+             "seq_mean_token_sum": sum(rows) / 4,
              "seq_mean_token_sum_norm": sum(rows) / 4 / 5}[agg]
     assert combined == pytest.approx(whole, rel=1e-12)
     # Rows as weights miss the token mean: the parts hold 2 and 2 rows but 4 and 6 tokens.

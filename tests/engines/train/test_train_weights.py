@@ -15,7 +15,7 @@ import functools
 import pytest
 import torch
 
-AGGS = ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+AGGS = ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]
 
 
 @pytest.fixture(scope="module")
