@@ -39,7 +39,8 @@ def gspo_policy_loss(
     then the clipped surrogate of :func:`algos.losses.policy.ppo_policy_loss`:
     ``l_{i,t} = -min(s_{i,t} A_{i,t}, clip(s_{i,t}, 1 - clip_low, 1 + clip_high) A_{i,t})``
     (whole sequences are clipped together), optional dual clip and rollout
-    importance weights (``tis_*``, per token), reduced by ``agg``. With
+    importance weights (``tis_*``: per token, or per response with
+    ``tis_level``), reduced by ``agg``. With
     ``agg="seq_mean_token_mean"`` (the paper's ``1/G sum_i 1/|y_i| sum_t``)
     and sequence-level advantages this equals GSPO's sequence objective
     ``-1/G sum_i min(s_i A_i, clip(s_i) A_i)`` in value and gradient.

@@ -55,13 +55,20 @@ def test_one_ratio_per_response_at_the_sequence_levels(level, mode, cap, row0, r
     assert m[1].tolist() == [row1 == 0.0] * 2 + [False] * 3 and not m[0].any()
 
 
-def test_the_sequence_level_reaches_the_loss_through_every_surrogate():
-    from algos import vanilla_policy_loss
+@pytest.mark.parametrize("name", ["ppo_policy_loss", "gspo_policy_loss", "cispo_policy_loss", "gmpo_policy_loss",
+                                  "sapo_policy_loss", "vanilla_policy_loss", "clip_cov_policy_loss",
+                                  "kl_cov_policy_loss"])
+def test_the_sequence_level_reaches_the_loss_through_every_surrogate(name):
+    """On policy (ratio 1) with A = 1 every surrogate's token loss is -1 (SAPO's gate -4/tau sigmoid(0) = -2 for
+    tau 1), times each response's sequence weight: 1.125 on row 0's four tokens, min(4, 2) on row 1's two."""
+    import algos
 
     lp, adv = _t(OLD2, grad=True), _t([[1.0] * 4 + [G], [1.0] * 2 + [G] * 3])
-    for loss_fn in (ppo_policy_loss, vanilla_policy_loss):
-        out = loss_fn(lp, _t(OLD2), adv, MASK2, rollout_logprobs=_t(ROLL2), tis_cap=2.0, tis_level="sequence")
-        assert out.loss.item() == pytest.approx(-(4 * 1.125 + 2 * 2.0) / 6)
+    fn = getattr(algos, name)
+    out = fn(lp, _t(OLD2), adv, MASK2, rollout_logprobs=_t(ROLL2), tis_cap=2.0, tis_level="sequence")
+    token = [out.token_loss[0, t].item() for t in range(4)] + [out.token_loss[1, t].item() for t in range(2)]
+    value = -2.0 if name == "sapo_policy_loss" else -1.0
+    assert token == pytest.approx([value * 1.125] * 4 + [value * 2.0] * 2, rel=1e-9)
 
 
 def test_mask_mode_in_the_policy_loss():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from types import SimpleNamespace
 
@@ -176,12 +177,16 @@ def test_neftune_noise_reaches_the_embeddings_at_each_samples_own_scale(policy, 
     moved = (noisy - clean).abs().amax(-1)
     pad = batch["attention_mask"] == 0
     assert (moved <= scale * 1.01).all() and (moved[pad] == 0).all() and (moved[~pad] > scale[~pad] / 2).all()
-    torch.manual_seed(3)  # the objective draws from torch's global generator, which the trainer seeds
-    first, _ = causal_lm_objective(policy, batch, neftune_alpha=alpha)
-    torch.manual_seed(3)
-    again, _ = causal_lm_objective(policy, batch, neftune_alpha=alpha)
-    plain, _ = causal_lm_objective(policy, batch)
-    assert first.item() == again.item() != plain.item()
+    from engines.train.packed_objectives import packed_causal_lm_objective
+
+    width = 2 * batch["input_ids"].shape[1]
+    for objective in (causal_lm_objective, functools.partial(packed_causal_lm_objective, max_tokens=width)):
+        torch.manual_seed(3)  # the objective draws from torch's global generator, which the trainer seeds
+        first, _ = objective(policy, batch, neftune_alpha=alpha)
+        torch.manual_seed(3)
+        again, _ = objective(policy, batch, neftune_alpha=alpha)
+        plain, _ = objective(policy, batch)
+        assert first.item() == again.item() != plain.item()
 
 
 def test_the_judge_trains_packed_where_its_config_says(policy, tokenizer):
