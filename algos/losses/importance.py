@@ -10,6 +10,7 @@ log-ratios clamped to ``[-20, 20]`` before ``exp``, padding ignored.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -35,6 +36,7 @@ def rollout_importance_weights(
     low: Optional[float] = None,
     mode: str = "truncate",
     level: str = "token",
+    veto: Optional[float] = None,
 ) -> Tuple[Tensor, Tensor]:
     """Importance weights between the trainer and the rollout engine, truncated or masked.
 
@@ -55,7 +57,10 @@ def rollout_importance_weights(
       disagree too much are masked out of the loss; they stay in the loss
       aggregation's denominator, as in the IcePop objective.
 
-    At the sequence levels the mask mode drops or keeps a response whole. Returns ``(weights, masked)``:
+    At the sequence levels the mask mode drops or keeps a response whole. With ``veto``, a response in which
+    any valid token's own ratio ``exp(d_t)`` lies below it is dropped whole, at any level and mode (weights 0,
+    counted as masked): one token the sampler found far likelier than the trainer does marks a response the
+    engines disagree on too much to correct. Returns ``(weights, masked)``:
     detached weights (1 at padding) and the bool flags of the valid tokens the mask mode zeroed (all False
     in ``"truncate"`` mode).
 
@@ -77,9 +82,14 @@ def rollout_importance_weights(
         raise ValueError(f"tis_cap must be > 0, got {cap}")
     if low is not None and not 0 <= low < cap:
         raise ValueError(f"tis_low must satisfy 0 <= tis_low < tis_cap, got {low} and {cap}")
+    if veto is not None and not 0 < veto < 1:
+        raise ValueError(f"tis_veto must lie in (0, 1), got {veto}")
     mask = _bool_mask(action_mask)
     zeros = torch.zeros_like(old_logprobs)
     diff = torch.where(mask, old_logprobs - rollout_logprobs, zeros).detach()
+    vetoed = torch.zeros_like(mask)
+    if veto is not None:  # on each token's own ratio, before any level's aggregation
+        vetoed = ((diff < math.log(veto)) & mask).any(dim=-1, keepdim=True) & mask
     if level != "token":
         total = diff.sum(dim=-1, keepdim=True)
         if level == "geometric":
@@ -87,16 +97,17 @@ def rollout_importance_weights(
         diff = torch.where(mask, total.expand_as(diff), zeros)
     rho = torch.exp(diff.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     if mode == "truncate":
-        weight = rho.clamp(min=low, max=cap)
-        return torch.where(mask, weight, torch.ones_like(weight)), torch.zeros_like(mask)
-    masked = ((rho > cap) | (rho < (0.0 if low is None else low))) & mask
-    weight = torch.where(masked, zeros, rho)
+        weight, masked = rho.clamp(min=low, max=cap), vetoed
+    else:
+        masked = (((rho > cap) | (rho < (0.0 if low is None else low))) & mask) | vetoed
+        weight = rho
+    weight = torch.where(masked, zeros, weight)
     return torch.where(mask, weight, torch.ones_like(weight)), masked
 
 
 def weights_if_rollout(like: Tensor, old_logprobs: Tensor, rollout_logprobs: Optional[Tensor], action_mask: Tensor, *,
                        tis_cap: Optional[float], tis_low: Optional[float], tis_mode: str,
-                       tis_level: str = "token") -> Tuple[Tensor, Tensor]:
+                       tis_level: str = "token", tis_veto: Optional[float] = None) -> Tuple[Tensor, Tensor]:
     """A policy loss's TIS step: :func:`rollout_importance_weights` where ``rollout_logprobs`` are given
     (``tis_cap`` then required), else weights of 1 and nothing masked, shaped and typed as ``like`` (B, T)."""
     if rollout_logprobs is None:
@@ -105,7 +116,7 @@ def weights_if_rollout(like: Tensor, old_logprobs: Tensor, rollout_logprobs: Opt
         raise ValueError("tis_cap is required when rollout_logprobs is given")
     _check_same_shape(ratio=like, rollout_logprobs=rollout_logprobs)
     return rollout_importance_weights(old_logprobs.detach(), rollout_logprobs, action_mask, cap=tis_cap, low=tis_low,
-                                      mode=tis_mode, level=tis_level)
+                                      mode=tis_mode, level=tis_level, veto=tis_veto)
 
 
 @dataclass(frozen=True)

@@ -81,6 +81,7 @@ def clipped_surrogate(
     tis_low: Optional[float],
     tis_mode: str,
     tis_level: str = "token",
+    tis_veto: Optional[float] = None,
 ) -> PolicyLossOutput:
     """The clipped surrogate given per-token ratios (shared by PPO and GSPO).
 
@@ -99,7 +100,8 @@ def clipped_surrogate(
                                                         clip_high=clip_high, dual_clip=dual_clip)
     return weighted_policy_loss(loss, ratio, log_ratio, action_mask, old_logprobs, clip_active, dual_active,
                                 agg=agg, loss_scale_constant=loss_scale_constant, rollout_logprobs=rollout_logprobs,
-                                tis_cap=tis_cap, tis_low=tis_low, tis_mode=tis_mode, tis_level=tis_level)
+                                tis_cap=tis_cap, tis_low=tis_low, tis_mode=tis_mode,
+                                tis_level=tis_level, tis_veto=tis_veto)
 
 
 def clipped_token_loss(ratio: Tensor, advantages: Tensor, action_mask: Tensor, *, clip_low: float, clip_high: float,
@@ -135,7 +137,8 @@ def clipped_token_loss(ratio: Tensor, advantages: Tensor, action_mask: Tensor, *
 def weighted_policy_loss(loss: Tensor, ratio: Tensor, log_ratio: Tensor, action_mask: Tensor, old_logprobs: Tensor,
                          clip_active: Tensor, dual_active: Tensor, *, agg: str, loss_scale_constant: Optional[float],
                          rollout_logprobs: Optional[Tensor], tis_cap: Optional[float], tis_low: Optional[float],
-                         tis_mode: str, tis_level: str = "token") -> PolicyLossOutput:
+                         tis_mode: str, tis_level: str = "token",
+                         tis_veto: Optional[float] = None) -> PolicyLossOutput:
     """A policy loss's last steps, shared by the surrogates (PPO, GSPO, CISPO): each token's loss ``l`` weighted
     by its rollout importance weight (``l *= w``, :func:`weights_if_rollout`), zeroed at padding, reduced by
     :func:`aggregate_loss`, and the metrics of :class:`PolicyLossOutput` (``clip_active``, ``dual_active``:
@@ -144,7 +147,7 @@ def weighted_policy_loss(loss: Tensor, ratio: Tensor, log_ratio: Tensor, action_
     Shapes: every tensor ``(B, T)``; returns :class:`PolicyLossOutput`."""
     mask = _bool_mask(action_mask)
     weight, tis_masked = weights_if_rollout(ratio, old_logprobs, rollout_logprobs, action_mask, tis_cap=tis_cap,
-                                            tis_low=tis_low, tis_mode=tis_mode, tis_level=tis_level)
+                                            tis_low=tis_low, tis_mode=tis_mode, tis_level=tis_level, tis_veto=tis_veto)
     token_loss = torch.where(mask, loss * weight.to(loss.dtype), torch.zeros_like(loss))
     scalar = aggregate_loss(token_loss, action_mask, agg=agg,
                             loss_scale_constant=loss_scale_constant)
@@ -179,6 +182,7 @@ def ppo_policy_loss(
     tis_low: Optional[float] = None,
     tis_mode: str = "truncate",
     tis_level: str = "token",
+    tis_veto: Optional[float] = None,
 ) -> PolicyLossOutput:
     """Clipped surrogate policy loss with clip-higher, dual-clip and TIS.
 
@@ -209,7 +213,8 @@ def ppo_policy_loss(
     return clipped_surrogate(
         t.ratio, t.log_ratio, advantages, action_mask, t.old_logprobs, clip_low=clip_low,
         clip_high=clip_high, dual_clip=dual_clip, agg=agg, loss_scale_constant=loss_scale_constant,
-        rollout_logprobs=rollout_logprobs, tis_cap=tis_cap, tis_low=tis_low, tis_mode=tis_mode, tis_level=tis_level)
+        rollout_logprobs=rollout_logprobs, tis_cap=tis_cap, tis_low=tis_low, tis_mode=tis_mode,
+        tis_level=tis_level, tis_veto=tis_veto)
 
 
 @dataclass(frozen=True)

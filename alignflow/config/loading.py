@@ -46,7 +46,7 @@ READ_ONLY_WITH = {"simpo_gamma": ("loss", "simpo")}
 ADDED_AT_DEFAULT = {"process": None, "num_process": 0, "step_aggregation": "min", "no_step_reward": -5.0,
                     "step_separator": None, "dense": False, "rpo_alpha": 0.0, "covariance": None, "reference": None,
                     "sapo_temperatures": [1.0, 1.05], "high_entropy_fraction": None, "objective": "nll",
-                    "neftune_alpha": None, "tis_level": "token"}
+                    "neftune_alpha": None, "tis_level": "token", "tis_veto": None}
 
 
 def cache_relevant(cfg: BaseModel) -> dict[str, Any]:

@@ -151,8 +151,8 @@ class PolicyGradientUpdate:
             objectives.policy_objective, **self.surrogate_options(), agg=p.loss_agg, entropy_coef=p.entropy_coef,
             kl_loss_coef=self.kl_ctl.value if cfg.kl.apply_as == "loss" else 0.0,
             kl_estimator=cfg.kl.estimator, kl_clamp=cfg.kl.clamp, tis_cap=p.tis_cap, tis_low=p.tis_low,
-            tis_mode=p.tis_mode, tis_level=p.tis_level, on_policy=self.on_policy(cfg), loss_scale_constant=constant,
-            temperature=cfg.generation.logprob_temperature), weigh)]
+            tis_mode=p.tis_mode, tis_level=p.tis_level, tis_veto=p.tis_veto, on_policy=self.on_policy(cfg),
+            loss_scale_constant=constant, temperature=cfg.generation.logprob_temperature), weigh)]
         if m.critic is not None:
             steps.append((m.critic, functools.partial(objectives.value_objective, clip_eps=p.value_clip,
                                                       agg=p.loss_agg, loss_scale_constant=constant), weigh))

@@ -194,7 +194,8 @@ def policy_objective(
     model, batch: dict[str, torch.Tensor], *, clip_low: float | None, clip_high: float | None,
     dual_clip: float | None, agg: str, entropy_coef: float, kl_loss_coef: float, kl_estimator: str,
     kl_clamp: float | None, tis_cap: float | None, tis_low: float | None = None, tis_mode: str = "truncate",
-    tis_level: str = "token", on_policy: bool = False, surrogate: Callable = ppo_policy_loss,
+    tis_level: str = "token", tis_veto: float | None = None, on_policy: bool = False,
+    surrogate: Callable = ppo_policy_loss,
     loss_scale_constant: float | None = None, temperature: float = 1.0, entropy_fraction: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO clipped surrogate (+ entropy bonus, + GRPO-style KL loss when kl_loss_coef > 0).
@@ -206,7 +207,8 @@ def policy_objective(
     argument that is None is not passed (SAPO's gate and KL-Cov have no clip; PPO's dual clip is off).
     TIS: with `tis_cap`, the rollout engine's logprobs weight each token
     (`tis_mode` "truncate": min(ratio, tis_cap); "mask": IcePop, 0 outside [tis_low, tis_cap]), one ratio per
-    token or per response (`tis_level` "sequence", "geometric").
+    token or per response (`tis_level` "sequence", "geometric"); `tis_veto` drops a response with a token's ratio
+    below it.
     `on_policy`: the batch serves exactly one optimizer step, so the policy that made the
     experience is the one in this forward: old_logprobs = logprobs.detach() (ratio 1), and the
     batch needs none. Metrics: policy_loss (the surrogate alone), kl_loss (the KL term, 0 when
@@ -238,7 +240,7 @@ def policy_objective(
     out = surrogate(
         logprobs, old, batch["advantages"], mask, **clip, agg=agg,
         rollout_logprobs=batch["rollout_logprobs"] if tis_cap else None, tis_cap=tis_cap, tis_low=tis_low,
-        tis_mode=tis_mode, tis_level=tis_level, loss_scale_constant=loss_scale_constant,
+        tis_mode=tis_mode, tis_level=tis_level, tis_veto=tis_veto, loss_scale_constant=loss_scale_constant,
     )
     policy, tokens = out.loss, mask.sum().float()
     if entropy_fraction is not None:  # the indicator inside the sum: the same denominators, fewer terms

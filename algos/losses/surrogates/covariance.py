@@ -45,7 +45,8 @@ def clip_cov_policy_loss(
     clip_low: float = 0.2, clip_high: float = 0.2, dual_clip: Optional[float] = None, agg: str = "token_mean",
     loss_scale_constant: Optional[float] = None, rollout_logprobs: Optional[Tensor] = None,
     tis_cap: Optional[float] = None, tis_low: Optional[float] = None, tis_mode: str = "truncate",
-    tis_level: str = "token", fraction: float = CLIP_COV_FRACTION, bounds: tuple[float, float] = CLIP_COV_BOUNDS,
+    tis_level: str = "token", tis_veto: Optional[float] = None, fraction: float = CLIP_COV_FRACTION,
+    bounds: tuple[float, float] = CLIP_COV_BOUNDS,
     generator: Optional[torch.Generator] = None,
 ) -> PolicyLossOutput:
     """Clip-Cov: PPO's clipped surrogate, with a random few high-covariance tokens' gradients cut.
@@ -73,7 +74,8 @@ def clip_cov_policy_loss(
     loss = torch.where(cut, torch.zeros_like(loss), loss)
     out = weighted_policy_loss(loss, t.ratio, t.log_ratio, action_mask, t.old_logprobs, clip_active, dual_active,
                                agg=agg, loss_scale_constant=loss_scale_constant, rollout_logprobs=rollout_logprobs,
-                               tis_cap=tis_cap, tis_low=tis_low, tis_mode=tis_mode, tis_level=tis_level)
+                               tis_cap=tis_cap, tis_low=tis_low, tis_mode=tis_mode,
+                               tis_level=tis_level, tis_veto=tis_veto)
     return dataclasses.replace(out, cov_fraction=masked_mean(cut.to(t.ratio.dtype), t.mask.to(t.ratio.dtype)))
 
 
@@ -81,8 +83,8 @@ def kl_cov_policy_loss(
     logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, action_mask: Tensor, *,
     agg: str = "token_mean", loss_scale_constant: Optional[float] = None,
     rollout_logprobs: Optional[Tensor] = None, tis_cap: Optional[float] = None, tis_low: Optional[float] = None,
-    tis_mode: str = "truncate", tis_level: str = "token", fraction: float = KL_COV_FRACTION,
-    kl_coef: float = KL_COV_COEF,
+    tis_mode: str = "truncate", tis_level: str = "token", tis_veto: Optional[float] = None,
+    fraction: float = KL_COV_FRACTION, kl_coef: float = KL_COV_COEF,
 ) -> PolicyLossOutput:
     """KL-Cov: the unclipped policy gradient, with a KL penalty on the tokens of highest covariance.
 
@@ -106,6 +108,7 @@ def kl_cov_policy_loss(
     none = torch.zeros_like(t.mask)
     out = weighted_policy_loss(loss, t.ratio, t.log_ratio, action_mask, t.old_logprobs, none, none, agg=agg,
                                loss_scale_constant=loss_scale_constant, rollout_logprobs=rollout_logprobs,
-                               tis_cap=tis_cap, tis_low=tis_low, tis_mode=tis_mode, tis_level=tis_level)
+                               tis_cap=tis_cap, tis_low=tis_low, tis_mode=tis_mode,
+                               tis_level=tis_level, tis_veto=tis_veto)
     fmask = t.mask.to(t.ratio.dtype)
     return dataclasses.replace(out, cov_fraction=masked_mean(penalised.to(t.ratio.dtype), fmask))

@@ -27,6 +27,7 @@ def gmpo_policy_loss(
     tis_low: Optional[float] = None,
     tis_mode: str = "truncate",
     tis_level: str = "token",
+    tis_veto: Optional[float] = None,
 ) -> PolicyLossOutput:
     """Geometric-Mean Policy Optimization loss (GMPO-token form).
 
@@ -71,4 +72,5 @@ def gmpo_policy_loss(
     return weighted_policy_loss(loss, torch.where(mask, geo.detach().expand_as(loss), zeros), log_ratio.detach(),
                                 action_mask, t.old_logprobs, clip_active, torch.zeros_like(mask), agg=agg,
                                 loss_scale_constant=loss_scale_constant, rollout_logprobs=rollout_logprobs,
-                                tis_cap=tis_cap, tis_low=tis_low, tis_mode=tis_mode, tis_level=tis_level)
+                                tis_cap=tis_cap, tis_low=tis_low, tis_mode=tis_mode,
+                                tis_level=tis_level, tis_veto=tis_veto)

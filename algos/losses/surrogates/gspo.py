@@ -28,6 +28,7 @@ def gspo_policy_loss(
     tis_low: Optional[float] = None,
     tis_mode: str = "truncate",
     tis_level: str = "token",
+    tis_veto: Optional[float] = None,
 ) -> PolicyLossOutput:
     """Group Sequence Policy Optimization loss (GSPO-token form).
 
@@ -71,4 +72,4 @@ def gspo_policy_loss(
         torch.exp(log_ratio), token_log_ratio.detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), advantages,
         action_mask, old_logprobs, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, agg=agg,
         loss_scale_constant=loss_scale_constant, rollout_logprobs=rollout_logprobs, tis_cap=tis_cap,
-        tis_low=tis_low, tis_mode=tis_mode, tis_level=tis_level)
+        tis_low=tis_low, tis_mode=tis_mode, tis_level=tis_level, tis_veto=tis_veto)

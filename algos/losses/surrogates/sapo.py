@@ -29,6 +29,7 @@ def sapo_policy_loss(
     tis_low: Optional[float] = None,
     tis_mode: str = "truncate",
     tis_level: str = "token",
+    tis_veto: Optional[float] = None,
 ) -> PolicyLossOutput:
     """Soft Adaptive Policy Optimization loss.
 
@@ -61,4 +62,4 @@ def sapo_policy_loss(
     return weighted_policy_loss(loss, t.ratio, t.log_ratio, action_mask, t.old_logprobs, attenuated & t.mask,
                                 torch.zeros_like(t.mask), agg=agg, loss_scale_constant=loss_scale_constant,
                                 rollout_logprobs=rollout_logprobs, tis_cap=tis_cap, tis_low=tis_low,
-                                tis_mode=tis_mode, tis_level=tis_level)
+                                tis_mode=tis_mode, tis_level=tis_level, tis_veto=tis_veto)

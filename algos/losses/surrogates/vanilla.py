@@ -24,6 +24,7 @@ def vanilla_policy_loss(
     tis_low: Optional[float] = None,
     tis_mode: str = "truncate",
     tis_level: str = "token",
+    tis_veto: Optional[float] = None,
 ) -> PolicyLossOutput:
     """Policy-gradient loss with no surrogate: the objective is ``A log pi`` itself.
 
@@ -48,4 +49,5 @@ def vanilla_policy_loss(
     none = torch.zeros_like(t.mask)
     return weighted_policy_loss(loss, t.ratio, t.log_ratio, action_mask, t.old_logprobs, none, none, agg=agg,
                                 loss_scale_constant=loss_scale_constant, rollout_logprobs=rollout_logprobs,
-                                tis_cap=tis_cap, tis_low=tis_low, tis_mode=tis_mode, tis_level=tis_level)
+                                tis_cap=tis_cap, tis_low=tis_low, tis_mode=tis_mode,
+                                tis_level=tis_level, tis_veto=tis_veto)

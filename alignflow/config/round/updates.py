@@ -103,6 +103,10 @@ class PPOConfig(Section):
         "token", description="what one ratio is taken over: token: each token's own; sequence: the response's "
         "(the product of its tokens' ratios) on every token of it; geometric: their geometric mean, on every token "
         "of it (a length-free sequence ratio); with mask, sequence and geometric drop or keep a response whole")
+    tis_veto: float | None = Field(
+        None, gt=0, lt=1, description="drop a response whole where any of its tokens' own ratio exp(old - rollout) "
+        "lies below this (verl's rollout_is_veto_threshold, e.g. 1e-4), whatever tis_level and tis_mode; counted "
+        "in tis_masked_fraction; None: off")
     advantage_std_norm: bool | None = Field(
         None, description="divide group advantages by the group std (grpo: true, dr_grpo: false); None: the "
         "algorithm's default; only for algorithms with group-normalised advantages")
@@ -116,9 +120,9 @@ class PPOConfig(Section):
     @model_validator(mode="after")
     def _importance_sampling(self) -> PPOConfig:
         if self.tis_cap is None and (self.tis_mode != "truncate" or self.tis_low is not None
-                                     or self.tis_level != "token"):
-            raise ValueError("ppo.tis_mode / ppo.tis_low / ppo.tis_level need ppo.tis_cap (importance sampling is "
-                             "off without it)")
+                                     or self.tis_level != "token" or self.tis_veto is not None):
+            raise ValueError("ppo.tis_mode / ppo.tis_low / ppo.tis_level / ppo.tis_veto need ppo.tis_cap (importance "
+                             "sampling is off without it)")
         if self.tis_low is not None and self.tis_cap is not None and self.tis_low >= self.tis_cap:
             raise ValueError(f"ppo.tis_low ({self.tis_low}) must be < ppo.tis_cap ({self.tis_cap})")
         if min(self.sapo_temperatures) <= 0:

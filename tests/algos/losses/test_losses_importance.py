@@ -55,6 +55,28 @@ def test_one_ratio_per_response_at_the_sequence_levels(level, mode, cap, row0, r
     assert m[1].tolist() == [row1 == 0.0] * 2 + [False] * 3 and not m[0].any()
 
 
+@pytest.mark.parametrize("level,mode,row0", [
+    ("token", "truncate", [1.0, 2.0, 0.25, 1.5]),
+    ("token", "mask", [1.0, 0.0, 0.25, 1.5]),
+    ("geometric", "truncate", [1.125 ** 0.25] * 4),
+])
+def test_a_veto_drops_a_response_with_one_token_below_it_whole(level, mode, row0):
+    """Row 1's ratios 2, 2 become 2, 0.01 (old - rollout = ln 0.01): below the veto of 0.05 the whole row is 0 and
+    counted as masked; row 0's lowest ratio, 0.25, is above it and its weights are the level's own."""
+    roll = [ROLL2[0], [-math.log(2.0), -math.log(0.01), -G, -G, -G]]
+    w, m = rollout_importance_weights(_t(OLD2), _t(roll), MASK2, cap=2.0, mode=mode, level=level, veto=0.05)
+    assert w[0, :4].tolist() == pytest.approx(row0, rel=1e-12)
+    assert w[1].tolist() == [0.0, 0.0, 1.0, 1.0, 1.0]  # padding keeps 1
+    assert m[1].tolist() == [True, True, False, False, False]
+    kept, _ = rollout_importance_weights(_t(OLD2), _t(roll), MASK2, cap=2.0, mode=mode, level=level, veto=0.005)
+    assert kept[1, 0].item() > 0
+    out = ppo_policy_loss(_t(OLD2), _t(OLD2), _t([[1.0] * 5, [1.0] * 5]), MASK2, rollout_logprobs=_t(roll),
+                          tis_cap=2.0, tis_mode=mode, tis_level=level, tis_veto=0.05)
+    assert out.tis_masked_fraction.item() == pytest.approx((2 + (mode == "mask" and level == "token")) / 6)
+    with pytest.raises(ValueError, match=r"tis_veto must lie in \(0, 1\)"):
+        rollout_importance_weights(_t(OLD2), _t(roll), MASK2, cap=2.0, veto=1.0)
+
+
 @pytest.mark.parametrize("name", ["ppo_policy_loss", "gspo_policy_loss", "cispo_policy_loss", "gmpo_policy_loss",
                                   "sapo_policy_loss", "vanilla_policy_loss", "clip_cov_policy_loss",
                                   "kl_cov_policy_loss"])

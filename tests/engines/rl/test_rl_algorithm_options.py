@@ -66,9 +66,12 @@ def test_defaults_of_the_other_algorithms_are_unchanged():
     ('{"algorithm": "grpo", "ppo": {"tis_cap": null, "tis_mode": "mask"}}', r"rounds\.0\.ppo: .*need ppo\.tis_cap"),
     ('{"algorithm": "grpo", "ppo": {"tis_cap": 2.0, "tis_low": 2.0}}', r"rounds\.0\.ppo: .*tis_low \(2\.0\) must be < ppo\.tis_cap"),
     ('{"algorithm": "grpo", "ppo": {"tis_mode": "drop"}}', r"rounds\.0\.ppo\.tis_mode"),
-    ('{"algorithm": "grpo", "ppo": {"tis_cap": null, "tis_level": "sequence"}}', r"rounds\.0\.ppo: .*tis_level need "
-     r"ppo\.tis_cap"),
+    ('{"algorithm": "grpo", "ppo": {"tis_cap": null, "tis_level": "sequence"}}', r"rounds\.0\.ppo: .*tis_level / ppo\.tis_veto "
+     r"need ppo\.tis_cap"),
     ('{"algorithm": "grpo", "ppo": {"tis_level": "row"}}', r"rounds\.0\.ppo\.tis_level"),
+    ('{"algorithm": "grpo", "ppo": {"tis_cap": null, "tis_veto": 0.001}}', r"rounds\.0\.ppo: .*tis_veto need "
+     r"ppo\.tis_cap"),
+    ('{"algorithm": "grpo", "ppo": {"tis_veto": 1.5}}', r"rounds\.0\.ppo\.tis_veto"),
     ('{"algorithm": "grpo", "ppo": {"dynamic_sampling_mean_range": [0.9, 0.1]}}',
      r"rounds\.0\.ppo: .*dynamic_sampling_mean_range must be \[low, high\]"),
     ('{"algorithm": "grpo", "ppo": {"dynamic_sampling_mean_range": [0.1]}}', r"rounds\.0\.ppo\.dynamic_sampling_mean_range"),
@@ -280,16 +283,16 @@ def test_the_sequence_level_weighs_each_response_by_its_own_ratio_through_the_ro
     batch = exp.with_(old_logprobs=logprobs, advantages=mask.clone(),
                       rollout_logprobs=(logprobs - torch.log(rho)) * mask).tensors()
     cfg = RoundConfig(algorithm="grpo", generation=RolloutConfig(num_samples=2), kl={"coef": 0.0},
-                      ppo=PPOConfig(tis_level="sequence", entropy_coef=0.0)).resolved()
+                      ppo=PPOConfig(tis_level="sequence", tis_veto=0.1, entropy_coef=0.0)).resolved()
     update = SimpleNamespace(cfg=cfg, kl_ctl=SimpleNamespace(value=0.0), on_policy=lambda c: False,
                              models=SimpleNamespace(actor="actor", critic=None),
                              surrogate_options=lambda: PolicyGradientUpdate.surrogate_options(SimpleNamespace(cfg=cfg)))
     [(_, objective, _)] = PolicyGradientUpdate.objectives(update, frozen=False)
-    assert objective.keywords["tis_level"] == "sequence"
+    assert (objective.keywords["tis_level"], objective.keywords["tis_veto"]) == ("sequence", 0.1)
     loss, _ = objective(model, batch)
-    assert loss.item() == pytest.approx(-(3 * 0.75 + 2 * 1.5) / 5, rel=1e-5)
-    assert "tis_level" not in cache_relevant(PPOConfig()) and cache_relevant(PPOConfig(tis_level="geometric"))[
-        "tis_level"] == "geometric"
+    assert loss.item() == pytest.approx(-(3 * 0.75 + 2 * 1.5) / 5, rel=1e-5)  # no token's ratio below 0.1
+    assert not {"tis_level", "tis_veto"} & set(cache_relevant(PPOConfig()))
+    assert cache_relevant(PPOConfig(tis_level="geometric", tis_veto=1e-4))["tis_veto"] == 1e-4
 
 
 def test_an_asynchronous_distillation_round_measures_the_students_log_probs_before_its_step():
