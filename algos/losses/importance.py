@@ -61,8 +61,8 @@ def rollout_importance_weights(
     any valid token's own ratio ``exp(d_t)`` lies below it is dropped whole, at any level and mode (weights 0,
     counted as masked): one token the sampler found far likelier than the trainer does marks a response the
     engines disagree on too much to correct. Returns ``(weights, masked)``:
-    detached weights (1 at padding) and the bool flags of the valid tokens the mask mode zeroed (all False
-    in ``"truncate"`` mode).
+    detached weights (1 at padding) and the bool flags of the valid tokens the mask mode or the veto zeroed
+    (in ``"truncate"`` mode, the veto's alone).
 
     Shapes: ``old_logprobs``, ``rollout_logprobs``, ``action_mask`` ``(B, T)``;
     returns two ``(B, T)`` tensors.

@@ -48,7 +48,7 @@ class PolicyLossOutput:
     ``approx_kl``: masked mean of ``(ratio - 1) - log ratio`` (k3 estimate of
     KL(pi_old || pi), from the token log-ratios); ``tis_weight_mean``: mean
     rollout importance weight (1 when TIS is off); ``tis_masked_fraction``:
-    share of valid tokens whose weight the ``"mask"`` mode set to 0;
+    share of valid tokens whose weight the ``"mask"`` mode or ``tis_veto`` set to 0;
     ``cov_fraction``: the share a covariance control (Clip-Cov, KL-Cov,
     :mod:`algos.losses.surrogates.covariance`) acted on; None without one.
     """
