@@ -40,8 +40,9 @@ def gpg_estimator(*, token_rewards: Tensor, action_mask: Tensor, values: Optiona
 
     Formula: ``A_{i,t} = alpha (s_i - mean_{G(i)} s) / F`` with ``F = 1`` (``std_norm`` True: the group's
     std plus ``eps``, as GRPO's) and ``alpha = B / (B - M)`` (:func:`gradient_row_scale`, over the rows
-    handed in: one step's, every one of which it trains on, on policy in the paper). With dense step rewards their process advantage is added before ``alpha`` is taken, so
-    that a row counts as carrying a gradient when either part is non-zero. ``returns == advantages``.
+    handed in: one step's, every one of which it trains on, on policy in the paper). With dense step rewards
+    their process advantage is added before ``alpha`` is taken, so that a row counts as carrying a gradient
+    when either part is non-zero. ``returns == advantages``.
 
     Shapes: ``token_rewards``, ``action_mask`` ``(B, T)``, ``B = n * group_size``.
 

@@ -132,6 +132,13 @@ class TokenRatios:
     ratio: Tensor
     advantages: Tensor
 
+    def score(self) -> Tensor:
+        """``exp(log pi - sg(log pi))`` on the valid tokens (1 at padding, no gradient there): value 1, gradient
+        ``grad log pi``, so that ``-w A score()`` is a policy gradient weighted by ``w`` on the surrogates'
+        scale (CISPO's, the plain one's)."""
+        lp = torch.where(self.mask, self.logprobs, torch.zeros_like(self.logprobs))
+        return torch.exp(lp - lp.detach())
+
 
 def token_ratios(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, action_mask: Tensor) -> TokenRatios:
     """What every token-ratio surrogate starts from (:class:`TokenRatios`): shapes checked, fp16 and bf16 taken to

@@ -226,13 +226,15 @@ def token_lengths(batch: dict[str, Tensor]) -> Tensor:
 
 
 @contextlib.contextmanager
-def embedding_noise(model, alpha: float | None, lengths: Tensor):
+def embedding_noise(model, alpha: float | None, batch: dict[str, Tensor]):
     """NEFTune's noise (algos.sequence.neftune_noise, from torch's global generator, which the trainer seeds and
-    checkpoints) on the input embeddings of every forward inside, `lengths` (token_lengths) each position's
-    sequence length; nothing where `alpha` is None. The forward-hook is removed on leaving."""
+    checkpoints) on the input embeddings of every forward of `batch` inside, each position at its sequence's
+    length (token_lengths); nothing, and no lengths taken, where `alpha` is None. The forward-hook is removed
+    on leaving."""
     if alpha is None:
         yield
         return
+    lengths = token_lengths(batch)
 
     def noisy(module, args, output: Tensor) -> Tensor:
         if output.shape[:-1] != lengths.shape:

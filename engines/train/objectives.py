@@ -22,7 +22,7 @@ from algos.losses.preference import pairwise_reward_loss
 from algos.sequence import SFT_LOSSES, sft_loss
 from engines.models import last_hidden
 from engines.train.logits import (embedding_noise, final_hidden, logprobs_from_hidden, masked_next_token_logprobs,
-                                  output_head, response_logprobs_and_entropy, token_lengths, unwrap)
+                                  output_head, response_logprobs_and_entropy, unwrap)
 
 
 def causal_lm_objective(model, batch: dict[str, torch.Tensor], *, loss: str = "nll",
@@ -31,7 +31,7 @@ def causal_lm_objective(model, batch: dict[str, torch.Tensor], *, loss: str = "n
     logits only there), with NEFTune's noise on the input embeddings where `neftune_alpha` is given. Metrics:
     loss, nll (where the loss is another), response_length (response tokens per row, as (sum, count):
     engines/accumulate.py add_metrics)."""
-    with embedding_noise(model, neftune_alpha, token_lengths(batch)):
+    with embedding_noise(model, neftune_alpha, batch):
         logprobs = masked_next_token_logprobs(model, batch, batch["loss_mask"])
     mask = batch["loss_mask"][:, 1:]
     value = SFT_LOSSES[loss](logprobs, mask)

@@ -23,8 +23,7 @@ from torch import Tensor
 from algos.losses.preference import pairwise_reward_loss
 from algos.sequence import SFT_LOSSES, sft_loss
 from engines.models import last_hidden
-from engines.train.logits import (embedding_noise, keep_last_logits, logprobs_from_hidden, output_head, token_lengths,
-                                  unwrap)
+from engines.train.logits import embedding_noise, keep_last_logits, logprobs_from_hidden, output_head, unwrap
 from engines.train.packing import PackStats, model_inputs, pack_batch
 
 
@@ -92,7 +91,7 @@ def packed_causal_lm_objective(model, batch: dict[str, Tensor], *, max_tokens: i
     (None: the batch's padded width): the same loss, noise and metrics, and how it packed (PackStats.as_metrics).
     NEFTune's scale takes each sample's own length, not its packed row's."""
     packed, stats = _pack(model, batch, max_tokens)
-    with embedding_noise(model, neftune_alpha, token_lengths(packed)):
+    with embedding_noise(model, neftune_alpha, packed):
         value, nll, tokens = packed_sft_loss(model, packed, loss)
     return value, {"loss": value.detach(), **({"nll": nll} if loss != "nll" else {}),
                    "response_length": (float(tokens), float(batch["input_ids"].shape[0])), **stats.as_metrics()}

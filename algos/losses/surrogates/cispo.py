@@ -58,8 +58,7 @@ def cispo_policy_loss(
         raise ValueError(f"clip_low/clip_high must be >= 0, got {clip_low}, {clip_high}")
     t = token_ratios(logprobs, old_logprobs, advantages, action_mask)
     weight = t.ratio.detach().clamp(1.0 - clip_low, 1.0 + clip_high)
-    lp = torch.where(t.mask, t.logprobs, torch.zeros_like(t.logprobs))
-    loss = -(weight * t.advantages) * torch.exp(lp - lp.detach())  # value -w A, gradient -w A grad log pi
+    loss = -(weight * t.advantages) * t.score()  # value -w A, gradient -w A grad log pi
     return weighted_policy_loss(loss, t.ratio, t.log_ratio, action_mask, t.old_logprobs, weight != t.ratio,
                                 torch.zeros_like(t.mask), agg=agg, loss_scale_constant=loss_scale_constant,
                                 rollout_logprobs=rollout_logprobs, tis_cap=tis_cap, tis_low=tis_low, tis_mode=tis_mode,

@@ -44,8 +44,7 @@ def vanilla_policy_loss(
     Learning Baseline for Model Reasoning", arXiv 2504.02546 (GPG's loss).
     """
     t = token_ratios(logprobs, old_logprobs, advantages, action_mask)
-    lp = torch.where(t.mask, t.logprobs, torch.zeros_like(t.logprobs))
-    loss = -t.advantages * torch.exp(lp - lp.detach())  # value -A, gradient -A grad log pi
+    loss = -t.advantages * t.score()  # value -A, gradient -A grad log pi
     none = torch.zeros_like(t.mask)
     return weighted_policy_loss(loss, t.ratio, t.log_ratio, action_mask, t.old_logprobs, none, none, agg=agg,
                                 loss_scale_constant=loss_scale_constant, rollout_logprobs=rollout_logprobs,

@@ -170,7 +170,7 @@ def test_neftune_noise_reaches_the_embeddings_at_each_samples_own_scale(policy, 
     emb, ids, alpha = policy.get_input_embeddings(), batch["input_ids"], 5.0
     with torch.no_grad():
         clean = emb(ids)
-        with embedding_noise(policy, alpha, token_lengths(batch)):
+        with embedding_noise(policy, alpha, batch):
             noisy = emb(ids)
         assert torch.equal(emb(ids), clean)
     scale = alpha / torch.sqrt(token_lengths(batch).clamp(min=1).float() * clean.shape[-1])
